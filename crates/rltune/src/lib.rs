@@ -1,0 +1,44 @@
+//! rltune: reinforcement-learning fine-tuning of transformer language models, on candle.
+//!
+//! rltune rebuilds Hugging Face TRL's classic PPO trainer (`PPOTrainer.step(queries, responses,
+//! scores)`) in Rust: a causal LM with a scalar value head, a frozen reference model, a per-token
+//! KL penalty with a fixed or adaptive controller, GAE, whitened advantages, clipped policy and
+//! value losses, and TRL-compatible statistics.
+//!
+//! The pieces, bottom up:
+//! - [`ops`]: differentiable fused ops (softmax, layer norm, RMS norm, log-softmax) with
+//!   hand-written backward passes; candle's own fused kernels drop gradients.
+//! - [`params`]: named parameters loaded from safetensors or initialized in-process.
+//! - [`models`]: GPT-2, the Llama family, BERT and DistilBERT, and TRL's value head.
+//! - [`tokenizer`]: `tokenizer.json` with configurable padding.
+//! - [`generation`]: batched, exact sampling with a KV cache that returns each token's logprob.
+//!
+//! Dropout is never applied: rollouts, scoring and PPO's forward passes all run without it, so
+//! the logprobs PPO compares are those of one deterministic policy.
+//!
+//! ```
+//! use candle_core::{DType, Device};
+//! use rltune::generation::{generate, GenerationConfig};
+//! use rltune::models::{gpt2::Gpt2Config, CausalLm, CausalLmConfig};
+//! use rltune::params::ParamStore;
+//!
+//! # fn main() -> rltune::Result<()> {
+//! let cfg = CausalLmConfig::Gpt2(Gpt2Config::tiny(64, 16, 1, 2, 32));
+//! let store = ParamStore::random(0, false, DType::F32, &Device::Cpu)?;
+//! let lm = CausalLm::load(&store.root(), &cfg)?;
+//! let gen = GenerationConfig { max_new_tokens: 5, seed: 1, ..Default::default() };
+//! let out = generate(&lm, None, &[vec![1, 2, 3], vec![4]], &gen, &Device::Cpu)?;
+//! assert_eq!(out[0].logprobs.len(), out[0].response_ids.len());
+//! # Ok(()) }
+//! ```
+#![deny(missing_docs)]
+
+pub mod error;
+pub mod generation;
+pub mod io;
+pub mod models;
+pub mod ops;
+pub mod params;
+pub mod tokenizer;
+
+pub use error::{Error, Result};

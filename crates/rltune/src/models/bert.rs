@@ -1,0 +1,1 @@
+//! BERT encoders (`model_type = "bert"`) with a sequence-classification head. Placeholder.

@@ -1,0 +1,1 @@
+//! DistilBERT encoders (`model_type = "distilbert"`) with a sequence-classification head. Placeholder.

@@ -1,0 +1,286 @@
+//! GPT-2 (`model_type = "gpt2"`), which also covers distilgpt2.
+//!
+//! Mirrors transformers' `modeling_gpt2.py`: weight names as in `GPT2LMHeadModel`
+//! (`transformer.h.{i}.attn.c_attn.weight`, Conv1D `[in, out]` layout), a `lm_head` tied to
+//! `transformer.wte`, `gelu_new`. Checkpoints saved without the `transformer.` prefix (the original
+//! `gpt2` on the hub) load too.
+//!
+//! Differences from transformers, all deliberate: dropout is never applied (rltune never trains
+//! with dropout, see the crate docs), and the forward returns hidden states at every position
+//! with an external [`KvCache`].
+
+use candle_core::Tensor;
+use serde::{Deserialize, Serialize};
+
+use super::layers::{attention, merge_heads, split_heads, Activation, Conv1D, Embedding, KvCache, LayerNorm};
+use crate::error::{Error, Result};
+use crate::params::Params;
+
+/// `config.json` of a GPT-2 model; defaults are transformers' `GPT2Config` defaults.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Gpt2Config {
+    /// Vocabulary size V.
+    #[serde(default = "d_vocab")]
+    pub vocab_size: usize,
+    /// Maximum sequence length.
+    #[serde(default = "d_n_positions")]
+    pub n_positions: usize,
+    /// Hidden size C.
+    #[serde(default = "d_n_embd")]
+    pub n_embd: usize,
+    /// Number of blocks.
+    #[serde(default = "d_n_layer")]
+    pub n_layer: usize,
+    /// Number of attention heads.
+    #[serde(default = "d_n_head")]
+    pub n_head: usize,
+    /// MLP inner size; `None` means 4·C.
+    #[serde(default)]
+    pub n_inner: Option<usize>,
+    /// MLP activation.
+    #[serde(default = "d_act")]
+    pub activation_function: String,
+    /// Layer-norm epsilon.
+    #[serde(default = "d_eps")]
+    pub layer_norm_epsilon: f64,
+    /// Scale attention scores by 1/sqrt(D).
+    #[serde(default = "d_true")]
+    pub scale_attn_weights: bool,
+    /// Also scale attention scores by 1/(layer index + 1).
+    #[serde(default)]
+    pub scale_attn_by_inverse_layer_idx: bool,
+    /// Beginning-of-sequence token.
+    #[serde(default = "d_eos")]
+    pub bos_token_id: Option<u32>,
+    /// End-of-sequence token.
+    #[serde(default = "d_eos")]
+    pub eos_token_id: Option<u32>,
+    /// Padding token (GPT-2 has none; rltune then pads with EOS).
+    #[serde(default)]
+    pub pad_token_id: Option<u32>,
+    /// Whether `lm_head` shares `wte`'s weights.
+    #[serde(default = "d_true")]
+    pub tie_word_embeddings: bool,
+    /// Init std for random models.
+    #[serde(default = "d_init")]
+    pub initializer_range: f64,
+}
+
+fn d_vocab() -> usize {
+    50257
+}
+fn d_n_positions() -> usize {
+    1024
+}
+fn d_n_embd() -> usize {
+    768
+}
+fn d_n_layer() -> usize {
+    12
+}
+fn d_n_head() -> usize {
+    12
+}
+fn d_act() -> String {
+    "gelu_new".into()
+}
+fn d_eps() -> f64 {
+    1e-5
+}
+fn d_true() -> bool {
+    true
+}
+fn d_eos() -> Option<u32> {
+    Some(50256)
+}
+fn d_init() -> f64 {
+    0.02
+}
+
+impl Gpt2Config {
+    /// A small config for tests and benchmarks.
+    pub fn tiny(vocab_size: usize, n_embd: usize, n_layer: usize, n_head: usize, n_positions: usize) -> Self {
+        let mut c: Self =
+            serde_json::from_str("{}").unwrap_or_else(|_| unreachable!("all fields have defaults"));
+        c.vocab_size = vocab_size;
+        c.n_embd = n_embd;
+        c.n_layer = n_layer;
+        c.n_head = n_head;
+        c.n_positions = n_positions;
+        c.eos_token_id = Some(vocab_size as u32 - 1);
+        c.bos_token_id = c.eos_token_id;
+        c
+    }
+
+    /// Checks the fields that would otherwise fail deep inside a forward pass.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        if self.n_head == 0 || self.n_embd % self.n_head != 0 {
+            return Err(format!(
+                "n_embd ({}) must be a positive multiple of n_head ({})",
+                self.n_embd, self.n_head
+            ));
+        }
+        if self.vocab_size == 0 || self.n_layer == 0 || self.n_positions == 0 {
+            return Err("vocab_size, n_layer and n_positions must be positive".into());
+        }
+        Activation::parse(&self.activation_function).map(|_| ())
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Attention {
+    c_attn: Conv1D,
+    c_proj: Conv1D,
+    n_head: usize,
+    scale: f64,
+}
+
+impl Attention {
+    fn load(p: &Params, cfg: &Gpt2Config, layer_idx: usize) -> Result<Self> {
+        let c = cfg.n_embd;
+        let std = cfg.initializer_range;
+        let proj_std = std / (2.0 * cfg.n_layer as f64).sqrt();
+        let mut scale = 1.0;
+        if cfg.scale_attn_weights {
+            scale /= ((c / cfg.n_head) as f64).sqrt();
+        }
+        if cfg.scale_attn_by_inverse_layer_idx {
+            scale /= (layer_idx + 1) as f64;
+        }
+        Ok(Self {
+            c_attn: Conv1D::load(&p.pp("c_attn"), c, 3 * c, std)?,
+            c_proj: Conv1D::load(&p.pp("c_proj"), c, c, proj_std)?,
+            n_head: cfg.n_head,
+            scale,
+        })
+    }
+
+    /// `(B, T, C) -> (B, T, C)`
+    fn forward(&self, x: &Tensor, bias: &Tensor, cache: Option<(&mut KvCache, usize)>) -> Result<Tensor> {
+        let c = x.dim(2)?;
+        let qkv = self.c_attn.forward(x)?;
+        let q = split_heads(&qkv.narrow(2, 0, c)?, self.n_head)?;
+        let k = split_heads(&qkv.narrow(2, c, c)?, self.n_head)?;
+        let v = split_heads(&qkv.narrow(2, 2 * c, c)?, self.n_head)?;
+        let (k, v) = match cache {
+            Some((cache, layer)) => cache.append(layer, &k, &v)?,
+            None => (k, v),
+        };
+        let y = attention(&q, &k, &v, bias, self.scale)?;
+        self.c_proj.forward(&merge_heads(&y)?)
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Mlp {
+    c_fc: Conv1D,
+    c_proj: Conv1D,
+    act: Activation,
+}
+
+impl Mlp {
+    fn load(p: &Params, cfg: &Gpt2Config) -> Result<Self> {
+        let c = cfg.n_embd;
+        let inner = cfg.n_inner.unwrap_or(4 * c);
+        let std = cfg.initializer_range;
+        let proj_std = std / (2.0 * cfg.n_layer as f64).sqrt();
+        let act = Activation::parse(&cfg.activation_function).map_err(Error::Input)?;
+        Ok(Self {
+            c_fc: Conv1D::load(&p.pp("c_fc"), c, inner, std)?,
+            c_proj: Conv1D::load(&p.pp("c_proj"), inner, c, proj_std)?,
+            act,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.c_proj.forward(&self.act.forward(&self.c_fc.forward(x)?)?)
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Block {
+    ln_1: LayerNorm,
+    attn: Attention,
+    ln_2: LayerNorm,
+    mlp: Mlp,
+}
+
+impl Block {
+    fn load(p: &Params, cfg: &Gpt2Config, layer_idx: usize) -> Result<Self> {
+        let (c, eps) = (cfg.n_embd, cfg.layer_norm_epsilon);
+        Ok(Self {
+            ln_1: LayerNorm::load(&p.pp("ln_1"), c, eps)?,
+            attn: Attention::load(&p.pp("attn"), cfg, layer_idx)?,
+            ln_2: LayerNorm::load(&p.pp("ln_2"), c, eps)?,
+            mlp: Mlp::load(&p.pp("mlp"), cfg)?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor, bias: &Tensor, cache: Option<(&mut KvCache, usize)>) -> Result<Tensor> {
+        let h = (x + self.attn.forward(&self.ln_1.forward(x)?, bias, cache)?)?;
+        Ok((&h + self.mlp.forward(&self.ln_2.forward(&h)?)?)?)
+    }
+}
+
+/// GPT-2 with its language-model head.
+#[derive(Debug, Clone)]
+pub struct Gpt2 {
+    wte: Embedding,
+    wpe: Embedding,
+    h: Vec<Block>,
+    ln_f: LayerNorm,
+    /// `[V, C]`; the same tensor as `wte` when tied.
+    lm_head: Tensor,
+    cfg: Gpt2Config,
+}
+
+impl Gpt2 {
+    /// Builds the model from `p`, which is the checkpoint root (names `transformer.*`, `lm_head.*`).
+    pub fn load(p: &Params, cfg: &Gpt2Config) -> Result<Self> {
+        cfg.validate().map_err(|m| Error::config(p.store().source(), m))?;
+        // HF's GPT2LMHeadModel prefixes the body with `transformer.`; the original checkpoint does not.
+        let body = if p.contains("wte.weight") { p.clone() } else { p.pp("transformer") };
+        let (c, std) = (cfg.n_embd, cfg.initializer_range);
+        let wte = Embedding::load(&body.pp("wte"), cfg.vocab_size, c, std)?;
+        let wpe = Embedding::load(&body.pp("wpe"), cfg.n_positions, c, std)?;
+        let h =
+            (0..cfg.n_layer).map(|i| Block::load(&body.pp("h").pp(i), cfg, i)).collect::<Result<Vec<_>>>()?;
+        let ln_f = LayerNorm::load(&body.pp("ln_f"), c, cfg.layer_norm_epsilon)?;
+        let lm_head = if cfg.tie_word_embeddings {
+            wte.weight.clone()
+        } else {
+            p.get("lm_head.weight", (cfg.vocab_size, c), crate::params::Init::Normal(std))?
+        };
+        Ok(Self { wte, wpe, h, ln_f, lm_head, cfg: cfg.clone() })
+    }
+
+    /// The config this model was built from.
+    pub fn config(&self) -> &Gpt2Config {
+        &self.cfg
+    }
+
+    /// Final hidden states (after `ln_f`) at every new position: `(B, T) ids -> (B, T, C)`.
+    ///
+    /// `position_ids (B, T)`; `bias (B, 1, T, S)` from [`super::layers::causal_bias`]; with a
+    /// cache, the new keys and values are appended to it.
+    pub fn forward(
+        &self,
+        input_ids: &Tensor,
+        position_ids: &Tensor,
+        bias: &Tensor,
+        mut cache: Option<&mut KvCache>,
+    ) -> Result<Tensor> {
+        let mut x = (self.wte.forward(input_ids)? + self.wpe.forward(position_ids)?)?;
+        for (i, block) in self.h.iter().enumerate() {
+            x = block.forward(&x, bias, cache.as_deref_mut().map(|c| (c, i)))?;
+        }
+        self.ln_f.forward(&x)
+    }
+
+    /// `(B, T, C) -> (B, T, V)`
+    pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        let (b, t, c) = hidden.dims3()?;
+        let v = self.lm_head.dim(0)?;
+        Ok(hidden.reshape((b * t, c))?.matmul(&self.lm_head.t()?)?.reshape((b, t, v))?)
+    }
+}

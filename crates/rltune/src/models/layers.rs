@@ -1,0 +1,306 @@
+//! Layers shared by the models: linear maps, embeddings, attention, the KV cache and masks.
+//!
+//! Shape legend: B batch, T new positions, S key positions (cache + new), H heads, D head dim,
+//! C hidden size, V vocabulary.
+
+use candle_core::{DType, Device, Tensor, D};
+
+use crate::error::{Error, Result};
+use crate::ops;
+use crate::params::{Init, Params};
+
+/// Additive mask value for disallowed keys. Finite (as transformers' `finfo.min`), so a fully
+/// masked row gives a uniform distribution instead of NaN.
+pub const MASK_MIN: f64 = -1e9;
+
+/// `nn.Linear`: weight `[out, in]`, optional bias `[out]`.
+#[derive(Debug, Clone)]
+pub struct Linear {
+    /// `[out, in]`
+    pub weight: Tensor,
+    /// `[out]`
+    pub bias: Option<Tensor>,
+}
+
+impl Linear {
+    /// Loads `weight` (and `bias` when `bias` is true) under `p`.
+    pub fn load(p: &Params, d_in: usize, d_out: usize, bias: bool, std: f64) -> Result<Self> {
+        let weight = p.get("weight", (d_out, d_in), Init::Normal(std))?;
+        let bias = if bias { Some(p.get("bias", d_out, Init::Zeros)?) } else { None };
+        Ok(Self { weight, bias })
+    }
+
+    /// `(…, in) -> (…, out)`
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dims = x.dims().to_vec();
+        let d_in = *dims.last().unwrap_or(&1);
+        let rows = x.elem_count() / d_in.max(1);
+        let y = x.reshape((rows, d_in))?.matmul(&self.weight.t()?)?;
+        let y = match &self.bias {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        };
+        let mut out = dims;
+        if let Some(last) = out.last_mut() {
+            *last = self.weight.dim(0)?;
+        }
+        Ok(y.reshape(out)?)
+    }
+}
+
+/// GPT-2's `Conv1D`: a linear map stored transposed, weight `[in, out]`, bias `[out]`.
+#[derive(Debug, Clone)]
+pub struct Conv1D {
+    /// `[in, out]`
+    pub weight: Tensor,
+    /// `[out]`
+    pub bias: Tensor,
+}
+
+impl Conv1D {
+    /// Loads `weight` and `bias` under `p`.
+    pub fn load(p: &Params, d_in: usize, d_out: usize, std: f64) -> Result<Self> {
+        Ok(Self {
+            weight: p.get("weight", (d_in, d_out), Init::Normal(std))?,
+            bias: p.get("bias", d_out, Init::Zeros)?,
+        })
+    }
+
+    /// `(…, in) -> (…, out)`
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dims = x.dims().to_vec();
+        let (d_in, d_out) = self.weight.dims2()?;
+        let rows = x.elem_count() / d_in.max(1);
+        let y = x.reshape((rows, d_in))?.matmul(&self.weight)?.broadcast_add(&self.bias)?;
+        let mut out = dims;
+        if let Some(last) = out.last_mut() {
+            *last = d_out;
+        }
+        Ok(y.reshape(out)?)
+    }
+}
+
+/// Token (or position) embedding table `[n, C]`.
+#[derive(Debug, Clone)]
+pub struct Embedding {
+    /// `[n, C]`
+    pub weight: Tensor,
+}
+
+impl Embedding {
+    /// Loads `weight` under `p`.
+    pub fn load(p: &Params, n: usize, dim: usize, std: f64) -> Result<Self> {
+        Ok(Self { weight: p.get("weight", (n, dim), Init::Normal(std))? })
+    }
+
+    /// `(B, T)` ids -> `(B, T, C)`
+    pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        let mut dims = ids.dims().to_vec();
+        dims.push(self.weight.dim(1)?);
+        let flat = ids.flatten_all()?.to_dtype(DType::U32)?;
+        Ok(self.weight.index_select(&flat, 0)?.reshape(dims)?)
+    }
+}
+
+/// `nn.LayerNorm` with weight and bias.
+#[derive(Debug, Clone)]
+pub struct LayerNorm {
+    /// `[C]`
+    pub weight: Tensor,
+    /// `[C]`
+    pub bias: Tensor,
+    /// Added to the variance.
+    pub eps: f64,
+}
+
+impl LayerNorm {
+    /// Loads `weight` and `bias` under `p`.
+    pub fn load(p: &Params, dim: usize, eps: f64) -> Result<Self> {
+        Ok(Self { weight: p.get("weight", dim, Init::Ones)?, bias: p.get("bias", dim, Init::Zeros)?, eps })
+    }
+
+    /// Normalizes over the last dimension.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(ops::layer_norm(x, &self.weight, &self.bias, self.eps)?)
+    }
+}
+
+/// Activation functions named as in transformers' `ACT2FN`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// `gelu_new`, `gelu_pytorch_tanh`: the tanh approximation.
+    GeluTanh,
+    /// `gelu`: the exact erf form.
+    GeluErf,
+    /// `relu`
+    Relu,
+    /// `silu` / `swish`
+    Silu,
+}
+
+impl Activation {
+    /// Parses a transformers activation name; the error lists the supported names.
+    pub fn parse(name: &str) -> std::result::Result<Self, String> {
+        match name {
+            "gelu_new" | "gelu_pytorch_tanh" | "gelu_fast" => Ok(Self::GeluTanh),
+            "gelu" => Ok(Self::GeluErf),
+            "relu" => Ok(Self::Relu),
+            "silu" | "swish" => Ok(Self::Silu),
+            other => Err(format!(
+                "unsupported activation {other:?}; supported: gelu_new, gelu_pytorch_tanh, gelu, relu, silu"
+            )),
+        }
+    }
+
+    /// Applies the activation.
+    pub fn forward(self, x: &Tensor) -> Result<Tensor> {
+        Ok(match self {
+            Self::GeluTanh => x.gelu()?,
+            Self::GeluErf => x.gelu_erf()?,
+            Self::Relu => x.relu()?,
+            Self::Silu => x.silu()?,
+        })
+    }
+}
+
+/// Keys and values of every layer for incremental decoding, kept outside the model.
+///
+/// Layer `l` holds `(k, v)`, each `(B, H_kv, S, D)`.
+#[derive(Debug, Clone, Default)]
+pub struct KvCache {
+    layers: Vec<Option<(Tensor, Tensor)>>,
+}
+
+impl KvCache {
+    /// An empty cache for `n_layers` layers.
+    pub fn new(n_layers: usize) -> Self {
+        Self { layers: vec![None; n_layers] }
+    }
+
+    /// Number of cached positions (0 when empty).
+    pub fn seq_len(&self) -> usize {
+        self.layers.iter().flatten().next().and_then(|(k, _)| k.dim(2).ok()).unwrap_or(0)
+    }
+
+    /// Appends this step's keys and values for `layer` and returns the full ones.
+    pub fn append(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        let slot = self
+            .layers
+            .get_mut(layer)
+            .ok_or_else(|| Error::Input(format!("KV cache has no layer {layer}")))?;
+        let (k, v) = match slot.take() {
+            Some((pk, pv)) => (Tensor::cat(&[&pk, k], 2)?, Tensor::cat(&[&pv, v], 2)?),
+            None => (k.clone(), v.clone()),
+        };
+        *slot = Some((k.clone(), v.clone()));
+        Ok((k, v))
+    }
+}
+
+/// Position ids from a key mask, as transformers' generate: `cumsum(mask) − 1`, clamped at 0.
+///
+/// `mask` is `(B, S)` with 1 for real tokens and 0 for padding; returns `(B, S)` u32.
+pub fn position_ids_from_mask(mask: &[Vec<u8>], device: &Device) -> Result<Tensor> {
+    let rows: Vec<Vec<u32>> = mask
+        .iter()
+        .map(|row| {
+            let mut c = 0u32;
+            row.iter()
+                .map(|&m| {
+                    c += m as u32;
+                    c.saturating_sub(1)
+                })
+                .collect()
+        })
+        .collect();
+    let (b, s) = (rows.len(), rows.first().map_or(0, Vec::len));
+    Ok(Tensor::from_vec(rows.concat(), (b, s), device)?)
+}
+
+/// Additive attention bias `(B, 1, T, S)` for the last `q_len` of `S` positions: 0 where a query
+/// may attend (key not padding, key not in the future), [`MASK_MIN`] elsewhere.
+pub fn causal_bias(key_mask: &[Vec<u8>], q_len: usize, dtype: DType, device: &Device) -> Result<Tensor> {
+    let b = key_mask.len();
+    let s = key_mask.first().map_or(0, Vec::len);
+    let past = s.saturating_sub(q_len);
+    let mut data = vec![0f32; b * q_len * s];
+    for (bi, row) in key_mask.iter().enumerate() {
+        for t in 0..q_len {
+            let base = (bi * q_len + t) * s;
+            for (j, &m) in row.iter().enumerate() {
+                if m == 0 || j > past + t {
+                    data[base + j] = MASK_MIN as f32;
+                }
+            }
+        }
+    }
+    Ok(Tensor::from_vec(data, (b, 1, q_len, s), device)?.to_dtype(dtype)?)
+}
+
+/// Additive bias `(B, 1, 1, S)` for bidirectional encoders: 0 for real keys, [`MASK_MIN`] for padding.
+pub fn padding_bias(key_mask: &[Vec<u8>], dtype: DType, device: &Device) -> Result<Tensor> {
+    let b = key_mask.len();
+    let s = key_mask.first().map_or(0, Vec::len);
+    let data: Vec<f32> =
+        key_mask.iter().flat_map(|r| r.iter().map(|&m| if m == 0 { MASK_MIN as f32 } else { 0.0 })).collect();
+    Ok(Tensor::from_vec(data, (b, 1, 1, s), device)?.to_dtype(dtype)?)
+}
+
+/// Scaled dot-product attention: `softmax(q kᵀ · scale + bias) v`.
+///
+/// `q (B, H, T, D)`, `k, v (B, H, S, D)`, `bias` broadcastable to `(B, H, T, S)`.
+pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64) -> Result<Tensor> {
+    let scores = (q.contiguous()?.matmul(&k.t()?.contiguous()?)? * scale)?.broadcast_add(bias)?;
+    let probs = ops::softmax_last_dim(&scores)?;
+    Ok(probs.matmul(&v.contiguous()?)?)
+}
+
+/// Repeats each key/value head `n_rep` times for grouped-query attention: `(B, H_kv, S, D) -> (B, H_kv·n_rep, S, D)`.
+pub fn repeat_kv(x: &Tensor, n_rep: usize) -> Result<Tensor> {
+    if n_rep == 1 {
+        return Ok(x.clone());
+    }
+    let (b, h_kv, s, d) = x.dims4()?;
+    Ok(x.unsqueeze(2)?.broadcast_as((b, h_kv, n_rep, s, d))?.reshape((b, h_kv * n_rep, s, d))?)
+}
+
+/// `(B, T, H·D) -> (B, H, T, D)`
+pub fn split_heads(x: &Tensor, n_heads: usize) -> Result<Tensor> {
+    let (b, t, c) = x.dims3()?;
+    Ok(x.reshape((b, t, n_heads, c / n_heads))?.transpose(1, 2)?.contiguous()?)
+}
+
+/// `(B, H, T, D) -> (B, T, H·D)`
+pub fn merge_heads(x: &Tensor) -> Result<Tensor> {
+    let (b, h, t, d) = x.dims4()?;
+    Ok(x.transpose(1, 2)?.contiguous()?.reshape((b, t, h * d))?)
+}
+
+/// Mean over positions weighted by the mask (sentence-transformers' mean pooling):
+/// `(B, T, C), (B, T) -> (B, C)`.
+pub fn mean_pool(hidden: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    let m = mask.to_dtype(hidden.dtype())?.unsqueeze(D::Minus1)?;
+    let sum = hidden.broadcast_mul(&m)?.sum(1)?;
+    let count = m.sum(1)?.clamp(1e-9, f64::MAX)?;
+    Ok(sum.broadcast_div(&count)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn positions_skip_left_padding() {
+        let p = position_ids_from_mask(&[vec![0, 0, 1, 1, 1], vec![1, 1, 1, 1, 1]], &Device::Cpu).unwrap();
+        assert_eq!(p.to_vec2::<u32>().unwrap(), vec![vec![0, 0, 0, 1, 2], vec![0, 1, 2, 3, 4]]);
+    }
+
+    #[test]
+    fn causal_bias_masks_future_and_padding() {
+        let b = causal_bias(&[vec![0, 1, 1, 1]], 2, DType::F32, &Device::Cpu).unwrap();
+        let v = b.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let m = MASK_MIN as f32;
+        // Queries are positions 2 and 3 of 4.
+        assert_eq!(v, vec![m, 0.0, 0.0, m, m, 0.0, 0.0, 0.0]);
+    }
+}

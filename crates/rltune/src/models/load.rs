@@ -1,0 +1,260 @@
+//! Finding, loading and saving models in Hugging Face layout.
+//!
+//! A model is a directory with `config.json`, `model.safetensors` (or shards listed in
+//! `model.safetensors.index.json`), and optionally `tokenizer.json` and `generation_config.json`;
+//! or a hub id, fetched through the `hf-hub` crate and its cache. Only safetensors are loaded:
+//! pickle checkpoints (`pytorch_model.bin`) can run arbitrary code when unpickled.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device};
+
+use super::{CausalLm, CausalLmConfig, CausalLmWithValueHead};
+use crate::error::{Error, Result};
+use crate::io::{read_json, write_bytes_atomic};
+use crate::params::ParamStore;
+
+/// The files of one model.
+#[derive(Debug, Clone)]
+pub struct ModelFiles {
+    /// The directory (local, or the hub cache snapshot).
+    pub dir: PathBuf,
+    /// `config.json`
+    pub config: PathBuf,
+    /// The safetensors files holding the weights.
+    pub weights: Vec<PathBuf>,
+    /// `tokenizer.json`, when present.
+    pub tokenizer: Option<PathBuf>,
+    /// `generation_config.json`, when present.
+    pub generation_config: Option<PathBuf>,
+}
+
+const PICKLE_NAMES: &[&str] = &["pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.bin"];
+
+fn pickle_error(dir: &Path, name: &str) -> Error {
+    Error::weights(
+        dir.join(name),
+        "this is a pickle checkpoint; rltune loads only safetensors, because unpickling can execute \
+         arbitrary code. Convert it once with Python: `from transformers import AutoModel; \
+         AutoModel.from_pretrained(DIR).save_pretrained(DIR, safe_serialization=True)` \
+         (or `safetensors.torch.save_file(torch.load(FILE), 'model.safetensors')`)",
+    )
+}
+
+/// The weight files listed in a sharded checkpoint's index.
+fn shards(dir: &Path, index: &Path) -> Result<Vec<PathBuf>> {
+    let v: serde_json::Value = read_json(index)?;
+    let map = v
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| Error::config(index, "missing object field \"weight_map\""))?;
+    let files: BTreeSet<String> = map.values().filter_map(|f| f.as_str().map(str::to_string)).collect();
+    let files: Vec<PathBuf> = files.into_iter().map(|f| dir.join(f)).collect();
+    for f in &files {
+        if !f.exists() {
+            return Err(Error::weights(index, format!("lists shard {} which does not exist", f.display())));
+        }
+    }
+    Ok(files)
+}
+
+/// The files of a local model directory.
+pub fn local_files(dir: &Path) -> Result<ModelFiles> {
+    if !dir.is_dir() {
+        return Err(Error::io(dir, std::io::Error::new(std::io::ErrorKind::NotFound, "not a directory")));
+    }
+    let config = dir.join("config.json");
+    if !config.exists() {
+        return Err(Error::config(
+            &config,
+            "not found; a model directory needs config.json (Hugging Face layout)",
+        ));
+    }
+    let single = dir.join("model.safetensors");
+    let index = dir.join("model.safetensors.index.json");
+    let weights = if single.exists() {
+        vec![single]
+    } else if index.exists() {
+        shards(dir, &index)?
+    } else if let Some(p) = PICKLE_NAMES.iter().find(|n| dir.join(n).exists()) {
+        return Err(pickle_error(dir, p));
+    } else {
+        return Err(Error::weights(dir, "no model.safetensors or model.safetensors.index.json found"));
+    };
+    let opt = |name: &str| Some(dir.join(name)).filter(|p| p.exists());
+    Ok(ModelFiles {
+        dir: dir.to_path_buf(),
+        config,
+        weights,
+        tokenizer: opt("tokenizer.json"),
+        generation_config: opt("generation_config.json"),
+    })
+}
+
+/// The files of `model`: a local directory, or a hub id (cache first, then the network).
+pub fn locate(model: &str) -> Result<ModelFiles> {
+    let path = Path::new(model);
+    if path.exists() {
+        return local_files(path);
+    }
+    if model.starts_with('.') || model.starts_with('/') || model.matches('/').count() > 1 {
+        return Err(Error::io(
+            path,
+            std::io::Error::new(std::io::ErrorKind::NotFound, "no such model directory"),
+        ));
+    }
+    hub_files(model)
+}
+
+/// Fetches a model from the Hugging Face hub (or its local cache).
+fn hub_files(id: &str) -> Result<ModelFiles> {
+    let offline_hint = |what: &str, e: &dyn std::fmt::Display| {
+        Error::Hub(format!(
+            "cannot get {what} of hub model {id:?}: {e}. If this machine is offline, pass a local \
+             directory in Hugging Face layout (config.json + model.safetensors) instead, or populate \
+             the hub cache ($HF_HOME, default ~/.cache/huggingface) on a machine that is online"
+        ))
+    };
+    let cache = hf_hub::Cache::from_env();
+    let cached = cache.model(id.to_string());
+    let offline = std::env::var("HF_HUB_OFFLINE").is_ok_and(|v| v == "1" || v == "true");
+    let get = |name: &str| -> Result<Option<PathBuf>> {
+        if let Some(p) = cached.get(name) {
+            return Ok(Some(p));
+        }
+        if offline {
+            return Ok(None);
+        }
+        let api = hf_hub::api::sync::ApiBuilder::from_env()
+            .with_progress(false)
+            .build()
+            .map_err(|e| offline_hint(name, &e))?;
+        match api.model(id.to_string()).get(name) {
+            Ok(p) => Ok(Some(p)),
+            Err(e) => {
+                let msg = e.to_string();
+                if msg.contains("404") {
+                    Ok(None)
+                } else {
+                    Err(offline_hint(name, &e))
+                }
+            }
+        }
+    };
+    let config = get("config.json")?.ok_or_else(|| offline_hint("config.json", &"not in the cache"))?;
+    let weights = if let Some(w) = get("model.safetensors")? {
+        vec![w]
+    } else if let Some(index) = get("model.safetensors.index.json")? {
+        let v: serde_json::Value = read_json(&index)?;
+        let names: BTreeSet<String> = v
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .map(|m| m.values().filter_map(|f| f.as_str().map(str::to_string)).collect())
+            .unwrap_or_default();
+        names
+            .iter()
+            .map(|n| get(n)?.ok_or_else(|| offline_hint(n, &"missing shard")))
+            .collect::<Result<Vec<_>>>()?
+    } else {
+        return Err(Error::Hub(format!(
+            "hub model {id:?} has no safetensors weights; rltune does not load pickle checkpoints \
+             (unpickling can execute arbitrary code). Convert it with transformers' \
+             save_pretrained(DIR, safe_serialization=True) and pass DIR"
+        )));
+    };
+    let dir = config.parent().map(Path::to_path_buf).unwrap_or_default();
+    Ok(ModelFiles {
+        dir,
+        config,
+        weights,
+        tokenizer: get("tokenizer.json").ok().flatten(),
+        generation_config: get("generation_config.json").ok().flatten(),
+    })
+}
+
+/// A causal LM with a value head, loaded with its config.
+#[derive(Debug, Clone)]
+pub struct LoadedPolicy {
+    /// Where it came from.
+    pub files: ModelFiles,
+    /// The raw config.json (kept so saving preserves every field).
+    pub config_json: serde_json::Value,
+    /// The parsed config.
+    pub config: CausalLmConfig,
+    /// The parameters (trainable or frozen).
+    pub store: ParamStore,
+    /// The model.
+    pub model: CausalLmWithValueHead,
+}
+
+/// Loads a causal LM with a value head from a directory or hub id.
+///
+/// A missing value head is initialized (and logged). Weights are converted to `dtype`.
+pub fn load_policy(model: &str, trainable: bool, dtype: DType, device: &Device) -> Result<LoadedPolicy> {
+    let files = locate(model)?;
+    let config_json: serde_json::Value = read_json(&files.config)?;
+    let config = CausalLmConfig::from_json(&config_json, &files.config)?;
+    let store = ParamStore::load_safetensors(&files.weights, trainable, dtype, device)?;
+    let model = policy_from_store(&store, &config)?;
+    Ok(LoadedPolicy { files, config_json, config, store, model })
+}
+
+/// Builds the policy (LM + value head) over an existing store.
+pub fn policy_from_store(store: &ParamStore, config: &CausalLmConfig) -> Result<CausalLmWithValueHead> {
+    let lm = CausalLm::load(&store.root(), config)?;
+    CausalLmWithValueHead::load(&store.root(), lm)
+}
+
+/// Saves a model directory that transformers (and TRL's value-head wrapper) can load:
+/// `config.json` and `model.safetensors` holding every tensor in `store` under its name.
+///
+/// The directory is written beside the target and renamed into place, so an interrupted save
+/// never leaves a half-written model; an existing directory is replaced.
+pub fn save_pretrained(dir: &Path, store: &ParamStore, config_json: &serde_json::Value) -> Result<()> {
+    save_dir_atomic(dir, |tmp| {
+        store.save_safetensors(&tmp.join("model.safetensors"))?;
+        let text =
+            serde_json::to_string_pretty(config_json).map_err(|e| Error::config(tmp, e.to_string()))?;
+        write_bytes_atomic(&tmp.join("config.json"), text.as_bytes())
+    })
+}
+
+/// Fills a fresh temporary directory with `fill`, then moves it to `dir` (replacing it).
+pub fn save_dir_atomic<F>(dir: &Path, fill: F) -> Result<()>
+where
+    F: FnOnce(&Path) -> Result<()>,
+{
+    let parent = dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
+    let name = dir.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_else(|| "model".into());
+    let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    }
+    std::fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    if let Err(e) = fill(&tmp) {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e);
+    }
+    let old = parent.join(format!(".{name}.old-{}", std::process::id()));
+    if dir.exists() {
+        std::fs::rename(dir, &old).map_err(|e| Error::io(dir, e))?;
+    }
+    std::fs::rename(&tmp, dir).map_err(|e| Error::io(dir, e))?;
+    if old.exists() {
+        std::fs::remove_dir_all(&old).map_err(|e| Error::io(&old, e))?;
+    }
+    Ok(())
+}
+
+/// Copies `tokenizer.json` and `generation_config.json` (when present) from `files` into `dir`.
+pub fn copy_side_files(files: &ModelFiles, dir: &Path) -> Result<()> {
+    for src in [&files.tokenizer, &files.generation_config].into_iter().flatten() {
+        if let Some(name) = src.file_name() {
+            let dst = dir.join(name);
+            std::fs::copy(src, &dst).map_err(|e| Error::io(&dst, e))?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,182 @@
+//! Transformer models, one file per Hugging Face `model_type`.
+//!
+//! Every model returns hidden states and logits at **every** position and takes an **external**
+//! [`KvCache`] for incremental decoding. Every op on the training path has a backward pass (see
+//! [`crate::ops`]); `tests/gradients.rs` checks each model against finite differences.
+//!
+//! | `model_type` | type | used as |
+//! |---|---|---|
+//! | `gpt2` (gpt2, distilgpt2) | [`gpt2::Gpt2`] | policy, reference |
+//! | `llama`, `qwen2`, `mistral` | [`llama::Llama`] | policy, reference |
+//! | `bert` | [`bert`] | reward model (sequence classification), embeddings |
+//! | `distilbert` | [`distilbert`] | reward model (sequence classification) |
+
+pub mod bert;
+pub mod distilbert;
+pub mod gpt2;
+pub mod layers;
+pub mod llama;
+pub mod load;
+pub mod value_head;
+
+use std::path::Path;
+
+use candle_core::Tensor;
+
+pub use layers::KvCache;
+pub use value_head::{CausalLmWithValueHead, ValueHead};
+
+use crate::error::{Error, Result};
+use crate::params::Params;
+
+/// Causal LM `model_type`s rltune implements.
+pub const CAUSAL_LM_TYPES: &[&str] = &["gpt2", "llama", "qwen2", "mistral"];
+
+/// The config of a causal LM, by architecture.
+#[derive(Debug, Clone)]
+pub enum CausalLmConfig {
+    /// `gpt2`
+    Gpt2(gpt2::Gpt2Config),
+    /// `llama`, `qwen2`, `mistral`
+    Llama(llama::LlamaConfig),
+}
+
+impl CausalLmConfig {
+    /// Parses a `config.json` value; `path` names the file in errors.
+    pub fn from_json(value: &serde_json::Value, path: &Path) -> Result<Self> {
+        let model_type = value.get("model_type").and_then(|v| v.as_str()).ok_or_else(|| {
+            Error::config(path, "missing string field \"model_type\" (e.g. \"gpt2\", \"llama\")")
+        })?;
+        let bad = |e: serde_json::Error| Error::config(path, format!("invalid {model_type} config: {e}"));
+        match model_type {
+            "gpt2" => {
+                let c: gpt2::Gpt2Config = serde_json::from_value(value.clone()).map_err(bad)?;
+                c.validate().map_err(|m| Error::config(path, m))?;
+                Ok(Self::Gpt2(c))
+            }
+            "llama" | "qwen2" | "mistral" => {
+                Ok(Self::Llama(serde_json::from_value(value.clone()).map_err(bad)?))
+            }
+            other => Err(Error::UnsupportedModel {
+                path: path.to_path_buf(),
+                model_type: other.to_string(),
+                supported: CAUSAL_LM_TYPES.join(", "),
+            }),
+        }
+    }
+
+    /// Vocabulary size V.
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            Self::Gpt2(c) => c.vocab_size,
+            Self::Llama(c) => c.vocab_size,
+        }
+    }
+
+    /// The end-of-sequence ids (Llama 3 configs list several).
+    pub fn eos_token_ids(&self) -> Vec<u32> {
+        match self {
+            Self::Gpt2(c) => c.eos_token_id.into_iter().collect(),
+            Self::Llama(c) => match &c.eos_token_id {
+                Some(serde_json::Value::Number(n)) => n.as_u64().map(|n| n as u32).into_iter().collect(),
+                Some(serde_json::Value::Array(a)) => {
+                    a.iter().filter_map(|v| v.as_u64()).map(|n| n as u32).collect()
+                }
+                _ => Vec::new(),
+            },
+        }
+    }
+
+    /// The padding id from config.json, if it names one.
+    pub fn pad_token_id(&self) -> Option<u32> {
+        match self {
+            Self::Gpt2(c) => c.pad_token_id,
+            Self::Llama(c) => c.pad_token_id,
+        }
+    }
+
+    /// The longest sequence the model accepts, if it has a limit.
+    pub fn max_positions(&self) -> Option<usize> {
+        match self {
+            Self::Gpt2(c) => Some(c.n_positions),
+            Self::Llama(c) => c.max_position_embeddings,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Arch {
+    Gpt2(gpt2::Gpt2),
+    Llama(llama::Llama),
+}
+
+/// A causal language model of any supported architecture.
+#[derive(Debug, Clone)]
+pub struct CausalLm {
+    arch: Arch,
+    cfg: CausalLmConfig,
+    n_layers: usize,
+    hidden_size: usize,
+}
+
+impl CausalLm {
+    /// Builds the model from `p` (the checkpoint root).
+    pub fn load(p: &Params, cfg: &CausalLmConfig) -> Result<Self> {
+        let (arch, n_layers, hidden_size) = match cfg {
+            CausalLmConfig::Gpt2(c) => (Arch::Gpt2(gpt2::Gpt2::load(p, c)?), c.n_layer, c.n_embd),
+            CausalLmConfig::Llama(c) => {
+                (Arch::Llama(llama::Llama::load(p, c)?), c.num_hidden_layers, c.hidden_size)
+            }
+        };
+        Ok(Self { arch, cfg: cfg.clone(), n_layers, hidden_size })
+    }
+
+    /// The config.
+    pub fn config(&self) -> &CausalLmConfig {
+        &self.cfg
+    }
+
+    /// Number of layers (the KV cache's length).
+    pub fn n_layers(&self) -> usize {
+        self.n_layers
+    }
+
+    /// Hidden size C.
+    pub fn hidden_size(&self) -> usize {
+        self.hidden_size
+    }
+
+    /// Vocabulary size V.
+    pub fn vocab_size(&self) -> usize {
+        self.cfg.vocab_size()
+    }
+
+    /// An empty KV cache for this model.
+    pub fn new_cache(&self) -> KvCache {
+        KvCache::new(self.n_layers)
+    }
+
+    /// Final (post-norm) hidden states at every new position: `(B, T) -> (B, T, C)`.
+    ///
+    /// `position_ids (B, T)`, `bias (B, 1, T, S)` (see [`layers::causal_bias`]).
+    pub fn forward(
+        &self,
+        input_ids: &Tensor,
+        position_ids: &Tensor,
+        bias: &Tensor,
+        cache: Option<&mut KvCache>,
+    ) -> Result<Tensor> {
+        match &self.arch {
+            Arch::Gpt2(m) => m.forward(input_ids, position_ids, bias, cache),
+            Arch::Llama(m) => m.forward(input_ids, position_ids, bias, cache),
+        }
+    }
+
+    /// `(B, T, C) -> (B, T, V)`
+    pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        match &self.arch {
+            Arch::Gpt2(m) => m.logits(hidden),
+            Arch::Llama(m) => m.logits(hidden),
+        }
+    }
+}

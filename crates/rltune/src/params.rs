@@ -1,0 +1,348 @@
+//! Named model parameters: loaded from safetensors, or initialized, and saved back.
+//!
+//! A [`ParamStore`] maps checkpoint names (`transformer.h.0.attn.c_attn.weight`) to tensors. A
+//! model is built from a [`Params`] view that adds a prefix, so the checkpoint's weight tree can be
+//! read off the model code (`p.pp("attn").get("c_attn.weight", (c, 3 * c))`). A trainable store
+//! holds every tensor as a [`Var`]; a frozen one (the reference model) holds plain tensors, so its
+//! forward passes build no gradient graph.
+//!
+//! A store created with [`ParamStore::random`] initializes each tensor on first request (the
+//! model's loader says how), so tiny models for tests and benchmarks are built in-process with the
+//! same code that loads checkpoints.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use candle_core::{DType, Device, Shape, Tensor, Var};
+use rand::{Rng, SeedableRng};
+
+use crate::error::{Error, Result};
+
+/// How a missing parameter is initialized.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Init {
+    /// All zeros (biases).
+    Zeros,
+    /// All ones (norm weights).
+    Ones,
+    /// Normal with mean 0 and this standard deviation.
+    Normal(f64),
+}
+
+#[derive(Debug)]
+struct Inner {
+    /// Tensors by full name, in the store's dtype and device.
+    tensors: BTreeMap<String, Tensor>,
+    /// The same tensors as variables, when trainable.
+    vars: BTreeMap<String, Var>,
+    /// Names initialized here rather than loaded.
+    initialized: Vec<String>,
+    /// Random source for initialization, seeded.
+    rng: rand::rngs::StdRng,
+}
+
+/// A set of named parameters shared by a model and its optimizer.
+#[derive(Debug, Clone)]
+pub struct ParamStore {
+    inner: Arc<Mutex<Inner>>,
+    trainable: bool,
+    /// Initialize missing tensors on request (random models) instead of failing.
+    fill_missing: bool,
+    dtype: DType,
+    device: Device,
+    /// Where the tensors came from, for error messages.
+    source: PathBuf,
+}
+
+impl ParamStore {
+    fn new(
+        tensors: BTreeMap<String, Tensor>,
+        trainable: bool,
+        fill_missing: bool,
+        seed: u64,
+        source: PathBuf,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        let mut vars = BTreeMap::new();
+        let mut tensors = tensors;
+        if trainable {
+            for (name, t) in tensors.iter_mut() {
+                let v = Var::from_tensor(t)?;
+                *t = v.as_tensor().clone();
+                vars.insert(name.clone(), v);
+            }
+        }
+        let inner =
+            Inner { tensors, vars, initialized: Vec::new(), rng: rand::rngs::StdRng::seed_from_u64(seed) };
+        Ok(Self {
+            inner: Arc::new(Mutex::new(inner)),
+            trainable,
+            fill_missing,
+            dtype,
+            device: device.clone(),
+            source,
+        })
+    }
+
+    /// A store whose tensors are initialized on first request, from `seed`.
+    pub fn random(seed: u64, trainable: bool, dtype: DType, device: &Device) -> Result<Self> {
+        let source = PathBuf::from("<random init>");
+        Self::new(BTreeMap::new(), trainable, true, seed, source, dtype, device)
+    }
+
+    /// A store holding `tensors` (already named), converted to `dtype` on `device`.
+    pub fn from_tensors(
+        tensors: HashMap<String, Tensor>,
+        trainable: bool,
+        dtype: DType,
+        device: &Device,
+        source: &Path,
+    ) -> Result<Self> {
+        let mut map = BTreeMap::new();
+        for (name, t) in tensors {
+            map.insert(name, t.to_device(device)?.to_dtype(dtype)?);
+        }
+        Self::new(map, trainable, false, 0, source.to_path_buf(), dtype, device)
+    }
+
+    /// Loads one or more safetensors files into a store.
+    pub fn load_safetensors(
+        files: &[PathBuf],
+        trainable: bool,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        let mut map = HashMap::new();
+        for f in files {
+            let ts = candle_core::safetensors::load(f, &Device::Cpu)
+                .map_err(|e| Error::weights(f, format!("cannot read safetensors: {e}")))?;
+            map.extend(ts);
+        }
+        let source = match files {
+            [one] => one.clone(),
+            _ => files.first().and_then(|f| f.parent()).map(Path::to_path_buf).unwrap_or_default(),
+        };
+        Self::from_tensors(map, trainable, dtype, device, &source)
+    }
+
+    /// The root view, with no prefix.
+    pub fn root(&self) -> Params<'_> {
+        Params { store: self, prefix: String::new() }
+    }
+
+    /// Whether gradients are tracked for this store's tensors.
+    pub fn trainable(&self) -> bool {
+        self.trainable
+    }
+
+    /// The dtype of every tensor.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The device of every tensor.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Where the tensors came from.
+    pub fn source(&self) -> &Path {
+        &self.source
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        // A poisoned lock only means another thread panicked mid-insert; the map is still valid.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether a tensor of this full name exists.
+    pub fn contains(&self, name: &str) -> bool {
+        self.lock().tensors.contains_key(name)
+    }
+
+    /// All names, sorted.
+    pub fn names(&self) -> Vec<String> {
+        self.lock().tensors.keys().cloned().collect()
+    }
+
+    /// Names that were initialized rather than loaded.
+    pub fn initialized(&self) -> Vec<String> {
+        self.lock().initialized.clone()
+    }
+
+    /// The trainable variables by name (empty for a frozen store).
+    pub fn vars(&self) -> Vec<(String, Var)> {
+        self.lock().vars.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+    }
+
+    /// A snapshot of every tensor by name (detached copies share no storage with the store).
+    pub fn snapshot(&self) -> Result<BTreeMap<String, Tensor>> {
+        let inner = self.lock();
+        let mut out = BTreeMap::new();
+        for (k, t) in inner.tensors.iter() {
+            out.insert(k.clone(), t.detach().copy()?);
+        }
+        Ok(out)
+    }
+
+    /// A frozen deep copy (for a reference model): same names, no gradient tracking.
+    pub fn frozen_copy(&self) -> Result<Self> {
+        let map: HashMap<String, Tensor> = self.snapshot()?.into_iter().collect();
+        let mut s = Self::from_tensors(map, false, self.dtype, &self.device, &self.source)?;
+        s.fill_missing = false;
+        Ok(s)
+    }
+
+    /// Writes every tensor to `path` as safetensors, atomically (temp file, then rename).
+    pub fn save_safetensors(&self, path: &Path) -> Result<()> {
+        let snap = self.snapshot()?;
+        let tensors: Vec<(String, Tensor)> = snap
+            .into_iter()
+            .map(|(k, t)| t.contiguous().map(|t| (k, t)))
+            .collect::<std::result::Result<_, _>>()?;
+        crate::io::write_atomic(path, |tmp| {
+            candle_core::safetensors::save(
+                &tensors.iter().map(|(k, t)| (k.as_str(), t.clone())).collect::<HashMap<_, _>>(),
+                tmp,
+            )
+            .map_err(|e| Error::weights(tmp, format!("cannot write safetensors: {e}")))
+        })
+    }
+
+    /// The tensor `name` with the expected shape, initializing it if allowed.
+    fn get(&self, name: &str, shape: &Shape, init: Option<Init>) -> Result<Tensor> {
+        let mut inner = self.lock();
+        if let Some(t) = inner.tensors.get(name) {
+            if t.shape() != shape {
+                return Err(Error::weights(
+                    &self.source,
+                    format!(
+                        "tensor {name:?} has shape {:?} but the config implies {:?}; \
+                         the config.json does not match the weights",
+                        t.dims(),
+                        shape.dims()
+                    ),
+                ));
+            }
+            return Ok(t.clone());
+        }
+        let init = match init {
+            Some(init) => init,
+            None => {
+                return Err(Error::weights(
+                    &self.source,
+                    format!("tensor {name:?} (shape {:?}) is missing from the checkpoint", shape.dims()),
+                ))
+            }
+        };
+        let n = shape.elem_count();
+        let data: Vec<f64> = match init {
+            Init::Zeros => vec![0.0; n],
+            Init::Ones => vec![1.0; n],
+            Init::Normal(std) => {
+                let normal = NormalSampler(std);
+                (0..n).map(|_| normal.sample(&mut inner.rng)).collect()
+            }
+        };
+        let t = Tensor::from_vec(data, shape, &Device::Cpu)?.to_dtype(self.dtype)?.to_device(&self.device)?;
+        let t = if self.trainable {
+            let v = Var::from_tensor(&t)?;
+            let t = v.as_tensor().clone();
+            inner.vars.insert(name.to_string(), v);
+            t
+        } else {
+            t
+        };
+        inner.tensors.insert(name.to_string(), t.clone());
+        inner.initialized.push(name.to_string());
+        Ok(t)
+    }
+}
+
+/// Box–Muller normal sampler (keeps `rand_distr` out of the dependency tree).
+struct NormalSampler(f64);
+
+impl NormalSampler {
+    fn sample<R: Rng>(&self, rng: &mut R) -> f64 {
+        let u1: f64 = rng.gen_range(f64::MIN_POSITIVE..1.0);
+        let u2: f64 = rng.gen();
+        self.0 * (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
+    }
+}
+
+/// A view of a [`ParamStore`] under a name prefix.
+#[derive(Clone)]
+pub struct Params<'a> {
+    store: &'a ParamStore,
+    prefix: String,
+}
+
+impl<'a> Params<'a> {
+    /// The view one level down: `p.pp("attn")` turns `x` into `attn.x`.
+    pub fn pp(&self, name: impl std::fmt::Display) -> Params<'a> {
+        let prefix =
+            if self.prefix.is_empty() { name.to_string() } else { format!("{}.{name}", self.prefix) };
+        Params { store: self.store, prefix }
+    }
+
+    /// The full name of `name` under this view.
+    pub fn full_name(&self, name: &str) -> String {
+        if self.prefix.is_empty() {
+            name.to_string()
+        } else {
+            format!("{}.{name}", self.prefix)
+        }
+    }
+
+    /// Whether `name` exists under this view.
+    pub fn contains(&self, name: &str) -> bool {
+        self.store.contains(&self.full_name(name))
+    }
+
+    /// The tensor `name` with `shape`; initialized with `init` when the store builds a random model.
+    pub fn get(&self, name: &str, shape: impl Into<Shape>, init: Init) -> Result<Tensor> {
+        let init = self.store.fill_missing.then_some(init);
+        self.store.get(&self.full_name(name), &shape.into(), init)
+    }
+
+    /// The tensor `name`, initialized with `init` when absent, whatever the store's mode.
+    pub fn get_or_init(&self, name: &str, shape: impl Into<Shape>, init: Init) -> Result<Tensor> {
+        self.store.get(&self.full_name(name), &shape.into(), Some(init))
+    }
+
+    /// The underlying store.
+    pub fn store(&self) -> &'a ParamStore {
+        self.store
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shape_mismatch_names_tensor_and_both_shapes() {
+        let mut m = HashMap::new();
+        m.insert("a.w".to_string(), Tensor::zeros((2, 3), DType::F32, &Device::Cpu).unwrap());
+        let s =
+            ParamStore::from_tensors(m, false, DType::F32, &Device::Cpu, Path::new("m.safetensors")).unwrap();
+        let err = s.root().pp("a").get("w", (3, 2), Init::Zeros).unwrap_err().to_string();
+        assert!(err.contains("\"a.w\"") && err.contains("[2, 3]") && err.contains("[3, 2]"), "{err}");
+        let err = s.root().get("b", (1,), Init::Zeros).unwrap_err().to_string();
+        assert!(err.contains("missing"), "{err}");
+    }
+
+    #[test]
+    fn random_store_is_seeded_and_trainable() {
+        let a = ParamStore::random(7, true, DType::F32, &Device::Cpu).unwrap();
+        let b = ParamStore::random(7, true, DType::F32, &Device::Cpu).unwrap();
+        let ta = a.root().get("w", (4, 4), Init::Normal(0.02)).unwrap();
+        let tb = b.root().get("w", (4, 4), Init::Normal(0.02)).unwrap();
+        assert_eq!(ta.to_vec2::<f32>().unwrap(), tb.to_vec2::<f32>().unwrap());
+        assert_eq!(a.vars().len(), 1);
+        let std = ta.sqr().unwrap().mean_all().unwrap().sqrt().unwrap().to_scalar::<f32>().unwrap();
+        assert!(std > 0.005 && std < 0.05, "{std}");
+    }
+}
