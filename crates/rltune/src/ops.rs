@@ -17,6 +17,10 @@ use rayon::prelude::*;
 
 type CResult<T> = candle_core::Result<T>;
 
+/// The element types the fused ops run on (f32 and f64).
+trait Elem: Float + candle_core::WithDType + Send + Sync + std::ops::AddAssign + std::ops::MulAssign {}
+impl<T: Float + candle_core::WithDType + Send + Sync + std::ops::AddAssign + std::ops::MulAssign> Elem for T {}
+
 /// Rows per rayon task: small rows are batched so a task does real work.
 fn rows_per_task(row_len: usize) -> usize {
     (16384 / row_len.max(1)).max(1)
@@ -66,22 +70,19 @@ where
 struct Softmax;
 struct SoftmaxBwd;
 
-fn softmax_row<T: Float>(out: &mut [T], x: &[T]) {
-    let max = x.iter().fold(T::neg_infinity(), |m, &v| m.max(v));
+fn softmax_row<T: Elem>(out: &mut [T], x: &[T]) {
+    let max = x.iter().fold(T::neg_infinity(), |m, &v| Float::max(m, v));
     let mut sum = T::zero();
     for (o, &v) in out.iter_mut().zip(x) {
         *o = (v - max).exp();
-        sum = sum + *o;
+        sum += *o;
     }
     let inv = T::one() / sum;
-    out.iter_mut().for_each(|o| *o = *o * inv);
+    out.iter_mut().for_each(|o| *o *= inv);
 }
 
 impl Softmax {
-    fn fwd<T: Float + candle_core::WithDType + Send + Sync>(
-        s: &CpuStorage,
-        l: &Layout,
-    ) -> CResult<(CpuStorage, Shape)> {
+    fn fwd<T: Elem>(s: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
         let x = contiguous::<T>(s, l, "softmax")?;
         let n = l.dims().last().copied().unwrap_or(1);
         let mut out = vec![T::zero(); x.len()];
@@ -110,7 +111,7 @@ impl CustomOp1 for Softmax {
 }
 
 impl SoftmaxBwd {
-    fn fwd<T: Float + candle_core::WithDType + Send + Sync>(
+    fn fwd<T: Elem>(
         s1: &CpuStorage,
         l1: &Layout,
         s2: &CpuStorage,
@@ -176,17 +177,14 @@ struct LogSoftmaxBwd;
 fn log_softmax_row<T: Float>(out: &mut [T], x: &[T]) {
     let max = x.iter().fold(T::neg_infinity(), |m, &v| m.max(v));
     let sum = x.iter().fold(T::zero(), |a, &v| a + (v - max).exp());
-    let lse = max + sum.ln();
+    let lse = max + Float::ln(sum);
     for (o, &v) in out.iter_mut().zip(x) {
         *o = v - lse;
     }
 }
 
 impl LogSoftmax {
-    fn fwd<T: Float + candle_core::WithDType + Send + Sync>(
-        s: &CpuStorage,
-        l: &Layout,
-    ) -> CResult<(CpuStorage, Shape)> {
+    fn fwd<T: Elem>(s: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
         let x = contiguous::<T>(s, l, "log-softmax")?;
         let n = l.dims().last().copied().unwrap_or(1);
         let mut out = vec![T::zero(); x.len()];
@@ -215,7 +213,7 @@ impl CustomOp1 for LogSoftmax {
 }
 
 impl LogSoftmaxBwd {
-    fn fwd<T: Float + candle_core::WithDType + Send + Sync>(
+    fn fwd<T: Elem>(
         s1: &CpuStorage,
         l1: &Layout,
         s2: &CpuStorage,
@@ -308,7 +306,7 @@ fn row_stats<T: Float>(x: &[T], eps: f64) -> (T, T) {
 
 impl LayerNorm {
     #[allow(clippy::too_many_arguments)]
-    fn fwd<T: Float + candle_core::WithDType + Send + Sync>(
+    fn fwd<T: Elem>(
         &self,
         s1: &CpuStorage,
         l1: &Layout,
@@ -333,12 +331,7 @@ impl LayerNorm {
     }
 
     /// Returns (dx, dw, db) for rows of x with upstream gradient g.
-    fn grads<T: Float + candle_core::WithDType + Send + Sync>(
-        &self,
-        x: &[T],
-        w: &[T],
-        g: &[T],
-    ) -> (Vec<T>, Vec<T>, Vec<T>) {
+    fn grads<T: Elem>(&self, x: &[T], w: &[T], g: &[T]) -> (Vec<T>, Vec<T>, Vec<T>) {
         let n = w.len();
         let mut dx = vec![T::zero(); x.len()];
         let per = rows_per_task(n) * n;
@@ -358,10 +351,10 @@ impl LayerNorm {
                     for i in 0..n {
                         let xhat = (xr[i] - mean) * rstd;
                         let gw = gr[i] * w[i];
-                        s_gw = s_gw + gw;
-                        s_gwx = s_gwx + gw * xhat;
-                        dw[i] = dw[i] + gr[i] * xhat;
-                        db[i] = db[i] + gr[i];
+                        s_gw += gw;
+                        s_gwx += gw * xhat;
+                        dw[i] += gr[i] * xhat;
+                        db[i] += gr[i];
                     }
                     let (m_gw, m_gwx) = (s_gw / nf, s_gwx / nf);
                     for i in 0..n {
@@ -376,19 +369,14 @@ impl LayerNorm {
         let mut db = vec![T::zero(); n];
         for (pw, pb) in partial {
             for i in 0..n {
-                dw[i] = dw[i] + pw[i];
-                db[i] = db[i] + pb[i];
+                dw[i] += pw[i];
+                db[i] += pb[i];
             }
         }
         (dx, dw, db)
     }
 
-    fn bwd_typed<T: Float + candle_core::WithDType + Send + Sync>(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        g: &Tensor,
-    ) -> CResult<(Tensor, Tensor, Tensor)> {
+    fn bwd_typed<T: Elem>(&self, x: &Tensor, w: &Tensor, g: &Tensor) -> CResult<(Tensor, Tensor, Tensor)> {
         let (dx, dw, db) = self.grads(&to_vec::<T>(x)?, &to_vec::<T>(w)?, &to_vec::<T>(g)?);
         let dev = x.device();
         Ok((
@@ -469,7 +457,7 @@ fn rms_rstd<T: Float>(x: &[T], eps: f64) -> T {
 }
 
 impl RmsNorm {
-    fn fwd<T: Float + candle_core::WithDType + Send + Sync>(
+    fn fwd<T: Elem>(
         &self,
         s1: &CpuStorage,
         l1: &Layout,
@@ -490,12 +478,7 @@ impl RmsNorm {
         Ok((T::to_cpu_storage_owned(out), l1.shape().clone()))
     }
 
-    fn bwd_typed<T: Float + candle_core::WithDType + Send + Sync>(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        g: &Tensor,
-    ) -> CResult<(Tensor, Tensor)> {
+    fn bwd_typed<T: Elem>(&self, x: &Tensor, w: &Tensor, g: &Tensor) -> CResult<(Tensor, Tensor)> {
         let (xv, wv, gv) = (to_vec::<T>(x)?, to_vec::<T>(w)?, to_vec::<T>(g)?);
         let n = wv.len();
         let nf = T::from(n).unwrap_or_else(T::one);
@@ -514,8 +497,8 @@ impl RmsNorm {
                     let mut s_gwx = T::zero();
                     for i in 0..n {
                         let xhat = xr[i] * rstd;
-                        s_gwx = s_gwx + gr[i] * wv[i] * xhat;
-                        dw[i] = dw[i] + gr[i] * xhat;
+                        s_gwx += gr[i] * wv[i] * xhat;
+                        dw[i] += gr[i] * xhat;
                     }
                     let m = s_gwx / nf;
                     for i in 0..n {
@@ -528,7 +511,7 @@ impl RmsNorm {
         let mut dw = vec![T::zero(); n];
         for p in partial {
             for i in 0..n {
-                dw[i] = dw[i] + p[i];
+                dw[i] += p[i];
             }
         }
         let dev = x.device();

@@ -1,1 +1,133 @@
-//! Tokenizers.
+//! Tokenizers from `tokenizer.json`, with a configurable pad id and padding side.
+//!
+//! GPT-2 has no pad token: the pad id defaults to the model's EOS id, as in TRL's examples
+//! (`tokenizer.pad_token = tokenizer.eos_token`).
+
+use std::path::{Path, PathBuf};
+
+use crate::error::{Error, Result};
+
+/// Which side padding goes on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PaddingSide {
+    /// Pad before the tokens (what batched generation needs).
+    #[default]
+    Left,
+    /// Pad after the tokens (what classifiers and TRL's training collator use).
+    Right,
+}
+
+/// A `tokenizer.json` tokenizer.
+#[derive(Clone)]
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    path: PathBuf,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer").field("path", &self.path).finish()
+    }
+}
+
+impl Tokenizer {
+    /// Loads `tokenizer.json`.
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let inner = tokenizers::Tokenizer::from_file(path)
+            .map_err(|e| Error::Tokenizer(format!("{}: {e}", path.display())))?;
+        Ok(Self { inner, path: path.to_path_buf() })
+    }
+
+    /// Wraps an in-memory tokenizer (e.g. one just trained).
+    pub fn from_inner(inner: tokenizers::Tokenizer) -> Self {
+        Self { inner, path: PathBuf::from("<in memory>") }
+    }
+
+    /// The wrapped `tokenizers::Tokenizer`.
+    pub fn inner(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+
+    /// Number of ids the tokenizer can produce (vocabulary plus added tokens).
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// Fails unless every id the tokenizer can produce is below the model's `vocab_size`.
+    pub fn check_fits(&self, model_vocab_size: usize) -> Result<()> {
+        let max_id = self.inner.get_vocab(true).values().copied().max().unwrap_or(0) as usize;
+        if max_id >= model_vocab_size {
+            return Err(Error::Tokenizer(format!(
+                "{}: produces ids up to {max_id} but the model's vocab_size is {model_vocab_size}; \
+                 the tokenizer belongs to a different model",
+                self.path.display()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Token ids of `text`, without special tokens added.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        self.encode_with(text, false)
+    }
+
+    /// Token ids of `text`, with the post-processor's special tokens (`[CLS] … [SEP]`) when asked.
+    pub fn encode_with(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+        let enc = self
+            .inner
+            .encode(text, add_special_tokens)
+            .map_err(|e| Error::Tokenizer(format!("{}: cannot encode {text:?}: {e}", self.path.display())))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Text of `ids`, skipping special tokens.
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.inner
+            .decode(ids, true)
+            .map_err(|e| Error::Tokenizer(format!("{}: cannot decode: {e}", self.path.display())))
+    }
+
+    /// The id of a token string (e.g. `"<|endoftext|>"`), if in the vocabulary.
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+}
+
+/// Pads rows of ids to one length: returns the padded ids and the mask (1 real, 0 pad).
+pub fn pad(rows: &[Vec<u32>], pad_id: u32, side: PaddingSide) -> (Vec<Vec<u32>>, Vec<Vec<u8>>) {
+    let len = rows.iter().map(Vec::len).max().unwrap_or(0);
+    rows.iter()
+        .map(|r| {
+            let n = len - r.len();
+            let (mut ids, mut mask) = (Vec::with_capacity(len), Vec::with_capacity(len));
+            if side == PaddingSide::Left {
+                ids.extend(std::iter::repeat_n(pad_id, n));
+                mask.extend(std::iter::repeat_n(0u8, n));
+            }
+            ids.extend_from_slice(r);
+            mask.extend(std::iter::repeat_n(1u8, r.len()));
+            if side == PaddingSide::Right {
+                ids.extend(std::iter::repeat_n(pad_id, n));
+                mask.extend(std::iter::repeat_n(0u8, n));
+            }
+            (ids, mask)
+        })
+        .unzip()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pad_both_sides() {
+        let rows = vec![vec![1, 2, 3], vec![4]];
+        let (ids, mask) = pad(&rows, 0, PaddingSide::Left);
+        assert_eq!(ids, vec![vec![1, 2, 3], vec![0, 0, 4]]);
+        assert_eq!(mask, vec![vec![1, 1, 1], vec![0, 0, 1]]);
+        let (ids, mask) = pad(&rows, 9, PaddingSide::Right);
+        assert_eq!(ids, vec![vec![1, 2, 3], vec![4, 9, 9]]);
+        assert_eq!(mask[1], vec![1, 0, 0]);
+    }
+}

@@ -1,1 +1,215 @@
-//! Generation.
+//! Batched sampling with a KV cache.
+//!
+//! Prompts are left-padded; position ids come from the mask (`cumsum − 1`), so a padded batch
+//! gives the same logprobs as each prompt run alone. Every sequence stops on its own at EOS (the
+//! EOS token is kept, as TRL's `generate` keeps it). Each sampled token comes with its logprob
+//! under the distribution it was drawn from, and, with a value head, the value of the state that
+//! produced it — what PPO needs, so rollouts can skip a second forward pass.
+//!
+//! Defaults follow TRL's advice for PPO: pure sampling, no top-k, no top-p, no min-length. Those
+//! options exist, but they make the sampled distribution differ from the policy, which biases the
+//! KL estimate (TRL's documented cause of negative KL); turning them on logs a warning.
+
+pub mod sampler;
+
+use candle_core::{DType, Device, Tensor};
+use rand::SeedableRng;
+
+pub use sampler::SamplerConfig;
+
+use crate::error::{Error, Result};
+use crate::models::layers::causal_bias;
+use crate::models::{CausalLm, ValueHead};
+use crate::tokenizer::{pad, PaddingSide};
+
+/// Generation settings.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GenerationConfig {
+    /// Tokens to sample per prompt at most.
+    pub max_new_tokens: usize,
+    /// Sampling temperature (logits are divided by it).
+    pub temperature: f64,
+    /// Keep only the k most likely tokens; 0 (default) disables.
+    pub top_k: usize,
+    /// Nucleus sampling threshold; 1.0 (default) disables.
+    pub top_p: f64,
+    /// EOS is forbidden before this many new tokens; 0 (default) disables.
+    pub min_new_tokens: usize,
+    /// Seed of the sampler's random source.
+    pub seed: u64,
+    /// Ids that end a sequence; empty means the model config's EOS ids.
+    pub eos_token_ids: Vec<u32>,
+    /// Id used for padding; `None` means config.json's `pad_token_id`, else the first EOS id.
+    pub pad_token_id: Option<u32>,
+    /// Stop at EOS; false samples exactly `max_new_tokens` tokens (benchmarks).
+    pub stop_at_eos: bool,
+}
+
+impl Default for GenerationConfig {
+    fn default() -> Self {
+        Self {
+            max_new_tokens: 20,
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_new_tokens: 0,
+            seed: 0,
+            eos_token_ids: Vec::new(),
+            pad_token_id: None,
+            stop_at_eos: true,
+        }
+    }
+}
+
+impl GenerationConfig {
+    /// Checks ranges; errors name the field.
+    pub fn validate(&self) -> Result<()> {
+        if !(self.temperature > 0.0 && self.temperature.is_finite()) {
+            return Err(Error::Input(format!(
+                "generation.temperature must be > 0, got {}",
+                self.temperature
+            )));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(Error::Input(format!("generation.top_p must be in (0, 1], got {}", self.top_p)));
+        }
+        Ok(())
+    }
+
+    /// Whether any option that biases PPO's KL estimate is on.
+    pub fn biases_kl(&self) -> bool {
+        self.top_k > 0 || self.top_p < 1.0 || self.min_new_tokens > 0
+    }
+
+    fn sampler(&self) -> SamplerConfig {
+        SamplerConfig { temperature: self.temperature, top_k: self.top_k, top_p: self.top_p }
+    }
+}
+
+/// One generated sequence.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Sample {
+    /// The prompt.
+    pub query_ids: Vec<u32>,
+    /// The sampled tokens (ending in EOS when the sequence stopped there).
+    pub response_ids: Vec<u32>,
+    /// Logprob of each response token under the distribution it was sampled from.
+    pub logprobs: Vec<f32>,
+    /// Value of the state that produced each response token (with a value head).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub values: Option<Vec<f32>>,
+}
+
+/// Samples continuations of `prompts` (token ids) in one batch.
+///
+/// With `v_head`, each sample also carries the values. Prompt ids at or above the model's
+/// vocabulary size are rejected with an error naming the prompt.
+pub fn generate(
+    lm: &CausalLm,
+    v_head: Option<&ValueHead>,
+    prompts: &[Vec<u32>],
+    cfg: &GenerationConfig,
+    device: &Device,
+) -> Result<Vec<Sample>> {
+    cfg.validate()?;
+    if cfg.biases_kl() {
+        tracing::warn!(
+            "top_k / top_p / min_new_tokens are on: sampling no longer follows the policy, which \
+             biases PPO's KL estimate (it can turn negative and PPO will exploit it)"
+        );
+    }
+    check_prompts(prompts, lm.vocab_size())?;
+    let eos =
+        if cfg.eos_token_ids.is_empty() { lm.config().eos_token_ids() } else { cfg.eos_token_ids.clone() };
+    let pad_id = cfg.pad_token_id.or(lm.config().pad_token_id()).or(eos.first().copied()).unwrap_or(0);
+    let b = prompts.len();
+    let (ids, mut mask) = pad(prompts, pad_id, PaddingSide::Left);
+    let prompt_len = ids.first().map_or(0, Vec::len);
+    if let Some(max) = lm.config().max_positions() {
+        if prompt_len + cfg.max_new_tokens > max {
+            return Err(Error::Input(format!(
+                "prompt length {prompt_len} + max_new_tokens {} exceeds the model's {max} positions",
+                cfg.max_new_tokens
+            )));
+        }
+    }
+    let mut rng = rand::rngs::StdRng::seed_from_u64(cfg.seed);
+    let mut cache = lm.new_cache();
+    let mut samples: Vec<Sample> = prompts
+        .iter()
+        .map(|p| Sample {
+            query_ids: p.clone(),
+            response_ids: Vec::new(),
+            logprobs: Vec::new(),
+            values: v_head.map(|_| Vec::new()),
+        })
+        .collect();
+    let mut done = vec![false; b];
+    // Next position id of each row = number of real tokens so far.
+    let mut next_pos: Vec<u32> = mask.iter().map(|m| m.iter().map(|&x| x as u32).sum()).collect();
+
+    let input = Tensor::new(ids, device)?;
+    let positions = crate::models::layers::position_ids_from_mask(&mask, device)?;
+    let bias = causal_bias(&mask, prompt_len, DType::F32, device)?;
+    let mut hidden = lm.forward(&input, &positions, &bias, Some(&mut cache))?;
+    for step in 0..cfg.max_new_tokens {
+        let last = hidden.narrow(1, hidden.dim(1)? - 1, 1)?; // (B, 1, C)
+        let logits = lm.logits(&last)?.squeeze(1)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+        let values = match v_head {
+            Some(h) => Some(h.forward(&last)?.squeeze(1)?.to_dtype(DType::F32)?.to_vec1::<f32>()?),
+            None => None,
+        };
+        let banned: &[u32] = if step < cfg.min_new_tokens { &eos } else { &[] };
+        let mut next = vec![pad_id; b];
+        for i in 0..b {
+            if done[i] {
+                continue;
+            }
+            let logp = sampler::log_distribution(&logits[i], &cfg.sampler(), banned);
+            let tok = sampler::sample(&logp, &mut rng);
+            let s = &mut samples[i];
+            s.response_ids.push(tok as u32);
+            s.logprobs.push(logp[tok] as f32);
+            if let (Some(vs), Some(v)) = (s.values.as_mut(), values.as_ref()) {
+                vs.push(v[i]);
+            }
+            next[i] = tok as u32;
+            if cfg.stop_at_eos && eos.contains(&(tok as u32)) {
+                done[i] = true;
+            }
+        }
+        if done.iter().all(|&d| d) || step + 1 == cfg.max_new_tokens {
+            break;
+        }
+        // Rows that are done feed padding that nothing attends to.
+        for (i, m) in mask.iter_mut().enumerate() {
+            m.push(u8::from(!done[i] || samples[i].response_ids.len() == step + 1));
+        }
+        let pos: Vec<u32> = next_pos.clone();
+        next_pos.iter_mut().for_each(|p| *p += 1);
+        let input = Tensor::from_vec(next, (b, 1), device)?;
+        let positions = Tensor::from_vec(pos, (b, 1), device)?;
+        let bias = causal_bias(&mask, 1, DType::F32, device)?;
+        hidden = lm.forward(&input, &positions, &bias, Some(&mut cache))?;
+    }
+    Ok(samples)
+}
+
+/// Rejects empty prompts and ids outside the vocabulary, naming the prompt.
+fn check_prompts(prompts: &[Vec<u32>], vocab_size: usize) -> Result<()> {
+    if prompts.is_empty() {
+        return Err(Error::Input("no prompts given".into()));
+    }
+    for (i, p) in prompts.iter().enumerate() {
+        if p.is_empty() {
+            return Err(Error::Input(format!("prompt {i} is empty")));
+        }
+        if let Some(&bad) = p.iter().find(|&&t| t as usize >= vocab_size) {
+            return Err(Error::Input(format!(
+                "prompt {i} has token id {bad}, which is not below the model's vocab_size {vocab_size}"
+            )));
+        }
+    }
+    Ok(())
+}

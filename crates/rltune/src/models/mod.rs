@@ -55,7 +55,9 @@ impl CausalLmConfig {
                 Ok(Self::Gpt2(c))
             }
             "llama" | "qwen2" | "mistral" => {
-                Ok(Self::Llama(serde_json::from_value(value.clone()).map_err(bad)?))
+                let c: llama::LlamaConfig = serde_json::from_value(value.clone()).map_err(bad)?;
+                c.validate().map_err(|m| Error::config(path, m))?;
+                Ok(Self::Llama(c))
             }
             other => Err(Error::UnsupportedModel {
                 path: path.to_path_buf(),
@@ -99,7 +101,7 @@ impl CausalLmConfig {
     pub fn max_positions(&self) -> Option<usize> {
         match self {
             Self::Gpt2(c) => Some(c.n_positions),
-            Self::Llama(c) => c.max_position_embeddings,
+            Self::Llama(c) => Some(c.max_positions()),
         }
     }
 }

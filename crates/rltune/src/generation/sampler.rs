@@ -1,0 +1,136 @@
+//! Exact sampling from one row of logits, with optional (off by default) top-k, top-p and
+//! min-length processing.
+//!
+//! All arithmetic is in f64 on the CPU. The returned logprob is that of the sampled token under
+//! the distribution actually sampled from: `log softmax(process(logits / T))`.
+
+use rand::Rng;
+
+/// How logits are turned into the sampling distribution.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplerConfig {
+    /// Divides the logits; 1.0 is pure sampling.
+    pub temperature: f64,
+    /// Keep only the k most likely tokens; 0 disables.
+    pub top_k: usize,
+    /// Keep the smallest set of tokens whose probability reaches p; 1.0 disables.
+    pub top_p: f64,
+}
+
+impl Default for SamplerConfig {
+    fn default() -> Self {
+        Self { temperature: 1.0, top_k: 0, top_p: 1.0 }
+    }
+}
+
+/// The log-probabilities of the processed distribution over one row of logits.
+///
+/// `banned` ids (EOS under min-length) get probability 0. Filtering follows transformers'
+/// `TopKLogitsWarper` then `TopPLogitsWarper`: top-p drops the tokens whose ascending cumulative
+/// probability is at most `1 - p`, always keeping the most likely token.
+pub fn log_distribution(logits: &[f32], cfg: &SamplerConfig, banned: &[u32]) -> Vec<f64> {
+    let t = if cfg.temperature > 0.0 { cfg.temperature } else { 1.0 };
+    let mut x: Vec<f64> = logits.iter().map(|&l| l as f64 / t).collect();
+    for &b in banned {
+        if let Some(v) = x.get_mut(b as usize) {
+            *v = f64::NEG_INFINITY;
+        }
+    }
+    if cfg.top_k > 0 && cfg.top_k < x.len() {
+        let mut sorted: Vec<f64> = x.clone();
+        sorted.sort_by(|a, b| b.total_cmp(a));
+        let kth = sorted[cfg.top_k - 1];
+        x.iter_mut().filter(|v| **v < kth).for_each(|v| *v = f64::NEG_INFINITY);
+    }
+    if cfg.top_p < 1.0 {
+        let p = softmax(&x);
+        let mut order: Vec<usize> = (0..x.len()).collect();
+        order.sort_by(|&a, &b| p[a].total_cmp(&p[b]));
+        let mut cum = 0.0;
+        let last = order.len().saturating_sub(1);
+        for (rank, &i) in order.iter().enumerate() {
+            cum += p[i];
+            if cum <= 1.0 - cfg.top_p && rank != last {
+                x[i] = f64::NEG_INFINITY;
+            }
+        }
+    }
+    log_softmax(&x)
+}
+
+/// Draws one index from `logp` (log-probabilities) by inverting the CDF with `u ~ U[0, 1)`.
+pub fn sample<R: Rng>(logp: &[f64], rng: &mut R) -> usize {
+    let u: f64 = rng.gen();
+    let mut cum = 0.0;
+    let mut last_possible = 0;
+    for (i, &lp) in logp.iter().enumerate() {
+        if lp == f64::NEG_INFINITY {
+            continue;
+        }
+        cum += lp.exp();
+        last_possible = i;
+        if u < cum {
+            return i;
+        }
+    }
+    // Rounding left the total just under 1: take the last token with non-zero probability.
+    last_possible
+}
+
+fn softmax(x: &[f64]) -> Vec<f64> {
+    log_softmax(x).into_iter().map(f64::exp).collect()
+}
+
+fn log_softmax(x: &[f64]) -> Vec<f64> {
+    let max = x.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let lse = max + x.iter().map(|v| (v - max).exp()).sum::<f64>().ln();
+    x.iter().map(|v| v - lse).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::SeedableRng;
+
+    #[test]
+    fn empirical_distribution_matches_softmax_over_temperature() {
+        let logits = [1.0f32, 0.0, -1.0, 2.0, 0.5];
+        let cfg = SamplerConfig { temperature: 0.7, ..Default::default() };
+        let logp = log_distribution(&logits, &cfg, &[]);
+        let mut rng = rand::rngs::StdRng::seed_from_u64(0);
+        let n = 200_000;
+        let mut counts = [0usize; 5];
+        for _ in 0..n {
+            counts[sample(&logp, &mut rng)] += 1;
+        }
+        for (i, c) in counts.iter().enumerate() {
+            let p = logp[i].exp();
+            let freq = *c as f64 / n as f64;
+            // 5 standard errors of a binomial proportion.
+            let se = (p * (1.0 - p) / n as f64).sqrt();
+            assert!((freq - p).abs() < 5.0 * se, "token {i}: freq {freq} vs p {p}");
+        }
+    }
+
+    #[test]
+    fn top_k_and_top_p_keep_the_right_tokens() {
+        let logits = [3.0f32, 2.0, 1.0, 0.0];
+        let lp = log_distribution(&logits, &SamplerConfig { top_k: 2, ..Default::default() }, &[]);
+        assert!(lp[0].is_finite() && lp[1].is_finite() && lp[2] == f64::NEG_INFINITY);
+        let total: f64 = lp.iter().map(|v| v.exp()).sum();
+        assert!((total - 1.0).abs() < 1e-12);
+        // p ≈ [0.64, 0.24, 0.09, 0.03]; top_p 0.8 keeps the first two.
+        let lp = log_distribution(&logits, &SamplerConfig { top_p: 0.8, ..Default::default() }, &[]);
+        assert!(lp[1].is_finite() && lp[2] == f64::NEG_INFINITY);
+        // A tiny top_p still keeps the best token.
+        let lp = log_distribution(&logits, &SamplerConfig { top_p: 1e-6, ..Default::default() }, &[]);
+        assert_eq!(lp[0], 0.0);
+    }
+
+    #[test]
+    fn banned_tokens_are_never_sampled() {
+        let lp = log_distribution(&[5.0, 0.0], &SamplerConfig::default(), &[0]);
+        let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+        assert!((0..100).all(|_| sample(&lp, &mut rng) == 1));
+    }
+}

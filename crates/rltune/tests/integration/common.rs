@@ -1,0 +1,74 @@
+//! Helpers shared by the integration tests.
+
+use std::path::PathBuf;
+
+use candle_core::{DType, Device, Tensor, Var};
+use rltune::models::{gpt2::Gpt2Config, CausalLm, CausalLmConfig, CausalLmWithValueHead};
+use rltune::params::ParamStore;
+
+/// `tools/fixtures/<rel>` in the repository.
+pub fn fixture(rel: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tools/fixtures").join(rel)
+}
+
+/// Largest absolute difference between two tensors of the same shape.
+pub fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+    let a = a.to_dtype(DType::F64).unwrap();
+    let b = b.to_dtype(DType::F64).unwrap();
+    (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f64>().unwrap()
+}
+
+/// A tiny random GPT-2 with a value head.
+pub fn tiny_gpt2(seed: u64, trainable: bool, dtype: DType) -> (ParamStore, CausalLmWithValueHead) {
+    let cfg = CausalLmConfig::Gpt2(Gpt2Config::tiny(50, 16, 2, 4, 64));
+    let store = ParamStore::random(seed, trainable, dtype, &Device::Cpu).unwrap();
+    let lm = CausalLm::load(&store.root(), &cfg).unwrap();
+    let model = CausalLmWithValueHead::load(&store.root(), lm).unwrap();
+    (store, model)
+}
+
+/// Deterministic pseudo-random tensor in [-1, 1).
+pub fn pseudo_random(shape: &[usize], seed: u64, dtype: DType) -> Tensor {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let n: usize = shape.iter().product();
+    let v: Vec<f64> = (0..n).map(|_| rng.gen_range(-1.0..1.0)).collect();
+    Tensor::from_vec(v, shape, &Device::Cpu).unwrap().to_dtype(dtype).unwrap()
+}
+
+/// Checks a model's gradients: every variable gets a finite, non-zero gradient, and a few entries
+/// of each agree with central finite differences (relative error below `tol`).
+pub fn gradient_check(vars: &[(String, Var)], loss: impl Fn() -> Tensor, tol: f64) {
+    let grads = loss().backward().unwrap();
+    let mut checked = 0;
+    for (i, (name, var)) in vars.iter().enumerate() {
+        let g = grads.get(var).unwrap_or_else(|| panic!("{name}: no gradient"));
+        let gv = g.flatten_all().unwrap().to_vec1::<f64>().unwrap();
+        assert!(gv.iter().all(|x| x.is_finite()), "{name}: non-finite gradient");
+        assert!(gv.iter().any(|x| *x != 0.0), "{name}: all-zero gradient");
+        // Probe the largest entry and one more.
+        let arg = (0..gv.len()).max_by(|&a, &b| gv[a].abs().total_cmp(&gv[b].abs())).unwrap();
+        for idx in [arg, (i * 7 + 3) % gv.len()] {
+            let orig = var.as_tensor().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+            let eps = 1e-5;
+            let mut plus = orig.clone();
+            plus[idx] += eps;
+            var.set(&Tensor::from_vec(plus, var.shape(), &Device::Cpu).unwrap()).unwrap();
+            let lp = loss().to_scalar::<f64>().unwrap();
+            let mut minus = orig.clone();
+            minus[idx] -= eps;
+            var.set(&Tensor::from_vec(minus, var.shape(), &Device::Cpu).unwrap()).unwrap();
+            let lm = loss().to_scalar::<f64>().unwrap();
+            var.set(&Tensor::from_vec(orig, var.shape(), &Device::Cpu).unwrap()).unwrap();
+            let fd = (lp - lm) / (2.0 * eps);
+            let err = (fd - gv[idx]).abs() / (fd.abs().max(gv[idx].abs()).max(1e-6));
+            assert!(
+                err < tol,
+                "{name}[{idx}]: analytic {} vs finite difference {fd} (rel err {err})",
+                gv[idx]
+            );
+            checked += 1;
+        }
+    }
+    println!("gradient check: {} tensors, {checked} entries", vars.len());
+}

@@ -1,0 +1,75 @@
+//! Generation: rollout logprobs equal a recomputation, EOS handling, seeding.
+
+use candle_core::{DType, Device, Tensor};
+use rltune::generation::{generate, GenerationConfig};
+use rltune::models::layers::{causal_bias, position_ids_from_mask};
+
+use crate::common::tiny_gpt2;
+
+#[test]
+fn rollout_logprobs_and_values_equal_recomputation_alone() {
+    let (_, model) = tiny_gpt2(5, false, DType::F32);
+    let dev = Device::Cpu;
+    let prompts = vec![vec![1u32, 2, 3, 4, 5], vec![6], vec![7, 8, 9]];
+    let cfg = GenerationConfig { max_new_tokens: 12, temperature: 0.8, seed: 3, ..Default::default() };
+    let samples = generate(&model.lm, Some(&model.v_head), &prompts, &cfg, &dev).unwrap();
+    let mut worst = (0f64, 0f64);
+    for s in &samples {
+        let seq: Vec<u32> = s.query_ids.iter().chain(&s.response_ids).copied().collect();
+        let n = seq.len();
+        let m = vec![vec![1u8; n]];
+        let ids = Tensor::new(seq.as_slice(), &dev).unwrap().unsqueeze(0).unwrap();
+        let (logits, values) = model
+            .forward(
+                &ids,
+                &position_ids_from_mask(&m, &dev).unwrap(),
+                &causal_bias(&m, n, DType::F32, &dev).unwrap(),
+            )
+            .unwrap();
+        let logits = (logits / cfg.temperature).unwrap();
+        let logp = rltune::ops::log_softmax_last_dim(&logits).unwrap().get(0).unwrap();
+        let values = values.get(0).unwrap().to_vec1::<f32>().unwrap();
+        let q = s.query_ids.len();
+        for (i, (&tok, &lp)) in s.response_ids.iter().zip(&s.logprobs).enumerate() {
+            let want = logp.get(q + i - 1).unwrap().get(tok as usize).unwrap().to_scalar::<f32>().unwrap();
+            worst.0 = worst.0.max((want - lp).abs() as f64);
+            let v = s.values.as_ref().unwrap()[i];
+            worst.1 = worst.1.max((values[q + i - 1] - v).abs() as f64);
+        }
+    }
+    println!("rollout vs recomputed: logprob max diff {:.2e}, value max diff {:.2e}", worst.0, worst.1);
+    assert!(worst.0 < 1e-5 && worst.1 < 1e-5, "{worst:?}");
+}
+
+#[test]
+fn eos_stops_each_sequence_and_is_kept() {
+    let (_, model) = tiny_gpt2(6, false, DType::F32);
+    // With every token an EOS, each sequence ends after exactly one token.
+    let cfg = GenerationConfig { max_new_tokens: 8, eos_token_ids: (0..50).collect(), ..Default::default() };
+    let out = generate(&model.lm, None, &[vec![1, 2], vec![3]], &cfg, &Device::Cpu).unwrap();
+    assert!(out.iter().all(|s| s.response_ids.len() == 1));
+    let cfg = GenerationConfig { max_new_tokens: 8, stop_at_eos: false, ..cfg };
+    let out = generate(&model.lm, None, &[vec![1, 2], vec![3]], &cfg, &Device::Cpu).unwrap();
+    assert!(out.iter().all(|s| s.response_ids.len() == 8));
+}
+
+#[test]
+fn sampling_is_seeded() {
+    let (_, model) = tiny_gpt2(7, false, DType::F32);
+    let cfg = GenerationConfig { max_new_tokens: 10, seed: 42, ..Default::default() };
+    let a = generate(&model.lm, None, &[vec![1, 2]], &cfg, &Device::Cpu).unwrap();
+    let b = generate(&model.lm, None, &[vec![1, 2]], &cfg, &Device::Cpu).unwrap();
+    assert_eq!(a, b);
+    let c = generate(&model.lm, None, &[vec![1, 2]], &GenerationConfig { seed: 43, ..cfg }, &Device::Cpu)
+        .unwrap();
+    assert_ne!(a[0].response_ids, c[0].response_ids);
+}
+
+#[test]
+fn out_of_vocabulary_prompt_is_rejected_with_its_index() {
+    let (_, model) = tiny_gpt2(8, false, DType::F32);
+    let err = generate(&model.lm, None, &[vec![1], vec![2, 50]], &GenerationConfig::default(), &Device::Cpu)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("prompt 1") && err.contains("50"), "{err}");
+}

@@ -1,0 +1,5 @@
+//! rltune's integration tests: one binary, one module per area.
+
+mod common;
+mod generation;
+mod gpt2;
