@@ -39,6 +39,7 @@ pub mod io;
 pub mod models;
 pub mod ops;
 pub mod params;
+pub mod ppo;
 pub mod tokenizer;
 
 pub use error::{Error, Result};

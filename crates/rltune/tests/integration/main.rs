@@ -3,3 +3,4 @@
 mod common;
 mod generation;
 mod gpt2;
+mod ppo_parity;

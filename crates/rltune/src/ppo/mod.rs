@@ -1,0 +1,21 @@
+//! PPO for language models: TRL 0.11's classic `PPOTrainer.step(queries, responses, scores)`.
+//!
+//! - [`config`]: `PpoConfig`, TRL's names and defaults.
+//! - [`math`]: the math as pure functions (masked statistics, KL penalties, GAE, losses).
+//! - [`kl_control`]: fixed and adaptive KL controllers.
+//! - [`optim`]: torch-exact Adam and gradient clipping.
+//! - [`trainer`]: the trainer and its `step`.
+//! - [`stats`]: the stats map under TRL's key names.
+
+pub mod config;
+pub mod kl_control;
+pub mod math;
+pub mod optim;
+pub mod stats;
+pub mod trainer;
+
+pub use config::PpoConfig;
+pub use kl_control::KlController;
+pub use math::KlPenalty;
+pub use stats::{Stat, Stats};
+pub use trainer::{PpoTrainer, RolloutCache, StepInput};

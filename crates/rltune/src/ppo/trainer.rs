@@ -1,0 +1,691 @@
+//! `PpoTrainer::step(queries, responses, scores)`: TRL 0.11.4's classic PPO step.
+//!
+//! One call, top to bottom: forward the policy (logprobs, values) and the frozen reference
+//! (logprobs) → per-token KL penalty → score on the last response token → GAE and whitened
+//! advantages → epochs of shuffled minibatches with the clipped losses and Adam → KL controller
+//! update → stats under TRL's names.
+//!
+//! Batch layout (TRL's): row i is `query_i ++ response_i`, right-padded to L. Per-token arrays
+//! are `(B, L−1)`: column t holds the logprob of token t+1 and the value of the state at t. The
+//! mask is 1 on columns `[len(q)−1, len(q)−1+len(r))`.
+//!
+//! Deliberate deviations from TRL 0.11.4 (each where TRL has a bug; see `docs/trl-deviations.md`):
+//! - `max_grad_norm` clips every update (TRL only the first: its parameter iterator is consumed).
+//! - A minibatch over `ratio_threshold` is skipped (TRL zeroes its loss but still steps Adam).
+//! - `use_score_scaling` works (it crashes in TRL).
+//! - `whiten_rewards` keeps padding at zero (TRL leaks it into the advantages).
+//! - Position ids come from the attention mask, so left padding does not shift positions.
+//! - No dropout anywhere (TRL's value head applies dropout 0.1 unless configured off).
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use candle_core::{DType, Device, Tensor, D};
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+
+use super::config::PpoConfig;
+use super::kl_control::KlController;
+use super::math::{self, scalar, KlPenalty};
+use super::optim::{clip_grad_norm, Adam, AdamConfig};
+use super::stats::{mean_std, Stat, Stats};
+use crate::error::{Error, Result};
+use crate::models::layers::causal_bias;
+use crate::models::{CausalLm, CausalLmWithValueHead};
+use crate::ops;
+use crate::params::ParamStore;
+use crate::tokenizer::{pad, PaddingSide};
+
+/// What the rollout already computed for one sample: reused instead of a second policy forward.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RolloutCache {
+    /// Logprob of each response token (under the training temperature).
+    pub logprobs: Vec<f32>,
+    /// Value of the state before each response token.
+    pub values: Vec<f32>,
+}
+
+/// The inputs of one PPO step.
+#[derive(Debug, Clone, Copy)]
+pub struct StepInput<'a> {
+    /// Query token ids, one row per sample.
+    pub queries: &'a [Vec<u32>],
+    /// Response token ids (non-empty).
+    pub responses: &'a [Vec<u32>],
+    /// One score per sample.
+    pub scores: &'a [f32],
+    /// Optional 0/1 mask per response token (e.g. to train only on the agent's turns).
+    pub response_masks: Option<&'a [Vec<u8>]>,
+    /// Optional logprobs and values from generation (rollout caching).
+    pub rollout: Option<&'a [RolloutCache]>,
+}
+
+/// Running mean and variance of scores. TRL `trainer/utils.py::RunningMoments`.
+#[derive(Debug, Clone, PartialEq)]
+struct RunningMoments {
+    mean: f64,
+    var: f64,
+    std: f64,
+    count: f64,
+}
+
+impl RunningMoments {
+    fn new() -> Self {
+        Self { mean: 0.0, var: 1.0, std: 1.0, count: 1e-24 }
+    }
+
+    fn update(&mut self, xs: &[f64]) {
+        let n = xs.len() as f64;
+        let mean = xs.iter().sum::<f64>() / n;
+        let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n;
+        let delta = mean - self.mean;
+        let tot = self.count + n;
+        let old_sum = self.var * self.count + delta * delta * self.count * n / tot;
+        let new_var = (old_sum + var * n) / tot;
+        self.mean += delta * n / tot;
+        self.std = (new_var * tot / (tot - 1.0)).sqrt();
+        self.var = new_var;
+        self.count = tot;
+    }
+}
+
+/// The padded batch and the tensors every minibatch slices from.
+struct Batch {
+    /// `(B, L)` u32
+    ids: Tensor,
+    /// `(B, L)` u32
+    positions: Tensor,
+    /// `(B, 1, L, L)`
+    bias: Tensor,
+    /// `(B, L−1)` f32
+    mask: Tensor,
+}
+
+/// Per-token rollout quantities of a batch, each `(B, L−1)`.
+struct Rollout {
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    values: Tensor,
+    /// Full log-distributions `(B, L−1, V)`, only for `kl_penalty = "full"`.
+    full: Option<(Tensor, Tensor)>,
+}
+
+/// TRL's classic PPO trainer.
+pub struct PpoTrainer {
+    /// Hyper-parameters.
+    pub config: PpoConfig,
+    /// The policy: LM and value head.
+    pub policy: CausalLmWithValueHead,
+    /// The policy's trainable parameters.
+    pub store: ParamStore,
+    /// The frozen reference model.
+    pub reference: CausalLm,
+    optimizer: Adam,
+    kl_ctl: KlController,
+    rng: rand::rngs::StdRng,
+    running: RunningMoments,
+    pad_id: u32,
+    eos_ids: Vec<u32>,
+    /// Minibatch orders to use instead of the seeded shuffle (for parity with recorded runs).
+    forced_permutations: VecDeque<Vec<usize>>,
+    /// When set, the gradients of the next optimizer step are kept (for parity tests).
+    record_grads: bool,
+    recorded_grads: Option<Vec<(String, Tensor)>>,
+    var_names: Vec<String>,
+    device: Device,
+}
+
+impl PpoTrainer {
+    /// A trainer over a trainable `store` holding the policy (and its value head) and a frozen
+    /// `reference` model.
+    pub fn new(
+        config: PpoConfig,
+        store: ParamStore,
+        policy: CausalLmWithValueHead,
+        reference: CausalLm,
+    ) -> Result<Self> {
+        config.validate().map_err(Error::Input)?;
+        if !store.trainable() {
+            return Err(Error::Input("the policy's parameters must be trainable".into()));
+        }
+        let (var_names, vars): (Vec<_>, Vec<_>) = store.vars().into_iter().unzip();
+        let adam = AdamConfig { lr: config.learning_rate, ..Default::default() };
+        let kl_ctl = if config.adap_kl_ctrl {
+            KlController::Adaptive {
+                value: config.init_kl_coef,
+                target: config.target,
+                horizon: config.horizon,
+            }
+        } else {
+            KlController::Fixed { value: config.init_kl_coef }
+        };
+        let lm_cfg = policy.lm.config();
+        let eos_ids = lm_cfg.eos_token_ids();
+        let pad_id = lm_cfg.pad_token_id().or(eos_ids.first().copied()).unwrap_or(0);
+        let device = store.device().clone();
+        Ok(Self {
+            rng: rand::rngs::StdRng::seed_from_u64(config.seed),
+            config,
+            policy,
+            store,
+            reference,
+            optimizer: Adam::new(vars, adam),
+            kl_ctl,
+            running: RunningMoments::new(),
+            pad_id,
+            eos_ids,
+            forced_permutations: VecDeque::new(),
+            record_grads: false,
+            recorded_grads: None,
+            var_names,
+            device,
+        })
+    }
+
+    /// The current KL controller.
+    pub fn kl_controller(&self) -> &KlController {
+        &self.kl_ctl
+    }
+
+    /// The optimizer (its moments go into checkpoints).
+    pub fn optimizer(&self) -> &Adam {
+        &self.optimizer
+    }
+
+    /// Mutable optimizer (to restore a checkpoint).
+    pub fn optimizer_mut(&mut self) -> &mut Adam {
+        &mut self.optimizer
+    }
+
+    /// The id used for padding.
+    pub fn pad_id(&self) -> u32 {
+        self.pad_id
+    }
+
+    /// Uses these minibatch orders (one per epoch, consumed in order) instead of shuffling.
+    pub fn force_permutations(&mut self, perms: impl IntoIterator<Item = Vec<usize>>) {
+        self.forced_permutations.extend(perms);
+    }
+
+    /// Keeps the gradients of the next optimizer step (after accumulation, before clipping);
+    /// [`Self::take_recorded_gradients`] returns them by parameter name.
+    pub fn record_next_gradients(&mut self) {
+        self.record_grads = true;
+    }
+
+    /// The gradients kept by [`Self::record_next_gradients`], if a step has run since.
+    pub fn take_recorded_gradients(&mut self) -> Option<Vec<(String, Tensor)>> {
+        self.recorded_grads.take()
+    }
+
+    /// One PPO step on `(query, response, score)` triplets. TRL `PPOTrainer.step`.
+    pub fn step(&mut self, queries: &[Vec<u32>], responses: &[Vec<u32>], scores: &[f32]) -> Result<Stats> {
+        self.step_with(StepInput { queries, responses, scores, response_masks: None, rollout: None })
+    }
+
+    /// One PPO step with optional response masks and rollout caches.
+    pub fn step_with(&mut self, input: StepInput) -> Result<Stats> {
+        let t0 = Instant::now();
+        self.check_input(&input)?;
+        let scores = self.process_scores(&input)?;
+        let batch = self.build_batch(&input)?;
+
+        let t = Instant::now();
+        let rollout = self.rollout_forward(&input, &batch)?;
+        let time_forward = t.elapsed().as_secs_f64();
+
+        let t = Instant::now();
+        let kl_coef = self.kl_ctl.value();
+        let kl = match (self.config.kl_penalty, &rollout.full) {
+            (KlPenalty::Full, Some((lp, rp))) => math::full_kl(lp, rp)?,
+            (kind, _) => math::kl_penalty(kind, &rollout.logprobs, &rollout.ref_logprobs)?,
+        };
+        let (rewards, non_score) = math::compute_rewards(&scores, &kl, &batch.mask, kl_coef)?;
+        let time_rewards = t.elapsed().as_secs_f64();
+
+        let t = Instant::now();
+        let rewards = if self.config.whiten_rewards {
+            math::whiten_rewards(&(&rewards * &batch.mask)?, &batch.mask)?
+        } else {
+            rewards
+        };
+        let (values, advantages, returns) = math::compute_advantages(
+            &rollout.values,
+            &rewards,
+            &batch.mask,
+            self.config.gamma,
+            self.config.lam,
+        )?;
+        let time_adv = t.elapsed().as_secs_f64();
+
+        let t = Instant::now();
+        let train = TrainData {
+            old_logprobs: &rollout.logprobs,
+            values: &values,
+            advantages: &advantages,
+            returns: &returns,
+        };
+        let mb_stats = self.optimize(&batch, &train)?;
+        let time_opt = t.elapsed().as_secs_f64();
+
+        let t = Instant::now();
+        let mut stats = self.step_stats(&input, &scores, &kl, &non_score, &rollout, &batch, kl_coef)?;
+        average_minibatch_stats(&mut stats, &mb_stats)?;
+        stats.insert("ppo/learning_rate".into(), Stat::Scalar(self.optimizer.cfg.lr));
+        let mean_kl = stats.get("objective/kl").and_then(Stat::as_f64).unwrap_or(0.0);
+        self.kl_ctl.update(mean_kl, self.config.batch_size);
+        negative_kl_guard(&mut stats, mean_kl);
+        let time_stats = t.elapsed().as_secs_f64();
+
+        for (k, v) in [
+            ("forward_pass", time_forward),
+            ("compute_rewards", time_rewards),
+            ("compute_advantages", time_adv),
+            ("optimize_step", time_opt),
+            ("calc_stats", time_stats),
+            ("total", t0.elapsed().as_secs_f64()),
+        ] {
+            stats.insert(format!("time/ppo/{k}"), Stat::Scalar(v));
+        }
+        Ok(stats)
+    }
+
+    /// Rejects inputs that would give silent garbage, naming the sample.
+    fn check_input(&self, input: &StepInput) -> Result<()> {
+        let b = self.config.batch_size;
+        let n = input.queries.len();
+        if n != b || input.responses.len() != b || input.scores.len() != b {
+            return Err(Error::Input(format!(
+                "got {n} queries, {} responses and {} scores but ppo.batch_size is {b}; pass exactly batch_size samples",
+                input.responses.len(),
+                input.scores.len()
+            )));
+        }
+        let vocab = self.policy.lm.vocab_size();
+        for i in 0..b {
+            let (q, r) = (&input.queries[i], &input.responses[i]);
+            if q.is_empty() {
+                return Err(Error::Input(format!("sample {i}: empty query")));
+            }
+            if r.is_empty() {
+                return Err(Error::Input(format!(
+                    "sample {i}: empty response; every response needs a token"
+                )));
+            }
+            if let Some(&t) = q.iter().chain(r).find(|&&t| t as usize >= vocab) {
+                return Err(Error::Input(format!(
+                    "sample {i}: token id {t} is not below vocab_size {vocab}"
+                )));
+            }
+            if !input.scores[i].is_finite() {
+                return Err(Error::Input(format!(
+                    "sample {i}: score is {} (must be finite)",
+                    input.scores[i]
+                )));
+            }
+            if let Some(m) = input.response_masks {
+                if m.get(i).map(Vec::len) != Some(r.len()) {
+                    return Err(Error::Input(format!(
+                        "sample {i}: response mask length differs from the response"
+                    )));
+                }
+            }
+            if let Some(c) = input.rollout {
+                let ok = c.get(i).is_some_and(|c| c.logprobs.len() == r.len() && c.values.len() == r.len());
+                if !ok {
+                    return Err(Error::Input(format!(
+                        "sample {i}: rollout cache length differs from the response"
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Missing-EOS penalty, then score scaling and clipping (TRL `step`, first lines).
+    fn process_scores(&mut self, input: &StepInput) -> Result<Vec<f32>> {
+        let mut scores: Vec<f64> = input.scores.iter().map(|&s| s as f64).collect();
+        if let Some(p) = self.config.missing_eos_penalty {
+            for (s, r) in scores.iter_mut().zip(input.responses) {
+                if !r.last().is_some_and(|t| self.eos_ids.contains(t)) {
+                    *s -= p;
+                }
+            }
+        }
+        if self.config.use_score_scaling {
+            self.running.update(&scores);
+            let scale = self.running.std + f32::EPSILON as f64;
+            let shift = if self.config.use_score_norm { self.running.mean } else { 0.0 };
+            scores.iter_mut().for_each(|s| *s = (*s - shift) / scale);
+        }
+        if let Some(c) = self.config.score_clip {
+            scores.iter_mut().for_each(|s| *s = s.clamp(-c, c));
+        }
+        Ok(scores.into_iter().map(|s| s as f32).collect())
+    }
+
+    /// Right-pads `query ++ response` rows and builds the response mask.
+    fn build_batch(&self, input: &StepInput) -> Result<Batch> {
+        let rows: Vec<Vec<u32>> = input
+            .queries
+            .iter()
+            .zip(input.responses)
+            .map(|(q, r)| q.iter().chain(r).copied().collect())
+            .collect();
+        let (ids, attn) = pad(&rows, self.pad_id, PaddingSide::Right);
+        let l = ids[0].len();
+        let b = rows.len();
+        let mut mask = vec![0f32; b * (l - 1)];
+        for i in 0..b {
+            let start = input.queries[i].len() - 1;
+            for j in 0..input.responses[i].len() {
+                let keep = input.response_masks.map_or(1, |m| m[i][j]);
+                mask[i * (l - 1) + start + j] = f32::from(keep);
+            }
+        }
+        Ok(Batch {
+            ids: Tensor::new(ids, &self.device)?,
+            // Right padding: `arange(L)` equals `cumsum(mask) − 1` on every real token, and gives
+            // padding the positions TRL gives it (its logprobs appear in `objective/logprobs`).
+            positions: Tensor::arange(0u32, l as u32, &self.device)?.unsqueeze(0)?.repeat((b, 1))?,
+            bias: causal_bias(&attn, l, self.store.dtype(), &self.device)?,
+            mask: Tensor::from_vec(mask, (b, l - 1), &self.device)?.to_dtype(self.store.dtype())?,
+        })
+    }
+
+    /// Logprobs of the next tokens `(B, L−1)` and, with `full`, the log-distributions.
+    fn token_logprobs(&self, logits: &Tensor, ids: &Tensor, full: bool) -> Result<(Tensor, Option<Tensor>)> {
+        let l = ids.dim(1)?;
+        let logits = logits.narrow(1, 0, l - 1)?;
+        let logits =
+            if self.config.temperature != 1.0 { (logits / self.config.temperature)? } else { logits };
+        let targets = ids.narrow(1, 1, l - 1)?;
+        if full {
+            let logp = ops::log_softmax_last_dim(&logits)?;
+            let tok =
+                logp.gather(&targets.unsqueeze(D::Minus1)?.contiguous()?, D::Minus1)?.squeeze(D::Minus1)?;
+            Ok((tok, Some(logp)))
+        } else {
+            Ok((ops::logprobs_of(&logits, &targets.contiguous()?)?, None))
+        }
+    }
+
+    /// The no-gradient forward passes of policy and reference, in minibatch-sized chunks.
+    fn rollout_forward(&self, input: &StepInput, batch: &Batch) -> Result<Rollout> {
+        let b = self.config.batch_size;
+        let chunk = self.config.mini_batch_size;
+        let full = self.config.kl_penalty == KlPenalty::Full;
+        let use_cache = input.rollout.is_some() && !full;
+        let (mut lp, mut vals, mut rlp, mut flp, mut frlp) = (vec![], vec![], vec![], vec![], vec![]);
+        for start in (0..b).step_by(chunk) {
+            let n = chunk.min(b - start);
+            let ids = batch.ids.narrow(0, start, n)?;
+            let pos = batch.positions.narrow(0, start, n)?;
+            let bias = batch.bias.narrow(0, start, n)?;
+            if !use_cache {
+                let (logits, values) = self.policy.forward(&ids, &pos, &bias)?;
+                let (l, f) = self.token_logprobs(&logits.detach(), &ids, full)?;
+                lp.push(l);
+                flp.extend(f);
+                vals.push(values.detach().narrow(1, 0, ids.dim(1)? - 1)?);
+            }
+            let h = self.reference.forward(&ids, &pos, &bias, None)?;
+            let (l, f) = self.token_logprobs(&self.reference.logits(&h)?, &ids, full)?;
+            rlp.push(l);
+            frlp.extend(f);
+        }
+        let ref_logprobs = Tensor::cat(&rlp, 0)?;
+        let (logprobs, values) = match input.rollout {
+            Some(cache) if use_cache => self.cached_rollout(input, cache, ref_logprobs.dims2()?)?,
+            _ => (Tensor::cat(&lp, 0)?, Tensor::cat(&vals, 0)?),
+        };
+        let full = if full { Some((Tensor::cat(&flp, 0)?, Tensor::cat(&frlp, 0)?)) } else { None };
+        Ok(Rollout { logprobs, ref_logprobs, values, full })
+    }
+
+    /// Places cached per-token logprobs and values into `(B, L−1)` matrices.
+    fn cached_rollout(
+        &self,
+        input: &StepInput,
+        cache: &[RolloutCache],
+        (b, w): (usize, usize),
+    ) -> Result<(Tensor, Tensor)> {
+        let (mut lp, mut v) = (vec![0f32; b * w], vec![0f32; b * w]);
+        for (i, c) in cache.iter().enumerate() {
+            let start = i * w + input.queries[i].len() - 1;
+            lp[start..start + c.logprobs.len()].copy_from_slice(&c.logprobs);
+            v[start..start + c.values.len()].copy_from_slice(&c.values);
+        }
+        let dt = self.store.dtype();
+        Ok((
+            Tensor::from_vec(lp, (b, w), &self.device)?.to_dtype(dt)?,
+            Tensor::from_vec(v, (b, w), &self.device)?.to_dtype(dt)?,
+        ))
+    }
+}
+
+/// Rollout tensors the optimization reads, each `(B, L−1)`.
+struct TrainData<'a> {
+    old_logprobs: &'a Tensor,
+    values: &'a Tensor,
+    advantages: &'a Tensor,
+    returns: &'a Tensor,
+}
+
+impl PpoTrainer {
+    /// PPO epochs over shuffled minibatches; returns each minibatch's stats.
+    fn optimize(&mut self, batch: &Batch, data: &TrainData) -> Result<Vec<Stats>> {
+        let cfg = self.config.clone();
+        let mut all = Vec::new();
+        for _epoch in 0..cfg.ppo_epochs {
+            let perm = match self.forced_permutations.pop_front() {
+                Some(p) => p,
+                None => {
+                    let mut p: Vec<usize> = (0..cfg.batch_size).collect();
+                    p.shuffle(&mut self.rng);
+                    p
+                }
+            };
+            let mut last_policykl = 0.0;
+            for backward in perm.chunks(cfg.backward_batch_size()) {
+                let mut grads: Vec<Option<Tensor>> = vec![None; self.optimizer.vars().len()];
+                let mut any = false;
+                for mb in backward.chunks(cfg.mini_batch_size) {
+                    let (stats, skipped) = self.train_minibatch(batch, data, mb, &mut grads)?;
+                    last_policykl = stats.get("policy/policykl").and_then(Stat::as_f64).unwrap_or(0.0);
+                    any |= !skipped;
+                    all.push(stats);
+                }
+                if any && self.record_grads {
+                    self.record_grads = false;
+                    let named = self.var_names.iter().zip(&grads);
+                    self.recorded_grads =
+                        Some(named.filter_map(|(n, g)| g.clone().map(|g| (n.clone(), g))).collect());
+                }
+                if any {
+                    if let Some(max) = cfg.max_grad_norm {
+                        clip_grad_norm(&mut grads, max)?;
+                    }
+                    self.optimizer.step(&grads)?;
+                }
+            }
+            if cfg.early_stopping && last_policykl > 1.5 * cfg.target_kl {
+                tracing::info!("early stopping: policy KL {last_policykl:.4} > 1.5 × target_kl");
+                break;
+            }
+        }
+        Ok(all)
+    }
+
+    /// Forward, losses and backward of one minibatch; gradients are added into `grads`.
+    /// Returns the minibatch stats (TRL `PPOTrainer.loss`) and whether it was skipped.
+    fn train_minibatch(
+        &self,
+        batch: &Batch,
+        data: &TrainData,
+        rows: &[usize],
+        grads: &mut [Option<Tensor>],
+    ) -> Result<(Stats, bool)> {
+        let cfg = &self.config;
+        let idx =
+            Tensor::from_vec(rows.iter().map(|&r| r as u32).collect::<Vec<_>>(), rows.len(), &self.device)?;
+        let sel = |t: &Tensor| t.index_select(&idx, 0);
+        let (ids, pos, bias, mask) =
+            (sel(&batch.ids)?, sel(&batch.positions)?, sel(&batch.bias)?, sel(&batch.mask)?);
+        let (old_lp, old_v, adv, ret) =
+            (sel(data.old_logprobs)?, sel(data.values)?, sel(data.advantages)?, sel(data.returns)?);
+        let (logits, values) = self.policy.forward(&ids, &pos, &bias)?;
+        let w = ids.dim(1)? - 1;
+        let (logp, _) = self.token_logprobs(&logits, &ids, false)?;
+        let vpreds = values.narrow(1, 0, w)?;
+        let l = math::ppo_losses(
+            &old_lp,
+            &old_v,
+            &logp,
+            &vpreds,
+            &mask,
+            &adv,
+            &ret,
+            cfg.cliprange,
+            cfg.cliprange_value,
+        )?;
+        let avg_ratio = scalar(&math::masked_mean(&l.ratio, &mask)?)?;
+        let skipped = avg_ratio > cfg.ratio_threshold;
+        let loss = (&l.pg_loss + (&l.vf_loss * cfg.vf_coef)?)?;
+        if skipped {
+            tracing::warn!(
+                "minibatch skipped: mean ratio {avg_ratio:.2} > ratio_threshold {}; the policy moved too far",
+                cfg.ratio_threshold
+            );
+        } else {
+            let scaled = (&loss / cfg.gradient_accumulation_steps as f64)?;
+            let g = scaled.backward()?;
+            for (slot, var) in grads.iter_mut().zip(self.optimizer.vars()) {
+                if let Some(gv) = g.get(var.as_tensor()) {
+                    *slot = Some(match slot.take() {
+                        Some(prev) => (prev + gv)?,
+                        None => gv.clone(),
+                    });
+                }
+            }
+        }
+        let logits_t = logits.detach().narrow(1, 0, w)?;
+        let logits_t = if cfg.temperature != 1.0 { (logits_t / cfg.temperature)? } else { logits_t };
+        let entropy = math::masked_mean(&ops::entropy_from_logits(&logits_t)?, &mask)?;
+        let logp = logp.detach();
+        let d = (&logp - &old_lp)?;
+        let vpreds = vpreds.detach();
+        let mut s = Stats::new();
+        let zero = |x: f64| if skipped { 0.0 } else { x };
+        let sc = |t: &Tensor| scalar(t);
+        s.insert("loss/policy".into(), Stat::Scalar(zero(sc(&l.pg_loss)?)));
+        s.insert("loss/value".into(), Stat::Scalar(zero(sc(&l.vf_loss)?)));
+        s.insert("loss/total".into(), Stat::Scalar(zero(sc(&loss)?)));
+        s.insert("policy/entropy".into(), Stat::Scalar(sc(&entropy)?));
+        s.insert("policy/approxkl".into(), Stat::Scalar(sc(&(math::masked_mean(&d.sqr()?, &mask)? * 0.5)?)?));
+        s.insert("policy/policykl".into(), Stat::Scalar(sc(&math::masked_mean(&d.neg()?, &mask)?)?));
+        s.insert("policy/clipfrac".into(), Stat::Scalar(l.pg_clipfrac));
+        s.insert("policy/advantages".into(), Stat::Array(flat(&adv)?));
+        s.insert("policy/advantages_mean".into(), Stat::Scalar(sc(&math::masked_mean(&adv, &mask)?)?));
+        s.insert("policy/ratio".into(), Stat::Array(flat(&l.ratio)?));
+        s.insert("returns/mean".into(), Stat::Scalar(sc(&math::masked_mean(&ret, &mask)?)?));
+        s.insert("returns/var".into(), Stat::Scalar(sc(&math::masked_var(&ret, &mask, true)?)?));
+        s.insert("val/vpred".into(), Stat::Scalar(sc(&math::masked_mean(&vpreds, &mask)?)?));
+        let err = math::masked_mean(&(&vpreds - &ret)?.sqr()?, &mask)?;
+        s.insert("val/error".into(), Stat::Scalar(sc(&err)?));
+        s.insert("val/clipfrac".into(), Stat::Scalar(l.vf_clipfrac));
+        s.insert("val/mean".into(), Stat::Scalar(sc(&math::masked_mean(&old_v, &mask)?)?));
+        s.insert("val/var".into(), Stat::Scalar(sc(&math::masked_var(&old_v, &mask, true)?)?));
+        Ok((s, skipped))
+    }
+
+    /// The step-level stats of TRL `record_step_stats`.
+    #[allow(clippy::too_many_arguments)]
+    fn step_stats(
+        &self,
+        input: &StepInput,
+        scores: &[f32],
+        kl: &Tensor,
+        non_score: &Tensor,
+        rollout: &Rollout,
+        batch: &Batch,
+        kl_coef: f64,
+    ) -> Result<Stats> {
+        let mask = &batch.mask;
+        let kl_dist = (kl * mask)?.sum(1)?;
+        let kl_list: Vec<f64> = kl_dist.to_dtype(DType::F64)?.to_vec1()?;
+        let nll: Vec<f64> = (rollout.logprobs.neg()? * mask)?.sum(1)?.to_dtype(DType::F64)?.to_vec1()?;
+        let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+        let mut s = Stats::new();
+        s.insert("objective/kl".into(), Stat::Scalar(mean(&kl_list)));
+        s.insert("objective/kl_dist".into(), Stat::Array(kl_list));
+        s.insert("objective/logprobs".into(), Stat::Matrix(matrix(&rollout.logprobs)?));
+        s.insert("objective/ref_logprobs".into(), Stat::Matrix(matrix(&rollout.ref_logprobs)?));
+        s.insert("objective/kl_coef".into(), Stat::Scalar(kl_coef));
+        s.insert("objective/entropy".into(), Stat::Scalar(mean(&nll)));
+        s.insert(
+            "ppo/mean_non_score_reward".into(),
+            Stat::Scalar(scalar(&math::masked_mean(non_score, mask)?)?),
+        );
+        let sc: Vec<f64> = scores.iter().map(|&x| x as f64).collect();
+        let (m, sd) = mean_std(&sc);
+        s.insert("ppo/mean_scores".into(), Stat::Scalar(m));
+        s.insert("ppo/std_scores".into(), Stat::Scalar(sd));
+        for (name, rows) in [("queries", input.queries), ("responses", input.responses)] {
+            let lens: Vec<f64> = rows.iter().map(|r| r.len() as f64).collect();
+            let (m, sd) = mean_std(&lens);
+            s.insert(format!("tokens/{name}_len_mean"), Stat::Scalar(m));
+            s.insert(format!("tokens/{name}_len_std"), Stat::Scalar(sd));
+            s.insert(format!("tokens/{name}_dist"), Stat::Array(lens));
+        }
+        Ok(s)
+    }
+}
+
+/// `ppo/*` = the mean over minibatches of each minibatch stat; the per-token arrays
+/// (`policy/advantages`, `policy/ratio`) are concatenated. Then `ppo/val/var_explained`.
+fn average_minibatch_stats(stats: &mut Stats, mbs: &[Stats]) -> Result<()> {
+    let Some(first) = mbs.first() else { return Ok(()) };
+    for key in first.keys() {
+        let value = match &first[key] {
+            Stat::Scalar(_) => Stat::Scalar(
+                mbs.iter().filter_map(|s| s.get(key).and_then(Stat::as_f64)).sum::<f64>() / mbs.len() as f64,
+            ),
+            _ => Stat::Array(
+                mbs.iter()
+                    .filter_map(|s| match s.get(key) {
+                        Some(Stat::Array(a)) => Some(a.clone()),
+                        _ => None,
+                    })
+                    .flatten()
+                    .collect(),
+            ),
+        };
+        stats.insert(format!("ppo/{key}"), value);
+    }
+    let get = |k: &str| stats.get(k).and_then(Stat::as_f64).unwrap_or(f64::NAN);
+    let ve = 1.0 - get("ppo/val/error") / get("ppo/returns/var");
+    stats.insert("ppo/val/var_explained".into(), Stat::Scalar(ve));
+    Ok(())
+}
+
+/// Warns, in the log and the stats, when the KL estimate is negative.
+fn negative_kl_guard(stats: &mut Stats, mean_kl: f64) {
+    if mean_kl < 0.0 {
+        let msg = format!(
+            "objective/kl is negative ({mean_kl:.4}): the responses were likely not sampled from the policy \
+             as it is now (top-k, top-p, min-length or a different temperature, or responses from elsewhere); \
+             PPO can exploit a negative KL estimate"
+        );
+        tracing::warn!("{msg}");
+        stats.insert("warnings/negative_kl".into(), Stat::Text(msg));
+    }
+}
+
+fn flat(t: &Tensor) -> Result<Vec<f64>> {
+    Ok(t.flatten_all()?.to_dtype(DType::F64)?.to_vec1()?)
+}
+
+fn matrix(t: &Tensor) -> Result<Vec<Vec<f64>>> {
+    Ok(t.to_dtype(DType::F64)?.to_vec2()?)
+}
