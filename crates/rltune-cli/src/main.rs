@@ -4,6 +4,7 @@
 //! a user types can make it panic.
 
 mod generate;
+mod ppo_step;
 
 use clap::{Parser, Subcommand};
 
@@ -19,6 +20,8 @@ struct Cli {
 enum Command {
     /// Sample continuations of a prompt, with each token's logprob.
     Generate(generate::Args),
+    /// One PPO update from a rollouts file (query, response, score per line).
+    PpoStep(ppo_step::Args),
 }
 
 fn main() {
@@ -26,6 +29,7 @@ fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Generate(args) => generate::run(args),
+        Command::PpoStep(args) => ppo_step::run(args),
     };
     if let Err(err) = result {
         eprintln!("error: {err}");

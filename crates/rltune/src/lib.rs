@@ -33,6 +33,7 @@
 //! ```
 #![deny(missing_docs)]
 
+pub mod data;
 pub mod error;
 pub mod generation;
 pub mod io;

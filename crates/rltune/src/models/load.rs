@@ -258,3 +258,13 @@ pub fn copy_side_files(files: &ModelFiles, dir: &Path) -> Result<()> {
     }
     Ok(())
 }
+
+/// Loads a frozen causal LM (no value head) from a directory or hub id: a reference model.
+pub fn load_reference(model: &str, dtype: DType, device: &Device) -> Result<(ModelFiles, CausalLm)> {
+    let files = locate(model)?;
+    let config_json: serde_json::Value = read_json(&files.config)?;
+    let config = CausalLmConfig::from_json(&config_json, &files.config)?;
+    let store = ParamStore::load_safetensors(&files.weights, false, dtype, device)?;
+    let lm = CausalLm::load(&store.root(), &config)?;
+    Ok((files, lm))
+}
