@@ -3,6 +3,7 @@
 //! Errors are printed with their whole chain (`error: … caused by: …`) and exit code 1; nothing
 //! a user types can make it panic.
 
+mod bench;
 mod generate;
 mod ppo_step;
 
@@ -22,6 +23,15 @@ enum Command {
     Generate(generate::Args),
     /// One PPO update from a rollouts file (query, response, score per line).
     PpoStep(ppo_step::Args),
+    /// Benchmarks (see bench/README.md).
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// One PPO iteration (generation + step) on a random GPT-2, as bench/trl_ppo.py runs TRL.
+    Ppo(bench::Args),
 }
 
 fn main() {
@@ -30,6 +40,7 @@ fn main() {
     let result = match cli.command {
         Command::Generate(args) => generate::run(args),
         Command::PpoStep(args) => ppo_step::run(args),
+        Command::Bench(BenchCommand::Ppo(args)) => bench::run(args),
     };
     if let Err(err) = result {
         eprintln!("error: {err}");

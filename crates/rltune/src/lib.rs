@@ -33,14 +33,18 @@
 //! ```
 #![deny(missing_docs)]
 
+pub mod cpu;
 pub mod data;
 pub mod error;
 pub mod generation;
 pub mod io;
+pub mod logging;
 pub mod models;
 pub mod ops;
 pub mod params;
 pub mod ppo;
+pub mod rewards;
 pub mod tokenizer;
+pub mod train;
 
 pub use error::{Error, Result};

@@ -219,8 +219,9 @@ impl ParamStore {
                 return Err(Error::weights(
                     &self.source,
                     format!(
-                        "tensor {name:?} has shape {:?} but the config implies {:?}; \
-                         the config.json does not match the weights",
+                        "tensor {name:?} has shape {:?} but the config implies {:?}; config.json \
+                         does not match the weights: check its size fields (hidden size, vocab_size, \
+                         heads, layers), remembering that an absent field takes transformers' default",
                         t.dims(),
                         shape.dims()
                     ),

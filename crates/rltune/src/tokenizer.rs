@@ -60,7 +60,8 @@ impl Tokenizer {
         if max_id >= model_vocab_size {
             return Err(Error::Tokenizer(format!(
                 "{}: produces ids up to {max_id} but the model's vocab_size is {model_vocab_size}; \
-                 the tokenizer belongs to a different model",
+                 the tokenizer belongs to a different model: use the tokenizer.json saved with this \
+                 model",
                 self.path.display()
             )));
         }

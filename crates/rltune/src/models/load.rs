@@ -36,27 +36,34 @@ fn pickle_error(dir: &Path, name: &str) -> Error {
     Error::weights(
         dir.join(name),
         "this is a pickle checkpoint; rltune loads only safetensors, because unpickling can execute \
-         arbitrary code. Convert it once with Python: `from transformers import AutoModel; \
-         AutoModel.from_pretrained(DIR).save_pretrained(DIR, safe_serialization=True)` \
-         (or `safetensors.torch.save_file(torch.load(FILE), 'model.safetensors')`)",
+         arbitrary code. Convert it once, with Python, from a source you trust: `from transformers \
+         import AutoModelForCausalLM; AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(DIR, \
+         safe_serialization=True)`, or, keeping every tensor (e.g. a TRL value head), \
+         `safetensors.torch.save_file(torch.load(FILE, weights_only=True), DIR + '/model.safetensors')`",
     )
 }
 
 /// The weight files listed in a sharded checkpoint's index.
 fn shards(dir: &Path, index: &Path) -> Result<Vec<PathBuf>> {
     let v: serde_json::Value = read_json(index)?;
-    let map = v
-        .get("weight_map")
-        .and_then(|m| m.as_object())
-        .ok_or_else(|| Error::config(index, "missing object field \"weight_map\""))?;
+    let map = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| {
+        Error::config(index, "missing object field \"weight_map\" (tensor name -> shard file name)")
+    })?;
     let files: BTreeSet<String> = map.values().filter_map(|f| f.as_str().map(str::to_string)).collect();
-    let files: Vec<PathBuf> = files.into_iter().map(|f| dir.join(f)).collect();
     for f in &files {
-        if !f.exists() {
-            return Err(Error::weights(index, format!("lists shard {} which does not exist", f.display())));
+        if !dir.join(f).exists() {
+            let tensor = map.iter().find(|(_, v)| v.as_str() == Some(f.as_str())).map_or("", |(k, _)| k);
+            return Err(Error::weights(
+                index,
+                format!(
+                    "weight_map lists shard {f:?} (holding e.g. {tensor:?}) but {} does not exist; copy \
+                     every shard into the directory, or re-save the model",
+                    dir.join(f).display()
+                ),
+            ));
         }
     }
-    Ok(files)
+    Ok(files.into_iter().map(|f| dir.join(f)).collect())
 }
 
 /// The files of a local model directory.
@@ -64,23 +71,32 @@ pub fn local_files(dir: &Path) -> Result<ModelFiles> {
     if !dir.is_dir() {
         return Err(Error::io(dir, std::io::Error::new(std::io::ErrorKind::NotFound, "not a directory")));
     }
+    let single = dir.join("model.safetensors");
+    let index = dir.join("model.safetensors.index.json");
+    // A pickle-only directory gets the pickle explanation first: converting it also writes config.json.
+    if !single.exists() && !index.exists() {
+        if let Some(p) = PICKLE_NAMES.iter().find(|n| dir.join(n).exists()) {
+            return Err(pickle_error(dir, p));
+        }
+    }
     let config = dir.join("config.json");
     if !config.exists() {
         return Err(Error::config(
             &config,
-            "not found; a model directory needs config.json (Hugging Face layout)",
+            "not found; a model directory needs config.json and model.safetensors (Hugging Face \
+             layout, as written by transformers' save_pretrained)",
         ));
     }
-    let single = dir.join("model.safetensors");
-    let index = dir.join("model.safetensors.index.json");
     let weights = if single.exists() {
         vec![single]
     } else if index.exists() {
         shards(dir, &index)?
-    } else if let Some(p) = PICKLE_NAMES.iter().find(|n| dir.join(n).exists()) {
-        return Err(pickle_error(dir, p));
     } else {
-        return Err(Error::weights(dir, "no model.safetensors or model.safetensors.index.json found"));
+        return Err(Error::weights(
+            dir,
+            "no model.safetensors or model.safetensors.index.json found; save the weights with \
+             transformers' save_pretrained(DIR, safe_serialization=True)",
+        ));
     };
     let opt = |name: &str| Some(dir.join(name)).filter(|p| p.exists());
     Ok(ModelFiles {
@@ -193,11 +209,25 @@ pub struct LoadedPolicy {
 /// A missing value head is initialized (and logged). Weights are converted to `dtype`.
 pub fn load_policy(model: &str, trainable: bool, dtype: DType, device: &Device) -> Result<LoadedPolicy> {
     let files = locate(model)?;
-    let config_json: serde_json::Value = read_json(&files.config)?;
+    let config_json = read_config_json(&files.config)?;
     let config = CausalLmConfig::from_json(&config_json, &files.config)?;
     let store = ParamStore::load_safetensors(&files.weights, trainable, dtype, device)?;
     let model = policy_from_store(&store, &config)?;
     Ok(LoadedPolicy { files, config_json, config, store, model })
+}
+
+/// Reads `config.json`; a syntax error names the file, line and column, and says how to fix it.
+pub fn read_config_json(path: &Path) -> Result<serde_json::Value> {
+    read_json(path).map_err(|e| match e {
+        Error::Config { path, msg } => Error::config(
+            path,
+            format!(
+                "not valid JSON ({msg}); fix the syntax there, or re-save the model with transformers' \
+                 save_pretrained"
+            ),
+        ),
+        other => other,
+    })
 }
 
 /// Builds the policy (LM + value head) over an existing store.
@@ -262,7 +292,7 @@ pub fn copy_side_files(files: &ModelFiles, dir: &Path) -> Result<()> {
 /// Loads a frozen causal LM (no value head) from a directory or hub id: a reference model.
 pub fn load_reference(model: &str, dtype: DType, device: &Device) -> Result<(ModelFiles, CausalLm)> {
     let files = locate(model)?;
-    let config_json: serde_json::Value = read_json(&files.config)?;
+    let config_json = read_config_json(&files.config)?;
     let config = CausalLmConfig::from_json(&config_json, &files.config)?;
     let store = ParamStore::load_safetensors(&files.weights, false, dtype, device)?;
     let lm = CausalLm::load(&store.root(), &config)?;

@@ -47,16 +47,22 @@ impl CausalLmConfig {
         let model_type = value.get("model_type").and_then(|v| v.as_str()).ok_or_else(|| {
             Error::config(path, "missing string field \"model_type\" (e.g. \"gpt2\", \"llama\")")
         })?;
-        let bad = |e: serde_json::Error| Error::config(path, format!("invalid {model_type} config: {e}"));
+        let bad = |e: serde_json::Error, field: Option<String>| {
+            let field = field.map(|f| format!("field {f:?}: ")).unwrap_or_default();
+            Error::config(path, format!("invalid {model_type} config: {field}{e}; fix it in config.json"))
+        };
+        let invalid = |m: String| {
+            Error::config(path, format!("{m}; fix config.json to describe the checkpoint's model"))
+        };
         match model_type {
             "gpt2" => {
-                let c: gpt2::Gpt2Config = serde_json::from_value(value.clone()).map_err(bad)?;
-                c.validate().map_err(|m| Error::config(path, m))?;
+                let c: gpt2::Gpt2Config = parse_config(value).map_err(|(e, f)| bad(e, f))?;
+                c.validate().map_err(invalid)?;
                 Ok(Self::Gpt2(c))
             }
             "llama" | "qwen2" | "mistral" => {
-                let c: llama::LlamaConfig = serde_json::from_value(value.clone()).map_err(bad)?;
-                c.validate().map_err(|m| Error::config(path, m))?;
+                let c: llama::LlamaConfig = parse_config(value).map_err(|(e, f)| bad(e, f))?;
+                c.validate().map_err(invalid)?;
                 Ok(Self::Llama(c))
             }
             other => Err(Error::UnsupportedModel {
@@ -104,6 +110,26 @@ impl CausalLmConfig {
             Self::Llama(c) => Some(c.max_positions()),
         }
     }
+}
+
+/// Deserializes a config; on failure also returns the field at fault when the error does not name
+/// it (serde's "invalid type" errors from a `Value` do not): the one field whose removal fixes it.
+fn parse_config<T: serde::de::DeserializeOwned>(
+    value: &serde_json::Value,
+) -> std::result::Result<T, (serde_json::Error, Option<String>)> {
+    serde_json::from_value(value.clone()).map_err(|e| {
+        let culprit =
+            value.as_object().filter(|_| !e.to_string().starts_with("missing field")).and_then(|obj| {
+                obj.keys()
+                    .find(|k| {
+                        let mut without = obj.clone();
+                        without.remove(k.as_str());
+                        serde_json::from_value::<T>(serde_json::Value::Object(without)).is_ok()
+                    })
+                    .cloned()
+            });
+        (e, culprit)
+    })
 }
 
 #[derive(Debug, Clone)]

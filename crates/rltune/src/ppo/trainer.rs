@@ -145,6 +145,9 @@ impl PpoTrainer {
         reference: CausalLm,
     ) -> Result<Self> {
         config.validate().map_err(Error::Input)?;
+        if store.device().is_cpu() {
+            crate::cpu::flush_denormals();
+        }
         if !store.trainable() {
             return Err(Error::Input("the policy's parameters must be trainable".into()));
         }
@@ -670,8 +673,11 @@ fn average_minibatch_stats(stats: &mut Stats, mbs: &[Stats]) -> Result<()> {
 }
 
 /// Warns, in the log and the stats, when the KL estimate is negative.
+///
+/// Float noise (a rollout-cached logprob vs the reference's recomputation) can make an exact 0
+/// read as −1e-7; only estimates below −1e-4 count.
 fn negative_kl_guard(stats: &mut Stats, mean_kl: f64) {
-    if mean_kl < 0.0 {
+    if mean_kl < -1e-4 {
         let msg = format!(
             "objective/kl is negative ({mean_kl:.4}): the responses were likely not sampled from the policy \
              as it is now (top-k, top-p, min-length or a different temperature, or responses from elsewhere); \

@@ -1,0 +1,160 @@
+//! `rltune bench ppo`: the PPO iteration benchmark that `bench/trl_ppo.py` mirrors for TRL.
+//!
+//! One iteration = batched generation (pure sampling, never stopping at EOS, so every response
+//! has exactly 24 tokens) + `PpoTrainer::step` on random scores. Models are randomly initialized
+//! GPT-2s; the reward model is not part of the timed work.
+
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use candle_core::{DType, Device};
+use rand::{Rng, SeedableRng};
+use rltune::generation::{generate, GenerationConfig};
+use rltune::models::gpt2::Gpt2Config;
+use rltune::models::{CausalLm, CausalLmConfig, CausalLmWithValueHead};
+use rltune::params::ParamStore;
+use rltune::ppo::{PpoConfig, PpoTrainer, RolloutCache, Stat, StepInput};
+
+/// Arguments of `rltune bench ppo`.
+#[derive(clap::Args)]
+pub struct Args {
+    /// `small` (4 layers, d=256, vocab 8192, B=64) or `gpt2` (GPT-2 small shape, B=16).
+    #[arg(long, default_value = "small")]
+    preset: String,
+    /// Timed iterations (after one warm-up).
+    #[arg(long, default_value_t = 3)]
+    iters: usize,
+    /// Recompute old logprobs and values with a second forward pass (as TRL does) instead of
+    /// reusing the rollout's.
+    #[arg(long)]
+    no_rollout_cache: bool,
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+struct Preset {
+    cfg: Gpt2Config,
+    batch: usize,
+    mini_batch: usize,
+}
+
+fn preset(name: &str) -> Result<Preset> {
+    Ok(match name {
+        "small" => Preset { cfg: Gpt2Config::tiny(8192, 256, 4, 4, 64), batch: 64, mini_batch: 16 },
+        "gpt2" => Preset { cfg: Gpt2Config::tiny(50257, 768, 12, 12, 1024), batch: 16, mini_batch: 4 },
+        other => bail!("unknown preset {other:?}; use small or gpt2"),
+    })
+}
+
+const QUERY_LEN: usize = 8;
+const RESPONSE_LEN: usize = 24;
+
+/// Peak resident set size of this process, in MiB (Linux `VmHWM`).
+fn peak_rss_mib() -> f64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|kb| kb.parse::<f64>().ok())
+        .map_or(f64::NAN, |kb| kb / 1024.0)
+}
+
+fn median(xs: &mut [f64]) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
+}
+
+/// Runs `rltune bench ppo`.
+pub fn run(args: Args) -> Result<()> {
+    if args.iters == 0 {
+        bail!("--iters must be at least 1");
+    }
+    let p = preset(&args.preset)?;
+    let dev = Device::Cpu;
+    let cfg = CausalLmConfig::Gpt2(p.cfg.clone());
+    let store = ParamStore::random(0, true, DType::F32, &dev)?;
+    let lm = CausalLm::load(&store.root(), &cfg)?;
+    let policy = CausalLmWithValueHead::load(&store.root(), lm)?;
+    let reference = CausalLm::load(&store.frozen_copy()?.root(), &cfg)?;
+    let ppo = PpoConfig {
+        batch_size: p.batch,
+        mini_batch_size: p.mini_batch,
+        ppo_epochs: 4,
+        ..Default::default()
+    };
+    let mut trainer = PpoTrainer::new(ppo, store, policy, reference)?;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+    let eos = p.cfg.eos_token_id.unwrap_or(0);
+    let (mut totals, mut gens, mut steps, mut fwd, mut opt) = (vec![], vec![], vec![], vec![], vec![]);
+    for it in 0..=args.iters {
+        let queries: Vec<Vec<u32>> = (0..p.batch)
+            .map(|_| (0..QUERY_LEN).map(|_| rng.gen_range(0..eos)).collect())
+            .collect();
+        let t0 = Instant::now();
+        let gen_cfg = GenerationConfig {
+            max_new_tokens: RESPONSE_LEN,
+            stop_at_eos: false,
+            seed: it as u64,
+            ..Default::default()
+        };
+        let samples = generate(&trainer.policy.lm, Some(&trainer.policy.v_head), &queries, &gen_cfg, &dev)?;
+        let t_gen = t0.elapsed().as_secs_f64();
+        let responses: Vec<Vec<u32>> = samples.iter().map(|s| s.response_ids.clone()).collect();
+        let scores: Vec<f32> = (0..p.batch).map(|_| rng.gen_range(-1.0..1.0)).collect();
+        let caches: Vec<RolloutCache> = samples
+            .iter()
+            .map(|s| RolloutCache { logprobs: s.logprobs.clone(), values: s.values.clone().unwrap_or_default() })
+            .collect();
+        let t1 = Instant::now();
+        let stats = trainer.step_with(StepInput {
+            queries: &queries,
+            responses: &responses,
+            scores: &scores,
+            response_masks: None,
+            rollout: (!args.no_rollout_cache).then_some(caches.as_slice()),
+        })?;
+        let t_step = t1.elapsed().as_secs_f64();
+        let get = |k: &str| stats.get(k).and_then(Stat::as_f64).unwrap_or(f64::NAN);
+        if !args.json {
+            eprintln!(
+                "{} {it}: generation {t_gen:.3}s, step {t_step:.3}s (forward {:.3}s, optimize {:.3}s)",
+                if it == 0 { "warm-up" } else { "iteration" },
+                get("time/ppo/forward_pass"),
+                get("time/ppo/optimize_step"),
+            );
+        }
+        if it > 0 {
+            totals.push(t_gen + t_step);
+            gens.push(t_gen);
+            steps.push(t_step);
+            fwd.push(get("time/ppo/forward_pass"));
+            opt.push(get("time/ppo/optimize_step"));
+        }
+    }
+    let total = median(&mut totals);
+    let out = serde_json::json!({
+        "impl": "rltune",
+        "preset": args.preset,
+        "rollout_cache": !args.no_rollout_cache,
+        "median_total_s": total,
+        "median_generation_s": median(&mut gens),
+        "median_step_s": median(&mut steps),
+        "median_forward_pass_s": median(&mut fwd),
+        "median_optimize_step_s": median(&mut opt),
+        "tokens_per_s": (p.batch * RESPONSE_LEN) as f64 / total,
+        "peak_rss_mib": peak_rss_mib(),
+        "threads": rayon_threads(),
+    });
+    if args.json {
+        println!("{out}");
+    } else {
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    }
+    Ok(())
+}
+
+fn rayon_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}

@@ -1,0 +1,155 @@
+//! The `rltune` binary, run as a user runs it: output format, exit codes, messages.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+/// `tools/fixtures/<rel>` in the repository.
+fn fixture(rel: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tools/fixtures").join(rel)
+}
+
+/// Runs `rltune generate --model MODEL ARGS…` with a hub cache that cannot reach the network.
+fn generate(model: &str, args: &[&str]) -> Output {
+    let hf_home = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_rltune"))
+        .args(["generate", "--model", model])
+        .args(args)
+        .env("HF_HUB_OFFLINE", "1")
+        .env("HF_HOME", hf_home.path())
+        .env("RUST_LOG", "info")
+        .output()
+        .expect("run rltune");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "rltune panicked:\n{stderr}");
+    out
+}
+
+fn stdout(out: &Output) -> String {
+    String::from_utf8(out.stdout.clone()).expect("stdout is UTF-8")
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// Each stdout line parsed as a JSON object.
+fn json_lines(out: &Output) -> Vec<serde_json::Value> {
+    assert!(out.status.success(), "rltune failed:\n{}", stderr(out));
+    stdout(out)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect()
+}
+
+/// Checks one sample object: integer `response_ids`, float `logprobs` (each ≤ 0), same length.
+fn check_sample(obj: &serde_json::Value, vocab_size: u64) -> usize {
+    let ids = obj["response_ids"].as_array().expect("response_ids is an array");
+    let lps = obj["logprobs"].as_array().expect("logprobs is an array");
+    assert_eq!(ids.len(), lps.len(), "{obj}");
+    assert!(!ids.is_empty(), "{obj}");
+    assert!(ids.iter().all(|v| v.as_u64().is_some_and(|id| id < vocab_size)), "{obj}");
+    assert!(lps.iter().all(|v| v.is_f64() && v.as_f64().unwrap() <= 0.0), "{obj}");
+    ids.len()
+}
+
+#[test]
+fn json_prints_one_line_per_sample_with_ids_and_logprobs() {
+    let model = fixture("models/gpt2_value_head");
+    let out = generate(
+        model.to_str().unwrap(),
+        &["--prompt-ids", "1,2,3", "--num-samples", "3", "--max-new-tokens", "5", "--json"],
+    );
+    let lines = json_lines(&out);
+    assert_eq!(lines.len(), 3, "{}", stdout(&out));
+    for (i, obj) in lines.iter().enumerate() {
+        assert_eq!(obj["sample"], i);
+        assert_eq!(obj["query_ids"], serde_json::json!([1, 2, 3]));
+        assert!(check_sample(obj, 101) <= 5);
+        assert!(obj.get("text").is_none(), "no tokenizer, so no text: {obj}");
+    }
+}
+
+#[test]
+fn model_directory_without_tokenizer_works_with_prompt_ids() {
+    let model = fixture("models/gpt2");
+    assert!(!model.join("tokenizer.json").exists());
+    let args = ["--prompt-ids", "5,6", "--num-samples", "2", "--max-new-tokens", "4", "--seed", "7"];
+    let lines = json_lines(&generate(model.to_str().unwrap(), &[&args[..], &["--json"]].concat()));
+    assert_eq!(lines.len(), 2);
+    for obj in &lines {
+        check_sample(obj, 101);
+    }
+    // Plain output: one line per sample.
+    let out = generate(model.to_str().unwrap(), &args);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert_eq!(text.lines().count(), 2, "{text}");
+    assert!(text.starts_with("[0] (logprob "), "{text}");
+}
+
+#[test]
+fn prompt_text_is_tokenized_and_responses_decoded_with_tokenizer_json() {
+    let dir = tempfile::tempdir().unwrap();
+    for (src, name) in
+        [("ppo/init/config.json", "config.json"), ("ppo/init/model.safetensors", "model.safetensors")]
+    {
+        std::fs::copy(fixture(src), dir.path().join(name)).unwrap();
+    }
+    std::fs::copy(fixture("ppo/tokenizer.json"), dir.path().join("tokenizer.json")).unwrap();
+    let tok = rltune::tokenizer::Tokenizer::from_file(&dir.path().join("tokenizer.json")).unwrap();
+    let out = generate(
+        dir.path().to_str().unwrap(),
+        &["--prompt", "hello", "--num-samples", "2", "--max-new-tokens", "6", "--json"],
+    );
+    let lines = json_lines(&out);
+    assert_eq!(lines.len(), 2);
+    let want: Vec<u32> = tok.encode("hello").unwrap();
+    for obj in &lines {
+        check_sample(obj, tok.vocab_size() as u64);
+        assert_eq!(obj["query_ids"], serde_json::json!(want));
+        let ids: Vec<u32> =
+            obj["response_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+        assert_eq!(obj["text"].as_str(), Some(tok.decode(&ids).unwrap().as_str()), "{obj}");
+    }
+}
+
+#[test]
+fn prompt_text_without_tokenizer_fails_and_suggests_prompt_ids() {
+    let model = fixture("models/gpt2");
+    let out = generate(model.to_str().unwrap(), &["--prompt", "hello"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = stderr(&out);
+    assert!(err.contains("tokenizer.json") && err.contains("--prompt-ids"), "{err}");
+    assert!(stdout(&out).is_empty());
+}
+
+#[test]
+fn hub_id_offline_fails_cleanly_and_says_to_pass_a_local_directory() {
+    let out = generate("rltune-test/no-such-model", &["--prompt-ids", "1,2"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = stderr(&out);
+    assert!(err.contains("error: cannot load model \"rltune-test/no-such-model\""), "{err}");
+    assert!(err.contains("local directory"), "{err}");
+}
+
+#[test]
+fn prompt_ids_outside_the_vocabulary_fail_with_exit_code_1() {
+    let model = fixture("models/gpt2");
+    let out = generate(model.to_str().unwrap(), &["--prompt-ids", "1,101"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = stderr(&out);
+    assert!(err.contains("token id 101") && err.contains("vocab_size 101"), "{err}");
+}
+
+#[test]
+fn top_k_warns_that_it_biases_the_kl_estimate() {
+    let model = fixture("models/gpt2_value_head");
+    let out = generate(model.to_str().unwrap(), &["--prompt-ids", "1,2,3", "--top-k", "5", "--json"]);
+    let lines = json_lines(&out);
+    assert_eq!(lines.len(), 1);
+    let err = stderr(&out);
+    assert!(err.contains("WARN") && err.contains("top_k") && err.contains("KL estimate"), "{err}");
+    // Without it, no warning.
+    let out = generate(model.to_str().unwrap(), &["--prompt-ids", "1,2,3", "--json"]);
+    assert!(!stderr(&out).contains("KL estimate"), "{}", stderr(&out));
+}

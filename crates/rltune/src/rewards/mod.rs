@@ -1,0 +1,1 @@
+//! Reward sources. Placeholder.

@@ -1,0 +1,1 @@
+//! Supervised trainers: SFT and reward models. Placeholder.
