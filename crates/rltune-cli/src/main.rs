@@ -5,6 +5,7 @@
 
 mod bench;
 mod generate;
+mod ppo;
 mod ppo_step;
 
 use clap::{Parser, Subcommand};
@@ -21,6 +22,8 @@ struct Cli {
 enum Command {
     /// Sample continuations of a prompt, with each token's logprob.
     Generate(generate::Args),
+    /// Train with PPO: rollout, reward, update, in a loop (see configs/).
+    Ppo(ppo::Args),
     /// One PPO update from a rollouts file (query, response, score per line).
     PpoStep(ppo_step::Args),
     /// Benchmarks (see bench/README.md).
@@ -35,10 +38,12 @@ enum BenchCommand {
 }
 
 fn main() {
+    rltune::cpu::default_thread_setup();
     init_tracing();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Generate(args) => generate::run(args),
+        Command::Ppo(args) => ppo::run(args),
         Command::PpoStep(args) => ppo_step::run(args),
         Command::Bench(BenchCommand::Ppo(args)) => bench::run(args),
     };

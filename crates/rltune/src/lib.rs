@@ -43,7 +43,9 @@ pub mod models;
 pub mod ops;
 pub mod params;
 pub mod ppo;
+pub mod quickstart;
 pub mod rewards;
+pub mod run;
 pub mod tokenizer;
 pub mod train;
 

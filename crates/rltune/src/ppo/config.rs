@@ -67,6 +67,11 @@ pub struct PpoConfig {
     pub temperature: f64,
     /// Subtracted from the score of a response that does not end in EOS. rltune only; default none.
     pub missing_eos_penalty: Option<f64>,
+    /// PPO steps of a training run (`rltune ppo`; TRL: 20000). `step()` ignores it.
+    pub steps: usize,
+    /// In `rltune ppo`, reuse the rollout's logprobs and values instead of a second policy forward
+    /// pass (trl-textworld's optimization; equal up to float rounding). rltune only; default true.
+    pub rollout_cache: bool,
 }
 
 impl Default for PpoConfig {
@@ -98,6 +103,8 @@ impl Default for PpoConfig {
             seed: 0,
             temperature: 1.0,
             missing_eos_penalty: None,
+            steps: 20000,
+            rollout_cache: true,
         }
     }
 }
@@ -130,6 +137,8 @@ const FIELDS: &[&str] = &[
     "seed",
     "temperature",
     "missing_eos_penalty",
+    "steps",
+    "rollout_cache",
 ];
 
 impl PpoConfig {
@@ -172,6 +181,7 @@ impl PpoConfig {
         pos("mini_batch_size", self.mini_batch_size)?;
         pos("gradient_accumulation_steps", self.gradient_accumulation_steps)?;
         pos("ppo_epochs", self.ppo_epochs)?;
+        pos("steps", self.steps)?;
         if self.batch_size % self.backward_batch_size() != 0 {
             return Err(format!(
                 "ppo.batch_size ({}) must be a multiple of mini_batch_size × gradient_accumulation_steps \

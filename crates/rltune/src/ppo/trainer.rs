@@ -190,6 +190,11 @@ impl PpoTrainer {
         &self.kl_ctl
     }
 
+    /// The KL controller, to restore it from a checkpoint.
+    pub fn kl_controller_mut(&mut self) -> &mut KlController {
+        &mut self.kl_ctl
+    }
+
     /// The optimizer (its moments go into checkpoints).
     pub fn optimizer(&self) -> &Adam {
         &self.optimizer

@@ -1,0 +1,99 @@
+//! `rltune ppo --config FILE.toml`: the PPO training loop with progress and Ctrl-C handling.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use rltune::run::{PpoRun, RunConfig, StepReport};
+
+/// Arguments of `rltune ppo`.
+#[derive(clap::Args)]
+pub struct Args {
+    /// Run config (TOML with [model], [ref_model], [reward], [data], [generation], [ppo],
+    /// [logging], [checkpoint]); see configs/.
+    #[arg(long)]
+    config: PathBuf,
+    /// Override a config value, e.g. --set ppo.learning_rate=1e-5 (repeatable).
+    #[arg(long = "set", value_name = "TABLE.KEY=VALUE")]
+    set: Vec<String>,
+    /// Continue from the latest checkpoint in the run directory (needs optimizer state).
+    #[arg(long)]
+    resume: bool,
+}
+
+/// Sets a flag on Ctrl-C (the loop finishes its step, checkpoints and exits); a second Ctrl-C
+/// exits at once.
+pub fn stop_flag() -> Result<Arc<AtomicBool>> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let s = stop.clone();
+    ctrlc::set_handler(move || {
+        if s.swap(true, Ordering::SeqCst) {
+            eprintln!("\ninterrupted twice: exiting without a checkpoint");
+            std::process::exit(130);
+        }
+        eprintln!("\nCtrl-C: finishing the current step, then writing a checkpoint (Ctrl-C again to abort)");
+    })
+    .context("cannot install the Ctrl-C handler")?;
+    Ok(stop)
+}
+
+/// A progress bar on a terminal, plain lines otherwise.
+pub struct Progress {
+    bar: Option<indicatif::ProgressBar>,
+}
+
+impl Progress {
+    /// A progress display for `total` steps.
+    pub fn new(total: usize, done: usize, what: &str) -> Self {
+        use std::io::IsTerminal;
+        let bar = std::io::stderr().is_terminal().then(|| {
+            let bar = indicatif::ProgressBar::new(total as u64);
+            let style = indicatif::ProgressStyle::with_template(&format!(
+                "{what} {{bar:30}} {{pos}}/{{len}} [{{elapsed_precise}} < {{eta_precise}}] {{msg}}"
+            ))
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar());
+            bar.set_style(style);
+            bar.set_position(done as u64);
+            bar
+        });
+        Self { bar }
+    }
+
+    /// Shows one step's report.
+    pub fn step(&self, r: &StepReport) {
+        let msg = if r.skipped {
+            "batch skipped (non-finite reward)".to_string()
+        } else {
+            format!("reward {:.3}  kl {:.3}", r.reward_mean, r.kl)
+        };
+        match &self.bar {
+            Some(bar) => {
+                bar.set_position(r.step as u64);
+                bar.set_message(msg);
+            }
+            None => eprintln!("step {}/{}: {msg}", r.step, r.total),
+        }
+    }
+
+    /// Removes the bar.
+    pub fn finish(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish();
+        }
+    }
+}
+
+/// Runs `rltune ppo`.
+pub fn run(args: Args) -> Result<()> {
+    let config = RunConfig::load(&args.config, &args.set)?;
+    let dir = config.logging.dir.clone();
+    let steps = config.ppo.steps;
+    let stop = stop_flag()?;
+    let mut run = PpoRun::prepare(config, Vec::new(), args.resume)?;
+    let progress = Progress::new(steps, 0, "ppo");
+    let done = run.run(&stop, &mut |r| progress.step(r))?;
+    progress.finish();
+    eprintln!("{done} steps; metrics: {0}/metrics.jsonl, report: {0}/report.html", dir.display());
+    Ok(())
+}

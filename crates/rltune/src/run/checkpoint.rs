@@ -1,0 +1,113 @@
+//! Checkpoints of a PPO run: `DIR/checkpoints/step-N/`, the policy and value head in Hugging Face
+//! layout (loadable by transformers and TRL), plus `trainer_state.json`; with optimizer state
+//! also `optimizer.safetensors` (Adam's moments), which `--resume` needs. No reference model is
+//! saved: it is the run's `[ref_model]` (or the initial `[model]`).
+//!
+//! Every checkpoint is written to a temporary directory and renamed into place.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{Device, Tensor};
+
+use crate::error::{Error, Result};
+use crate::io::{read_json, write_bytes_atomic};
+use crate::models::load::{copy_side_files, save_dir_atomic, ModelFiles};
+use crate::ppo::{KlController, PpoTrainer};
+
+/// `trainer_state.json`
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct TrainerState {
+    /// PPO steps done.
+    pub step: usize,
+    /// The KL controller after that step.
+    pub kl_controller: KlController,
+    /// Adam steps taken.
+    pub adam_steps: u64,
+    /// Whether `optimizer.safetensors` is present.
+    pub optimizer_state: bool,
+}
+
+/// Saves a checkpoint of `trainer` after `step` steps into `dir`.
+pub fn save_checkpoint(
+    dir: &Path,
+    trainer: &PpoTrainer,
+    config_json: &serde_json::Value,
+    files: &ModelFiles,
+    optimizer_state: bool,
+    step: usize,
+) -> Result<()> {
+    save_dir_atomic(dir, |tmp| {
+        trainer.store.save_safetensors(&tmp.join("model.safetensors"))?;
+        let cfg = serde_json::to_string_pretty(config_json).map_err(|e| Error::Input(e.to_string()))?;
+        write_bytes_atomic(&tmp.join("config.json"), cfg.as_bytes())?;
+        copy_side_files(files, tmp)?;
+        let opt = trainer.optimizer();
+        if optimizer_state {
+            let mut tensors = HashMap::new();
+            for (i, (name, var)) in trainer.store.vars().iter().enumerate() {
+                let (m, v) = opt.moments(i);
+                tensors.insert(format!("m.{name}"), Tensor::from_slice(m, var.shape(), &Device::Cpu)?);
+                tensors.insert(format!("v.{name}"), Tensor::from_slice(v, var.shape(), &Device::Cpu)?);
+            }
+            let path = tmp.join("optimizer.safetensors");
+            candle_core::safetensors::save(&tensors, &path)
+                .map_err(|e| Error::weights(&path, e.to_string()))?;
+        }
+        let state = TrainerState {
+            step,
+            kl_controller: trainer.kl_controller().clone(),
+            adam_steps: opt.steps(),
+            optimizer_state,
+        };
+        let text = serde_json::to_string_pretty(&state).map_err(|e| Error::Input(e.to_string()))?;
+        write_bytes_atomic(&tmp.join("trainer_state.json"), text.as_bytes())
+    })
+}
+
+/// The checkpoint with the most steps under `run_dir/checkpoints`, if any.
+pub fn latest_checkpoint(run_dir: &Path) -> Result<Option<(usize, PathBuf)>> {
+    let dir = run_dir.join("checkpoints");
+    if !dir.exists() {
+        return Ok(None);
+    }
+    let mut best: Option<(usize, PathBuf)> = None;
+    for entry in std::fs::read_dir(&dir).map_err(|e| Error::io(&dir, e))? {
+        let path = entry.map_err(|e| Error::io(&dir, e))?.path();
+        let step = path.file_name().and_then(|n| n.to_str()).and_then(|n| n.strip_prefix("step-"));
+        if let Some(step) = step.and_then(|s| s.parse::<usize>().ok()) {
+            if best.as_ref().is_none_or(|(b, _)| step > *b) {
+                best = Some((step, path));
+            }
+        }
+    }
+    Ok(best)
+}
+
+/// Restores the KL controller and Adam's moments from a checkpoint (the weights were loaded
+/// from it already). Fails if it was saved without optimizer state.
+pub fn load_trainer_state(dir: &Path, trainer: &mut PpoTrainer) -> Result<TrainerState> {
+    let state: TrainerState = read_json(&dir.join("trainer_state.json"))?;
+    if !state.optimizer_state {
+        return Err(Error::Input(format!(
+            "{}: saved without optimizer state, so the run cannot resume exactly; set \
+             [checkpoint] optimizer_state = true (or start a new run from this directory as [model])",
+            dir.display()
+        )));
+    }
+    let path = dir.join("optimizer.safetensors");
+    let t = candle_core::safetensors::load(&path, &Device::Cpu)
+        .map_err(|e| Error::weights(&path, e.to_string()))?;
+    let (mut ms, mut vs) = (Vec::new(), Vec::new());
+    for (name, _) in trainer.store.vars() {
+        let get = |k: String| -> Result<Vec<f32>> {
+            let x = t.get(&k).ok_or_else(|| Error::weights(&path, format!("missing {k}")))?;
+            Ok(x.flatten_all()?.to_vec1::<f32>()?)
+        };
+        ms.push(get(format!("m.{name}"))?);
+        vs.push(get(format!("v.{name}"))?);
+    }
+    trainer.optimizer_mut().restore(ms, vs, state.adam_steps);
+    *trainer.kl_controller_mut() = state.kl_controller.clone();
+    Ok(state)
+}

@@ -1,0 +1,8 @@
+//! Training runs: the config file, the PPO loop, checkpoints.
+
+pub mod checkpoint;
+pub mod config;
+pub mod ppo_loop;
+
+pub use config::RunConfig;
+pub use ppo_loop::{PpoRun, StepReport};

@@ -1,0 +1,360 @@
+//! The PPO training loop of `rltune ppo`: rollout → evaluation → optimization, logged.
+//!
+//! Each step, top to bottom: take `batch_size` prompts (shuffled each epoch), cut each to a sampled
+//! length (TRL's `LengthSampler`), sample responses with the KV cache (their logprobs and values
+//! come along), score them with the reward sources, call [`PpoTrainer::step_with`], add the `env/*`
+//! stats TRL's `log_stats` adds, log, and checkpoint.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use candle_core::{DType, Device};
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+
+use super::checkpoint::{latest_checkpoint, load_trainer_state, save_checkpoint};
+use super::config::{RewardSourceConfig, RunConfig};
+use crate::data::prompts::{load_prompts, LengthSampler, PromptRow};
+use crate::error::{Error, Result};
+use crate::generation::{generate, GenerationConfig, Sample};
+use crate::logging::{RunLogger, SampleRow};
+use crate::models::load::{load_policy, load_reference, LoadedPolicy};
+use crate::models::CausalLm;
+use crate::ppo::stats::mean_std;
+use crate::ppo::{PpoTrainer, RolloutCache, Stat, StepInput};
+use crate::rewards::{
+    ClassifierReward, ClassifierRewardConfig, CommandReward, RewardInput, RewardSource, WeightedSum,
+};
+use crate::tokenizer::Tokenizer;
+
+/// What the loop reports after each step (for progress bars).
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepReport {
+    /// Steps done (1-based).
+    pub step: usize,
+    /// Steps in the run.
+    pub total: usize,
+    /// `env/reward_mean`, or NaN for a skipped batch.
+    pub reward_mean: f64,
+    /// `objective/kl`, or NaN for a skipped batch.
+    pub kl: f64,
+    /// Whether the batch was skipped (a non-finite reward).
+    pub skipped: bool,
+}
+
+/// A prepared PPO run.
+pub struct PpoRun {
+    config: RunConfig,
+    /// The trainer (policy, reference, optimizer, KL controller).
+    pub trainer: PpoTrainer,
+    policy_files: crate::models::load::ModelFiles,
+    config_json: serde_json::Value,
+    tokenizer: Tokenizer,
+    prompts: Vec<(Vec<u32>, PromptRow)>,
+    reward: Box<dyn RewardSource>,
+    logger: RunLogger,
+    start_step: usize,
+    skipped: usize,
+    device: Device,
+}
+
+/// Builds the reward sources of `[reward]`, plus `extra` ones from code (e.g. closures).
+pub fn build_rewards(
+    cfg: &RunConfig,
+    extra: Vec<(f32, Box<dyn RewardSource>)>,
+    device: &Device,
+) -> Result<Box<dyn RewardSource>> {
+    let mut parts: Vec<(f32, Box<dyn RewardSource>)> = Vec::new();
+    for s in &cfg.reward.sources {
+        match s {
+            RewardSourceConfig::Classifier { model, label, output, text, batch_size, weight } => {
+                let c = ClassifierRewardConfig {
+                    label: label.clone(),
+                    output: *output,
+                    text: *text,
+                    batch_size: *batch_size,
+                };
+                parts.push((
+                    *weight,
+                    Box::new(ClassifierReward::from_pretrained(model, c, DType::F32, device)?),
+                ));
+            }
+            RewardSourceConfig::Command { command, timeout_s, weight } => {
+                let timeout = std::time::Duration::from_secs_f64(*timeout_s);
+                parts.push((
+                    *weight,
+                    Box::new(CommandReward::spawn(command.clone())?.with_timeout(Some(timeout))),
+                ));
+            }
+        }
+    }
+    parts.extend(extra);
+    Ok(Box::new(WeightedSum::new(parts)?))
+}
+
+impl PpoRun {
+    /// Loads models, data and rewards; with `resume`, continues from the latest checkpoint in the
+    /// run directory (which must hold optimizer state).
+    pub fn prepare(
+        config: RunConfig,
+        extra_rewards: Vec<(f32, Box<dyn RewardSource>)>,
+        resume: bool,
+    ) -> Result<Self> {
+        let device = Device::Cpu;
+        let ckpt = if resume { latest_checkpoint(&config.logging.dir)? } else { None };
+        if resume && ckpt.is_none() {
+            return Err(Error::Input(format!(
+                "--resume: no checkpoint under {}/checkpoints; run without --resume to start",
+                config.logging.dir.display()
+            )));
+        }
+        let policy_src = ckpt.as_ref().map_or(config.model.path.clone(), |(_, p)| p.display().to_string());
+        let LoadedPolicy { files, config_json, config: lm_cfg, store, model } =
+            load_policy(&policy_src, true, DType::F32, &device)?;
+        let reference = match &config.ref_model {
+            Some(r) => load_reference(&r.path, DType::F32, &device)?.1,
+            None if ckpt.is_some() => load_reference(&config.model.path, DType::F32, &device)?.1,
+            None => CausalLm::load(&store.frozen_copy()?.root(), &lm_cfg)?,
+        };
+        let tok_path = files.tokenizer.clone().ok_or_else(|| {
+            Error::Tokenizer(format!(
+                "{}: no tokenizer.json; `rltune ppo` needs one to encode prompts",
+                files.dir.display()
+            ))
+        })?;
+        let tokenizer = Tokenizer::from_file(&tok_path)?;
+        tokenizer.check_fits(lm_cfg.vocab_size())?;
+        let mut trainer = PpoTrainer::new(config.ppo.clone(), store, model, reference)?;
+        let mut start_step = 0;
+        if let Some((step, dir)) = &ckpt {
+            load_trainer_state(dir, &mut trainer)?;
+            start_step = *step;
+        }
+        let rows = load_prompts(&config.data.source, &config.data.text_column, None)?;
+        let prompts = rows
+            .into_iter()
+            .map(|r| Ok((tokenizer.encode(&r.text)?, r)))
+            .filter(|r: &Result<(Vec<u32>, PromptRow)>| r.as_ref().map_or(true, |(ids, _)| !ids.is_empty()))
+            .collect::<Result<Vec<_>>>()?;
+        if prompts.len() < config.ppo.batch_size {
+            return Err(Error::Input(format!(
+                "{}: {} usable prompts but [ppo] batch_size is {}",
+                config.data.source,
+                prompts.len(),
+                config.ppo.batch_size
+            )));
+        }
+        let reward = build_rewards(&config, extra_rewards, &device)?;
+        let logger = RunLogger::create(&config.logging.dir, resume)?;
+        let resolved = config.to_toml()?;
+        crate::io::write_bytes_atomic(&config.logging.dir.join("config.toml"), resolved.as_bytes())?;
+        Ok(Self {
+            config,
+            trainer,
+            policy_files: files,
+            config_json,
+            tokenizer,
+            prompts,
+            reward,
+            logger,
+            start_step,
+            skipped: 0,
+            device,
+        })
+    }
+
+    /// Runs the remaining steps. `stop` (set by Ctrl-C) ends the run after the current step with a
+    /// checkpoint. Returns the number of steps done in total.
+    pub fn run(&mut self, stop: &AtomicBool, progress: &mut dyn FnMut(&StepReport)) -> Result<usize> {
+        let total = self.config.ppo.steps;
+        let b = self.config.ppo.batch_size;
+        let sampler =
+            LengthSampler::new(self.config.data.min_query_tokens, self.config.data.max_query_tokens)?;
+        let mut rng = rand::rngs::StdRng::seed_from_u64(self.config.ppo.seed ^ 0x5eed);
+        let mut order: Vec<usize> = Vec::new();
+        // Replay the data order of the steps already done, so a resumed run sees the same prompts.
+        for _ in 0..self.start_step {
+            self.next_batch(&mut order, &mut rng, &sampler, b);
+        }
+        let mut step = self.start_step;
+        while step < total {
+            let batch = self.next_batch(&mut order, &mut rng, &sampler, b);
+            let report = self.one_step(step, &batch)?;
+            step += 1;
+            progress(&StepReport { step, ..report });
+            let stopping = stop.load(Ordering::SeqCst);
+            let every = self.config.checkpoint.every;
+            if stopping || step == total || (every > 0 && step % every == 0) {
+                self.checkpoint(step)?;
+            }
+            if stopping || step == total || step % self.config.logging.report_every.max(1) == 0 {
+                self.logger.write_report()?;
+            }
+            if stopping {
+                tracing::info!("stopped after step {step}; checkpoint written");
+                break;
+            }
+        }
+        Ok(step)
+    }
+
+    /// The next `b` prompts (reshuffled each epoch) as `(prompt index, query length)`.
+    fn next_batch(
+        &self,
+        order: &mut Vec<usize>,
+        rng: &mut rand::rngs::StdRng,
+        sampler: &LengthSampler,
+        b: usize,
+    ) -> Vec<(usize, usize)> {
+        let mut out = Vec::with_capacity(b);
+        while out.len() < b {
+            if order.is_empty() {
+                *order = (0..self.prompts.len()).collect();
+                order.shuffle(rng);
+                order.reverse();
+            }
+            if let Some(i) = order.pop() {
+                // The length is drawn here, so a resumed run replays it with the order.
+                out.push((i, sampler.sample(rng)));
+            }
+        }
+        out
+    }
+
+    fn one_step(&mut self, step: usize, batch: &[(usize, usize)]) -> Result<StepReport> {
+        let queries: Vec<Vec<u32>> = batch
+            .iter()
+            .map(|&(i, len)| {
+                let ids = &self.prompts[i].0;
+                ids[..ids.len().min(len)].to_vec()
+            })
+            .collect();
+        let t = Instant::now();
+        let gen_cfg = GenerationConfig {
+            seed: self.config.generation.seed.wrapping_add(step as u64),
+            ..self.config.generation.clone()
+        };
+        let policy = &self.trainer.policy;
+        let samples = generate(&policy.lm, Some(&policy.v_head), &queries, &gen_cfg, &self.device)?;
+        let time_gen = t.elapsed().as_secs_f64();
+
+        let t = Instant::now();
+        let texts = self.decode(&samples)?;
+        let inputs: Vec<RewardInput> = samples
+            .iter()
+            .zip(&texts)
+            .zip(batch)
+            .map(|((s, (q, r)), &(i, _))| RewardInput {
+                query: q,
+                response: r,
+                query_ids: &s.query_ids,
+                response_ids: &s.response_ids,
+                meta: &self.prompts[i].1.meta,
+            })
+            .collect();
+        let scores = self.reward.score(&inputs)?;
+        let time_reward = t.elapsed().as_secs_f64();
+        if scores.len() != inputs.len() || scores.iter().any(|s| !s.is_finite()) {
+            self.skipped += 1;
+            tracing::warn!(
+                "step {}: a reward is not finite; batch skipped ({} so far)",
+                step + 1,
+                self.skipped
+            );
+            return Ok(StepReport {
+                step,
+                total: self.config.ppo.steps,
+                reward_mean: f64::NAN,
+                kl: f64::NAN,
+                skipped: true,
+            });
+        }
+        let responses: Vec<Vec<u32>> = samples.iter().map(|s| s.response_ids.clone()).collect();
+        let caches: Vec<RolloutCache> = samples
+            .iter()
+            .map(|s| RolloutCache {
+                logprobs: s.logprobs.clone(),
+                values: s.values.clone().unwrap_or_default(),
+            })
+            .collect();
+        let mut stats = self.trainer.step_with(StepInput {
+            queries: &queries,
+            responses: &responses,
+            scores: &scores,
+            response_masks: None,
+            rollout: self.config.ppo.rollout_cache.then_some(caches.as_slice()),
+        })?;
+        add_env_stats(&mut stats, &samples, &scores, &queries, time_gen, time_reward, self.skipped);
+        let rows: Vec<SampleRow> = texts
+            .iter()
+            .zip(&scores)
+            .take(self.config.logging.samples_per_step)
+            .map(|((q, r), &reward)| SampleRow { query: q.clone(), response: r.clone(), reward })
+            .collect();
+        self.logger.log_step(step + 1, &stats, &rows)?;
+        let get = |k: &str| stats.get(k).and_then(Stat::as_f64).unwrap_or(f64::NAN);
+        Ok(StepReport {
+            step,
+            total: self.config.ppo.steps,
+            reward_mean: get("env/reward_mean"),
+            kl: get("objective/kl"),
+            skipped: false,
+        })
+    }
+
+    fn decode(&self, samples: &[Sample]) -> Result<Vec<(String, String)>> {
+        samples
+            .iter()
+            .map(|s| Ok((self.tokenizer.decode(&s.query_ids)?, self.tokenizer.decode(&s.response_ids)?)))
+            .collect()
+    }
+
+    fn checkpoint(&self, step: usize) -> Result<()> {
+        let dir = self.config.logging.dir.join("checkpoints").join(format!("step-{step}"));
+        save_checkpoint(
+            &dir,
+            &self.trainer,
+            &self.config_json,
+            &self.policy_files,
+            self.config.checkpoint.optimizer_state,
+            step,
+        )
+    }
+}
+
+/// TRL `log_stats`'s `env/*` keys, plus rltune's: mean logprobs of policy and reference over the
+/// response tokens, rollout phase times, skipped batches.
+fn add_env_stats(
+    stats: &mut crate::ppo::Stats,
+    samples: &[Sample],
+    scores: &[f32],
+    queries: &[Vec<u32>],
+    time_gen: f64,
+    time_reward: f64,
+    skipped: usize,
+) {
+    let r: Vec<f64> = scores.iter().map(|&s| s as f64).collect();
+    let (mean, std) = mean_std(&r);
+    stats.insert("env/reward_mean".into(), Stat::Scalar(mean));
+    stats.insert("env/reward_std".into(), Stat::Scalar(std));
+    stats.insert("env/reward_dist".into(), Stat::Array(r));
+    let lp: Vec<f64> = samples.iter().flat_map(|s| s.logprobs.iter().map(|&x| x as f64)).collect();
+    stats
+        .insert("rltune/logprobs_mean".into(), Stat::Scalar(lp.iter().sum::<f64>() / lp.len().max(1) as f64));
+    if let Some(Stat::Matrix(refs)) = stats.get("objective/ref_logprobs") {
+        let mut sum = 0.0;
+        let mut n = 0usize;
+        for ((row, q), s) in refs.iter().zip(queries).zip(samples) {
+            for j in 0..s.response_ids.len() {
+                if let Some(v) = row.get(q.len() - 1 + j) {
+                    sum += v;
+                    n += 1;
+                }
+            }
+        }
+        stats.insert("rltune/ref_logprobs_mean".into(), Stat::Scalar(sum / n.max(1) as f64));
+    }
+    stats.insert("time/rollout/generation".into(), Stat::Scalar(time_gen));
+    stats.insert("time/rollout/reward".into(), Stat::Scalar(time_reward));
+    stats.insert("rltune/skipped_batches".into(), Stat::Scalar(skipped as f64));
+}
