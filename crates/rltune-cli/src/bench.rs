@@ -78,20 +78,15 @@ pub fn run(args: Args) -> Result<()> {
     let lm = CausalLm::load(&store.root(), &cfg)?;
     let policy = CausalLmWithValueHead::load(&store.root(), lm)?;
     let reference = CausalLm::load(&store.frozen_copy()?.root(), &cfg)?;
-    let ppo = PpoConfig {
-        batch_size: p.batch,
-        mini_batch_size: p.mini_batch,
-        ppo_epochs: 4,
-        ..Default::default()
-    };
+    let ppo =
+        PpoConfig { batch_size: p.batch, mini_batch_size: p.mini_batch, ppo_epochs: 4, ..Default::default() };
     let mut trainer = PpoTrainer::new(ppo, store, policy, reference)?;
     let mut rng = rand::rngs::StdRng::seed_from_u64(1);
     let eos = p.cfg.eos_token_id.unwrap_or(0);
     let (mut totals, mut gens, mut steps, mut fwd, mut opt) = (vec![], vec![], vec![], vec![], vec![]);
     for it in 0..=args.iters {
-        let queries: Vec<Vec<u32>> = (0..p.batch)
-            .map(|_| (0..QUERY_LEN).map(|_| rng.gen_range(0..eos)).collect())
-            .collect();
+        let queries: Vec<Vec<u32>> =
+            (0..p.batch).map(|_| (0..QUERY_LEN).map(|_| rng.gen_range(0..eos)).collect()).collect();
         let t0 = Instant::now();
         let gen_cfg = GenerationConfig {
             max_new_tokens: RESPONSE_LEN,
@@ -105,7 +100,10 @@ pub fn run(args: Args) -> Result<()> {
         let scores: Vec<f32> = (0..p.batch).map(|_| rng.gen_range(-1.0..1.0)).collect();
         let caches: Vec<RolloutCache> = samples
             .iter()
-            .map(|s| RolloutCache { logprobs: s.logprobs.clone(), values: s.values.clone().unwrap_or_default() })
+            .map(|s| RolloutCache {
+                logprobs: s.logprobs.clone(),
+                values: s.values.clone().unwrap_or_default(),
+            })
             .collect();
         let t1 = Instant::now();
         let stats = trainer.step_with(StepInput {

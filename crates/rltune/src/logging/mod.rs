@@ -1,1 +1,173 @@
-//! Metric sinks and the run report. Placeholder.
+//! Metric sinks and the run report: the run directory contract of a PPO training run.
+//!
+//! A [`RunLogger`] owns a run directory `DIR`:
+//!
+//! | path | content |
+//! |---|---|
+//! | `DIR/metrics.jsonl` | one JSON object per step: `"step"`, every scalar stat by its TRL name, the `*_dist` arrays ([`jsonl`]) |
+//! | `DIR/samples.jsonl` | per step, the samples (query, response, reward) passed to [`RunLogger::log_step`] |
+//! | `DIR/tb/events.out.tfevents.<unix_ts>.<hostname>` | TensorBoard scalars for every scalar stat, histograms for the `*_dist` arrays ([`tensorboard`]) |
+//! | `DIR/report.html` | a self-contained page with plots and the samples table ([`report`]) |
+//!
+//! Every line and event is flushed as it is written, so a crash loses at most the step being
+//! written. With `resume`, the logger appends to the existing files (TensorBoard gets a new event
+//! file beside the old ones) and re-reads them, so the report covers the whole run; a step at or
+//! below an earlier one (a restart from an older checkpoint) supersedes the lines it repeats.
+//!
+//! The PPO loop is expected to add `env/reward_mean`, `env/reward_std` and `env/reward_dist`
+//! (as TRL's `log_stats` does) and `rltune/logprobs_mean`, `rltune/ref_logprobs_mean` to the
+//! stats before logging them; the report notes the plots whose keys are missing.
+//!
+//! ```
+//! use rltune::logging::{RunLogger, SampleRow};
+//! use rltune::ppo::stats::{Stat, Stats};
+//!
+//! # fn main() -> rltune::Result<()> {
+//! let dir = tempfile::tempdir().expect("tempdir");
+//! let mut log = RunLogger::create(dir.path(), false)?;
+//! let mut stats = Stats::new();
+//! stats.insert("env/reward_mean".into(), Stat::Scalar(0.5));
+//! stats.insert("env/reward_dist".into(), Stat::Array(vec![0.0, 1.0]));
+//! let sample = SampleRow { query: "Hello".into(), response: " world".into(), reward: 1.0 };
+//! log.log_step(0, &stats, &[sample])?;
+//! let report = log.write_report()?;
+//! assert!(std::fs::read_to_string(report).expect("report").contains("plot-reward"));
+//! # Ok(()) }
+//! ```
+
+pub mod jsonl;
+pub mod plots;
+pub mod report;
+pub mod tensorboard;
+pub mod tfrecord;
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use crate::error::{Error, Result};
+use crate::ppo::stats::Stats;
+use jsonl::{JsonlWriter, MetricRow};
+use tensorboard::{EventWriter, Histogram, SummaryValue};
+
+/// One sample shown in the report: the query, the response and its reward.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SampleRow {
+    /// The query text.
+    pub query: String,
+    /// The response text.
+    pub response: String,
+    /// The reward (score) the response got.
+    pub reward: f32,
+}
+
+/// Writes a run directory: metrics, samples, TensorBoard events and the HTML report.
+#[derive(Debug)]
+pub struct RunLogger {
+    dir: PathBuf,
+    metrics: JsonlWriter,
+    samples_file: JsonlWriter,
+    /// Opened at the first logged step, so that re-reading a run adds no empty event file.
+    tb: Option<EventWriter>,
+    rows: Vec<MetricRow>,
+    samples: Vec<(usize, Vec<SampleRow>)>,
+    max_samples: usize,
+}
+
+impl RunLogger {
+    /// Creates `dir` and `dir/tb/` and opens the run's files for appending.
+    ///
+    /// Without `resume`, a directory that already holds logged steps is an error (nothing is
+    /// overwritten). With `resume`, the logged steps are read back for the report.
+    pub fn create(dir: &Path, resume: bool) -> Result<Self> {
+        let tb_dir = dir.join("tb");
+        std::fs::create_dir_all(&tb_dir).map_err(|e| Error::io(&tb_dir, e))?;
+        let metrics_path = dir.join("metrics.jsonl");
+        let samples_path = dir.join("samples.jsonl");
+        let nonempty = |p: &Path| std::fs::metadata(p).map(|m| m.len() > 0).unwrap_or(false);
+        if !resume && (nonempty(&metrics_path) || nonempty(&samples_path)) {
+            return Err(Error::Input(format!(
+                "{}: the directory already holds a run's metrics; resume that run or choose a new directory",
+                metrics_path.display()
+            )));
+        }
+        let (mut rows, mut samples) = (Vec::new(), Vec::new());
+        if resume {
+            rows = jsonl::read_steps(&metrics_path, MetricRow::from_json_line)?;
+            samples = jsonl::read_steps(&samples_path, jsonl::samples_from_json_line)?;
+            // Samples of steps whose metrics were superseded by a restart are stale.
+            let steps: BTreeSet<usize> = rows.iter().map(|r| r.step).collect();
+            samples.retain(|(step, _)| steps.contains(step));
+        }
+        Ok(RunLogger {
+            dir: dir.to_path_buf(),
+            metrics: JsonlWriter::append(&metrics_path)?,
+            samples_file: JsonlWriter::append(&samples_path)?,
+            tb: None,
+            rows,
+            samples,
+            max_samples: usize::MAX,
+        })
+    }
+
+    /// Keeps at most `n` samples per step (the first `n` passed to [`RunLogger::log_step`]);
+    /// by default every sample passed is kept.
+    pub fn with_max_samples(mut self, n: usize) -> Self {
+        self.max_samples = n;
+        self
+    }
+
+    /// The run directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The steps logged so far (including those read back on resume), in step order.
+    pub fn rows(&self) -> &[MetricRow] {
+        &self.rows
+    }
+
+    /// The samples kept so far, by step.
+    pub fn samples(&self) -> &[(usize, Vec<SampleRow>)] {
+        &self.samples
+    }
+
+    /// Logs one PPO step: a `metrics.jsonl` line, its samples, and TensorBoard scalars and
+    /// histograms. Each file is flushed before this returns.
+    pub fn log_step(&mut self, step: usize, stats: &Stats, samples: &[SampleRow]) -> Result<()> {
+        let row = MetricRow::from_stats(step, stats);
+        self.metrics.write_line(&row.to_json_line())?;
+        let kept: Vec<SampleRow> = samples.iter().take(self.max_samples).cloned().collect();
+        self.samples.retain(|(s, _)| *s < step);
+        if !kept.is_empty() {
+            self.samples_file.write_line(&jsonl::samples_to_json_line(step, &kept))?;
+            self.samples.push((step, kept));
+        }
+        let tb = match &mut self.tb {
+            Some(tb) => tb,
+            None => self.tb.insert(EventWriter::create(&self.dir.join("tb"))?),
+        };
+        tb.write_summary(step, summary_values(&row))?;
+        jsonl::push_step(&mut self.rows, row);
+        Ok(())
+    }
+
+    /// Writes `DIR/report.html` atomically and returns its path.
+    pub fn write_report(&self) -> Result<PathBuf> {
+        let path = self.dir.join("report.html");
+        let name = self.dir.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
+        let title = if name.is_empty() { "rltune run".to_string() } else { format!("rltune run: {name}") };
+        let html = report::render_report(&title, &self.rows, &self.samples);
+        crate::io::write_bytes_atomic(&path, html.as_bytes())?;
+        Ok(path)
+    }
+}
+
+/// The TensorBoard values of a step: every scalar, and a histogram of every `*_dist` array.
+fn summary_values(row: &MetricRow) -> Vec<SummaryValue> {
+    let scalars = row.scalars.iter().map(|(k, &v)| SummaryValue::Scalar(k.clone(), v as f32));
+    let histos = row.arrays.iter().filter_map(|(k, a)| {
+        Histogram::from_values(a, tensorboard::HISTOGRAM_BUCKETS)
+            .map(|h| SummaryValue::Histogram(k.clone(), h))
+    });
+    scalars.chain(histos).collect()
+}

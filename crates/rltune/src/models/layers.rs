@@ -155,7 +155,7 @@ impl Activation {
     /// Applies the activation.
     pub fn forward(self, x: &Tensor) -> Result<Tensor> {
         Ok(match self {
-            Self::GeluTanh => x.gelu()?,
+            Self::GeluTanh => ops::gelu_tanh(x)?,
             Self::GeluErf => x.gelu_erf()?,
             Self::Relu => x.relu()?,
             Self::Silu => x.silu()?,
@@ -250,8 +250,8 @@ pub fn padding_bias(key_mask: &[Vec<u8>], dtype: DType, device: &Device) -> Resu
 ///
 /// `q (B, H, T, D)`, `k, v (B, H, S, D)`, `bias` broadcastable to `(B, H, T, S)`.
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64) -> Result<Tensor> {
-    let scores = (q.contiguous()?.matmul(&k.t()?.contiguous()?)? * scale)?.broadcast_add(bias)?;
-    let probs = ops::softmax_last_dim(&scores)?;
+    let scores = q.contiguous()?.matmul(&k.t()?.contiguous()?)?;
+    let probs = ops::scaled_masked_softmax(&scores, bias, scale)?;
     Ok(probs.matmul(&v.contiguous()?)?)
 }
 

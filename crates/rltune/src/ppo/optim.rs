@@ -2,9 +2,12 @@
 //!
 //! `m ← β₁m + (1−β₁)g`, `v ← β₂v + (1−β₂)g²`,
 //! `p ← p − (lr/(1−β₁ᵗ)) · m / (√v/√(1−β₂ᵗ) + ε)` — torch's `_single_tensor_adam` order of
-//! operations, so results agree to float rounding.
+//! operations, so results agree to float rounding. f32 parameters on the CPU are updated in place
+//! (a candle in-place op), with no copy of parameters or gradients.
 
-use candle_core::{DType, Tensor, Var};
+use std::sync::Mutex;
+
+use candle_core::{CpuStorage, DType, InplaceOp2, Layout, Tensor, Var};
 use rayon::prelude::*;
 
 use crate::error::Result;
@@ -69,36 +72,95 @@ impl Adam {
     }
 
     /// One update with `grads[i]` the gradient of variable `i` (`None`: no gradient, skipped).
+    ///
+    /// f32 variables on the CPU are updated in place, in one pass over parameter, gradient and
+    /// moments; others go through a copy.
     pub fn step(&mut self, grads: &[Option<Tensor>]) -> Result<()> {
         self.step += 1;
         let t = self.step as i32;
         let c = self.cfg;
         let bc1 = 1.0 - c.beta1.powi(t);
         let bc2_sqrt = (1.0 - c.beta2.powi(t)).sqrt();
-        let step_size = (c.lr / bc1) as f32;
-        let (b1, b2, eps, bc2s) = (c.beta1 as f32, c.beta2 as f32, c.eps as f32, bc2_sqrt as f32);
+        let k = AdamConsts {
+            step_size: (c.lr / bc1) as f32,
+            b1: c.beta1 as f32,
+            b2: c.beta2 as f32,
+            eps: c.eps as f32,
+            bc2s: bc2_sqrt as f32,
+        };
         for (i, g) in grads.iter().enumerate() {
             let Some(g) = g else { continue };
             let var = &self.vars[i];
+            let (m, v) = (&mut self.m[i], &mut self.v[i]);
+            if var.device().is_cpu() && var.dtype() == DType::F32 && g.dtype() == DType::F32 {
+                let op = AdamInplace { m: Mutex::new(m), v: Mutex::new(v), k };
+                var.as_tensor().inplace_op2(&g.contiguous()?, &op)?;
+                continue;
+            }
             let dtype = var.dtype();
             let mut p = var.as_tensor().flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
             let g = g.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-            let (m, v) = (&mut self.m[i], &mut self.v[i]);
-            p.par_chunks_mut(4096)
-                .zip(m.par_chunks_mut(4096))
-                .zip(v.par_chunks_mut(4096))
-                .zip(g.par_chunks(4096))
-                .for_each(|(((p, m), v), g)| {
-                    for j in 0..p.len() {
-                        m[j] += (g[j] - m[j]) * (1.0 - b1);
-                        v[j] = v[j] * b2 + (1.0 - b2) * g[j] * g[j];
-                        let denom = v[j].sqrt() / bc2s + eps;
-                        p[j] -= step_size * m[j] / denom;
-                    }
-                });
+            k.update(&mut p, &g, m, v);
             let new = Tensor::from_vec(p, var.shape(), var.device())?.to_dtype(dtype)?;
             var.set(&new)?;
         }
+        Ok(())
+    }
+}
+
+/// The per-step constants of the update.
+#[derive(Debug, Clone, Copy)]
+struct AdamConsts {
+    step_size: f32,
+    b1: f32,
+    b2: f32,
+    eps: f32,
+    bc2s: f32,
+}
+
+impl AdamConsts {
+    /// torch `_single_tensor_adam`, element by element, in parallel chunks.
+    fn update(&self, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
+        let AdamConsts { step_size, b1, b2, eps, bc2s } = *self;
+        p.par_chunks_mut(4096).zip(m.par_chunks_mut(4096)).zip(v.par_chunks_mut(4096)).zip(g.par_chunks(4096)).for_each(
+            |(((p, m), v), g)| {
+                for j in 0..p.len() {
+                    m[j] += (g[j] - m[j]) * (1.0 - b1);
+                    v[j] = v[j] * b2 + (1.0 - b2) * g[j] * g[j];
+                    let denom = v[j].sqrt() / bc2s + eps;
+                    p[j] -= step_size * m[j] / denom;
+                }
+            },
+        );
+    }
+}
+
+/// The in-place update of one f32 CPU variable from its gradient.
+struct AdamInplace<'a> {
+    m: Mutex<&'a mut Vec<f32>>,
+    v: Mutex<&'a mut Vec<f32>>,
+    k: AdamConsts,
+}
+
+impl InplaceOp2 for AdamInplace<'_> {
+    fn name(&self) -> &'static str {
+        "rltune-adam"
+    }
+
+    fn cpu_fwd(&self, s1: &mut CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> candle_core::Result<()> {
+        let (Some((p0, p1)), Some((g0, g1))) = (l1.contiguous_offsets(), l2.contiguous_offsets()) else {
+            candle_core::bail!("adam: parameter and gradient must be contiguous");
+        };
+        let (CpuStorage::F32(p), CpuStorage::F32(g)) = (s1, s2) else {
+            candle_core::bail!("adam: parameter and gradient must be f32");
+        };
+        let mut m = self.m.lock().map_err(|_| candle_core::Error::Msg("adam: poisoned lock".into()))?;
+        let mut v = self.v.lock().map_err(|_| candle_core::Error::Msg("adam: poisoned lock".into()))?;
+        let (p, g) = (&mut p[p0..p1], &g[g0..g1]);
+        if p.len() != g.len() || p.len() != m.len() || p.len() != v.len() {
+            candle_core::bail!("adam: parameter, gradient and moments differ in size");
+        }
+        self.k.update(p, g, &mut m[..], &mut v[..]);
         Ok(())
     }
 }
@@ -136,6 +198,28 @@ mod tests {
         for (got, want) in p.iter().zip([0.9f32, -1.9, 2.9]) {
             assert!((got - want).abs() < 1e-4, "{got} vs {want}");
         }
+    }
+
+    #[test]
+    fn inplace_update_equals_copy_update() {
+        // An f64 variable takes the copy path (computed in f32, like the in-place f32 path).
+        let init: Vec<f32> = (0..9000).map(|i| ((i as f32) * 0.37).sin()).collect();
+        let dev = Device::Cpu;
+        let a = Var::from_tensor(&Tensor::from_vec(init.clone(), (90, 100), &dev).unwrap()).unwrap();
+        let b = Var::from_tensor(&Tensor::from_vec(init, (90, 100), &dev).unwrap().to_dtype(DType::F64).unwrap())
+            .unwrap();
+        let cfg = AdamConfig { lr: 0.01, ..Default::default() };
+        let (mut oa, mut ob) = (Adam::new(vec![a.clone()], cfg), Adam::new(vec![b.clone()], cfg));
+        for s in 0..3 {
+            let g: Vec<f32> = (0..9000).map(|i| ((i * (s + 2)) as f32 * 0.11).cos()).collect();
+            let g = Tensor::from_vec(g, (90, 100), &dev).unwrap();
+            oa.step(&[Some(g.clone())]).unwrap();
+            ob.step(&[Some(g.to_dtype(DType::F64).unwrap())]).unwrap();
+        }
+        let pa = a.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let pb = b.as_tensor().to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(pa, pb);
+        assert_eq!(oa.moments(0), ob.moments(0));
     }
 
     #[test]

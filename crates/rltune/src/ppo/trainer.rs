@@ -401,12 +401,24 @@ impl PpoTrainer {
         })
     }
 
-    /// Logprobs of the next tokens `(B, L−1)` and, with `full`, the log-distributions.
+    /// The policy's logits `(B, L−1, V)` and values `(B, L−1)` at every position but the last.
+    ///
+    /// The last position's logits predict a token outside the batch; skipping them saves a
+    /// `(B, V)` slice of the LM head's matmul and of its backward.
+    fn policy_forward(&self, ids: &Tensor, pos: &Tensor, bias: &Tensor) -> Result<(Tensor, Tensor)> {
+        let w = ids.dim(1)? - 1;
+        let hidden = self.policy.lm.forward(ids, pos, bias, None)?;
+        let logits = self.policy.lm.logits(&hidden.narrow(1, 0, w)?)?;
+        let values = self.policy.v_head.forward(&hidden)?.narrow(1, 0, w)?;
+        Ok((logits, values))
+    }
+
+    /// Logprobs of the next tokens `(B, L−1)` and, with `full`, the log-distributions, from the
+    /// logits `(B, L−1, V)` of every position but the last.
     fn token_logprobs(&self, logits: &Tensor, ids: &Tensor, full: bool) -> Result<(Tensor, Option<Tensor>)> {
         let l = ids.dim(1)?;
-        let logits = logits.narrow(1, 0, l - 1)?;
         let logits =
-            if self.config.temperature != 1.0 { (logits / self.config.temperature)? } else { logits };
+            if self.config.temperature != 1.0 { (logits / self.config.temperature)? } else { logits.clone() };
         let targets = ids.narrow(1, 1, l - 1)?;
         if full {
             let logp = ops::log_softmax_last_dim(&logits)?;
@@ -431,14 +443,15 @@ impl PpoTrainer {
             let pos = batch.positions.narrow(0, start, n)?;
             let bias = batch.bias.narrow(0, start, n)?;
             if !use_cache {
-                let (logits, values) = self.policy.forward(&ids, &pos, &bias)?;
+                let (logits, values) = self.policy_forward(&ids, &pos, &bias)?;
                 let (l, f) = self.token_logprobs(&logits.detach(), &ids, full)?;
                 lp.push(l);
                 flp.extend(f);
-                vals.push(values.detach().narrow(1, 0, ids.dim(1)? - 1)?);
+                vals.push(values.detach());
             }
             let h = self.reference.forward(&ids, &pos, &bias, None)?;
-            let (l, f) = self.token_logprobs(&self.reference.logits(&h)?, &ids, full)?;
+            let logits = self.reference.logits(&h.narrow(1, 0, ids.dim(1)? - 1)?)?;
+            let (l, f) = self.token_logprobs(&logits, &ids, full)?;
             rlp.push(l);
             frlp.extend(f);
         }
@@ -542,10 +555,8 @@ impl PpoTrainer {
             (sel(&batch.ids)?, sel(&batch.positions)?, sel(&batch.bias)?, sel(&batch.mask)?);
         let (old_lp, old_v, adv, ret) =
             (sel(data.old_logprobs)?, sel(data.values)?, sel(data.advantages)?, sel(data.returns)?);
-        let (logits, values) = self.policy.forward(&ids, &pos, &bias)?;
-        let w = ids.dim(1)? - 1;
+        let (logits, vpreds) = self.policy_forward(&ids, &pos, &bias)?;
         let (logp, _) = self.token_logprobs(&logits, &ids, false)?;
-        let vpreds = values.narrow(1, 0, w)?;
         let l = math::ppo_losses(
             &old_lp,
             &old_v,
@@ -577,7 +588,7 @@ impl PpoTrainer {
                 }
             }
         }
-        let logits_t = logits.detach().narrow(1, 0, w)?;
+        let logits_t = logits.detach();
         let logits_t = if cfg.temperature != 1.0 { (logits_t / cfg.temperature)? } else { logits_t };
         let entropy = math::masked_mean(&ops::entropy_from_logits(&logits_t)?, &mask)?;
         let logp = logp.detach();

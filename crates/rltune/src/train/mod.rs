@@ -1,1 +1,34 @@
-//! Supervised trainers: SFT and reward models. Placeholder.
+//! Supervised trainers: SFT of a causal LM and reward-model training.
+//!
+//! - [`sft`]: behavioural cloning on plain text or prompt/completion pairs (TRL's `SFTTrainer`).
+//! - [`reward_model`]: a BERT/DistilBERT sequence classifier trained with cross-entropy on
+//!   labelled texts, or with the Bradley–Terry loss on preference pairs (TRL's `RewardTrainer`).
+//! - [`runner`]: the loop they share: seeded eval split and shuffles, gradient accumulation with
+//!   token-weighted losses, clipping, Adam, warm-up and decay ([`schedule`]), periodic eval and
+//!   a progress callback.
+//! - [`data`]: reading the example files.
+//!
+//! Configuration mirrors a TOML file with a `[training]` table ([`TrainingArgs`]) beside `[sft]`
+//! ([`sft::SftConfig`]) or `[reward]` ([`reward_model::RewardConfig`]); every struct rejects
+//! unknown keys, and its `validate()` names the field at fault.
+
+pub mod data;
+pub mod reward_model;
+pub mod runner;
+pub mod schedule;
+pub mod sft;
+
+pub use runner::{EvalResult, TrainProgress, TrainSummary, TrainingArgs};
+pub use schedule::{LrSchedule, ScheduleKind};
+
+use std::path::Path;
+
+use crate::error::{Error, Result};
+use crate::tokenizer::Tokenizer;
+
+/// Writes `tokenizer` to `path` as tokenizer.json (atomically).
+pub(crate) fn save_tokenizer(tokenizer: &Tokenizer, path: &Path) -> Result<()> {
+    crate::io::write_atomic(path, |tmp| {
+        tokenizer.inner().save(tmp, true).map_err(|e| Error::Tokenizer(format!("{}: {e}", tmp.display())))
+    })
+}

@@ -1,6 +1,8 @@
 //! rltune's integration tests: one binary, one module per area.
 
 mod common;
+mod errors;
 mod generation;
 mod gpt2;
+mod ppo_behaviour;
 mod ppo_parity;

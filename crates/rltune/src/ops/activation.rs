@@ -1,0 +1,148 @@
+//! GELU, tanh approximation (`gelu_new`, `gelu_pytorch_tanh`), with a fused backward.
+//!
+//! `gelu(x) = ½x(1 + tanh u)`, `u = √(2/π)(x + 0.044715x³)`. With `s = σ(2u)` (so
+//! `½(1 + tanh u) = s`) this is `x·s`, and `gelu'(x) = s + 2x·s(1 − s)·√(2/π)(1 + 3·0.044715x²)`:
+//! one `exp` per element, forward or backward. candle's own backward for `gelu` is a dozen
+//! element-wise ops with `powf` and `tanh`, and rounds its constants to 6 digits.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Shape, Tensor};
+
+use super::simd::simd_kernel;
+use super::{contiguous, par_rows, unsupported, CResult, Elem};
+
+const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
+const COEF: f64 = 0.044_715;
+
+struct GeluTanh;
+struct GeluTanhBwd;
+
+/// `(s, 2u)` for one element: `s = σ(2u) = 1 / (1 + e^(−2u))`.
+#[inline(always)]
+fn sigmoid_2u<T: Elem>(x: T, k: T, c: T) -> T {
+    let two_u = (k + k) * (x + c * x * x * x);
+    T::one() / (T::one() + (-two_u).exp_fast())
+}
+
+simd_kernel! {
+    fn gelu_rows<T: Elem>(out: &mut [T], x: &[T]) {
+        let (k, c) = consts::<T>();
+        for (o, &x) in out.iter_mut().zip(x) {
+            *o = x * sigmoid_2u(x, k, c);
+        }
+    }
+}
+
+simd_kernel! {
+    fn gelu_bwd_rows<T: Elem>(out: &mut [T], x: &[T], g: &[T]) {
+        let (k, c) = consts::<T>();
+        let three_c = c + c + c;
+        let two = T::one() + T::one();
+        for ((o, &x), &g) in out.iter_mut().zip(x).zip(g) {
+            let s = sigmoid_2u(x, k, c);
+            let du = k * (T::one() + three_c * x * x);
+            *o = g * (s + two * x * s * (T::one() - s) * du);
+        }
+    }
+}
+
+#[inline(always)]
+fn consts<T: Elem>() -> (T, T) {
+    (T::from(SQRT_2_OVER_PI).unwrap_or_else(T::one), T::from(COEF).unwrap_or_else(T::zero))
+}
+
+fn gelu_fwd<T: Elem>(s: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
+    let x = contiguous::<T>(s, l, "gelu")?;
+    let mut out = vec![T::zero(); x.len()];
+    par_rows(&mut out, 1, &[x], |_, o, r| gelu_rows(o, r[0]));
+    Ok((T::to_cpu_storage_owned(out), l.shape().clone()))
+}
+
+fn gelu_bwd<T: Elem>(s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> CResult<(CpuStorage, Shape)> {
+    let x = contiguous::<T>(s1, l1, "gelu-bwd")?;
+    let g = contiguous::<T>(s2, l2, "gelu-bwd")?;
+    let mut out = vec![T::zero(); x.len()];
+    par_rows(&mut out, 1, &[x, g], |_, o, r| gelu_bwd_rows(o, r[0], r[1]));
+    Ok((T::to_cpu_storage_owned(out), l1.shape().clone()))
+}
+
+impl CustomOp1 for GeluTanh {
+    fn name(&self) -> &'static str {
+        "rltune-gelu-tanh"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
+        match s.dtype() {
+            DType::F32 => gelu_fwd::<f32>(s, l),
+            DType::F64 => gelu_fwd::<f64>(s, l),
+            dt => Err(unsupported("gelu", dt)),
+        }
+    }
+
+    fn bwd(&self, x: &Tensor, _y: &Tensor, g: &Tensor) -> CResult<Option<Tensor>> {
+        Ok(Some(x.apply_op2_no_bwd(&g.contiguous()?, &GeluTanhBwd)?))
+    }
+}
+
+impl CustomOp2 for GeluTanhBwd {
+    fn name(&self) -> &'static str {
+        "rltune-gelu-tanh-bwd"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        match s1.dtype() {
+            DType::F32 => gelu_bwd::<f32>(s1, l1, s2, l2),
+            DType::F64 => gelu_bwd::<f64>(s1, l1, s2, l2),
+            dt => Err(unsupported("gelu-bwd", dt)),
+        }
+    }
+}
+
+/// GELU with the tanh approximation (transformers' `gelu_new`), differentiable.
+pub fn gelu_tanh(x: &Tensor) -> CResult<Tensor> {
+    if x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64) {
+        x.contiguous()?.apply_op1(GeluTanh)
+    } else {
+        x.gelu()
+    }
+}
+
+/// [`gelu_tanh`] from differentiable candle ops: `½x(1 + tanh(√(2/π)(x + 0.044715x³)))`, with
+/// exact constants (candle's own `gelu` backward rounds them to 6 digits).
+pub fn gelu_tanh_composed(x: &Tensor) -> CResult<Tensor> {
+    let inner = ((x + (x.sqr()? * x)? * COEF)? * SQRT_2_OVER_PI)?;
+    (x * 0.5)? * (inner.tanh()? + 1.0)?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::testutil::{check, check_tol, fd_check, max_diff, randn};
+
+    #[test]
+    fn gelu_matches_composed() {
+        check(&[&[3, 41]], |t| gelu_tanh(&t[0]).unwrap(), |t| gelu_tanh_composed(&t[0]).unwrap());
+        // candle's gelu: same forward, backward with 6-digit constants.
+        check_tol(&[&[2, 9]], 1e-5, |t| gelu_tanh(&t[0]).unwrap(), |t| t[0].gelu().unwrap());
+        fd_check(&[&[2, 7]], |t| gelu_tanh(&t[0]).unwrap());
+    }
+
+    #[test]
+    fn gelu_f32_matches_candle_and_tails() {
+        // Wide range, including both tails where σ saturates.
+        let x = (randn(&[5000], 4) * 6.0).unwrap().to_dtype(DType::F32).unwrap();
+        let d = max_diff(&gelu_tanh(&x).unwrap(), &x.gelu().unwrap());
+        assert!(d < 1e-5, "max diff {d}");
+        let x = Tensor::new(&[-100f32, -20.0, 0.0, 20.0, 100.0], &candle_core::Device::Cpu).unwrap();
+        let y = gelu_tanh(&x).unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(y[2], 0.0);
+        assert!(y[0].abs() < 1e-30 && y[1].abs() < 1e-30, "{y:?}");
+        assert_eq!((y[3], y[4]), (20.0, 100.0));
+    }
+}

@@ -1,0 +1,372 @@
+//! The training loop shared by SFT and reward-model training.
+//!
+//! Top to bottom: seeded eval split → per epoch a seeded shuffle → optimizer steps of
+//! `batch_size × gradient_accumulation_steps` examples, each run as micro-batches whose gradients
+//! are summed → clip → Adam at the scheduled learning rate → eval every `eval_every` steps and at
+//! the end → progress callback.
+//!
+//! **Loss weighting.** An objective reports, per example, how many loss terms it contributes
+//! (target tokens for a language model, one for a classified text or a preference pair), and
+//! each micro-batch's summed loss is divided by the number of terms in the *whole* optimizer step
+//! (transformers' `num_items_in_batch`). The step's loss is therefore the mean over every term of
+//! the step however it is split into micro-batches: 1 micro-batch of 8 and 8 of 1 give the same
+//! gradient up to float rounding.
+//!
+//! Deviations from transformers' `Trainer`: Adam without weight decay (its AdamW with the default
+//! `weight_decay = 0` is the same update); a step count fixed up front as
+//! `epochs · ceil(n / (batch_size · gradient_accumulation_steps))` (the last step of an epoch
+//! takes the remainder) unless `max_steps` is set; no dropout.
+
+use candle_core::{DType, Tensor, Var};
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use serde::{Deserialize, Serialize};
+
+use super::data::split_eval;
+use super::schedule::{warmup_steps, LrSchedule, ScheduleKind};
+use crate::error::{Error, Result};
+use crate::params::ParamStore;
+use crate::ppo::optim::{clip_grad_norm, Adam, AdamConfig};
+
+/// Optimization settings shared by SFT and reward-model training (the `[training]` table).
+///
+/// Names and defaults follow transformers' `TrainingArguments` where they exist.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainingArgs {
+    /// Peak learning rate (transformers: 5e-5).
+    pub learning_rate: f64,
+    /// Passes over the training split (transformers: 3); ignored when `max_steps` is set.
+    pub num_train_epochs: usize,
+    /// Total optimizer steps, overriding `num_train_epochs` (cycling over the data as needed).
+    pub max_steps: Option<usize>,
+    /// Examples per forward/backward pass (transformers' `per_device_train_batch_size`: 8).
+    pub batch_size: usize,
+    /// Examples per eval forward pass; default `batch_size`.
+    pub eval_batch_size: Option<usize>,
+    /// Micro-batches whose gradients are summed into one optimizer step (transformers: 1).
+    pub gradient_accumulation_steps: usize,
+    /// Decay after warm-up: `linear` (default), `cosine` or `constant`.
+    pub lr_scheduler_type: ScheduleKind,
+    /// Warm-up steps; when 0, `ceil(total_steps · warmup_ratio)`.
+    pub warmup_steps: usize,
+    /// Warm-up as a fraction of the total steps (transformers: 0).
+    pub warmup_ratio: f64,
+    /// Clip the global gradient norm to this; 0 disables (transformers: 1.0).
+    pub max_grad_norm: f64,
+    /// Adam β₁ (0.9).
+    pub adam_beta1: f64,
+    /// Adam β₂ (0.999).
+    pub adam_beta2: f64,
+    /// Adam ε (1e-8).
+    pub adam_epsilon: f64,
+    /// Fraction of the examples held out for evaluation, chosen by a seeded shuffle (default 0.1;
+    /// 0 disables evaluation).
+    pub eval_fraction: f64,
+    /// Evaluate every this many optimizer steps (0: only after the last step).
+    pub eval_every: usize,
+    /// Seed of the eval split and the per-epoch shuffles (transformers: 42).
+    pub seed: u64,
+}
+
+impl Default for TrainingArgs {
+    fn default() -> Self {
+        Self {
+            learning_rate: 5e-5,
+            num_train_epochs: 3,
+            max_steps: None,
+            batch_size: 8,
+            eval_batch_size: None,
+            gradient_accumulation_steps: 1,
+            lr_scheduler_type: ScheduleKind::Linear,
+            warmup_steps: 0,
+            warmup_ratio: 0.0,
+            max_grad_norm: 1.0,
+            adam_beta1: 0.9,
+            adam_beta2: 0.999,
+            adam_epsilon: 1e-8,
+            eval_fraction: 0.1,
+            eval_every: 0,
+            seed: 42,
+        }
+    }
+}
+
+impl TrainingArgs {
+    /// Checks every field; the message names the field (`training.<name>`) and the fix.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        let positive = [
+            ("num_train_epochs", self.num_train_epochs),
+            ("batch_size", self.batch_size),
+            ("eval_batch_size", self.eval_batch_size.unwrap_or(1)),
+            ("gradient_accumulation_steps", self.gradient_accumulation_steps),
+            ("max_steps", self.max_steps.unwrap_or(1)),
+        ];
+        for (name, v) in positive {
+            if v == 0 {
+                return Err(format!("training.{name} must be at least 1"));
+            }
+        }
+        if !(self.learning_rate.is_finite() && self.learning_rate > 0.0) {
+            return Err(format!(
+                "training.learning_rate must be a positive number, got {}",
+                self.learning_rate
+            ));
+        }
+        let unit = [
+            ("warmup_ratio", self.warmup_ratio, true),
+            ("adam_beta1", self.adam_beta1, false),
+            ("adam_beta2", self.adam_beta2, false),
+            ("eval_fraction", self.eval_fraction, false),
+        ];
+        for (name, v, closed) in unit {
+            if !(v >= 0.0 && (v < 1.0 || closed && v == 1.0)) {
+                let range = if closed { "[0, 1]" } else { "[0, 1)" };
+                return Err(format!("training.{name} must be in {range}, got {v}"));
+            }
+        }
+        if !(self.adam_epsilon.is_finite() && self.adam_epsilon > 0.0) {
+            return Err(format!(
+                "training.adam_epsilon must be a positive number, got {}",
+                self.adam_epsilon
+            ));
+        }
+        if !(self.max_grad_norm.is_finite() && self.max_grad_norm >= 0.0) {
+            return Err(format!(
+                "training.max_grad_norm must be ≥ 0 (0 disables clipping), got {}",
+                self.max_grad_norm
+            ));
+        }
+        Ok(())
+    }
+
+    /// Examples per optimizer step: `batch_size · gradient_accumulation_steps`.
+    pub fn examples_per_step(&self) -> usize {
+        self.batch_size * self.gradient_accumulation_steps
+    }
+
+    /// Optimizer steps for `n_train` training examples.
+    pub fn total_steps(&self, n_train: usize) -> usize {
+        self.max_steps.unwrap_or_else(|| self.num_train_epochs * n_train.div_ceil(self.examples_per_step()))
+    }
+}
+
+/// Metrics on the eval split.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct EvalResult {
+    /// Mean loss over every loss term of the split (target tokens, texts or pairs).
+    pub loss: f64,
+    /// `exp(loss)`, for language models.
+    pub perplexity: Option<f64>,
+    /// Fraction correct: next-token argmax accuracy (SFT), class accuracy (labelled texts), or
+    /// the fraction of pairs with `r_chosen > r_rejected` (preferences).
+    pub accuracy: f64,
+    /// Examples evaluated.
+    pub examples: usize,
+}
+
+/// What the loop reports after each optimizer step.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TrainProgress {
+    /// Optimizer steps done (1 after the first).
+    pub step: usize,
+    /// Optimizer steps planned.
+    pub total_steps: usize,
+    /// Epoch of this step, counting from 1.
+    pub epoch: usize,
+    /// Mean loss over the loss terms of this step.
+    pub loss: f64,
+    /// Learning rate used by this step.
+    pub lr: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Eval metrics, when this step evaluated.
+    pub eval: Option<EvalResult>,
+}
+
+/// The result of a training run.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TrainSummary {
+    /// Optimizer steps taken.
+    pub steps: usize,
+    /// Loss of the last step.
+    pub train_loss: f64,
+    /// Mean of the step losses over the run (transformers' `training_loss`).
+    pub mean_train_loss: f64,
+    /// Eval metrics after the last step (none without an eval split).
+    pub eval: Option<EvalResult>,
+    /// Training examples.
+    pub train_examples: usize,
+    /// Eval examples.
+    pub eval_examples: usize,
+    /// Examples dropped before training (nothing left to learn after truncation).
+    pub skipped_examples: usize,
+}
+
+/// The summed loss of a micro-batch.
+pub(crate) struct BatchLoss {
+    /// Sum of the loss terms, a differentiable scalar.
+    pub loss_sum: Tensor,
+    /// Correct predictions among the terms (counted only when asked).
+    pub correct: usize,
+}
+
+/// What a task plugs into the loop.
+pub(crate) trait Objective {
+    /// One tokenized example.
+    type Example;
+    /// Whether eval reports perplexity (language models).
+    const PERPLEXITY: bool;
+    /// Loss terms `ex` contributes (target tokens, or 1).
+    fn terms(&self, ex: &Self::Example) -> usize;
+    /// Summed loss over `batch`; counts correct predictions when `count_correct`.
+    fn batch_loss(&self, batch: &[&Self::Example], count_correct: bool) -> Result<BatchLoss>;
+}
+
+fn scalar(t: &Tensor) -> Result<f64> {
+    Ok(t.to_dtype(DType::F64)?.to_scalar::<f64>()?)
+}
+
+/// Evaluates `examples` in batches of `batch_size` (no update).
+pub(crate) fn evaluate<O: Objective>(
+    obj: &O,
+    examples: &[&O::Example],
+    batch_size: usize,
+) -> Result<EvalResult> {
+    let (mut loss, mut terms, mut correct) = (0f64, 0usize, 0usize);
+    for batch in examples.chunks(batch_size.max(1)) {
+        let out = obj.batch_loss(batch, true)?;
+        loss += scalar(&out.loss_sum.detach())?;
+        correct += out.correct;
+        terms += batch.iter().map(|e| obj.terms(e)).sum::<usize>();
+    }
+    let mean = loss / terms.max(1) as f64;
+    Ok(EvalResult {
+        loss: mean,
+        perplexity: O::PERPLEXITY.then(|| mean.exp()),
+        accuracy: correct as f64 / terms.max(1) as f64,
+        examples: examples.len(),
+    })
+}
+
+/// Forward and backward of one optimizer step's examples in micro-batches of `batch_size`;
+/// returns the step loss and the summed gradients of `vars` (`None` where a variable got none).
+fn accumulate<O: Objective>(
+    obj: &O,
+    vars: &[Var],
+    group: &[&O::Example],
+    batch_size: usize,
+) -> Result<(f64, Vec<Option<Tensor>>)> {
+    let terms: usize = group.iter().map(|e| obj.terms(e)).sum();
+    let mut grads: Vec<Option<Tensor>> = vec![None; vars.len()];
+    let mut loss = 0f64;
+    for mb in group.chunks(batch_size) {
+        // Divided by the step's terms, not the micro-batch's: see the module docs.
+        let scaled = (obj.batch_loss(mb, false)?.loss_sum / terms.max(1) as f64)?;
+        loss += scalar(&scaled.detach())?;
+        let g = scaled.backward()?;
+        for (slot, var) in grads.iter_mut().zip(vars) {
+            if let Some(gv) = g.get(var.as_tensor()) {
+                *slot = Some(match slot.take() {
+                    Some(prev) => (prev + gv)?,
+                    None => gv.clone(),
+                });
+            }
+        }
+    }
+    Ok((loss, grads))
+}
+
+/// The optimizer and schedule of one run.
+struct Optimizer {
+    adam: Adam,
+    vars: Vec<Var>,
+    schedule: LrSchedule,
+    max_grad_norm: f64,
+}
+
+impl Optimizer {
+    fn new(store: &ParamStore, args: &TrainingArgs, total: usize) -> Self {
+        let vars: Vec<Var> = store.vars().into_iter().map(|(_, v)| v).collect();
+        let cfg = AdamConfig {
+            lr: args.learning_rate,
+            beta1: args.adam_beta1,
+            beta2: args.adam_beta2,
+            eps: args.adam_epsilon,
+        };
+        let schedule = LrSchedule {
+            kind: args.lr_scheduler_type,
+            base_lr: args.learning_rate,
+            warmup_steps: warmup_steps(total, args.warmup_steps, args.warmup_ratio),
+            total_steps: total,
+        };
+        let max_grad_norm = if args.max_grad_norm > 0.0 { args.max_grad_norm } else { f64::INFINITY };
+        Self { adam: Adam::new(vars.clone(), cfg), vars, schedule, max_grad_norm }
+    }
+
+    /// One update of step `step` (from 0); returns (lr, gradient norm before clipping).
+    fn step(&mut self, step: usize, grads: &mut [Option<Tensor>]) -> Result<(f64, f64)> {
+        let grad_norm = clip_grad_norm(grads, self.max_grad_norm)?;
+        self.adam.cfg.lr = self.schedule.lr(step);
+        self.adam.step(grads)?;
+        Ok((self.adam.cfg.lr, grad_norm))
+    }
+}
+
+/// Trains the variables of `store` on `examples` (split into train and eval by `args`).
+pub(crate) fn run<O: Objective>(
+    obj: &O,
+    store: &ParamStore,
+    examples: &[O::Example],
+    args: &TrainingArgs,
+    progress: &mut dyn FnMut(&TrainProgress),
+) -> Result<TrainSummary> {
+    args.validate().map_err(Error::Input)?;
+    if !store.trainable() {
+        return Err(Error::Input("the model's parameters must be trainable (load them trainable)".into()));
+    }
+    if store.device().is_cpu() {
+        crate::cpu::flush_denormals();
+    }
+    let (train_idx, eval_idx) = split_eval(examples.len(), args.eval_fraction, args.seed)?;
+    let eval: Vec<&O::Example> = eval_idx.iter().map(|&i| &examples[i]).collect();
+    let eval_bs = args.eval_batch_size.unwrap_or(args.batch_size);
+    let total = args.total_steps(train_idx.len());
+    let mut opt = Optimizer::new(store, args, total);
+    tracing::info!(
+        "training on {} examples ({} held out for eval): {total} optimizer steps of {} examples, {} warm-up",
+        train_idx.len(),
+        eval.len(),
+        args.examples_per_step(),
+        opt.schedule.warmup_steps
+    );
+    let mut rng = rand::rngs::StdRng::seed_from_u64(args.seed.wrapping_add(1));
+    let (mut step, mut epoch, mut last_loss, mut loss_sum, mut last_eval) = (0, 0, f64::NAN, 0.0, None);
+    while step < total {
+        epoch += 1;
+        let mut perm = train_idx.clone();
+        perm.shuffle(&mut rng);
+        for group in perm.chunks(args.examples_per_step()).take(total - step) {
+            let group: Vec<&O::Example> = group.iter().map(|&i| &examples[i]).collect();
+            let (loss, mut grads) = accumulate(obj, &opt.vars, &group, args.batch_size)?;
+            let (lr, grad_norm) = opt.step(step, &mut grads)?;
+            step += 1;
+            (last_loss, loss_sum) = (loss, loss_sum + loss);
+            let due = (args.eval_every > 0 && step % args.eval_every == 0) || step == total;
+            let eval_now = if due && !eval.is_empty() { Some(evaluate(obj, &eval, eval_bs)?) } else { None };
+            if eval_now.is_some() {
+                last_eval.clone_from(&eval_now);
+            }
+            progress(&TrainProgress { step, total_steps: total, epoch, loss, lr, grad_norm, eval: eval_now });
+        }
+    }
+    Ok(TrainSummary {
+        steps: step,
+        train_loss: last_loss,
+        mean_train_loss: loss_sum / step.max(1) as f64,
+        eval: last_eval,
+        train_examples: train_idx.len(),
+        eval_examples: eval.len(),
+        skipped_examples: 0,
+    })
+}

@@ -1,0 +1,304 @@
+//! Supervised fine-tuning (behavioural cloning) of a causal LM: TRL's `SFTTrainer`.
+//!
+//! Each example is tokenized without special tokens, gets the model's EOS appended and is
+//! truncated to `max_length`. A prompt/completion pair is tokenized as two pieces and
+//! concatenated (so the boundary is exact); with `completion_only_loss` the prompt's tokens are
+//! context only. The loss is the mean next-token negative log-likelihood over every target token
+//! of an optimizer step (TRL ≥ 0.20 with transformers' `num_items_in_batch`).
+//!
+//! Batches are right-padded; position ids come from the attention mask and the causal bias hides
+//! padding, so a padded example gives the same loss as the example alone.
+//!
+//! ```no_run
+//! # fn main() -> rltune::Result<()> {
+//! use candle_core::{DType, Device};
+//! use rltune::train::{data::read_sft_records, sft, TrainingArgs};
+//!
+//! let model = sft::SftModel::from_pretrained("gpt2", DType::F32, &Device::Cpu)?;
+//! let records = read_sft_records("train.jsonl".as_ref())?;
+//! let summary = sft::train_sft(&model, &records, &sft::SftConfig::default(),
+//!     &TrainingArgs::default(), &mut |p| println!("step {}/{} loss {:.3}", p.step, p.total_steps, p.loss))?;
+//! model.save("out/sft".as_ref())?;
+//! println!("final eval loss: {:?}", summary.eval.map(|e| e.loss));
+//! # Ok(()) }
+//! ```
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor, D};
+use serde::{Deserialize, Serialize};
+
+use super::data::SftRecord;
+use super::runner::{self, BatchLoss, EvalResult, Objective, TrainProgress, TrainSummary, TrainingArgs};
+use super::save_tokenizer;
+use crate::error::{Error, Result};
+use crate::models::layers::{causal_bias, position_ids_from_mask};
+use crate::models::load::{locate, read_config_json, save_pretrained};
+use crate::models::{CausalLm, CausalLmConfig};
+use crate::ops;
+use crate::params::ParamStore;
+use crate::tokenizer::{pad, PaddingSide, Tokenizer};
+
+/// SFT data settings (the `[sft]` table).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SftConfig {
+    /// Longest example in tokens, EOS included; longer ones are cut at the end (TRL: 1024).
+    pub max_length: usize,
+    /// For prompt/completion data, train only on the completion (TRL's default for such data).
+    pub completion_only_loss: bool,
+    /// Append the model's EOS token to every example, so the model learns to stop (TRL does).
+    pub add_eos: bool,
+}
+
+impl Default for SftConfig {
+    fn default() -> Self {
+        Self { max_length: 1024, completion_only_loss: true, add_eos: true }
+    }
+}
+
+impl SftConfig {
+    /// Checks every field; the message names the field.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        if self.max_length < 2 {
+            return Err(format!(
+                "sft.max_length must be at least 2 (a context token and a target), got {}",
+                self.max_length
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// One tokenized example.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SftExample {
+    /// Token ids `(T)`.
+    pub input_ids: Vec<u32>,
+    /// `(T)`: 1 where token t is a target (predicted from tokens `< t`); `loss_mask[0]` is 0.
+    pub loss_mask: Vec<u8>,
+}
+
+impl SftExample {
+    /// Number of target tokens.
+    pub fn targets(&self) -> usize {
+        self.loss_mask.iter().skip(1).map(|&m| m as usize).sum()
+    }
+}
+
+/// Tokenizes records; returns the examples and how many were dropped because truncation left
+/// them without a target token (e.g. a prompt longer than `max_length`).
+pub fn tokenize_sft(
+    records: &[SftRecord],
+    tokenizer: &Tokenizer,
+    eos_id: Option<u32>,
+    cfg: &SftConfig,
+) -> Result<(Vec<SftExample>, usize)> {
+    cfg.validate().map_err(Error::Input)?;
+    let eos =
+        match (cfg.add_eos, eos_id) {
+            (true, None) => return Err(Error::Input(
+                "sft.add_eos is true but the model's config.json has no eos_token_id; add it there or set \
+                 sft.add_eos = false"
+                    .into(),
+            )),
+            (true, Some(e)) => Some(e),
+            (false, _) => None,
+        };
+    let (mut out, mut dropped) = (Vec::with_capacity(records.len()), 0);
+    for (i, rec) in records.iter().enumerate() {
+        let (mut ids, mut mask) = match rec {
+            SftRecord::Text(t) => {
+                let ids = tokenizer.encode(t)?;
+                let n = ids.len();
+                (ids, vec![1u8; n])
+            }
+            SftRecord::PromptCompletion { prompt, completion } => {
+                let (p, c) = (tokenizer.encode(prompt)?, tokenizer.encode(completion)?);
+                let m = u8::from(!cfg.completion_only_loss);
+                let mask = [vec![m; p.len()], vec![1u8; c.len()]].concat();
+                ([p, c].concat(), mask)
+            }
+        };
+        if let Some(e) = eos {
+            ids.push(e);
+            mask.push(1);
+        }
+        ids.truncate(cfg.max_length);
+        mask.truncate(cfg.max_length);
+        if let Some(m) = mask.first_mut() {
+            *m = 0;
+        }
+        let ex = SftExample { input_ids: ids, loss_mask: mask };
+        if ex.targets() == 0 {
+            tracing::debug!("example {i}: no target token within sft.max_length; dropped");
+            dropped += 1;
+        } else {
+            out.push(ex);
+        }
+    }
+    if dropped > 0 {
+        tracing::warn!(
+            "{dropped} of {} examples have no target token within sft.max_length; dropped",
+            records.len()
+        );
+    }
+    Ok((out, dropped))
+}
+
+/// A causal LM being fine-tuned: trainable parameters, the model over them, the config.json to
+/// save and the tokenizer.
+#[derive(Debug, Clone)]
+pub struct SftModel {
+    /// Trainable parameters.
+    pub store: ParamStore,
+    /// The model.
+    pub lm: CausalLm,
+    /// config.json as loaded (saved back unchanged).
+    pub config_json: serde_json::Value,
+    /// The tokenizer (saved as tokenizer.json).
+    pub tokenizer: Tokenizer,
+    /// generation_config.json of the source model, copied when saving.
+    pub generation_config: Option<PathBuf>,
+}
+
+impl SftModel {
+    /// Builds the model over `store` (trainable) from a config.json value.
+    pub fn new(store: ParamStore, config_json: serde_json::Value, tokenizer: Tokenizer) -> Result<Self> {
+        let cfg = CausalLmConfig::from_json(&config_json, Path::new("config.json"))?;
+        tokenizer.check_fits(cfg.vocab_size())?;
+        let lm = CausalLm::load(&store.root(), &cfg)?;
+        Ok(Self { store, lm, config_json, tokenizer, generation_config: None })
+    }
+
+    /// Loads a model directory or hub id with trainable weights; it must have `tokenizer.json`.
+    pub fn from_pretrained(model: &str, dtype: DType, device: &Device) -> Result<Self> {
+        let files = locate(model)?;
+        let config_json = read_config_json(&files.config)?;
+        let cfg = CausalLmConfig::from_json(&config_json, &files.config)?;
+        let tok_path = files.tokenizer.clone().ok_or_else(|| {
+            Error::Tokenizer(format!(
+                "{}: no tokenizer.json; SFT tokenizes text, so the model directory needs one",
+                files.dir.display()
+            ))
+        })?;
+        let tokenizer = Tokenizer::from_file(&tok_path)?;
+        tokenizer.check_fits(cfg.vocab_size())?;
+        let store = ParamStore::load_safetensors(&files.weights, true, dtype, device)?;
+        let lm = CausalLm::load(&store.root(), &cfg)?;
+        Ok(Self { store, lm, config_json, tokenizer, generation_config: files.generation_config })
+    }
+
+    /// The EOS id appended to examples: config.json's (first) `eos_token_id`.
+    pub fn eos_id(&self) -> Option<u32> {
+        self.lm.config().eos_token_ids().first().copied()
+    }
+
+    /// Saves a Hugging Face directory: config.json, model.safetensors, tokenizer.json (and the
+    /// source's generation_config.json). It loads with [`crate::models::load::load_policy`]
+    /// (which adds a fresh value head) and with transformers.
+    pub fn save(&self, dir: &Path) -> Result<()> {
+        save_pretrained(dir, &self.store, &self.config_json)?;
+        save_tokenizer(&self.tokenizer, &dir.join("tokenizer.json"))?;
+        if let Some(src) = &self.generation_config {
+            let dst = dir.join("generation_config.json");
+            std::fs::copy(src, &dst).map_err(|e| Error::io(&dst, e))?;
+        }
+        Ok(())
+    }
+}
+
+/// The SFT loss on a causal LM.
+struct SftObjective<'a> {
+    lm: &'a CausalLm,
+    pad_id: u32,
+    dtype: DType,
+    device: Device,
+}
+
+impl<'a> SftObjective<'a> {
+    fn new(model: &'a SftModel) -> Self {
+        let cfg = model.lm.config();
+        let pad_id = cfg.pad_token_id().or(model.eos_id()).unwrap_or(0);
+        Self { lm: &model.lm, pad_id, dtype: model.store.dtype(), device: model.store.device().clone() }
+    }
+}
+
+impl Objective for SftObjective<'_> {
+    type Example = SftExample;
+    const PERPLEXITY: bool = true;
+
+    fn terms(&self, ex: &SftExample) -> usize {
+        ex.targets()
+    }
+
+    fn batch_loss(&self, batch: &[&SftExample], count_correct: bool) -> Result<BatchLoss> {
+        let rows: Vec<Vec<u32>> = batch.iter().map(|e| e.input_ids.clone()).collect();
+        let (ids, attn) = pad(&rows, self.pad_id, PaddingSide::Right);
+        let (b_sz, seq_len) = (rows.len(), ids.first().map_or(0, Vec::len));
+        // (B, T−1): weight of the target at t + 1; padding is 0 (loss_mask is shorter).
+        let w: Vec<f32> = batch
+            .iter()
+            .flat_map(|e| (1..seq_len).map(move |t| f32::from(e.loss_mask.get(t).copied().unwrap_or(0))))
+            .collect();
+        let w = Tensor::from_vec(w, (b_sz, seq_len - 1), &self.device)?.to_dtype(self.dtype)?;
+        // (B, T)
+        let ids = Tensor::new(ids, &self.device)?;
+        let pos = position_ids_from_mask(&attn, &self.device)?;
+        let bias = causal_bias(&attn, seq_len, self.dtype, &self.device)?;
+        // (B, T, C) → logits at the first T−1 positions (B, T−1, V)
+        let hidden = self.lm.forward(&ids, &pos, &bias, None)?;
+        let logits = self.lm.logits(&hidden.narrow(1, 0, seq_len - 1)?.contiguous()?)?;
+        // (B, T−1)
+        let targets = ids.narrow(1, 1, seq_len - 1)?.contiguous()?;
+        let logp = ops::logprobs_of(&logits, &targets)?;
+        let loss_sum = (&logp * &w)?.sum_all()?.neg()?;
+        let correct = if count_correct {
+            let hit = logits.detach().argmax(D::Minus1)?.eq(&targets)?.to_dtype(self.dtype)?;
+            (hit * &w)?.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?.round() as usize
+        } else {
+            0
+        };
+        Ok(BatchLoss { loss_sum, correct })
+    }
+}
+
+/// Fine-tunes `model` on `records`; `progress` is called after every optimizer step.
+///
+/// The eval split (`args.eval_fraction`) is taken after tokenization, from the examples that
+/// have a target token.
+pub fn train_sft(
+    model: &SftModel,
+    records: &[SftRecord],
+    cfg: &SftConfig,
+    args: &TrainingArgs,
+    progress: &mut dyn FnMut(&TrainProgress),
+) -> Result<TrainSummary> {
+    check_max_length(model, cfg)?;
+    let (examples, skipped) = tokenize_sft(records, &model.tokenizer, model.eos_id(), cfg)?;
+    if examples.is_empty() {
+        return Err(Error::Input(format!(
+            "no SFT example left to train on ({skipped} dropped: no target token within sft.max_length = {})",
+            cfg.max_length
+        )));
+    }
+    let mut summary = runner::run(&SftObjective::new(model), &model.store, &examples, args, progress)?;
+    summary.skipped_examples = skipped;
+    Ok(summary)
+}
+
+/// Mean next-token loss, perplexity and token accuracy of `model` on `examples`.
+pub fn evaluate_sft(model: &SftModel, examples: &[SftExample], batch_size: usize) -> Result<EvalResult> {
+    let refs: Vec<&SftExample> = examples.iter().collect();
+    runner::evaluate(&SftObjective::new(model), &refs, batch_size)
+}
+
+fn check_max_length(model: &SftModel, cfg: &SftConfig) -> Result<()> {
+    match model.lm.config().max_positions() {
+        Some(max) if cfg.max_length > max => Err(Error::Input(format!(
+            "sft.max_length ({}) exceeds the model's {max} positions; set sft.max_length ≤ {max}",
+            cfg.max_length
+        ))),
+        _ => Ok(()),
+    }
+}

@@ -1,0 +1,410 @@
+//! SFT and reward-model training on tiny models built in-process, with word-level tokenizers.
+
+use std::time::Instant;
+
+use candle_core::{DType, Device, Tensor, D};
+use rltune::generation::{generate, GenerationConfig};
+use rltune::models::bert::{BertConfig, SequenceClassifier};
+use rltune::models::distilbert::DistilBertConfig;
+use rltune::models::gpt2::Gpt2Config;
+use rltune::models::layers::{causal_bias, position_ids_from_mask};
+use rltune::models::llama::LlamaConfig;
+use rltune::models::load::load_policy;
+use rltune::params::ParamStore;
+use rltune::tokenizer::Tokenizer;
+use rltune::train::data::{Label, RewardRecord, SftRecord};
+use rltune::train::reward_model::{self, RewardConfig, RewardModel};
+use rltune::train::sft::{self, SftConfig, SftModel};
+use rltune::train::{ScheduleKind, TrainProgress, TrainingArgs};
+
+/// The cycle the SFT corpus follows: each word is followed by the next one.
+const COLORS: [&str; 8] = ["red", "orange", "yellow", "green", "blue", "indigo", "violet", "black"];
+
+/// A word-level tokenizer splitting on whitespace, as tokenizer.json. With `bert`, ids 0–3 are
+/// `[PAD] [UNK] [CLS] [SEP]` and single texts become `[CLS] … [SEP]`; otherwise the words come
+/// first, then `<unk>` and `<eos>` (the last id, as `Gpt2Config::tiny` expects).
+fn word_tokenizer(words: &[&str], bert: bool) -> Tokenizer {
+    let specials: Vec<&str> = if bert { vec!["[PAD]", "[UNK]", "[CLS]", "[SEP]"] } else { vec![] };
+    let tail: Vec<&str> = if bert { vec![] } else { vec!["<unk>", "<eos>"] };
+    let all: Vec<&str> = specials.iter().chain(words).chain(&tail).copied().collect();
+    let vocab: serde_json::Map<String, serde_json::Value> =
+        all.iter().enumerate().map(|(i, w)| (w.to_string(), i.into())).collect();
+    let added: Vec<serde_json::Value> = all
+        .iter()
+        .enumerate()
+        .filter(|(_, w)| w.starts_with('[') || w.starts_with('<'))
+        .map(|(i, w)| {
+            serde_json::json!({"id": i, "content": w, "single_word": false, "lstrip": false,
+                               "rstrip": false, "normalized": false, "special": true})
+        })
+        .collect();
+    let tok = |id: &str| serde_json::json!({"SpecialToken": {"id": id, "type_id": 0}});
+    let seq = |id: &str, t: u32| serde_json::json!({"Sequence": {"id": id, "type_id": t}});
+    let post = bert.then(|| {
+        serde_json::json!({
+            "type": "TemplateProcessing",
+            "single": [tok("[CLS]"), seq("A", 0), tok("[SEP]")],
+            "pair": [tok("[CLS]"), seq("A", 0), tok("[SEP]"), seq("B", 1), tok("[SEP]")],
+            "special_tokens": {
+                "[CLS]": {"id": "[CLS]", "ids": [2], "tokens": ["[CLS]"]},
+                "[SEP]": {"id": "[SEP]", "ids": [3], "tokens": ["[SEP]"]}
+            }
+        })
+    });
+    let unk = if bert { "[UNK]" } else { "<unk>" };
+    let json = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
+        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": post,
+        "decoder": null, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": unk}
+    });
+    let inner: tokenizers::Tokenizer = json.to_string().parse().unwrap();
+    Tokenizer::from_inner(inner)
+}
+
+/// A tiny random GPT-2 over the color tokenizer (vocabulary 10, `<eos>` = 9).
+fn tiny_sft_model(seed: u64, dtype: DType) -> SftModel {
+    let cfg = Gpt2Config::tiny(COLORS.len() + 2, 32, 2, 4, 32);
+    let mut json = serde_json::to_value(&cfg).unwrap();
+    json["model_type"] = "gpt2".into();
+    let store = ParamStore::random(seed, true, dtype, &Device::Cpu).unwrap();
+    SftModel::new(store, json, word_tokenizer(&COLORS, false)).unwrap()
+}
+
+/// `n` lines of 6 consecutive colors, starting at successive offsets of the cycle.
+fn color_corpus(n: usize) -> Vec<SftRecord> {
+    (0..n)
+        .map(|i| SftRecord::Text((0..6).map(|j| COLORS[(i + j) % 8]).collect::<Vec<_>>().join(" ")))
+        .collect()
+}
+
+/// Fraction of sampled color tokens that follow the cycle (EOS excluded), and their number.
+fn pattern_rate(model: &SftModel, seed: u64) -> (f64, usize) {
+    let prompts: Vec<Vec<u32>> = (0..32).map(|i| vec![(i % 8) as u32]).collect();
+    let gen = GenerationConfig { max_new_tokens: 6, seed, ..Default::default() };
+    let samples = generate(&model.lm, None, &prompts, &gen, &Device::Cpu).unwrap();
+    let (mut good, mut words) = (0, 0);
+    for s in &samples {
+        let seq: Vec<u32> = s.query_ids.iter().chain(&s.response_ids).copied().collect();
+        for w in seq.windows(2).filter(|w| (w[1] as usize) < COLORS.len()) {
+            words += 1;
+            good += usize::from((w[0] as usize) < COLORS.len() && w[1] as usize == (w[0] as usize + 1) % 8);
+        }
+    }
+    (good as f64 / words.max(1) as f64, words)
+}
+
+#[test]
+fn sft_learns_a_repetitive_corpus_then_saves_and_reloads() {
+    let model = tiny_sft_model(0, DType::F32);
+    let (rate_before, _) = pattern_rate(&model, 1);
+    let args = TrainingArgs {
+        learning_rate: 3e-3,
+        num_train_epochs: 12,
+        batch_size: 8,
+        warmup_steps: 4,
+        lr_scheduler_type: ScheduleKind::Cosine,
+        eval_fraction: 0.125,
+        eval_every: 10,
+        seed: 5,
+        ..Default::default()
+    };
+    let mut log: Vec<TrainProgress> = Vec::new();
+    let t0 = Instant::now();
+    let summary =
+        sft::train_sft(&model, &color_corpus(64), &SftConfig::default(), &args, &mut |p| log.push(p.clone()))
+            .unwrap();
+    let secs = t0.elapsed().as_secs_f64();
+    let (rate_after, words) = pattern_rate(&model, 1);
+    let eval = summary.eval.clone().unwrap();
+    println!(
+        "sft: {} steps in {secs:.2}s, loss {:.3} -> {:.3}, eval loss {:.4} (ppl {:.3}, token acc {:.3}), \
+         pattern rate {rate_before:.3} -> {rate_after:.3} over {words} sampled words",
+        summary.steps,
+        log[0].loss,
+        summary.train_loss,
+        eval.loss,
+        eval.perplexity.unwrap(),
+        eval.accuracy
+    );
+    assert_eq!((summary.steps, log.len(), summary.eval_examples), (56, 56, 8));
+    assert_eq!(log[0].lr, 0.0, "the first warm-up step uses lr·0/4, as transformers");
+    assert!(log.iter().filter(|p| p.eval.is_some()).count() == 6, "evals at 10, 20, …, 50 and the last step");
+    assert!(log[0].loss > 1.8, "a random model starts near ln(10) = 2.3, got {}", log[0].loss);
+    assert!(summary.train_loss < 0.1 && eval.loss < 0.1 && eval.accuracy > 0.95, "{summary:?}");
+    assert!(rate_before < 0.3 && rate_after > 0.95 && words > 100, "{rate_before} -> {rate_after} ({words})");
+    check_sft_reload(&model);
+}
+
+/// The saved directory reloads as a policy (with a new value head) giving the same logits, and
+/// as an SFT model with the same tokenizer.
+fn check_sft_reload(model: &SftModel) {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("sft");
+    model.save(&out).unwrap();
+    let policy = load_policy(out.to_str().unwrap(), false, DType::F32, &Device::Cpu).unwrap();
+    assert!(policy.store.initialized().contains(&"v_head.summary.weight".to_string()));
+    let ids = Tensor::new(&[[0u32, 1, 2, 3]], &Device::Cpu).unwrap();
+    let mask = vec![vec![1u8; 4]];
+    let pos = position_ids_from_mask(&mask, &Device::Cpu).unwrap();
+    let bias = causal_bias(&mask, 4, DType::F32, &Device::Cpu).unwrap();
+    let logits =
+        |lm: &rltune::models::CausalLm| lm.logits(&lm.forward(&ids, &pos, &bias, None).unwrap()).unwrap();
+    let d = max_diff(&logits(&model.lm), &logits(&policy.model.lm));
+    assert!(d == 0.0, "reloaded logits differ by {d:e}");
+    let again = SftModel::from_pretrained(out.to_str().unwrap(), DType::F32, &Device::Cpu).unwrap();
+    let text = "red orange black";
+    assert_eq!(again.tokenizer.encode(text).unwrap(), model.tokenizer.encode(text).unwrap());
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+    let d = (a.to_dtype(DType::F64).unwrap() - b.to_dtype(DType::F64).unwrap()).unwrap();
+    d.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f64>().unwrap()
+}
+
+/// One optimizer step on 8 examples of different lengths: 1 micro-batch of 8, 8 of 1 and 2 of 4
+/// give the same weights. Adam's ε is set to 1 so the first update is proportional to the
+/// gradient (with the default ε it is ≈ lr·sign(g), blind to how examples are weighted): a
+/// per-micro-batch mean instead of a token-weighted one moves weights by ~1e-3 here.
+#[test]
+fn sft_gradient_accumulation_1x8_equals_8x1() {
+    let records: Vec<SftRecord> = (0..8)
+        .map(|i| {
+            SftRecord::Text((0..2 + i).map(|j| COLORS[(3 * i + j * j) % 8]).collect::<Vec<_>>().join(" "))
+        })
+        .collect();
+    let run = |batch_size: usize, accum: usize| {
+        let model = tiny_sft_model(3, DType::F64);
+        let args = TrainingArgs {
+            learning_rate: 0.1,
+            max_steps: Some(1),
+            batch_size,
+            gradient_accumulation_steps: accum,
+            max_grad_norm: 0.0,
+            adam_epsilon: 1.0,
+            eval_fraction: 0.0,
+            ..Default::default()
+        };
+        let mut loss = 0.0;
+        sft::train_sft(&model, &records, &SftConfig::default(), &args, &mut |p| loss = p.loss).unwrap();
+        (loss, model.store.snapshot().unwrap())
+    };
+    let (loss_a, a) = run(8, 1);
+    let initial = tiny_sft_model(3, DType::F64).store;
+    let moved = a.iter().map(|(k, t)| max_diff(t, &initial.snapshot().unwrap()[k])).fold(0.0, f64::max);
+    assert!(moved > 1e-3, "the step must move the weights, moved {moved:e}");
+    for (bs, accum) in [(1, 8), (4, 2)] {
+        let (loss_b, b) = run(bs, accum);
+        let d = a.iter().map(|(k, t)| max_diff(t, &b[k])).fold(0.0, f64::max);
+        println!(
+            "accumulation 8x1 vs {bs}x{accum}: loss {loss_a:.12} vs {loss_b:.12}, weights max diff {d:e}"
+        );
+        assert!((loss_a - loss_b).abs() < 1e-12 && d < 1e-6, "loss {loss_a} vs {loss_b}, weights {d:e}");
+    }
+}
+
+/// The library's loss equals the NLL averaged over exactly the completion (+ EOS) targets,
+/// computed here one sequence at a time; and differs from the loss over every token, so a mask
+/// that let prompt targets in would fail.
+#[test]
+fn completion_only_loss_counts_only_completion_tokens() {
+    let model = tiny_sft_model(11, DType::F64);
+    let records = vec![
+        SftRecord::PromptCompletion {
+            prompt: "red orange yellow green".into(),
+            completion: "blue indigo".into(),
+        },
+        SftRecord::PromptCompletion { prompt: "black".into(), completion: "red red violet".into() },
+    ];
+    let (only, _) =
+        sft::tokenize_sft(&records, &model.tokenizer, model.eos_id(), &SftConfig::default()).unwrap();
+    assert_eq!(only[0].input_ids, vec![0, 1, 2, 3, 4, 5, 9]);
+    assert_eq!(only[0].loss_mask, vec![0, 0, 0, 0, 1, 1, 1]);
+    assert_eq!(only[1].loss_mask, vec![0, 1, 1, 1, 1]);
+    let cfg = SftConfig { completion_only_loss: false, ..Default::default() };
+    let (all, _) = sft::tokenize_sft(&records, &model.tokenizer, model.eos_id(), &cfg).unwrap();
+    assert_eq!(all[0].loss_mask, vec![0, 1, 1, 1, 1, 1, 1]);
+    for (examples, name) in [(&only, "completion only"), (&all, "all tokens")] {
+        let lib = sft::evaluate_sft(&model, examples, 2).unwrap().loss;
+        let manual = manual_nll(&model, examples);
+        println!("{name}: library {lib:.12}, manual {manual:.12}");
+        assert!((lib - manual).abs() < 1e-10, "{name}: {lib} vs {manual}");
+    }
+    let (l_only, l_all) = (manual_nll(&model, &only), manual_nll(&model, &all));
+    assert!((l_only - l_all).abs() > 1e-3, "masks must matter: {l_only} vs {l_all}");
+}
+
+/// Mean NLL over the targets of `examples`, each run alone, from the full log-softmax.
+fn manual_nll(model: &SftModel, examples: &[sft::SftExample]) -> f64 {
+    let (mut sum, mut n) = (0.0, 0);
+    for ex in examples {
+        let t = ex.input_ids.len();
+        let ids = Tensor::new(ex.input_ids.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+        let pos = Tensor::arange(0u32, t as u32, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+        let bias = causal_bias(&[vec![1; t]], t, DType::F64, &Device::Cpu).unwrap();
+        let h = model.lm.forward(&ids, &pos, &bias, None).unwrap();
+        let logits = model.lm.logits(&h).unwrap().squeeze(0).unwrap();
+        let lse = logits.exp().unwrap().sum(D::Minus1).unwrap().log().unwrap().to_vec1::<f64>().unwrap();
+        let logits = logits.to_vec2::<f64>().unwrap();
+        for p in 1..t {
+            if ex.loss_mask[p] == 1 {
+                sum += lse[p - 1] - logits[p - 1][ex.input_ids[p] as usize];
+                n += 1;
+            }
+        }
+    }
+    sum / n as f64
+}
+
+#[test]
+fn sft_trains_a_llama_model() {
+    let cfg = LlamaConfig::tiny(COLORS.len() + 2, 16, 1, 2, 1);
+    let json = serde_json::to_value(&cfg).unwrap();
+    let store = ParamStore::random(1, true, DType::F32, &Device::Cpu).unwrap();
+    let model = SftModel::new(store, json, word_tokenizer(&COLORS, false)).unwrap();
+    let args =
+        TrainingArgs { learning_rate: 1e-2, max_steps: Some(15), eval_fraction: 0.0, ..Default::default() };
+    let mut losses = Vec::new();
+    sft::train_sft(&model, &color_corpus(16), &SftConfig::default(), &args, &mut |p| losses.push(p.loss))
+        .unwrap();
+    println!("llama sft: loss {:.3} -> {:.3}", losses[0], losses[14]);
+    assert!(losses[14] < 0.5 * losses[0], "{losses:?}");
+}
+
+const FILLER: [&str; 6] = ["the", "a", "movie", "plot", "was", "very"];
+
+/// A text of 4 filler words with `key` inserted at position `i % 5`.
+fn filler_text(i: usize, key: &str) -> String {
+    let mut words: Vec<&str> = (0..4).map(|j| FILLER[(i * 7 + j * 3) % 6]).collect();
+    words.insert(i % 5, key);
+    words.join(" ")
+}
+
+fn rm_words() -> Vec<&'static str> {
+    FILLER.iter().copied().chain(["good", "bad", "q"]).collect()
+}
+
+/// A random reward model over the filler tokenizer, from a config value without `model_type`.
+fn tiny_rm(mut json: serde_json::Value, model_type: &str, labels: &[&str]) -> RewardModel {
+    json["model_type"] = model_type.into();
+    let labels: Vec<String> = labels.iter().map(|s| s.to_string()).collect();
+    let json = reward_model::with_labels(json, &labels).unwrap();
+    let store = ParamStore::random(2, true, DType::F32, &Device::Cpu).unwrap();
+    RewardModel::new(store, json, word_tokenizer(&rm_words(), true)).unwrap()
+}
+
+fn rm_args() -> TrainingArgs {
+    TrainingArgs {
+        learning_rate: 3e-3,
+        num_train_epochs: 8,
+        batch_size: 8,
+        eval_fraction: 0.25,
+        seed: 3,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn reward_model_cross_entropy_separates_labelled_texts() {
+    let vocab = 4 + rm_words().len();
+    let model = tiny_rm(
+        serde_json::to_value(BertConfig::tiny(vocab, 16, 1, 2, 2)).unwrap(),
+        "bert",
+        &["NEGATIVE", "POSITIVE"],
+    );
+    let records: Vec<RewardRecord> = (0..64)
+        .map(|i| {
+            let (key, label) =
+                if i % 2 == 0 { ("good", Label::Name("POSITIVE".into())) } else { ("bad", Label::Index(0)) };
+            RewardRecord::Labelled { text: filler_text(i, key), label }
+        })
+        .collect();
+    let cfg = RewardConfig { max_length: 32, ..Default::default() };
+    let before = reward_model::evaluate_reward_model(&model, &records, &cfg, 16).unwrap();
+    let t0 = Instant::now();
+    let summary = reward_model::train_reward_model(&model, &records, &cfg, &rm_args(), &mut |_| {}).unwrap();
+    let eval = summary.eval.clone().unwrap();
+    println!(
+        "reward CE: {} steps in {:.2}s, loss {:.3} (acc {:.2}) -> train {:.4}, eval {:.4} (acc {:.3} on {})",
+        summary.steps,
+        t0.elapsed().as_secs_f64(),
+        before.loss,
+        before.accuracy,
+        summary.train_loss,
+        eval.loss,
+        eval.accuracy,
+        eval.examples
+    );
+    assert!(eval.examples == 16 && eval.accuracy >= 0.95 && eval.loss < 0.2, "{eval:?}");
+    check_rm_reload(&model, &records);
+}
+
+/// The saved classifier reloads with the same logits and labels; reloaded for preference
+/// training, it keeps the encoder and gets a new one-logit head.
+fn check_rm_reload(model: &RewardModel, records: &[RewardRecord]) {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("rm");
+    model.save(&out).unwrap();
+    let out_s = out.to_str().unwrap();
+    let loaded = SequenceClassifier::from_pretrained(out_s, DType::F32, &Device::Cpu).unwrap();
+    assert_eq!(loaded.id2label(), ["NEGATIVE", "POSITIVE"]);
+    let tok = Tokenizer::from_file(&out.join("tokenizer.json")).unwrap();
+    let RewardRecord::Labelled { text, .. } = &records[0] else { unreachable!() };
+    let ids = tok.encode_with(text, true).unwrap();
+    assert_eq!((ids[0], *ids.last().unwrap()), (2, 3), "[CLS] … [SEP]");
+    let x = Tensor::new(ids.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+    let mask = vec![vec![1u8; ids.len()]];
+    let d = max_diff(&model.model.forward(&x, &mask).unwrap(), &loaded.forward(&x, &mask).unwrap());
+    assert!(d == 0.0, "reloaded logits differ by {d:e}");
+    let pairs =
+        vec![RewardRecord::Preference { prompt: None, chosen: "good".into(), rejected: "bad".into() }];
+    let bt = RewardModel::from_pretrained_for(out_s, &pairs, 0, DType::F32, &Device::Cpu).unwrap();
+    assert_eq!(bt.model.num_labels(), 1);
+    assert_eq!(bt.initialized, ["classifier.bias", "classifier.weight"]);
+    let name = "bert.encoder.layer.0.attention.self.query.weight";
+    let (old, new) = (&model.store.snapshot().unwrap()[name], &bt.store.snapshot().unwrap()[name]);
+    assert_eq!(max_diff(old, new), 0.0);
+}
+
+#[test]
+fn reward_model_bradley_terry_prefers_chosen() {
+    let vocab = 4 + rm_words().len();
+    let json = serde_json::to_value(DistilBertConfig::tiny(vocab, 16, 1, 2, 1)).unwrap();
+    let model = tiny_rm(json, "distilbert", &["LABEL_0"]);
+    let records: Vec<RewardRecord> = (0..64)
+        .map(|i| RewardRecord::Preference {
+            prompt: Some(format!("q {} ", FILLER[i % 6])),
+            chosen: filler_text(i, "good"),
+            rejected: filler_text(i, "bad"),
+        })
+        .collect();
+    let cfg = RewardConfig { max_length: 32, center_rewards_coefficient: 0.01 };
+    let t0 = Instant::now();
+    let summary = reward_model::train_reward_model(&model, &records, &cfg, &rm_args(), &mut |_| {}).unwrap();
+    let eval = summary.eval.clone().unwrap();
+    println!(
+        "reward BT: {} steps in {:.2}s, train loss {:.4}, eval loss {:.4}, eval accuracy {:.3} on {} pairs",
+        summary.steps,
+        t0.elapsed().as_secs_f64(),
+        summary.train_loss,
+        eval.loss,
+        eval.accuracy,
+        eval.examples
+    );
+    assert!(eval.accuracy >= 0.95 && eval.loss < 0.2, "{eval:?}");
+    let dir = tempfile::tempdir().unwrap();
+    model.save(&dir.path().join("bt")).unwrap();
+    let loaded = SequenceClassifier::from_pretrained(
+        dir.path().join("bt").to_str().unwrap(),
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
+    let score = |m: &SequenceClassifier, text: &str| {
+        let ids = model.tokenizer.encode_with(text, true).unwrap();
+        let x = Tensor::new(ids.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+        m.forward(&x, &[vec![1; ids.len()]]).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()[0]
+    };
+    let (good, bad) = (score(&loaded, "q a the movie good plot"), score(&loaded, "q a the movie bad plot"));
+    println!("reloaded rewards: good {good:.3}, bad {bad:.3}");
+    assert!(good > bad + 1.0 && score(&model.model, "q good") == score(&loaded, "q good"));
+}
