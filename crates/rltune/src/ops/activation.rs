@@ -58,7 +58,12 @@ fn gelu_fwd<T: Elem>(s: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)>
     Ok((T::to_cpu_storage_owned(out), l.shape().clone()))
 }
 
-fn gelu_bwd<T: Elem>(s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> CResult<(CpuStorage, Shape)> {
+fn gelu_bwd<T: Elem>(
+    s1: &CpuStorage,
+    l1: &Layout,
+    s2: &CpuStorage,
+    l2: &Layout,
+) -> CResult<(CpuStorage, Shape)> {
     let x = contiguous::<T>(s1, l1, "gelu-bwd")?;
     let g = contiguous::<T>(s2, l2, "gelu-bwd")?;
     let mut out = vec![T::zero(); x.len()];

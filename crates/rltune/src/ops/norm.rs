@@ -433,7 +433,8 @@ mod tests {
         let x = randn(&[600, 64], 1).to_dtype(DType::F32).unwrap();
         let w = randn(&[64], 2).to_dtype(DType::F32).unwrap();
         let b = randn(&[64], 3).to_dtype(DType::F32).unwrap();
-        let d = max_diff(&layer_norm(&x, &w, &b, 1e-5).unwrap(), &layer_norm_composed(&x, &w, &b, 1e-5).unwrap());
+        let d =
+            max_diff(&layer_norm(&x, &w, &b, 1e-5).unwrap(), &layer_norm_composed(&x, &w, &b, 1e-5).unwrap());
         assert!(d < 1e-5, "max diff {d}");
     }
 }

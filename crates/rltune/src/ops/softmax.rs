@@ -675,7 +675,11 @@ mod tests {
     #[test]
     fn logprobs_of_matches_composed() {
         let t = targets(&[2, 3], 19);
-        check(&[&[2, 3, 19]], |x| logprobs_of(&x[0], &t).unwrap(), |x| logprobs_of_composed(&x[0], &t).unwrap());
+        check(
+            &[&[2, 3, 19]],
+            |x| logprobs_of(&x[0], &t).unwrap(),
+            |x| logprobs_of_composed(&x[0], &t).unwrap(),
+        );
         let t = targets(&[2, 2], 5);
         fd_check(&[&[2, 2, 5]], |x| logprobs_of(&x[0], &t).unwrap());
     }

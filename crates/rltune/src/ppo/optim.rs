@@ -122,16 +122,18 @@ impl AdamConsts {
     /// torch `_single_tensor_adam`, element by element, in parallel chunks.
     fn update(&self, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
         let AdamConsts { step_size, b1, b2, eps, bc2s } = *self;
-        p.par_chunks_mut(4096).zip(m.par_chunks_mut(4096)).zip(v.par_chunks_mut(4096)).zip(g.par_chunks(4096)).for_each(
-            |(((p, m), v), g)| {
+        p.par_chunks_mut(4096)
+            .zip(m.par_chunks_mut(4096))
+            .zip(v.par_chunks_mut(4096))
+            .zip(g.par_chunks(4096))
+            .for_each(|(((p, m), v), g)| {
                 for j in 0..p.len() {
                     m[j] += (g[j] - m[j]) * (1.0 - b1);
                     v[j] = v[j] * b2 + (1.0 - b2) * g[j] * g[j];
                     let denom = v[j].sqrt() / bc2s + eps;
                     p[j] -= step_size * m[j] / denom;
                 }
-            },
-        );
+            });
     }
 }
 
@@ -147,7 +149,13 @@ impl InplaceOp2 for AdamInplace<'_> {
         "rltune-adam"
     }
 
-    fn cpu_fwd(&self, s1: &mut CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> candle_core::Result<()> {
+    fn cpu_fwd(
+        &self,
+        s1: &mut CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<()> {
         let (Some((p0, p1)), Some((g0, g1))) = (l1.contiguous_offsets(), l2.contiguous_offsets()) else {
             candle_core::bail!("adam: parameter and gradient must be contiguous");
         };
@@ -206,8 +214,9 @@ mod tests {
         let init: Vec<f32> = (0..9000).map(|i| ((i as f32) * 0.37).sin()).collect();
         let dev = Device::Cpu;
         let a = Var::from_tensor(&Tensor::from_vec(init.clone(), (90, 100), &dev).unwrap()).unwrap();
-        let b = Var::from_tensor(&Tensor::from_vec(init, (90, 100), &dev).unwrap().to_dtype(DType::F64).unwrap())
-            .unwrap();
+        let b =
+            Var::from_tensor(&Tensor::from_vec(init, (90, 100), &dev).unwrap().to_dtype(DType::F64).unwrap())
+                .unwrap();
         let cfg = AdamConfig { lr: 0.01, ..Default::default() };
         let (mut oa, mut ob) = (Adam::new(vec![a.clone()], cfg), Adam::new(vec![b.clone()], cfg));
         for s in 0..3 {
