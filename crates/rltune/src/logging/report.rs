@@ -111,7 +111,10 @@ fn header(title: &str, rows: &[MetricRow]) -> String {
         ("last reward mean", fmt(last_value(rows, reward))),
         ("final KL", fmt(last_value(rows, "objective/kl"))),
         ("final KL coef", fmt(last_value(rows, "objective/kl_coef"))),
-        ("mean PPO step time (s)", fmt(Some(step_time.iter().sum::<f64>() / step_time.len() as f64))),
+        (
+            "mean PPO step time (s)",
+            fmt(Some(step_time.iter().sum::<f64>() / step_time.len() as f64).filter(|t| t.is_finite())),
+        ),
     ];
     for (k, v) in cards {
         let _ = writeln!(h, "<div class=\"card\"><div class=\"k\">{k}</div><div class=\"v\">{v}</div></div>");

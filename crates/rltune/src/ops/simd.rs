@@ -22,13 +22,7 @@ pub(crate) fn exp_f32(x: f32) -> f32 {
     const C2: f32 = -2.121_944_4e-4;
     // 1.5·2^23: adding it rounds to an integer held in the low mantissa bits.
     const MAGIC: f32 = 12_582_912.0;
-    let xc = if x > HI {
-        HI
-    } else if x < LO {
-        LO
-    } else {
-        x
-    };
+    let xc = x.clamp(LO, HI);
     let t = xc * LOG2E + MAGIC;
     let n = t - MAGIC;
     let r = xc - n * C1 - n * C2;
@@ -36,7 +30,7 @@ pub(crate) fn exp_f32(x: f32) -> f32 {
     let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r
         + 1.666_666_5e-1)
         * r
-        + 5.000_000_1e-1;
+        + 0.5;
     let p = p * r2 + r + 1.0;
     // n ∈ [−126, 128]; 2^n = 2^(n/2) · 2^(n − n/2) keeps each factor a normal float.
     let ni = (t.to_bits() as i32).wrapping_sub(MAGIC.to_bits() as i32);

@@ -167,13 +167,18 @@ impl RunConfig {
 
     /// Parses TOML text (see [`Self::load`]); `path` names the source in errors.
     pub fn from_toml(text: &str, path: &Path, overrides: &[String]) -> Result<Self> {
-        let mut doc: toml::Table = toml::from_str(text).map_err(|e| Error::config(path, e.to_string()))?;
-        for o in overrides {
-            apply_override(&mut doc, o).map_err(|m| Error::config(path, format!("--set {o}: {m}")))?;
-        }
-        let cfg: Self = toml::Value::Table(doc)
-            .try_into()
-            .map_err(|e: toml::de::Error| Error::config(path, suggest_unknown_key(&e.to_string())))?;
+        let unknown = |e: toml::de::Error| Error::config(path, suggest_unknown_key(&e.to_string()));
+        let cfg: Self = if overrides.is_empty() {
+            // Straight from the text, so errors carry the line and column.
+            toml::from_str(text).map_err(unknown)?
+        } else {
+            let mut doc: toml::Table =
+                toml::from_str(text).map_err(|e| Error::config(path, e.to_string()))?;
+            for o in overrides {
+                apply_override(&mut doc, o).map_err(|m| Error::config(path, format!("--set {o}: {m}")))?;
+            }
+            toml::Value::Table(doc).try_into().map_err(unknown)?
+        };
         cfg.validate().map_err(|m| Error::config(path, m))?;
         Ok(cfg)
     }
@@ -230,7 +235,7 @@ fn apply_override(doc: &mut toml::Table, o: &str) -> std::result::Result<(), Str
 pub fn suggest_unknown_key(msg: &str) -> String {
     let Some(rest) = msg.split("unknown field `").nth(1) else { return msg.to_string() };
     let Some(name) = rest.split('`').next() else { return msg.to_string() };
-    let expected: Vec<&str> = rest.split('`').skip(1).step_by(2).filter(|s| !s.is_empty()).collect();
+    let expected: Vec<&str> = rest.split('`').skip(2).step_by(2).filter(|s| !s.is_empty()).collect();
     let location = msg.split("unknown field").next().unwrap_or("").trim();
     let head = if location.is_empty() { String::new() } else { format!("{location} ") };
     match crate::ppo::config::closest(name, &expected) {
@@ -271,6 +276,7 @@ command = ["cat"]
         let text = MINIMAL.replace("source = ", "sourse = ");
         let err = RunConfig::from_toml(&text, p, &[]).unwrap_err().to_string();
         assert!(err.contains("\"sourse\"") && err.contains("did you mean \"source\""), "{err}");
+        assert!(err.contains("line 5"), "{err}");
         let err =
             RunConfig::from_toml(MINIMAL, p, &["generation.max_new_tokns=3".into()]).unwrap_err().to_string();
         assert!(err.contains("did you mean \"max_new_tokens\""), "{err}");

@@ -15,10 +15,9 @@
 //! by the tokenizer to `max_length` (keeping `[SEP]`). Batches are right-padded.
 //!
 //! [`RewardModel::from_pretrained`] starts from any BERT/DistilBERT checkpoint: a plain encoder
-//! gets a new head, and a head of the wrong size (e.g. 2 labels when preference training needs
-//! 1) is re-initialized, as transformers does with `num_labels` and
-//! `ignore_mismatched_sizes=True`; the names of the new tensors are logged and kept in
-//! [`RewardModel::initialized`].
+//! gets a new head, and a head of the wrong size (e.g. two labels when preference training needs
+//! one) is re-initialized, as transformers does with `num_labels` and `ignore_mismatched_sizes=True`.
+//! The names of the new tensors are logged and kept in [`RewardModel::initialized`].
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::Path;

