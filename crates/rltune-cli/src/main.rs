@@ -7,6 +7,8 @@ mod bench;
 mod generate;
 mod ppo;
 mod ppo_step;
+mod quickstart;
+mod train;
 
 use clap::{Parser, Subcommand};
 
@@ -20,12 +22,21 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// The whole RLHF pipeline offline on a synthetic review task: corpus, BPE tokenizer, SFT,
+    /// sentiment classifier, PPO toward positive reviews, report.
+    Quickstart(quickstart::Args),
     /// Sample continuations of a prompt, with each token's logprob.
     Generate(generate::Args),
     /// Train with PPO: rollout, reward, update, in a loop (see configs/).
     Ppo(ppo::Args),
     /// One PPO update from a rollouts file (query, response, score per line).
     PpoStep(ppo_step::Args),
+    /// Supervised fine-tuning (behavioural cloning) of a causal LM: JSONL with "text", or
+    /// "prompt" and "completion"; produces the reference policy for `ppo`.
+    Sft(train::SftArgs),
+    /// Train a sequence-classification reward model: JSONL with "text" and "label"
+    /// (cross-entropy), or "chosen" and "rejected" [and "prompt"] (Bradley–Terry).
+    Reward(train::RewardArgs),
     /// Benchmarks (see bench/README.md).
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -42,6 +53,9 @@ fn main() {
     init_tracing();
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Quickstart(args) => quickstart::run(args),
+        Command::Sft(args) => train::run_sft(args),
+        Command::Reward(args) => train::run_reward(args),
         Command::Generate(args) => generate::run(args),
         Command::Ppo(args) => ppo::run(args),
         Command::PpoStep(args) => ppo_step::run(args),

@@ -688,20 +688,36 @@ fn average_minibatch_stats(stats: &mut Stats, mbs: &[Stats]) -> Result<()> {
     Ok(())
 }
 
-/// Warns, in the log and the stats, when the KL estimate is negative.
+/// Warns, in the log and the stats, when the KL estimate is negative beyond sampling noise.
 ///
-/// Float noise (a rollout-cached logprob vs the reference's recomputation) can make an exact 0
-/// read as −1e-7; only estimates below −1e-4 count.
+/// On responses sampled from the current policy, every sequence's k1 estimate has expectation
+/// KL ≥ 0, but a batch mean is noisy (a few dozen sequences read −0.01 often). The guard fires
+/// when `objective/kl` is below three standard errors of that mean (and below −1e-4, float
+/// noise of a rollout-cached logprob vs its recomputation): then the responses were not sampled
+/// as the policy now samples. TRL 0.11 warns only below −1.
 fn negative_kl_guard(stats: &mut Stats, mean_kl: f64) {
-    if mean_kl < -1e-4 {
+    if mean_kl < negative_kl_floor(stats, mean_kl) {
         let msg = format!(
-            "objective/kl is negative ({mean_kl:.4}): the responses were likely not sampled from the policy \
-             as it is now (top-k, top-p, min-length or a different temperature, or responses from elsewhere); \
-             PPO can exploit a negative KL estimate"
+            "objective/kl is negative ({mean_kl:.4}) beyond sampling noise: the responses were likely not \
+             sampled from the policy as it is now (top-k, top-p, min-length or a different temperature, or \
+             responses from elsewhere); PPO can exploit a negative KL estimate"
         );
         tracing::warn!("{msg}");
         stats.insert("warnings/negative_kl".into(), Stat::Text(msg));
     }
+}
+
+/// The threshold of [`negative_kl_guard`]: `−max(1e-4, 3 · standard error)` of the per-sequence
+/// KL estimates in `objective/kl_dist`.
+fn negative_kl_floor(stats: &Stats, mean_kl: f64) -> f64 {
+    let se = match stats.get("objective/kl_dist") {
+        Some(Stat::Array(d)) if d.len() > 1 => {
+            let var = d.iter().map(|x| (x - mean_kl).powi(2)).sum::<f64>() / (d.len() - 1) as f64;
+            (var / d.len() as f64).sqrt()
+        }
+        _ => 0.0,
+    };
+    -(3.0 * se).max(1e-4)
 }
 
 fn flat(t: &Tensor) -> Result<Vec<f64>> {

@@ -12,7 +12,7 @@ type ScoreFn = Box<dyn FnMut(&RewardInput<'_>) -> Result<f32> + Send>;
 /// A reward computed per sample by a Rust closure, e.g. a task metric.
 ///
 /// A closure's error is reported with the reward's name and the sample index; a non-finite
-/// result is an error.
+/// result passes through (the PPO loop skips that batch with a warning).
 pub struct FnReward {
     name: String,
     f: ScoreFn,
@@ -44,12 +44,6 @@ impl RewardSource for FnReward {
         for (i, sample) in batch.iter().enumerate() {
             let s = (self.f)(sample)
                 .map_err(|e| Error::Input(format!("reward {}, sample {i}: {e}", self.name)))?;
-            if !s.is_finite() {
-                return Err(Error::Input(format!(
-                    "reward {}, sample {i}: the score is {s}, not finite",
-                    self.name
-                )));
-            }
             out.push(s);
         }
         Ok(out)
@@ -209,6 +203,9 @@ mod tests {
         let err = token_f1_reward("answer").score(&batch).unwrap_err().to_string();
         assert!(err.contains("meta is null"), "{err}");
         let mut nan = FnReward::new("nan", |_: &RewardInput| Ok(f32::NAN));
-        assert!(nan.score(&batch).unwrap_err().to_string().contains("nan, sample 0"));
+        assert!(
+            nan.score(&batch).unwrap().iter().all(|s| s.is_nan()),
+            "NaN passes; the PPO loop skips the batch"
+        );
     }
 }

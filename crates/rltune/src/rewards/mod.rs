@@ -76,7 +76,12 @@ pub trait RewardSource: Send {
     /// A short name for logs (e.g. `classifier(POSITIVE logit)`).
     fn name(&self) -> &str;
 
-    /// Scores `batch`, returning exactly `batch.len()` finite scores in order.
+    /// Scores `batch`, returning exactly `batch.len()` scores in order.
+    ///
+    /// A score may be non-finite (a classifier overflow, a program answering `NaN`, a metric
+    /// dividing by zero): the PPO loop then skips the batch with a warning and counts the skip
+    /// in `rltune/skipped_batches`. Failures that leave no score (a program that died, an answer
+    /// that does not parse) are errors.
     fn score(&mut self, batch: &[RewardInput<'_>]) -> Result<Vec<f32>>;
 }
 
@@ -90,9 +95,10 @@ impl<R: RewardSource + ?Sized> RewardSource for Box<R> {
     }
 }
 
-/// Calls `source.score(batch)` and checks the contract: one finite score per sample.
+/// Calls `source.score(batch)` and checks the contract: one score per sample.
 ///
-/// Errors name the source and the first bad sample (0-based).
+/// The error names the source. Non-finite scores pass (see [`RewardSource::score`]); a
+/// [`WeightedSum`] keeps them non-finite.
 pub fn score_checked<R: RewardSource + ?Sized>(
     source: &mut R,
     batch: &[RewardInput<'_>],
@@ -104,13 +110,6 @@ pub fn score_checked<R: RewardSource + ?Sized>(
             source.name(),
             scores.len(),
             batch.len()
-        )));
-    }
-    if let Some(i) = scores.iter().position(|s| !s.is_finite()) {
-        return Err(Error::Input(format!(
-            "reward {}: the score of sample {i} is {}; every score must be finite",
-            source.name(),
-            scores[i]
         )));
     }
     Ok(scores)
@@ -213,12 +212,12 @@ mod tests {
     }
 
     #[test]
-    fn score_checked_names_wrong_lengths_and_non_finite_scores() {
+    fn score_checked_names_wrong_lengths_and_passes_non_finite_scores() {
         let batch = [RewardInput::text("q", "a"), RewardInput::text("q", "b")];
         let err = score_checked(&mut Fixed(vec![1.0]), &batch).unwrap_err().to_string();
         assert!(err.contains("fixed") && err.contains("1 scores") && err.contains("2 samples"), "{err}");
-        let err = score_checked(&mut Fixed(vec![1.0, f32::INFINITY]), &batch).unwrap_err().to_string();
-        assert!(err.contains("sample 1") && err.contains("inf"), "{err}");
+        let scores = score_checked(&mut Fixed(vec![1.0, f32::INFINITY]), &batch).unwrap();
+        assert!(scores[1].is_infinite(), "the PPO loop skips such a batch; the source does not fail");
         // A part's bad output fails the sum, naming the part.
         let mut sum =
             WeightedSum::new(vec![(1.0, Box::new(Fixed(vec![0.0])) as Box<dyn RewardSource>)]).unwrap();

@@ -167,18 +167,7 @@ impl RunConfig {
 
     /// Parses TOML text (see [`Self::load`]); `path` names the source in errors.
     pub fn from_toml(text: &str, path: &Path, overrides: &[String]) -> Result<Self> {
-        let unknown = |e: toml::de::Error| Error::config(path, suggest_unknown_key(&e.to_string()));
-        let cfg: Self = if overrides.is_empty() {
-            // Straight from the text, so errors carry the line and column.
-            toml::from_str(text).map_err(unknown)?
-        } else {
-            let mut doc: toml::Table =
-                toml::from_str(text).map_err(|e| Error::config(path, e.to_string()))?;
-            for o in overrides {
-                apply_override(&mut doc, o).map_err(|m| Error::config(path, format!("--set {o}: {m}")))?;
-            }
-            toml::Value::Table(doc).try_into().map_err(unknown)?
-        };
+        let cfg: Self = parse_toml(text, path, overrides)?;
         cfg.validate().map_err(|m| Error::config(path, m))?;
         Ok(cfg)
     }
@@ -210,6 +199,25 @@ impl RunConfig {
     pub fn to_toml(&self) -> Result<String> {
         toml::to_string_pretty(self).map_err(|e| Error::Input(format!("cannot serialize the config: {e}")))
     }
+}
+
+/// Deserializes TOML `text` after applying `overrides` (`table.key=value`; the value is parsed as
+/// TOML, else taken as a string). Errors name `path`, and an unknown key gets the closest valid
+/// one; without overrides they also carry the line and column.
+pub fn parse_toml<T: serde::de::DeserializeOwned>(
+    text: &str,
+    path: &Path,
+    overrides: &[String],
+) -> Result<T> {
+    let unknown = |e: toml::de::Error| Error::config(path, suggest_unknown_key(&e.to_string()));
+    if overrides.is_empty() {
+        return toml::from_str(text).map_err(unknown);
+    }
+    let mut doc: toml::Table = toml::from_str(text).map_err(|e| Error::config(path, e.to_string()))?;
+    for o in overrides {
+        apply_override(&mut doc, o).map_err(|m| Error::config(path, format!("--set {o}: {m}")))?;
+    }
+    toml::Value::Table(doc).try_into().map_err(unknown)
 }
 
 /// Sets `table.key` (any depth) to `value` in `doc`.

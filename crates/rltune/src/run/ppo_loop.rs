@@ -256,11 +256,20 @@ impl PpoRun {
         let time_reward = t.elapsed().as_secs_f64();
         if scores.len() != inputs.len() || scores.iter().any(|s| !s.is_finite()) {
             self.skipped += 1;
+            let bad = scores.iter().position(|s| !s.is_finite());
             tracing::warn!(
-                "step {}: a reward is not finite; batch skipped ({} so far)",
+                "step {}: reward {} of sample {} is not finite; batch skipped ({} skipped so far)",
                 step + 1,
+                bad.map_or("missing".to_string(), |i| scores[i].to_string()),
+                bad.map_or(scores.len(), |i| i),
                 self.skipped
             );
+            // The step still gets a metrics line, holding the skip count and the rollout times.
+            let mut stats = crate::ppo::Stats::new();
+            stats.insert("rltune/skipped_batches".into(), Stat::Scalar(self.skipped as f64));
+            stats.insert("time/rollout/generation".into(), Stat::Scalar(time_gen));
+            stats.insert("time/rollout/reward".into(), Stat::Scalar(time_reward));
+            self.logger.log_step(step + 1, &stats, &[])?;
             return Ok(StepReport {
                 step,
                 total: self.config.ppo.steps,

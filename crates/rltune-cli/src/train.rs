@@ -1,0 +1,210 @@
+//! `rltune sft` and `rltune reward`: the supervised trainers, saving Hugging Face directories
+//! that `rltune ppo` loads (the SFT model as policy and reference, the classifier as reward).
+//!
+//! Settings come from an optional TOML file with a `[training]` table (learning rate, epochs,
+//! batch size, gradient accumulation, warm-up and decay, eval split) and an `[sft]` or `[reward]`
+//! table, plus `--set table.key=value` overrides; see configs/sft.toml and configs/reward.toml.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use candle_core::{DType, Device};
+use rltune::run::config::parse_toml;
+use rltune::train::data::{read_reward_records, read_sft_records};
+use rltune::train::reward_model::{self, RewardConfig, RewardModel};
+use rltune::train::sft::{self, SftConfig, SftModel};
+use rltune::train::{TrainProgress, TrainSummary, TrainingArgs};
+use serde::Deserialize;
+
+/// Arguments shared by both trainers.
+#[derive(clap::Args)]
+pub struct Common {
+    /// Starting model: a local Hugging Face directory or a hub id.
+    #[arg(long)]
+    model: String,
+    /// Training data (JSONL; see the command's help for the fields).
+    #[arg(long)]
+    data: PathBuf,
+    /// Output directory (written atomically: a temp directory renamed at the end).
+    #[arg(long)]
+    output: PathBuf,
+    /// TOML file with [training] and the trainer's own table.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Override a setting, e.g. --set training.learning_rate=1e-4 (repeatable).
+    #[arg(long = "set", value_name = "TABLE.KEY=VALUE")]
+    set: Vec<String>,
+}
+
+/// Arguments of `rltune sft`.
+#[derive(clap::Args)]
+pub struct SftArgs {
+    #[command(flatten)]
+    common: Common,
+}
+
+/// Arguments of `rltune reward`.
+#[derive(clap::Args)]
+pub struct RewardArgs {
+    #[command(flatten)]
+    common: Common,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+struct SftFile {
+    training: TrainingArgs,
+    sft: SftConfig,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+struct RewardFile {
+    training: TrainingArgs,
+    reward: RewardConfig,
+}
+
+/// The settings file (or an empty one) with the overrides applied.
+fn settings<T: serde::de::DeserializeOwned>(c: &Common) -> Result<T> {
+    let (text, path) = match &c.config {
+        Some(p) => {
+            (std::fs::read_to_string(p).with_context(|| format!("cannot read {}", p.display()))?, p.clone())
+        }
+        None => (String::new(), PathBuf::from("--set")),
+    };
+    Ok(parse_toml(&text, &path, &c.set)?)
+}
+
+fn check(result: std::result::Result<(), String>, c: &Common) -> Result<()> {
+    let source = c.config.as_ref().map_or("--set".to_string(), |p| p.display().to_string());
+    result.map_err(|m| anyhow::anyhow!("{source}: {m}"))
+}
+
+/// Runs `rltune sft`.
+pub fn run_sft(args: SftArgs) -> Result<()> {
+    let c = &args.common;
+    let file: SftFile = settings(c)?;
+    check(file.training.validate(), c)?;
+    check(file.sft.validate(), c)?;
+    let records = read_sft_records(&c.data)?;
+    let model = SftModel::from_pretrained(&c.model, DType::F32, &Device::Cpu)?;
+    let mut cfg = file.sft;
+    if let Some(max) = model.lm.config().max_positions() {
+        fit_default(&mut cfg.max_length, SftConfig::default().max_length, max, "sft.max_length");
+    }
+    let progress = Bar::new("sft");
+    let summary = sft::train_sft(&model, &records, &cfg, &file.training, &mut |p| progress.update(p))?;
+    progress.finish();
+    model.save(&c.output)?;
+    report(&summary, &c.output, true);
+    Ok(())
+}
+
+/// Runs `rltune reward`.
+pub fn run_reward(args: RewardArgs) -> Result<()> {
+    let c = &args.common;
+    let file: RewardFile = settings(c)?;
+    check(file.training.validate(), c)?;
+    check(file.reward.validate(), c)?;
+    let records = read_reward_records(&c.data)?;
+    let model =
+        RewardModel::from_pretrained_for(&c.model, &records, file.training.seed, DType::F32, &Device::Cpu)?;
+    let mut cfg = file.reward;
+    fit_default(
+        &mut cfg.max_length,
+        RewardConfig::default().max_length,
+        model.max_positions(),
+        "reward.max_length",
+    );
+    let progress = Bar::new("reward");
+    let summary = reward_model::train_reward_model(&model, &records, &cfg, &file.training, &mut |p| {
+        progress.update(p)
+    })?;
+    progress.finish();
+    model.save(&c.output)?;
+    report(&summary, &c.output, false);
+    Ok(())
+}
+
+/// Lowers a length left at its default to what the model accepts (an explicit value that is too
+/// large stays, and the trainer rejects it with a message).
+fn fit_default(value: &mut usize, default: usize, model_max: usize, name: &str) {
+    if *value == default && default > model_max {
+        tracing::info!(
+            "{name}: the default {default} exceeds the model's {model_max} positions; using {model_max}"
+        );
+        *value = model_max;
+    }
+}
+
+fn report(s: &TrainSummary, out: &Path, perplexity: bool) {
+    eprintln!(
+        "{} steps on {} examples ({} held out, {} skipped); final train loss {:.4}",
+        s.steps, s.train_examples, s.eval_examples, s.skipped_examples, s.train_loss
+    );
+    if let Some(e) = &s.eval {
+        let ppl = match (perplexity, e.perplexity) {
+            (true, Some(p)) => format!(", perplexity {p:.3}"),
+            _ => String::new(),
+        };
+        eprintln!("eval: loss {:.4}{ppl}, accuracy {:.4} ({} examples)", e.loss, e.accuracy, e.examples);
+    }
+    eprintln!("saved {}", out.display());
+}
+
+/// A progress bar on a terminal, a line every 10% otherwise.
+pub struct Bar {
+    what: &'static str,
+    bar: Option<indicatif::ProgressBar>,
+}
+
+impl Bar {
+    /// A bar for a trainer; its length is set by the first update.
+    pub fn new(what: &'static str) -> Self {
+        use std::io::IsTerminal;
+        let bar = std::io::stderr().is_terminal().then(|| {
+            let bar = indicatif::ProgressBar::new(0);
+            let template = format!(
+                "{what:>10} {{bar:30}} {{pos}}/{{len}} [{{elapsed_precise}} < {{eta_precise}}] {{msg}}"
+            );
+            bar.set_style(
+                indicatif::ProgressStyle::with_template(&template)
+                    .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            );
+            bar
+        });
+        Self { what, bar }
+    }
+
+    /// Shows `done` of `total` with a message.
+    pub fn show(&self, done: usize, total: usize, msg: String) {
+        match &self.bar {
+            Some(bar) => {
+                bar.set_length(total as u64);
+                bar.set_position(done as u64);
+                bar.set_message(msg);
+            }
+            None => {
+                let tenth = (total / 10).max(1);
+                if done == total || done % tenth == 0 {
+                    eprintln!("{} step {done}/{total}: {msg}", self.what);
+                }
+            }
+        }
+    }
+
+    fn update(&self, p: &TrainProgress) {
+        let mut msg = format!("loss {:.4} lr {:.2e}", p.loss, p.lr);
+        if let Some(e) = &p.eval {
+            msg.push_str(&format!(" eval loss {:.4} acc {:.3}", e.loss, e.accuracy));
+        }
+        self.show(p.step, p.total_steps, msg);
+    }
+
+    /// Removes the bar.
+    pub fn finish(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish();
+        }
+    }
+}

@@ -1,0 +1,360 @@
+//! The training commands end to end, as a user runs them: `quickstart` (tiny preset), `sft`,
+//! `reward`, `ppo` (classifier and command rewards, resume, faults), and the run directory
+//! contract (metrics.jsonl, report.html, tb/, checkpoints/, config.toml).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::OnceLock;
+
+fn rltune(args: &[&str]) -> Output {
+    let hf_home = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_rltune"))
+        .args(args)
+        .env("HF_HUB_OFFLINE", "1")
+        .env("HF_HOME", hf_home.path())
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("run rltune");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "rltune panicked:\n{stderr}");
+    out
+}
+
+fn ok(out: Output) -> Output {
+    assert!(
+        out.status.success(),
+        "rltune failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+fn fails(out: Output) -> String {
+    assert_eq!(out.status.code(), Some(1), "expected exit code 1:\n{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// One tiny quickstart shared by the tests that reuse its models (built once per test binary).
+fn quickstart() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = tempfile::tempdir().unwrap().keep();
+        ok(rltune(&["quickstart", "--preset", "tiny", "--output", dir.to_str().unwrap()]));
+        dir
+    })
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+fn metrics(run: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+#[test]
+fn quickstart_writes_the_run_directory_contract_and_caches_stages() {
+    let dir = quickstart();
+    let run = dir.join("ppo");
+    let lines = metrics(&run);
+    assert_eq!(lines.len(), 3, "one metrics line per PPO step");
+    for (i, m) in lines.iter().enumerate() {
+        assert_eq!(m["step"], i + 1);
+        for key in [
+            "env/reward_mean",
+            "env/reward_std",
+            "objective/kl",
+            "objective/kl_coef",
+            "ppo/policy/clipfrac",
+            "time/ppo/total",
+        ] {
+            assert!(m[key].is_number(), "step {}: {key} missing in {m}", i + 1);
+        }
+    }
+    let report = std::fs::read_to_string(run.join("report.html")).unwrap();
+    assert!(report.contains("<svg") && report.contains("env/reward_mean"), "report.html lacks plots");
+    assert!(!report.contains("src=\"http"), "report.html must be self-contained");
+    let tb: Vec<_> = std::fs::read_dir(run.join("tb")).unwrap().flatten().collect();
+    assert!(tb.iter().any(|e| e.file_name().to_string_lossy().starts_with("events.out.tfevents")));
+    let ckpt = run.join("checkpoints/step-3");
+    for f in ["model.safetensors", "config.json", "tokenizer.json"] {
+        assert!(ckpt.join(f).is_file(), "checkpoint lacks {f}");
+    }
+    assert!(run.join("config.toml").is_file(), "the resolved config is saved");
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["ppo_curve"].as_array().unwrap().len(), 3);
+    assert!(summary["before"]["positive_fraction"].is_number());
+
+    // A rerun skips every stage and gives the same evaluation.
+    let out = ok(rltune(&["quickstart", "--preset", "tiny", "--output", s(dir)]));
+    let err = String::from_utf8_lossy(&out.stderr);
+    for stage in ["corpus", "tokenizer", "sft", "classifier", "ppo"] {
+        assert!(err.contains(&format!("[{stage}] cached")), "{stage} not cached:\n{err}");
+    }
+    let again: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(again["after"], summary["after"], "evaluation is deterministic");
+
+    // Another seed in the same directory is refused instead of mixing stages.
+    let err = fails(rltune(&["quickstart", "--preset", "tiny", "--seed", "5", "--output", s(dir)]));
+    assert!(err.contains("other settings"), "{err}");
+}
+
+#[test]
+fn sft_and_reward_commands_train_and_save_loadable_models() {
+    let dir = quickstart();
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("sft.jsonl");
+    let lines: Vec<String> = (0..24)
+        .map(|i| {
+            serde_json::json!({"prompt": format!("Review {i}:"), "completion": " A wonderful film."})
+                .to_string()
+        })
+        .collect();
+    std::fs::write(&data, lines.join("\n")).unwrap();
+    let out_sft = tmp.path().join("sft-out");
+    let out = ok(rltune(&[
+        "sft",
+        "--model",
+        s(&dir.join("sft")),
+        "--data",
+        s(&data),
+        "--output",
+        s(&out_sft),
+        "--set",
+        "training.max_steps=3",
+        "--set",
+        "training.batch_size=4",
+        "--set",
+        "sft.max_length=32",
+    ]));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("3 steps") && err.contains("eval: loss"), "{err}");
+    ok(rltune(&[
+        "generate",
+        "--model",
+        s(&out_sft),
+        "--prompt",
+        "Review",
+        "--max-new-tokens",
+        "4",
+        "--json",
+    ]));
+
+    let data = tmp.path().join("labels.jsonl");
+    let lines: Vec<String> = (0..24)
+        .map(|i| {
+            let (text, label) =
+                if i % 2 == 0 { ("great fun", "POSITIVE") } else { ("dull mess", "NEGATIVE") };
+            serde_json::json!({"text": text, "label": label}).to_string()
+        })
+        .collect();
+    std::fs::write(&data, lines.join("\n")).unwrap();
+    let out_rm = tmp.path().join("rm-out");
+    ok(rltune(&[
+        "reward",
+        "--model",
+        s(&dir.join("classifier")),
+        "--data",
+        s(&data),
+        "--output",
+        s(&out_rm),
+        "--set",
+        "training.max_steps=2",
+    ]));
+    assert!(out_rm.join("model.safetensors").is_file() && out_rm.join("tokenizer.json").is_file());
+
+    // Preference pairs train a one-logit head (Bradley–Terry).
+    let pairs = tmp.path().join("pairs.jsonl");
+    let lines: Vec<String> = (0..8)
+        .map(|_| serde_json::json!({"chosen": "great fun", "rejected": "dull mess"}).to_string())
+        .collect();
+    std::fs::write(&pairs, lines.join("\n")).unwrap();
+    ok(rltune(&[
+        "reward",
+        "--model",
+        s(&dir.join("classifier")),
+        "--data",
+        s(&pairs),
+        "--output",
+        s(&tmp.path().join("bt")),
+        "--set",
+        "training.max_steps=2",
+    ]));
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(tmp.path().join("bt/config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["id2label"].as_object().map(|m| m.len()), Some(1), "{cfg}");
+
+    // Settings errors name the key and suggest the closest one.
+    let err = fails(rltune(&[
+        "sft",
+        "--model",
+        s(&dir.join("sft")),
+        "--data",
+        s(&data),
+        "--output",
+        s(&out_sft),
+        "--set",
+        "training.learnig_rate=1e-3",
+    ]));
+    assert!(err.contains("did you mean \"learning_rate\""), "{err}");
+}
+
+/// The quickstart's PPO config with the run directory and step count changed.
+fn ppo_args<'a>(run: &'a str, steps: &'a str, extra: &[&'a str]) -> Vec<String> {
+    let cfg = quickstart().join("ppo.toml");
+    let mut v: Vec<String> = vec!["ppo".into(), "--config".into(), s(&cfg).into()];
+    for o in [format!("logging.dir={run:?}"), format!("ppo.steps={steps}"), "checkpoint.every=1".into()] {
+        v.push("--set".into());
+        v.push(o);
+    }
+    v.extend(extra.iter().map(|e| e.to_string()));
+    v
+}
+
+fn run_ppo(args: &[String]) -> Output {
+    rltune(&args.iter().map(String::as_str).collect::<Vec<_>>())
+}
+
+#[test]
+fn ppo_resumes_from_its_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("run");
+    ok(run_ppo(&ppo_args(s(&run), "2", &[])));
+    assert_eq!(metrics(&run).len(), 2);
+    ok(run_ppo(&ppo_args(s(&run), "4", &["--resume"])));
+    let lines = metrics(&run);
+    assert_eq!(lines.iter().map(|m| m["step"].as_u64().unwrap()).collect::<Vec<_>>(), [1, 2, 3, 4]);
+    assert!(run.join("checkpoints/step-4/model.safetensors").is_file());
+    assert!(run.join("checkpoints/step-4/optimizer.safetensors").is_file());
+
+    let fresh = tmp.path().join("fresh");
+    let err = fails(run_ppo(&ppo_args(s(&fresh), "2", &["--resume"])));
+    assert!(err.contains("no checkpoint"), "{err}");
+}
+
+/// A PPO config whose reward is the shell command `script`.
+fn command_config(dir: &Path, script: &str, timeout_s: f64) -> PathBuf {
+    let qs = quickstart();
+    let text = format!(
+        r#"
+[model]
+path = {model:?}
+[data]
+source = {data:?}
+[[reward.sources]]
+kind = "command"
+command = ["sh", "-c", {script:?}]
+timeout_s = {timeout_s}
+[generation]
+max_new_tokens = 4
+[ppo]
+batch_size = 4
+mini_batch_size = 2
+steps = 2
+[logging]
+dir = {run:?}
+"#,
+        model = s(&qs.join("sft")),
+        data = s(&qs.join("data/prompts.jsonl")),
+        run = s(&dir.join("run")),
+    );
+    let path = dir.join("run.toml");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+#[test]
+fn command_reward_faults_are_reported_and_nan_batches_skipped() {
+    let tmp = tempfile::tempdir().unwrap();
+    let case = |name: &str| {
+        let d = tmp.path().join(name);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    };
+    // Answers 1 per line: trains.
+    let cfg = command_config(&case("ones"), "while read l; do echo 1; done", 10.0);
+    ok(rltune(&["ppo", "--config", s(&cfg)]));
+
+    // A program that dies.
+    let cfg = command_config(&case("dies"), "echo 'model file missing' >&2; exit 3", 10.0);
+    let err = fails(rltune(&["ppo", "--config", s(&cfg)]));
+    assert!(err.contains("model file missing"), "the program's stderr is quoted:\n{err}");
+
+    // A program that never answers.
+    let cfg = command_config(&case("hangs"), "sleep 30", 0.5);
+    let err = fails(rltune(&["ppo", "--config", s(&cfg)]));
+    assert!(err.to_lowercase().contains("timed out") || err.contains("timeout"), "{err}");
+
+    // NaN for the first batch (4 samples), then 1: the batch is skipped with a warning, and the
+    // skip is counted in the metrics.
+    let script = "n=0; while read l; do n=$((n+1)); if [ $n -le 4 ]; then echo NaN; else echo 1; fi; done";
+    let dir = case("nan");
+    let cfg = command_config(&dir, script, 10.0);
+    let run = dir.join("run");
+    let out = ok(rltune(&["ppo", "--config", s(&cfg)]));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("skipped"), "{err}");
+    let lines = metrics(&run);
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    assert_eq!(lines[0]["rltune/skipped_batches"], 1.0);
+    assert!(lines[0].get("objective/kl").is_none(), "a skipped step has no PPO stats");
+    assert_eq!(lines[1]["rltune/skipped_batches"], 1.0);
+    assert!(lines[1]["objective/kl"].is_number());
+}
+
+#[test]
+fn config_errors_name_the_key_and_the_row() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = command_config(tmp.path(), "while read l; do echo 1; done", 10.0);
+    let text = std::fs::read_to_string(&cfg).unwrap().replace("max_new_tokens", "max_new_tokns");
+    std::fs::write(&cfg, text).unwrap();
+    let err = fails(rltune(&["ppo", "--config", s(&cfg)]));
+    assert!(err.contains("did you mean \"max_new_tokens\"") && err.contains("run.toml"), "{err}");
+
+    let cfg = command_config(tmp.path(), "while read l; do echo 1; done", 10.0);
+    let data = tmp.path().join("prompts.jsonl");
+    std::fs::write(&data, "{\"text\": \"a fine film\"}\n{\"body\": \"no text here\"}\n").unwrap();
+    let err = fails(rltune(&["ppo", "--config", s(&cfg), "--set", &format!("data.source={:?}", s(&data))]));
+    assert!(err.contains("line 2") && err.contains("text"), "{err}");
+
+    let err = fails(rltune(&["ppo", "--config", s(&tmp.path().join("missing.toml"))]));
+    assert!(err.contains("missing.toml"), "{err}");
+}
+
+#[test]
+fn ctrl_c_finishes_the_step_writes_a_checkpoint_and_exits_cleanly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("run");
+    let args = ppo_args(s(&run), "100000", &["--set", "checkpoint.every=0"]);
+    let child = Command::new(env!("CARGO_BIN_EXE_rltune"))
+        .args(&args)
+        .env("RUST_LOG", "warn")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = std::time::Instant::now();
+    while std::fs::read_to_string(run.join("metrics.jsonl")).map_or(true, |t| t.lines().count() < 2) {
+        assert!(started.elapsed().as_secs() < 120, "no PPO step within 2 minutes");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let pid = child.id().to_string();
+    assert!(Command::new("kill").args(["-INT", &pid]).status().unwrap().success());
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "exit status {:?}:\n{err}", out.status);
+    assert!(err.contains("Ctrl-C"), "{err}");
+    let steps = metrics(&run).len();
+    assert!(steps < 100000);
+    assert!(
+        run.join(format!("checkpoints/step-{steps}/model.safetensors")).is_file(),
+        "a checkpoint of the last finished step ({steps})"
+    );
+    assert!(run.join("report.html").is_file());
+}
