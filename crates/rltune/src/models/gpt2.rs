@@ -279,8 +279,7 @@ impl Gpt2 {
 
     /// `(B, T, C) -> (B, T, V)`
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        let (b, t, c) = hidden.dims3()?;
-        let v = self.lm_head.dim(0)?;
-        Ok(hidden.reshape((b * t, c))?.matmul(&self.lm_head.t()?)?.reshape((b, t, v))?)
+        hidden.dims3()?;
+        Ok(crate::ops::linear(hidden, &self.lm_head, None)?)
     }
 }

@@ -32,19 +32,7 @@ impl Linear {
 
     /// `(…, in) -> (…, out)`
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let dims = x.dims().to_vec();
-        let d_in = *dims.last().unwrap_or(&1);
-        let rows = x.elem_count() / d_in.max(1);
-        let y = x.reshape((rows, d_in))?.matmul(&self.weight.t()?)?;
-        let y = match &self.bias {
-            Some(b) => y.broadcast_add(b)?,
-            None => y,
-        };
-        let mut out = dims;
-        if let Some(last) = out.last_mut() {
-            *last = self.weight.dim(0)?;
-        }
-        Ok(y.reshape(out)?)
+        Ok(ops::linear(x, &self.weight, self.bias.as_ref())?)
     }
 }
 
@@ -68,15 +56,7 @@ impl Conv1D {
 
     /// `(…, in) -> (…, out)`
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let dims = x.dims().to_vec();
-        let (d_in, d_out) = self.weight.dims2()?;
-        let rows = x.elem_count() / d_in.max(1);
-        let y = x.reshape((rows, d_in))?.matmul(&self.weight)?.broadcast_add(&self.bias)?;
-        let mut out = dims;
-        if let Some(last) = out.last_mut() {
-            *last = d_out;
-        }
-        Ok(y.reshape(out)?)
+        Ok(ops::linear_in_out(x, &self.weight, Some(&self.bias))?)
     }
 }
 

@@ -16,19 +16,25 @@
 //! | [`entropy_from_logits`] | log-softmax, exp, mul, sum (one pass per row) |
 //! | [`gelu_tanh`] | candle's `gelu` (its backward: ~12 ops with `powf` and `tanh`) |
 //! | [`layer_norm`], [`rms_norm`] | mean, sub, sqr, mean, add, sqrt, div, mul, add |
+//! | [`linear`], [`linear_in_out`], [`matmul`] | candle's matmul (AVX2 only), broadcast add of the bias, `contiguous()` copies of transposed operands in the backward |
 //!
 //! f32 kernels use a vectorizable `exp` (within 2 ulp of libm's) and are compiled twice, for
 //! baseline x86-64 and for AVX2, picking the second at run time where the CPU has it.
+//!
+//! Matrix products run on an AVX-512 SGEMM (`ops::gemm`) where the CPU has it, else on candle's.
 //!
 //! Every op has a test against its composed twin (values and gradients) and a finite-difference
 //! gradient check in f64.
 
 mod activation;
+pub(crate) mod gemm;
+mod linear;
 mod norm;
 mod simd;
 mod softmax;
 
 pub use activation::{gelu_tanh, gelu_tanh_composed};
+pub use linear::{linear, linear_composed, linear_in_out, linear_in_out_composed, matmul};
 pub use norm::{layer_norm, layer_norm_composed, rms_norm, rms_norm_composed};
 pub use softmax::{
     entropy_from_logits, entropy_from_logits_composed, log_softmax_composed, log_softmax_last_dim,

@@ -1,0 +1,67 @@
+//! GFLOP/s of `rltune::ops::matmul` (the AVX-512 SGEMM where the CPU has it) against candle's
+//! `Tensor::matmul`, f32 on the CPU, for the shapes of a PPO step on the `small` preset.
+//!
+//! Each shape `M×K×N` (`(M, K)·(K, N)`) runs for at least 0.3 s after one warm-up call; the
+//! median of 5 such batches is printed. `--trans` multiplies `A·Bᵀ` with `B` stored `(N, K)`
+//! (nn.Linear's layout). Thread count: `RAYON_NUM_THREADS` (both libraries use rayon's pool).
+//!
+//! ```sh
+//! CANDLE_NUM_THREADS=1 RAYON_NUM_THREADS=1 cargo run --release -p rltune --example bench_gemm
+//! CANDLE_NUM_THREADS=1 RAYON_NUM_THREADS=2 cargo run --release -p rltune --example bench_gemm
+//! ```
+
+use std::time::Instant;
+
+use candle_core::{Device, Tensor};
+
+const SHAPES: [(usize, usize, usize); 6] = [
+    (512, 256, 768),
+    (512, 256, 256),
+    (512, 1024, 256),
+    (512, 256, 8192),
+    (8192, 512, 256),
+    (2048, 2048, 2048),
+];
+
+/// Median GFLOP/s of `f` over 5 batches of ≥ 0.3 s.
+fn gflops(flops: f64, mut f: impl FnMut()) -> f64 {
+    f();
+    let mut rates: Vec<f64> = (0..5)
+        .map(|_| {
+            let start = Instant::now();
+            let mut n = 0;
+            while start.elapsed().as_secs_f64() < 0.3 {
+                f();
+                n += 1;
+            }
+            flops * n as f64 / start.elapsed().as_secs_f64() / 1e9
+        })
+        .collect();
+    rates.sort_by(f64::total_cmp);
+    rates[2]
+}
+
+fn main() -> candle_core::Result<()> {
+    rltune::cpu::flush_denormals();
+    let trans = std::env::args().any(|a| a == "--trans");
+    let threads = rayon::current_num_threads();
+    println!("threads {threads}, B {}", if trans { "transposed (N, K)" } else { "row-major (K, N)" });
+    println!("| M×K×N | rltune GFLOP/s | candle GFLOP/s | speed-up | max rel diff |");
+    println!("|---|---|---|---|---|");
+    for (m, k, n) in SHAPES {
+        let a = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu)?;
+        let b = if trans {
+            Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu)?.t()?
+        } else {
+            Tensor::randn(0f32, 1.0, (k, n), &Device::Cpu)?
+        };
+        let flops = 2.0 * (m * k * n) as f64;
+        let ours = gflops(flops, || drop(rltune::ops::matmul(&a, &b).expect("matmul")));
+        let theirs = gflops(flops, || drop(a.matmul(&b).expect("matmul")));
+        let (y, yc) = (rltune::ops::matmul(&a, &b)?, a.matmul(&b)?);
+        let diff = (&y - &yc)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+        let scale = yc.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+        println!("| {m}×{k}×{n} | {ours:.0} | {theirs:.0} | {:.2}× | {:.1e} |", ours / theirs, diff / scale);
+    }
+    Ok(())
+}

@@ -1,0 +1,408 @@
+//! Matrix products and linear layers on the AVX-512 SGEMM of `gemm.rs`, with backward passes that reuse it.
+//!
+//! [`linear`] is `y = x·Wᵀ + b` for nn.Linear's `W (out, in)`; [`linear_in_out`] is
+//! `y = x·W + b` for GPT-2's Conv1D `W (in, out)`; [`matmul`] is a 2-D `A·B`. The bias is
+//! added in the GEMM's epilogue (no broadcast add, no `(rows, out)` temporary), and the
+//! backward reads `dyᵀ`, `xᵀ` and `W` in place, as strided views, instead of copying them:
+//!
+//! | y | dx | dW | db |
+//! |---|---|---|---|
+//! | `x·Wᵀ + b` | `dy·W` | `dyᵀ·x` | `Σ_rows dy` |
+//! | `x·W + b` | `dy·Wᵀ` | `xᵀ·dy` | `Σ_rows dy` |
+//!
+//! f32 runs on the AVX-512 kernel where the CPU has it. f64, and f32 without AVX-512, run
+//! candle's own CPU matmul on the same strided views (f64 so the tests can check gradients
+//! by finite differences). Other devices use the composed candle ops.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
+
+use super::gemm::{self, MatRef};
+use super::{contiguous, unsupported, CResult, Elem};
+
+/// How a linear layer stores its weight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum WeightLayout {
+    /// nn.Linear: `(out, in)`, `y = x·Wᵀ`.
+    OutIn,
+    /// GPT-2's Conv1D: `(in, out)`, `y = x·W`.
+    InOut,
+}
+
+/// The `(rows, cols)` of a rank-2 layout, or an error naming `op`.
+fn dims2(l: &Layout, op: &'static str) -> CResult<(usize, usize)> {
+    match l.dims() {
+        &[r, c] => Ok((r, c)),
+        d => candle_core::bail!("{op}: expected a matrix, got shape {d:?}"),
+    }
+}
+
+/// `a·b (+ bias)` for rank-2 operands with any strides; `c` comes back contiguous `(m, n)`.
+fn cpu_gemm(
+    (sa, la): (&CpuStorage, &Layout),
+    (sb, lb): (&CpuStorage, &Layout),
+    bias: Option<(&CpuStorage, &Layout)>,
+    op: &'static str,
+) -> CResult<(CpuStorage, Shape)> {
+    let (m, k) = dims2(la, op)?;
+    let (k2, n) = dims2(lb, op)?;
+    if k != k2 {
+        candle_core::bail!("{op}: shapes ({m}, {k}) and ({k2}, {n}) do not multiply");
+    }
+    if let Some((_, lbias)) = bias {
+        if lbias.dims() != [n] {
+            candle_core::bail!("{op}: bias of shape {:?} for {n} outputs", lbias.dims());
+        }
+    }
+    match (sa, sb) {
+        (CpuStorage::F32(a), CpuStorage::F32(b)) if gemm::avx512_available() => {
+            let view = |data, l: &Layout, rows, cols| {
+                let s = l.stride();
+                MatRef { data, off: l.start_offset(), rows, cols, rs: s[0], cs: s[1] }
+            };
+            let bias = bias.map(|(s, l)| contiguous::<f32>(s, l, op)).transpose()?;
+            let mut c = vec![0f32; m * n];
+            gemm::sgemm(view(a, la, m, k), view(b, lb, k, n), &mut c, bias, false);
+            Ok((CpuStorage::F32(c), (m, n).into()))
+        }
+        _ => {
+            let c = sa.matmul(sb, (1, m, n, k), la, lb)?;
+            let c = match (c, bias) {
+                (c, None) => c,
+                (CpuStorage::F32(c), Some((s, l))) => CpuStorage::F32(add_rows(c, contiguous(s, l, op)?)),
+                (CpuStorage::F64(c), Some((s, l))) => CpuStorage::F64(add_rows(c, contiguous(s, l, op)?)),
+                (c, Some(_)) => return Err(unsupported(op, c.dtype())),
+            };
+            Ok((c, (m, n).into()))
+        }
+    }
+}
+
+/// Adds `bias` to every row of `c`.
+fn add_rows<T: Elem>(mut c: Vec<T>, bias: &[T]) -> Vec<T> {
+    for row in c.chunks_mut(bias.len().max(1)) {
+        for (o, &b) in row.iter_mut().zip(bias) {
+            *o += b;
+        }
+    }
+    c
+}
+
+/// The product of two matrices, differentiable; also the backward's workhorse (applied
+/// without a graph there).
+struct Gemm;
+
+impl CustomOp2 for Gemm {
+    fn name(&self) -> &'static str {
+        "rltune-gemm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        cpu_gemm((s1, l1), (s2, l2), None, "gemm")
+    }
+
+    fn bwd(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        _c: &Tensor,
+        g: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
+        Ok((Some(gemm_no_bwd(g, &b.t()?)?), Some(gemm_no_bwd(&a.t()?, g)?)))
+    }
+}
+
+fn gemm_no_bwd(a: &Tensor, b: &Tensor) -> CResult<Tensor> {
+    a.apply_op2_no_bwd(b, &Gemm)
+}
+
+/// `y = x·W (+ b)` with `W` read through `layout`; inputs `x (rows, in)`, `W`, `b (out)`.
+struct LinearOp(WeightLayout);
+
+impl LinearOp {
+    /// `W` as the `(in, out)` right operand: a transposed view for nn.Linear.
+    fn rhs_layout(&self, l: &Layout) -> CResult<Layout> {
+        match self.0 {
+            WeightLayout::OutIn => l.transpose(0, 1),
+            WeightLayout::InOut => Ok(l.clone()),
+        }
+    }
+
+    fn rhs(&self, w: &Tensor) -> CResult<Tensor> {
+        match self.0 {
+            WeightLayout::OutIn => w.t(),
+            WeightLayout::InOut => Ok(w.clone()),
+        }
+    }
+
+    /// `(dx, dW)` for upstream gradient `g (rows, out)`.
+    fn grads(&self, x: &Tensor, w: &Tensor, g: &Tensor) -> CResult<(Tensor, Tensor)> {
+        let dx = gemm_no_bwd(g, &self.rhs(w)?.t()?)?;
+        let dw = match self.0 {
+            WeightLayout::OutIn => gemm_no_bwd(&g.t()?, x)?,
+            WeightLayout::InOut => gemm_no_bwd(&x.t()?, g)?,
+        };
+        Ok((dx, dw))
+    }
+}
+
+impl CustomOp2 for LinearOp {
+    fn name(&self) -> &'static str {
+        "rltune-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        cpu_gemm((s1, l1), (s2, &self.rhs_layout(l2)?), None, "linear")
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _y: &Tensor,
+        g: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw) = self.grads(x, w, g)?;
+        Ok((Some(dx), Some(dw)))
+    }
+}
+
+impl CustomOp3 for LinearOp {
+    fn name(&self) -> &'static str {
+        "rltune-linear-bias"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        cpu_gemm((s1, l1), (s2, &self.rhs_layout(l2)?), Some((s3, l3)), "linear")
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _b: &Tensor,
+        _y: &Tensor,
+        g: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw) = self.grads(x, w, g)?;
+        let db = g.contiguous()?.apply_op1_no_bwd(&ColumnSum)?;
+        Ok((Some(dx), Some(dw), Some(db)))
+    }
+}
+
+/// `(rows, n) -> (n)`: the sum over rows (a bias gradient).
+struct ColumnSum;
+
+fn column_sum<T: Elem>(s: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
+    let (_, n) = dims2(l, "column-sum")?;
+    let g = contiguous::<T>(s, l, "column-sum")?;
+    let mut out = vec![T::zero(); n];
+    for row in g.chunks_exact(n.max(1)) {
+        for (o, &v) in out.iter_mut().zip(row) {
+            *o += v;
+        }
+    }
+    Ok((T::to_cpu_storage_owned(out), n.into()))
+}
+
+impl CustomOp1 for ColumnSum {
+    fn name(&self) -> &'static str {
+        "rltune-column-sum"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
+        match s.dtype() {
+            DType::F32 => column_sum::<f32>(s, l),
+            DType::F64 => column_sum::<f64>(s, l),
+            dt => Err(unsupported("column-sum", dt)),
+        }
+    }
+}
+
+/// Whether the custom ops handle these operands (CPU, f32 or f64, one dtype).
+fn fast_path(ts: &[&Tensor]) -> bool {
+    let dt = ts[0].dtype();
+    ts.iter().all(|t| t.device().is_cpu() && t.dtype() == dt) && matches!(dt, DType::F32 | DType::F64)
+}
+
+/// `(…, in)` as `(rows, in)`, and the output shape `(…, out)`.
+fn flatten_rows(x: &Tensor, d_out: usize) -> CResult<(Tensor, Vec<usize>)> {
+    let mut dims = x.dims().to_vec();
+    let d_in = dims.last().copied().unwrap_or(1);
+    let x2 = if x.rank() == 2 { x.clone() } else { x.reshape((x.elem_count() / d_in.max(1), d_in))? };
+    match dims.last_mut() {
+        Some(last) => *last = d_out,
+        None => candle_core::bail!("linear: input is a scalar"),
+    }
+    Ok((x2, dims))
+}
+
+fn apply_linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>, layout: WeightLayout) -> CResult<Tensor> {
+    let d_out = match layout {
+        WeightLayout::OutIn => w.dim(0)?,
+        WeightLayout::InOut => w.dim(1)?,
+    };
+    let (x2, out_dims) = flatten_rows(x, d_out)?;
+    let y = match bias {
+        Some(b) => x2.apply_op3(w, b, LinearOp(layout))?,
+        None => x2.apply_op2(w, LinearOp(layout))?,
+    };
+    y.reshape(out_dims)
+}
+
+/// nn.Linear: `(…, in) -> (…, out)`, `y = x·Wᵀ + b` for `W (out, in)` and `b (out)`.
+pub fn linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> CResult<Tensor> {
+    let mut ts = vec![x, w];
+    ts.extend(bias);
+    if fast_path(&ts) {
+        apply_linear(x, w, bias, WeightLayout::OutIn)
+    } else {
+        linear_composed(x, w, bias)
+    }
+}
+
+/// GPT-2's Conv1D: `(…, in) -> (…, out)`, `y = x·W + b` for `W (in, out)` and `b (out)`.
+pub fn linear_in_out(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> CResult<Tensor> {
+    let mut ts = vec![x, w];
+    ts.extend(bias);
+    if fast_path(&ts) {
+        apply_linear(x, w, bias, WeightLayout::InOut)
+    } else {
+        linear_in_out_composed(x, w, bias)
+    }
+}
+
+/// `a (m, k) · b (k, n)`, differentiable; either operand may be a strided view (`.t()`).
+pub fn matmul(a: &Tensor, b: &Tensor) -> CResult<Tensor> {
+    if fast_path(&[a, b]) && a.rank() == 2 && b.rank() == 2 {
+        a.apply_op2(b, Gemm)
+    } else {
+        a.matmul(b)
+    }
+}
+
+/// [`linear`] from candle's matmul and broadcast add.
+pub fn linear_composed(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> CResult<Tensor> {
+    linear_in_out_composed(x, &w.t()?, bias)
+}
+
+/// [`linear_in_out`] from candle's matmul and broadcast add.
+pub fn linear_in_out_composed(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> CResult<Tensor> {
+    let (x2, out_dims) = flatten_rows(x, w.dim(1)?)?;
+    let y = x2.matmul(w)?;
+    let y = match bias {
+        Some(b) => y.broadcast_add(b)?,
+        None => y,
+    };
+    y.reshape(out_dims)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::testutil::{check, fd_check, max_diff, randn};
+    use candle_core::Device;
+
+    #[test]
+    fn linear_matches_composed() {
+        let with_bias = |t: &[Tensor]| linear(&t[0], &t[1], Some(&t[2])).unwrap();
+        let composed = |t: &[Tensor]| linear_composed(&t[0], &t[1], Some(&t[2])).unwrap();
+        check(&[&[2, 3, 5], &[7, 5], &[7]], with_bias, composed);
+        check(
+            &[&[4, 5], &[7, 5]],
+            |t| linear(&t[0], &t[1], None).unwrap(),
+            |t| linear_composed(&t[0], &t[1], None).unwrap(),
+        );
+        fd_check(&[&[2, 3, 4], &[3, 4], &[3]], with_bias);
+    }
+
+    #[test]
+    fn linear_in_out_matches_composed() {
+        let with_bias = |t: &[Tensor]| linear_in_out(&t[0], &t[1], Some(&t[2])).unwrap();
+        let composed = |t: &[Tensor]| linear_in_out_composed(&t[0], &t[1], Some(&t[2])).unwrap();
+        check(&[&[2, 3, 5], &[5, 7], &[7]], with_bias, composed);
+        fd_check(&[&[3, 4], &[4, 3], &[3]], with_bias);
+        fd_check(&[&[2, 4], &[4, 3]], |t| linear_in_out(&t[0], &t[1], None).unwrap());
+    }
+
+    #[test]
+    fn matmul_of_views_matches_candle() {
+        // Transposed operands reach the kernel as strided views.
+        let tt = |t: &[Tensor]| matmul(&t[0].t().unwrap(), &t[1].t().unwrap()).unwrap();
+        let tt_c = |t: &[Tensor]| t[0].t().unwrap().matmul(&t[1].t().unwrap()).unwrap();
+        check(&[&[6, 4], &[5, 6]], tt, tt_c);
+        fd_check(&[&[3, 2], &[4, 3]], tt);
+    }
+
+    /// f32 through the AVX-512 kernel (where the CPU has it): values and gradients within
+    /// 1e-5 relative of candle's matmul, on shapes that exercise every edge of the tiling.
+    #[test]
+    fn f32_matches_candle() {
+        let f32s = |shape: &[usize], seed| randn(shape, seed).to_dtype(DType::F32).unwrap();
+        for &(rows, d_in, d_out) in &[(1, 1, 1), (17, 33, 65), (64, 300, 40), (29, 257, 513)] {
+            let x = candle_core::Var::from_tensor(&f32s(&[rows, d_in], 1)).unwrap();
+            let w = candle_core::Var::from_tensor(&f32s(&[d_out, d_in], 2)).unwrap();
+            let b = candle_core::Var::from_tensor(&f32s(&[d_out], 3)).unwrap();
+            let proj = f32s(&[rows, d_out], 4);
+            let run = |f: fn(&Tensor, &Tensor, Option<&Tensor>) -> CResult<Tensor>| {
+                let y = f(x.as_tensor(), w.as_tensor(), Some(b.as_tensor())).unwrap();
+                let g = (&y * &proj).unwrap().sum_all().unwrap().backward().unwrap();
+                let grads: Vec<Tensor> = [&x, &w, &b].iter().map(|v| g.get(v).unwrap().clone()).collect();
+                (y, grads)
+            };
+            let (y, g) = run(linear);
+            let (yc, gc) = run(linear_composed);
+            let rel = |a: &Tensor, b: &Tensor| {
+                let scale = b.abs().unwrap().flatten_all().unwrap().max(0).unwrap();
+                let scale = scale.to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap().max(1.0);
+                max_diff(a, b) / scale
+            };
+            assert!(rel(&y, &yc) < 1e-5, "{rows}×{d_in}×{d_out}: forward {}", rel(&y, &yc));
+            for (i, (a, b)) in g.iter().zip(&gc).enumerate() {
+                assert!(rel(a, b) < 1e-5, "{rows}×{d_in}×{d_out}: grad {i} {}", rel(a, b));
+            }
+        }
+    }
+
+    #[test]
+    fn strided_f32_operands() {
+        let x = randn(&[40, 30], 5).to_dtype(DType::F32).unwrap();
+        let w = randn(&[30, 50], 6).to_dtype(DType::F32).unwrap();
+        // A column slice of x (row stride 30, 20 columns) and a transposed view of w.
+        let xs = x.narrow(1, 5, 20).unwrap();
+        let ws = w.narrow(0, 3, 20).unwrap().t().unwrap().t().unwrap();
+        let d = max_diff(&matmul(&xs, &ws).unwrap(), &xs.matmul(&ws).unwrap());
+        assert!(d < 1e-4, "max diff {d}");
+        let wt = w.t().unwrap().contiguous().unwrap();
+        let d = max_diff(&matmul(&x, &wt.t().unwrap()).unwrap(), &x.matmul(&w).unwrap());
+        assert!(d < 1e-4, "max diff {d}");
+    }
+
+    #[test]
+    fn falls_back_off_cpu_dtypes() {
+        let x = Tensor::ones((2, 3), DType::BF16, &Device::Cpu).unwrap();
+        let w = Tensor::ones((4, 3), DType::BF16, &Device::Cpu).unwrap();
+        let y = linear(&x, &w, None).unwrap();
+        assert_eq!(y.dims(), &[2, 4]);
+    }
+}
