@@ -186,7 +186,7 @@ impl Bar {
             }
             None => {
                 let tenth = (total / 10).max(1);
-                if done == total || done % tenth == 0 {
+                if done == total || done.is_multiple_of(tenth) {
                     eprintln!("{} step {done}/{total}: {msg}", self.what);
                 }
             }

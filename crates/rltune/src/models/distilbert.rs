@@ -132,7 +132,7 @@ impl DistilBertConfig {
 
     /// Checks the fields that would otherwise fail deep inside a forward pass.
     pub fn validate(&self) -> std::result::Result<(), String> {
-        if self.n_heads == 0 || self.dim % self.n_heads != 0 {
+        if self.n_heads == 0 || !self.dim.is_multiple_of(self.n_heads) {
             return Err(format!(
                 "dim ({}) must be a positive multiple of n_heads ({})",
                 self.dim, self.n_heads
@@ -141,7 +141,7 @@ impl DistilBertConfig {
         if self.vocab_size == 0 || self.n_layers == 0 || self.max_position_embeddings == 0 {
             return Err("vocab_size, n_layers and max_position_embeddings must be positive".into());
         }
-        if self.sinusoidal_pos_embds && self.dim % 2 != 0 {
+        if self.sinusoidal_pos_embds && !self.dim.is_multiple_of(2) {
             return Err(format!("sinusoidal_pos_embds needs an even dim, got {}", self.dim));
         }
         Activation::parse(&self.activation)?;

@@ -250,14 +250,14 @@ impl LlamaConfig {
                 "num_attention_heads ({h}) must be a positive multiple of num_key_value_heads ({h_kv})"
             ));
         }
-        if (self.head_dim.is_none() || family == Family::Qwen2) && self.hidden_size % h != 0 {
+        if (self.head_dim.is_none() || family == Family::Qwen2) && !self.hidden_size.is_multiple_of(h) {
             return Err(format!(
                 "hidden_size ({}) must be divisible by num_attention_heads ({h}), or set head_dim",
                 self.hidden_size
             ));
         }
         let d = self.head_size();
-        if d == 0 || d % 2 != 0 {
+        if d == 0 || !d.is_multiple_of(2) {
             return Err(format!("head_dim ({d}) must be even and positive for rotary embeddings"));
         }
         let not_positive = |x: f64| x.is_nan() || x <= 0.0;

@@ -285,7 +285,6 @@ fn pack_b_panel(b: &MatRef, p0: usize, kc: usize, j0: usize, out: &mut [f32]) {
 
 // The AVX-512 intrinsics are stable since Rust 1.89; the workspace still declares 1.85.
 #[cfg(target_arch = "x86_64")]
-#[clippy::msrv = "1.89"]
 mod avx512 {
     use super::*;
     use std::arch::x86_64::*;

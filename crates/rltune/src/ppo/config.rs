@@ -182,7 +182,7 @@ impl PpoConfig {
         pos("gradient_accumulation_steps", self.gradient_accumulation_steps)?;
         pos("ppo_epochs", self.ppo_epochs)?;
         pos("steps", self.steps)?;
-        if self.batch_size % self.backward_batch_size() != 0 {
+        if !self.batch_size.is_multiple_of(self.backward_batch_size()) {
             return Err(format!(
                 "ppo.batch_size ({}) must be a multiple of mini_batch_size × gradient_accumulation_steps \
                  ({} × {} = {}); change one of them",

@@ -184,10 +184,10 @@ impl PpoRun {
             progress(&StepReport { step, ..report });
             let stopping = stop.load(Ordering::SeqCst);
             let every = self.config.checkpoint.every;
-            if stopping || step == total || (every > 0 && step % every == 0) {
+            if stopping || step == total || (every > 0 && step.is_multiple_of(every)) {
                 self.checkpoint(step)?;
             }
-            if stopping || step == total || step % self.config.logging.report_every.max(1) == 0 {
+            if stopping || step == total || step.is_multiple_of(self.config.logging.report_every.max(1)) {
                 self.logger.write_report()?;
             }
             if stopping {
