@@ -49,6 +49,11 @@ fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
 
+/// `configs/<name>` in the repository (the examples the README points to).
+fn repo_config(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../configs").join(name)
+}
+
 fn metrics(run: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(run.join("metrics.jsonl"))
         .unwrap()
@@ -119,6 +124,7 @@ fn sft_and_reward_commands_train_and_save_loadable_models() {
         .collect();
     std::fs::write(&data, lines.join("\n")).unwrap();
     let out_sft = tmp.path().join("sft-out");
+    let (sft_cfg, rm_cfg) = (repo_config("sft.toml"), repo_config("reward.toml"));
     let out = ok(rltune(&[
         "sft",
         "--model",
@@ -127,6 +133,8 @@ fn sft_and_reward_commands_train_and_save_loadable_models() {
         s(&data),
         "--output",
         s(&out_sft),
+        "--config",
+        s(&sft_cfg),
         "--set",
         "training.max_steps=3",
         "--set",
@@ -165,6 +173,8 @@ fn sft_and_reward_commands_train_and_save_loadable_models() {
         s(&data),
         "--output",
         s(&out_rm),
+        "--config",
+        s(&rm_cfg),
         "--set",
         "training.max_steps=2",
     ]));
