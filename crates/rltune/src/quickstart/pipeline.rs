@@ -347,9 +347,7 @@ pub fn run_quickstart(
         let t = Instant::now();
         on(Event::Start { stage: "tokenizer", total: None });
         let tok = train_bpe(train.iter().map(|(text, _)| text.as_str()), cfg.vocab_size, &[CLS, SEP])?;
-        crate::io::write_atomic(&tok_path, |tmp| {
-            tok.inner().save(tmp, true).map_err(|e| Error::Tokenizer(format!("{}: {e}", tmp.display())))
-        })?;
+        crate::train::save_tokenizer(&tok, &tok_path)?;
         timed("tokenizer", on, t);
     }
     let tokenizer = Tokenizer::from_file(&tok_path)?;
