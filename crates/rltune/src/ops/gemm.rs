@@ -327,10 +327,17 @@ mod avx512 {
                 let mc = (s.row_tiles * MR).min(m - i0);
                 let j0 = tj * s.col_panels;
                 let j1 = (j0 + s.col_panels).min(panels);
+                // Rows stored contiguously are read in place by the microkernel; only a
+                // partial last tile (and other layouts) go through the packing buffer.
+                let direct = a.cs == 1;
                 with_buffer(&PACKED_A, mc.div_ceil(MR) * MR * KC, |pa| {
                     for q in 0..blocks {
                         let kc = KC.min(k - q * KC);
-                        pack_a(&a, i0, mc, q * KC, kc, pa);
+                        let tiles = mc.div_ceil(MR);
+                        let full = if direct { mc / MR } else { 0 };
+                        if full < tiles {
+                            pack_a(&a, i0 + full * MR, mc - full * MR, q * KC, kc, pa);
+                        }
                         let load_c = accumulate || q > 0;
                         let bias_ptr = match bias {
                             Some(bias) if q == 0 => bias.as_ptr(),
@@ -340,21 +347,20 @@ mod avx512 {
                             let bp = pb.as_ptr().add(q * KC * panels * NR + j * kc * NR);
                             let col = j * NR;
                             let nr = NR.min(n - col);
-                            for t in 0..mc.div_ceil(MR) {
+                            let bias = if bias_ptr.is_null() { bias_ptr } else { bias_ptr.add(col) };
+                            for t in 0..tiles {
                                 let row = i0 + t * MR;
                                 let mr = MR.min(m - row);
-                                // SAFETY: tile (row.., col..) lies inside c and belongs to this task.
-                                kernel(
-                                    kc,
-                                    pa.as_ptr().add(t * kc * MR),
-                                    bp,
-                                    c_ptr.get().add(row * n + col),
-                                    n,
-                                    mr,
-                                    nr,
-                                    load_c,
-                                    if bias_ptr.is_null() { bias_ptr } else { bias_ptr.add(col) },
-                                );
+                                let cp = c_ptr.get().add(row * n + col);
+                                // SAFETY: tile (row.., col..) lies inside c and belongs to this
+                                // task; a full direct tile reads rows row..row + MR of `a`.
+                                if t < full {
+                                    let ap = a.data.as_ptr().add(a.off + row * a.rs + q * KC);
+                                    kernel::<true>(kc, ap, a.rs, bp, cp, n, mr, nr, load_c, bias);
+                                } else {
+                                    let ap = pa.as_ptr().add((t - full) * kc * MR);
+                                    kernel::<false>(kc, ap, 0, bp, cp, n, mr, nr, load_c, bias);
+                                }
                             }
                         }
                     }
@@ -368,13 +374,16 @@ mod avx512 {
         });
     }
 
-    /// `C[..mr, ..nr] (+)= Σ_p a[p] ⊗ b[p]` for packed panels `a` (`kc × MR`) and `b`
-    /// (`kc × NR`); `load_c` adds to C, else a non-null `bias` (`nr` values) is added.
+    /// `C[..mr, ..nr] (+)= Σ_p a[p] ⊗ b[p]` for a packed `b` panel (`kc × NR`) and either a
+    /// packed `a` panel (`kc × MR`, `DIRECT = false`) or, with `DIRECT`, `MR` rows of A read in
+    /// place (`a[i·lda + p]`; all `MR` rows must exist); `load_c` adds to C, else a non-null
+    /// `bias` (`nr` values) is added.
     #[target_feature(enable = "avx512f")]
     #[allow(clippy::too_many_arguments)]
-    unsafe fn kernel(
+    unsafe fn kernel<const DIRECT: bool>(
         kc: usize,
         a: *const f32,
+        lda: usize,
         b: *const f32,
         c: *mut f32,
         ldc: usize,
@@ -391,12 +400,12 @@ mod avx512 {
                 *x = _mm512_loadu_ps(b.add(16 * v));
             }
             for (i, row) in acc.iter_mut().enumerate() {
-                let ai = _mm512_set1_ps(*a.add(i));
+                let ai = _mm512_set1_ps(if DIRECT { *a.add(i * lda) } else { *a.add(i) });
                 for (x, bx) in row.iter_mut().zip(&bv) {
                     *x = _mm512_fmadd_ps(ai, *bx, *x);
                 }
             }
-            a = a.add(MR);
+            a = a.add(if DIRECT { 1 } else { MR });
             b = b.add(NR);
         }
         let masks: [__mmask16; NV] = std::array::from_fn(|v| {
