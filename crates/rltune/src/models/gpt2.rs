@@ -277,6 +277,11 @@ impl Gpt2 {
         self.ln_f.forward(&x)
     }
 
+    /// The LM head's weight `(V, C)` (`wte`'s when tied).
+    pub fn lm_head_weight(&self) -> &Tensor {
+        &self.lm_head
+    }
+
     /// `(B, T, C) -> (B, T, V)`
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
         hidden.dims3()?;

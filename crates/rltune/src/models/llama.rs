@@ -685,6 +685,11 @@ impl Llama {
         self.norm.forward(&x)
     }
 
+    /// The LM head's weight `(V, C)` (`embed_tokens`' when tied).
+    pub fn lm_head_weight(&self) -> &Tensor {
+        &self.lm_head
+    }
+
     /// `(B, T, C) -> (B, T, V)`
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
         let (b_sz, seq_len, c) = hidden.dims3()?;

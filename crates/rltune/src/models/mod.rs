@@ -200,6 +200,14 @@ impl CausalLm {
         }
     }
 
+    /// The LM head's weight `(V, C)`; `logits(h) = h·Wᵀ`.
+    pub fn lm_head_weight(&self) -> &Tensor {
+        match &self.arch {
+            Arch::Gpt2(m) => m.lm_head_weight(),
+            Arch::Llama(m) => m.lm_head_weight(),
+        }
+    }
+
     /// `(B, T, C) -> (B, T, V)`
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
         match &self.arch {

@@ -94,13 +94,8 @@ pub(crate) fn avx512_available() -> bool {
 /// outside its slice (callers build the views from candle layouts, so this is a bug).
 pub(crate) fn sgemm(a: MatRef, b: MatRef, c: &mut [f32], bias: Option<&[f32]>, accumulate: bool) {
     let (m, k, n) = (a.rows, a.cols, b.cols);
-    assert_eq!(b.rows, k, "sgemm: inner dimensions differ");
+    check_args(&a, &b, bias, accumulate);
     assert_eq!(c.len(), m * n, "sgemm: output has the wrong size");
-    assert!(a.in_bounds() && b.in_bounds(), "sgemm: operand view out of bounds");
-    assert!(!(accumulate && bias.is_some()), "sgemm: bias with accumulate");
-    if let Some(bias) = bias {
-        assert_eq!(bias.len(), n, "sgemm: bias has the wrong size");
-    }
     if m == 0 || n == 0 {
         return;
     }
@@ -117,11 +112,44 @@ pub(crate) fn sgemm(a: MatRef, b: MatRef, c: &mut [f32], bias: Option<&[f32]>, a
     }
     #[cfg(target_arch = "x86_64")]
     if avx512_available() {
-        // SAFETY: the CPU has AVX-512F; the views were checked above.
-        unsafe { avx512::sgemm(a, b, c, bias, accumulate) };
+        // SAFETY: the CPU has AVX-512F; the views were checked above and `c` has m × n values.
+        unsafe { avx512::sgemm(a, b, c.as_mut_ptr(), bias, accumulate) };
         return;
     }
     sgemm_ref(a, b, c, bias, accumulate);
+}
+
+/// `a·b (+ bias)` into a new row-major vector, without zero-filling it first.
+pub(crate) fn sgemm_new(a: MatRef, b: MatRef, bias: Option<&[f32]>) -> Vec<f32> {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    check_args(&a, &b, bias, false);
+    #[cfg(target_arch = "x86_64")]
+    if avx512_available() && m > 0 && n > 0 && k > 0 {
+        let mut c: Vec<std::mem::MaybeUninit<f32>> = Vec::with_capacity(m * n);
+        // SAFETY: MaybeUninit needs no initialization; the views were checked above.
+        unsafe {
+            c.set_len(m * n);
+            avx512::sgemm(a, b, c.as_mut_ptr().cast::<f32>(), bias, false);
+        }
+        // The first depth block stores every tile of C without reading it, so every value is
+        // written; MaybeUninit<f32> and f32 have the same layout.
+        let mut c = std::mem::ManuallyDrop::new(c);
+        // SAFETY: same allocation, length and capacity; all values initialized (above).
+        return unsafe { Vec::from_raw_parts(c.as_mut_ptr().cast::<f32>(), c.len(), c.capacity()) };
+    }
+    let mut c = vec![0f32; m * n];
+    sgemm(a, b, &mut c, bias, false);
+    c
+}
+
+/// The shape and bounds checks of [`sgemm`].
+fn check_args(a: &MatRef, b: &MatRef, bias: Option<&[f32]>, accumulate: bool) {
+    assert_eq!(b.rows, a.cols, "sgemm: inner dimensions differ");
+    assert!(a.in_bounds() && b.in_bounds(), "sgemm: operand view out of bounds");
+    assert!(!(accumulate && bias.is_some()), "sgemm: bias with accumulate");
+    if let Some(bias) = bias {
+        assert_eq!(bias.len(), b.cols, "sgemm: bias has the wrong size");
+    }
 }
 
 /// The plain triple loop (f64 accumulation is not used: it would differ from the fast path).
@@ -293,8 +321,9 @@ mod avx512 {
     /// panels), then each task packs its rows of A block by block and runs the microkernel.
     ///
     /// # Safety
-    /// The CPU must have AVX-512F; the views must be in bounds and `c` of size `m × n`.
-    pub(super) unsafe fn sgemm(a: MatRef, b: MatRef, c: &mut [f32], bias: Option<&[f32]>, accumulate: bool) {
+    /// The CPU must have AVX-512F; the views must be in bounds and `c` point to `m × n` writable
+    /// values (they may be uninitialized when `accumulate` is false).
+    pub(super) unsafe fn sgemm(a: MatRef, b: MatRef, c: *mut f32, bias: Option<&[f32]>, accumulate: bool) {
         let (m, k, n) = (a.rows, a.cols, b.cols);
         let panels = n.div_ceil(NR);
         let blocks = k.div_ceil(KC);
@@ -321,7 +350,7 @@ mod avx512 {
             let tasks: Vec<(usize, usize)> = (0..m.div_ceil(s.row_tiles * MR))
                 .flat_map(|ti| (0..panels.div_ceil(s.col_panels)).map(move |tj| (ti, tj)))
                 .collect();
-            let c_ptr = SendPtr(c.as_mut_ptr());
+            let c_ptr = SendPtr(c);
             let run = |&(ti, tj): &(usize, usize)| {
                 let i0 = ti * s.row_tiles * MR;
                 let mc = (s.row_tiles * MR).min(m - i0);

@@ -38,7 +38,7 @@ fn dims2(l: &Layout, op: &'static str) -> CResult<(usize, usize)> {
 }
 
 /// `a·b (+ bias)` for rank-2 operands with any strides; `c` comes back contiguous `(m, n)`.
-fn cpu_gemm(
+pub(super) fn cpu_gemm(
     (sa, la): (&CpuStorage, &Layout),
     (sb, lb): (&CpuStorage, &Layout),
     bias: Option<(&CpuStorage, &Layout)>,
@@ -61,8 +61,7 @@ fn cpu_gemm(
                 MatRef { data, off: l.start_offset(), rows, cols, rs: s[0], cs: s[1] }
             };
             let bias = bias.map(|(s, l)| contiguous::<f32>(s, l, op)).transpose()?;
-            let mut c = vec![0f32; m * n];
-            gemm::sgemm(view(a, la, m, k), view(b, lb, k, n), &mut c, bias, false);
+            let c = gemm::sgemm_new(view(a, la, m, k), view(b, lb, k, n), bias);
             Ok((CpuStorage::F32(c), (m, n).into()))
         }
         _ => {
@@ -118,7 +117,7 @@ impl CustomOp2 for Gemm {
     }
 }
 
-fn gemm_no_bwd(a: &Tensor, b: &Tensor) -> CResult<Tensor> {
+pub(super) fn gemm_no_bwd(a: &Tensor, b: &Tensor) -> CResult<Tensor> {
     a.apply_op2_no_bwd(b, &Gemm)
 }
 

@@ -14,6 +14,7 @@
 //! | [`scaled_masked_softmax`] | attention's `scores · scale + bias` then softmax |
 //! | [`logprobs_of`] | log-softmax over the vocabulary, then gather (no `(B, T, V)` log-softmax kept) |
 //! | [`entropy_from_logits`] | log-softmax, exp, mul, sum (one pass per row) |
+//! | [`lm_head_logprobs`] | the LM head's product, then logprobs and entropy, on selected rows only (no `(N, V)` tensor in the graph) |
 //! | [`gelu_tanh`] | candle's `gelu` (its backward: ~12 ops with `powf` and `tanh`) |
 //! | [`layer_norm`], [`rms_norm`] | mean, sub, sqr, mean, add, sqrt, div, mul, add |
 //! | [`linear`], [`linear_in_out`], [`matmul`] | candle's matmul (AVX2 only), broadcast add of the bias, `contiguous()` copies of transposed operands in the backward |
@@ -29,12 +30,14 @@
 mod activation;
 pub(crate) mod gemm;
 mod linear;
+mod lm_head;
 mod norm;
 mod simd;
 mod softmax;
 
 pub use activation::{gelu_tanh, gelu_tanh_composed};
 pub use linear::{linear, linear_composed, linear_in_out, linear_in_out_composed, matmul};
+pub use lm_head::lm_head_logprobs;
 pub use norm::{layer_norm, layer_norm_composed, rms_norm, rms_norm_composed};
 pub use softmax::{
     entropy_from_logits, entropy_from_logits_composed, log_softmax_composed, log_softmax_last_dim,
@@ -50,7 +53,14 @@ type CResult<T> = candle_core::Result<T>;
 
 /// The element types the fused ops run on (f32 and f64).
 trait Elem:
-    Float + candle_core::WithDType + Send + Sync + std::ops::AddAssign + std::ops::MulAssign + 'static
+    Float
+    + candle_core::WithDType
+    + Send
+    + Sync
+    + std::ops::AddAssign
+    + std::ops::MulAssign
+    + std::ops::DivAssign
+    + 'static
 {
     /// `e^x`: the vectorizable [`simd::exp_f32`] for f32, libm for f64.
     fn exp_fast(self) -> Self;

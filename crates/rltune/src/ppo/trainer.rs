@@ -108,6 +108,8 @@ struct Rollout {
     values: Tensor,
     /// Full log-distributions `(B, L−1, V)`, only for `kl_penalty = "full"`.
     full: Option<(Tensor, Tensor)>,
+    /// Whether `logprobs` came from the rollout cache (0 outside the responses).
+    cached: bool,
 }
 
 /// TRL's classic PPO trainer.
@@ -272,6 +274,7 @@ impl PpoTrainer {
             values: &values,
             advantages: &advantages,
             returns: &returns,
+            response_only: rollout.cached,
         };
         let mb_stats = self.optimize(&batch, &train)?;
         let time_opt = t.elapsed().as_secs_f64();
@@ -401,33 +404,67 @@ impl PpoTrainer {
         })
     }
 
-    /// The policy's logits `(B, L−1, V)` and values `(B, L−1)` at every position but the last.
+    /// The policy's next-token logprobs, their entropies and the values, each `(B, L−1)` (every
+    /// position but the last, whose logits predict a token outside the batch).
     ///
-    /// The last position's logits predict a token outside the batch; skipping them saves a
-    /// `(B, V)` slice of the LM head's matmul and of its backward.
-    fn policy_forward(&self, ids: &Tensor, pos: &Tensor, bias: &Tensor) -> Result<(Tensor, Tensor)> {
+    /// `select (B, L−1)` limits the LM head to the marked positions (the others read 0 in
+    /// logprobs and entropies); `keep` keeps its probabilities for a backward.
+    fn policy_forward(
+        &self,
+        ids: &Tensor,
+        pos: &Tensor,
+        bias: &Tensor,
+        select: Option<&Tensor>,
+        keep: bool,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
         let w = ids.dim(1)? - 1;
         let hidden = self.policy.lm.forward(ids, pos, bias, None)?;
-        let logits = self.policy.lm.logits(&hidden.narrow(1, 0, w)?)?;
+        let (logp, entropy) = self.head_logprobs(&self.policy.lm, &hidden, ids, select, keep)?;
         let values = self.policy.v_head.forward(&hidden)?.narrow(1, 0, w)?;
-        Ok((logits, values))
+        Ok((logp, entropy, values))
     }
 
-    /// Logprobs of the next tokens `(B, L−1)` and, with `full`, the log-distributions, from the
-    /// logits `(B, L−1, V)` of every position but the last.
-    fn token_logprobs(&self, logits: &Tensor, ids: &Tensor, full: bool) -> Result<(Tensor, Option<Tensor>)> {
-        let l = ids.dim(1)?;
-        let logits =
-            if self.config.temperature != 1.0 { (logits / self.config.temperature)? } else { logits.clone() };
-        let targets = ids.narrow(1, 1, l - 1)?;
-        if full {
-            let logp = ops::log_softmax_last_dim(&logits)?;
-            let tok =
-                logp.gather(&targets.unsqueeze(D::Minus1)?.contiguous()?, D::Minus1)?.squeeze(D::Minus1)?;
-            Ok((tok, Some(logp)))
-        } else {
-            Ok((ops::logprobs_of(&logits, &targets.contiguous()?)?, None))
+    /// Logprobs of the next tokens and the entropies `(B, L−1)` from hidden states `(B, L, C)`,
+    /// through the fused LM head ([`ops::lm_head_logprobs`], at the training temperature).
+    fn head_logprobs(
+        &self,
+        lm: &CausalLm,
+        hidden: &Tensor,
+        ids: &Tensor,
+        select: Option<&Tensor>,
+        keep: bool,
+    ) -> Result<(Tensor, Tensor)> {
+        let (b, l) = ids.dims2()?;
+        let w = l - 1;
+        let h = hidden.narrow(1, 0, w)?.reshape((b * w, hidden.dim(2)?))?;
+        let targets = ids.narrow(1, 1, w)?.flatten_all()?;
+        let select = select.map(Tensor::flatten_all).transpose()?;
+        let temperature = self.config.temperature;
+        let (logp, entropy) =
+            ops::lm_head_logprobs(&h, lm.lm_head_weight(), &targets, select.as_ref(), temperature, keep)?;
+        Ok((logp.reshape((b, w))?, entropy.reshape((b, w))?))
+    }
+
+    /// Logprobs of the next tokens `(B, L−1)` and, with `full`, the log-distributions
+    /// `(B, L−1, V)`, from hidden states `(B, L, C)`; no gradient is kept.
+    fn next_token_logprobs(
+        &self,
+        lm: &CausalLm,
+        hidden: &Tensor,
+        ids: &Tensor,
+        full: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        if !full {
+            return Ok((self.head_logprobs(lm, hidden, ids, None, false)?.0.detach(), None));
         }
+        let l = ids.dim(1)?;
+        let logits = lm.logits(&hidden.narrow(1, 0, l - 1)?)?.detach();
+        let logits =
+            if self.config.temperature != 1.0 { (logits / self.config.temperature)? } else { logits };
+        let targets = ids.narrow(1, 1, l - 1)?;
+        let logp = ops::log_softmax_last_dim(&logits)?;
+        let tok = logp.gather(&targets.unsqueeze(D::Minus1)?.contiguous()?, D::Minus1)?.squeeze(D::Minus1)?;
+        Ok((tok, Some(logp)))
     }
 
     /// The no-gradient forward passes of policy and reference, in minibatch-sized chunks.
@@ -443,15 +480,14 @@ impl PpoTrainer {
             let pos = batch.positions.narrow(0, start, n)?;
             let bias = batch.bias.narrow(0, start, n)?;
             if !use_cache {
-                let (logits, values) = self.policy_forward(&ids, &pos, &bias)?;
-                let (l, f) = self.token_logprobs(&logits.detach(), &ids, full)?;
+                let hidden = self.policy.lm.forward(&ids, &pos, &bias, None)?;
+                let (l, f) = self.next_token_logprobs(&self.policy.lm, &hidden, &ids, full)?;
                 lp.push(l);
                 flp.extend(f);
-                vals.push(values.detach());
+                vals.push(self.policy.v_head.forward(&hidden)?.narrow(1, 0, ids.dim(1)? - 1)?.detach());
             }
             let h = self.reference.forward(&ids, &pos, &bias, None)?;
-            let logits = self.reference.logits(&h.narrow(1, 0, ids.dim(1)? - 1)?)?;
-            let (l, f) = self.token_logprobs(&logits, &ids, full)?;
+            let (l, f) = self.next_token_logprobs(&self.reference, &h, &ids, full)?;
             rlp.push(l);
             frlp.extend(f);
         }
@@ -461,7 +497,7 @@ impl PpoTrainer {
             _ => (Tensor::cat(&lp, 0)?, Tensor::cat(&vals, 0)?),
         };
         let full = if full { Some((Tensor::cat(&flp, 0)?, Tensor::cat(&frlp, 0)?)) } else { None };
-        Ok(Rollout { logprobs, ref_logprobs, values, full })
+        Ok(Rollout { logprobs, ref_logprobs, values, full, cached: use_cache })
     }
 
     /// Places cached per-token logprobs and values into `(B, L−1)` matrices.
@@ -491,6 +527,9 @@ struct TrainData<'a> {
     values: &'a Tensor,
     advantages: &'a Tensor,
     returns: &'a Tensor,
+    /// Compute the policy's LM head on response positions only: the old logprobs came from the
+    /// rollout cache and are 0 elsewhere, so nothing outside the responses is compared.
+    response_only: bool,
 }
 
 impl PpoTrainer {
@@ -555,8 +594,8 @@ impl PpoTrainer {
             (sel(&batch.ids)?, sel(&batch.positions)?, sel(&batch.bias)?, sel(&batch.mask)?);
         let (old_lp, old_v, adv, ret) =
             (sel(data.old_logprobs)?, sel(data.values)?, sel(data.advantages)?, sel(data.returns)?);
-        let (logits, vpreds) = self.policy_forward(&ids, &pos, &bias)?;
-        let (logp, _) = self.token_logprobs(&logits, &ids, false)?;
+        let select = if data.response_only { Some(&mask) } else { None };
+        let (logp, entropy, vpreds) = self.policy_forward(&ids, &pos, &bias, select, true)?;
         let l = math::ppo_losses(
             &old_lp,
             &old_v,
@@ -588,9 +627,7 @@ impl PpoTrainer {
                 }
             }
         }
-        let logits_t = logits.detach();
-        let logits_t = if cfg.temperature != 1.0 { (logits_t / cfg.temperature)? } else { logits_t };
-        let entropy = math::masked_mean(&ops::entropy_from_logits(&logits_t)?, &mask)?;
+        let entropy = math::masked_mean(&entropy, &mask)?;
         let logp = logp.detach();
         let d = (&logp - &old_lp)?;
         let vpreds = vpreds.detach();

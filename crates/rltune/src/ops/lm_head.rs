@@ -1,0 +1,485 @@
+//! The LM head fused with the log-probability of the next token and the entropy.
+//!
+//! PPO needs, per position, `log softmax(h·Wᵀ / τ)[target]` and (as a statistic) the entropy
+//! of that distribution. Composed, that is a `(N, V)` logits tensor in the graph, a log-softmax
+//! pass, a gather, an entropy pass and, in the backward, a zero-filled `(N, V)` gradient buffer
+//! plus an add (candle's gradient store), a softmax pass and two matrix products. At GPT-2's
+//! vocabulary the `(N, V)` passes cost as much as the rest of the model.
+//!
+//! [`lm_head_logprobs`] is one custom op on `(h, W)`: the forward runs the product, then one pass
+//! per row computes the max, `Σ e^(x−m)` (storing `e^(x−m)`), the target's logprob and the
+//! entropy, and a second pass turns the row into probabilities, which the op keeps for its
+//! backward. The backward turns them in place into `dlogits = g/τ · (onehot − p)` and runs
+//! `dh = dlogits·W` and `dW = dlogitsᵀ·h`. Without a saved buffer (the op was applied with
+//! `keep = false`, or a second backward) the probabilities are recomputed.
+//!
+//! Rows can be selected: only those rows go through the product and the softmax; the others read
+//! 0 and get no gradient. PPO selects the response positions (a quarter fewer rows than the whole
+//! sequence in the benchmark presets).
+
+use std::sync::{Arc, Mutex};
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, DType, Device, Layout, Shape, Tensor};
+use rayon::prelude::*;
+
+use super::linear::{cpu_gemm, gemm_no_bwd};
+use super::simd::{self, simd_kernel, LANES};
+use super::{contiguous, unsupported, CResult, Elem};
+
+simd_kernel! {
+    /// Per row of logits `x` (divided by `temp` unless it is 1): `logp = x_t − logsumexp(x)` and
+    /// the entropy; with `keep`, `x` becomes `softmax(x)` in place, else `e^(x − max)`.
+    fn head_rows<T: Elem>(
+        x: &mut [T],
+        logp: &mut [T],
+        ent: &mut [T],
+        targets: &[usize],
+        n: usize,
+        temp: T,
+        keep: bool,
+    ) {
+        for (((x, lp), en), &t) in x.chunks_mut(n).zip(logp).zip(ent).zip(targets) {
+            if temp != T::one() {
+                for v in x.iter_mut() {
+                    *v /= temp;
+                }
+            }
+            let m = simd::max(x);
+            let xt = x[t];
+            let mut acc = [T::zero(); LANES];
+            let mut acc_x = [T::zero(); LANES];
+            let mut chunks = x.chunks_exact_mut(LANES);
+            for c in &mut chunks {
+                for l in 0..LANES {
+                    let d = c[l] - m;
+                    let e = d.exp_fast();
+                    acc[l] += e;
+                    // A term with e = 0 adds nothing (no 0 · ∞ for x = −∞).
+                    acc_x[l] += if e > T::zero() { e * d } else { T::zero() };
+                    c[l] = e;
+                }
+            }
+            let (mut s, mut sx) = (simd::sum(&acc), simd::sum(&acc_x));
+            for v in chunks.into_remainder() {
+                let d = *v - m;
+                let e = d.exp_fast();
+                s += e;
+                if e > T::zero() {
+                    sx += e * d;
+                }
+                *v = e;
+            }
+            let ln_s = s.ln();
+            *lp = xt - (m + ln_s);
+            *en = ln_s - sx / s;
+            if keep {
+                let inv = T::one() / s;
+                for v in x.iter_mut() {
+                    *v *= inv;
+                }
+            }
+        }
+    }
+}
+
+simd_kernel! {
+    /// `p[r] ← g[r] · (onehot(t_r) − p[r])`, in place.
+    fn head_bwd_rows<T: Elem>(p: &mut [T], targets: &[usize], g: &[T], n: usize) {
+        for ((p, &t), &g) in p.chunks_mut(n).zip(targets).zip(g) {
+            let ng = -g;
+            for v in p.iter_mut() {
+                *v *= ng;
+            }
+            p[t] += g;
+        }
+    }
+}
+
+/// What the forward computed for the selected rows.
+struct HeadRows<T> {
+    /// `(rows, V)`: probabilities with `keep`, else scratch.
+    x: Vec<T>,
+    logp: Vec<T>,
+    entropy: Vec<T>,
+}
+
+/// Which rows of `h` the op computes, and their targets.
+#[derive(Clone)]
+struct Selection {
+    /// Rows of `h` in all.
+    n: usize,
+    /// The selected rows, ascending; `None` for all of them.
+    rows: Option<Arc<Vec<usize>>>,
+    /// The target id of each selected row.
+    targets: Arc<Vec<usize>>,
+    temperature: f64,
+}
+
+impl Selection {
+    fn len(&self) -> usize {
+        self.targets.len()
+    }
+
+    /// The selected rows as an index tensor (for `index_select` / `index_add`).
+    fn index(&self) -> CResult<Option<Tensor>> {
+        let Some(rows) = &self.rows else { return Ok(None) };
+        let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+        Ok(Some(Tensor::from_vec(idx, rows.len(), &Device::Cpu)?))
+    }
+
+    /// Logits of the selected rows, then the per-row pass.
+    fn run<T: Elem>(
+        &self,
+        (sh, lh): (&CpuStorage, &Layout),
+        (sw, lw): (&CpuStorage, &Layout),
+        keep: bool,
+    ) -> CResult<HeadRows<T>> {
+        let (n, c) = lh.shape().dims2()?;
+        let (v, c2) = lw.shape().dims2()?;
+        if c != c2 || n != self.n {
+            candle_core::bail!(
+                "lm-head: hidden states ({n}, {c}) for a weight ({v}, {c2}) and {} rows",
+                self.n
+            );
+        }
+        let w_t = lw.transpose(0, 1)?;
+        let logits = match &self.rows {
+            None => cpu_gemm((sh, lh), (sw, &w_t), None, "lm-head")?.0,
+            Some(rows) => {
+                let h = contiguous::<T>(sh, lh, "lm-head")?;
+                let mut sel = Vec::with_capacity(rows.len() * c);
+                for &r in rows.iter() {
+                    sel.extend_from_slice(&h[r * c..(r + 1) * c]);
+                }
+                let sel = T::to_cpu_storage_owned(sel);
+                cpu_gemm((&sel, &Layout::contiguous((rows.len(), c))), (sw, &w_t), None, "lm-head")?.0
+            }
+        };
+        let mut x = T::cpu_storage_data(logits)?;
+        let ns = self.len();
+        let (mut logp, mut entropy) = (vec![T::zero(); ns], vec![T::zero(); ns]);
+        let per = super::rows_per_task(v);
+        let temp = T::from(self.temperature).unwrap_or_else(T::one);
+        x.par_chunks_mut(per * v)
+            .zip(logp.par_chunks_mut(per))
+            .zip(entropy.par_chunks_mut(per))
+            .zip(self.targets.par_chunks(per))
+            .for_each(|(((x, lp), en), t)| head_rows(x, lp, en, t, v, temp, keep));
+        Ok(HeadRows { x, logp, entropy })
+    }
+
+    /// Values of the selected rows placed into `n` rows (0 elsewhere).
+    fn scatter<T: Elem>(&self, sel: Vec<T>) -> Vec<T> {
+        match &self.rows {
+            None => sel,
+            Some(rows) => {
+                let mut out = vec![T::zero(); self.n];
+                for (&r, x) in rows.iter().zip(sel) {
+                    out[r] = x;
+                }
+                out
+            }
+        }
+    }
+}
+
+/// The op: `(h (N, C), W (V, C)) -> logp (N)`; the entropy comes out on the side.
+struct LmHead {
+    sel: Selection,
+    keep: bool,
+    /// The forward's probabilities `(rows, V)`, taken by the backward.
+    saved: Mutex<Option<CpuStorage>>,
+    /// The entropy `(N)`, taken by [`lm_head_logprobs`].
+    entropy: Arc<Mutex<Option<Tensor>>>,
+}
+
+impl LmHead {
+    fn fwd<T: Elem>(
+        &self,
+        h: (&CpuStorage, &Layout),
+        w: (&CpuStorage, &Layout),
+    ) -> CResult<(CpuStorage, Shape)> {
+        let r = self.sel.run::<T>(h, w, self.keep)?;
+        if self.keep {
+            *lock(&self.saved) = Some(T::to_cpu_storage_owned(r.x));
+        }
+        let n = self.sel.n;
+        *lock(&self.entropy) = Some(Tensor::from_vec(self.sel.scatter(r.entropy), n, &Device::Cpu)?);
+        Ok((T::to_cpu_storage_owned(self.sel.scatter(r.logp)), n.into()))
+    }
+
+    /// `dlogits (rows, V)` from the probabilities and the upstream gradient `g (N)`.
+    fn dlogits<T: Elem>(&self, p: CpuStorage, g: &Tensor) -> CResult<Tensor> {
+        let mut p = T::cpu_storage_data(p)?;
+        let g = g.flatten_all()?.to_dtype(T::DTYPE)?.to_vec1::<T>()?;
+        let inv_t = T::one() / T::from(self.sel.temperature).unwrap_or_else(T::one);
+        let g: Vec<T> = match &self.sel.rows {
+            None => g.iter().map(|&g| g * inv_t).collect(),
+            Some(rows) => rows.iter().map(|&r| g[r] * inv_t).collect(),
+        };
+        let ns = self.sel.len();
+        let v = p.len() / ns.max(1);
+        let per = super::rows_per_task(v);
+        p.par_chunks_mut(per * v)
+            .zip(self.sel.targets.par_chunks(per))
+            .zip(g.par_chunks(per))
+            .for_each(|((p, t), g)| head_bwd_rows(p, t, g, v));
+        Tensor::from_vec(p, (ns, v), &Device::Cpu)
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl CustomOp2 for LmHead {
+    fn name(&self) -> &'static str {
+        "rltune-lm-head-logprobs"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        match s1.dtype() {
+            DType::F32 => self.fwd::<f32>((s1, l1), (s2, l2)),
+            DType::F64 => self.fwd::<f64>((s1, l1), (s2, l2)),
+            dt => Err(unsupported("lm-head", dt)),
+        }
+    }
+
+    fn bwd(
+        &self,
+        h: &Tensor,
+        w: &Tensor,
+        _y: &Tensor,
+        g: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
+        let (h, w) = (h.detach(), w.detach());
+        let p = match lock(&self.saved).take() {
+            Some(p) => p,
+            None => {
+                let probs = h.apply_op2_no_bwd(&w, &Probs(self.sel.clone()))?;
+                let (s, l) = probs.storage_and_layout();
+                match &*s {
+                    candle_core::Storage::Cpu(s) if l.is_contiguous() => s.clone(),
+                    _ => candle_core::bail!("lm-head: probabilities are not a contiguous CPU tensor"),
+                }
+            }
+        };
+        let d = match h.dtype() {
+            DType::F32 => self.dlogits::<f32>(p, g)?,
+            DType::F64 => self.dlogits::<f64>(p, g)?,
+            dt => return Err(unsupported("lm-head", dt)),
+        };
+        let idx = self.sel.index()?;
+        let h_sel = match &idx {
+            None => h.clone(),
+            Some(idx) => h.index_select(idx, 0)?,
+        };
+        let dw = gemm_no_bwd(&d.t()?, &h_sel)?;
+        let dh_sel = gemm_no_bwd(&d, &w)?;
+        let dh = match &idx {
+            None => dh_sel,
+            Some(idx) => h.zeros_like()?.index_add(idx, &dh_sel, 0)?,
+        };
+        Ok((Some(dh), Some(dw)))
+    }
+}
+
+/// The probabilities of the selected rows, `(rows, V)` (the backward's recompute).
+struct Probs(Selection);
+
+impl CustomOp2 for Probs {
+    fn name(&self) -> &'static str {
+        "rltune-lm-head-probs"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        let v = l2.dims()[0];
+        let shape: Shape = (self.0.len(), v).into();
+        match s1.dtype() {
+            DType::F32 => Ok((CpuStorage::F32(self.0.run::<f32>((s1, l1), (s2, l2), true)?.x), shape)),
+            DType::F64 => Ok((CpuStorage::F64(self.0.run::<f64>((s1, l1), (s2, l2), true)?.x), shape)),
+            dt => Err(unsupported("lm-head", dt)),
+        }
+    }
+}
+
+/// Log-probabilities of `targets` under the LM head, and the entropies, for the rows of `hidden`
+/// that `select` marks: `(N, C), (V, C), (N) -> ((N), (N))`.
+///
+/// `logp[r] = log softmax(h[r]·Wᵀ / τ)[targets[r]]` (differentiable in `hidden` and `weight`),
+/// `entropy[r]` is the entropy of `softmax(h[r]·Wᵀ / τ)` (no gradient); rows where `select` is 0
+/// read 0 in both. `weight` is the `(V, C)` LM head (nn.Linear layout, or GPT-2's tied `wte`).
+/// `keep` keeps the `(rows, V)` probabilities for the backward (set it when a backward follows;
+/// without, the backward recomputes them). TRL: `logprobs_from_logits(logits / τ, labels)` and
+/// `entropy_from_logits(logits / τ)` on the full logits.
+///
+/// On the CPU (f32, f64) one fused op; elsewhere composed from [`super::linear`],
+/// [`super::logprobs_of`] and [`super::entropy_from_logits`], with the same results.
+pub fn lm_head_logprobs(
+    hidden: &Tensor,
+    weight: &Tensor,
+    targets: &Tensor,
+    select: Option<&Tensor>,
+    temperature: f64,
+    keep: bool,
+) -> CResult<(Tensor, Tensor)> {
+    let (n, _) = hidden.dims2()?;
+    let (v, _) = weight.dims2()?;
+    if targets.elem_count() != n {
+        candle_core::bail!("lm-head: {} targets for {n} rows", targets.elem_count());
+    }
+    let dt = hidden.dtype();
+    let fused = hidden.device().is_cpu()
+        && weight.device().is_cpu()
+        && weight.dtype() == dt
+        && matches!(dt, DType::F32 | DType::F64);
+    if !fused {
+        let logits = super::linear(hidden, weight, None)?;
+        let logits = if temperature != 1.0 { (logits / temperature)? } else { logits };
+        let logp = super::logprobs_of(&logits, &targets.flatten_all()?)?;
+        let entropy = super::entropy_from_logits(&logits.detach())?;
+        return match select {
+            None => Ok((logp, entropy)),
+            Some(s) => {
+                let s = s.flatten_all()?.ne(0f64)?.to_dtype(dt)?;
+                Ok(((logp * &s)?, (entropy * s)?))
+            }
+        };
+    }
+    let ids = targets.flatten_all()?.to_dtype(DType::U32)?.to_vec1::<u32>()?;
+    if let Some(&bad) = ids.iter().find(|&&t| t as usize >= v) {
+        candle_core::bail!("lm-head: target id {bad} is not below the vocabulary size {v}");
+    }
+    let rows = match select {
+        None => None,
+        Some(s) => {
+            if s.elem_count() != n {
+                candle_core::bail!("lm-head: a selection of {} for {n} rows", s.elem_count());
+            }
+            let s = s.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+            Some(Arc::new((0..n).filter(|&r| s[r] != 0.0).collect::<Vec<_>>()))
+        }
+    };
+    let targets: Vec<usize> = match &rows {
+        None => ids.iter().map(|&t| t as usize).collect(),
+        Some(rows) => rows.iter().map(|&r| ids[r] as usize).collect(),
+    };
+    let entropy = Arc::new(Mutex::new(None));
+    let op = LmHead {
+        sel: Selection { n, rows, targets: Arc::new(targets), temperature },
+        keep,
+        saved: Mutex::new(None),
+        entropy: entropy.clone(),
+    };
+    let logp = hidden.contiguous()?.apply_op2_arc(&weight.contiguous()?, Arc::new(Box::new(op)))?;
+    let entropy = lock(&entropy).take();
+    match entropy {
+        Some(e) => Ok((logp, e.to_dtype(dt)?)),
+        None => candle_core::bail!("lm-head: the op ran without computing the entropy"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{DType, Device, Tensor};
+
+    use super::super::testutil::{check_tol, fd_check, max_diff, randn};
+    use super::*;
+
+    fn targets(n: usize, v: usize) -> Tensor {
+        Tensor::from_vec((0..n).map(|i| ((i * 7 + 3) % v) as u32).collect::<Vec<_>>(), n, &Device::Cpu)
+            .unwrap()
+    }
+
+    /// The composed reference: full logits, log-softmax, gather; entropy; then the selection mask.
+    fn composed(h: &Tensor, w: &Tensor, t: &Tensor, sel: Option<&Tensor>, temp: f64) -> (Tensor, Tensor) {
+        let logits = (h.matmul(&w.t().unwrap()).unwrap() / temp).unwrap();
+        let lp = super::super::logprobs_of_composed(&logits, t).unwrap();
+        let en = super::super::entropy_from_logits_composed(&logits).unwrap();
+        match sel {
+            None => (lp, en),
+            Some(s) => ((lp * s).unwrap(), (en * s).unwrap()),
+        }
+    }
+
+    fn selection(n: usize) -> Tensor {
+        Tensor::from_vec(
+            (0..n).map(|i| if i % 3 == 1 { 0f64 } else { 1.0 }).collect::<Vec<_>>(),
+            n,
+            &Device::Cpu,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn matches_composed_values_and_gradients() {
+        let (n, c, v) = (7, 5, 11);
+        for temp in [1.0, 0.7] {
+            for sel in [None, Some(selection(n))] {
+                for keep in [true, false] {
+                    let t = targets(n, v);
+                    let s = sel.clone();
+                    let s2 = sel.clone();
+                    let t2 = t.clone();
+                    check_tol(
+                        &[&[n, c], &[v, c]],
+                        1e-10,
+                        move |x| lm_head_logprobs(&x[0], &x[1], &t, s.as_ref(), temp, keep).unwrap().0,
+                        move |x| composed(&x[0], &x[1], &t2, s2.as_ref(), temp).0,
+                    );
+                }
+                let (h, w, t) = (randn(&[n, c], 1), randn(&[v, c], 2), targets(n, v));
+                let (_, en) = lm_head_logprobs(&h, &w, &t, sel.as_ref(), temp, false).unwrap();
+                let (_, en_c) = composed(&h, &w, &t, sel.as_ref(), temp);
+                assert!(max_diff(&en, &en_c) < 1e-10);
+            }
+        }
+    }
+
+    #[test]
+    fn finite_differences() {
+        let (n, c, v) = (4, 3, 6);
+        let t = targets(n, v);
+        let s = selection(n);
+        fd_check(&[&[n, c], &[v, c]], move |x| {
+            lm_head_logprobs(&x[0], &x[1], &t, Some(&s), 0.9, true).unwrap().0
+        });
+    }
+
+    #[test]
+    fn f32_matches_f64() {
+        // Wide enough for the SGEMM and the vectorized row pass (V not a multiple of 16).
+        let (n, c, v) = (37, 64, 1001);
+        let (h, w, t) = (randn(&[n, c], 3), randn(&[v, c], 4), targets(n, v));
+        let h = (h * 0.2).unwrap();
+        let sel = selection(n);
+        let (lp64, en64) = lm_head_logprobs(&h, &w, &t, Some(&sel), 1.0, true).unwrap();
+        let h32 = h.to_dtype(DType::F32).unwrap();
+        let w32 = w.to_dtype(DType::F32).unwrap();
+        let (lp32, en32) = lm_head_logprobs(&h32, &w32, &t, Some(&sel), 1.0, true).unwrap();
+        assert!(max_diff(&lp32, &lp64) < 1e-4, "logp {}", max_diff(&lp32, &lp64));
+        assert!(max_diff(&en32, &en64) < 1e-4, "entropy {}", max_diff(&en32, &en64));
+    }
+
+    #[test]
+    fn bad_targets_and_shapes_are_errors() {
+        let (h, w) = (randn(&[3, 2], 1), randn(&[4, 2], 2));
+        let err = lm_head_logprobs(&h, &w, &targets(3, 9), None, 1.0, false).unwrap_err().to_string();
+        assert!(err.contains("not below the vocabulary size 4"), "{err}");
+        let err = lm_head_logprobs(&h, &w, &targets(2, 4), None, 1.0, false).unwrap_err().to_string();
+        assert!(err.contains("2 targets for 3 rows"), "{err}");
+    }
+}
