@@ -287,25 +287,38 @@ fn pack_b_panel(b: &MatRef, p0: usize, kc: usize, j0: usize, out: &mut [f32]) {
     if b.cs == 1 {
         for (p, dst) in out.chunks_exact_mut(NR).enumerate() {
             let s = b.off + (p0 + p) * b.rs + j0;
-            dst[..cols].copy_from_slice(&b.data[s..s + cols]);
-            dst[cols..].fill(0.0);
-        }
-    } else {
-        if cols < NR {
-            out.fill(0.0);
-        }
-        // Column by column: reads run along a row of the stored (transposed) matrix.
-        for c in 0..cols {
-            let base = b.off + p0 * b.rs + (j0 + c) * b.cs;
-            if b.rs == 1 {
-                let src = &b.data[base..base + kc];
-                for (p, &v) in src.iter().enumerate() {
-                    out[p * NR + c] = v;
+            match (<&mut [f32; NR]>::try_from(&mut *dst), <&[f32; NR]>::try_from(&b.data[s..s + cols])) {
+                // A fixed-size copy compiles to vector moves; `copy_from_slice` of a runtime
+                // length is a call to memmove per 128 bytes.
+                (Ok(dst), Ok(src)) => *dst = *src,
+                _ => {
+                    dst[..cols].copy_from_slice(&b.data[s..s + cols]);
+                    dst[cols..].fill(0.0);
                 }
-            } else {
-                for p in 0..kc {
-                    out[p * NR + c] = b.data[base + p * b.rs];
-                }
+            }
+        }
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if b.rs == 1 && cols == NR && avx512_available() && b.cs.checked_mul(15).is_some_and(|x| x <= i32::MAX as usize) {
+        // SAFETY: AVX-512F is present; the panel's values lie inside the checked view.
+        unsafe { avx512::pack_columns(b, p0, kc, j0, out) };
+        return;
+    }
+    if cols < NR {
+        out.fill(0.0);
+    }
+    // Column by column: reads run along a row of the stored (transposed) matrix.
+    for c in 0..cols {
+        let base = b.off + p0 * b.rs + (j0 + c) * b.cs;
+        if b.rs == 1 {
+            let src = &b.data[base..base + kc];
+            for (p, &v) in src.iter().enumerate() {
+                out[p * NR + c] = v;
+            }
+        } else {
+            for p in 0..kc {
+                out[p * NR + c] = b.data[base + p * b.rs];
             }
         }
     }
@@ -401,6 +414,27 @@ mod avx512 {
                 tasks.iter().for_each(run);
             }
         });
+    }
+
+    /// [`pack_b_panel`] for a full panel of column-major B (`rs == 1`): each step `p` gathers
+    /// 16 columns at once (they are `cs` apart).
+    ///
+    /// # Safety
+    /// AVX-512F; `b` in bounds with `rs == 1`, columns `j0..j0 + NR` and rows `p0..p0 + kc`
+    /// inside it, `15·cs` within i32, `out` of `kc × NR` values.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn pack_columns(b: &MatRef, p0: usize, kc: usize, j0: usize, out: &mut [f32]) {
+        assert!(out.len() >= kc * NR);
+        let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        let idx = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(b.cs as i32));
+        for v in 0..NV {
+            let base = b.data.as_ptr().add(b.off + p0 + (j0 + 16 * v) * b.cs);
+            let dst = out.as_mut_ptr().add(16 * v);
+            for p in 0..kc {
+                let x = _mm512_i32gather_ps::<4>(idx, base.add(p));
+                _mm512_storeu_ps(dst.add(p * NR), x);
+            }
+        }
     }
 
     /// `C[..mr, ..nr] (+)= Σ_p a[p] ⊗ b[p]` for a packed `b` panel (`kc × NR`) and either a
