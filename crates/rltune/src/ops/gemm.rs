@@ -51,7 +51,6 @@ impl<'a> MatRef<'a> {
     }
 
     /// The transpose (a view; nothing moves).
-    #[cfg(test)]
     pub fn t(self) -> Self {
         Self { rows: self.cols, cols: self.rows, rs: self.cs, cs: self.rs, ..self }
     }
@@ -112,6 +111,11 @@ pub(crate) fn sgemm(a: MatRef, b: MatRef, c: &mut [f32], bias: Option<&[f32]>, a
     }
     #[cfg(target_arch = "x86_64")]
     if avx512_available() {
+        if swap_pays(&a, &b) {
+            let ct = sgemm_new(b.t(), a.t(), None);
+            transpose_into(&ct, n, m, c, bias, accumulate);
+            return;
+        }
         // SAFETY: the CPU has AVX-512F; the views were checked above and `c` has m × n values.
         unsafe { avx512::sgemm(a, b, c.as_mut_ptr(), bias, accumulate) };
         return;
@@ -119,12 +123,45 @@ pub(crate) fn sgemm(a: MatRef, b: MatRef, c: &mut [f32], bias: Option<&[f32]>, a
     sgemm_ref(a, b, c, bias, accumulate);
 }
 
+/// Whether to compute `Cᵀ = Bᵀ·Aᵀ` instead: when B is column-major (a transposed weight, as in
+/// `x·Wᵀ`) and A has few rows, packing B costs more than the product itself (per value of B,
+/// 2m FLOPs against a gather). `Bᵀ` is row-major and the microkernel reads it in place, so
+/// only the small `Aᵀ` is packed, and the result is transposed into place (the LM head in
+/// generation: m = 16 rows against a 768 × 50257 B). Measured on the bench shapes: a loss for
+/// m = 512, a gain for m ≤ 128.
+fn swap_pays(a: &MatRef, b: &MatRef) -> bool {
+    b.rs == 1 && b.cs != 1 && a.rows <= 128 && b.cols > a.rows && b.cols >= NR
+}
+
+/// `c (m × n) = ctᵀ (+ bias) (+ c)` for `ct` row-major `n × m`, in 32 × 32 blocks, in parallel
+/// over row blocks of `c`.
+fn transpose_into(ct: &[f32], n: usize, m: usize, c: &mut [f32], bias: Option<&[f32]>, accumulate: bool) {
+    const BLK: usize = 32;
+    c.par_chunks_mut(BLK * n).enumerate().for_each(|(bi, rows)| {
+        let i0 = bi * BLK;
+        for j0 in (0..n).step_by(BLK) {
+            let j1 = (j0 + BLK).min(n);
+            for (i, row) in rows.chunks_exact_mut(n).enumerate() {
+                let src = ct[j0 * m + i0 + i..].iter().step_by(m);
+                let out = &mut row[j0..j1];
+                match (accumulate, bias) {
+                    (true, _) => out.iter_mut().zip(src).for_each(|(o, &v)| *o += v),
+                    (false, Some(bias)) => {
+                        out.iter_mut().zip(src).zip(&bias[j0..j1]).for_each(|((o, &v), &b)| *o = v + b)
+                    }
+                    (false, None) => out.iter_mut().zip(src).for_each(|(o, &v)| *o = v),
+                }
+            }
+        }
+    });
+}
+
 /// `a·b (+ bias)` into a new row-major vector, without zero-filling it first.
 pub(crate) fn sgemm_new(a: MatRef, b: MatRef, bias: Option<&[f32]>) -> Vec<f32> {
     let (m, k, n) = (a.rows, a.cols, b.cols);
     check_args(&a, &b, bias, false);
     #[cfg(target_arch = "x86_64")]
-    if avx512_available() && m > 0 && n > 0 && k > 0 {
+    if avx512_available() && m > 0 && n > 0 && k > 0 && !swap_pays(&a, &b) {
         let mut c: Vec<std::mem::MaybeUninit<f32>> = Vec::with_capacity(m * n);
         // SAFETY: MaybeUninit needs no initialization; the views were checked above.
         unsafe {
@@ -300,7 +337,11 @@ fn pack_b_panel(b: &MatRef, p0: usize, kc: usize, j0: usize, out: &mut [f32]) {
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if b.rs == 1 && cols == NR && avx512_available() && b.cs.checked_mul(15).is_some_and(|x| x <= i32::MAX as usize) {
+    if b.rs == 1
+        && cols == NR
+        && avx512_available()
+        && b.cs.checked_mul(15).is_some_and(|x| x <= i32::MAX as usize)
+    {
         // SAFETY: AVX-512F is present; the panel's values lie inside the checked view.
         unsafe { avx512::pack_columns(b, p0, kc, j0, out) };
         return;
@@ -567,6 +608,20 @@ mod tests {
         for (a, b) in [(a, b), (a, MatRef::row_major(&b_rm, k, n)), (MatRef::row_major(&a_rm, m, k), b)] {
             assert!(check(a, b, None, false) < 1e-5);
         }
+        // Column-major B wider than A is computed as (Bᵀ·Aᵀ)ᵀ: bias and accumulation, a
+        // generation-like single row, and a wide matrix (several transpose blocks).
+        let bias = data(n, 11);
+        let a_rm = MatRef::row_major(&a_rm, m, k);
+        for (bias, acc) in [(Some(&bias[..]), false), (None, true)] {
+            assert!(check(a_rm, b, bias, acc) < 1e-5);
+        }
+        let (k2, n2) = (64, 100);
+        let bt2 = data(n2 * k2, 12);
+        let b2 = MatRef::row_major(&bt2, n2, k2).t();
+        let a_row = data(k2, 13);
+        assert!(check(MatRef::row_major(&a_row, 1, k2), b2, None, false) < 1e-5);
+        let a_wide = data(40 * k2, 14);
+        assert!(check(MatRef::row_major(&a_wide, 40, k2), b2, None, true) < 1e-5);
         // A strided view: every other row and column of a larger matrix, from an offset.
         let big = data(3 + 2 * m * 2 * k, 8);
         let a = MatRef { data: &big, off: 3, rows: m, cols: k, rs: 4 * k, cs: 2 };
