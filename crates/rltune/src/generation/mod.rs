@@ -13,7 +13,8 @@
 pub mod sampler;
 
 use candle_core::{DType, Device, Tensor};
-use rand::SeedableRng;
+use rand::{Rng, SeedableRng};
+use rayon::prelude::*;
 
 pub use sampler::SamplerConfig;
 
@@ -162,15 +163,26 @@ pub fn generate(
         };
         let banned: &[u32] = if step < cfg.min_new_tokens { &eos } else { &[] };
         let mut next = vec![pad_id; b];
-        for i in 0..b {
-            if done[i] {
-                continue;
-            }
-            let logp = sampler::log_distribution(&logits[i], &cfg.sampler(), banned);
-            let tok = sampler::sample(&logp, &mut rng);
+        // One uniform per live row, drawn in row order (as a serial loop would), then the rows'
+        // distributions and draws in parallel: the same tokens for a seed on any thread count.
+        let draws: Vec<Option<f64>> = done.iter().map(|&d| (!d).then(|| rng.gen::<f64>())).collect();
+        let sampler_cfg = cfg.sampler();
+        let picked: Vec<Option<(usize, f64)>> = draws
+            .par_iter()
+            .zip(&logits)
+            .map(|(u, row)| {
+                u.map(|u| {
+                    let logp = sampler::log_distribution(row, &sampler_cfg, banned);
+                    let tok = sampler::sample_at(&logp, u);
+                    (tok, logp[tok])
+                })
+            })
+            .collect();
+        for (i, pick) in picked.into_iter().enumerate() {
+            let Some((tok, lp)) = pick else { continue };
             let s = &mut samples[i];
             s.response_ids.push(tok as u32);
-            s.logprobs.push(logp[tok] as f32);
+            s.logprobs.push(lp as f32);
             if let (Some(vs), Some(v)) = (s.values.as_mut(), values.as_ref()) {
                 vs.push(v[i]);
             }

@@ -60,7 +60,11 @@ pub fn log_distribution(logits: &[f32], cfg: &SamplerConfig, banned: &[u32]) -> 
 
 /// Draws one index from `logp` (log-probabilities) by inverting the CDF with `u ~ U[0, 1)`.
 pub fn sample<R: Rng>(logp: &[f64], rng: &mut R) -> usize {
-    let u: f64 = rng.gen();
+    sample_at(logp, rng.gen())
+}
+
+/// The index where the CDF of `logp` first exceeds `u` ([`sample`] with its uniform draw given).
+pub fn sample_at(logp: &[f64], u: f64) -> usize {
     let mut cum = 0.0;
     let mut last_possible = 0;
     for (i, &lp) in logp.iter().enumerate() {
