@@ -645,13 +645,21 @@ impl PpoTrainer {
         s.insert("policy/advantages_mean".into(), Stat::Scalar(sc(&math::masked_mean(&adv, &mask)?)?));
         s.insert("policy/ratio".into(), Stat::Array(flat(&l.ratio)?));
         s.insert("returns/mean".into(), Stat::Scalar(sc(&math::masked_mean(&ret, &mask)?)?));
-        s.insert("returns/var".into(), Stat::Scalar(sc(&math::masked_var(&ret, &mask, true)?)?));
+        // One response token has no unbiased variance (TRL raises there, after the earlier
+        // minibatches already stepped Adam): the minibatch leaves the two variances out of the
+        // step's averages instead.
+        let tokens = scalar(&mask.sum_all()?)?;
+        if tokens >= 2.0 {
+            s.insert("returns/var".into(), Stat::Scalar(sc(&math::masked_var(&ret, &mask, true)?)?));
+        }
         s.insert("val/vpred".into(), Stat::Scalar(sc(&math::masked_mean(&vpreds, &mask)?)?));
         let err = math::masked_mean(&(&vpreds - &ret)?.sqr()?, &mask)?;
         s.insert("val/error".into(), Stat::Scalar(sc(&err)?));
         s.insert("val/clipfrac".into(), Stat::Scalar(l.vf_clipfrac));
         s.insert("val/mean".into(), Stat::Scalar(sc(&math::masked_mean(&old_v, &mask)?)?));
-        s.insert("val/var".into(), Stat::Scalar(sc(&math::masked_var(&old_v, &mask, true)?)?));
+        if tokens >= 2.0 {
+            s.insert("val/var".into(), Stat::Scalar(sc(&math::masked_var(&old_v, &mask, true)?)?));
+        }
         Ok((s, skipped))
     }
 
@@ -701,12 +709,20 @@ impl PpoTrainer {
 /// `ppo/*` = the mean over minibatches of each minibatch stat; the per-token arrays
 /// (`policy/advantages`, `policy/ratio`) are concatenated. Then `ppo/val/var_explained`.
 fn average_minibatch_stats(stats: &mut Stats, mbs: &[Stats]) -> Result<()> {
-    let Some(first) = mbs.first() else { return Ok(()) };
-    for key in first.keys() {
-        let value = match &first[key] {
-            Stat::Scalar(_) => Stat::Scalar(
-                mbs.iter().filter_map(|s| s.get(key).and_then(Stat::as_f64)).sum::<f64>() / mbs.len() as f64,
-            ),
+    // Every key any minibatch has, with the first value seen (for its kind); a scalar is
+    // averaged over the minibatches that have it (a one-token minibatch has no variances).
+    let mut kinds: std::collections::BTreeMap<&String, &Stat> = std::collections::BTreeMap::new();
+    for mb in mbs {
+        for (k, v) in mb.iter() {
+            kinds.entry(k).or_insert(v);
+        }
+    }
+    for (key, kind) in kinds {
+        let value = match kind {
+            Stat::Scalar(_) => {
+                let xs: Vec<f64> = mbs.iter().filter_map(|s| s.get(key).and_then(Stat::as_f64)).collect();
+                Stat::Scalar(xs.iter().sum::<f64>() / xs.len() as f64)
+            }
             _ => Stat::Array(
                 mbs.iter()
                     .filter_map(|s| match s.get(key) {

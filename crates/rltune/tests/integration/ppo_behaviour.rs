@@ -533,9 +533,10 @@ fn bad_input_is_rejected_naming_the_sample() {
 
 /// A minibatch with a single response token (`mini_batch_size = 1` and a one-token response,
 /// e.g. an immediate EOS) has no unbiased `ppo/returns/var`. TRL reports NaN for it and trains on.
-/// A step must either succeed or fail before it changes anything.
+/// A step must either succeed or fail before it changes anything. A one-token minibatch has no
+/// unbiased variance (TRL reports NaN; rltune used to fail here after three Adam steps): the step
+/// succeeds, and that minibatch's variances are left out of the step's averages.
 #[test]
-#[ignore = "library bug: step() fails mid-optimization on a one-token minibatch (masked_var)"]
 fn one_token_minibatch_does_not_abort_the_step_half_done() {
     let cfg = PpoConfig { batch_size: 4, mini_batch_size: 1, ..Default::default() };
     let mut t = trainer(32, cfg);
@@ -544,12 +545,16 @@ fn one_token_minibatch_does_not_abort_the_step_half_done() {
     let w0 = weights(&t);
     // The one-token sample comes last in the first epoch, after three updates.
     t.force_permutations([vec![1, 2, 3, 0]]);
-    let result = t.step(&queries, &resp, &[1.0, 0.0, 0.5, -0.5]);
-    let (moved, steps) = (weights_diff(&w0, &weights(&t)), t.optimizer().steps());
-    match result {
-        Ok(stats) => println!("ppo/returns/var = {}", scalar(&stats, "ppo/returns/var")),
-        Err(e) if moved == 0.0 && steps == 0 => println!("rejected before any change: {e}"),
-        Err(e) => panic!("step failed ({e}) after {steps} Adam steps moved the weights by {moved}"),
+    let stats = match t.step(&queries, &resp, &[1.0, 0.0, 0.5, -0.5]) {
+        Ok(stats) => stats,
+        Err(e) => {
+            let (moved, steps) = (weights_diff(&w0, &weights(&t)), t.optimizer().steps());
+            panic!("step failed ({e}) after {steps} Adam steps moved the weights by {moved}")
+        }
+    };
+    assert_eq!(t.optimizer().steps(), 16, "every minibatch of the 4 epochs stepped");
+    for key in ["ppo/returns/var", "ppo/val/var", "ppo/val/var_explained", "ppo/loss/total"] {
+        assert!(scalar(&stats, key).is_finite(), "{key} = {}", scalar(&stats, key));
     }
 }
 
