@@ -9,7 +9,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Shape, Tensor};
 
 use super::simd::simd_kernel;
-use super::{contiguous, par_rows, unsupported, CResult, Elem};
+use super::{contiguous, par_rows, CResult, Elem};
 
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
 const COEF: f64 = 0.044_715;
@@ -77,11 +77,7 @@ impl CustomOp1 for GeluTanh {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
-        match s.dtype() {
-            DType::F32 => gelu_fwd::<f32>(s, l),
-            DType::F64 => gelu_fwd::<f64>(s, l),
-            dt => Err(unsupported("gelu", dt)),
-        }
+        by_dtype!(s, "gelu", gelu_fwd(s, l))
     }
 
     fn bwd(&self, x: &Tensor, _y: &Tensor, g: &Tensor) -> CResult<Option<Tensor>> {
@@ -101,11 +97,7 @@ impl CustomOp2 for GeluTanhBwd {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> CResult<(CpuStorage, Shape)> {
-        match s1.dtype() {
-            DType::F32 => gelu_bwd::<f32>(s1, l1, s2, l2),
-            DType::F64 => gelu_bwd::<f64>(s1, l1, s2, l2),
-            dt => Err(unsupported("gelu-bwd", dt)),
-        }
+        by_dtype!(s1, "gelu-bwd", gelu_bwd(s1, l1, s2, l2))
     }
 }
 

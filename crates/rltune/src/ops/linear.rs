@@ -230,11 +230,7 @@ impl CustomOp1 for ColumnSum {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
-        match s.dtype() {
-            DType::F32 => column_sum::<f32>(s, l),
-            DType::F64 => column_sum::<f64>(s, l),
-            dt => Err(unsupported("column-sum", dt)),
-        }
+        by_dtype!(s, "column-sum", column_sum(s, l))
     }
 }
 

@@ -25,7 +25,7 @@ use rayon::prelude::*;
 
 use super::linear::{cpu_gemm, gemm_no_bwd};
 use super::simd::{self, simd_kernel, LANES};
-use super::{contiguous, unsupported, CResult, Elem};
+use super::{contiguous, CResult, Elem};
 
 simd_kernel! {
     /// Per row of logits `x` (divided by `temp` unless it is 1): `logp = x_t − logsumexp(x)` and
@@ -245,11 +245,7 @@ impl CustomOp2 for LmHead {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> CResult<(CpuStorage, Shape)> {
-        match s1.dtype() {
-            DType::F32 => self.fwd::<f32>((s1, l1), (s2, l2)),
-            DType::F64 => self.fwd::<f64>((s1, l1), (s2, l2)),
-            dt => Err(unsupported("lm-head", dt)),
-        }
+        by_dtype!(s1, "lm-head", self.fwd((s1, l1), (s2, l2)))
     }
 
     fn bwd(
@@ -271,11 +267,7 @@ impl CustomOp2 for LmHead {
                 }
             }
         };
-        let d = match h.dtype() {
-            DType::F32 => self.dlogits::<f32>(p, g)?,
-            DType::F64 => self.dlogits::<f64>(p, g)?,
-            dt => return Err(unsupported("lm-head", dt)),
-        };
+        let d = by_dtype!(h, "lm-head", self.dlogits(p, g))?;
         let idx = self.sel.index()?;
         let h_sel = match &idx {
             None => h.clone(),
@@ -294,6 +286,15 @@ impl CustomOp2 for LmHead {
 /// The probabilities of the selected rows, `(rows, V)` (the backward's recompute).
 struct Probs(Selection);
 
+fn probs<T: Elem>(
+    sel: &Selection,
+    h: (&CpuStorage, &Layout),
+    w: (&CpuStorage, &Layout),
+) -> CResult<(CpuStorage, Shape)> {
+    let v = w.1.dims()[0];
+    Ok((T::to_cpu_storage_owned(sel.run::<T>(h, w, true)?.x), (sel.len(), v).into()))
+}
+
 impl CustomOp2 for Probs {
     fn name(&self) -> &'static str {
         "rltune-lm-head-probs"
@@ -306,13 +307,7 @@ impl CustomOp2 for Probs {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> CResult<(CpuStorage, Shape)> {
-        let v = l2.dims()[0];
-        let shape: Shape = (self.0.len(), v).into();
-        match s1.dtype() {
-            DType::F32 => Ok((CpuStorage::F32(self.0.run::<f32>((s1, l1), (s2, l2), true)?.x), shape)),
-            DType::F64 => Ok((CpuStorage::F64(self.0.run::<f64>((s1, l1), (s2, l2), true)?.x), shape)),
-            dt => Err(unsupported("lm-head", dt)),
-        }
+        by_dtype!(s1, "lm-head", probs(&self.0, (s1, l1), (s2, l2)))
     }
 }
 

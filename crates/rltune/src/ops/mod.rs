@@ -27,6 +27,18 @@
 //! Every op has a test against its composed twin (values and gradients) and a finite-difference
 //! gradient check in f64.
 
+/// Runs the typed f32/f64 body of a CPU op, `f::<T>(args)` or `recv.f::<T>(args)`, or names the
+/// unsupported dtype of `s`.
+macro_rules! by_dtype {
+    ($s:expr, $op:literal, $($f:ident).+($($arg:expr),* $(,)?)) => {
+        match $s.dtype() {
+            candle_core::DType::F32 => $($f).+::<f32>($($arg),*),
+            candle_core::DType::F64 => $($f).+::<f64>($($arg),*),
+            dt => Err($crate::ops::unsupported($op, dt)),
+        }
+    };
+}
+
 mod activation;
 pub(crate) mod gemm;
 mod linear;

@@ -4,11 +4,11 @@
 //! gradients (`dw`, and `db` for layer norm), which the caller slices without copying.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor, D};
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor, D};
 use rayon::prelude::*;
 
 use super::simd::{self, simd_kernel, LANES};
-use super::{contiguous, last_dim, par_rows, rows_per_task, unsupported, CResult, Elem};
+use super::{contiguous, last_dim, par_rows, rows_per_task, CResult, Elem};
 
 /// Σ (x − c)², vectorized.
 #[inline(always)]
@@ -168,17 +168,6 @@ fn layer_norm_bwd<T: Elem>(
     });
     let rows = x.len() / n + 2;
     Ok((T::to_cpu_storage_owned(out), (rows, n).into()))
-}
-
-/// Runs `$f::<f32|f64>` on the dtype of the first storage.
-macro_rules! by_dtype {
-    ($s:expr, $op:literal, $f:ident($($arg:expr),*)) => {
-        match $s.dtype() {
-            DType::F32 => $f::<f32>($($arg),*),
-            DType::F64 => $f::<f64>($($arg),*),
-            dt => Err(unsupported($op, dt)),
-        }
-    };
 }
 
 impl CustomOp3 for LayerNorm {
@@ -396,6 +385,7 @@ pub fn rms_norm_composed(x: &Tensor, w: &Tensor, eps: f64) -> CResult<Tensor> {
 mod tests {
     use super::*;
     use crate::ops::testutil::{check, fd_check, max_diff, randn};
+    use candle_core::DType;
 
     #[test]
     fn layer_norm_matches_composed() {

@@ -6,7 +6,7 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Sh
 use rayon::prelude::*;
 
 use super::simd::{self, simd_kernel, LANES};
-use super::{contiguous, last_dim, par_rows, unsupported, CResult, Elem};
+use super::{contiguous, last_dim, par_rows, CResult, Elem};
 
 /// `(Σ e^(x − m), Σ e^(x − m)·(x − m))` with vectorizable lanes; a term with `e^(x − m) = 0`
 /// adds nothing to the second sum (so `x = −∞` gives no `0 · ∞`).
@@ -95,17 +95,6 @@ simd_kernel! {
             }
         }
     }
-}
-
-/// Runs the typed f32/f64 body of a CPU op, or names the unsupported dtype.
-macro_rules! by_dtype {
-    ($s:expr, $op:literal, $f:ident($($arg:expr),*)) => {
-        match $s.dtype() {
-            DType::F32 => $f::<f32>($($arg),*),
-            DType::F64 => $f::<f64>($($arg),*),
-            dt => Err(unsupported($op, dt)),
-        }
-    };
 }
 
 fn storage<T: Elem>(v: Vec<T>, shape: &Shape) -> CResult<(CpuStorage, Shape)> {
