@@ -645,19 +645,15 @@ impl PpoTrainer {
         s.insert("policy/advantages_mean".into(), Stat::Scalar(sc(&math::masked_mean(&adv, &mask)?)?));
         s.insert("policy/ratio".into(), Stat::Array(flat(&l.ratio)?));
         s.insert("returns/mean".into(), Stat::Scalar(sc(&math::masked_mean(&ret, &mask)?)?));
-        // One response token has no unbiased variance (TRL raises there, after the earlier
-        // minibatches already stepped Adam): the minibatch leaves the two variances out of the
-        // step's averages instead.
-        let tokens = scalar(&mask.sum_all()?)?;
-        if tokens >= 2.0 {
-            s.insert("returns/var".into(), Stat::Scalar(sc(&math::masked_var(&ret, &mask, true)?)?));
-        }
         s.insert("val/vpred".into(), Stat::Scalar(sc(&math::masked_mean(&vpreds, &mask)?)?));
         let err = math::masked_mean(&(&vpreds - &ret)?.sqr()?, &mask)?;
         s.insert("val/error".into(), Stat::Scalar(sc(&err)?));
         s.insert("val/clipfrac".into(), Stat::Scalar(l.vf_clipfrac));
         s.insert("val/mean".into(), Stat::Scalar(sc(&math::masked_mean(&old_v, &mask)?)?));
-        if tokens >= 2.0 {
+        // One response token has no unbiased variance (TRL divides by zero and reports NaN):
+        // such a minibatch leaves both variances out of the step's averages.
+        if scalar(&mask.sum_all()?)? >= 2.0 {
+            s.insert("returns/var".into(), Stat::Scalar(sc(&math::masked_var(&ret, &mask, true)?)?));
             s.insert("val/var".into(), Stat::Scalar(sc(&math::masked_var(&old_v, &mask, true)?)?));
         }
         Ok((s, skipped))
