@@ -3,7 +3,9 @@
 //!
 //! Each shape `M×K×N` (`(M, K)·(K, N)`) runs for at least 0.3 s after one warm-up call; the
 //! median of 5 such batches is printed. `--trans` multiplies `A·Bᵀ` with `B` stored `(N, K)`
-//! (nn.Linear's layout). Thread count: `RAYON_NUM_THREADS` (both libraries use rayon's pool).
+//! (nn.Linear's layout). `--bf16` runs rltune's products at `MatmulPrecision::Bf16` (AMX tiles;
+//! the last column then shows the bf16 rounding). Thread count: `RAYON_NUM_THREADS` (both
+//! libraries use rayon's pool).
 //!
 //! ```sh
 //! CANDLE_NUM_THREADS=1 RAYON_NUM_THREADS=1 cargo run --release -p rltune --example bench_gemm
@@ -14,13 +16,16 @@ use std::time::Instant;
 
 use candle_core::{Device, Tensor};
 
-const SHAPES: [(usize, usize, usize); 6] = [
+const SHAPES: [(usize, usize, usize); 9] = [
     (512, 256, 768),
     (512, 256, 256),
     (512, 1024, 256),
     (512, 256, 8192),
     (8192, 512, 256),
     (2048, 2048, 2048),
+    (16, 768, 50257),
+    (128, 768, 2304),
+    (128, 768, 50257),
 ];
 
 /// Median GFLOP/s of `f` over 5 batches of ≥ 0.3 s.
@@ -44,6 +49,9 @@ fn gflops(flops: f64, mut f: impl FnMut()) -> f64 {
 fn main() -> candle_core::Result<()> {
     rltune::cpu::flush_denormals();
     let trans = std::env::args().any(|a| a == "--trans");
+    if std::env::args().any(|a| a == "--bf16") {
+        rltune::ops::set_matmul_precision(rltune::ops::MatmulPrecision::Bf16).expect("bf16");
+    }
     let threads = rayon::current_num_threads();
     println!("threads {threads}, B {}", if trans { "transposed (N, K)" } else { "row-major (K, N)" });
     println!("| M×K×N | rltune GFLOP/s | candle GFLOP/s | speed-up | max rel diff |");

@@ -61,6 +61,11 @@ pub enum Error {
     /// A model could not be obtained from the Hugging Face hub.
     #[error("{0}")]
     Hub(String),
+
+    /// What was asked needs hardware or a build feature that this machine or build lacks; the
+    /// message names it and the alternative.
+    #[error("{0}")]
+    Unsupported(String),
 }
 
 /// Shorthand for `std::result::Result<T, rltune::Error>`.

@@ -73,6 +73,74 @@ impl<'a> MatRef<'a> {
     }
 }
 
+/// How f32 matrix products run on the CPU (process-wide; see [`set_matmul_precision`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MatmulPrecision {
+    /// f32 inputs, f32 accumulation: the default, and what TRL computes.
+    #[default]
+    F32,
+    /// Inputs rounded to bf16, products accumulated in f32, on Intel AMX tiles (Sapphire
+    /// Rapids and newer): what PyTorch's CPU autocast does with bf16. Products with a side
+    /// shorter than 32 stay in f32, as does everything that is not a matrix product.
+    Bf16,
+}
+
+impl MatmulPrecision {
+    /// The name used on the command line and in configs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::Bf16 => "bf16",
+        }
+    }
+}
+
+impl std::str::FromStr for MatmulPrecision {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "f32" => Ok(Self::F32),
+            "bf16" => Ok(Self::Bf16),
+            _ => Err(format!("unknown matmul precision {s:?}: expected \"f32\" or \"bf16\"")),
+        }
+    }
+}
+
+static BF16: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Sets how f32 matrix products run from now on, in the whole process (like PyTorch's
+/// `torch.set_float32_matmul_precision`). [`MatmulPrecision::Bf16`] is an error where the CPU
+/// or OS has no AMX-BF16, naming what is missing; it changes results at the level of bf16
+/// rounding (about 3 significant digits per input), so runs are not bit-comparable with f32.
+/// CUDA tensors are not affected.
+pub fn set_matmul_precision(p: MatmulPrecision) -> crate::Result<()> {
+    if p == MatmulPrecision::Bf16 && !super::amx::available() {
+        return Err(crate::Error::Unsupported(
+            "matmul precision bf16 needs Intel AMX-BF16 (Xeon Sapphire Rapids or newer) on Linux \
+             5.16 or newer, and this machine has none; use --matmul-precision f32 (the default)"
+                .into(),
+        ));
+    }
+    BF16.store(p == MatmulPrecision::Bf16, std::sync::atomic::Ordering::Relaxed);
+    Ok(())
+}
+
+/// The precision set by [`set_matmul_precision`] (f32 until then).
+pub fn matmul_precision() -> MatmulPrecision {
+    if BF16.load(std::sync::atomic::Ordering::Relaxed) {
+        MatmulPrecision::Bf16
+    } else {
+        MatmulPrecision::F32
+    }
+}
+
+/// Whether this product runs on AMX: bf16 precision set and every side at least one
+/// 32-wide block (below that the tiles would be mostly padding).
+fn on_amx(m: usize, k: usize, n: usize) -> bool {
+    m >= 32 && k >= 32 && n >= 32 && matmul_precision() == MatmulPrecision::Bf16
+}
+
 /// Whether the CPU has AVX-512F (checked once).
 pub(crate) fn avx512_available() -> bool {
     #[cfg(target_arch = "x86_64")]
@@ -111,6 +179,11 @@ pub(crate) fn sgemm(a: MatRef, b: MatRef, c: &mut [f32], bias: Option<&[f32]>, a
     }
     #[cfg(target_arch = "x86_64")]
     if avx512_available() {
+        if on_amx(m, k, n) {
+            // SAFETY: set_matmul_precision checked AMX; views checked above; c has m × n values.
+            unsafe { super::amx::sgemm(a, b, c.as_mut_ptr(), bias, accumulate) };
+            return;
+        }
         if swap_pays(&a, &b) {
             let ct = sgemm_new(b.t(), a.t(), None);
             transpose_into(&ct, n, m, c, bias, accumulate);
@@ -161,12 +234,18 @@ pub(crate) fn sgemm_new(a: MatRef, b: MatRef, bias: Option<&[f32]>) -> Vec<f32> 
     let (m, k, n) = (a.rows, a.cols, b.cols);
     check_args(&a, &b, bias, false);
     #[cfg(target_arch = "x86_64")]
-    if avx512_available() && m > 0 && n > 0 && k > 0 && !swap_pays(&a, &b) {
+    if avx512_available() && m > 0 && n > 0 && k > 0 && (on_amx(m, k, n) || !swap_pays(&a, &b)) {
         let mut c: Vec<std::mem::MaybeUninit<f32>> = Vec::with_capacity(m * n);
-        // SAFETY: MaybeUninit needs no initialization; the views were checked above.
+        // SAFETY: MaybeUninit needs no initialization; the views were checked above (and
+        // set_matmul_precision checked AMX for the bf16 path).
         unsafe {
             c.set_len(m * n);
-            avx512::sgemm(a, b, c.as_mut_ptr().cast::<f32>(), bias, false);
+            let c = c.as_mut_ptr().cast::<f32>();
+            if on_amx(m, k, n) {
+                super::amx::sgemm(a, b, c, bias, false);
+            } else {
+                avx512::sgemm(a, b, c, bias, false);
+            }
         }
         // The first depth block stores every tile of C without reading it, so every value is
         // written; MaybeUninit<f32> and f32 have the same layout.

@@ -40,6 +40,7 @@ macro_rules! by_dtype {
 }
 
 mod activation;
+mod amx;
 pub(crate) mod gemm;
 mod linear;
 mod lm_head;
@@ -48,6 +49,7 @@ mod simd;
 mod softmax;
 
 pub use activation::{gelu_tanh, gelu_tanh_composed};
+pub use gemm::{matmul_precision, set_matmul_precision, MatmulPrecision};
 pub use linear::{linear, linear_composed, linear_in_out, linear_in_out_composed, matmul};
 pub use lm_head::lm_head_logprobs;
 pub use norm::{layer_norm, layer_norm_composed, rms_norm, rms_norm_composed};
