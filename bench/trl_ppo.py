@@ -55,6 +55,9 @@ Details (the Rust side, ``rltune-cli bench ppo``, is meant to do identical work)
   ``time/ppo/optimize_step`` and ``time/ppo/forward_pass`` stats;
   tokens_per_s = B*24 / median_total; peak RSS (ru_maxrss, MiB).
 * CPU only, ``torch.set_num_threads(--threads)`` (default 2).
+* ``--bf16``: generation and step each run under ``torch.autocast("cpu", dtype=torch.bfloat16)``
+  (linear/matmul/SDPA in bf16 through oneDNN, on AMX where the CPU has it; weights and Adam
+  stay f32). The counterpart of ``rltune bench ppo --matmul-precision bf16``.
 
 Usage::
 
@@ -171,6 +174,12 @@ def main():
     ap.add_argument("--iters", type=int, default=3, help="timed iterations (after 1 warm-up)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument(
+        "--bf16",
+        action="store_true",
+        help="run generation and step under torch.autocast('cpu', dtype=torch.bfloat16) "
+        "(matmuls in bf16 on AMX via oneDNN; compare with rltune --matmul-precision bf16)",
+    )
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -205,10 +214,13 @@ def main():
         queries = [q[i] for i in range(B)]
         scores = list(torch.randn(B, generator=data_gen).unbind(0))
 
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16)
         t0 = time.perf_counter()
-        responses = trainer.generate(queries, return_prompt=False, batch_size=B, **gen_kwargs)
+        with autocast:
+            responses = trainer.generate(queries, return_prompt=False, batch_size=B, **gen_kwargs)
         t1 = time.perf_counter()
-        stats = trainer.step(queries, responses, scores)
+        with autocast:
+            stats = trainer.step(queries, responses, scores)
         t2 = time.perf_counter()
 
         lens = {int(r.shape[0]) for r in responses}
@@ -247,6 +259,7 @@ def main():
         "torch": torch.__version__,
         "trl": trl.__version__,
         "threads": torch.get_num_threads(),
+        "matmul_precision": "bf16" if args.bf16 else "f32",
     }
     if args.json:
         print(json.dumps(out))

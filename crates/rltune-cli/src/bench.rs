@@ -28,6 +28,10 @@ pub struct Args {
     /// reusing the rollout's.
     #[arg(long)]
     no_rollout_cache: bool,
+    /// `f32`, or `bf16`: matrix products on AMX tiles with bf16 inputs and f32 accumulation
+    /// (compare with `bench/trl_ppo.py --bf16`, TRL under CPU autocast).
+    #[arg(long, default_value = "f32")]
+    matmul_precision: rltune::ops::MatmulPrecision,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -72,6 +76,7 @@ pub fn run(args: Args) -> Result<()> {
         bail!("--iters must be at least 1");
     }
     let p = preset(&args.preset)?;
+    rltune::ops::set_matmul_precision(args.matmul_precision)?;
     let dev = Device::Cpu;
     let cfg = CausalLmConfig::Gpt2(p.cfg.clone());
     let store = ParamStore::random(0, true, DType::F32, &dev)?;
@@ -136,6 +141,7 @@ pub fn run(args: Args) -> Result<()> {
         "impl": "rltune",
         "preset": args.preset,
         "rollout_cache": !args.no_rollout_cache,
+        "matmul_precision": args.matmul_precision.as_str(),
         "median_total_s": total,
         "median_generation_s": median(&mut gens),
         "median_step_s": median(&mut steps),

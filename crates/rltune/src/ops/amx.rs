@@ -148,7 +148,14 @@ mod imp {
             // Tile (row block r of 16, step s) of A at (r·kt + s)·TILE; the same for B's
             // column blocks.
             pa.par_chunks_mut(kt * TILE).enumerate().for_each(|(r, out)| pack_a(&a, 16 * r, out));
-            pb.par_chunks_mut(kt * TILE).enumerate().for_each(|(j, out)| pack_b(&b, 16 * j, out));
+            if b.cs == 1 {
+                // Row-major B: by depth steps, so that each task reads whole rows in order
+                // (column blocks would read 64 bytes per row, a page apart at GPT-2 widths).
+                let base = SendPtr(pb.as_mut_ptr());
+                (0..kt).into_par_iter().for_each(|s| pack_b_rows(&b, s, kt, base));
+            } else {
+                pb.par_chunks_mut(kt * TILE).enumerate().for_each(|(j, out)| pack_b(&b, 16 * j, out));
+            }
             let (pa, pb): (&[u16], &[u16]) = (pa, pb);
             // Tasks: a column panel × a run of row blocks, enough for ~4 per thread.
             let threads = rayon::current_num_threads();
@@ -298,24 +305,131 @@ mod imp {
         std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo))
     }
 
+    /// (x0[0], x1[0], x0[1], x1[1], …) from the 32 bf16 values (x0[0..16], x1[0..16]).
+    #[inline(always)]
+    unsafe fn interleave(v: __m512i) -> __m512i {
+        let idx = _mm512_set_epi16(
+            31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3,
+            18, 2, 17, 1, 16, 0,
+        );
+        _mm512_permutexvar_epi16(idx, v)
+    }
+
+    /// The transpose of a 16 × 16 matrix of 32-bit values held as 16 row vectors.
+    #[inline(always)]
+    unsafe fn transpose16(r: &[__m512i; 16]) -> [__m512i; 16] {
+        // Pairs of rows interleaved, then quads: u[4g + c] holds, in its 128-bit lane L,
+        // rows 4g..4g + 4 at column 4L + c.
+        let t: [__m512i; 16] = std::array::from_fn(|i| {
+            let (x, y) = (r[i & !1], r[i | 1]);
+            if i % 2 == 0 {
+                _mm512_unpacklo_epi32(x, y)
+            } else {
+                _mm512_unpackhi_epi32(x, y)
+            }
+        });
+        let u: [__m512i; 16] = std::array::from_fn(|i| {
+            let (g, c) = (i / 4, i % 4);
+            let (x, y) = (t[4 * g + c / 2], t[4 * g + 2 + c / 2]);
+            if c % 2 == 0 {
+                _mm512_unpacklo_epi64(x, y)
+            } else {
+                _mm512_unpackhi_epi64(x, y)
+            }
+        });
+        // Lanes L of u[c], u[4 + c], u[8 + c], u[12 + c] make row 4L + c of the transpose.
+        let mut out = [_mm512_setzero_si512(); 16];
+        for c in 0..4 {
+            let v0 = _mm512_shuffle_i32x4::<0x44>(u[c], u[4 + c]);
+            let v1 = _mm512_shuffle_i32x4::<0x44>(u[8 + c], u[12 + c]);
+            let w0 = _mm512_shuffle_i32x4::<0xEE>(u[c], u[4 + c]);
+            let w1 = _mm512_shuffle_i32x4::<0xEE>(u[8 + c], u[12 + c]);
+            out[c] = _mm512_shuffle_i32x4::<0x88>(v0, v1);
+            out[4 + c] = _mm512_shuffle_i32x4::<0xDD>(v0, v1);
+            out[8 + c] = _mm512_shuffle_i32x4::<0x88>(w0, w1);
+            out[12 + c] = _mm512_shuffle_i32x4::<0xDD>(w0, w1);
+        }
+        out
+    }
+
+    /// Stores 16 tile rows.
+    #[inline(always)]
+    unsafe fn store_tile(rows: &[__m512i; 16], tile: &mut [u16]) {
+        for (dst, v) in tile.chunks_exact_mut(KT).zip(rows) {
+            _mm512_storeu_si512(dst.as_mut_ptr().cast(), *v);
+        }
+    }
+
+    /// The valid counts `(n0, n1)` of the two 16-value halves of depth step `s`.
+    fn halves(k: usize, s: usize) -> (usize, usize) {
+        let left = k - s * KT;
+        (left.min(16), left.saturating_sub(16).min(16))
+    }
+
+    /// 32 values from `p` with stride `st`, the first `n0 + n1` of them, as bf16.
+    #[inline(always)]
+    unsafe fn load32_bf16(p: *const f32, st: usize, (n0, n1): (usize, usize)) -> __m512i {
+        let hi = if n1 > 0 { load16(p.add(16 * st), st, n1) } else { _mm512_setzero_ps() };
+        to_bf16(load16(p, st, n0), hi)
+    }
+
     /// Packs rows `i0..i0 + 16` of `a` (zeros past the end) into `kt` tiles.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     unsafe fn pack_a(a: &MatRef, i0: usize, out: &mut [u16]) {
         let k = a.cols;
         let rows = a.rows.saturating_sub(i0).min(16);
+        let column_major = a.rs == 1 && a.cs != 1;
         for (s, tile) in out.chunks_exact_mut(TILE).enumerate() {
-            let p0 = s * KT;
-            let (n0, n1) = ((k - p0).min(16), (k - p0).saturating_sub(16).min(16));
-            for (r, dst) in tile.chunks_exact_mut(KT).enumerate() {
-                let v = if r < rows {
-                    let p = a.data.as_ptr().add(a.off + (i0 + r) * a.rs + p0 * a.cs);
-                    let lo = load16(p, a.cs, n0);
-                    let hi = if n1 > 0 { load16(p.add(16 * a.cs), a.cs, n1) } else { _mm512_setzero_ps() };
-                    to_bf16(lo, hi)
-                } else {
-                    _mm512_setzero_si512()
+            let tile_rows: [__m512i; 16] = if column_major {
+                // 16 rows of a column are contiguous: pair p of every row is columns
+                // (2p, 2p + 1) interleaved, and the transpose makes rows of the pairs.
+                let col = |q: usize| {
+                    if q < k && rows > 0 {
+                        load16(a.data.as_ptr().add(a.off + i0 + q * a.cs), 1, rows)
+                    } else {
+                        _mm512_setzero_ps()
+                    }
                 };
-                _mm512_storeu_si512(dst.as_mut_ptr().cast(), v);
+                let pairs = std::array::from_fn(|p| {
+                    let q = s * KT + 2 * p;
+                    interleave(to_bf16(col(q), col(q + 1)))
+                });
+                transpose16(&pairs)
+            } else {
+                std::array::from_fn(|r| {
+                    if r < rows {
+                        let p = a.data.as_ptr().add(a.off + (i0 + r) * a.rs + s * KT * a.cs);
+                        load32_bf16(p, a.cs, halves(k, s))
+                    } else {
+                        _mm512_setzero_si512()
+                    }
+                })
+            };
+            store_tile(&tile_rows, tile);
+        }
+    }
+
+    /// Packs depth step `s` (rows `32s..32s + 32`) of a row-major `b` into the tiles `(j, s)`
+    /// of every 16-column block `j` (at `(j·kt + s)·TILE` from `out`, as [`pack_b`] lays them).
+    ///
+    /// # Safety
+    /// `b.cs == 1`; `out` holds `2·⌈n/32⌉·kt` tiles; no other task writes step `s`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    unsafe fn pack_b_rows(b: &MatRef, s: usize, kt: usize, out: SendPtr<u16>) {
+        let (k, n) = (b.rows, b.cols);
+        let blocks = 2 * n.div_ceil(32);
+        for r in 0..16 {
+            let p = s * KT + 2 * r;
+            let row = |p: usize, j0: usize| {
+                if p < k && j0 < n {
+                    load16(b.data.as_ptr().add(b.off + p * b.rs + j0), 1, n - j0)
+                } else {
+                    _mm512_setzero_ps()
+                }
+            };
+            for j in 0..blocks {
+                let v = interleave(to_bf16(row(p, 16 * j), row(p + 1, 16 * j)));
+                _mm512_storeu_si512(out.get().add((j * kt + s) * TILE + r * KT).cast(), v);
             }
         }
     }
@@ -325,14 +439,21 @@ mod imp {
     unsafe fn pack_b(b: &MatRef, j0: usize, out: &mut [u16]) {
         let k = b.rows;
         let cols = b.cols.saturating_sub(j0).min(16);
-        // (x0[0], x1[0], x0[1], x1[1], …) from (x0[0..16], x1[0..16]).
-        let interleave = _mm512_set_epi16(
-            31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3,
-            18, 2, 17, 1, 16, 0,
-        );
+        let column_major = b.rs == 1 && b.cs != 1;
         for (s, tile) in out.chunks_exact_mut(TILE).enumerate() {
-            for (r, dst) in tile.chunks_exact_mut(KT).enumerate() {
-                let p = s * KT + 2 * r;
+            let tile_rows: [__m512i; 16] = if column_major {
+                // A column's 32 depth values are contiguous and, as bf16, already its 16
+                // pairs in order; the transpose makes rows of the pairs.
+                let columns = std::array::from_fn(|j| {
+                    if j < cols {
+                        let p = b.data.as_ptr().add(b.off + s * KT + (j0 + j) * b.cs);
+                        load32_bf16(p, 1, halves(k, s))
+                    } else {
+                        _mm512_setzero_si512()
+                    }
+                });
+                transpose16(&columns)
+            } else {
                 let row = |p: usize| {
                     if p < k && cols > 0 {
                         load16(b.data.as_ptr().add(b.off + p * b.rs + j0 * b.cs), b.cs, cols)
@@ -340,9 +461,12 @@ mod imp {
                         _mm512_setzero_ps()
                     }
                 };
-                let v = _mm512_permutexvar_epi16(interleave, to_bf16(row(p), row(p + 1)));
-                _mm512_storeu_si512(dst.as_mut_ptr().cast(), v);
-            }
+                std::array::from_fn(|r| {
+                    let p = s * KT + 2 * r;
+                    interleave(to_bf16(row(p), row(p + 1)))
+                })
+            };
+            store_tile(&tile_rows, tile);
         }
     }
 }

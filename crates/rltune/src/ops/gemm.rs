@@ -74,7 +74,8 @@ impl<'a> MatRef<'a> {
 }
 
 /// How f32 matrix products run on the CPU (process-wide; see [`set_matmul_precision`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum MatmulPrecision {
     /// f32 inputs, f32 accumulation: the default, and what TRL computes.
     #[default]
@@ -118,7 +119,7 @@ pub fn set_matmul_precision(p: MatmulPrecision) -> crate::Result<()> {
     if p == MatmulPrecision::Bf16 && !super::amx::available() {
         return Err(crate::Error::Unsupported(
             "matmul precision bf16 needs Intel AMX-BF16 (Xeon Sapphire Rapids or newer) on Linux \
-             5.16 or newer, and this machine has none; use --matmul-precision f32 (the default)"
+             5.16 or newer, and this machine has none; use f32 (the default)"
                 .into(),
         ));
     }

@@ -1,5 +1,5 @@
 //! The run config: one TOML file with tables `[model]`, `[ref_model]`, `[reward]`, `[data]`,
-//! `[generation]`, `[ppo]`, `[logging]` and `[checkpoint]`, plus `--set table.key=value`
+//! `[generation]`, `[ppo]`, `[logging]`, `[checkpoint]` and `[runtime]`, plus `--set table.key=value`
 //! overrides. Unknown keys are rejected with the closest valid key.
 
 use std::path::{Path, PathBuf};
@@ -129,6 +129,15 @@ impl Default for CheckpointSection {
     }
 }
 
+/// `[runtime]`: how the computation runs (not what it computes).
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RuntimeSection {
+    /// `"f32"` (default) or `"bf16"`: matrix products on AMX tiles with bf16 inputs and f32
+    /// accumulation (see [`crate::ops::MatmulPrecision`]).
+    pub matmul_precision: crate::ops::MatmulPrecision,
+}
+
 /// The whole run config.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -155,6 +164,9 @@ pub struct RunConfig {
     /// Checkpointing.
     #[serde(default)]
     pub checkpoint: CheckpointSection,
+    /// Numerics of the CPU kernels.
+    #[serde(default)]
+    pub runtime: RuntimeSection,
 }
 
 impl RunConfig {
@@ -288,5 +300,20 @@ command = ["cat"]
         let err =
             RunConfig::from_toml(MINIMAL, p, &["generation.max_new_tokns=3".into()]).unwrap_err().to_string();
         assert!(err.contains("did you mean \"max_new_tokens\""), "{err}");
+    }
+
+    #[test]
+    fn matmul_precision_is_f32_unless_set_and_names_bad_values() {
+        let p = Path::new("run.toml");
+        let c = RunConfig::from_toml(MINIMAL, p, &[]).unwrap();
+        assert_eq!(c.runtime.matmul_precision, crate::ops::MatmulPrecision::F32);
+        let c = RunConfig::from_toml(MINIMAL, p, &["runtime.matmul_precision=bf16".into()]).unwrap();
+        assert_eq!(c.runtime.matmul_precision, crate::ops::MatmulPrecision::Bf16);
+        let err = RunConfig::from_toml(MINIMAL, p, &["runtime.matmul_precision=fp8".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("fp8") && err.contains("bf16") && err.contains("f32"), "{err}");
+        let err = "fp8".parse::<crate::ops::MatmulPrecision>().unwrap_err();
+        assert!(err.contains("\"fp8\"") && err.contains("\"bf16\""), "{err}");
     }
 }

@@ -101,6 +101,12 @@ impl PpoRun {
         resume: bool,
     ) -> Result<Self> {
         let device = Device::Cpu;
+        crate::ops::set_matmul_precision(config.runtime.matmul_precision).map_err(|e| {
+            Error::Input(format!(
+                "[runtime] matmul_precision = {:?}: {e}",
+                config.runtime.matmul_precision.as_str()
+            ))
+        })?;
         let ckpt = if resume { latest_checkpoint(&config.logging.dir)? } else { None };
         if resume && ckpt.is_none() {
             return Err(Error::Input(format!(
