@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use super::layers::{attention, merge_heads, split_heads, Activation, Conv1D, Embedding, KvCache, LayerNorm};
 use crate::error::{Error, Result};
+use crate::ops;
 use crate::params::Params;
 
 /// `config.json` of a GPT-2 model; defaults are transformers' `GPT2Config` defaults.
@@ -159,6 +160,10 @@ impl Attention {
     fn forward(&self, x: &Tensor, bias: &Tensor, cache: Option<(&mut KvCache, usize)>) -> Result<Tensor> {
         let c = x.dim(2)?;
         let qkv = self.c_attn.forward(x)?;
+        if cache.is_none() {
+            // Training and scoring: one fused op (no per-head copies in the graph).
+            return self.c_proj.forward(&ops::self_attention(&qkv, bias, self.n_head, self.scale)?);
+        }
         let q = split_heads(&qkv.narrow(2, 0, c)?, self.n_head)?;
         let k = split_heads(&qkv.narrow(2, c, c)?, self.n_head)?;
         let v = split_heads(&qkv.narrow(2, 2 * c, c)?, self.n_head)?;

@@ -145,17 +145,19 @@ mod imp {
         let b_len = 2 * nb * kt * TILE;
         with_buffer(a_len + b_len, |buf| {
             let (pa, pb) = buf.split_at_mut(a_len);
-            // Tile (row block r of 16, step s) of A at (r·kt + s)·TILE; the same for B's
-            // column blocks.
+            // Tile (row block r of 16, step s) of A at (r·kt + s)·TILE.
             pa.par_chunks_mut(kt * TILE).enumerate().for_each(|(r, out)| pack_a(&a, 16 * r, out));
-            if b.cs == 1 {
-                // Row-major B: by depth steps, so that each task reads whole rows in order
-                // (column blocks would read 64 bytes per row, a page apart at GPT-2 widths).
-                let base = SendPtr(pb.as_mut_ptr());
-                (0..kt).into_par_iter().for_each(|s| pack_b_rows(&b, s, kt, base));
+            // B's tile (column block j of 16, step s) at `j·b_col + s·b_step` tiles.
+            let (b_col, b_step) = if b.cs == 1 {
+                // Row-major B: packed by depth steps, step-major, so that a task reads whole
+                // rows in order and writes one contiguous run of tiles (column blocks would
+                // read 64 bytes per row, a page apart at GPT-2 widths).
+                pb.par_chunks_mut(2 * nb * TILE).enumerate().for_each(|(s, out)| pack_b_rows(&b, s, out));
+                (1, 2 * nb)
             } else {
                 pb.par_chunks_mut(kt * TILE).enumerate().for_each(|(j, out)| pack_b(&b, 16 * j, out));
-            }
+                (kt, 1)
+            };
             let (pa, pb): (&[u16], &[u16]) = (pa, pb);
             // Tasks: a column panel × a run of row blocks, enough for ~4 per thread.
             let threads = rayon::current_num_threads();
@@ -171,8 +173,9 @@ mod imp {
                 let mut block = Block([0f32; 32 * 32]);
                 for r in t * run_len..((t + 1) * run_len).min(mb) {
                     let at = pa.as_ptr().add(2 * r * kt * TILE);
-                    let bt = pb.as_ptr().add(2 * j * kt * TILE);
-                    kernel(at, at.add(kt * TILE), bt, bt.add(kt * TILE), kt, block.0.as_mut_ptr());
+                    let bt = pb.as_ptr().add(2 * j * b_col * TILE);
+                    let step = 2 * b_step * TILE;
+                    kernel(at, at.add(kt * TILE), bt, bt.add(b_col * TILE), step, kt, block.0.as_mut_ptr());
                     let (i0, j0) = (32 * r, 32 * j);
                     store(&block.0, c.get(), n, i0, (m - i0).min(32), j0, (n - j0).min(32), bias, accumulate);
                 }
@@ -188,14 +191,16 @@ mod imp {
         unsafe { asm!("ldtilecfg [{}]", in(reg) &CONFIG, options(nostack, readonly)) };
     }
 
-    /// The 32 × 32 block `out` (row-major) = A rows (tiles `a0`, `a1`) · B columns (tiles
-    /// `b0`, `b1`), over `kt` steps of 32.
+    /// The 32 × 32 block `out` (row-major) = A rows (tiles `a0`, `a1`, consecutive steps
+    /// 1 KiB apart) · B columns (tiles `b0`, `b1`, steps `b_step` bytes apart), over `kt` steps
+    /// of 32.
     #[inline(always)]
     unsafe fn kernel(
         a0: *const u16,
         a1: *const u16,
         b0: *const u16,
         b1: *const u16,
+        b_step: usize,
         kt: usize,
         out: *mut f32,
     ) {
@@ -215,24 +220,26 @@ mod imp {
             "tdpbf16ps tmm3, tmm5, tmm7",
             "add {a0}, 1024",
             "add {a1}, 1024",
-            "add {b0}, 1024",
-            "add {b1}, 1024",
+            "add {b0}, {bs}",
+            "add {b1}, {bs}",
             "dec {kt}",
             "jnz 2b",
+            // `out` has rows of 128 bytes: tiles at +0, +64 (columns 16..), +2048 (rows 16..).
             "tilestored [{o} + {os}], tmm0",
-            "tilestored [{o1} + {os}], tmm1",
-            "tilestored [{o2} + {os}], tmm2",
-            "tilestored [{o3} + {os}], tmm3",
+            "lea {a0}, [{o} + 64]",
+            "tilestored [{a0} + {os}], tmm1",
+            "lea {a0}, [{o} + 2048]",
+            "tilestored [{a0} + {os}], tmm2",
+            "lea {a0}, [{o} + 2112]",
+            "tilestored [{a0} + {os}], tmm3",
             a0 = inout(reg) a0 => _,
             a1 = inout(reg) a1 => _,
             b0 = inout(reg) b0 => _,
             b1 = inout(reg) b1 => _,
             kt = inout(reg) kt => _,
+            bs = in(reg) b_step,
             s = in(reg) 64usize,
             o = in(reg) out,
-            o1 = in(reg) out.add(16),
-            o2 = in(reg) out.add(16 * 32),
-            o3 = in(reg) out.add(16 * 32 + 16),
             os = in(reg) 128usize,
             options(nostack),
         );
@@ -409,15 +416,12 @@ mod imp {
         }
     }
 
-    /// Packs depth step `s` (rows `32s..32s + 32`) of a row-major `b` into the tiles `(j, s)`
-    /// of every 16-column block `j` (at `(j·kt + s)·TILE` from `out`, as [`pack_b`] lays them).
-    ///
-    /// # Safety
-    /// `b.cs == 1`; `out` holds `2·⌈n/32⌉·kt` tiles; no other task writes step `s`.
+    /// Packs depth step `s` (rows `32s..32s + 32`) of a row-major `b` into one tile per
+    /// 16-column block, consecutive in `out` (zeros past the end).
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    unsafe fn pack_b_rows(b: &MatRef, s: usize, kt: usize, out: SendPtr<u16>) {
+    unsafe fn pack_b_rows(b: &MatRef, s: usize, out: &mut [u16]) {
         let (k, n) = (b.rows, b.cols);
-        let blocks = 2 * n.div_ceil(32);
+        let blocks = out.len() / TILE;
         for r in 0..16 {
             let p = s * KT + 2 * r;
             let row = |p: usize, j0: usize| {
@@ -429,7 +433,7 @@ mod imp {
             };
             for j in 0..blocks {
                 let v = interleave(to_bf16(row(p, 16 * j), row(p + 1, 16 * j)));
-                _mm512_storeu_si512(out.get().add((j * kt + s) * TILE + r * KT).cast(), v);
+                _mm512_storeu_si512(out.as_mut_ptr().add(j * TILE + r * KT).cast(), v);
             }
         }
     }

@@ -25,7 +25,7 @@ use rayon::prelude::*;
 
 use super::linear::{cpu_gemm, gemm_no_bwd};
 use super::simd::{self, simd_kernel, LANES};
-use super::{contiguous, CResult, Elem};
+use super::{contiguous, lock, CResult, Elem};
 
 simd_kernel! {
     /// Per row of logits `x` (divided by `temp` unless it is 1): `logp = x_t − logsumexp(x)` and
@@ -227,10 +227,6 @@ impl LmHead {
             .for_each(|((p, t), g)| head_bwd_rows(p, t, g, v));
         Tensor::from_vec(p, (ns, v), &Device::Cpu)
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl CustomOp2 for LmHead {

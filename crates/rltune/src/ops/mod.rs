@@ -12,6 +12,8 @@
 //! |---|---|
 //! | [`softmax_last_dim`], [`log_softmax_last_dim`] | max, sub, exp, sum, div / log |
 //! | [`scaled_masked_softmax`] | attention's `scores · scale + bias` then softmax |
+//! | [`self_attention`] | GPT-2's split of `qkv` into heads, `q·kᵀ`, masked softmax, `·v`, merge of the heads (no `(B, H, T, D)` copies in the graph) |
+//! | [`self_attention`] | GPT-2's split of `qkv` into heads, `q·kᵀ`, masked softmax, `·v`, merge of the heads |
 //! | [`logprobs_of`] | log-softmax over the vocabulary, then gather (no `(B, T, V)` log-softmax kept) |
 //! | [`entropy_from_logits`] | log-softmax, exp, mul, sum (one pass per row) |
 //! | [`lm_head_logprobs`] | the LM head's product, then logprobs and entropy, on selected rows only (no `(N, V)` tensor in the graph) |
@@ -41,6 +43,7 @@ macro_rules! by_dtype {
 
 mod activation;
 mod amx;
+mod attention;
 pub(crate) mod gemm;
 mod linear;
 mod lm_head;
@@ -49,6 +52,7 @@ mod simd;
 mod softmax;
 
 pub use activation::{gelu_tanh, gelu_tanh_composed};
+pub use attention::{self_attention, self_attention_composed};
 pub use gemm::{matmul_precision, set_matmul_precision, MatmulPrecision};
 pub use linear::{linear, linear_composed, linear_in_out, linear_in_out_composed, matmul};
 pub use lm_head::lm_head_logprobs;
@@ -92,6 +96,11 @@ impl Elem for f64 {
     fn exp_fast(self) -> f64 {
         self.exp()
     }
+}
+
+/// A poisoned lock's value (the ops keep only buffers behind their locks).
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Rows per rayon task: small rows are batched so a task does real work.

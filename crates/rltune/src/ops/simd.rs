@@ -1,11 +1,12 @@
-//! Vectorizable f32 math and the run-time dispatch that compiles kernels for AVX2.
+//! Vectorizable f32 math and the run-time dispatch that compiles kernels for AVX2 and AVX-512.
 //!
 //! The crate is built for baseline x86-64 (SSE2), and libm's `expf` is a function call, so a
 //! loop over `f32::exp` runs one element at a time. [`exp_f32`] is branch-free (selects, no
-//! calls), so LLVM vectorizes loops over it; [`simd_kernel!`] compiles a kernel a second time
-//! with AVX2 and FMA enabled and picks that copy at run time when the CPU has them. No FMA
-//! contraction happens in either copy (Rust never fuses `a * b + c` on its own), so both give
-//! bit-identical results.
+//! calls), so LLVM vectorizes loops over it; [`simd_kernel!`] compiles a kernel twice more,
+//! with AVX2 + FMA and with AVX-512, and picks the widest copy the CPU runs. No FMA
+//! contraction happens in any copy (Rust never fuses `a * b + c` on its own) and reductions
+//! keep [`LANES`] partial sums whatever the vector width, so all copies give bit-identical
+//! results.
 
 /// `e^x` in f32, within 2 ulp of the exact value; no function calls, so loops over it vectorize.
 ///
@@ -49,7 +50,7 @@ pub(crate) fn exp_f32(x: f32) -> f32 {
 }
 
 /// Defines `fn $name<T: $bound>(args)` from a body that is compiled twice: for the baseline
-/// target and with AVX2 + FMA enabled; the second copy runs when the CPU supports it.
+/// target, with AVX2 + FMA and with AVX-512; the widest copy the CPU supports runs.
 macro_rules! simd_kernel {
     ($(#[$meta:meta])* $vis:vis fn $name:ident<$t:ident: $bound:path>($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block) => {
         $(#[$meta])*
@@ -58,9 +59,17 @@ macro_rules! simd_kernel {
             fn imp<$t: $bound>($($arg: $ty),*) $(-> $ret)? $body
             #[cfg(target_arch = "x86_64")]
             {
+                #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
+                unsafe fn avx512<$t: $bound>($($arg: $ty),*) $(-> $ret)? {
+                    imp::<$t>($($arg),*)
+                }
                 #[target_feature(enable = "avx2,fma")]
                 unsafe fn avx2<$t: $bound>($($arg: $ty),*) $(-> $ret)? {
                     imp::<$t>($($arg),*)
+                }
+                if $crate::ops::simd::has_avx512() {
+                    // SAFETY: this CPU has the features `avx512` was compiled for.
+                    return unsafe { avx512::<$t>($($arg),*) };
                 }
                 if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
                     // SAFETY: this CPU has the features `avx2` was compiled for.
@@ -72,6 +81,19 @@ macro_rules! simd_kernel {
     };
 }
 pub(crate) use simd_kernel;
+
+/// Whether the CPU has the AVX-512 subsets that [`simd_kernel!`]'s widest copy is compiled for.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn has_avx512() -> bool {
+    use std::sync::OnceLock;
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| {
+        std::is_x86_feature_detected!("avx512f")
+            && std::is_x86_feature_detected!("avx512bw")
+            && std::is_x86_feature_detected!("avx512vl")
+            && std::is_x86_feature_detected!("avx512dq")
+    })
+}
 
 /// Lanes of the partial sums in [`sum`], [`dot`] and [`max`]: wide enough for one AVX-512
 /// register of f32, or two AVX2 ones.

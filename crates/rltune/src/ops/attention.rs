@@ -1,0 +1,348 @@
+//! GPT-2's self-attention core as one op: from the fused `qkv` projection to the merged heads.
+//!
+//! `(B, T, 3C) → (B, T, C)`: for each sequence and head, `softmax(q·kᵀ·scale + bias)·v`, read
+//! from and written to the row-major activations in place. The composed version splits `qkv`
+//! with three `narrow`s, copies each into `(B, H, T, D)`, multiplies with candle's batched
+//! matmul and copies the heads back: eleven graph nodes, each of which costs the backward a
+//! zero-filled gradient buffer and an add (the `narrow`s a zero-padded concatenation). Here
+//! the probabilities `(B, H, T, T)` are kept for the backward, which writes `dq`, `dk`, `dv`
+//! straight into one `(B, T, 3C)` gradient:
+//!
+//! | | |
+//! |---|---|
+//! | `dv_j = Σ_i P_ij·do_i` | `dP_ij = do_i·v_j` |
+//! | `dS_ij = scale·P_ij·(dP_ij − Σ_j' P_ij'·dP_ij')` | |
+//! | `dq_i = Σ_j dS_ij·k_j` | `dk_j = Σ_i dS_ij·q_i` |
+//!
+//! Sequences run in parallel. The scores take every key, masked ones included, exactly as
+//! [`super::scaled_masked_softmax`] does, so a fully masked (padding) row gets the same
+//! probabilities as in the composed version.
+
+use std::sync::Mutex;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
+use rayon::prelude::*;
+
+use super::simd::{self, simd_kernel};
+use super::{contiguous, CResult, Elem};
+
+/// `+= a·x`
+#[inline(always)]
+fn axpy<T: Elem>(out: &mut [T], a: T, x: &[T]) {
+    for (o, &x) in out.iter_mut().zip(x) {
+        *o += a * x;
+    }
+}
+
+/// The geometry of one call.
+#[derive(Debug, Clone, Copy)]
+struct Dims {
+    t: usize,
+    c: usize,
+    h: usize,
+    /// Rows of the bias: `(B|1, H|1, T|1)` as multipliers; see [`Dims::bias_row`].
+    bias: [usize; 3],
+}
+
+impl Dims {
+    fn d(&self) -> usize {
+        self.c / self.h
+    }
+
+    /// The bias row for query `i` of head `h` in sequence `b`.
+    fn bias_row(&self, b: usize, h: usize, i: usize) -> usize {
+        let [bb, bh, bt] = self.bias;
+        let pick = |x: usize, n: usize| if n == 1 { 0 } else { x };
+        ((pick(b, bb) * bh + pick(h, bh)) * bt + pick(i, bt)) * self.t
+    }
+}
+
+simd_kernel! {
+    /// One sequence: `out (T, C)` and the probabilities `p (H, T, T)` from `qkv (T, 3C)`.
+    fn fwd_seq<T: Elem>(out: &mut [T], p: &mut [T], qkv: &[T], bias: &[T], b: usize, dims: &Dims, scale: T) {
+        let (t, c, d) = (dims.t, dims.c, dims.d());
+        out.fill(T::zero());
+        for h in 0..dims.h {
+            let (q, k, v) = (h * d, c + h * d, 2 * c + h * d);
+            for i in 0..t {
+                let row = &mut p[(h * t + i) * t..(h * t + i + 1) * t];
+                let qi = &qkv[i * 3 * c + q..i * 3 * c + q + d];
+                let br = dims.bias_row(b, h, i);
+                for (j, s) in row.iter_mut().enumerate() {
+                    *s = simd::dot(qi, &qkv[j * 3 * c + k..j * 3 * c + k + d]) * scale + bias[br + j];
+                }
+                let m = simd::max(row);
+                for s in row.iter_mut() {
+                    *s = (*s - m).exp_fast();
+                }
+                let inv = T::one() / simd::sum(row);
+                let oi = &mut out[i * c + h * d..i * c + h * d + d];
+                for (j, s) in row.iter_mut().enumerate() {
+                    *s *= inv;
+                    axpy(oi, *s, &qkv[j * 3 * c + v..j * 3 * c + v + d]);
+                }
+            }
+        }
+    }
+}
+
+simd_kernel! {
+    /// One sequence's `dqkv (T, 3C)` from `g (T, C)`; `ds (T)` is scratch.
+    #[allow(clippy::too_many_arguments)]
+    fn bwd_seq<T: Elem>(dqkv: &mut [T], ds: &mut [T], g: &[T], p: &[T], qkv: &[T], dims: &Dims, scale: T) {
+        let (t, c, d) = (dims.t, dims.c, dims.d());
+        dqkv.fill(T::zero());
+        for h in 0..dims.h {
+            let (q, k, v) = (h * d, c + h * d, 2 * c + h * d);
+            for i in 0..t {
+                let pi = &p[(h * t + i) * t..(h * t + i + 1) * t];
+                let gi = &g[i * c + h * d..i * c + h * d + d];
+                for (j, x) in ds.iter_mut().enumerate() {
+                    *x = simd::dot(gi, &qkv[j * 3 * c + v..j * 3 * c + v + d]);
+                }
+                let dot = simd::dot(pi, ds);
+                for (x, &pij) in ds.iter_mut().zip(pi) {
+                    *x = scale * pij * (*x - dot);
+                }
+                let qi = i * 3 * c + q;
+                for j in 0..t {
+                    // dq_i += dS_ij·k_j, then dk_j += dS_ij·q_i and dv_j += P_ij·g_i (row j ≠ i
+                    // of the same buffer, so the reads come from `qkv` and `g`, not `dqkv`).
+                    let kj = j * 3 * c + k;
+                    axpy(&mut dqkv[qi..qi + d], ds[j], &qkv[kj..kj + d]);
+                    axpy(&mut dqkv[kj..kj + d], ds[j], &qkv[qi..qi + d]);
+                    let vj = j * 3 * c + v;
+                    axpy(&mut dqkv[vj..vj + d], pi[j], gi);
+                }
+            }
+        }
+    }
+}
+
+/// The forward op; it keeps the probabilities for its backward.
+struct SelfAttention {
+    n_head: usize,
+    scale: f64,
+    probs: Mutex<Option<CpuStorage>>,
+}
+
+/// The backward op: `(qkv, g) → dqkv`, with the kept probabilities.
+struct SelfAttentionBwd {
+    dims: Dims,
+    scale: f64,
+    probs: CpuStorage,
+}
+
+fn dims_of(qkv: &Layout, bias: &Layout, n_head: usize) -> CResult<Dims> {
+    let (b, t, c3) = match qkv.dims() {
+        &[b, t, c3] => (b, t, c3),
+        d => candle_core::bail!("self-attention: qkv must be (B, T, 3C), got {d:?}"),
+    };
+    let c = c3 / 3;
+    if c3 % 3 != 0 || n_head == 0 || c % n_head != 0 {
+        candle_core::bail!("self-attention: 3C = {c3} does not split into 3 × {n_head} heads");
+    }
+    let bias = match bias.dims() {
+        &[bb, bh, bt, bs]
+            if bs == t && (bb == 1 || bb == b) && (bh == 1 || bh == n_head) && (bt == 1 || bt == t) =>
+        {
+            [bb, bh, bt]
+        }
+        d => candle_core::bail!("self-attention: bias {d:?} does not broadcast to ({b}, {n_head}, {t}, {t})"),
+    };
+    Ok(Dims { t, c, h: n_head, bias })
+}
+
+impl SelfAttention {
+    fn fwd<T: Elem>(
+        &self,
+        (s1, l1): (&CpuStorage, &Layout),
+        (s2, l2): (&CpuStorage, &Layout),
+    ) -> CResult<(CpuStorage, Shape)> {
+        let dims = dims_of(l1, l2, self.n_head)?;
+        let qkv = contiguous::<T>(s1, l1, "self-attention")?;
+        let bias = contiguous::<T>(s2, l2, "self-attention")?;
+        let b = l1.dims()[0];
+        let (t, c, h) = (dims.t, dims.c, dims.h);
+        let scale = T::from(self.scale).unwrap_or_else(T::one);
+        let mut out = vec![T::zero(); b * t * c];
+        let mut p = vec![T::zero(); b * h * t * t];
+        if t > 0 && c > 0 {
+            out.par_chunks_mut(t * c)
+                .zip(p.par_chunks_mut(h * t * t))
+                .zip(qkv.par_chunks(t * 3 * c))
+                .enumerate()
+                .for_each(|(bi, ((o, p), x))| fwd_seq(o, p, x, bias, bi, &dims, scale));
+        }
+        *super::lock(&self.probs) = Some(T::to_cpu_storage_owned(p));
+        Ok((T::to_cpu_storage_owned(out), (b, t, c).into()))
+    }
+}
+
+impl CustomOp2 for SelfAttention {
+    fn name(&self) -> &'static str {
+        "rltune-self-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        if s1.dtype() != s2.dtype() {
+            candle_core::bail!("self-attention: qkv and bias dtypes differ");
+        }
+        by_dtype!(s1, "self-attention", self.fwd((s1, l1), (s2, l2)))
+    }
+
+    fn bwd(
+        &self,
+        qkv: &Tensor,
+        bias: &Tensor,
+        _y: &Tensor,
+        g: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
+        let dims = dims_of(qkv.layout(), bias.layout(), self.n_head)?;
+        let probs = match super::lock(&self.probs).take() {
+            Some(p) => p,
+            None => {
+                // A second backward through the same graph: recompute them.
+                let again = SelfAttention { n_head: self.n_head, scale: self.scale, probs: Mutex::new(None) };
+                qkv.detach().apply_op2_no_bwd(&bias.detach(), &again)?;
+                let p = super::lock(&again.probs).take();
+                p.ok_or_else(|| candle_core::Error::Msg("self-attention: no probabilities".into()))?
+            }
+        };
+        let bwd = SelfAttentionBwd { dims, scale: self.scale, probs };
+        Ok((Some(qkv.detach().apply_op2_no_bwd(&g.contiguous()?, &bwd)?), None))
+    }
+}
+
+impl SelfAttentionBwd {
+    fn run<T: Elem>(
+        &self,
+        (s1, l1): (&CpuStorage, &Layout),
+        (s2, l2): (&CpuStorage, &Layout),
+    ) -> CResult<(CpuStorage, Shape)> {
+        let qkv = contiguous::<T>(s1, l1, "self-attention backward")?;
+        let g = contiguous::<T>(s2, l2, "self-attention backward")?;
+        let p = self.probs.as_slice::<T>()?;
+        let Dims { t, c, h, .. } = self.dims;
+        let b = l1.dims()[0];
+        let scale = T::from(self.scale).unwrap_or_else(T::one);
+        let mut dqkv = vec![T::zero(); b * t * 3 * c];
+        if t > 0 && c > 0 {
+            dqkv.par_chunks_mut(t * 3 * c)
+                .zip(g.par_chunks(t * c))
+                .zip(p.par_chunks(h * t * t))
+                .zip(qkv.par_chunks(t * 3 * c))
+                .for_each(|(((dx, g), p), x)| {
+                    bwd_seq(dx, &mut vec![T::zero(); t], g, p, x, &self.dims, scale)
+                });
+        }
+        Ok((T::to_cpu_storage_owned(dqkv), l1.shape().clone()))
+    }
+}
+
+impl CustomOp2 for SelfAttentionBwd {
+    fn name(&self) -> &'static str {
+        "rltune-self-attention-bwd"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        by_dtype!(s1, "self-attention backward", self.run((s1, l1), (s2, l2)))
+    }
+}
+
+/// Causal self-attention from GPT-2's fused projection: `qkv (B, T, 3C)` holds `q`, `k`, `v`
+/// side by side (heads of `C / n_head` columns each), `bias (B|1, 1|H, T|1, T)` is the additive
+/// mask of [`crate::models::layers::causal_bias`]; returns `softmax(q·kᵀ·scale + bias)·v` with
+/// the heads merged, `(B, T, C)`. Differentiable in `qkv` (the mask gets no gradient).
+///
+/// On the CPU (f32, f64) one fused op; elsewhere (and for a key length other than `T`, as with
+/// a KV cache) use [`self_attention_composed`], which gives the same results.
+pub fn self_attention(qkv: &Tensor, bias: &Tensor, n_head: usize, scale: f64) -> CResult<Tensor> {
+    if qkv.device().is_cpu() && qkv.dtype() == bias.dtype() {
+        let op = SelfAttention { n_head, scale, probs: Mutex::new(None) };
+        qkv.contiguous()?.apply_op2(&bias.contiguous()?, op)
+    } else {
+        self_attention_composed(qkv, bias, n_head, scale)
+    }
+}
+
+/// [`self_attention`] from differentiable candle ops (split heads, attention, merge heads).
+pub fn self_attention_composed(qkv: &Tensor, bias: &Tensor, n_head: usize, scale: f64) -> CResult<Tensor> {
+    let (b, t, c3) = qkv.dims3()?;
+    let c = c3 / 3;
+    let split = |i: usize| -> CResult<Tensor> {
+        qkv.narrow(2, i * c, c)?.reshape((b, t, n_head, c / n_head))?.transpose(1, 2)?.contiguous()
+    };
+    let (q, k, v) = (split(0)?, split(1)?, split(2)?);
+    let scores = q.matmul(&k.t()?.contiguous()?)?;
+    let probs = super::scaled_masked_softmax(&scores, bias, scale)?;
+    probs.matmul(&v)?.transpose(1, 2)?.contiguous()?.reshape((b, t, c))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::testutil::{check, fd_check, max_diff, randn};
+    use candle_core::{DType, Device};
+
+    fn causal(mask: &[Vec<u8>], dtype: DType) -> Tensor {
+        let t = mask[0].len();
+        crate::models::layers::causal_bias(mask, t, dtype, &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn matches_composed_values_and_gradients() {
+        // Left padding (a fully masked row) in the second sequence.
+        let bias = causal(&[vec![1, 1, 1, 1, 1], vec![0, 0, 1, 1, 1]], DType::F64);
+        check(
+            &[&[2, 5, 24]],
+            |t| self_attention(&t[0], &bias, 2, 0.35).unwrap(),
+            |t| self_attention_composed(&t[0], &bias, 2, 0.35).unwrap(),
+        );
+        let shared = causal(&[vec![1, 1, 1]], DType::F64);
+        check(
+            &[&[3, 3, 12]],
+            |t| self_attention(&t[0], &shared, 4, 0.5).unwrap(),
+            |t| self_attention_composed(&t[0], &shared, 4, 0.5).unwrap(),
+        );
+    }
+
+    /// Right padding only: a fully masked query row (left padding) sits at −1e9, where a
+    /// step of 1e-5 is below f64's resolution and the difference quotient is noise.
+    #[test]
+    fn finite_differences() {
+        let bias = causal(&[vec![1, 1, 1, 1], vec![1, 1, 1, 0]], DType::F64);
+        fd_check(&[&[2, 4, 12]], |t| self_attention(&t[0], &bias, 2, 0.7).unwrap());
+    }
+
+    #[test]
+    fn f32_matches_f64_and_bad_shapes_are_errors() {
+        let x = randn(&[4, 32, 3 * 64], 9);
+        // No padding: a fully masked row's scores sit at −1e9, where f32 keeps no fraction.
+        let mask = vec![vec![1u8; 32]; 4];
+        let y64 = self_attention(&x, &causal(&mask, DType::F64), 4, 0.125).unwrap();
+        let x32 = x.to_dtype(DType::F32).unwrap();
+        let y32 = self_attention(&x32, &causal(&mask, DType::F32), 4, 0.125).unwrap();
+        let diff = max_diff(&y32, &y64);
+        assert!(diff < 1e-5, "f32 vs f64: {diff}");
+        let bias = causal(&mask, DType::F64);
+        let err = self_attention(&x, &bias, 5, 0.1).unwrap_err().to_string();
+        assert!(err.contains("heads"), "{err}");
+        let short = causal(&vec![vec![1; 31]; 4], DType::F64);
+        let err = self_attention(&x, &short, 4, 0.1).unwrap_err().to_string();
+        assert!(err.contains("does not broadcast"), "{err}");
+    }
+}
