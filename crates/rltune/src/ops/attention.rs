@@ -58,19 +58,43 @@ impl Dims {
     }
 }
 
+/// Columns `col..col + d` of the `t` rows of `qkv` (row stride `3c`), transposed into
+/// `out (d, t)`: a head's keys or values with the positions contiguous.
+#[inline(always)]
+fn transpose_head<T: Elem>(out: &mut [T], qkv: &[T], col: usize, t: usize, c: usize, d: usize) {
+    for j in 0..t {
+        let row = &qkv[j * 3 * c + col..j * 3 * c + col + d];
+        for (e, &x) in row.iter().enumerate() {
+            out[e * t + j] = x;
+        }
+    }
+}
+
+/// `row (t) = Σ_e x[e] · mt[e, ..]` for `mt (d, t)`: a row of `x · M` (vectorized along `t`).
+#[inline(always)]
+fn row_times<T: Elem>(row: &mut [T], x: &[T], mt: &[T], t: usize) {
+    row.fill(T::zero());
+    for (e, &xe) in x.iter().enumerate() {
+        axpy(row, xe, &mt[e * t..(e + 1) * t]);
+    }
+}
+
 simd_kernel! {
-    /// One sequence: `out (T, C)` and the probabilities `p (H, T, T)` from `qkv (T, 3C)`.
-    fn fwd_seq<T: Elem>(out: &mut [T], p: &mut [T], qkv: &[T], bias: &[T], b: usize, dims: &Dims, scale: T) {
+    /// One sequence: `out (T, C)` and the probabilities `p (H, T, T)` from `qkv (T, 3C)`;
+    /// `kt (D, T)` is scratch.
+    #[allow(clippy::too_many_arguments)]
+    fn fwd_seq<T: Elem>(out: &mut [T], p: &mut [T], kt: &mut [T], qkv: &[T], bias: &[T], b: usize, dims: &Dims, scale: T) {
         let (t, c, d) = (dims.t, dims.c, dims.d());
         out.fill(T::zero());
         for h in 0..dims.h {
-            let (q, k, v) = (h * d, c + h * d, 2 * c + h * d);
+            let (q, v) = (h * d, 2 * c + h * d);
+            transpose_head(kt, qkv, c + h * d, t, c, d);
             for i in 0..t {
                 let row = &mut p[(h * t + i) * t..(h * t + i + 1) * t];
-                let qi = &qkv[i * 3 * c + q..i * 3 * c + q + d];
+                row_times(row, &qkv[i * 3 * c + q..i * 3 * c + q + d], kt, t);
                 let br = dims.bias_row(b, h, i);
-                for (j, s) in row.iter_mut().enumerate() {
-                    *s = simd::dot(qi, &qkv[j * 3 * c + k..j * 3 * c + k + d]) * scale + bias[br + j];
+                for (s, &bias) in row.iter_mut().zip(&bias[br..br + t]) {
+                    *s = *s * scale + bias;
                 }
                 let m = simd::max(row);
                 for s in row.iter_mut() {
@@ -88,19 +112,19 @@ simd_kernel! {
 }
 
 simd_kernel! {
-    /// One sequence's `dqkv (T, 3C)` from `g (T, C)`; `ds (T)` is scratch.
+    /// One sequence's `dqkv (T, 3C)` from `g (T, C)`; `ds (T)` and `vt (D, T)` are scratch.
     #[allow(clippy::too_many_arguments)]
-    fn bwd_seq<T: Elem>(dqkv: &mut [T], ds: &mut [T], g: &[T], p: &[T], qkv: &[T], dims: &Dims, scale: T) {
+    fn bwd_seq<T: Elem>(dqkv: &mut [T], ds: &mut [T], vt: &mut [T], g: &[T], p: &[T], qkv: &[T], dims: &Dims, scale: T) {
         let (t, c, d) = (dims.t, dims.c, dims.d());
         dqkv.fill(T::zero());
         for h in 0..dims.h {
             let (q, k, v) = (h * d, c + h * d, 2 * c + h * d);
+            transpose_head(vt, qkv, v, t, c, d);
             for i in 0..t {
                 let pi = &p[(h * t + i) * t..(h * t + i + 1) * t];
                 let gi = &g[i * c + h * d..i * c + h * d + d];
-                for (j, x) in ds.iter_mut().enumerate() {
-                    *x = simd::dot(gi, &qkv[j * 3 * c + v..j * 3 * c + v + d]);
-                }
+                // dP_i = g_i · Vᵀ, then the softmax backward.
+                row_times(ds, gi, vt, t);
                 let dot = simd::dot(pi, ds);
                 for (x, &pij) in ds.iter_mut().zip(pi) {
                     *x = scale * pij * (*x - dot);
@@ -173,7 +197,9 @@ impl SelfAttention {
                 .zip(p.par_chunks_mut(h * t * t))
                 .zip(qkv.par_chunks(t * 3 * c))
                 .enumerate()
-                .for_each(|(bi, ((o, p), x))| fwd_seq(o, p, x, bias, bi, &dims, scale));
+                .for_each(|(bi, ((o, p), x))| {
+                    fwd_seq(o, p, &mut vec![T::zero(); c / h * t], x, bias, bi, &dims, scale)
+                });
         }
         *super::lock(&self.probs) = Some(T::to_cpu_storage_owned(p));
         Ok((T::to_cpu_storage_owned(out), (b, t, c).into()))
@@ -240,7 +266,16 @@ impl SelfAttentionBwd {
                 .zip(p.par_chunks(h * t * t))
                 .zip(qkv.par_chunks(t * 3 * c))
                 .for_each(|(((dx, g), p), x)| {
-                    bwd_seq(dx, &mut vec![T::zero(); t], g, p, x, &self.dims, scale)
+                    bwd_seq(
+                        dx,
+                        &mut vec![T::zero(); t],
+                        &mut vec![T::zero(); c / h * t],
+                        g,
+                        p,
+                        x,
+                        &self.dims,
+                        scale,
+                    )
                 });
         }
         Ok((T::to_cpu_storage_owned(dqkv), l1.shape().clone()))
