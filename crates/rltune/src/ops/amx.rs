@@ -2,11 +2,13 @@
 //! [`MatmulPrecision::Bf16`](super::MatmulPrecision).
 //!
 //! Both operands are rounded to bf16 (round to nearest even) while they are packed into
-//! 16 × 64-byte tiles, and `TDPBF16PS` accumulates their products in f32: the same numbers as
-//! PyTorch's bf16 matmul with f32 accumulation (its CPU autocast), about 3 significant
-//! decimal digits per input. A is packed as 16-row tiles of 32 depth values; B in AMX's pair
-//! layout (row `r` of a tile holds `(B[2r, j], B[2r+1, j])` for 16 columns `j`). Depth, rows
-//! and columns are padded with zeros to whole tiles. Each task runs a 32 × 32 block of C at a
+//! 16 × 64-byte tiles, and `TDPBF16PS` accumulates their products in f32: the numerics of
+//! PyTorch's bf16 matmul with f32 accumulation (its CPU autocast), up to the order of the f32
+//! sums; about 3 significant decimal digits per input. A is packed as 16-row tiles of 32 depth
+//! values; B in AMX's pair layout (row `r` of a tile holds `(B[2r, j], B[2r+1, j])` for 16
+//! columns `j`), step-major when B is row-major (each packing task reads 32 whole rows in
+//! order), column-block-major otherwise. Column-major operands go through 16 × 16 register
+//! transposes. Depth, rows and columns are padded with zeros to whole tiles. Each task runs a 32 × 32 block of C at a
 //! time in the four accumulator tiles `tmm0..tmm3` (two A tiles × two B tiles per depth step,
 //! `tmm4..tmm7`), over a column panel and a range of row blocks, so the panel of B stays in
 //! cache while A streams; the block goes through a small f32 buffer into C, adding the bias

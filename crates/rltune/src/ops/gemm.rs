@@ -13,6 +13,9 @@
 //! (`256 × 32 × 4 B = 32 KiB`) stays in L1 while the microkernel walks down the `MC × KC` block
 //! of packed A (at most `MC_MAX × KC × 4 B = 256 KiB`, in L2).
 //!
+//! With [`MatmulPrecision::Bf16`] set, products whose sides are all at least 32 run on the AMX
+//! kernel of `ops/amx.rs` instead (bf16 inputs, f32 accumulation).
+//!
 //! [`sgemm`] checks bounds once per operand and then reads through raw pointers. Without
 //! AVX-512F (see [`avx512_available`]) it runs a plain loop; callers that care about speed
 //! fall back to candle's matmul instead.
