@@ -347,6 +347,13 @@ mod tests {
             |t| self_attention(&t[0], &bias, 2, 0.35).unwrap(),
             |t| self_attention_composed(&t[0], &bias, 2, 0.35).unwrap(),
         );
+        // T = 21: rows longer than one 16-lane vector.
+        let long = causal(&[vec![1; 21]], DType::F64);
+        check(
+            &[&[1, 21, 24]],
+            |t| self_attention(&t[0], &long, 2, 0.3).unwrap(),
+            |t| self_attention_composed(&t[0], &long, 2, 0.3).unwrap(),
+        );
         let shared = causal(&[vec![1, 1, 1]], DType::F64);
         check(
             &[&[3, 3, 12]],
