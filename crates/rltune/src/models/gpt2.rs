@@ -158,12 +158,12 @@ impl Attention {
 
     /// `(B, T, C) -> (B, T, C)`
     fn forward(&self, x: &Tensor, bias: &Tensor, cache: Option<(&mut KvCache, usize)>) -> Result<Tensor> {
-        let c = x.dim(2)?;
         let qkv = self.c_attn.forward(x)?;
         if cache.is_none() {
             // Training and scoring: one fused op (no per-head copies in the graph).
             return self.c_proj.forward(&ops::self_attention(&qkv, bias, self.n_head, self.scale)?);
         }
+        let c = x.dim(2)?;
         let q = split_heads(&qkv.narrow(2, 0, c)?, self.n_head)?;
         let k = split_heads(&qkv.narrow(2, c, c)?, self.n_head)?;
         let v = split_heads(&qkv.narrow(2, 2 * c, c)?, self.n_head)?;

@@ -51,6 +51,7 @@ mod imp {
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
 mod imp {
     use super::MatRef;
+    use crate::ops::gemm::{with_buffer, SendPtr};
     use rayon::prelude::*;
     use std::arch::asm;
     use std::arch::x86_64::*;
@@ -108,35 +109,9 @@ mod imp {
         TileConfig(b)
     };
 
-    #[derive(Clone, Copy)]
-    struct SendPtr<T>(*mut T);
-    // SAFETY: tasks write disjoint regions; the owner outlives the parallel section.
-    unsafe impl<T> Send for SendPtr<T> {}
-    unsafe impl<T> Sync for SendPtr<T> {}
-    impl<T> SendPtr<T> {
-        fn get(self) -> *mut T {
-            self.0
-        }
-    }
-
     thread_local! {
         /// Packed A and B (bf16), on the calling thread.
         static PACKED: std::cell::RefCell<Vec<u16>> = const { std::cell::RefCell::new(Vec::new()) };
-    }
-
-    /// A 64-byte-aligned buffer of at least `len` u16, reused per thread.
-    fn with_buffer<R>(len: usize, f: impl FnOnce(&mut [u16]) -> R) -> R {
-        let run = |v: &mut Vec<u16>| {
-            if v.len() < len + 32 {
-                *v = vec![0u16; len + 32];
-            }
-            let skip = v.as_ptr().align_offset(64).min(31);
-            f(&mut v[skip..skip + len])
-        };
-        PACKED.with(|b| match b.try_borrow_mut() {
-            Ok(mut v) => run(&mut v),
-            Err(_) => run(&mut Vec::new()),
-        })
     }
 
     pub(super) unsafe fn sgemm(a: MatRef, b: MatRef, c: *mut f32, bias: Option<&[f32]>, accumulate: bool) {
@@ -145,7 +120,7 @@ mod imp {
         let (mb, nb, kt) = (m.div_ceil(32), n.div_ceil(32), k.div_ceil(KT));
         let a_len = 2 * mb * kt * TILE;
         let b_len = 2 * nb * kt * TILE;
-        with_buffer(a_len + b_len, |buf| {
+        with_buffer(&PACKED, a_len + b_len, |buf| {
             let (pa, pb) = buf.split_at_mut(a_len);
             // Tile (row block r of 16, step s) of A at (r·kt + s)·TILE.
             pa.par_chunks_mut(kt * TILE).enumerate().for_each(|(r, out)| pack_a(&a, 16 * r, out));
@@ -168,8 +143,6 @@ mod imp {
             let tasks: Vec<(usize, usize)> =
                 (0..nb).flat_map(|j| (0..mb.div_ceil(run_len)).map(move |t| (j, t))).collect();
             let c = SendPtr(c);
-            let bias = bias.map(|b| b.as_ptr());
-            let bias = bias.map(|p| SendPtr(p as *mut f32));
             tasks.par_iter().for_each(|&(j, t)| {
                 load_config();
                 let mut block = Block([0f32; 32 * 32]);
@@ -259,7 +232,7 @@ mod imp {
         mr: usize,
         j0: usize,
         nr: usize,
-        bias: Option<SendPtr<f32>>,
+        bias: Option<&[f32]>,
         accumulate: bool,
     ) {
         let masks = [mask(nr.min(16)), mask(nr.saturating_sub(16))];
@@ -273,7 +246,7 @@ mod imp {
                 let x = if accumulate {
                     _mm512_add_ps(x, _mm512_maskz_loadu_ps(mk, p))
                 } else if let Some(b) = bias {
-                    _mm512_add_ps(x, _mm512_maskz_loadu_ps(mk, b.get().add(j0 + 16 * v)))
+                    _mm512_add_ps(x, _mm512_maskz_loadu_ps(mk, b.as_ptr().add(j0 + 16 * v)))
                 } else {
                     x
                 };

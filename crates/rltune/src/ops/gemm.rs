@@ -103,11 +103,10 @@ impl std::str::FromStr for MatmulPrecision {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "f32" => Ok(Self::F32),
-            "bf16" => Ok(Self::Bf16),
-            _ => Err(format!("unknown matmul precision {s:?}: expected \"f32\" or \"bf16\"")),
-        }
+        [Self::F32, Self::Bf16]
+            .into_iter()
+            .find(|p| p.as_str() == s)
+            .ok_or_else(|| format!("unknown matmul precision {s:?}: expected \"f32\" or \"bf16\""))
     }
 }
 
@@ -238,14 +237,16 @@ pub(crate) fn sgemm_new(a: MatRef, b: MatRef, bias: Option<&[f32]>) -> Vec<f32> 
     let (m, k, n) = (a.rows, a.cols, b.cols);
     check_args(&a, &b, bias, false);
     #[cfg(target_arch = "x86_64")]
-    if avx512_available() && m > 0 && n > 0 && k > 0 && (on_amx(m, k, n) || !swap_pays(&a, &b)) {
+    let amx = on_amx(m, k, n);
+    #[cfg(target_arch = "x86_64")]
+    if avx512_available() && m > 0 && n > 0 && k > 0 && (amx || !swap_pays(&a, &b)) {
         let mut c: Vec<std::mem::MaybeUninit<f32>> = Vec::with_capacity(m * n);
         // SAFETY: MaybeUninit needs no initialization; the views were checked above (and
         // set_matmul_precision checked AMX for the bf16 path).
         unsafe {
             c.set_len(m * n);
             let c = c.as_mut_ptr().cast::<f32>();
-            if on_amx(m, k, n) {
+            if amx {
                 super::amx::sgemm(a, b, c, bias, false);
             } else {
                 avx512::sgemm(a, b, c, bias, false);
@@ -293,14 +294,14 @@ pub(crate) fn sgemm_ref(a: MatRef, b: MatRef, c: &mut [f32], bias: Option<&[f32]
 
 /// A raw pointer that rayon tasks may share; they write disjoint tiles.
 #[derive(Clone, Copy)]
-struct SendPtr<T>(*mut T);
+pub(super) struct SendPtr<T>(pub(super) *mut T);
 // SAFETY: tasks write disjoint regions, and the owner outlives the parallel section.
 unsafe impl<T> Send for SendPtr<T> {}
 unsafe impl<T> Sync for SendPtr<T> {}
 
 impl<T> SendPtr<T> {
     /// The pointer (a method, so closures capture the whole `Send` wrapper).
-    fn get(self) -> *mut T {
+    pub(super) fn get(self) -> *mut T {
         self.0
     }
 }
@@ -347,17 +348,19 @@ thread_local! {
     static PACKED_A: Buffer = const { Buffer::new(Vec::new()) };
 }
 
-/// A buffer of at least `len` floats whose start is 64-byte aligned, reused per thread.
-fn with_buffer<R>(
-    key: &'static std::thread::LocalKey<Buffer>,
+/// A buffer of at least `len` values whose start is 64-byte aligned, reused per thread.
+pub(super) fn with_buffer<T: Copy + Default, R>(
+    key: &'static std::thread::LocalKey<std::cell::RefCell<Vec<T>>>,
     len: usize,
-    f: impl FnOnce(&mut [f32]) -> R,
+    f: impl FnOnce(&mut [T]) -> R,
 ) -> R {
-    let run = |v: &mut Vec<f32>| {
-        if v.len() < len + 16 {
-            *v = vec![0f32; len + 16];
+    // Values per 64 bytes: enough slack to align the start.
+    let pad = 64 / std::mem::size_of::<T>();
+    let run = |v: &mut Vec<T>| {
+        if v.len() < len + pad {
+            *v = vec![T::default(); len + pad];
         }
-        let skip = v.as_ptr().align_offset(64).min(15);
+        let skip = v.as_ptr().align_offset(64).min(pad - 1);
         f(&mut v[skip..skip + len])
     };
     key.with(|b| match b.try_borrow_mut() {
