@@ -1,4 +1,4 @@
-//! GFLOP/s of `rltune::ops::matmul` (the AVX-512 SGEMM where the CPU has it) against candle's
+//! GFLOP/s of `rltune::ops::matmul` (the AVX-512 or AVX2 SGEMM of `ops/gemm.rs`) against candle's
 //! `Tensor::matmul`, f32 on the CPU, for the shapes of a PPO step on the `small` preset.
 //!
 //! Each shape `M×K×N` (`(M, K)·(K, N)`) runs for at least 0.3 s after one warm-up call; the
@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use candle_core::{Device, Tensor};
 
-const SHAPES: [(usize, usize, usize); 9] = [
+const SHAPES: [(usize, usize, usize); 18] = [
     (512, 256, 768),
     (512, 256, 256),
     (512, 1024, 256),
@@ -26,6 +26,15 @@ const SHAPES: [(usize, usize, usize); 9] = [
     (16, 768, 50257),
     (128, 768, 2304),
     (128, 768, 50257),
+    (128, 768, 768),
+    (128, 768, 3072),
+    (128, 3072, 768),
+    (96, 50257, 768),
+    (16, 768, 2304),
+    (16, 3072, 768),
+    (32, 768, 3072),
+    (64, 256, 768),
+    (64, 1024, 256),
 ];
 
 /// Median GFLOP/s of `f` over 5 batches of ≥ 0.3 s.

@@ -1,39 +1,34 @@
-//! f32 matrix product `C = A·B (+ bias) (+ C)` with an AVX-512 kernel, for strided operands.
+//! f32 matrix product `C = A·B (+ bias) (+ C)` with AVX-512 and AVX2 kernels, for strided
+//! operands.
 //!
 //! candle's CPU matmul (the `gemm` crate) has only AVX2 kernels on stable Rust and, for the
 //! shapes of a small transformer (512×256×768), runs at the same speed on one thread as on two.
 //! This is a Goto/BLIS-style SGEMM: B is packed into `KC × NR` column panels, A into `MR × KC`
 //! row panels (one packing pass each, which is also where any stride or transpose is absorbed),
-//! and an `MR × NR` register-blocked microkernel (`MR` rows × `NR = 32` lanes, 28 accumulator
-//! registers) runs over them. The output is split into row × column tiles that rayon's threads
-//! take in turn. The epilogue adds an optional bias row (`C = A·B + bias`) or accumulates into
-//! `C` (`C += A·B`), so neither needs a pass of its own.
+//! and an `MR × NR` register-blocked microkernel runs over them. The output is split into
+//! row × column tiles that rayon's threads take in turn. The epilogue adds an optional bias row
+//! (`C = A·B + bias`) or accumulates into `C` (`C += A·B`), so neither needs a pass of its own.
 //!
-//! Blocking, for a 48 KiB L1d and 2 MiB L2 per core: a `KC × NR` panel of packed B
-//! (`256 × 32 × 4 B = 32 KiB`) stays in L1 while the microkernel walks down the `MC × KC` block
-//! of packed A (at most `MC_MAX × KC × 4 B = 256 KiB`, in L2).
+//! Two microkernels ([`Micro`]), picked once per process by what the CPU has:
+//! - AVX-512F: `14 × 32` (28 of the 32 zmm registers accumulate). Blocking for a 48 KiB L1d and
+//!   2 MiB L2: a `KC × NR` panel of packed B (`256 × 32 × 4 B = 32 KiB`) stays in L1 while the
+//!   microkernel walks down the `MC × KC` block of packed A (at most `16·MR × KC × 4 B`
+//!   = 224 KiB, in L2).
+//! - AVX2 + FMA (AMD Zen, Intel before Skylake-SP): `6 × 16` (12 of the 16 ymm registers
+//!   accumulate, two hold B, one the broadcast of A). A panel of B is 16 KiB (in a 32 KiB
+//!   L1d), a block of A 96 KiB (in a 512 KiB L2).
 //!
 //! With [`MatmulPrecision::Bf16`] set, products whose sides are all at least 32 run on the AMX
 //! kernel of `ops/amx.rs` instead (bf16 inputs, f32 accumulation).
 //!
 //! [`sgemm`] checks bounds once per operand and then reads through raw pointers. Without
-//! AVX-512F (see [`avx512_available`]) it runs a plain loop; callers that care about speed
-//! fall back to candle's matmul instead.
+//! either instruction set (see [`fast_available`]) it runs a plain loop; callers that care
+//! about speed fall back to candle's matmul instead.
 
 use rayon::prelude::*;
 
-/// Rows of A per microkernel call.
-const MR: usize = 14;
-/// 16-lane vectors of B per microkernel call.
-const NV: usize = 2;
-/// Columns of B per microkernel call.
-const NR: usize = 16 * NV;
 /// Depth of one packed block.
 const KC: usize = 256;
-/// Most rows of A in one task's packed block.
-const MC_MAX: usize = 16 * MR;
-/// Most columns of B in one task.
-const NC_MAX: usize = 32 * NR;
 
 /// A strided read-only matrix: element `(i, j)` is `data[off + i·rs + j·cs]`.
 #[derive(Debug, Clone, Copy)]
@@ -144,18 +139,49 @@ fn on_amx(m: usize, k: usize, n: usize) -> bool {
     m >= 32 && k >= 32 && n >= 32 && matmul_precision() == MatmulPrecision::Bf16
 }
 
-/// Whether the CPU has AVX-512F (checked once).
-pub(crate) fn avx512_available() -> bool {
+/// The instruction set the SGEMM runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Isa {
+    Avx512,
+    Avx2,
+}
+
+impl Isa {
+    /// Columns of one microkernel call.
+    #[cfg(target_arch = "x86_64")]
+    fn nr(self) -> usize {
+        match self {
+            Isa::Avx512 => <x86::Avx512 as x86::Micro>::NR,
+            Isa::Avx2 => <x86::Avx2 as x86::Micro>::NR,
+        }
+    }
+}
+
+/// The widest kernel this CPU runs (checked once), or `None` for the plain loop.
+fn isa() -> Option<Isa> {
     #[cfg(target_arch = "x86_64")]
     {
         use std::sync::OnceLock;
-        static HAS: OnceLock<bool> = OnceLock::new();
-        *HAS.get_or_init(|| is_x86_feature_detected!("avx512f"))
+        static ISA: OnceLock<Option<Isa>> = OnceLock::new();
+        *ISA.get_or_init(|| {
+            if is_x86_feature_detected!("avx512f") {
+                Some(Isa::Avx512)
+            } else if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                Some(Isa::Avx2)
+            } else {
+                None
+            }
+        })
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        false
+        None
     }
+}
+
+/// Whether [`sgemm`] has a vector kernel on this CPU (AVX-512F, or AVX2 with FMA).
+pub(crate) fn fast_available() -> bool {
+    isa().is_some()
 }
 
 /// `c = a·b`, plus `bias` (one value per column) when given, or `c += a·b` when `accumulate`.
@@ -181,19 +207,19 @@ pub(crate) fn sgemm(a: MatRef, b: MatRef, c: &mut [f32], bias: Option<&[f32]>, a
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if avx512_available() {
+    if let Some(isa) = isa() {
         if on_amx(m, k, n) {
             // SAFETY: set_matmul_precision checked AMX; views checked above; c has m × n values.
             unsafe { super::amx::sgemm(a, b, c.as_mut_ptr(), bias, accumulate) };
             return;
         }
-        if swap_pays(&a, &b) {
+        if swap_pays(&a, &b, isa.nr()) {
             let ct = sgemm_new(b.t(), a.t(), None);
             transpose_into(&ct, n, m, c, bias, accumulate);
             return;
         }
-        // SAFETY: the CPU has AVX-512F; the views were checked above and `c` has m × n values.
-        unsafe { avx512::sgemm(a, b, c.as_mut_ptr(), bias, accumulate) };
+        // SAFETY: the CPU has `isa`; the views were checked above and `c` has m × n values.
+        unsafe { x86::sgemm(isa, a, b, c.as_mut_ptr(), bias, accumulate) };
         return;
     }
     sgemm_ref(a, b, c, bias, accumulate);
@@ -204,9 +230,10 @@ pub(crate) fn sgemm(a: MatRef, b: MatRef, c: &mut [f32], bias: Option<&[f32]>, a
 /// 2m FLOPs against a gather). `Bᵀ` is row-major and the microkernel reads it in place, so
 /// only the small `Aᵀ` is packed, and the result is transposed into place (the LM head in
 /// generation: m = 16 rows against a 768 × 50257 B). Measured on the bench shapes: a loss for
-/// m = 512, a gain for m ≤ 128.
-fn swap_pays(a: &MatRef, b: &MatRef) -> bool {
-    b.rs == 1 && b.cs != 1 && a.rows <= 128 && b.cols > a.rows && b.cols >= NR
+/// m = 512, a gain for m ≤ 128. `nr` is the microkernel's width.
+#[cfg(target_arch = "x86_64")]
+fn swap_pays(a: &MatRef, b: &MatRef, nr: usize) -> bool {
+    b.rs == 1 && b.cs != 1 && a.rows <= 128 && b.cols > a.rows && b.cols >= nr
 }
 
 /// `c (m × n) = ctᵀ (+ bias) (+ c)` for `ct` row-major `n × m`, in 32 × 32 blocks, in parallel
@@ -239,7 +266,7 @@ pub(crate) fn sgemm_new(a: MatRef, b: MatRef, bias: Option<&[f32]>) -> Vec<f32> 
     #[cfg(target_arch = "x86_64")]
     let amx = on_amx(m, k, n);
     #[cfg(target_arch = "x86_64")]
-    if avx512_available() && m > 0 && n > 0 && k > 0 && (amx || !swap_pays(&a, &b)) {
+    if let Some(isa) = isa().filter(|&isa| m > 0 && n > 0 && k > 0 && (amx || !swap_pays(&a, &b, isa.nr()))) {
         let mut c: Vec<std::mem::MaybeUninit<f32>> = Vec::with_capacity(m * n);
         // SAFETY: MaybeUninit needs no initialization; the views were checked above (and
         // set_matmul_precision checked AMX for the bf16 path).
@@ -249,7 +276,7 @@ pub(crate) fn sgemm_new(a: MatRef, b: MatRef, bias: Option<&[f32]>) -> Vec<f32> 
             if amx {
                 super::amx::sgemm(a, b, c, bias, false);
             } else {
-                avx512::sgemm(a, b, c, bias, false);
+                x86::sgemm(isa, a, b, c, bias, false);
             }
         }
         // The first depth block stores every tile of C without reading it, so every value is
@@ -313,17 +340,18 @@ struct Split {
     col_panels: usize,
 }
 
-/// Picks task sizes: blocks that fit the caches, then halved until every thread has about
-/// four tasks (rayon balances the rest), but no smaller than one tile.
-fn split(m: usize, n: usize, k: usize, threads: usize) -> Split {
-    let (mt, nt) = (m.div_ceil(MR), n.div_ceil(NR));
-    let mut s = Split { row_tiles: mt.min(MC_MAX / MR), col_panels: nt.min(NC_MAX / NR) };
+/// Picks task sizes for an `mr × nr` microkernel: blocks that fit the caches (at most 16 row
+/// tiles by 32 column panels), then halved until every thread has about four tasks (rayon
+/// balances the rest), but no smaller than one tile.
+fn split(m: usize, n: usize, k: usize, threads: usize, (mr, nr): (usize, usize)) -> Split {
+    let (mt, nt) = (m.div_ceil(mr), n.div_ceil(nr));
+    let mut s = Split { row_tiles: mt.min(16), col_panels: nt.min(32) };
     // Below about 4 MFLOP per task the fork-join costs more than it saves.
     let min_flops = 4e6;
     let count = |s: Split| mt.div_ceil(s.row_tiles) * nt.div_ceil(s.col_panels);
-    let flops = |s: Split| 2.0 * (s.row_tiles * MR * s.col_panels * NR * k) as f64;
+    let flops = |s: Split| 2.0 * (s.row_tiles * mr * s.col_panels * nr * k) as f64;
     while threads > 1 && count(s) < 4 * threads {
-        let halve_cols = s.col_panels > 1 && (s.col_panels * NR >= s.row_tiles * MR || s.row_tiles == 1);
+        let halve_cols = s.col_panels > 1 && (s.col_panels * nr >= s.row_tiles * mr || s.row_tiles == 1);
         let next = if halve_cols {
             Split { col_panels: s.col_panels.div_ceil(2), ..s }
         } else if s.row_tiles > 1 {
@@ -370,20 +398,20 @@ pub(super) fn with_buffer<T: Copy + Default, R>(
     })
 }
 
-/// Packs rows `i0..i0 + mc` × columns `p0..p0 + kc` of `a` into `MR`-row panels: panel `t`,
-/// step `p`, row `r` at `t·kc·MR + p·MR + r`; rows past the end are zero.
-fn pack_a(a: &MatRef, i0: usize, mc: usize, p0: usize, kc: usize, out: &mut [f32]) {
-    for (t, panel) in out[..mc.div_ceil(MR) * kc * MR].chunks_exact_mut(kc * MR).enumerate() {
-        let r0 = i0 + t * MR;
-        let rows = MR.min(i0 + mc - r0);
-        if a.rs == 1 && rows == MR {
-            // Column-major (a transposed row-major matrix): each step is MR contiguous values.
-            for (p, dst) in panel.chunks_exact_mut(MR).enumerate() {
+/// Packs rows `i0..i0 + mc` × columns `p0..p0 + kc` of `a` into `mr`-row panels: panel `t`,
+/// step `p`, row `r` at `t·kc·mr + p·mr + r`; rows past the end are zero.
+fn pack_a(a: &MatRef, i0: usize, mc: usize, p0: usize, kc: usize, mr: usize, out: &mut [f32]) {
+    for (t, panel) in out[..mc.div_ceil(mr) * kc * mr].chunks_exact_mut(kc * mr).enumerate() {
+        let r0 = i0 + t * mr;
+        let rows = mr.min(i0 + mc - r0);
+        if a.rs == 1 && rows == mr {
+            // Column-major (a transposed row-major matrix): each step is mr contiguous values.
+            for (p, dst) in panel.chunks_exact_mut(mr).enumerate() {
                 let s = a.off + r0 + (p0 + p) * a.cs;
-                dst.copy_from_slice(&a.data[s..s + MR]);
+                dst.copy_from_slice(&a.data[s..s + mr]);
             }
         } else {
-            if rows < MR {
+            if rows < mr {
                 panel.fill(0.0);
             }
             for r in 0..rows {
@@ -391,11 +419,11 @@ fn pack_a(a: &MatRef, i0: usize, mc: usize, p0: usize, kc: usize, out: &mut [f32
                 if a.cs == 1 {
                     let src = &a.data[base..base + kc];
                     for (p, &v) in src.iter().enumerate() {
-                        panel[p * MR + r] = v;
+                        panel[p * mr + r] = v;
                     }
                 } else {
                     for p in 0..kc {
-                        panel[p * MR + r] = a.data[base + p * a.cs];
+                        panel[p * mr + r] = a.data[base + p * a.cs];
                     }
                 }
             }
@@ -405,14 +433,14 @@ fn pack_a(a: &MatRef, i0: usize, mc: usize, p0: usize, kc: usize, out: &mut [f32
 
 /// Packs rows `p0..p0 + kc` × the `NR` columns from `j0` of `b` into one panel: step `p`,
 /// column `c` at `p·NR + c`; columns past the end are zero.
-fn pack_b_panel(b: &MatRef, p0: usize, kc: usize, j0: usize, out: &mut [f32]) {
+fn pack_b_panel<const NR: usize>(b: &MatRef, p0: usize, kc: usize, j0: usize, out: &mut [f32]) {
     let cols = NR.min(b.cols - j0);
     if b.cs == 1 {
         for (p, dst) in out.chunks_exact_mut(NR).enumerate() {
             let s = b.off + (p0 + p) * b.rs + j0;
             match (<&mut [f32; NR]>::try_from(&mut *dst), <&[f32; NR]>::try_from(&b.data[s..s + cols])) {
                 // A fixed-size copy compiles to vector moves; `copy_from_slice` of a runtime
-                // length is a call to memmove per 128 bytes.
+                // length is a call to memmove per row.
                 (Ok(dst), Ok(src)) => *dst = *src,
                 _ => {
                     dst[..cols].copy_from_slice(&b.data[s..s + cols]);
@@ -420,16 +448,6 @@ fn pack_b_panel(b: &MatRef, p0: usize, kc: usize, j0: usize, out: &mut [f32]) {
                 }
             }
         }
-        return;
-    }
-    #[cfg(target_arch = "x86_64")]
-    if b.rs == 1
-        && cols == NR
-        && avx512_available()
-        && b.cs.checked_mul(15).is_some_and(|x| x <= i32::MAX as usize)
-    {
-        // SAFETY: AVX-512F is present; the panel's values lie inside the checked view.
-        unsafe { avx512::pack_columns(b, p0, kc, j0, out) };
         return;
     }
     if cols < NR {
@@ -453,33 +471,116 @@ fn pack_b_panel(b: &MatRef, p0: usize, kc: usize, j0: usize, out: &mut [f32]) {
 
 // The AVX-512 intrinsics are stable since Rust 1.89; the workspace still declares 1.85.
 #[cfg(target_arch = "x86_64")]
-mod avx512 {
+mod x86 {
     use super::*;
     use std::arch::x86_64::*;
 
-    /// The parallel driver: pack all of B once (in parallel, `KC`-deep blocks of `NR`-wide
-    /// panels), then each task packs its rows of A block by block and runs the microkernel.
+    /// One microkernel and how B is packed for it.
+    pub(super) trait Micro {
+        /// Rows of A per call.
+        const MR: usize;
+        /// Columns of B per call.
+        const NR: usize;
+
+        /// `C[..mr, ..nr] (+)= Σ_p a[p] ⊗ b[p]` for a `b` panel of `kc` steps of `NR` values,
+        /// step `p` at `b + p·ldb` (packed: `ldb = NR`; or row-major B in place), and either
+        /// a packed `a` panel (`kc × MR`, `DIRECT = false`) or, with `DIRECT`, `MR` rows of A
+        /// read in place (`a[i·lda + p]`; all `MR` rows must exist); `load_c` adds to C, else
+        /// a non-null `bias` (`nr` values) is added.
+        ///
+        /// # Safety
+        /// The CPU has the kernel's instruction set; the pointers cover what is described above
+        /// and `c` has `mr` rows of `ldc` values with `nr` writable from each.
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn kernel<const DIRECT: bool>(
+            kc: usize,
+            a: *const f32,
+            lda: usize,
+            b: *const f32,
+            ldb: usize,
+            c: *mut f32,
+            ldc: usize,
+            mr: usize,
+            nr: usize,
+            load_c: bool,
+            bias: *const f32,
+        );
+
+        /// [`pack_b_panel`] for this kernel's `NR`.
+        ///
+        /// # Safety
+        /// The CPU has the kernel's instruction set.
+        unsafe fn pack_b(b: &MatRef, p0: usize, kc: usize, j0: usize, out: &mut [f32]);
+    }
+
+    /// Runs the product on `isa`'s kernel.
     ///
     /// # Safety
-    /// The CPU must have AVX-512F; the views must be in bounds and `c` point to `m × n` writable
+    /// The CPU must have `isa`; the views must be in bounds and `c` point to `m × n` writable
     /// values (they may be uninitialized when `accumulate` is false).
-    pub(super) unsafe fn sgemm(a: MatRef, b: MatRef, c: *mut f32, bias: Option<&[f32]>, accumulate: bool) {
+    pub(super) unsafe fn sgemm(
+        isa: Isa,
+        a: MatRef,
+        b: MatRef,
+        c: *mut f32,
+        bias: Option<&[f32]>,
+        accumulate: bool,
+    ) {
+        match isa {
+            Isa::Avx512 => drive::<Avx512>(a, b, c, bias, accumulate),
+            Isa::Avx2 => drive::<Avx2>(a, b, c, bias, accumulate),
+        }
+    }
+
+    /// Whether the microkernel reads the full panels of row-major B in place (`ldb = rs`)
+    /// instead of packing B: when A has so few rows that packing B costs about as much as the
+    /// product (a weight times the batch's rows in generation). Measured (AVX2, 2 threads):
+    /// 16 × 768 × 2304 went from 25–28 to 42–55 GFLOP/s and 16 × 3072 × 768 from 16–18 to
+    /// 32–47; at 64 and 128 rows reading in place was no better (L1 set conflicts between the
+    /// rows of B, which packing avoids).
+    fn reads_b_in_place(b: &MatRef, m: usize) -> bool {
+        b.cs == 1 && m <= 32
+    }
+
+    /// The parallel driver: pack all of B once (in parallel, `KC`-deep blocks of `NR`-wide
+    /// panels; unless [`reads_b_in_place`]), then each task packs its rows of A block by block
+    /// and runs the microkernel.
+    ///
+    /// # Safety
+    /// As [`sgemm`], for `K`'s instruction set.
+    unsafe fn drive<K: Micro>(a: MatRef, b: MatRef, c: *mut f32, bias: Option<&[f32]>, accumulate: bool) {
+        let (mr_, nr_) = (K::MR, K::NR);
         let (m, k, n) = (a.rows, a.cols, b.cols);
-        let panels = n.div_ceil(NR);
+        let panels = n.div_ceil(nr_);
         let blocks = k.div_ceil(KC);
         // Block `q` (depth `kc_q`) of panel `j` starts at `q·KC·panels·NR + j·kc_q·NR`.
-        let b_len = k * panels * NR;
-        let s = split(m, n, k, rayon::current_num_threads());
-        with_buffer(&PACKED_B, b_len, |pb| {
-            let chunks: Vec<(usize, usize)> =
-                (0..blocks).flat_map(|q| (0..panels).map(move |j| (q, j))).collect();
+        let b_len = k * panels * nr_;
+        let s = split(m, n, k, rayon::current_num_threads(), (mr_, nr_));
+        let direct_b = reads_b_in_place(&b, m);
+        // Whether panel `j` is read in place (only full panels are).
+        let in_place = |j: usize| direct_b && (j + 1) * nr_ <= n;
+        with_buffer(&PACKED_B, if direct_b { k * nr_ } else { b_len }, |pb| {
+            // With `direct_b` only the last, partial panel is packed, at the start of `pb`.
+            let slot = |q: usize, j: usize, kc: usize| {
+                if direct_b {
+                    q * KC * nr_
+                } else {
+                    q * KC * panels * nr_ + j * kc * nr_
+                }
+            };
+            let chunks: Vec<(usize, usize)> = (0..blocks)
+                .flat_map(|q| (0..panels).filter(|&j| !in_place(j)).map(move |j| (q, j)))
+                .collect();
             let pb_ptr = SendPtr(pb.as_mut_ptr());
             let pack = |&(q, j): &(usize, usize)| {
                 let kc = KC.min(k - q * KC);
-                let start = q * KC * panels * NR + j * kc * NR;
-                // SAFETY: chunks are disjoint and inside `pb` (b_len covers every block).
-                let out = unsafe { std::slice::from_raw_parts_mut(pb_ptr.get().add(start), kc * NR) };
-                pack_b_panel(&b, q * KC, kc, j * NR, out);
+                let start = slot(q, j, kc);
+                // SAFETY: chunks are disjoint and inside `pb` (b_len covers every block); the
+                // CPU has K's instruction set (the caller's promise).
+                unsafe {
+                    let out = std::slice::from_raw_parts_mut(pb_ptr.get().add(start), kc * nr_);
+                    K::pack_b(&b, q * KC, kc, j * nr_, out);
+                }
             };
             if (b_len as f64) * (m as f64) > 2e6 && chunks.len() > 1 {
                 chunks.par_iter().for_each(pack);
@@ -487,25 +588,25 @@ mod avx512 {
                 chunks.iter().for_each(pack);
             }
             let pb: &[f32] = pb;
-            let tasks: Vec<(usize, usize)> = (0..m.div_ceil(s.row_tiles * MR))
+            let tasks: Vec<(usize, usize)> = (0..m.div_ceil(s.row_tiles * mr_))
                 .flat_map(|ti| (0..panels.div_ceil(s.col_panels)).map(move |tj| (ti, tj)))
                 .collect();
             let c_ptr = SendPtr(c);
             let run = |&(ti, tj): &(usize, usize)| {
-                let i0 = ti * s.row_tiles * MR;
-                let mc = (s.row_tiles * MR).min(m - i0);
+                let i0 = ti * s.row_tiles * mr_;
+                let mc = (s.row_tiles * mr_).min(m - i0);
                 let j0 = tj * s.col_panels;
                 let j1 = (j0 + s.col_panels).min(panels);
                 // Rows stored contiguously are read in place by the microkernel; only a
                 // partial last tile (and other layouts) go through the packing buffer.
                 let direct = a.cs == 1;
-                with_buffer(&PACKED_A, mc.div_ceil(MR) * MR * KC, |pa| {
+                with_buffer(&PACKED_A, mc.div_ceil(mr_) * mr_ * KC, |pa| {
                     for q in 0..blocks {
                         let kc = KC.min(k - q * KC);
-                        let tiles = mc.div_ceil(MR);
-                        let full = if direct { mc / MR } else { 0 };
+                        let tiles = mc.div_ceil(mr_);
+                        let full = if direct { mc / mr_ } else { 0 };
                         if full < tiles {
-                            pack_a(&a, i0 + full * MR, mc - full * MR, q * KC, kc, pa);
+                            pack_a(&a, i0 + full * mr_, mc - full * mr_, q * KC, kc, mr_, pa);
                         }
                         let load_c = accumulate || q > 0;
                         let bias_ptr = match bias {
@@ -513,22 +614,29 @@ mod avx512 {
                             _ => std::ptr::null(),
                         };
                         for j in j0..j1 {
-                            let bp = pb.as_ptr().add(q * KC * panels * NR + j * kc * NR);
-                            let col = j * NR;
-                            let nr = NR.min(n - col);
-                            let bias = if bias_ptr.is_null() { bias_ptr } else { bias_ptr.add(col) };
-                            for t in 0..tiles {
-                                let row = i0 + t * MR;
-                                let mr = MR.min(m - row);
-                                let cp = c_ptr.get().add(row * n + col);
-                                // SAFETY: tile (row.., col..) lies inside c and belongs to this
-                                // task; a full direct tile reads rows row..row + MR of `a`.
-                                if t < full {
-                                    let ap = a.data.as_ptr().add(a.off + row * a.rs + q * KC);
-                                    kernel::<true>(kc, ap, a.rs, bp, cp, n, mr, nr, load_c, bias);
+                            let col = j * nr_;
+                            let nr = nr_.min(n - col);
+                            // SAFETY (this block): tile (row.., col..) lies inside c and belongs
+                            // to this task; a full direct tile reads rows row..row + MR of `a`;
+                            // the packed panels lie inside `pa` and `pb`.
+                            unsafe {
+                                let (bp, ldb) = if in_place(j) {
+                                    (b.data.as_ptr().add(b.off + q * KC * b.rs + col), b.rs)
                                 } else {
-                                    let ap = pa.as_ptr().add((t - full) * kc * MR);
-                                    kernel::<false>(kc, ap, 0, bp, cp, n, mr, nr, load_c, bias);
+                                    (pb.as_ptr().add(slot(q, j, kc)), nr_)
+                                };
+                                let bias = if bias_ptr.is_null() { bias_ptr } else { bias_ptr.add(col) };
+                                for t in 0..tiles {
+                                    let row = i0 + t * mr_;
+                                    let mr = mr_.min(m - row);
+                                    let cp = c_ptr.get().add(row * n + col);
+                                    if t < full {
+                                        let ap = a.data.as_ptr().add(a.off + row * a.rs + q * KC);
+                                        K::kernel::<true>(kc, ap, a.rs, bp, ldb, cp, n, mr, nr, load_c, bias);
+                                    } else {
+                                        let ap = pa.as_ptr().add((t - full) * kc * mr_);
+                                        K::kernel::<false>(kc, ap, 0, bp, ldb, cp, n, mr, nr, load_c, bias);
+                                    }
                                 }
                             }
                         }
@@ -543,88 +651,261 @@ mod avx512 {
         });
     }
 
-    /// [`pack_b_panel`] for a full panel of column-major B (`rs == 1`): each step `p` gathers
-    /// 16 columns at once (they are `cs` apart).
-    ///
-    /// # Safety
-    /// AVX-512F; `b` in bounds with `rs == 1`, columns `j0..j0 + NR` and rows `p0..p0 + kc`
-    /// inside it, `15·cs` within i32, `out` of `kc × NR` values.
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn pack_columns(b: &MatRef, p0: usize, kc: usize, j0: usize, out: &mut [f32]) {
-        assert!(out.len() >= kc * NR);
-        let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        let idx = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(b.cs as i32));
-        for v in 0..NV {
-            let base = b.data.as_ptr().add(b.off + p0 + (j0 + 16 * v) * b.cs);
-            let dst = out.as_mut_ptr().add(16 * v);
-            for p in 0..kc {
-                let x = _mm512_i32gather_ps::<4>(idx, base.add(p));
-                _mm512_storeu_ps(dst.add(p * NR), x);
+    /// The AVX-512F kernel: 14 rows × 2 vectors of 16 lanes.
+    pub(super) struct Avx512;
+
+    impl Avx512 {
+        /// 16-lane vectors per row.
+        const NV: usize = 2;
+
+        /// [`pack_b_panel`] for a full panel of column-major B (`rs == 1`): each step `p`
+        /// gathers 16 columns at once (they are `cs` apart).
+        ///
+        /// # Safety
+        /// AVX-512F; `b` in bounds with `rs == 1`, columns `j0..j0 + NR` and rows
+        /// `p0..p0 + kc` inside it, `15·cs` within i32, `out` of `kc × NR` values.
+        #[target_feature(enable = "avx512f")]
+        unsafe fn pack_columns(b: &MatRef, p0: usize, kc: usize, j0: usize, out: &mut [f32]) {
+            assert!(out.len() >= kc * Self::NR);
+            let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+            let idx = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(b.cs as i32));
+            for v in 0..Self::NV {
+                let base = b.data.as_ptr().add(b.off + p0 + (j0 + 16 * v) * b.cs);
+                let dst = out.as_mut_ptr().add(16 * v);
+                for p in 0..kc {
+                    let x = _mm512_i32gather_ps::<4>(idx, base.add(p));
+                    _mm512_storeu_ps(dst.add(p * Self::NR), x);
+                }
             }
         }
     }
 
-    /// `C[..mr, ..nr] (+)= Σ_p a[p] ⊗ b[p]` for a packed `b` panel (`kc × NR`) and either a
-    /// packed `a` panel (`kc × MR`, `DIRECT = false`) or, with `DIRECT`, `MR` rows of A read in
-    /// place (`a[i·lda + p]`; all `MR` rows must exist); `load_c` adds to C, else a non-null
-    /// `bias` (`nr` values) is added.
-    #[target_feature(enable = "avx512f")]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn kernel<const DIRECT: bool>(
-        kc: usize,
-        a: *const f32,
-        lda: usize,
-        b: *const f32,
-        c: *mut f32,
-        ldc: usize,
-        mr: usize,
-        nr: usize,
-        load_c: bool,
-        bias: *const f32,
-    ) {
-        let mut acc = [[_mm512_setzero_ps(); NV]; MR];
-        let (mut a, mut b) = (a, b);
-        for _ in 0..kc {
-            let mut bv = [_mm512_setzero_ps(); NV];
-            for (v, x) in bv.iter_mut().enumerate() {
-                *x = _mm512_loadu_ps(b.add(16 * v));
-            }
-            for (i, row) in acc.iter_mut().enumerate() {
-                let ai = _mm512_set1_ps(if DIRECT { *a.add(i * lda) } else { *a.add(i) });
-                for (x, bx) in row.iter_mut().zip(&bv) {
-                    *x = _mm512_fmadd_ps(ai, *bx, *x);
-                }
-            }
-            a = a.add(if DIRECT { 1 } else { MR });
-            b = b.add(NR);
-        }
-        let masks: [__mmask16; NV] = std::array::from_fn(|v| {
-            let rem = nr.saturating_sub(16 * v).min(16);
-            if rem == 16 {
-                0xffff
+    impl Micro for Avx512 {
+        const MR: usize = 14;
+        const NR: usize = 16 * Self::NV;
+
+        unsafe fn pack_b(b: &MatRef, p0: usize, kc: usize, j0: usize, out: &mut [f32]) {
+            if b.rs == 1
+                && b.cs != 1
+                && b.cols - j0 >= Self::NR
+                && b.cs.checked_mul(15).is_some_and(|x| x <= i32::MAX as usize)
+            {
+                // SAFETY: AVX-512F (the caller's promise); the panel lies inside the view.
+                unsafe { Self::pack_columns(b, p0, kc, j0, out) };
             } else {
-                ((1u32 << rem) - 1) as __mmask16
+                pack_b_panel::<{ Self::NR }>(b, p0, kc, j0, out);
             }
-        });
-        // Constant trip counts keep `acc` in registers; rows past `mr` are skipped.
-        for (i, row) in acc.iter().enumerate() {
-            if i >= mr {
-                break;
-            }
-            for (v, &x) in row.iter().enumerate() {
-                let mask = masks[v];
-                if mask == 0 {
-                    continue;
+        }
+
+        #[target_feature(enable = "avx512f")]
+        unsafe fn kernel<const DIRECT: bool>(
+            kc: usize,
+            a: *const f32,
+            lda: usize,
+            b: *const f32,
+            ldb: usize,
+            c: *mut f32,
+            ldc: usize,
+            mr: usize,
+            nr: usize,
+            load_c: bool,
+            bias: *const f32,
+        ) {
+            const MR: usize = Avx512::MR;
+            const NV: usize = Avx512::NV;
+            let mut acc = [[_mm512_setzero_ps(); NV]; MR];
+            let (mut a, mut b) = (a, b);
+            for _ in 0..kc {
+                let mut bv = [_mm512_setzero_ps(); NV];
+                for (v, x) in bv.iter_mut().enumerate() {
+                    *x = _mm512_loadu_ps(b.add(16 * v));
                 }
-                let p = c.add(i * ldc + 16 * v);
-                let r = if load_c {
-                    _mm512_add_ps(x, _mm512_maskz_loadu_ps(mask, p))
-                } else if !bias.is_null() {
-                    _mm512_add_ps(x, _mm512_maskz_loadu_ps(mask, bias.add(16 * v)))
+                for (i, row) in acc.iter_mut().enumerate() {
+                    let ai = _mm512_set1_ps(if DIRECT { *a.add(i * lda) } else { *a.add(i) });
+                    for (x, bx) in row.iter_mut().zip(&bv) {
+                        *x = _mm512_fmadd_ps(ai, *bx, *x);
+                    }
+                }
+                a = a.add(if DIRECT { 1 } else { MR });
+                b = b.add(ldb);
+            }
+            let masks: [__mmask16; NV] = std::array::from_fn(|v| {
+                let rem = nr.saturating_sub(16 * v).min(16);
+                if rem == 16 {
+                    0xffff
                 } else {
-                    x
-                };
-                _mm512_mask_storeu_ps(p, mask, r);
+                    ((1u32 << rem) - 1) as __mmask16
+                }
+            });
+            // Constant trip counts keep `acc` in registers; rows past `mr` are skipped.
+            for (i, row) in acc.iter().enumerate() {
+                if i >= mr {
+                    break;
+                }
+                for (v, &x) in row.iter().enumerate() {
+                    let mask = masks[v];
+                    if mask == 0 {
+                        continue;
+                    }
+                    let p = c.add(i * ldc + 16 * v);
+                    let r = if load_c {
+                        _mm512_add_ps(x, _mm512_maskz_loadu_ps(mask, p))
+                    } else if !bias.is_null() {
+                        _mm512_add_ps(x, _mm512_maskz_loadu_ps(mask, bias.add(16 * v)))
+                    } else {
+                        x
+                    };
+                    _mm512_mask_storeu_ps(p, mask, r);
+                }
+            }
+        }
+    }
+
+    /// The AVX2 + FMA kernel: 6 rows × 2 vectors of 8 lanes.
+    pub(super) struct Avx2;
+
+    impl Avx2 {
+        /// [`pack_b_panel`] for a full panel of column-major B (`rs == 1`): 8 × 8 blocks are
+        /// loaded along the columns (8 steps of one column per load) and transposed in
+        /// registers, instead of one scalar store per value.
+        ///
+        /// # Safety
+        /// AVX2; `b` in bounds with `rs == 1`, columns `j0..j0 + NR` and rows `p0..p0 + kc`
+        /// inside it, `out` of `kc × NR` values.
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn pack_columns(b: &MatRef, p0: usize, kc: usize, j0: usize, out: &mut [f32]) {
+            const NR: usize = Avx2::NR;
+            assert!(out.len() >= kc * NR);
+            let src = b.data.as_ptr().add(b.off + p0 + j0 * b.cs);
+            let dst = out.as_mut_ptr();
+            let whole = kc / 8 * 8;
+            for p in (0..whole).step_by(8) {
+                for g in 0..NR / 8 {
+                    let col = |c: usize| _mm256_loadu_ps(src.add((8 * g + c) * b.cs + p));
+                    let rows = transpose8([col(0), col(1), col(2), col(3), col(4), col(5), col(6), col(7)]);
+                    for (r, v) in rows.into_iter().enumerate() {
+                        _mm256_storeu_ps(dst.add((p + r) * NR + 8 * g), v);
+                    }
+                }
+            }
+            for p in whole..kc {
+                for c in 0..NR {
+                    *dst.add(p * NR + c) = *src.add(c * b.cs + p);
+                }
+            }
+        }
+    }
+
+    /// The transpose of an 8 × 8 block held as 8 row vectors.
+    #[target_feature(enable = "avx2")]
+    unsafe fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
+        let t0 = _mm256_unpacklo_ps(r[0], r[1]);
+        let t1 = _mm256_unpackhi_ps(r[0], r[1]);
+        let t2 = _mm256_unpacklo_ps(r[2], r[3]);
+        let t3 = _mm256_unpackhi_ps(r[2], r[3]);
+        let t4 = _mm256_unpacklo_ps(r[4], r[5]);
+        let t5 = _mm256_unpackhi_ps(r[4], r[5]);
+        let t6 = _mm256_unpacklo_ps(r[6], r[7]);
+        let t7 = _mm256_unpackhi_ps(r[6], r[7]);
+        let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+        let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+        let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+        let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+        let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+        let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+        let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+        let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+        [
+            _mm256_permute2f128_ps::<0x20>(u0, u4),
+            _mm256_permute2f128_ps::<0x20>(u1, u5),
+            _mm256_permute2f128_ps::<0x20>(u2, u6),
+            _mm256_permute2f128_ps::<0x20>(u3, u7),
+            _mm256_permute2f128_ps::<0x31>(u0, u4),
+            _mm256_permute2f128_ps::<0x31>(u1, u5),
+            _mm256_permute2f128_ps::<0x31>(u2, u6),
+            _mm256_permute2f128_ps::<0x31>(u3, u7),
+        ]
+    }
+
+    impl Micro for Avx2 {
+        const MR: usize = 6;
+        const NR: usize = 16;
+
+        unsafe fn pack_b(b: &MatRef, p0: usize, kc: usize, j0: usize, out: &mut [f32]) {
+            if b.rs == 1 && b.cs != 1 && b.cols - j0 >= Self::NR {
+                // SAFETY: AVX2 (the caller's promise); the panel lies inside the view.
+                unsafe { Self::pack_columns(b, p0, kc, j0, out) };
+            } else {
+                pack_b_panel::<{ Self::NR }>(b, p0, kc, j0, out);
+            }
+        }
+
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn kernel<const DIRECT: bool>(
+            kc: usize,
+            a: *const f32,
+            lda: usize,
+            b: *const f32,
+            ldb: usize,
+            c: *mut f32,
+            ldc: usize,
+            mr: usize,
+            nr: usize,
+            load_c: bool,
+            bias: *const f32,
+        ) {
+            const MR: usize = Avx2::MR;
+            let mut acc = [[_mm256_setzero_ps(); 2]; MR];
+            let (mut a, mut b) = (a, b);
+            for _ in 0..kc {
+                let b0 = _mm256_loadu_ps(b);
+                let b1 = _mm256_loadu_ps(b.add(8));
+                for (i, row) in acc.iter_mut().enumerate() {
+                    let ai = _mm256_broadcast_ss(&*a.add(if DIRECT { i * lda } else { i }));
+                    row[0] = _mm256_fmadd_ps(ai, b0, row[0]);
+                    row[1] = _mm256_fmadd_ps(ai, b1, row[1]);
+                }
+                a = a.add(if DIRECT { 1 } else { MR });
+                b = b.add(ldb);
+            }
+            // Lane masks of the (possibly partial) last columns: all ones where `lane < rem`.
+            let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            let masks: [__m256i; 2] = std::array::from_fn(|v| {
+                let rem = nr.saturating_sub(8 * v).min(8) as i32;
+                _mm256_cmpgt_epi32(_mm256_set1_epi32(rem), lanes)
+            });
+            let full = nr == Self::NR;
+            // Constant trip counts keep `acc` in registers; rows past `mr` are skipped.
+            for (i, row) in acc.iter().enumerate() {
+                if i >= mr {
+                    break;
+                }
+                for (v, &x) in row.iter().enumerate() {
+                    if 8 * v >= nr {
+                        continue;
+                    }
+                    let p = c.add(i * ldc + 8 * v);
+                    if full {
+                        let r = if load_c {
+                            _mm256_add_ps(x, _mm256_loadu_ps(p))
+                        } else if !bias.is_null() {
+                            _mm256_add_ps(x, _mm256_loadu_ps(bias.add(8 * v)))
+                        } else {
+                            x
+                        };
+                        _mm256_storeu_ps(p, r);
+                    } else {
+                        let mask = masks[v];
+                        let r = if load_c {
+                            _mm256_add_ps(x, _mm256_maskload_ps(p, mask))
+                        } else if !bias.is_null() {
+                            _mm256_add_ps(x, _mm256_maskload_ps(bias.add(8 * v), mask))
+                        } else {
+                            x
+                        };
+                        _mm256_maskstore_ps(p, mask, r);
+                    }
+                }
             }
         }
     }
@@ -640,12 +921,45 @@ mod tests {
         (0..len).map(|_| rng.gen_range(-1.0..1.0)).collect()
     }
 
-    /// Max |x − y| / (1 + |y|) between our product and the f64 triple loop.
+    /// The vector kernels this CPU can run (each is tested, not only the one `sgemm` picks).
+    fn kernels() -> Vec<Isa> {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let mut v = vec![];
+            if is_x86_feature_detected!("avx512f") {
+                v.push(Isa::Avx512);
+            }
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                v.push(Isa::Avx2);
+            }
+            v
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        vec![]
+    }
+
+    /// Max |x − y| / (1 + |y|) between our product and the f64 triple loop, over `sgemm` and
+    /// every kernel of [`kernels`] run directly.
     fn check(a: MatRef, b: MatRef, bias: Option<&[f32]>, accumulate: bool) -> f32 {
         let (m, n) = (a.rows, b.cols);
         let init = data(m * n, 9);
-        let mut ours = if accumulate { init.clone() } else { vec![f32::NAN; m * n] };
-        sgemm(a, b, &mut ours, bias, accumulate);
+        let fresh = || if accumulate { init.clone() } else { vec![f32::NAN; m * n] };
+        let mut results = vec![{
+            let mut c = fresh();
+            sgemm(a, b, &mut c, bias, accumulate);
+            c
+        }];
+        #[cfg(target_arch = "x86_64")]
+        for isa in kernels() {
+            let mut c = fresh();
+            if m > 0 && n > 0 && a.cols > 0 {
+                // SAFETY: the CPU has `isa`; the views are in bounds and c has m × n values.
+                unsafe { x86::sgemm(isa, a, b, c.as_mut_ptr(), bias, accumulate) };
+            } else {
+                sgemm(a, b, &mut c, bias, accumulate);
+            }
+            results.push(c);
+        }
         let mut worst = 0f32;
         for i in 0..m {
             for j in 0..n {
@@ -658,8 +972,10 @@ mod tests {
                 } else if let Some(bias) = bias {
                     s += bias[j] as f64;
                 }
-                let d = (ours[i * n + j] as f64 - s).abs() / (1.0 + s.abs());
-                worst = worst.max(d as f32);
+                for ours in &results {
+                    let d = (ours[i * n + j] as f64 - s).abs() / (1.0 + s.abs());
+                    worst = worst.max(if d.is_nan() { f32::INFINITY } else { d as f32 });
+                }
             }
         }
         worst
@@ -667,9 +983,16 @@ mod tests {
 
     #[test]
     fn odd_shapes_match_the_triple_loop() {
-        for &(m, k, n) in
-            &[(1, 1, 1), (17, 33, 65), (14, 256, 32), (15, 257, 33), (3, 600, 2), (100, 7, 1000)]
-        {
+        for &(m, k, n) in &[
+            (1, 1, 1),
+            (17, 33, 65),
+            (14, 256, 32),
+            (15, 257, 33),
+            (3, 600, 2),
+            (100, 7, 1000),
+            (6, 16, 16),
+            (7, 513, 17),
+        ] {
             let a = data(m * k, 1);
             let b = data(k * n, 2);
             let bias = data(n, 3);
@@ -735,9 +1058,11 @@ mod tests {
         for &(m, n, k, t) in
             &[(512, 768, 256, 2), (64, 8192, 256, 2), (1, 1, 1, 2), (8192, 256, 512, 2), (5, 5, 5, 1)]
         {
-            let s = split(m, n, k, t);
-            assert!(s.row_tiles >= 1 && s.col_panels >= 1);
-            assert!(s.row_tiles * MR <= MC_MAX.max(MR) && s.col_panels * NR <= NC_MAX);
+            for (mr, nr) in [(14, 32), (6, 16)] {
+                let s = split(m, n, k, t, (mr, nr));
+                assert!(s.row_tiles >= 1 && s.col_panels >= 1);
+                assert!(s.row_tiles <= 16 && s.col_panels <= 32);
+            }
         }
     }
 }
