@@ -48,7 +48,7 @@ pub(crate) mod gemm;
 mod linear;
 mod lm_head;
 mod norm;
-mod simd;
+pub(crate) mod simd;
 mod softmax;
 
 pub use activation::{gelu_tanh, gelu_tanh_composed};

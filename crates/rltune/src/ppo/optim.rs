@@ -11,6 +11,7 @@ use candle_core::{CpuStorage, DType, InplaceOp2, Layout, Tensor, Var};
 use rayon::prelude::*;
 
 use crate::error::Result;
+use crate::ops::simd::simd_kernel;
 
 /// Adam hyper-parameters.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -126,14 +127,23 @@ impl AdamConsts {
             .zip(m.par_chunks_mut(4096))
             .zip(v.par_chunks_mut(4096))
             .zip(g.par_chunks(4096))
-            .for_each(|(((p, m), v), g)| {
-                for j in 0..p.len() {
-                    m[j] += (g[j] - m[j]) * (1.0 - b1);
-                    v[j] = v[j] * b2 + (1.0 - b2) * g[j] * g[j];
-                    let denom = v[j].sqrt() / bc2s + eps;
-                    p[j] -= step_size * m[j] / denom;
-                }
-            });
+            .for_each(|(((p, m), v), g)| adam_rows(p, g, m, v, [step_size, b1, b2, eps, bc2s]));
+    }
+}
+
+simd_kernel! {
+    /// One chunk of the update, `k = [step_size, β₁, β₂, ε, √(1−β₂ᵗ)]`; compiled for AVX2 and
+    /// AVX-512 too (the update is memory-bound, but the square root and division are not
+    /// free: 124M of each per step on GPT-2).
+    fn adam_rows<T: num_traits::Float>(p: &mut [T], g: &[T], m: &mut [T], v: &mut [T], k: [T; 5]) {
+        let [step_size, b1, b2, eps, bc2s] = k;
+        let one = T::one();
+        for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+            *m = *m + (g - *m) * (one - b1);
+            *v = *v * b2 + (one - b2) * g * g;
+            let denom = v.sqrt() / bc2s + eps;
+            *p = *p - step_size * *m / denom;
+        }
     }
 }
 
