@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# rltune and TRL on the same PPO workload, interleaved (rltune then TRL, per preset and round),
+# each run's JSON line tagged with the share of the VM's CPU time it spent in user mode, idle
+# and stolen by the host (from /proc/stat; a run with much stolen is not comparable).
+#
+#   bench/side_by_side.sh [ROUNDS] [PRESET...]      # defaults: 1 round, small gpt2
+#
+# Needs the release CLI (cargo build --release -p rltune-cli) and the TRL venv at .venv
+# (bench/README.md). Extra rltune flags go in RLTUNE_FLAGS, extra TRL flags in TRL_FLAGS.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rounds=${1:-1}
+shift || true
+presets=("${@:-small}")
+[ $# -eq 0 ] && presets=(small gpt2)
+echo "# $(nproc) CPUs, $(lscpu | grep 'Model name' | sed 's/Model name: *//'), $(date -u +%Y-%m-%dT%H:%MZ), rltune $(git rev-parse --short HEAD)"
+
+# Prints "user U% idle I% steal S%" for the interval between two /proc/stat cpu lines.
+shares() {
+  python3 - "$1" "$2" <<'PY'
+import sys
+a, b = ([int(x) for x in s.split()[1:]] for s in sys.argv[1:3])
+d = [y - x for x, y in zip(a, b)]
+tot = sum(d) or 1
+print(f"user {100*d[0]/tot:.0f}% idle {100*d[3]/tot:.0f}% steal {100*d[7]/tot:.0f}%")
+PY
+}
+
+run() {
+  local before after out
+  before=$(head -1 /proc/stat)
+  out=$("$@" 2>/dev/null | tail -1)
+  after=$(head -1 /proc/stat)
+  echo "$out [$(shares "$before" "$after")]"
+}
+
+for preset in "${presets[@]}"; do
+  for r in $(seq "$rounds"); do
+    # shellcheck disable=SC2086
+    run target/release/rltune bench ppo --preset "$preset" --iters 3 --json ${RLTUNE_FLAGS:-}
+    # shellcheck disable=SC2086
+    HF_HUB_OFFLINE=1 run .venv/bin/python bench/trl_ppo.py --preset "$preset" --iters 3 --json ${TRL_FLAGS:-}
+  done
+done
