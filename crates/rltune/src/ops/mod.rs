@@ -21,10 +21,12 @@
 //! | [`layer_norm`], [`rms_norm`] | mean, sub, sqr, mean, add, sqrt, div, mul, add |
 //! | [`linear`], [`linear_in_out`], [`matmul`] | candle's matmul (AVX2 only), broadcast add of the bias, `contiguous()` copies of transposed operands in the backward |
 //!
-//! f32 kernels use a vectorizable `exp` (within 2 ulp of libm's) and are compiled twice, for
-//! baseline x86-64 and for AVX2, picking the second at run time where the CPU has it.
+//! f32 kernels use a vectorizable `exp` (within 2 ulp of libm's) and are compiled three times,
+//! for baseline x86-64, AVX2 + FMA and AVX-512, the widest the CPU has running.
 //!
-//! Matrix products run on an AVX-512 SGEMM (`ops::gemm`) where the CPU has it, else on candle's.
+//! Matrix products run on rltune's SGEMM (`ops::gemm`: a 14 × 32 AVX-512 or a 6 × 16 AVX2 + FMA
+//! microkernel, whichever the CPU has; AMX tiles under [`MatmulPrecision::Bf16`]), else (f64,
+//! CPUs with neither) on candle's.
 //!
 //! Every op has a test against its composed twin (values and gradients) and a finite-difference
 //! gradient check in f64.
