@@ -553,21 +553,23 @@ mod x86 {
         let (m, k, n) = (a.rows, a.cols, b.cols);
         let panels = n.div_ceil(nr_);
         let blocks = k.div_ceil(KC);
-        // Block `q` (depth `kc_q`) of panel `j` starts at `q·KC·panels·NR + j·kc_q·NR`.
-        let b_len = k * panels * nr_;
         let s = split(m, n, k, rayon::current_num_threads(), (mr_, nr_));
         let direct_b = reads_b_in_place(&b, m);
         // Whether panel `j` is read in place (only full panels are).
         let in_place = |j: usize| direct_b && (j + 1) * nr_ <= n;
-        with_buffer(&PACKED_B, if direct_b { k * nr_ } else { b_len }, |pb| {
-            // With `direct_b` only the last, partial panel is packed, at the start of `pb`.
-            let slot = |q: usize, j: usize, kc: usize| {
-                if direct_b {
-                    q * KC * nr_
-                } else {
-                    q * KC * panels * nr_ + j * kc * nr_
-                }
-            };
+        // Packed panels per depth block: all of them, or with `direct_b` only the last, partial one.
+        let packed_panels = if direct_b { 1 } else { panels };
+        let packed_len = k * packed_panels * nr_;
+        // Where block `q` (depth `kc`) of packed panel `j` starts: `q·KC·panels·NR + j·kc·NR`,
+        // or `q·KC·NR` for the one panel packed with `direct_b`.
+        let slot = |q: usize, j: usize, kc: usize| {
+            if direct_b {
+                q * KC * nr_
+            } else {
+                q * KC * panels * nr_ + j * kc * nr_
+            }
+        };
+        with_buffer(&PACKED_B, packed_len, |pb| {
             let chunks: Vec<(usize, usize)> = (0..blocks)
                 .flat_map(|q| (0..panels).filter(|&j| !in_place(j)).map(move |j| (q, j)))
                 .collect();
@@ -575,14 +577,14 @@ mod x86 {
             let pack = |&(q, j): &(usize, usize)| {
                 let kc = KC.min(k - q * KC);
                 let start = slot(q, j, kc);
-                // SAFETY: chunks are disjoint and inside `pb` (b_len covers every block); the
-                // CPU has K's instruction set (the caller's promise).
+                // SAFETY: chunks are disjoint and inside `pb` (packed_len covers every packed
+                // block); the CPU has K's instruction set (the caller's promise).
                 unsafe {
                     let out = std::slice::from_raw_parts_mut(pb_ptr.get().add(start), kc * nr_);
                     K::pack_b(&b, q * KC, kc, j * nr_, out);
                 }
             };
-            if (b_len as f64) * (m as f64) > 2e6 && chunks.len() > 1 {
+            if (packed_len as f64) * (m as f64) > 2e6 && chunks.len() > 1 {
                 chunks.par_iter().for_each(pack);
             } else {
                 chunks.iter().for_each(pack);
@@ -599,12 +601,11 @@ mod x86 {
                 let j1 = (j0 + s.col_panels).min(panels);
                 // Rows stored contiguously are read in place by the microkernel; only a
                 // partial last tile (and other layouts) go through the packing buffer.
-                let direct = a.cs == 1;
-                with_buffer(&PACKED_A, mc.div_ceil(mr_) * mr_ * KC, |pa| {
+                let tiles = mc.div_ceil(mr_);
+                let full = if a.cs == 1 { mc / mr_ } else { 0 };
+                with_buffer(&PACKED_A, tiles * mr_ * KC, |pa| {
                     for q in 0..blocks {
                         let kc = KC.min(k - q * KC);
-                        let tiles = mc.div_ceil(mr_);
-                        let full = if direct { mc / mr_ } else { 0 };
                         if full < tiles {
                             pack_a(&a, i0 + full * mr_, mc - full * mr_, q * KC, kc, mr_, pa);
                         }
