@@ -11,8 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-1}
 shift || true
-presets=("${@:-small}")
-[ $# -eq 0 ] && presets=(small gpt2)
+if [ $# -gt 0 ]; then presets=("$@"); else presets=(small gpt2); fi
 echo "# $(nproc) CPUs, $(lscpu | grep 'Model name' | sed 's/Model name: *//'), $(date -u +%Y-%m-%dT%H:%MZ), rltune $(git rev-parse --short HEAD)"
 
 # Prints "user U% idle I% steal S%" for the interval between two /proc/stat cpu lines.
