@@ -75,10 +75,7 @@ impl Embedding {
 
     /// `(B, T)` ids -> `(B, T, C)`
     pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
-        let mut dims = ids.dims().to_vec();
-        dims.push(self.weight.dim(1)?);
-        let flat = ids.flatten_all()?.to_dtype(DType::U32)?;
-        Ok(self.weight.index_select(&flat, 0)?.reshape(dims)?)
+        Ok(ops::embedding(&self.weight, ids)?)
     }
 }
 

@@ -18,6 +18,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
 
 use super::gemm::{self, MatRef};
+use super::grad_sink;
 use super::{contiguous, unsupported, CResult, Elem};
 
 /// How a linear layer stores its weight.
@@ -140,14 +141,18 @@ impl LinearOp {
         }
     }
 
-    /// `(dx, dW)` for upstream gradient `g (rows, out)`.
-    fn grads(&self, x: &Tensor, w: &Tensor, g: &Tensor) -> CResult<(Tensor, Tensor)> {
+    /// `(dx, dW)` for upstream gradient `g (rows, out)`; `dW` is `None` when it went into the
+    /// weight's gradient sink.
+    fn grads(&self, x: &Tensor, w: &Tensor, g: &Tensor) -> CResult<(Tensor, Option<Tensor>)> {
         let dx = gemm_no_bwd(g, &self.rhs(w)?.t()?)?;
-        let dw = match self.0 {
-            WeightLayout::OutIn => gemm_no_bwd(&g.t()?, x)?,
-            WeightLayout::InOut => gemm_no_bwd(&x.t()?, g)?,
+        let (a, b) = match self.0 {
+            WeightLayout::OutIn => (g.t()?, x.clone()),
+            WeightLayout::InOut => (x.t()?, g.clone()),
         };
-        Ok((dx, dw))
+        if grad_sink::gemm_into_sink(w, &a, &b)? {
+            return Ok((dx, None));
+        }
+        Ok((dx, grad_sink::give(w, gemm_no_bwd(&a, &b)?)?))
     }
 }
 
@@ -174,7 +179,7 @@ impl CustomOp2 for LinearOp {
         g: &Tensor,
     ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
         let (dx, dw) = self.grads(x, w, g)?;
-        Ok((Some(dx), Some(dw)))
+        Ok((Some(dx), dw))
     }
 }
 
@@ -199,13 +204,13 @@ impl CustomOp3 for LinearOp {
         &self,
         x: &Tensor,
         w: &Tensor,
-        _b: &Tensor,
+        b: &Tensor,
         _y: &Tensor,
         g: &Tensor,
     ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (dx, dw) = self.grads(x, w, g)?;
-        let db = g.contiguous()?.apply_op1_no_bwd(&ColumnSum)?;
-        Ok((Some(dx), Some(dw), Some(db)))
+        let db = grad_sink::give(b, g.contiguous()?.apply_op1_no_bwd(&ColumnSum)?)?;
+        Ok((Some(dx), dw, db))
     }
 }
 

@@ -23,6 +23,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, DType, Device, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
+use super::grad_sink;
 use super::linear::{cpu_gemm, gemm_no_bwd};
 use super::simd::{self, simd_kernel, LANES};
 use super::{contiguous, lock, CResult, Elem};
@@ -251,6 +252,7 @@ impl CustomOp2 for LmHead {
         _y: &Tensor,
         g: &Tensor,
     ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
+        let w_param = w;
         let (h, w) = (h.detach(), w.detach());
         let p = match lock(&self.saved).take() {
             Some(p) => p,
@@ -269,13 +271,16 @@ impl CustomOp2 for LmHead {
             None => h.clone(),
             Some(idx) => h.index_select(idx, 0)?,
         };
-        let dw = gemm_no_bwd(&d.t()?, &h_sel)?;
+        let dw = match grad_sink::gemm_into_sink(w_param, &d.t()?, &h_sel)? {
+            true => None,
+            false => grad_sink::give(w_param, gemm_no_bwd(&d.t()?, &h_sel)?)?,
+        };
         let dh_sel = gemm_no_bwd(&d, &w)?;
         let dh = match &idx {
             None => dh_sel,
             Some(idx) => h.zeros_like()?.index_add(idx, &dh_sel, 0)?,
         };
-        Ok((Some(dh), Some(dw)))
+        Ok((Some(dh), dw))
     }
 }
 

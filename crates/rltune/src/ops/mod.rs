@@ -13,12 +13,12 @@
 //! | [`softmax_last_dim`], [`log_softmax_last_dim`] | max, sub, exp, sum, div / log |
 //! | [`scaled_masked_softmax`] | attention's `scores · scale + bias` then softmax |
 //! | [`self_attention`] | GPT-2's split of `qkv` into heads, `q·kᵀ`, masked softmax, `·v`, merge of the heads (no `(B, H, T, D)` copies in the graph) |
-//! | [`self_attention`] | GPT-2's split of `qkv` into heads, `q·kᵀ`, masked softmax, `·v`, merge of the heads |
 //! | [`logprobs_of`] | log-softmax over the vocabulary, then gather (no `(B, T, V)` log-softmax kept) |
 //! | [`entropy_from_logits`] | log-softmax, exp, mul, sum (one pass per row) |
 //! | [`lm_head_logprobs`] | the LM head's product, then logprobs and entropy, on selected rows only (no `(N, V)` tensor in the graph) |
 //! | [`gelu_tanh`] | candle's `gelu` (its backward: ~12 ops with `powf` and `tanh`) |
 //! | [`layer_norm`], [`rms_norm`] | mean, sub, sqr, mean, add, sqrt, div, mul, add |
+//! | [`embedding`] | `index_select` (its backward: a table-sized zero fill and add, twice) |
 //! | [`linear`], [`linear_in_out`], [`matmul`] | candle's matmul (AVX2 only), broadcast add of the bias, `contiguous()` copies of transposed operands in the backward |
 //!
 //! f32 kernels use a vectorizable `exp` (within 2 ulp of libm's) and are compiled three times,
@@ -27,6 +27,9 @@
 //! Matrix products run on rltune's SGEMM (`ops::gemm`: a 14 × 32 AVX-512 or a 6 × 16 AVX2 + FMA
 //! microkernel, whichever the CPU has; AMX tiles under [`MatmulPrecision::Bf16`]), else (f64,
 //! CPUs with neither) on candle's.
+//!
+//! Inside a `grad_sink::SinkScope`, the ops that take weights write the weights' gradients into
+//! persistent buffers instead of candle's gradient store (see `ops::grad_sink`).
 //!
 //! Every op has a test against its composed twin (values and gradients) and a finite-difference
 //! gradient check in f64.
@@ -46,7 +49,9 @@ macro_rules! by_dtype {
 mod activation;
 mod amx;
 mod attention;
+mod embedding;
 pub(crate) mod gemm;
+pub(crate) mod grad_sink;
 mod linear;
 mod lm_head;
 mod norm;
@@ -55,6 +60,7 @@ mod softmax;
 
 pub use activation::{gelu_tanh, gelu_tanh_composed};
 pub use attention::{self_attention, self_attention_composed};
+pub use embedding::embedding;
 pub use gemm::{matmul_precision, set_matmul_precision, MatmulPrecision};
 pub use linear::{linear, linear_composed, linear_in_out, linear_in_out_composed, matmul};
 pub use lm_head::lm_head_logprobs;
@@ -151,7 +157,7 @@ where
 }
 
 #[cfg(test)]
-mod testutil {
+pub(crate) mod testutil {
     use candle_core::{Device, Tensor, Var};
 
     pub fn randn(shape: &[usize], seed: u64) -> Tensor {

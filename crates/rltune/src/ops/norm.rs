@@ -7,6 +7,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor, D};
 use rayon::prelude::*;
 
+use super::grad_sink;
 use super::simd::{self, simd_kernel, LANES};
 use super::{contiguous, last_dim, par_rows, rows_per_task, CResult, Elem};
 
@@ -191,7 +192,7 @@ impl CustomOp3 for LayerNorm {
         &self,
         x: &Tensor,
         w: &Tensor,
-        _b: &Tensor,
+        b: &Tensor,
         _y: &Tensor,
         g: &Tensor,
     ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
@@ -200,7 +201,7 @@ impl CustomOp3 for LayerNorm {
         let dx = all.narrow(0, 0, rows)?.reshape(x.shape())?;
         let dw = all.narrow(0, rows, 1)?.reshape(w.shape())?;
         let db = all.narrow(0, rows + 1, 1)?.reshape(w.shape())?;
-        Ok((Some(dx), Some(dw), Some(db)))
+        Ok((Some(dx), grad_sink::give(w, dw)?, grad_sink::give(b, db)?))
     }
 }
 
@@ -344,7 +345,7 @@ impl CustomOp2 for RmsNorm {
         let rows = all.dim(0)? - 1;
         let dx = all.narrow(0, 0, rows)?.reshape(x.shape())?;
         let dw = all.narrow(0, rows, 1)?.reshape(w.shape())?;
-        Ok((Some(dx), Some(dw)))
+        Ok((Some(dx), grad_sink::give(w, dw)?))
     }
 }
 

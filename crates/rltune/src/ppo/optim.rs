@@ -1,17 +1,143 @@
-//! Adam, exactly as `torch.optim.Adam` (the optimizer TRL's PPOTrainer creates), fused on the CPU.
+//! Adam, exactly as `torch.optim.Adam` (the optimizer TRL's PPOTrainer creates), fused on the
+//! CPU, and [`Grads`], the gradients it consumes.
 //!
 //! `m ← β₁m + (1−β₁)g`, `v ← β₂v + (1−β₂)g²`,
 //! `p ← p − (lr/(1−β₁ᵗ)) · m / (√v/√(1−β₂ᵗ) + ε)` — torch's `_single_tensor_adam` order of
 //! operations, so results agree to float rounding. f32 parameters on the CPU are updated in place
-//! (a candle in-place op), with no copy of parameters or gradients.
+//! (a candle in-place op) from their gradient buffers, with no copy of either.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
-use candle_core::{CpuStorage, DType, InplaceOp2, Layout, Tensor, Var};
+use candle_core::{CpuStorage, DType, InplaceOp1, Layout, Tensor, Var};
 use rayon::prelude::*;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
+use crate::ops::grad_sink::{GradSink, SinkMap, SinkScope};
 use crate::ops::simd::simd_kernel;
+
+/// The gradients of a list of variables, summed over the backward passes of one update (torch's
+/// `param.grad` between `zero_grad()` and `step()`).
+///
+/// f32 CPU variables get a persistent buffer (an `ops::grad_sink::GradSink`): during
+/// [`Grads::backward`] the ops that take weights write into it directly, with no zero-filled
+/// tensors or adds in candle's gradient store, and whatever the store still holds for the
+/// variable (from other ops) is added after. Other variables keep candle's gradient tensors,
+/// summed.
+pub struct Grads {
+    vars: Vec<Var>,
+    sinks: Vec<Option<Arc<GradSink>>>,
+    map: Arc<SinkMap>,
+    tensors: Vec<Option<Tensor>>,
+}
+
+impl Grads {
+    /// Empty gradients for `vars` (buffers are allocated here and kept).
+    pub fn new(vars: &[Var]) -> Self {
+        let sinks: Vec<Option<Arc<GradSink>>> = vars
+            .iter()
+            .map(|v| {
+                let buffered = v.device().is_cpu() && v.dtype() == DType::F32 && v.is_contiguous();
+                buffered.then(|| Arc::new(GradSink::new(v.elem_count())))
+            })
+            .collect();
+        let map = vars
+            .iter()
+            .zip(&sinks)
+            .filter_map(|(v, s)| Some((v.as_tensor().id(), Arc::clone(s.as_ref()?))))
+            .collect();
+        Self { vars: vars.to_vec(), sinks, map: Arc::new(map), tensors: vec![None; vars.len()] }
+    }
+
+    /// Forgets every gradient (torch's `zero_grad(set_to_none=True)`); buffers are kept.
+    pub fn clear(&mut self) {
+        self.sinks.iter().flatten().for_each(|s| s.clear());
+        self.tensors.iter_mut().for_each(|t| *t = None);
+    }
+
+    /// `loss.backward()`, adding the variables' gradients to these.
+    pub fn backward(&mut self, loss: &Tensor) -> Result<()> {
+        let store = {
+            let _scope = SinkScope::install(Arc::clone(&self.map));
+            loss.backward()?
+        };
+        for i in 0..self.vars.len() {
+            if let Some(g) = store.get(self.vars[i].as_tensor()) {
+                self.add(i, g)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Adds `g` to variable `i`'s gradient.
+    pub fn add(&mut self, i: usize, g: &Tensor) -> Result<()> {
+        match &self.sinks[i] {
+            Some(sink) => sink.add(g)?,
+            None => {
+                let slot = &mut self.tensors[i];
+                *slot = Some(match slot.take() {
+                    Some(prev) => (prev + g)?,
+                    None => g.clone(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether variable `i` has a gradient.
+    pub fn has(&self, i: usize) -> bool {
+        match &self.sinks[i] {
+            Some(sink) => sink.state().filled,
+            None => self.tensors[i].is_some(),
+        }
+    }
+
+    /// Variable `i`'s gradient as a tensor of its shape and dtype (a copy), if it has one.
+    pub fn get(&self, i: usize) -> Result<Option<Tensor>> {
+        let var = &self.vars[i];
+        match &self.sinks[i] {
+            Some(sink) => {
+                let s = sink.state();
+                Ok(s.filled
+                    .then(|| Tensor::from_vec(s.buf.clone(), var.shape(), var.device()))
+                    .transpose()?)
+            }
+            None => Ok(self.tensors[i].clone()),
+        }
+    }
+
+    /// Scales the gradients so their global L2 norm is at most `max_norm`; returns the norm
+    /// before (computed in f64). torch `clip_grad_norm_`: `coef = min(1, max_norm / (norm + 1e-6))`.
+    pub fn clip_norm(&mut self, max_norm: f64) -> Result<f64> {
+        let mut sq = 0f64;
+        for sink in self.sinks.iter().flatten() {
+            let s = sink.state();
+            if s.filled {
+                sq += s
+                    .buf
+                    .par_chunks(1 << 16)
+                    .map(|c| c.iter().map(|&g| g as f64 * g as f64).sum::<f64>())
+                    .sum::<f64>();
+            }
+        }
+        for g in self.tensors.iter().flatten() {
+            sq += g.to_dtype(DType::F64)?.sqr()?.sum_all()?.to_scalar::<f64>()?;
+        }
+        let norm = sq.sqrt();
+        let coef = (max_norm / (norm + 1e-6)).min(1.0);
+        if coef < 1.0 {
+            for sink in self.sinks.iter().flatten() {
+                let mut s = sink.state();
+                if s.filled {
+                    s.buf.par_iter_mut().for_each(|g| *g *= coef as f32);
+                }
+            }
+            for g in self.tensors.iter_mut().flatten() {
+                *g = (&*g * coef)?;
+            }
+        }
+        Ok(norm)
+    }
+}
 
 /// Adam hyper-parameters.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -72,11 +198,19 @@ impl Adam {
         self.step = step;
     }
 
-    /// One update with `grads[i]` the gradient of variable `i` (`None`: no gradient, skipped).
+    /// One update from `grads` (built over the same variables); variables without a gradient
+    /// are skipped.
     ///
-    /// f32 variables on the CPU are updated in place, in one pass over parameter, gradient and
+    /// f32 CPU variables are updated in place, in one pass over parameter, gradient buffer and
     /// moments; others go through a copy.
-    pub fn step(&mut self, grads: &[Option<Tensor>]) -> Result<()> {
+    pub fn step(&mut self, grads: &Grads) -> Result<()> {
+        if grads.vars.len() != self.vars.len() {
+            return Err(Error::Input(format!(
+                "gradients for {} variables given to an optimizer over {}",
+                grads.vars.len(),
+                self.vars.len()
+            )));
+        }
         self.step += 1;
         let t = self.step as i32;
         let c = self.cfg;
@@ -89,15 +223,17 @@ impl Adam {
             eps: c.eps as f32,
             bc2s: bc2_sqrt as f32,
         };
-        for (i, g) in grads.iter().enumerate() {
-            let Some(g) = g else { continue };
-            let var = &self.vars[i];
+        for (i, var) in self.vars.iter().enumerate() {
             let (m, v) = (&mut self.m[i], &mut self.v[i]);
-            if var.device().is_cpu() && var.dtype() == DType::F32 && g.dtype() == DType::F32 {
-                let op = AdamInplace { m: Mutex::new(m), v: Mutex::new(v), k };
-                var.as_tensor().inplace_op2(&g.contiguous()?, &op)?;
+            if let Some(sink) = &grads.sinks[i] {
+                let s = sink.state();
+                if s.filled {
+                    let op = AdamInplace { g: &s.buf, m: Mutex::new(m), v: Mutex::new(v), k };
+                    var.as_tensor().inplace_op1(&op)?;
+                }
                 continue;
             }
+            let Some(g) = &grads.tensors[i] else { continue };
             let dtype = var.dtype();
             let mut p = var.as_tensor().flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
             let g = g.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
@@ -147,75 +283,62 @@ simd_kernel! {
     }
 }
 
-/// The in-place update of one f32 CPU variable from its gradient.
+/// The in-place update of one f32 CPU variable from its gradient buffer.
 struct AdamInplace<'a> {
+    g: &'a [f32],
     m: Mutex<&'a mut Vec<f32>>,
     v: Mutex<&'a mut Vec<f32>>,
     k: AdamConsts,
 }
 
-impl InplaceOp2 for AdamInplace<'_> {
+impl InplaceOp1 for AdamInplace<'_> {
     fn name(&self) -> &'static str {
         "rltune-adam"
     }
 
-    fn cpu_fwd(
-        &self,
-        s1: &mut CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<()> {
-        let (Some((p0, p1)), Some((g0, g1))) = (l1.contiguous_offsets(), l2.contiguous_offsets()) else {
-            candle_core::bail!("adam: parameter and gradient must be contiguous");
+    fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> candle_core::Result<()> {
+        let Some((p0, p1)) = l.contiguous_offsets() else {
+            candle_core::bail!("adam: the parameter must be contiguous");
         };
-        let (CpuStorage::F32(p), CpuStorage::F32(g)) = (s1, s2) else {
-            candle_core::bail!("adam: parameter and gradient must be f32");
+        let CpuStorage::F32(p) = s else {
+            candle_core::bail!("adam: the parameter must be f32");
         };
         let mut m = self.m.lock().map_err(|_| candle_core::Error::Msg("adam: poisoned lock".into()))?;
         let mut v = self.v.lock().map_err(|_| candle_core::Error::Msg("adam: poisoned lock".into()))?;
-        let (p, g) = (&mut p[p0..p1], &g[g0..g1]);
-        if p.len() != g.len() || p.len() != m.len() || p.len() != v.len() {
+        let p = &mut p[p0..p1];
+        if p.len() != self.g.len() || p.len() != m.len() || p.len() != v.len() {
             candle_core::bail!("adam: parameter, gradient and moments differ in size");
         }
-        self.k.update(p, g, &mut m[..], &mut v[..]);
+        self.k.update(p, self.g, &mut m[..], &mut v[..]);
         Ok(())
     }
-}
-
-/// Scales gradients so their global L2 norm is at most `max_norm`; returns the norm before.
-///
-/// torch `clip_grad_norm_`: `coef = min(1, max_norm / (norm + 1e-6))`.
-pub fn clip_grad_norm(grads: &mut [Option<Tensor>], max_norm: f64) -> Result<f64> {
-    let mut sq = 0f64;
-    for g in grads.iter().flatten() {
-        sq += g.to_dtype(DType::F64)?.sqr()?.sum_all()?.to_scalar::<f64>()?;
-    }
-    let norm = sq.sqrt();
-    let coef = (max_norm / (norm + 1e-6)).min(1.0);
-    if coef < 1.0 {
-        for g in grads.iter_mut().flatten() {
-            *g = (&*g * coef)?;
-        }
-    }
-    Ok(norm)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ops;
     use candle_core::Device;
+
+    /// Gradients holding `g` for the single variable `var`.
+    fn grads_of(var: &Var, g: Tensor) -> Grads {
+        let mut grads = Grads::new(std::slice::from_ref(var));
+        grads.add(0, &g).unwrap();
+        grads
+    }
 
     #[test]
     fn adam_first_step_moves_each_weight_by_lr() {
         // With bias correction, step 1 moves every weight by lr·sign(g) (up to ε).
         let var = Var::from_tensor(&Tensor::new(&[1f32, -2.0, 3.0], &Device::Cpu).unwrap()).unwrap();
         let mut adam = Adam::new(vec![var.clone()], AdamConfig { lr: 0.1, ..Default::default() });
-        adam.step(&[Some(Tensor::new(&[0.5f32, -3.0, 1e-3], &Device::Cpu).unwrap())]).unwrap();
+        adam.step(&grads_of(&var, Tensor::new(&[0.5f32, -3.0, 1e-3], &Device::Cpu).unwrap())).unwrap();
         let p = var.as_tensor().to_vec1::<f32>().unwrap();
         for (got, want) in p.iter().zip([0.9f32, -1.9, 2.9]) {
             assert!((got - want).abs() < 1e-4, "{got} vs {want}");
         }
+        let err = adam.step(&Grads::new(&[])).unwrap_err().to_string();
+        assert!(err.contains("gradients for 0 variables given to an optimizer over 1"), "{err}");
     }
 
     #[test]
@@ -229,11 +352,16 @@ mod tests {
                 .unwrap();
         let cfg = AdamConfig { lr: 0.01, ..Default::default() };
         let (mut oa, mut ob) = (Adam::new(vec![a.clone()], cfg), Adam::new(vec![b.clone()], cfg));
+        let (mut ga, mut gb) = (Grads::new(std::slice::from_ref(&a)), Grads::new(std::slice::from_ref(&b)));
         for s in 0..3 {
             let g: Vec<f32> = (0..9000).map(|i| ((i * (s + 2)) as f32 * 0.11).cos()).collect();
             let g = Tensor::from_vec(g, (90, 100), &dev).unwrap();
-            oa.step(&[Some(g.clone())]).unwrap();
-            ob.step(&[Some(g.to_dtype(DType::F64).unwrap())]).unwrap();
+            ga.clear();
+            gb.clear();
+            ga.add(0, &g).unwrap();
+            gb.add(0, &g.to_dtype(DType::F64).unwrap()).unwrap();
+            oa.step(&ga).unwrap();
+            ob.step(&gb).unwrap();
         }
         let pa = a.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap();
         let pb = b.as_tensor().to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
@@ -242,11 +370,65 @@ mod tests {
     }
 
     #[test]
-    fn clipping_scales_to_max_norm() {
-        let mut g = vec![Some(Tensor::new(&[3f32, 4.0], &Device::Cpu).unwrap()), None];
-        let n = clip_grad_norm(&mut g, 1.0).unwrap();
+    fn clipping_scales_to_max_norm_in_buffers_and_tensors() {
+        let dev = Device::Cpu;
+        let vars = [
+            Var::new(&[0f32, 0.0], &dev).unwrap(),
+            Var::new(&[0f64], &dev).unwrap(),
+            Var::new(&[0f32], &dev).unwrap(),
+        ];
+        let mut g = Grads::new(&vars);
+        g.add(0, &Tensor::new(&[3f32, 0.0], &dev).unwrap()).unwrap();
+        g.add(1, &Tensor::new(&[4f64], &dev).unwrap()).unwrap();
+        assert!(g.has(0) && g.has(1) && !g.has(2));
+        let n = g.clip_norm(1.0).unwrap();
         assert!((n - 5.0).abs() < 1e-9);
-        let v = g[0].as_ref().unwrap().to_vec1::<f32>().unwrap();
-        assert!((v[0] - 0.6).abs() < 1e-5 && (v[1] - 0.8).abs() < 1e-5);
+        let v0 = g.get(0).unwrap().unwrap().to_vec1::<f32>().unwrap();
+        let v1 = g.get(1).unwrap().unwrap().to_vec1::<f64>().unwrap();
+        assert!((v0[0] - 0.6).abs() < 1e-5 && v0[1] == 0.0 && (v1[0] - 0.8).abs() < 1e-5);
+        assert!(g.get(2).unwrap().is_none());
+        g.clear();
+        assert!(!g.has(0) && !g.has(1));
+    }
+
+    /// A tiny model through every op that writes into gradient buffers (the linear layers, layer
+    /// norm, the embedding and the LM head, tied), plus a candle matmul whose gradient arrives in
+    /// candle's store: two backward passes into [`Grads`] give the sums of candle's own gradients.
+    #[test]
+    fn buffered_gradients_equal_candle_gradients() {
+        let dev = Device::Cpu;
+        let r = |shape: &[usize], seed| {
+            let t = crate::ops::testutil::randn(shape, seed).to_dtype(DType::F32).unwrap();
+            Var::from_tensor(&t).unwrap()
+        };
+        let (wte, w1, b1, w2, lnw, lnb, vh) =
+            (r(&[11, 8], 1), r(&[8, 8], 2), r(&[8], 3), r(&[8, 8], 4), r(&[8], 5), r(&[8], 6), r(&[8, 1], 7));
+        let vars = [wte.clone(), w1.clone(), b1.clone(), w2.clone(), lnw.clone(), lnb.clone(), vh.clone()];
+        let ids = Tensor::new(&[[1u32, 4, 4, 9], [0, 10, 3, 1]], &dev).unwrap();
+        let targets = Tensor::new(&[2u32, 5, 5, 1, 7, 0, 3, 3], &dev).unwrap();
+        let loss = |scale: f64| {
+            let x = ops::embedding(&wte, &ids).unwrap().reshape((8, 8)).unwrap();
+            let x = ops::linear(&x, &w1, Some(&b1)).unwrap();
+            let x = ops::gelu_tanh(&x).unwrap();
+            let x = ops::linear_in_out(&x, &w2, None).unwrap();
+            let h = ops::layer_norm(&x, &lnw, &lnb, 1e-5).unwrap();
+            let (lp, _) = ops::lm_head_logprobs(&h, &wte, &targets, None, 1.0, true).unwrap();
+            let v = h.matmul(&vh).unwrap().sqr().unwrap().sum_all().unwrap();
+            ((lp.sum_all().unwrap() + v).unwrap() * scale).unwrap()
+        };
+        let store = |scale| loss(scale).backward().unwrap();
+        let (s1, s2) = (store(1.0), store(-0.5));
+        let mut grads = Grads::new(&vars);
+        for _ in 0..2 {
+            grads.clear();
+            grads.backward(&loss(1.0)).unwrap();
+            grads.backward(&loss(-0.5)).unwrap();
+            for (i, var) in vars.iter().enumerate() {
+                let want = (s1.get(var).unwrap() + s2.get(var).unwrap()).unwrap();
+                let got = grads.get(i).unwrap().unwrap();
+                let d = crate::ops::testutil::max_diff(&got, &want);
+                assert!(d < 1e-5, "variable {i}: max diff {d}");
+            }
+        }
     }
 }

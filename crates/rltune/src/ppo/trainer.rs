@@ -27,7 +27,7 @@ use rand::SeedableRng;
 use super::config::PpoConfig;
 use super::kl_control::KlController;
 use super::math::{self, scalar, KlPenalty};
-use super::optim::{clip_grad_norm, Adam, AdamConfig};
+use super::optim::{Adam, AdamConfig, Grads};
 use super::stats::{mean_std, Stat, Stats};
 use crate::error::{Error, Result};
 use crate::models::layers::causal_bias;
@@ -123,6 +123,8 @@ pub struct PpoTrainer {
     /// The frozen reference model.
     pub reference: CausalLm,
     optimizer: Adam,
+    /// The gradient buffers, kept between steps (`None` until the first, or after an error).
+    grads: Option<Grads>,
     kl_ctl: KlController,
     rng: rand::rngs::StdRng,
     running: RunningMoments,
@@ -175,6 +177,7 @@ impl PpoTrainer {
             store,
             reference,
             optimizer: Adam::new(vars, adam),
+            grads: None,
             kl_ctl,
             running: RunningMoments::new(),
             pad_id,
@@ -537,6 +540,7 @@ impl PpoTrainer {
     fn optimize(&mut self, batch: &Batch, data: &TrainData) -> Result<Vec<Stats>> {
         let cfg = self.config.clone();
         let mut all = Vec::new();
+        let mut grads = self.grads.take().unwrap_or_else(|| Grads::new(self.optimizer.vars()));
         for _epoch in 0..cfg.ppo_epochs {
             let perm = match self.forced_permutations.pop_front() {
                 Some(p) => p,
@@ -548,7 +552,7 @@ impl PpoTrainer {
             };
             let mut last_policykl = 0.0;
             for backward in perm.chunks(cfg.backward_batch_size()) {
-                let mut grads: Vec<Option<Tensor>> = vec![None; self.optimizer.vars().len()];
+                grads.clear();
                 let mut any = false;
                 for mb in backward.chunks(cfg.mini_batch_size) {
                     let (stats, skipped) = self.train_minibatch(batch, data, mb, &mut grads)?;
@@ -558,13 +562,17 @@ impl PpoTrainer {
                 }
                 if any && self.record_grads {
                     self.record_grads = false;
-                    let named = self.var_names.iter().zip(&grads);
-                    self.recorded_grads =
-                        Some(named.filter_map(|(n, g)| g.clone().map(|g| (n.clone(), g))).collect());
+                    let mut named = Vec::new();
+                    for (i, n) in self.var_names.iter().enumerate() {
+                        if let Some(g) = grads.get(i)? {
+                            named.push((n.clone(), g));
+                        }
+                    }
+                    self.recorded_grads = Some(named);
                 }
                 if any {
                     if let Some(max) = cfg.max_grad_norm {
-                        clip_grad_norm(&mut grads, max)?;
+                        grads.clip_norm(max)?;
                     }
                     self.optimizer.step(&grads)?;
                 }
@@ -574,17 +582,18 @@ impl PpoTrainer {
                 break;
             }
         }
+        self.grads = Some(grads);
         Ok(all)
     }
 
-    /// Forward, losses and backward of one minibatch; gradients are added into `grads`.
+    /// Forward, losses and backward of one minibatch; gradients are added to `grads`.
     /// Returns the minibatch stats (TRL `PPOTrainer.loss`) and whether it was skipped.
     fn train_minibatch(
         &self,
         batch: &Batch,
         data: &TrainData,
         rows: &[usize],
-        grads: &mut [Option<Tensor>],
+        grads: &mut Grads,
     ) -> Result<(Stats, bool)> {
         let cfg = &self.config;
         let idx =
@@ -617,15 +626,7 @@ impl PpoTrainer {
             );
         } else {
             let scaled = (&loss / cfg.gradient_accumulation_steps as f64)?;
-            let g = scaled.backward()?;
-            for (slot, var) in grads.iter_mut().zip(self.optimizer.vars()) {
-                if let Some(gv) = g.get(var.as_tensor()) {
-                    *slot = Some(match slot.take() {
-                        Some(prev) => (prev + gv)?,
-                        None => gv.clone(),
-                    });
-                }
-            }
+            grads.backward(&scaled)?;
         }
         let entropy = math::masked_mean(&entropy, &mask)?;
         let logp = logp.detach();

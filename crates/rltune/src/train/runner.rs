@@ -26,7 +26,7 @@ use super::data::split_eval;
 use super::schedule::{warmup_steps, LrSchedule, ScheduleKind};
 use crate::error::{Error, Result};
 use crate::params::ParamStore;
-use crate::ppo::optim::{clip_grad_norm, Adam, AdamConfig};
+use crate::ppo::optim::{Adam, AdamConfig, Grads};
 
 /// Optimization settings shared by SFT and reward-model training (the `[training]` table).
 ///
@@ -250,37 +250,29 @@ pub(crate) fn evaluate<O: Objective>(
 }
 
 /// Forward and backward of one optimizer step's examples in micro-batches of `batch_size`;
-/// returns the step loss and the summed gradients of `vars` (`None` where a variable got none).
+/// returns the step loss, with the summed gradients in `grads`.
 fn accumulate<O: Objective>(
     obj: &O,
-    vars: &[Var],
+    grads: &mut Grads,
     group: &[&O::Example],
     batch_size: usize,
-) -> Result<(f64, Vec<Option<Tensor>>)> {
+) -> Result<f64> {
     let terms: usize = group.iter().map(|e| obj.terms(e)).sum();
-    let mut grads: Vec<Option<Tensor>> = vec![None; vars.len()];
+    grads.clear();
     let mut loss = 0f64;
     for mb in group.chunks(batch_size) {
         // Divided by the step's terms, not the micro-batch's: see the module docs.
         let scaled = (obj.batch_loss(mb, false)?.loss_sum / terms.max(1) as f64)?;
         loss += scalar(&scaled.detach())?;
-        let g = scaled.backward()?;
-        for (slot, var) in grads.iter_mut().zip(vars) {
-            if let Some(gv) = g.get(var.as_tensor()) {
-                *slot = Some(match slot.take() {
-                    Some(prev) => (prev + gv)?,
-                    None => gv.clone(),
-                });
-            }
-        }
+        grads.backward(&scaled)?;
     }
-    Ok((loss, grads))
+    Ok(loss)
 }
 
 /// The optimizer and schedule of one run.
 struct Optimizer {
     adam: Adam,
-    vars: Vec<Var>,
+    grads: Grads,
     schedule: LrSchedule,
     max_grad_norm: f64,
 }
@@ -301,14 +293,14 @@ impl Optimizer {
             total_steps: total,
         };
         let max_grad_norm = if args.max_grad_norm > 0.0 { args.max_grad_norm } else { f64::INFINITY };
-        Self { adam: Adam::new(vars.clone(), cfg), vars, schedule, max_grad_norm }
+        Self { grads: Grads::new(&vars), adam: Adam::new(vars, cfg), schedule, max_grad_norm }
     }
 
     /// One update of step `step` (from 0); returns (lr, gradient norm before clipping).
-    fn step(&mut self, step: usize, grads: &mut [Option<Tensor>]) -> Result<(f64, f64)> {
-        let grad_norm = clip_grad_norm(grads, self.max_grad_norm)?;
+    fn step(&mut self, step: usize) -> Result<(f64, f64)> {
+        let grad_norm = self.grads.clip_norm(self.max_grad_norm)?;
         self.adam.cfg.lr = self.schedule.lr(step);
-        self.adam.step(grads)?;
+        self.adam.step(&self.grads)?;
         Ok((self.adam.cfg.lr, grad_norm))
     }
 }
@@ -348,8 +340,8 @@ pub(crate) fn run<O: Objective>(
         perm.shuffle(&mut rng);
         for group in perm.chunks(args.examples_per_step()).take(total - step) {
             let group: Vec<&O::Example> = group.iter().map(|&i| &examples[i]).collect();
-            let (loss, mut grads) = accumulate(obj, &opt.vars, &group, args.batch_size)?;
-            let (lr, grad_norm) = opt.step(step, &mut grads)?;
+            let loss = accumulate(obj, &mut opt.grads, &group, args.batch_size)?;
+            let (lr, grad_norm) = opt.step(step)?;
             step += 1;
             (last_loss, loss_sum) = (loss, loss_sum + loss);
             let due = (args.eval_every > 0 && step % args.eval_every == 0) || step == total;

@@ -1,0 +1,147 @@
+//! Embedding lookup whose backward scatters rows into the table's gradient sink.
+//!
+//! candle's `index_select` backward zero-fills a table-sized tensor, adds the rows into it,
+//! and its gradient store then zero-fills and adds another: for GPT-2's tied 50257 × 768 `wte`
+//! that is four passes over 154 MB per minibatch. [`embedding`] gathers the same rows forward;
+//! backward, inside a [`super::grad_sink::SinkScope`], it adds each row's gradient into the
+//! table's sink (after the LM head's product has filled it, for a tied table), and otherwise
+//! returns the dense gradient as `index_select` would.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
+
+use super::grad_sink;
+use super::{contiguous, CResult, Elem};
+
+/// `(n, C), (N) u32 -> (N, C)`: rows of the table.
+struct Embedding;
+
+fn gather<T: Elem>(
+    table: (&CpuStorage, &Layout),
+    ids: (&CpuStorage, &Layout),
+) -> CResult<(CpuStorage, Shape)> {
+    let (n, c) = match table.1.dims() {
+        &[n, c] => (n, c),
+        d => candle_core::bail!("embedding: the table must be a matrix, got shape {d:?}"),
+    };
+    let table = contiguous::<T>(table.0, table.1, "embedding")?;
+    let ids = contiguous::<u32>(ids.0, ids.1, "embedding")?;
+    let mut out = Vec::with_capacity(ids.len() * c);
+    for &id in ids {
+        let id = id as usize;
+        if id >= n {
+            candle_core::bail!("embedding: id {id} is out of range for a table of {n} rows");
+        }
+        out.extend_from_slice(&table[id * c..(id + 1) * c]);
+    }
+    Ok((T::to_cpu_storage_owned(out), (ids.len(), c).into()))
+}
+
+impl CustomOp2 for Embedding {
+    fn name(&self) -> &'static str {
+        "rltune-embedding"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        by_dtype!(s1, "embedding", gather((s1, l1), (s2, l2)))
+    }
+
+    fn bwd(
+        &self,
+        table: &Tensor,
+        ids: &Tensor,
+        _y: &Tensor,
+        g: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
+        if let (Some(sink), DType::F32) = (grad_sink::sink_of(table), g.dtype()) {
+            let c = table.dim(1)?;
+            let g = g.flatten_all()?.to_vec1::<f32>()?;
+            let ids = ids.to_vec1::<u32>()?;
+            sink.write_sparse(|buf| {
+                for (row, &id) in g.chunks_exact(c).zip(&ids) {
+                    let dst = &mut buf[id as usize * c..][..c];
+                    dst.iter_mut().zip(row).for_each(|(d, g)| *d += g);
+                }
+            });
+            return Ok((None, None));
+        }
+        let dense = table.zeros_like()?.index_add(ids, g, 0)?;
+        Ok((grad_sink::give(table, dense)?, None))
+    }
+}
+
+/// `table (n, C)`, `ids` of any shape and integer dtype -> `(…ids, C)`, differentiable in `table`
+/// (`index_select` on rows). On the CPU (f32, f64) one op; an id out of range is an error naming
+/// it.
+pub fn embedding(table: &Tensor, ids: &Tensor) -> CResult<Tensor> {
+    let mut dims = ids.dims().to_vec();
+    dims.push(table.dim(1)?);
+    let flat = ids.flatten_all()?.to_dtype(DType::U32)?;
+    let rows = if table.device().is_cpu() && matches!(table.dtype(), DType::F32 | DType::F64) {
+        table.contiguous()?.apply_op2(&flat, Embedding)?
+    } else {
+        table.index_select(&flat, 0)?
+    };
+    rows.reshape(dims)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::ops::grad_sink::{GradSink, SinkScope};
+    use crate::ops::testutil::{max_diff, randn};
+    use candle_core::{Device, Var};
+
+    fn ids() -> Tensor {
+        Tensor::new(&[[3u32, 0, 3], [5, 1, 0]], &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn matches_index_select_in_values_and_gradients() {
+        let table = Var::from_tensor(&randn(&[6, 4], 1)).unwrap();
+        let y = embedding(&table, &ids()).unwrap();
+        let want = table.index_select(&ids().flatten_all().unwrap(), 0).unwrap().reshape((2, 3, 4)).unwrap();
+        assert_eq!(max_diff(&y, &want), 0.0);
+        let proj = randn(&[2, 3, 4], 9);
+        let g = (y * &proj).unwrap().sum_all().unwrap().backward().unwrap();
+        let gw = (want * &proj).unwrap().sum_all().unwrap().backward().unwrap();
+        assert_eq!(max_diff(g.get(&table).unwrap(), gw.get(&table).unwrap()), 0.0);
+    }
+
+    #[test]
+    fn backward_scatters_into_the_sink() {
+        let table = Var::from_tensor(&randn(&[6, 4], 1).to_dtype(DType::F32).unwrap()).unwrap();
+        let proj = randn(&[2, 3, 4], 9).to_dtype(DType::F32).unwrap();
+        let loss = || (embedding(&table, &ids()).unwrap() * &proj).unwrap().sum_all().unwrap();
+        let want =
+            loss().backward().unwrap().get(&table).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let sink = Arc::new(GradSink::new(24));
+        // Stale values in the buffer must not leak into the first write.
+        sink.write(|b, _| b.fill(7.0));
+        sink.clear();
+        let map = Arc::new([(table.as_tensor().id(), Arc::clone(&sink))].into_iter().collect());
+        let _scope = SinkScope::install(map);
+        let store = loss().backward().unwrap();
+        assert!(store.get(&table).is_none(), "the gradient went to candle's store");
+        assert_eq!(sink.state().buf, want);
+        loss().backward().unwrap();
+        let twice: Vec<f32> = want.iter().map(|v| 2.0 * v).collect();
+        assert_eq!(sink.state().buf, twice);
+    }
+
+    #[test]
+    fn out_of_range_id_is_an_error() {
+        let err = embedding(&randn(&[2, 3], 0), &Tensor::new(&[0u32, 2], &Device::Cpu).unwrap())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("id 2 is out of range for a table of 2 rows"), "{err}");
+    }
+}
