@@ -156,7 +156,7 @@ pub fn generate(
     let mut hidden = lm.forward(&input, &positions, &bias, Some(&mut cache))?;
     for step in 0..cfg.max_new_tokens {
         let last = hidden.narrow(1, hidden.dim(1)? - 1, 1)?; // (B, 1, C)
-        let logits = lm.logits(&last)?.squeeze(1)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+        let mut logits = lm.logits(&last)?.squeeze(1)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
         let values = match v_head {
             Some(h) => Some(h.forward(&last)?.squeeze(1)?.to_dtype(DType::F32)?.to_vec1::<f32>()?),
             None => None,
@@ -167,11 +167,15 @@ pub fn generate(
         // distributions and draws in parallel: the same tokens for a seed on any thread count.
         let draws: Vec<Option<f64>> = done.iter().map(|&d| (!d).then(|| rng.gen::<f64>())).collect();
         let sampler_cfg = cfg.sampler();
+        let pure = cfg.top_k == 0 && cfg.top_p >= 1.0;
         let picked: Vec<Option<(usize, f64)>> = draws
             .par_iter()
-            .zip(&logits)
+            .zip(logits.par_iter_mut())
             .map(|(u, row)| {
                 u.map(|u| {
+                    if pure {
+                        return sampler::sample_pure(row, cfg.temperature, banned, u);
+                    }
                     let logp = sampler::log_distribution(row, &sampler_cfg, banned);
                     let tok = sampler::sample_at(&logp, u);
                     (tok, logp[tok])

@@ -1,8 +1,11 @@
 //! Exact sampling from one row of logits, with optional (off by default) top-k, top-p and
 //! min-length processing.
 //!
-//! All arithmetic is in f64 on the CPU. The returned logprob is that of the sampled token under
-//! the distribution actually sampled from: `log softmax(process(logits / T))`.
+//! The returned logprob is that of the sampled token under the distribution actually sampled
+//! from: `log softmax(process(logits / T))`. [`log_distribution`] and [`sample_at`] compute in
+//! f64 and handle every option; [`sample_pure`], the path generation takes for pure sampling (the
+//! PPO default), makes one vectorized f32 pass over the row instead of two f64 `exp` passes
+//! (the f64 path took 5 ms per decoding step at GPT-2's vocabulary and batch 16).
 
 use rand::Rng;
 
@@ -81,6 +84,57 @@ pub fn sample_at(logp: &[f64], u: f64) -> usize {
     last_possible
 }
 
+/// Pure sampling (temperature only, no top-k or top-p) from one row of logits with the uniform
+/// draw `u ∈ [0, 1)`: the token and its logprob under `softmax(logits / T)` with `banned`
+/// removed. `row` is overwritten.
+///
+/// One vectorized f32 pass turns the row into `e^(x/T − m)`; the draw scans the running sum (in
+/// f64) to `u · Σ`, the same inversion of the CDF as [`sample_at`]. It agrees with
+/// [`log_distribution`] + [`sample_at`] up to the f32 rounding of each weight (2 ulp: a draw
+/// that close to a CDF step can pick the neighbouring token). A row with no finite weight (all
+/// banned) goes to the f64 path.
+pub fn sample_pure(row: &mut [f32], temperature: f64, banned: &[u32], u: f64) -> (usize, f64) {
+    let original = row.to_vec();
+    for &b in banned {
+        if let Some(v) = row.get_mut(b as usize) {
+            *v = f32::NEG_INFINITY;
+        }
+    }
+    crate::ops::exp_row_f32(row, temperature as f32);
+    // The total in the scan's own f64 arithmetic (the kernel's f32 sum is off by ~1e-6, which
+    // would move the target across a CDF step in one draw out of twenty at GPT-2's vocabulary).
+    let mut lanes = [0f64; 4];
+    let mut chunks = row.chunks_exact(4);
+    for c in &mut chunks {
+        for (acc, &e) in lanes.iter_mut().zip(c) {
+            *acc += e as f64;
+        }
+    }
+    let s = lanes.iter().sum::<f64>() + chunks.remainder().iter().map(|&e| e as f64).sum::<f64>();
+    if !(s > 0.0 && s.is_finite()) {
+        let cfg = SamplerConfig { temperature, ..Default::default() };
+        let logp = log_distribution(&original, &cfg, banned);
+        let tok = sample_at(&logp, u);
+        return (tok, logp[tok]);
+    }
+    let target = u * s;
+    let (mut cum, mut last) = (0f64, 0);
+    let mut pick = None;
+    for (i, &e) in row.iter().enumerate() {
+        if e > 0.0 {
+            last = i;
+            cum += e as f64;
+            if target < cum {
+                pick = Some(i);
+                break;
+            }
+        }
+    }
+    // Rounding left the total just under the target: take the last token with weight.
+    let tok = pick.unwrap_or(last);
+    (tok, (row[tok] as f64).ln() - s.ln())
+}
+
 fn softmax(x: &[f64]) -> Vec<f64> {
     log_softmax(x).into_iter().map(f64::exp).collect()
 }
@@ -129,6 +183,32 @@ mod tests {
         // A tiny top_p still keeps the best token.
         let lp = log_distribution(&logits, &SamplerConfig { top_p: 1e-6, ..Default::default() }, &[]);
         assert_eq!(lp[0], 0.0);
+    }
+
+    #[test]
+    fn pure_sampling_agrees_with_the_f64_path() {
+        // A GPT-2-sized row: same token for every draw away from a CDF step, logprobs to 1e-5.
+        let logits: Vec<f32> = (0..50257).map(|i| (i as f32 * 0.618).sin() * 4.0).collect();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        for (t, banned) in [(1.0, vec![]), (0.7, vec![50256u32, 0])] {
+            let logp =
+                log_distribution(&logits, &SamplerConfig { temperature: t, ..Default::default() }, &banned);
+            let mut same = 0;
+            for _ in 0..200 {
+                let u: f64 = rng.gen();
+                let want = sample_at(&logp, u);
+                let (tok, lp) = sample_pure(&mut logits.clone(), t, &banned, u);
+                assert!(!banned.contains(&(tok as u32)));
+                assert!((lp - logp[tok]).abs() < 1e-5, "logprob {lp} vs {}", logp[tok]);
+                same += usize::from(tok == want);
+            }
+            assert!(same >= 199, "{same} of 200 draws agree");
+        }
+        // Everything banned: the f64 path decides.
+        let (tok, lp) = sample_pure(&mut [1.0, 2.0], 1.0, &[0, 1], 0.5);
+        let logp = log_distribution(&[1.0, 2.0], &SamplerConfig::default(), &[0, 1]);
+        assert_eq!(tok, sample_at(&logp, 0.5));
+        assert!(lp.is_nan() == logp[tok].is_nan());
     }
 
     #[test]

@@ -9,7 +9,7 @@
 //! with dropout, see the crate docs), and the forward returns hidden states at every position
 //! with an external [`KvCache`].
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 use serde::{Deserialize, Serialize};
 
 use super::layers::{attention, merge_heads, split_heads, Activation, Conv1D, Embedding, KvCache, LayerNorm};
@@ -159,18 +159,20 @@ impl Attention {
     /// `(B, T, C) -> (B, T, C)`
     fn forward(&self, x: &Tensor, bias: &Tensor, cache: Option<(&mut KvCache, usize)>) -> Result<Tensor> {
         let qkv = self.c_attn.forward(x)?;
-        if cache.is_none() {
+        let Some((cache, layer)) = cache else {
             // Training and scoring: one fused op (no per-head copies in the graph).
             return self.c_proj.forward(&ops::self_attention(&qkv, bias, self.n_head, self.scale)?);
+        };
+        if qkv.device().is_cpu() && qkv.dtype() == DType::F32 && bias.dtype() == DType::F32 {
+            // Generation: keys and values appended in place, no concatenation or head copies.
+            let y = ops::cached_self_attention(&qkv, bias, cache.block_mut(layer)?, self.n_head, self.scale)?;
+            return self.c_proj.forward(&y);
         }
         let c = x.dim(2)?;
         let q = split_heads(&qkv.narrow(2, 0, c)?, self.n_head)?;
         let k = split_heads(&qkv.narrow(2, c, c)?, self.n_head)?;
         let v = split_heads(&qkv.narrow(2, 2 * c, c)?, self.n_head)?;
-        let (k, v) = match cache {
-            Some((cache, layer)) => cache.append(layer, &k, &v)?,
-            None => (k, v),
-        };
+        let (k, v) = cache.append(layer, &k, &v)?;
         let y = attention(&q, &k, &v, bias, self.scale)?;
         self.c_proj.forward(&merge_heads(&y)?)
     }

@@ -142,21 +142,30 @@ impl Activation {
 
 /// Keys and values of every layer for incremental decoding, kept outside the model.
 ///
-/// Layer `l` holds `(k, v)`, each `(B, H_kv, S, D)`.
+/// Layer `l` holds either `(k, v)` tensors, each `(B, H_kv, S, D)`, grown by [`KvCache::append`]
+/// (any device and dtype), or an [`ops::KvBlock`] that [`ops::cached_self_attention`] appends to
+/// in place (GPT-2 on the CPU in f32); a model uses one kind throughout.
 #[derive(Debug, Clone, Default)]
 pub struct KvCache {
     layers: Vec<Option<(Tensor, Tensor)>>,
+    blocks: Vec<ops::KvBlock>,
 }
 
 impl KvCache {
     /// An empty cache for `n_layers` layers.
     pub fn new(n_layers: usize) -> Self {
-        Self { layers: vec![None; n_layers] }
+        Self { layers: vec![None; n_layers], blocks: vec![ops::KvBlock::default(); n_layers] }
     }
 
     /// Number of cached positions (0 when empty).
     pub fn seq_len(&self) -> usize {
-        self.layers.iter().flatten().next().and_then(|(k, _)| k.dim(2).ok()).unwrap_or(0)
+        let tensors = self.layers.iter().flatten().next().and_then(|(k, _)| k.dim(2).ok());
+        tensors.or_else(|| self.blocks.first().map(ops::KvBlock::len)).unwrap_or(0)
+    }
+
+    /// The in-place block of `layer`.
+    pub fn block_mut(&mut self, layer: usize) -> Result<&mut ops::KvBlock> {
+        self.blocks.get_mut(layer).ok_or_else(|| Error::Input(format!("KV cache has no layer {layer}")))
     }
 
     /// Appends this step's keys and values for `layer` and returns the full ones.

@@ -21,7 +21,7 @@
 use std::sync::Mutex;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::simd::{self, simd_kernel};
@@ -314,6 +314,141 @@ pub fn self_attention(qkv: &Tensor, bias: &Tensor, n_head: usize, scale: f64) ->
     }
 }
 
+/// The keys and values of one layer during generation, appended in place: for each sequence and
+/// head, the `D`-vectors of its positions one after another (no `(B, H, S, D)` tensor is rebuilt
+/// per step, as a concatenation would).
+#[derive(Debug, Clone, Default)]
+pub struct KvBlock {
+    k: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
+    len: usize,
+}
+
+impl KvBlock {
+    /// Cached positions.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether nothing is cached yet.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+simd_kernel! {
+    /// One sequence of [`cached_self_attention`]: appends its `t` new keys and values to `ks`,
+    /// `vs` (one vector per head), then attends each new query over all `s` positions.
+    #[allow(clippy::too_many_arguments)]
+    fn cached_seq<T: Elem>(out: &mut [T], ks: &mut [Vec<T>], vs: &mut [Vec<T>], qkv: &[T], bias: &[T], t: usize, c: usize, scale: T) {
+        let h = ks.len();
+        let d = c / h;
+        let s = ks.first().map_or(0, |k| k.len() / d) + t;
+        let mut row = vec![T::zero(); s];
+        for (hh, (k, v)) in ks.iter_mut().zip(vs.iter_mut()).enumerate() {
+            for i in 0..t {
+                k.extend_from_slice(&qkv[i * 3 * c + c + hh * d..][..d]);
+                v.extend_from_slice(&qkv[i * 3 * c + 2 * c + hh * d..][..d]);
+            }
+            for i in 0..t {
+                let q = &qkv[i * 3 * c + hh * d..][..d];
+                for ((x, kj), &b) in row.iter_mut().zip(k.chunks_exact(d)).zip(&bias[i * s..(i + 1) * s]) {
+                    *x = simd::dot(q, kj) * scale + b;
+                }
+                let m = simd::max(&row);
+                for x in row.iter_mut() {
+                    *x = (*x - m).exp_fast();
+                }
+                let inv = T::one() / simd::sum(&row);
+                let o = &mut out[i * c + hh * d..][..d];
+                o.fill(T::zero());
+                for (&p, vj) in row.iter().zip(v.chunks_exact(d)) {
+                    axpy(o, p * inv, vj);
+                }
+            }
+        }
+    }
+}
+
+/// The generation op: `(qkv, bias) → out`, appending to the cache it holds.
+struct CachedSelfAttention<'a> {
+    cache: Mutex<&'a mut KvBlock>,
+    n_head: usize,
+    scale: f32,
+}
+
+impl CustomOp2 for CachedSelfAttention<'_> {
+    fn name(&self) -> &'static str {
+        "rltune-cached-self-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        let (b, t, c3) = match l1.dims() {
+            &[b, t, c3] => (b, t, c3),
+            d => candle_core::bail!("cached self-attention: qkv must be (B, T, 3C), got {d:?}"),
+        };
+        let c = c3 / 3;
+        let h = self.n_head;
+        if c3 % 3 != 0 || h == 0 || c % h != 0 {
+            candle_core::bail!("cached self-attention: 3C = {c3} does not split into 3 × {h} heads");
+        }
+        let mut cache = super::lock(&self.cache);
+        if cache.k.is_empty() {
+            cache.k = vec![Vec::new(); b * h];
+            cache.v = vec![Vec::new(); b * h];
+        }
+        if cache.k.len() != b * h {
+            candle_core::bail!(
+                "cached self-attention: the cache holds {} sequence × head slots, the input needs {b} × {h}",
+                cache.k.len()
+            );
+        }
+        let s = cache.len + t;
+        if l2.dims() != [b, 1, t, s] {
+            candle_core::bail!("cached self-attention: bias {:?} is not ({b}, 1, {t}, {s})", l2.dims());
+        }
+        let qkv = contiguous::<f32>(s1, l1, "cached self-attention")?;
+        let bias = contiguous::<f32>(s2, l2, "cached self-attention")?;
+        let mut out = vec![0f32; b * t * c];
+        if t > 0 && c > 0 {
+            let KvBlock { k, v, .. } = &mut **cache;
+            out.par_chunks_mut(t * c)
+                .zip(k.par_chunks_mut(h))
+                .zip(v.par_chunks_mut(h))
+                .zip(qkv.par_chunks(t * c3))
+                .zip(bias.par_chunks(t * s))
+                .for_each(|((((o, ks), vs), x), bias)| cached_seq(o, ks, vs, x, bias, t, c, self.scale));
+        }
+        cache.len = s;
+        Ok((CpuStorage::F32(out), (b, t, c).into()))
+    }
+}
+
+/// [`self_attention`] for generation with a KV cache: appends the keys and values of
+/// `qkv (B, T, 3C)` to `cache`, then attends each of the `T` new positions over the cached ones
+/// and the new ones; `bias (B, 1, T, S)` masks the `S` keys (padding, future positions). f32 on
+/// the CPU; no gradient. The same results as the composed attention over concatenated keys and
+/// values, up to summation order.
+pub fn cached_self_attention(
+    qkv: &Tensor,
+    bias: &Tensor,
+    cache: &mut KvBlock,
+    n_head: usize,
+    scale: f64,
+) -> CResult<Tensor> {
+    if !qkv.device().is_cpu() || qkv.dtype() != DType::F32 || bias.dtype() != DType::F32 {
+        candle_core::bail!("cached self-attention runs on f32 CPU tensors");
+    }
+    let op = CachedSelfAttention { cache: Mutex::new(cache), n_head, scale: scale as f32 };
+    qkv.contiguous()?.apply_op2_no_bwd(&bias.contiguous()?, &op)
+}
+
 /// [`self_attention`] from differentiable candle ops (split heads, attention, merge heads).
 pub fn self_attention_composed(qkv: &Tensor, bias: &Tensor, n_head: usize, scale: f64) -> CResult<Tensor> {
     let (b, t, c3) = qkv.dims3()?;
@@ -331,7 +466,43 @@ pub fn self_attention_composed(qkv: &Tensor, bias: &Tensor, n_head: usize, scale
 mod tests {
     use super::*;
     use crate::ops::testutil::{check, fd_check, max_diff, randn};
-    use candle_core::{DType, Device};
+    use candle_core::Device;
+
+    /// Prefill of 3 positions (one sequence left-padded), then two decoding steps through the
+    /// cache: every output equals the full-sequence attention at that position.
+    #[test]
+    fn cached_attention_equals_full_attention() {
+        use crate::models::layers::causal_bias;
+        let (b, s, h, c) = (2, 5, 3, 12);
+        let qkv = randn(&[b, s, 3 * c], 4).to_dtype(DType::F32).unwrap();
+        let mask = vec![vec![0, 1, 1, 1, 1], vec![1, 1, 1, 1, 1]];
+        let full =
+            self_attention(&qkv, &causal_bias(&mask, s, DType::F32, &Device::Cpu).unwrap(), h, 0.3).unwrap();
+        let mut cache = KvBlock::default();
+        let mut at = 0;
+        for t in [3, 1, 1] {
+            let m: Vec<Vec<u8>> = mask.iter().map(|r| r[..at + t].to_vec()).collect();
+            let bias = causal_bias(&m, t, DType::F32, &Device::Cpu).unwrap();
+            let y = cached_self_attention(&qkv.narrow(1, at, t).unwrap(), &bias, &mut cache, h, 0.3).unwrap();
+            for (bi, row) in mask.iter().enumerate() {
+                for i in (0..t).filter(|&i| row[at + i] == 1) {
+                    // (A padding query sees no key: its uniform average spans different keys.)
+                    let got = y.get(bi).unwrap().get(i).unwrap();
+                    let d = max_diff(&got, &full.get(bi).unwrap().get(at + i).unwrap());
+                    assert!(d < 1e-5, "sequence {bi} position {}: max diff {d}", at + i);
+                }
+            }
+            at += t;
+            assert_eq!(cache.len(), at);
+        }
+        let bias = causal_bias(&mask, 1, DType::F32, &Device::Cpu).unwrap();
+        let err =
+            cached_self_attention(&qkv.narrow(1, 0, 1).unwrap(), &bias, &mut cache, h, 0.3).unwrap_err();
+        assert!(err.to_string().contains("bias [2, 1, 1, 5] is not (2, 1, 1, 6)"), "{err}");
+        let one = qkv.narrow(0, 0, 1).unwrap().narrow(1, 0, 1).unwrap();
+        let err = cached_self_attention(&one, &bias, &mut cache, h, 0.3).unwrap_err();
+        assert!(err.to_string().contains("holds 6 sequence × head slots, the input needs 1 × 3"), "{err}");
+    }
 
     fn causal(mask: &[Vec<u8>], dtype: DType) -> Tensor {
         let t = mask[0].len();

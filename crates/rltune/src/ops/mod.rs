@@ -57,9 +57,10 @@ mod lm_head;
 mod norm;
 pub(crate) mod simd;
 mod softmax;
+pub(crate) use softmax::exp_row_f32;
 
 pub use activation::{gelu_tanh, gelu_tanh_composed};
-pub use attention::{self_attention, self_attention_composed};
+pub use attention::{cached_self_attention, self_attention, self_attention_composed, KvBlock};
 pub use embedding::embedding;
 pub use gemm::{matmul_precision, set_matmul_precision, MatmulPrecision};
 pub use linear::{linear, linear_composed, linear_in_out, linear_in_out_composed, matmul};

@@ -46,6 +46,40 @@ fn logsumexp<T: Elem>(x: &[T]) -> T {
 }
 
 simd_kernel! {
+    /// One row of logits becomes its unnormalized distribution in place: `x ← e^(x/t − m)` with
+    /// `m = max(x/t)`; returns `(m, Σ e^(x/t − m))`. The sampler's vectorized pass.
+    fn exp_row_inplace<T: Elem>(x: &mut [T], temperature: T) -> (T, T) {
+        if temperature != T::one() {
+            for v in x.iter_mut() {
+                *v /= temperature;
+            }
+        }
+        let m = simd::max(x);
+        let mut acc = [T::zero(); LANES];
+        let mut chunks = x.chunks_exact_mut(LANES);
+        for c in &mut chunks {
+            for l in 0..LANES {
+                let e = (c[l] - m).exp_fast();
+                acc[l] += e;
+                c[l] = e;
+            }
+        }
+        let mut s = simd::sum(&acc);
+        for v in chunks.into_remainder() {
+            let e = (*v - m).exp_fast();
+            s += e;
+            *v = e;
+        }
+        (m, s)
+    }
+}
+
+/// [`exp_row_inplace`] for f32 rows (the sampler's fast path).
+pub(crate) fn exp_row_f32(x: &mut [f32], temperature: f32) -> (f32, f32) {
+    exp_row_inplace(x, temperature)
+}
+
+simd_kernel! {
     /// Softmax of each row, in place.
     fn softmax_rows_inplace<T: Elem>(o: &mut [T], n: usize) {
         for o in o.chunks_mut(n) {
