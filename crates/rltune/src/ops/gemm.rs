@@ -340,12 +340,19 @@ struct Split {
     col_panels: usize,
 }
 
-/// Picks task sizes for an `mr × nr` microkernel: blocks that fit the caches (at most 16 row
-/// tiles by 32 column panels), then halved until every thread has about four tasks (rayon
-/// balances the rest), but no smaller than one tile.
+/// Most row tiles kept in one task (so B is packed inside the tasks, see `x86::drive`).
+const ONE_ROW_CHUNK: usize = 24;
+
+/// Picks task sizes for an `mr × nr` microkernel: blocks that fit the caches (up to 16 row tiles
+/// — or all of them, when there are at most [`ONE_ROW_CHUNK`] — by 32 column panels, in chunks of
+/// even size), then halved until every thread has about four tasks (rayon balances the rest),
+/// but no smaller than one tile.
 fn split(m: usize, n: usize, k: usize, threads: usize, (mr, nr): (usize, usize)) -> Split {
     let (mt, nt) = (m.div_ceil(mr), n.div_ceil(nr));
-    let mut s = Split { row_tiles: mt.min(16), col_panels: nt.min(32) };
+    // Even chunks: 22 tiles are 2 × 11, not 16 + 6.
+    let even = |tiles: usize, most: usize| tiles.div_ceil(tiles.div_ceil(most).max(1)).max(1);
+    let rows = if mt <= ONE_ROW_CHUNK { mt.max(1) } else { even(mt, 16) };
+    let mut s = Split { row_tiles: rows, col_panels: even(nt, 32) };
     // Below about 4 MFLOP per task the fork-join costs more than it saves.
     let min_flops = 4e6;
     let count = |s: Split| mt.div_ceil(s.row_tiles) * nt.div_ceil(s.col_panels);
@@ -546,6 +553,12 @@ mod x86 {
     /// panels; unless [`reads_b_in_place`]), then each task packs its rows of A block by block
     /// and runs the microkernel.
     ///
+    /// When one task spans all rows (A has at most [`super::ONE_ROW_CHUNK`] tiles, as PPO's
+    /// minibatches of 96–128 rows), each B panel is used by one task only: the task packs it
+    /// into an L1-sized buffer just before its row tiles use it, instead of all of B going to a
+    /// packed copy in memory and back (at 128 rows that round trip cost as much as a fifth of
+    /// the product).
+    ///
     /// # Safety
     /// As [`sgemm`], for `K`'s instruction set.
     unsafe fn drive<K: Micro>(a: MatRef, b: MatRef, c: *mut f32, bias: Option<&[f32]>, accumulate: bool) {
@@ -557,8 +570,15 @@ mod x86 {
         let direct_b = reads_b_in_place(&b, m);
         // Whether panel `j` is read in place (only full panels are).
         let in_place = |j: usize| direct_b && (j + 1) * nr_ <= n;
-        // Packed panels per depth block: all of them, or with `direct_b` only the last, partial one.
-        let packed_panels = if direct_b { 1 } else { panels };
+        // Whether the tasks pack their own panels (one task per column range).
+        let local_b = !direct_b && m.div_ceil(s.row_tiles * mr_) == 1;
+        // Packed panels per depth block: all of them, or with `direct_b` only the last, partial
+        // one; none with `local_b`.
+        let packed_panels = match (local_b, direct_b) {
+            (true, _) => 0,
+            (false, true) => 1,
+            (false, false) => panels,
+        };
         let packed_len = k * packed_panels * nr_;
         // Where block `q` (depth `kc`) of packed panel `j` starts: `q·KC·panels·NR + j·kc·NR`,
         // or `q·KC·NR` for the one panel packed with `direct_b`.
@@ -570,9 +590,12 @@ mod x86 {
             }
         };
         with_buffer(&PACKED_B, packed_len, |pb| {
-            let chunks: Vec<(usize, usize)> = (0..blocks)
-                .flat_map(|q| (0..panels).filter(|&j| !in_place(j)).map(move |j| (q, j)))
-                .collect();
+            let chunks: Vec<(usize, usize)> = match local_b {
+                true => Vec::new(),
+                false => (0..blocks)
+                    .flat_map(|q| (0..panels).filter(|&j| !in_place(j)).map(move |j| (q, j)))
+                    .collect(),
+            };
             let pb_ptr = SendPtr(pb.as_mut_ptr());
             let pack = |&(q, j): &(usize, usize)| {
                 let kc = KC.min(k - q * KC);
@@ -603,7 +626,9 @@ mod x86 {
                 // partial last tile (and other layouts) go through the packing buffer.
                 let tiles = mc.div_ceil(mr_);
                 let full = if a.cs == 1 { mc / mr_ } else { 0 };
-                with_buffer(&PACKED_A, tiles * mr_ * KC, |pa| {
+                let panel_len = if local_b { KC * nr_ } else { 0 };
+                with_buffer(&PACKED_A, tiles * mr_ * KC + panel_len, |buf| {
+                    let (pa, panel) = buf.split_at_mut(tiles * mr_ * KC);
                     for q in 0..blocks {
                         let kc = KC.min(k - q * KC);
                         if full < tiles {
@@ -619,10 +644,14 @@ mod x86 {
                             let nr = nr_.min(n - col);
                             // SAFETY (this block): tile (row.., col..) lies inside c and belongs
                             // to this task; a full direct tile reads rows row..row + MR of `a`;
-                            // the packed panels lie inside `pa` and `pb`.
+                            // the packed panels lie inside `pa`, `pb` or `panel`; the CPU has K's
+                            // instruction set (the caller's promise).
                             unsafe {
                                 let (bp, ldb) = if in_place(j) {
                                     (b.data.as_ptr().add(b.off + q * KC * b.rs + col), b.rs)
+                                } else if local_b {
+                                    K::pack_b(&b, q * KC, kc, col, &mut panel[..kc * nr_]);
+                                    (panel.as_ptr(), nr_)
                                 } else {
                                     (pb.as_ptr().add(slot(q, j, kc)), nr_)
                                 };
@@ -993,6 +1022,10 @@ mod tests {
             (100, 7, 1000),
             (6, 16, 16),
             (7, 513, 17),
+            // Row-major B packed inside the tasks (one row chunk, several depth blocks), and
+            // packed up front (more than one row chunk).
+            (40, 600, 50),
+            (150, 300, 70),
         ] {
             let a = data(m * k, 1);
             let b = data(k * n, 2);
@@ -1056,13 +1089,23 @@ mod tests {
 
     #[test]
     fn splits_cover_the_output() {
-        for &(m, n, k, t) in
-            &[(512, 768, 256, 2), (64, 8192, 256, 2), (1, 1, 1, 2), (8192, 256, 512, 2), (5, 5, 5, 1)]
-        {
+        for &(m, n, k, t) in &[
+            (512, 768, 256, 2),
+            (64, 8192, 256, 2),
+            (1, 1, 1, 2),
+            (8192, 256, 512, 2),
+            (5, 5, 5, 1),
+            (128, 3072, 768, 2),
+        ] {
             for (mr, nr) in [(14, 32), (6, 16)] {
                 let s = split(m, n, k, t, (mr, nr));
                 assert!(s.row_tiles >= 1 && s.col_panels >= 1);
-                assert!(s.row_tiles <= 16 && s.col_panels <= 32);
+                assert!(s.row_tiles <= ONE_ROW_CHUNK && s.col_panels <= 32);
+                // Even chunks: padding the last one to full size takes fewer tiles than there
+                // are chunks (22 tiles are 2 × 11, not 16 + 6).
+                let (mt, nt) = (m.div_ceil(mr), n.div_ceil(nr));
+                assert!(mt.div_ceil(s.row_tiles) * s.row_tiles - mt < mt.div_ceil(s.row_tiles));
+                assert!(nt.div_ceil(s.col_panels) * s.col_panels - nt < nt.div_ceil(s.col_panels));
             }
         }
     }
