@@ -412,10 +412,18 @@ fn pack_a(a: &MatRef, i0: usize, mc: usize, p0: usize, kc: usize, mr: usize, out
         let r0 = i0 + t * mr;
         let rows = mr.min(i0 + mc - r0);
         if a.rs == 1 && rows == mr {
-            // Column-major (a transposed row-major matrix): each step is mr contiguous values.
-            for (p, dst) in panel.chunks_exact_mut(mr).enumerate() {
-                let s = a.off + r0 + (p0 + p) * a.cs;
-                dst.copy_from_slice(&a.data[s..s + mr]);
+            // Column-major (a transposed row-major matrix): each step is mr contiguous values,
+            // copied at the kernels' fixed sizes (`copy_from_slice` of a runtime length is a
+            // call to memmove per 24 bytes: 3.6% of the `small` preset's time).
+            match mr {
+                6 => pack_a_columns::<6>(a, r0, p0, panel),
+                14 => pack_a_columns::<14>(a, r0, p0, panel),
+                _ => {
+                    for (p, dst) in panel.chunks_exact_mut(mr).enumerate() {
+                        let s = a.off + r0 + (p0 + p) * a.cs;
+                        dst.copy_from_slice(&a.data[s..s + mr]);
+                    }
+                }
             }
         } else {
             if rows < mr {
@@ -434,6 +442,19 @@ fn pack_a(a: &MatRef, i0: usize, mc: usize, p0: usize, kc: usize, mr: usize, out
                     }
                 }
             }
+        }
+    }
+}
+
+/// [`pack_a`]'s column-major case for `MR`-row panels: step `p` of rows `r0..r0 + MR`.
+#[inline(always)]
+fn pack_a_columns<const MR: usize>(a: &MatRef, r0: usize, p0: usize, panel: &mut [f32]) {
+    for (p, dst) in panel.chunks_exact_mut(MR).enumerate() {
+        let s = a.off + r0 + (p0 + p) * a.cs;
+        if let (Ok(dst), Ok(src)) =
+            (<&mut [f32; MR]>::try_from(dst), <&[f32; MR]>::try_from(&a.data[s..s + MR]))
+        {
+            *dst = *src;
         }
     }
 }
