@@ -47,6 +47,7 @@ simd_kernel! {
                 }
             }
             let m = simd::max(x);
+            let lo = <T as num_traits::Float>::min_value();
             let xt = x[t];
             let mut acc = [T::zero(); LANES];
             let mut acc_x = [T::zero(); LANES];
@@ -56,8 +57,10 @@ simd_kernel! {
                     let d = c[l] - m;
                     let e = d.exp_fast();
                     acc[l] += e;
-                    // A term with e = 0 adds nothing (no 0 · ∞ for x = −∞).
-                    acc_x[l] += if e > T::zero() { e * d } else { T::zero() };
+                    // A term with e = 0 adds nothing: −∞ becomes −MAX, so x = −∞ adds 0·(−MAX)
+                    // = 0, not 0·(−∞) = NaN. Branch-free (a select here compiled to a masked
+                    // store per vector).
+                    acc_x[l] += e * if d > lo { d } else { lo };
                     c[l] = e;
                 }
             }

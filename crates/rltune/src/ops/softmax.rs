@@ -9,11 +9,12 @@ use super::simd::{self, simd_kernel, LANES};
 use super::{contiguous, last_dim, par_rows, CResult, Elem};
 
 /// `(Σ e^(x − m), Σ e^(x − m)·(x − m))` with vectorizable lanes; a term with `e^(x − m) = 0`
-/// adds nothing to the second sum (so `x = −∞` gives no `0 · ∞`).
+/// adds nothing to the second sum (`x − m = −∞` is taken as −MAX, so no `0 · ∞`).
 #[inline(always)]
 fn sum_exp<T: Elem>(x: &[T], m: T, with_x: bool) -> (T, T) {
     let mut acc = [T::zero(); LANES];
     let mut acc_x = [T::zero(); LANES];
+    let lo = <T as num_traits::Float>::min_value();
     let chunks = x.chunks_exact(LANES);
     let rest = chunks.remainder();
     for c in chunks {
@@ -22,7 +23,8 @@ fn sum_exp<T: Elem>(x: &[T], m: T, with_x: bool) -> (T, T) {
             let e = d.exp_fast();
             acc[l] += e;
             if with_x {
-                acc_x[l] += if e > T::zero() { e * d } else { T::zero() };
+                // Branch-free (see the doc comment): a select compiled to a masked store.
+                acc_x[l] += e * if d > lo { d } else { lo };
             }
         }
     }
