@@ -11,8 +11,10 @@
 //!
 //! `--profile` then re-runs the same loop as `generate` with a timer around each phase (prefill,
 //! and per decode step: forward through the blocks, lm_head matmul, `to_vec2`, the sampler's
-//! per-row f64 log-softmax, the draw, mask/bias building), checks that it draws the same tokens
-//! as `generate`, and times a few alternatives that the optimization proposals rely on.
+//! `sample_pure` per row, mask/bias building), checks that it draws the same tokens as
+//! `generate`, and times a few alternatives that the optimization proposals relied on. The
+//! op-by-op breakdown of block 0 times the composed attention (head split, KV concatenation,
+//! batched matmuls), which `generate` replaced by `ops::cached_self_attention`.
 //!
 //! ```sh
 //! cargo run --release -p rltune --example bench_generate -- --profile
@@ -128,8 +130,7 @@ struct Profile {
     decode_forward: Duration,
     lm_head: Duration,
     to_vec2: Duration,
-    log_softmax: Duration,
-    draw: Duration,
+    sample: Duration,
     inputs: Duration,
     total: Duration,
     steps: usize,
@@ -146,8 +147,7 @@ impl Profile {
             ("decode forward (embeddings + 12 blocks + ln_f)", self.decode_forward, steps - 1.0),
             ("lm_head matmul (B x 768 @ 768 x 50257)", self.lm_head, steps),
             ("to_vec2 of (B, V) logits", self.to_vec2, steps),
-            ("sampler log_distribution (f64, per row)", self.log_softmax, steps),
-            ("sampler draw (CDF scan, per row)", self.draw, steps),
+            ("sampler::sample_pure (f32 pass + f64 scan, per row)", self.sample, steps),
             ("mask / positions / bias tensors", self.inputs, steps),
         ];
         let mut accounted = 0.0;
@@ -182,7 +182,6 @@ fn profiled_generate(
     prof: &mut Profile,
 ) -> rltune::Result<Vec<Vec<u32>>> {
     let start = Instant::now();
-    let sampler_cfg = SamplerConfig { temperature: gen.temperature, top_k: gen.top_k, top_p: gen.top_p };
     let pad_id = lm.config().eos_token_ids()[0];
     let b = prompts.len();
     let (ids, mut mask) = pad(prompts, pad_id, PaddingSide::Left);
@@ -205,15 +204,14 @@ fn profiled_generate(
             let last = hidden.narrow(1, hidden.dim(1)? - 1, 1)?; // (B, 1, C)
             lm.logits(&last)?.squeeze(1)?.to_dtype(DType::F32).map_err(Into::into)
         })?;
-        let logits = timed(&mut prof.to_vec2, || Ok(logits.to_vec2::<f32>()?))?;
+        let mut logits = timed(&mut prof.to_vec2, || Ok(logits.to_vec2::<f32>()?))?;
         let mut next = vec![pad_id; b];
-        for i in 0..b {
+        for (i, row) in logits.iter_mut().enumerate() {
+            // As generate(): one uniform per row in row order, the pure-sampling path.
+            let u: f64 = rand::Rng::gen(&mut rng);
             let t = Instant::now();
-            let logp = sampler::log_distribution(&logits[i], &sampler_cfg, &[]);
-            prof.log_softmax += t.elapsed();
-            let t = Instant::now();
-            let tok = sampler::sample(&logp, &mut rng);
-            prof.draw += t.elapsed();
+            let (tok, _) = sampler::sample_pure(row, gen.temperature, &[], u);
+            prof.sample += t.elapsed();
             out[i].push(tok as u32);
             next[i] = tok as u32;
         }

@@ -49,7 +49,8 @@ pub fn default_thread_setup() {
 
 /// Keeps freed memory for reuse instead of handing it back to the kernel (glibc: mmap threshold
 /// 32 MiB, trim threshold 1 GiB; see the module docs). A no-op with other C libraries. An
-/// explicit `MALLOC_MMAP_THRESHOLD_` or `MALLOC_TRIM_THRESHOLD_` in the environment wins.
+/// explicit `MALLOC_MMAP_THRESHOLD_` or `MALLOC_TRIM_THRESHOLD_` in the environment wins (the
+/// `GLIBC_TUNABLES` spelling of the same settings is overridden).
 pub fn tune_allocator() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {

@@ -90,9 +90,10 @@ pub fn sample_at(logp: &[f64], u: f64) -> usize {
 ///
 /// One vectorized f32 pass turns the row into `e^(x/T − m)`; the draw scans the running sum (in
 /// f64) to `u · Σ`, the same inversion of the CDF as [`sample_at`]. It agrees with
-/// [`log_distribution`] + [`sample_at`] up to the f32 rounding of each weight (2 ulp: a draw
-/// that close to a CDF step can pick the neighbouring token). A row with no finite weight (all
-/// banned) goes to the f64 path.
+/// [`log_distribution`] + [`sample_at`] up to the f32 rounding of `x/T − m` and of `e^…` (a
+/// relative ~1e-7 per weight, and ~1e-5 absolute in the logprob when |x/T| is near 100): a
+/// draw that close to a CDF step can pick the neighbouring token. A row with no finite weight
+/// (all banned) goes to the f64 path. A temperature ≤ 0 counts as 1, as there.
 pub fn sample_pure(row: &mut [f32], temperature: f64, banned: &[u32], u: f64) -> (usize, f64) {
     let original = row.to_vec();
     for &b in banned {
@@ -100,7 +101,8 @@ pub fn sample_pure(row: &mut [f32], temperature: f64, banned: &[u32], u: f64) ->
             *v = f32::NEG_INFINITY;
         }
     }
-    crate::ops::exp_row_f32(row, temperature as f32);
+    let t = if temperature > 0.0 { temperature } else { 1.0 };
+    crate::ops::exp_row_f32(row, t as f32);
     // The total in the scan's own f64 arithmetic (the kernel's f32 sum is off by ~1e-6, which
     // would move the target across a CDF step in one draw out of twenty at GPT-2's vocabulary).
     let mut lanes = [0f64; 4];

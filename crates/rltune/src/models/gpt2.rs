@@ -269,7 +269,8 @@ impl Gpt2 {
     /// Final hidden states (after `ln_f`) at every new position: `(B, T) ids -> (B, T, C)`.
     ///
     /// `position_ids (B, T)`; `bias (B, 1, T, S)` from [`super::layers::causal_bias`]; with a
-    /// cache, the new keys and values are appended to it.
+    /// cache, the new keys and values are appended to it. The cached path is for generation:
+    /// on the CPU in f32 its attention ([`ops::cached_self_attention`]) builds no backward graph.
     pub fn forward(
         &self,
         input_ids: &Tensor,

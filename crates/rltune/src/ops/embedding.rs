@@ -117,6 +117,11 @@ mod tests {
     }
 
     #[test]
+    fn finite_differences() {
+        crate::ops::testutil::fd_check(&[&[6, 4]], |t| embedding(&t[0], &ids()).unwrap());
+    }
+
+    #[test]
     fn backward_scatters_into_the_sink() {
         let table = Var::from_tensor(&randn(&[6, 4], 1).to_dtype(DType::F32).unwrap()).unwrap();
         let proj = randn(&[2, 3, 4], 9).to_dtype(DType::F32).unwrap();
@@ -133,8 +138,8 @@ mod tests {
         assert!(store.get(&table).is_none(), "the gradient went to candle's store");
         assert_eq!(sink.state().buf, want);
         loss().backward().unwrap();
-        let twice: Vec<f32> = want.iter().map(|v| 2.0 * v).collect();
-        assert_eq!(sink.state().buf, twice);
+        let worst = sink.state().buf.iter().zip(&want).map(|(g, w)| (g - 2.0 * w).abs()).fold(0f32, f32::max);
+        assert!(worst < 1e-5, "second backward added {worst} off");
     }
 
     #[test]

@@ -145,8 +145,8 @@ fn with_matref<R>(t: &Tensor, f: impl FnOnce(MatRef) -> R) -> Option<R> {
 }
 
 /// Writes `a·b` into `w`'s sink with the GEMM (accumulating in its epilogue after the first
-/// write); `Ok(false)` when `w` has no sink or the operands are not f32 CPU matrices, and the
-/// caller then hands candle the product itself.
+/// write); `Ok(false)` when `w` has no sink, the CPU has no fast SGEMM, or the operands are not
+/// f32 CPU matrices; the caller then computes the product itself.
 pub(crate) fn gemm_into_sink(w: &Tensor, a: &Tensor, b: &Tensor) -> CResult<bool> {
     let Some(sink) = sink_of(w) else { return Ok(false) };
     if !gemm::fast_available() {

@@ -13,6 +13,7 @@
 //! | [`softmax_last_dim`], [`log_softmax_last_dim`] | max, sub, exp, sum, div / log |
 //! | [`scaled_masked_softmax`] | attention's `scores · scale + bias` then softmax |
 //! | [`self_attention`] | GPT-2's split of `qkv` into heads, `q·kᵀ`, masked softmax, `·v`, merge of the heads (no `(B, H, T, D)` copies in the graph) |
+//! | [`cached_self_attention`] | the same in generation, with the KV cache appended in place (no `Tensor::cat` of the cache per step; no gradient) |
 //! | [`logprobs_of`] | log-softmax over the vocabulary, then gather (no `(B, T, V)` log-softmax kept) |
 //! | [`entropy_from_logits`] | log-softmax, exp, mul, sum (one pass per row) |
 //! | [`lm_head_logprobs`] | the LM head's product, then logprobs and entropy, on selected rows only (no `(N, V)` tensor in the graph) |

@@ -747,6 +747,11 @@ mod tests {
         let x = Tensor::new(&[[0f32, 0.0, f32::NEG_INFINITY]], &Device::Cpu).unwrap();
         let h = entropy_from_logits(&x).unwrap().to_vec1::<f32>().unwrap();
         assert!((h[0] - 2f32.ln()).abs() < 1e-6, "{h:?}");
+        // Wider than the vector lanes, −∞ inside the vectorized part: 20 equal tokens of 40.
+        let row: Vec<f32> = (0..40).map(|i| if i % 2 == 0 { 1.5 } else { f32::NEG_INFINITY }).collect();
+        let x = Tensor::from_vec(row, (1, 40), &Device::Cpu).unwrap();
+        let h = entropy_from_logits(&x).unwrap().to_vec1::<f32>().unwrap();
+        assert!((h[0] - 20f32.ln()).abs() < 1e-5, "{h:?}");
     }
 
     #[test]

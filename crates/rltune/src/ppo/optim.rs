@@ -18,7 +18,7 @@ use crate::ops::simd::simd_kernel;
 /// The gradients of a list of variables, summed over the backward passes of one update (torch's
 /// `param.grad` between `zero_grad()` and `step()`).
 ///
-/// f32 CPU variables get a persistent buffer (an `ops::grad_sink::GradSink`): during
+/// Contiguous f32 CPU variables get a persistent buffer (an `ops::grad_sink::GradSink`): during
 /// [`Grads::backward`] the ops that take weights write into it directly, with no zero-filled
 /// tensors or adds in candle's gradient store, and whatever the store still holds for the
 /// variable (from other ops) is added after. Other variables keep candle's gradient tensors,
@@ -204,9 +204,11 @@ impl Adam {
     /// f32 CPU variables are updated in place, in one pass over parameter, gradient buffer and
     /// moments; others go through a copy.
     pub fn step(&mut self, grads: &Grads) -> Result<()> {
-        if grads.vars.len() != self.vars.len() {
+        let same =
+            |a: &[Var], b: &[Var]| a.iter().zip(b).all(|(x, y)| x.as_tensor().id() == y.as_tensor().id());
+        if grads.vars.len() != self.vars.len() || !same(&grads.vars, &self.vars) {
             return Err(Error::Input(format!(
-                "gradients for {} variables given to an optimizer over {}",
+                "gradients for {} variables given to an optimizer over {} other ones (build Grads from Adam::vars)",
                 grads.vars.len(),
                 self.vars.len()
             )));
@@ -339,6 +341,9 @@ mod tests {
         }
         let err = adam.step(&Grads::new(&[])).unwrap_err().to_string();
         assert!(err.contains("gradients for 0 variables given to an optimizer over 1"), "{err}");
+        let other = Var::new(&[0f32, 0.0, 0.0], &Device::Cpu).unwrap();
+        let err = adam.step(&Grads::new(&[other])).unwrap_err().to_string();
+        assert!(err.contains("build Grads from Adam::vars"), "{err}");
     }
 
     #[test]
@@ -419,6 +424,14 @@ mod tests {
         let store = |scale| loss(scale).backward().unwrap();
         let (s1, s2) = (store(1.0), store(-0.5));
         let mut grads = Grads::new(&vars);
+        {
+            // The weights of the fused ops go to the buffers, the matmul's to candle's store.
+            let _scope = SinkScope::install(Arc::clone(&grads.map));
+            let s = loss(1.0).backward().unwrap();
+            for (i, var) in vars.iter().enumerate() {
+                assert_eq!(s.get(var).is_some(), i == 6, "variable {i} in candle's store");
+            }
+        }
         for _ in 0..2 {
             grads.clear();
             grads.backward(&loss(1.0)).unwrap();
