@@ -405,28 +405,26 @@ pub(super) fn with_buffer<T: Copy + Default, R>(
     })
 }
 
-/// Packs rows `i0..i0 + mc` × columns `p0..p0 + kc` of `a` into `mr`-row panels: panel `t`,
-/// step `p`, row `r` at `t·kc·mr + p·mr + r`; rows past the end are zero.
-fn pack_a(a: &MatRef, i0: usize, mc: usize, p0: usize, kc: usize, mr: usize, out: &mut [f32]) {
-    for (t, panel) in out[..mc.div_ceil(mr) * kc * mr].chunks_exact_mut(kc * mr).enumerate() {
-        let r0 = i0 + t * mr;
-        let rows = mr.min(i0 + mc - r0);
-        if a.rs == 1 && rows == mr {
-            // Column-major (a transposed row-major matrix): each step is mr contiguous values,
-            // copied at the kernels' fixed sizes (`copy_from_slice` of a runtime length is a
-            // call to memmove per 24 bytes: 3.6% of the `small` preset's time).
-            match mr {
-                6 => pack_a_columns::<6>(a, r0, p0, panel),
-                14 => pack_a_columns::<14>(a, r0, p0, panel),
-                _ => {
-                    for (p, dst) in panel.chunks_exact_mut(mr).enumerate() {
-                        let s = a.off + r0 + (p0 + p) * a.cs;
-                        dst.copy_from_slice(&a.data[s..s + mr]);
-                    }
+/// Packs rows `i0..i0 + mc` × columns `p0..p0 + kc` of `a` into `MR`-row panels: panel `t`,
+/// step `p`, row `r` at `t·kc·MR + p·MR + r`; rows past the end are zero.
+fn pack_a<const MR: usize>(a: &MatRef, i0: usize, mc: usize, p0: usize, kc: usize, out: &mut [f32]) {
+    for (t, panel) in out[..mc.div_ceil(MR) * kc * MR].chunks_exact_mut(kc * MR).enumerate() {
+        let r0 = i0 + t * MR;
+        let rows = MR.min(i0 + mc - r0);
+        if a.rs == 1 && rows == MR {
+            // Column-major (a transposed row-major matrix): each step is MR contiguous values,
+            // copied as a fixed-size array (`copy_from_slice` of a runtime length was a call to
+            // memmove per 24 bytes: 3.6% of the `small` preset's time).
+            for (p, dst) in panel.chunks_exact_mut(MR).enumerate() {
+                let s = a.off + r0 + (p0 + p) * a.cs;
+                if let (Ok(dst), Ok(src)) =
+                    (<&mut [f32; MR]>::try_from(dst), <&[f32; MR]>::try_from(&a.data[s..s + MR]))
+                {
+                    *dst = *src;
                 }
             }
         } else {
-            if rows < mr {
+            if rows < MR {
                 panel.fill(0.0);
             }
             for r in 0..rows {
@@ -434,27 +432,14 @@ fn pack_a(a: &MatRef, i0: usize, mc: usize, p0: usize, kc: usize, mr: usize, out
                 if a.cs == 1 {
                     let src = &a.data[base..base + kc];
                     for (p, &v) in src.iter().enumerate() {
-                        panel[p * mr + r] = v;
+                        panel[p * MR + r] = v;
                     }
                 } else {
                     for p in 0..kc {
-                        panel[p * mr + r] = a.data[base + p * a.cs];
+                        panel[p * MR + r] = a.data[base + p * a.cs];
                     }
                 }
             }
-        }
-    }
-}
-
-/// [`pack_a`]'s column-major case for `MR`-row panels: step `p` of rows `r0..r0 + MR`.
-#[inline(always)]
-fn pack_a_columns<const MR: usize>(a: &MatRef, r0: usize, p0: usize, panel: &mut [f32]) {
-    for (p, dst) in panel.chunks_exact_mut(MR).enumerate() {
-        let s = a.off + r0 + (p0 + p) * a.cs;
-        if let (Ok(dst), Ok(src)) =
-            (<&mut [f32; MR]>::try_from(dst), <&[f32; MR]>::try_from(&a.data[s..s + MR]))
-        {
-            *dst = *src;
         }
     }
 }
@@ -539,6 +524,9 @@ mod x86 {
         /// # Safety
         /// The CPU has the kernel's instruction set.
         unsafe fn pack_b(b: &MatRef, p0: usize, kc: usize, j0: usize, out: &mut [f32]);
+
+        /// [`pack_a`] for this kernel's `MR`.
+        fn pack_a(a: &MatRef, i0: usize, mc: usize, p0: usize, kc: usize, out: &mut [f32]);
     }
 
     /// Runs the product on `isa`'s kernel.
@@ -653,7 +641,7 @@ mod x86 {
                     for q in 0..blocks {
                         let kc = KC.min(k - q * KC);
                         if full < tiles {
-                            pack_a(&a, i0 + full * mr_, mc - full * mr_, q * KC, kc, mr_, pa);
+                            K::pack_a(&a, i0 + full * mr_, mc - full * mr_, q * KC, kc, pa);
                         }
                         let load_c = accumulate || q > 0;
                         let bias_ptr = match bias {
@@ -734,6 +722,10 @@ mod x86 {
     impl Micro for Avx512 {
         const MR: usize = 14;
         const NR: usize = 16 * Self::NV;
+
+        fn pack_a(a: &MatRef, i0: usize, mc: usize, p0: usize, kc: usize, out: &mut [f32]) {
+            pack_a::<{ Self::MR }>(a, i0, mc, p0, kc, out);
+        }
 
         unsafe fn pack_b(b: &MatRef, p0: usize, kc: usize, j0: usize, out: &mut [f32]) {
             if b.rs == 1
@@ -881,6 +873,10 @@ mod x86 {
     impl Micro for Avx2 {
         const MR: usize = 6;
         const NR: usize = 16;
+
+        fn pack_a(a: &MatRef, i0: usize, mc: usize, p0: usize, kc: usize, out: &mut [f32]) {
+            pack_a::<{ Self::MR }>(a, i0, mc, p0, kc, out);
+        }
 
         unsafe fn pack_b(b: &MatRef, p0: usize, kc: usize, j0: usize, out: &mut [f32]) {
             if b.rs == 1 && b.cs != 1 && b.cols - j0 >= Self::NR {

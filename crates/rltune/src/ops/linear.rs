@@ -122,6 +122,15 @@ pub(super) fn gemm_no_bwd(a: &Tensor, b: &Tensor) -> CResult<Tensor> {
     a.apply_op2_no_bwd(b, &Gemm)
 }
 
+/// The gradient `a·b` of weight `w`: written into `w`'s gradient sink when it has one (`None`
+/// is then candle's share), else the product.
+pub(super) fn weight_grad(w: &Tensor, a: &Tensor, b: &Tensor) -> CResult<Option<Tensor>> {
+    if grad_sink::gemm_into_sink(w, a, b)? {
+        return Ok(None);
+    }
+    grad_sink::give(w, gemm_no_bwd(a, b)?)
+}
+
 /// `y = x·W (+ b)` with `W` read through `layout`; inputs `x (rows, in)`, `W`, `b (out)`.
 struct LinearOp(WeightLayout);
 
@@ -149,10 +158,7 @@ impl LinearOp {
             WeightLayout::OutIn => (g.t()?, x.clone()),
             WeightLayout::InOut => (x.t()?, g.clone()),
         };
-        if grad_sink::gemm_into_sink(w, &a, &b)? {
-            return Ok((dx, None));
-        }
-        Ok((dx, grad_sink::give(w, gemm_no_bwd(&a, &b)?)?))
+        Ok((dx, weight_grad(w, &a, &b)?))
     }
 }
 

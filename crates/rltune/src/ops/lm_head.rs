@@ -23,8 +23,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, DType, Device, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::grad_sink;
-use super::linear::{cpu_gemm, gemm_no_bwd};
+use super::linear::{cpu_gemm, gemm_no_bwd, weight_grad};
 use super::simd::{self, simd_kernel, LANES};
 use super::{contiguous, lock, CResult, Elem};
 
@@ -274,10 +273,7 @@ impl CustomOp2 for LmHead {
             None => h.clone(),
             Some(idx) => h.index_select(idx, 0)?,
         };
-        let dw = match grad_sink::gemm_into_sink(w_param, &d.t()?, &h_sel)? {
-            true => None,
-            false => grad_sink::give(w_param, gemm_no_bwd(&d.t()?, &h_sel)?)?,
-        };
+        let dw = weight_grad(w_param, &d.t()?, &h_sel)?;
         let dh_sel = gemm_no_bwd(&d, &w)?;
         let dh = match &idx {
             None => dh_sel,

@@ -49,35 +49,22 @@ fn logsumexp<T: Elem>(x: &[T]) -> T {
 
 simd_kernel! {
     /// One row of logits becomes its unnormalized distribution in place: `x ← e^(x/t − m)` with
-    /// `m = max(x/t)`; returns `(m, Σ e^(x/t − m))`. The sampler's vectorized pass.
-    fn exp_row_inplace<T: Elem>(x: &mut [T], temperature: T) -> (T, T) {
+    /// `m = max(x/t)`. The sampler's vectorized pass (it sums the weights itself, in f64).
+    fn exp_row_inplace<T: Elem>(x: &mut [T], temperature: T) {
         if temperature != T::one() {
             for v in x.iter_mut() {
                 *v /= temperature;
             }
         }
         let m = simd::max(x);
-        let mut acc = [T::zero(); LANES];
-        let mut chunks = x.chunks_exact_mut(LANES);
-        for c in &mut chunks {
-            for l in 0..LANES {
-                let e = (c[l] - m).exp_fast();
-                acc[l] += e;
-                c[l] = e;
-            }
+        for v in x.iter_mut() {
+            *v = (*v - m).exp_fast();
         }
-        let mut s = simd::sum(&acc);
-        for v in chunks.into_remainder() {
-            let e = (*v - m).exp_fast();
-            s += e;
-            *v = e;
-        }
-        (m, s)
     }
 }
 
 /// [`exp_row_inplace`] for f32 rows (the sampler's fast path).
-pub(crate) fn exp_row_f32(x: &mut [f32], temperature: f32) -> (f32, f32) {
+pub(crate) fn exp_row_f32(x: &mut [f32], temperature: f32) {
     exp_row_inplace(x, temperature)
 }
 
