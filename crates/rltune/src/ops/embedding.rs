@@ -68,7 +68,7 @@ impl CustomOp2 for Embedding {
                     let dst = &mut buf[id as usize * c..][..c];
                     dst.iter_mut().zip(row).for_each(|(d, g)| *d += g);
                 }
-            });
+            })?;
             return Ok((None, None));
         }
         let dense = table.zeros_like()?.index_add(ids, g, 0)?;
@@ -130,7 +130,7 @@ mod tests {
             loss().backward().unwrap().get(&table).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
         let sink = Arc::new(GradSink::new(24));
         // Stale values in the buffer must not leak into the first write.
-        sink.write(|b, _| b.fill(7.0));
+        sink.write(|b, _| b.fill(7.0)).unwrap();
         sink.clear();
         let map = Arc::new([(table.as_tensor().id(), Arc::clone(&sink))].into_iter().collect());
         let _scope = SinkScope::install(map);

@@ -225,6 +225,32 @@ pub(crate) fn sgemm(a: MatRef, b: MatRef, c: &mut [f32], bias: Option<&[f32]>, a
     sgemm_ref(a, b, c, bias, accumulate);
 }
 
+/// What [`sgemm_epilogue`] hands its consumer: a finished block of the product, rows `i0..i0 +
+/// rows` × columns `j0..j0 + cols`, row `r` at `block[r·ld..r·ld + cols]`.
+pub(crate) type Epilogue<'a> = dyn Fn(usize, usize, usize, usize, &[f32], usize) + Sync + 'a;
+
+/// `a·b` handed to `epi` block by block, each block once, while it is still in cache, and never
+/// stored as a whole (a weight gradient consumed by the optimizer in place: see
+/// `grad_sink::gemm_into_sink`). Blocks are disjoint and may be handed over from several
+/// threads at once. Values equal [`sgemm`]'s bit for bit (the same kernel and depth order), but
+/// only the f32 kernels are used (no AMX, no transposed product).
+pub(crate) fn sgemm_epilogue(a: MatRef, b: MatRef, epi: &Epilogue) {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    check_args(&a, &b, None, false);
+    if m == 0 || n == 0 {
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if let Some(isa) = isa().filter(|_| k > 0) {
+        // SAFETY: the CPU has `isa` and the views were checked; `c` is unused with an epilogue.
+        unsafe { x86::sgemm_with(isa, a, b, std::ptr::null_mut(), None, false, Some(epi)) };
+        return;
+    }
+    let mut c = vec![0f32; m * n];
+    sgemm_ref(a, b, &mut c, None, false);
+    epi(0, m, 0, n, &c, n);
+}
+
 /// Whether to compute `Cᵀ = Bᵀ·Aᵀ` instead: when B is column-major (a transposed weight, as in
 /// `x·Wᵀ`) and A has few rows, packing B costs more than the product itself (per value of B,
 /// 2m FLOPs against a gather). `Bᵀ` is row-major and the microkernel reads it in place, so
@@ -542,9 +568,26 @@ mod x86 {
         bias: Option<&[f32]>,
         accumulate: bool,
     ) {
+        sgemm_with(isa, a, b, c, bias, accumulate, None)
+    }
+
+    /// [`sgemm`], or with `epi` (then `c` is unused, `bias` none and `accumulate` false) the
+    /// product handed to `epi` block by block (see [`super::sgemm_epilogue`]).
+    ///
+    /// # Safety
+    /// As [`sgemm`].
+    pub(super) unsafe fn sgemm_with(
+        isa: Isa,
+        a: MatRef,
+        b: MatRef,
+        c: *mut f32,
+        bias: Option<&[f32]>,
+        accumulate: bool,
+        epi: Option<&Epilogue>,
+    ) {
         match isa {
-            Isa::Avx512 => drive::<Avx512>(a, b, c, bias, accumulate),
-            Isa::Avx2 => drive::<Avx2>(a, b, c, bias, accumulate),
+            Isa::Avx512 => drive::<Avx512>(a, b, c, bias, accumulate, epi),
+            Isa::Avx2 => drive::<Avx2>(a, b, c, bias, accumulate, epi),
         }
     }
 
@@ -578,7 +621,18 @@ mod x86 {
     ///
     /// # Safety
     /// As [`sgemm`], for `K`'s instruction set.
-    unsafe fn drive<K: Micro>(a: MatRef, b: MatRef, c: *mut f32, bias: Option<&[f32]>, accumulate: bool) {
+    ///
+    /// With an epilogue, each task multiplies into a buffer of its own block of C instead and
+    /// hands the finished block to `epi`.
+    unsafe fn drive<K: Micro>(
+        a: MatRef,
+        b: MatRef,
+        c: *mut f32,
+        bias: Option<&[f32]>,
+        accumulate: bool,
+        epi: Option<&Epilogue>,
+    ) {
+        debug_assert!(epi.is_none() || (bias.is_none() && !accumulate));
         let (mr_, nr_) = (K::MR, K::NR);
         let (m, k, n) = (a.rows, a.cols, b.cols);
         let panels = n.div_ceil(nr_);
@@ -644,8 +698,16 @@ mod x86 {
                 let tiles = mc.div_ceil(mr_);
                 let full = if a.cs == 1 { mc / mr_ } else { 0 };
                 let panel_len = if local_b { KC * nr_ } else { 0 };
-                with_buffer(&PACKED_A, tiles * mr_ * KC + panel_len, |buf| {
-                    let (pa, panel) = buf.split_at_mut(tiles * mr_ * KC);
+                // With an epilogue, C is this task's block: `tiles·MR` rows of `width` values.
+                let width = (j1 - j0) * nr_;
+                let block_len = if epi.is_some() { tiles * mr_ * width } else { 0 };
+                with_buffer(&PACKED_A, tiles * mr_ * KC + panel_len + block_len, |buf| {
+                    let (pa, rest) = buf.split_at_mut(tiles * mr_ * KC);
+                    let (panel, block) = rest.split_at_mut(panel_len);
+                    let (c_base, ldc, c_row0, c_col0) = match epi {
+                        Some(_) => (block.as_mut_ptr(), width, i0, j0 * nr_),
+                        None => (c_ptr.get(), n, 0, 0),
+                    };
                     for q in 0..blocks {
                         let kc = KC.min(k - q * KC);
                         if full < tiles {
@@ -662,9 +724,9 @@ mod x86 {
                             // The next panel this task reads from B (unpacked), fetched while
                             // this one is multiplied: a panel is `kc` separate cache lines of a
                             // weight that comes from memory, which packing alone waits on.
-                            let width = j1 - j0;
-                            let at = q * width + (j - j0) + 1;
-                            let next = (at < blocks * width).then(|| (at / width, j0 + at % width));
+                            let span = j1 - j0;
+                            let at = q * span + (j - j0) + 1;
+                            let next = (at < blocks * span).then(|| (at / span, j0 + at % span));
                             let next = next.filter(|&(_, nj)| local_b || in_place(nj));
                             let next_kc = next.map_or(0, |(nq, _)| KC.min(k - nq * KC));
                             let per_tile = next_kc.div_ceil(tiles);
@@ -690,17 +752,23 @@ mod x86 {
                                     }
                                     let row = i0 + t * mr_;
                                     let mr = mr_.min(m - row);
-                                    let cp = c_ptr.get().add(row * n + col);
+                                    let cp = c_base.add((row - c_row0) * ldc + col - c_col0);
                                     if t < full {
                                         let ap = a.data.as_ptr().add(a.off + row * a.rs + q * KC);
-                                        K::kernel::<true>(kc, ap, a.rs, bp, ldb, cp, n, mr, nr, load_c, bias);
+                                        K::kernel::<true>(
+                                            kc, ap, a.rs, bp, ldb, cp, ldc, mr, nr, load_c, bias,
+                                        );
                                     } else {
                                         let ap = pa.as_ptr().add((t - full) * kc * mr_);
-                                        K::kernel::<false>(kc, ap, 0, bp, ldb, cp, n, mr, nr, load_c, bias);
+                                        K::kernel::<false>(kc, ap, 0, bp, ldb, cp, ldc, mr, nr, load_c, bias);
                                     }
                                 }
                             }
                         }
+                    }
+                    if let Some(epi) = epi {
+                        let col0 = j0 * nr_;
+                        epi(i0, mc, col0, width.min(n - col0), block, width);
                     }
                 });
             };
@@ -1110,6 +1178,50 @@ mod tests {
                 let d = pool.install(|| check(a, b, bias, acc));
                 assert!(d < 1e-5, "{m}×{k}×{n} bias {} acc {acc}: {d}", bias.is_some());
             }
+        }
+    }
+
+    #[test]
+    fn epilogue_gets_every_block_once_with_the_products_values() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("thread pool");
+        // One row chunk with several depth blocks (B packed in the tasks), several row chunks
+        // (B packed up front), a weight gradient's transposed A, partial tiles everywhere.
+        for (m, k, n, a_transposed) in [
+            (1, 1, 1, false),
+            (40, 600, 50, false),
+            (150, 300, 70, false),
+            (200, 96, 130, true),
+            (13, 5, 700, true),
+        ] {
+            let a_data = data(m * k, 1);
+            let b_data = data(k * n, 2);
+            let a = match a_transposed {
+                true => MatRef::row_major(&a_data, k, m).t(),
+                false => MatRef::row_major(&a_data, m, k),
+            };
+            let b = MatRef::row_major(&b_data, k, n);
+            let mut want = vec![0f32; m * n];
+            pool.install(|| sgemm(a, b, &mut want, None, false));
+            let got = std::sync::Mutex::new((vec![f32::NAN; m * n], vec![0u32; m * n]));
+            pool.install(|| {
+                sgemm_epilogue(a, b, &|i0, rows, j0, cols, block, ld| {
+                    let mut g = got.lock().unwrap();
+                    for r in 0..rows {
+                        for c in 0..cols {
+                            g.0[(i0 + r) * n + j0 + c] = block[r * ld + c];
+                            g.1[(i0 + r) * n + j0 + c] += 1;
+                        }
+                    }
+                })
+            });
+            let (got, seen) = got.into_inner().unwrap();
+            assert!(
+                seen.iter().all(|&s| s == 1),
+                "{m}×{k}×{n}: a value handed over {:?} times",
+                seen.iter().max()
+            );
+            let same = got.iter().zip(&want).all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(same, "{m}×{k}×{n}: the epilogue's values differ from sgemm's");
         }
     }
 

@@ -14,20 +14,40 @@
 //! nothing is zero-filled (a tied weight gets the LM head's product first, then the embedding's
 //! rows). Gradients that reach a parameter through other ops still arrive in candle's store; the
 //! owner adds them with [`GradSink::add`] (`ppo::optim::Grads` does).
+//!
+//! A sink can also be *armed* with an optimizer update ([`FusedUpdate`]): the first product
+//! written to it ([`gemm_into_sink`]) is then never stored, and each block of it updates the
+//! parameter in place from the GEMM's epilogue, while the block is still in cache (torch's
+//! optimizer-in-backward, done at the level of the product). The owner arms only parameters
+//! whose whole gradient is that one product (one write in the previous backward, nothing in
+//! candle's store); a later write to an updated parameter is an error.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use candle_core::{DType, Storage, Tensor, TensorId};
+use candle_core::{CpuStorage, DType, InplaceOp1, Layout, Storage, Tensor, TensorId};
 
 use super::gemm::{self, MatRef};
 use super::{lock, CResult};
 
+/// An optimizer step applied inside the product that makes a weight's gradient (see the module
+/// docs): `update(p, g, at)` updates the parameter's values `p`, flat indices `at..at + p.len()`,
+/// from their gradient `g`. Called from several threads at once, on disjoint ranges.
+pub(crate) trait FusedUpdate: Send + Sync {
+    fn update(&self, p: &mut [f32], g: &[f32], at: usize);
+}
+
 /// One parameter's gradient buffer.
-#[derive(Debug)]
 pub(crate) struct GradSink {
     state: Mutex<SinkState>,
+    fused: Mutex<Option<Arc<dyn FusedUpdate>>>,
+}
+
+impl std::fmt::Debug for GradSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GradSink").field("state", &self.state).finish_non_exhaustive()
+    }
 }
 
 /// A sink's buffer and whether it holds a gradient since the last clear.
@@ -37,17 +57,28 @@ pub(crate) struct SinkState {
     pub buf: Vec<f32>,
     /// Whether a gradient was written since the last [`GradSink::clear`].
     pub filled: bool,
+    /// Writes since the last clear (a fused update counts as one).
+    pub writes: usize,
+    /// Whether an armed update consumed the gradient (the buffer holds none, `filled` is false).
+    pub applied: bool,
 }
 
 impl GradSink {
     /// A sink for a parameter of `len` values.
     pub fn new(len: usize) -> Self {
-        Self { state: Mutex::new(SinkState { buf: vec![0.0; len], filled: false }) }
+        let state = SinkState { buf: vec![0.0; len], filled: false, writes: 0, applied: false };
+        Self { state: Mutex::new(state), fused: Mutex::new(None) }
     }
 
     /// Forgets the gradient (the buffer is kept, and overwritten by the next write).
     pub fn clear(&self) {
-        lock(&self.state).filled = false;
+        let mut s = lock(&self.state);
+        (s.filled, s.writes, s.applied) = (false, 0, false);
+    }
+
+    /// Arms (or with `None` disarms) the optimizer update that the next first write applies.
+    pub fn arm(&self, update: Option<Arc<dyn FusedUpdate>>) {
+        *lock(&self.fused) = update;
     }
 
     /// The buffer and whether it holds a gradient.
@@ -57,22 +88,50 @@ impl GradSink {
 
     /// Runs `f(buf, accumulate)`: `accumulate` is false for the first write since the last clear
     /// (`f` must then overwrite every value it is responsible for; see [`Self::write_sparse`]).
-    pub fn write(&self, f: impl FnOnce(&mut [f32], bool)) {
+    ///
+    /// An error after an armed update consumed this backward's gradient (the parameter has moved;
+    /// it should not have been armed).
+    pub fn write(&self, f: impl FnOnce(&mut [f32], bool)) -> CResult<()> {
         let mut s = lock(&self.state);
+        if s.applied {
+            candle_core::bail!(
+                "a second gradient for a parameter already updated inside this backward (an \
+                 optimizer fused into the backward must only be armed for parameters with one \
+                 gradient product; run the optimizer after the backward instead)"
+            );
+        }
         let acc = s.filled;
         f(&mut s.buf, acc);
         s.filled = true;
+        s.writes += 1;
+        Ok(())
     }
 
     /// Like [`Self::write`] for a writer that touches only some values (a scatter): a first write
     /// zero-fills the buffer before `f` adds into it.
-    pub fn write_sparse(&self, f: impl FnOnce(&mut [f32])) {
+    pub fn write_sparse(&self, f: impl FnOnce(&mut [f32])) -> CResult<()> {
         self.write(|buf, acc| {
             if !acc {
                 buf.fill(0.0);
             }
             f(buf)
         })
+    }
+
+    /// The armed update, if this is the first write since the last clear.
+    fn first_fused(&self) -> Option<Arc<dyn FusedUpdate>> {
+        let s = lock(&self.state);
+        if s.writes > 0 {
+            return None;
+        }
+        lock(&self.fused).clone()
+    }
+
+    /// Records that the armed update consumed the gradient.
+    fn mark_applied(&self) {
+        let mut s = lock(&self.state);
+        s.writes += 1;
+        s.applied = true;
     }
 
     /// Adds a gradient tensor of the parameter's size (any shape, f32 after conversion).
@@ -88,8 +147,7 @@ impl GradSink {
             } else {
                 buf.copy_from_slice(&g);
             }
-        });
-        Ok(())
+        })
     }
 }
 
@@ -156,12 +214,66 @@ pub(crate) fn gemm_into_sink(w: &Tensor, a: &Tensor, b: &Tensor) -> CResult<bool
     if m * n != w.elem_count() {
         candle_core::bail!("weight gradient of {m} × {n} for a weight of shape {:?}", w.dims());
     }
-    let done = with_matref(a, |a| {
-        with_matref(b, |b| {
-            sink.write(|buf, acc| gemm::sgemm(a, b, buf, None, acc));
-        })
-    });
-    Ok(matches!(done, Some(Some(()))))
+    let f32_cpu = |t: &Tensor| t.dtype() == DType::F32 && t.device().is_cpu() && t.rank() == 2;
+    if f32_cpu(a) && f32_cpu(b) {
+        if let Some(update) = sink.first_fused() {
+            w.inplace_op1(&FusedProduct { a, b, update })?;
+            sink.mark_applied();
+            return Ok(true);
+        }
+    }
+    let done =
+        with_matref(a, |a| with_matref(b, |b| sink.write(|buf, acc| gemm::sgemm(a, b, buf, None, acc))));
+    match done {
+        Some(Some(r)) => r.map(|()| true),
+        _ => Ok(false),
+    }
+}
+
+/// `w ← update(w, a·b)` block by block from the GEMM's epilogue (an armed sink's first write).
+struct FusedProduct<'a> {
+    a: &'a Tensor,
+    b: &'a Tensor,
+    update: Arc<dyn FusedUpdate>,
+}
+
+impl InplaceOp1 for FusedProduct<'_> {
+    fn name(&self) -> &'static str {
+        "rltune-fused-weight-update"
+    }
+
+    fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> CResult<()> {
+        let (Some((p0, p1)), CpuStorage::F32(p)) = (l.contiguous_offsets(), s) else {
+            candle_core::bail!("fused weight update: the parameter must be a contiguous f32 tensor");
+        };
+        let p = &mut p[p0..p1];
+        let (len, ptr) = (p.len(), gemm::SendPtr(p.as_mut_ptr()));
+        let done = with_matref(self.a, |a| {
+            with_matref(self.b, |b| {
+                let n = b.cols;
+                if a.rows * n != len {
+                    return false;
+                }
+                gemm::sgemm_epilogue(a, b, &|i0, rows, j0, cols, block, ld| {
+                    for r in 0..rows {
+                        let at = (i0 + r) * n + j0;
+                        // SAFETY: the epilogue's blocks are disjoint and lie inside the
+                        // `rows(a) × cols(b)` product, which has the parameter's `len` values;
+                        // the parameter's storage is locked for writing by this in-place op.
+                        let p = unsafe { std::slice::from_raw_parts_mut(ptr.get().add(at), cols) };
+                        self.update.update(p, &block[r * ld..r * ld + cols], at);
+                    }
+                });
+                true
+            })
+        });
+        match done {
+            Some(Some(true)) => Ok(()),
+            _ => candle_core::bail!(
+                "fused weight update: operands are not f32 matrices of the parameter's size"
+            ),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -179,12 +291,13 @@ mod tests {
         s.write(|b, acc| {
             assert!(!acc);
             b.copy_from_slice(&[1.0, 2.0, 3.0])
-        });
+        })
+        .unwrap();
         s.add(&Tensor::new(&[1f32, 1.0, 1.0], &Device::Cpu).unwrap()).unwrap();
         assert_eq!(s.state().buf, [2.0, 3.0, 4.0]);
         s.clear();
         assert!(!s.state().filled);
-        s.write_sparse(|b| b[1] += 5.0);
+        s.write_sparse(|b| b[1] += 5.0).unwrap();
         assert_eq!(s.state().buf, [0.0, 5.0, 0.0]);
         let err = s.add(&Tensor::new(&[1f32], &Device::Cpu).unwrap()).unwrap_err().to_string();
         assert!(err.contains("1 values for a parameter of 3"), "{err}");

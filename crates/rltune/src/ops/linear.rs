@@ -153,6 +153,8 @@ impl LinearOp {
     /// `(dx, dW)` for upstream gradient `g (rows, out)`; `dW` is `None` when it went into the
     /// weight's gradient sink.
     fn grads(&self, x: &Tensor, w: &Tensor, g: &Tensor) -> CResult<(Tensor, Option<Tensor>)> {
+        // `dx` reads W, so it comes first: the weight-gradient product may update W in place
+        // (an armed gradient sink, see `grad_sink`).
         let dx = gemm_no_bwd(g, &self.rhs(w)?.t()?)?;
         let (a, b) = match self.0 {
             WeightLayout::OutIn => (g.t()?, x.clone()),

@@ -273,8 +273,10 @@ impl CustomOp2 for LmHead {
             None => h.clone(),
             Some(idx) => h.index_select(idx, 0)?,
         };
-        let dw = weight_grad(w_param, &d.t()?, &h_sel)?;
+        // `dh` reads W, so it comes first: the weight-gradient product may update W in place
+        // (an armed gradient sink, see `grad_sink`).
         let dh_sel = gemm_no_bwd(&d, &w)?;
+        let dw = weight_grad(w_param, &d.t()?, &h_sel)?;
         let dh = match &idx {
             None => dh_sel,
             Some(idx) => h.zeros_like()?.index_add(idx, &dh_sel, 0)?,

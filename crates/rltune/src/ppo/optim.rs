@@ -12,7 +12,7 @@ use candle_core::{CpuStorage, DType, InplaceOp1, Layout, Tensor, Var};
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
-use crate::ops::grad_sink::{GradSink, SinkMap, SinkScope};
+use crate::ops::grad_sink::{FusedUpdate, GradSink, SinkMap, SinkScope};
 use crate::ops::simd::simd_kernel;
 
 /// The gradients of a list of variables, summed over the backward passes of one update (torch's
@@ -28,6 +28,9 @@ pub struct Grads {
     sinks: Vec<Option<Arc<GradSink>>>,
     map: Arc<SinkMap>,
     tensors: Vec<Option<Tensor>>,
+    /// Per variable, whether the last backward gave it exactly one buffered write and nothing
+    /// in candle's store (so [`Adam::step_fused`] may fuse its update into that write).
+    single_write: Vec<bool>,
 }
 
 impl Grads {
@@ -45,7 +48,8 @@ impl Grads {
             .zip(&sinks)
             .filter_map(|(v, s)| Some((v.as_tensor().id(), Arc::clone(s.as_ref()?))))
             .collect();
-        Self { vars: vars.to_vec(), sinks, map: Arc::new(map), tensors: vec![None; vars.len()] }
+        let single_write = vec![false; vars.len()];
+        Self { vars: vars.to_vec(), sinks, map: Arc::new(map), tensors: vec![None; vars.len()], single_write }
     }
 
     /// Forgets every gradient (torch's `zero_grad(set_to_none=True)`); buffers are kept.
@@ -61,7 +65,10 @@ impl Grads {
             loss.backward()?
         };
         for i in 0..self.vars.len() {
-            if let Some(g) = store.get(self.vars[i].as_tensor()) {
+            let stored = store.get(self.vars[i].as_tensor());
+            let writes = self.sinks[i].as_ref().map_or(0, |s| s.state().writes);
+            self.single_write[i] = writes == 1 && stored.is_none();
+            if let Some(g) = stored {
                 self.add(i, g)?;
             }
         }
@@ -204,6 +211,49 @@ impl Adam {
     /// f32 CPU variables are updated in place, in one pass over parameter, gradient buffer and
     /// moments; others go through a copy.
     pub fn step(&mut self, grads: &Grads) -> Result<()> {
+        self.check(grads)?;
+        self.step += 1;
+        let k = self.consts(self.step);
+        self.apply(grads, k)
+    }
+
+    /// `backward(grads)` and one update, with the update of each variable whose whole gradient
+    /// is one weight-gradient product (a linear layer's weight, an untied LM head) fused into
+    /// that product: its blocks update the parameter from the GEMM's epilogue, so the gradient
+    /// is never stored and read back (for GPT-2 the update's memory traffic drops by a third,
+    /// and overlaps the backward's products). The other variables are updated after the
+    /// backward. Results are those of `backward` then [`Self::step`], bit for bit.
+    ///
+    /// `backward` returns whether it ran a backward pass (false: no update, as for a skipped
+    /// minibatch). Which variables are fused is learned from the previous backward on `grads`
+    /// (the first runs unfused). Not for accumulated or clipped gradients, which need all of
+    /// them before any update. If `backward` fails, some variables may have been updated.
+    pub fn step_fused(
+        &mut self,
+        grads: &mut Grads,
+        backward: impl FnOnce(&mut Grads) -> Result<bool>,
+    ) -> Result<bool> {
+        self.check(grads)?;
+        let k = self.consts(self.step + 1);
+        let armed = Armed(grads.sinks.iter().flatten().cloned().collect());
+        for (i, sink) in grads.sinks.iter().enumerate() {
+            let Some(sink) = sink.as_ref().filter(|_| grads.single_write[i]) else { continue };
+            let (m, v) = (&mut self.m[i], &mut self.v[i]);
+            let update = FusedAdam { m: RawVec(m.as_mut_ptr()), v: RawVec(v.as_mut_ptr()), len: m.len(), k };
+            sink.arm(Some(Arc::new(update)));
+        }
+        let ran = backward(grads);
+        drop(armed);
+        if !ran? {
+            return Ok(false);
+        }
+        self.step += 1;
+        self.apply(grads, k)?;
+        Ok(true)
+    }
+
+    /// Checks that `grads` were built over this optimizer's variables.
+    fn check(&self, grads: &Grads) -> Result<()> {
         let same =
             |a: &[Var], b: &[Var]| a.iter().zip(b).all(|(x, y)| x.as_tensor().id() == y.as_tensor().id());
         if grads.vars.len() != self.vars.len() || !same(&grads.vars, &self.vars) {
@@ -213,18 +263,26 @@ impl Adam {
                 self.vars.len()
             )));
         }
-        self.step += 1;
-        let t = self.step as i32;
+        Ok(())
+    }
+
+    /// The constants of step `t` (counted from 1).
+    fn consts(&self, t: u64) -> AdamConsts {
+        let t = t as i32;
         let c = self.cfg;
         let bc1 = 1.0 - c.beta1.powi(t);
         let bc2_sqrt = (1.0 - c.beta2.powi(t)).sqrt();
-        let k = AdamConsts {
+        AdamConsts {
             step_size: (c.lr / bc1) as f32,
             b1: c.beta1 as f32,
             b2: c.beta2 as f32,
             eps: c.eps as f32,
             bc2s: bc2_sqrt as f32,
-        };
+        }
+    }
+
+    /// Updates every variable with a gradient in `grads` (a fused update leaves none).
+    fn apply(&mut self, grads: &Grads, k: AdamConsts) -> Result<()> {
         for (i, var) in self.vars.iter().enumerate() {
             let (m, v) = (&mut self.m[i], &mut self.v[i]);
             if let Some(sink) = &grads.sinks[i] {
@@ -244,6 +302,49 @@ impl Adam {
             var.set(&new)?;
         }
         Ok(())
+    }
+}
+
+/// Disarms the sinks when dropped (also when the backward fails or panics), so no sink keeps
+/// a pointer into the optimizer's moments.
+struct Armed(Vec<Arc<GradSink>>);
+
+impl Drop for Armed {
+    fn drop(&mut self) {
+        self.0.iter().for_each(|s| s.arm(None));
+    }
+}
+
+/// A pointer to a moment vector, shared by the epilogue's threads (they update disjoint ranges).
+#[derive(Clone, Copy)]
+struct RawVec(*mut f32);
+// SAFETY: only dereferenced in `FusedAdam::update`, on disjoint ranges, while the optimizer that
+// owns the vector is mutably borrowed by `Adam::step_fused` (the sinks are disarmed before it
+// returns).
+unsafe impl Send for RawVec {}
+unsafe impl Sync for RawVec {}
+
+/// One variable's Adam update, run on blocks of its gradient from the GEMM's epilogue.
+struct FusedAdam {
+    m: RawVec,
+    v: RawVec,
+    len: usize,
+    k: AdamConsts,
+}
+
+impl FusedUpdate for FusedAdam {
+    fn update(&self, p: &mut [f32], g: &[f32], at: usize) {
+        assert!(at + p.len() <= self.len && g.len() == p.len(), "fused adam: a block outside the parameter");
+        // SAFETY: in bounds (checked above); ranges handed over are disjoint, and the moments
+        // outlive the armed sink (see `RawVec`).
+        let (m, v) = unsafe {
+            (
+                std::slice::from_raw_parts_mut(self.m.0.add(at), p.len()),
+                std::slice::from_raw_parts_mut(self.v.0.add(at), p.len()),
+            )
+        };
+        let AdamConsts { step_size, b1, b2, eps, bc2s } = self.k;
+        adam_rows(p, g, m, v, [step_size, b1, b2, eps, bc2s]);
     }
 }
 
@@ -443,5 +544,106 @@ mod tests {
                 assert!(d < 1e-5, "variable {i}: max diff {d}");
             }
         }
+    }
+
+    /// A small model through the ops that write gradient buffers: a tied embedding / LM head
+    /// (two writes), an untied head, both linear layouts, a bias, layer norm and a candle
+    /// matmul (candle's store). `twice` runs `w1` a second time.
+    fn fused_model_loss(vars: &[Var], twice: bool) -> Tensor {
+        let dev = Device::Cpu;
+        let [wte, w1, b1, w2, lnw, lnb, vh, wh] = vars else { panic!("8 variables") };
+        let ids = Tensor::new(&[[1u32, 4, 4, 9], [0, 10, 3, 1]], &dev).unwrap();
+        let targets = Tensor::new(&[2u32, 5, 5, 1, 7, 0, 3, 3], &dev).unwrap();
+        let x = ops::embedding(wte, &ids).unwrap().reshape((8, 8)).unwrap();
+        let mut x = ops::linear(&x, w1, Some(b1)).unwrap();
+        if twice {
+            x = ops::linear(&x, w1, None).unwrap();
+        }
+        let x = ops::gelu_tanh(&x).unwrap();
+        let x = ops::linear_in_out(&x, w2, None).unwrap();
+        let h = ops::layer_norm(&x, lnw, lnb, 1e-5).unwrap();
+        let (lp, _) = ops::lm_head_logprobs(&h, wte, &targets, None, 1.0, true).unwrap();
+        let (lp2, _) = ops::lm_head_logprobs(&h, wh, &targets, None, 1.0, true).unwrap();
+        let v = h.matmul(vh).unwrap().sqr().unwrap().sum_all().unwrap();
+        ((lp.sum_all().unwrap() + lp2.sum_all().unwrap()).unwrap() + v).unwrap()
+    }
+
+    fn fused_model_vars() -> Vec<Var> {
+        let shapes: [&[usize]; 8] = [&[11, 8], &[8, 8], &[8], &[8, 8], &[8], &[8], &[8, 1], &[11, 8]];
+        shapes
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let t = crate::ops::testutil::randn(s, 20 + i as u64).to_dtype(DType::F32).unwrap();
+                Var::from_tensor(&t).unwrap()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn fused_steps_equal_backward_then_step() {
+        let cfg = AdamConfig { lr: 1e-2, ..AdamConfig::default() };
+        let (va, vb) = (fused_model_vars(), fused_model_vars());
+        let (mut oa, mut ob) = (Adam::new(va.clone(), cfg), Adam::new(vb.clone(), cfg));
+        let (mut ga, mut gb) = (Grads::new(&va), Grads::new(&vb));
+        for step in 0..3 {
+            ga.clear();
+            ga.backward(&fused_model_loss(&va, false)).unwrap();
+            oa.step(&ga).unwrap();
+            gb.clear();
+            let ran = ob
+                .step_fused(&mut gb, |g| {
+                    g.backward(&fused_model_loss(&vb, false))?;
+                    Ok(true)
+                })
+                .unwrap();
+            assert!(ran);
+            for (i, (a, b)) in va.iter().zip(&vb).enumerate() {
+                let (a, b) = (
+                    a.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                    b.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                );
+                assert!(
+                    a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                    "step {step}, variable {i} differs"
+                );
+            }
+            // From the second step the single-product weights (w1, w2, the untied head) are
+            // updated inside their products; the tied table, the bias and the norm are not.
+            let applied: Vec<bool> =
+                gb.sinks.iter().map(|s| s.as_ref().is_some_and(|s| s.state().applied)).collect();
+            let want = step > 0;
+            assert_eq!(applied, [false, want, false, want, false, false, false, want], "step {step}");
+        }
+        assert_eq!(oa.steps(), ob.steps());
+        // A skipped backward changes nothing.
+        let before = vb[1].flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        gb.clear();
+        assert!(!ob.step_fused(&mut gb, |_| Ok(false)).unwrap());
+        assert_eq!(ob.steps(), 3);
+        assert_eq!(vb[1].flatten_all().unwrap().to_vec1::<f32>().unwrap(), before);
+    }
+
+    #[test]
+    fn a_second_gradient_after_a_fused_update_is_an_error() {
+        let vars = fused_model_vars();
+        let mut opt = Adam::new(vars.clone(), AdamConfig::default());
+        let mut grads = Grads::new(&vars);
+        grads.backward(&fused_model_loss(&vars, false)).unwrap();
+        opt.step(&grads).unwrap();
+        // w1 had one product last time and is armed; now it gets two.
+        grads.clear();
+        let err = opt
+            .step_fused(&mut grads, |g| {
+                g.backward(&fused_model_loss(&vars, true))?;
+                Ok(true)
+            })
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("already updated inside this backward"), "{err}");
+        // Nothing stays armed: a plain backward and step work again.
+        grads.clear();
+        grads.backward(&fused_model_loss(&vars, true)).unwrap();
+        opt.step(&grads).unwrap();
     }
 }

@@ -553,6 +553,25 @@ impl PpoTrainer {
             let mut last_policykl = 0.0;
             for backward in perm.chunks(cfg.backward_batch_size()) {
                 grads.clear();
+                // One minibatch per update and no clipping: each weight whose gradient is one
+                // product is updated inside that product (`Adam::step_fused`, same results).
+                if cfg.gradient_accumulation_steps == 1 && cfg.max_grad_norm.is_none() && !self.record_grads {
+                    let placeholder = Adam::new(Vec::new(), self.optimizer.cfg);
+                    let mut optimizer = std::mem::replace(&mut self.optimizer, placeholder);
+                    let mut stats = None;
+                    let ran = optimizer.step_fused(&mut grads, |grads| {
+                        let (s, skipped) = self.train_minibatch(batch, data, backward, grads)?;
+                        stats = Some(s);
+                        Ok(!skipped)
+                    });
+                    self.optimizer = optimizer;
+                    ran?;
+                    if let Some(stats) = stats {
+                        last_policykl = stats.get("policy/policykl").and_then(Stat::as_f64).unwrap_or(0.0);
+                        all.push(stats);
+                    }
+                    continue;
+                }
                 let mut any = false;
                 for mb in backward.chunks(cfg.mini_batch_size) {
                     let (stats, skipped) = self.train_minibatch(batch, data, mb, &mut grads)?;
