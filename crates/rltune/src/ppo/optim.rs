@@ -222,7 +222,9 @@ impl Adam {
     /// that product: its blocks update the parameter from the GEMM's epilogue, so the gradient
     /// is never stored and read back (for GPT-2 the update's memory traffic drops by a third,
     /// and overlaps the backward's products). The other variables are updated after the
-    /// backward. Results are those of `backward` then [`Self::step`], bit for bit.
+    /// backward. Results are those of `backward` then [`Self::step`], bit for bit (at the
+    /// default f32 matmul precision: the fused products always run the f32 kernels, so under
+    /// `MatmulPrecision::Bf16` their gradients are the f32 ones).
     ///
     /// `backward` returns whether it ran a backward pass (false: no update, as for a skipped
     /// minibatch). Which variables are fused is learned from the previous backward on `grads`
