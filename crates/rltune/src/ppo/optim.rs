@@ -345,8 +345,7 @@ impl FusedUpdate for FusedAdam {
                 std::slice::from_raw_parts_mut(self.v.0.add(at), p.len()),
             )
         };
-        let AdamConsts { step_size, b1, b2, eps, bc2s } = self.k;
-        adam_rows(p, g, m, v, [step_size, b1, b2, eps, bc2s]);
+        self.k.update_rows(p, g, m, v);
     }
 }
 
@@ -363,12 +362,17 @@ struct AdamConsts {
 impl AdamConsts {
     /// torch `_single_tensor_adam`, element by element, in parallel chunks.
     fn update(&self, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
-        let AdamConsts { step_size, b1, b2, eps, bc2s } = *self;
         p.par_chunks_mut(4096)
             .zip(m.par_chunks_mut(4096))
             .zip(v.par_chunks_mut(4096))
             .zip(g.par_chunks(4096))
-            .for_each(|(((p, m), v), g)| adam_rows(p, g, m, v, [step_size, b1, b2, eps, bc2s]));
+            .for_each(|(((p, m), v), g)| self.update_rows(p, g, m, v));
+    }
+
+    /// The update of one range on this thread.
+    fn update_rows(&self, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
+        let AdamConsts { step_size, b1, b2, eps, bc2s } = *self;
+        adam_rows(p, g, m, v, [step_size, b1, b2, eps, bc2s]);
     }
 }
 
