@@ -90,12 +90,17 @@ impl RunningMoments {
 }
 
 /// The padded batch and the tensors every minibatch slices from.
+///
+/// The models only ever run on the first `L − 1` tokens: the last position's output would
+/// predict a token outside the batch, and causal attention keeps it out of every other
+/// position's output, so leaving it out changes no number (TRL runs the whole sequence and
+/// drops that output).
 struct Batch {
-    /// `(B, L)` u32
+    /// `(B, L)` u32: the model's input is `ids[:, :L−1]`, the targets `ids[:, 1:]`.
     ids: Tensor,
-    /// `(B, L)` u32
+    /// `(B, L−1)` u32
     positions: Tensor,
-    /// `(B, 1, L, L)`
+    /// `(B, 1, L−1, L−1)`
     bias: Tensor,
     /// `(B, L−1)` f32
     mask: Tensor,
@@ -386,8 +391,9 @@ impl PpoTrainer {
             .zip(input.responses)
             .map(|(q, r)| q.iter().chain(r).copied().collect())
             .collect();
-        let (ids, attn) = pad(&rows, self.pad_id, PaddingSide::Right);
+        let (ids, mut attn) = pad(&rows, self.pad_id, PaddingSide::Right);
         let l = ids[0].len();
+        attn.iter_mut().for_each(|a| a.truncate(l - 1));
         let b = rows.len();
         let mut mask = vec![0f32; b * (l - 1)];
         for i in 0..b {
@@ -401,8 +407,8 @@ impl PpoTrainer {
             ids: Tensor::new(ids, &self.device)?,
             // Right padding: `arange(L)` equals `cumsum(mask) − 1` on every real token, and gives
             // padding the positions TRL gives it (its logprobs appear in `objective/logprobs`).
-            positions: Tensor::arange(0u32, l as u32, &self.device)?.unsqueeze(0)?.repeat((b, 1))?,
-            bias: causal_bias(&attn, l, self.store.dtype(), &self.device)?,
+            positions: Tensor::arange(0u32, (l - 1) as u32, &self.device)?.unsqueeze(0)?.repeat((b, 1))?,
+            bias: causal_bias(&attn, l - 1, self.store.dtype(), &self.device)?,
             mask: Tensor::from_vec(mask, (b, l - 1), &self.device)?.to_dtype(self.store.dtype())?,
         })
     }
@@ -420,14 +426,13 @@ impl PpoTrainer {
         select: Option<&Tensor>,
         keep: bool,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        let w = ids.dim(1)? - 1;
-        let hidden = self.policy.lm.forward(ids, pos, bias, None)?;
+        let hidden = self.policy.lm.forward(&inputs(ids)?, pos, bias, None)?;
         let (logp, entropy) = self.head_logprobs(&self.policy.lm, &hidden, ids, select, keep)?;
-        let values = self.policy.v_head.forward(&hidden)?.narrow(1, 0, w)?;
+        let values = self.policy.v_head.forward(&hidden)?;
         Ok((logp, entropy, values))
     }
 
-    /// Logprobs of the next tokens and the entropies `(B, L−1)` from hidden states `(B, L, C)`,
+    /// Logprobs of the next tokens and the entropies `(B, L−1)` from hidden states `(B, L−1, C)` (or `(B, L, C)`),
     /// through the fused LM head ([`ops::lm_head_logprobs`], at the training temperature).
     fn head_logprobs(
         &self,
@@ -449,7 +454,7 @@ impl PpoTrainer {
     }
 
     /// Logprobs of the next tokens `(B, L−1)` and, with `full`, the log-distributions
-    /// `(B, L−1, V)`, from hidden states `(B, L, C)`; no gradient is kept.
+    /// `(B, L−1, V)`, from hidden states `(B, L−1, C)`; no gradient is kept.
     fn next_token_logprobs(
         &self,
         lm: &CausalLm,
@@ -482,14 +487,15 @@ impl PpoTrainer {
             let ids = batch.ids.narrow(0, start, n)?;
             let pos = batch.positions.narrow(0, start, n)?;
             let bias = batch.bias.narrow(0, start, n)?;
+            let input = inputs(&ids)?;
             if !use_cache {
-                let hidden = self.policy.lm.forward(&ids, &pos, &bias, None)?;
+                let hidden = self.policy.lm.forward(&input, &pos, &bias, None)?;
                 let (l, f) = self.next_token_logprobs(&self.policy.lm, &hidden, &ids, full)?;
                 lp.push(l);
                 flp.extend(f);
-                vals.push(self.policy.v_head.forward(&hidden)?.narrow(1, 0, ids.dim(1)? - 1)?.detach());
+                vals.push(self.policy.v_head.forward(&hidden)?.detach());
             }
-            let h = self.reference.forward(&ids, &pos, &bias, None)?;
+            let h = self.reference.forward(&input, &pos, &bias, None)?;
             let (l, f) = self.next_token_logprobs(&self.reference, &h, &ids, full)?;
             rlp.push(l);
             frlp.extend(f);
@@ -787,6 +793,11 @@ fn negative_kl_floor(stats: &Stats, mean_kl: f64) -> f64 {
         _ => 0.0,
     };
     -(3.0 * se).max(1e-4)
+}
+
+/// The models' input `ids[:, :L−1]` (see [`Batch`]).
+fn inputs(ids: &Tensor) -> Result<Tensor> {
+    Ok(ids.narrow(1, 0, ids.dim(1)? - 1)?)
 }
 
 fn flat(t: &Tensor) -> Result<Vec<f64>> {
