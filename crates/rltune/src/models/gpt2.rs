@@ -213,6 +213,21 @@ struct Block {
 }
 
 impl Block {
+    fn params(&self) -> ops::block::Gpt2BlockParams {
+        let pair = |c: &Conv1D| (c.weight.clone(), c.bias.clone());
+        ops::block::Gpt2BlockParams {
+            ln_1: (self.ln_1.weight.clone(), self.ln_1.bias.clone()),
+            c_attn: pair(&self.attn.c_attn),
+            c_proj: pair(&self.attn.c_proj),
+            ln_2: (self.ln_2.weight.clone(), self.ln_2.bias.clone()),
+            c_fc: pair(&self.mlp.c_fc),
+            mlp_proj: pair(&self.mlp.c_proj),
+            eps: self.ln_1.eps,
+            n_head: self.attn.n_head,
+            scale: self.attn.scale,
+        }
+    }
+
     fn load(p: &Params, cfg: &Gpt2Config, layer_idx: usize) -> Result<Self> {
         let (c, eps) = (cfg.n_embd, cfg.layer_norm_epsilon);
         Ok(Self {
@@ -224,6 +239,13 @@ impl Block {
     }
 
     fn forward(&self, x: &Tensor, bias: &Tensor, cache: Option<(&mut KvCache, usize)>) -> Result<Tensor> {
+        if cache.is_none() && self.mlp.act == Activation::GeluTanh {
+            // One graph node with a hand-written backward, where its weights' gradients can go to
+            // gradient sinks (`ops::block`); else the composed block below.
+            if let Some(z) = ops::block::gpt2_block(x, bias, &self.params())? {
+                return Ok(z);
+            }
+        }
         let h = (x + self.attn.forward(&self.ln_1.forward(x)?, bias, cache)?)?;
         Ok((&h + self.mlp.forward(&self.ln_2.forward(&h)?)?)?)
     }
@@ -294,5 +316,94 @@ impl Gpt2 {
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
         hidden.dims3()?;
         Ok(crate::ops::linear(hidden, &self.lm_head, None)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{Device, Var};
+
+    use super::*;
+    use crate::models::layers::{causal_bias, position_ids_from_mask};
+    use crate::params::ParamStore;
+    use crate::ppo::optim::Grads;
+
+    /// Ids, positions and bias for two rows, the second right-padded by two.
+    fn inputs(dev: &Device) -> (Tensor, Tensor, Tensor) {
+        let mask = vec![vec![1u8; 7], vec![1, 1, 1, 1, 1, 0, 0]];
+        let ids = Tensor::new(&[[3u32, 9, 1, 40, 22, 7, 5], [11, 2, 2, 30, 8, 0, 0]], dev).unwrap();
+        let pos = position_ids_from_mask(&mask, dev).unwrap();
+        (ids, pos, causal_bias(&mask, 7, DType::F32, dev).unwrap())
+    }
+
+    fn model(trainable: bool) -> (ParamStore, Gpt2) {
+        let store = ParamStore::random(17, trainable, DType::F32, &Device::Cpu).unwrap();
+        let model = Gpt2::load(&store.root(), &Gpt2Config::tiny(50, 32, 2, 4, 16)).unwrap();
+        (store, model)
+    }
+
+    fn loss(h: &Tensor) -> Tensor {
+        let proj = Tensor::arange(0f32, h.elem_count() as f32, h.device()).unwrap().reshape(h.shape()).unwrap();
+        (h * (proj * 0.37).unwrap().sin().unwrap()).unwrap().sum_all().unwrap()
+    }
+
+    fn values(t: &Tensor) -> Vec<f32> {
+        t.flatten_all().unwrap().to_vec1().unwrap()
+    }
+
+    #[test]
+    fn fused_blocks_match_the_composed_blocks_values_and_gradients() {
+        if !ops::gemm::fast_available() {
+            return;
+        }
+        let (store, model) = model(true);
+        let (ids, pos, bias) = inputs(&Device::Cpu);
+        let vars: Vec<Var> = store.vars().into_iter().map(|(_, v)| v).collect();
+        let mut grads = Grads::new(&vars);
+        let block = &model.h[0];
+        let x = (model.wte.forward(&ids).unwrap() + model.wpe.forward(&pos).unwrap()).unwrap();
+        // Without sinks for its weights the block cannot be fused; with them it is.
+        assert!(ops::block::gpt2_block(&x, &bias, &block.params()).unwrap().is_none());
+        {
+            let _sinks = grads.scope();
+            assert!(ops::block::gpt2_block(&x, &bias, &block.params()).unwrap().is_some());
+        }
+
+        let composed = model.forward(&ids, &pos, &bias, None).unwrap();
+        let want = loss(&composed).backward().unwrap();
+        let fused = {
+            let _sinks = grads.scope();
+            model.forward(&ids, &pos, &bias, None).unwrap()
+        };
+        grads.backward(&loss(&fused)).unwrap();
+        let close = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| (x - y).abs() <= 1e-6 * (1.0 + y.abs()));
+        assert!(close(&values(&fused), &values(&composed)), "hidden states differ");
+        for (i, (name, var)) in store.vars().iter().enumerate() {
+            let (got, want) = (grads.get(i).unwrap(), want.get(var));
+            let (got, want) = (got.unwrap_or_else(|| panic!("{name}: no gradient")), want.unwrap());
+            assert!(close(&values(&got), &values(want)), "{name}: gradients differ");
+            assert!(values(&got).iter().any(|&g| g != 0.0), "{name}: zero gradient");
+        }
+    }
+
+    #[test]
+    fn frozen_blocks_run_fused_and_a_backward_outside_the_scope_is_an_error() {
+        let (_, frozen) = model(false);
+        let (store, trainable) = model(true);
+        let (ids, pos, bias) = inputs(&Device::Cpu);
+        let a = values(&frozen.forward(&ids, &pos, &bias, None).unwrap());
+        let b = values(&trainable.forward(&ids, &pos, &bias, None).unwrap());
+        assert!(a.iter().zip(&b).all(|(x, y)| (x - y).abs() <= 1e-6 * (1.0 + y.abs())));
+        if !ops::gemm::fast_available() {
+            return;
+        }
+        let vars: Vec<Var> = store.vars().into_iter().map(|(_, v)| v).collect();
+        let grads = Grads::new(&vars);
+        let h = {
+            let _sinks = grads.scope();
+            trainable.forward(&ids, &pos, &bias, None).unwrap()
+        };
+        let err = loss(&h).backward().unwrap_err().to_string();
+        assert!(err.contains("no gradient sink"), "{err}");
     }
 }

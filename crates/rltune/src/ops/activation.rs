@@ -110,6 +110,11 @@ pub fn gelu_tanh(x: &Tensor) -> CResult<Tensor> {
     }
 }
 
+/// `g · gelu'(x)` (no graph; CPU, f32 or f64).
+pub(crate) fn gelu_tanh_bwd(x: &Tensor, g: &Tensor) -> CResult<Tensor> {
+    x.contiguous()?.apply_op2_no_bwd(&g.contiguous()?, &GeluTanhBwd)
+}
+
 /// [`gelu_tanh`] from differentiable candle ops: `½x(1 + tanh(√(2/π)(x + 0.044715x³)))`, with
 /// exact constants (candle's own `gelu` backward rounds them to 6 digits).
 pub fn gelu_tanh_composed(x: &Tensor) -> CResult<Tensor> {

@@ -314,6 +314,34 @@ pub fn self_attention(qkv: &Tensor, bias: &Tensor, n_head: usize, scale: f64) ->
     }
 }
 
+/// [`self_attention`] without a graph, with the probabilities `(B, H, T, T)` for
+/// [`self_attention_bwd`] (CPU; `qkv` and `bias` of one dtype, f32 or f64).
+pub(crate) fn self_attention_keep(
+    qkv: &Tensor,
+    bias: &Tensor,
+    n_head: usize,
+    scale: f64,
+) -> CResult<(Tensor, CpuStorage)> {
+    let op = SelfAttention { n_head, scale, probs: Mutex::new(None) };
+    let y = qkv.contiguous()?.apply_op2_no_bwd(&bias.contiguous()?, &op)?;
+    let p = super::lock(&op.probs).take();
+    Ok((y, p.ok_or_else(|| candle_core::Error::Msg("self-attention: no probabilities".into()))?))
+}
+
+/// `dqkv` for upstream gradient `g (B, T, C)`, from the probabilities of [`self_attention_keep`].
+pub(crate) fn self_attention_bwd(
+    qkv: &Tensor,
+    bias: &Tensor,
+    g: &Tensor,
+    n_head: usize,
+    scale: f64,
+    probs: CpuStorage,
+) -> CResult<Tensor> {
+    let dims = dims_of(qkv.layout(), bias.layout(), n_head)?;
+    let bwd = SelfAttentionBwd { dims, scale, probs };
+    qkv.contiguous()?.apply_op2_no_bwd(&g.contiguous()?, &bwd)
+}
+
 /// The keys and values of one layer during generation, appended in place: for each sequence and
 /// head, the `D`-vectors of its positions one after another (no `(B, H, S, D)` tensor is rebuilt
 /// per step, as a concatenation would).

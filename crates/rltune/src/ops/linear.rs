@@ -225,6 +225,11 @@ impl CustomOp3 for LinearOp {
 /// `(rows, n) -> (n)`: the sum over rows (a bias gradient).
 struct ColumnSum;
 
+/// The sum over the rows of `g (rows, n)` (no graph; CPU, f32 or f64).
+pub(super) fn column_sum_of(g: &Tensor) -> CResult<Tensor> {
+    g.contiguous()?.apply_op1_no_bwd(&ColumnSum)
+}
+
 fn column_sum<T: Elem>(s: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
     let (_, n) = dims2(l, "column-sum")?;
     let g = contiguous::<T>(s, l, "column-sum")?;

@@ -21,6 +21,7 @@
 //! | [`layer_norm`], [`rms_norm`] | mean, sub, sqr, mean, add, sqrt, div, mul, add |
 //! | [`embedding`] | `index_select` (its backward: a table-sized zero fill and add, twice) |
 //! | [`linear`], [`linear_in_out`], [`matmul`] | candle's matmul (AVX2 only), broadcast add of the bias, `contiguous()` copies of transposed operands in the backward |
+//! | `block::gpt2_block` (crate-internal; used by the GPT-2 model) | the ten graph nodes of a GPT-2 block, when every trained weight has a gradient sink |
 //!
 //! f32 kernels use a vectorizable `exp` (within 2 ulp of libm's) and are compiled three times,
 //! for baseline x86-64, AVX2 + FMA and AVX-512, the widest the CPU has running.
@@ -50,6 +51,7 @@ macro_rules! by_dtype {
 mod activation;
 mod amx;
 mod attention;
+pub(crate) mod block;
 mod embedding;
 pub(crate) mod gemm;
 pub(crate) mod grad_sink;

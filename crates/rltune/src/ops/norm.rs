@@ -196,11 +196,7 @@ impl CustomOp3 for LayerNorm {
         _y: &Tensor,
         g: &Tensor,
     ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let all = x.apply_op3_no_bwd(&w.contiguous()?, &g.contiguous()?, &LayerNormBwd { eps: self.eps })?;
-        let rows = all.dim(0)? - 2;
-        let dx = all.narrow(0, 0, rows)?.reshape(x.shape())?;
-        let dw = all.narrow(0, rows, 1)?.reshape(w.shape())?;
-        let db = all.narrow(0, rows + 1, 1)?.reshape(w.shape())?;
+        let (dx, dw, db) = layer_norm_bwd_parts(x, w, g, self.eps)?;
         Ok((Some(dx), grad_sink::give(w, dw)?, grad_sink::give(b, db)?))
     }
 }
@@ -221,6 +217,16 @@ impl CustomOp3 for LayerNormBwd {
     ) -> CResult<(CpuStorage, Shape)> {
         by_dtype!(s1, "layer-norm-bwd", layer_norm_bwd(self.eps, (s1, l1), (s2, l2), (s3, l3)))
     }
+}
+
+/// Layer norm's `(dx, dw, db)` for upstream gradient `g` (no graph; CPU, f32 or f64).
+pub(crate) fn layer_norm_bwd_parts(x: &Tensor, w: &Tensor, g: &Tensor, eps: f64) -> CResult<(Tensor, Tensor, Tensor)> {
+    let all = x.contiguous()?.apply_op3_no_bwd(&w.contiguous()?, &g.contiguous()?, &LayerNormBwd { eps })?;
+    let rows = all.dim(0)? - 2;
+    let dx = all.narrow(0, 0, rows)?.reshape(x.shape())?;
+    let dw = all.narrow(0, rows, 1)?.reshape(w.shape())?;
+    let db = all.narrow(0, rows + 1, 1)?.reshape(w.shape())?;
+    Ok((dx, dw, db))
 }
 
 /// Layer norm over the last dimension with weight and bias (torch's `nn.LayerNorm`), differentiable.

@@ -58,6 +58,13 @@ impl Grads {
         self.tensors.iter_mut().for_each(|t| *t = None);
     }
 
+    /// Installs these gradients' sinks on this thread until the guard drops. A forward run inside
+    /// it may use ops that write weight gradients only into sinks (`ops::block`); the backward
+    /// ([`Self::backward`]) installs them again itself.
+    pub(crate) fn scope(&self) -> SinkScope {
+        SinkScope::install(Arc::clone(&self.map))
+    }
+
     /// `loss.backward()`, adding the variables' gradients to these.
     pub fn backward(&mut self, loss: &Tensor) -> Result<()> {
         let store = {

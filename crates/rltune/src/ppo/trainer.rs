@@ -629,6 +629,8 @@ impl PpoTrainer {
         let (old_lp, old_v, adv, ret) =
             (sel(data.old_logprobs)?, sel(data.values)?, sel(data.advantages)?, sel(data.returns)?);
         let select = if data.response_only { Some(&mask) } else { None };
+        // Sinks installed for the forward: the fused GPT-2 blocks write weight gradients into them.
+        let _sinks = grads.scope();
         let (logp, entropy, vpreds) = self.policy_forward(&ids, &pos, &bias, select, true)?;
         let l = math::ppo_losses(
             &old_lp,

@@ -261,8 +261,12 @@ fn accumulate<O: Objective>(
     grads.clear();
     let mut loss = 0f64;
     for mb in group.chunks(batch_size) {
-        // Divided by the step's terms, not the micro-batch's: see the module docs.
-        let scaled = (obj.batch_loss(mb, false)?.loss_sum / terms.max(1) as f64)?;
+        // Divided by the step's terms, not the micro-batch's: see the module docs. The sinks are
+        // installed for the forward too, so fused blocks can write their weights' gradients.
+        let scaled = {
+            let _sinks = grads.scope();
+            (obj.batch_loss(mb, false)?.loss_sum / terms.max(1) as f64)?
+        };
         loss += scalar(&scaled.detach())?;
         grads.backward(&scaled)?;
     }

@@ -1,0 +1,212 @@
+//! A GPT-2 block as one graph node, with a hand-written backward.
+//!
+//! Built from the other ops, a block is ten nodes in candle's graph (two layer norms, four
+//! linear maps, attention, GELU, two residual adds), and candle's backward gives each input of
+//! each node a zero-filled gradient buffer and an add: per block about twelve activation-sized
+//! zero fills and adds, on the calling thread while the matmul workers wait. In the `small` PPO
+//! benchmark that was 4% of the CPU time and twice that in wall time.
+//!
+//! [`gpt2_block`] runs the same ops without a graph, keeps the activations the backward reads,
+//! and puts one node in the graph: `x → z`. Its backward walks the block in reverse with the
+//! same kernels (`dx` products before each weight's own product, as the linear op does, so an
+//! optimizer fused into that product sees the right order), writes every weight's gradient
+//! into its gradient sink (`grad_sink`) and hands candle `dx` only.
+//!
+//! The weights' gradients can only go to sinks (a custom op returns gradients for its inputs,
+//! and the weights are not inputs), so the block is used only where every weight that tracks a
+//! gradient has a sink in the scope installed while the forward runs; the model falls back to
+//! the composed block otherwise. Same values as the composed block (the same kernels in the
+//! same order; tested, values and every gradient).
+
+use std::sync::{Arc, Mutex};
+
+use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Storage, Tensor};
+
+use super::activation::gelu_tanh_bwd;
+use super::attention::{self_attention_bwd, self_attention_keep};
+use super::grad_sink;
+use super::linear::{column_sum_of, gemm_no_bwd, weight_grad};
+use super::norm::layer_norm_bwd_parts;
+use super::{gelu_tanh, layer_norm, linear_in_out, lock, CResult};
+
+/// A GPT-2 block's parameters (Conv1D weights are `(in, out)`) and geometry.
+#[derive(Debug, Clone)]
+pub(crate) struct Gpt2BlockParams {
+    /// `ln_1` weight and bias `(C)`.
+    pub ln_1: (Tensor, Tensor),
+    /// `attn.c_attn` `(C, 3C)`, `(3C)`.
+    pub c_attn: (Tensor, Tensor),
+    /// `attn.c_proj` `(C, C)`, `(C)`.
+    pub c_proj: (Tensor, Tensor),
+    /// `ln_2` weight and bias `(C)`.
+    pub ln_2: (Tensor, Tensor),
+    /// `mlp.c_fc` `(C, I)`, `(I)`.
+    pub c_fc: (Tensor, Tensor),
+    /// `mlp.c_proj` `(I, C)`, `(C)`.
+    pub mlp_proj: (Tensor, Tensor),
+    /// Layer norm epsilon.
+    pub eps: f64,
+    /// Attention heads.
+    pub n_head: usize,
+    /// Attention score scale.
+    pub scale: f64,
+}
+
+impl Gpt2BlockParams {
+    fn all(&self) -> [&Tensor; 12] {
+        let p = self;
+        [
+            &p.ln_1.0, &p.ln_1.1, &p.c_attn.0, &p.c_attn.1, &p.c_proj.0, &p.c_proj.1, &p.ln_2.0, &p.ln_2.1,
+            &p.c_fc.0, &p.c_fc.1, &p.mlp_proj.0, &p.mlp_proj.1,
+        ]
+    }
+}
+
+/// What the backward reads, all `(N, ·)` row-major.
+struct Saved {
+    a1: Tensor,
+    qkv: Tensor,
+    probs: CpuStorage,
+    y: Tensor,
+    h: Tensor,
+    a2: Tensor,
+    u: Tensor,
+    g: Tensor,
+}
+
+/// The forward without a graph: `(h, mlp_out)` and, with `keep`, what the backward reads.
+fn forward(x: &Tensor, bias: &Tensor, p: &Gpt2BlockParams, keep: bool) -> CResult<(Tensor, Tensor, Option<Saved>)> {
+    let (b, t, c) = x.dims3()?;
+    let n = b * t;
+    let d = |t: &Tensor| t.detach();
+    let lin = |x: &Tensor, (w, bias): &(Tensor, Tensor)| linear_in_out(x, &d(w), Some(&d(bias)));
+    let x = d(x).reshape((n, c))?;
+    let a1 = layer_norm(&x, &d(&p.ln_1.0), &d(&p.ln_1.1), p.eps)?;
+    let qkv = lin(&a1, &p.c_attn)?.reshape((b, t, 3 * c))?;
+    let (y, probs) = self_attention_keep(&qkv, &d(bias), p.n_head, p.scale)?;
+    let y = y.reshape((n, c))?;
+    let h = (&x + lin(&y, &p.c_proj)?)?;
+    let a2 = layer_norm(&h, &d(&p.ln_2.0), &d(&p.ln_2.1), p.eps)?;
+    let u = lin(&a2, &p.c_fc)?;
+    let g = gelu_tanh(&u)?;
+    let m = lin(&g, &p.mlp_proj)?;
+    let saved = keep.then(|| Saved { a1, qkv, probs, y, h: h.clone(), a2, u, g });
+    Ok((h, m, saved))
+}
+
+/// GPT-2's block `z = h + mlp(ln_2(h))`, `h = x + attn(ln_1(x))` on `x (B, T, C)` with the
+/// attention bias `(B|1, 1, T, T)`; `None` where it does not apply (not f32 on a CPU with the
+/// fast SGEMM, or a weight that tracks a gradient has no sink in the installed scope), and the
+/// caller composes the block instead.
+pub(crate) fn gpt2_block(x: &Tensor, bias: &Tensor, p: &Gpt2BlockParams) -> CResult<Option<Tensor>> {
+    let ws = p.all();
+    let f32_cpu = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32;
+    if !super::gemm::fast_available() || !f32_cpu(x) || !f32_cpu(bias) || !ws.iter().all(|w| f32_cpu(w)) {
+        return Ok(None);
+    }
+    if !ws.iter().all(|w| !w.track_op() || grad_sink::sink_of(w).is_some()) {
+        return Ok(None);
+    }
+    let grad = x.track_op() || ws.iter().any(|w| w.track_op());
+    let (h, m, saved) = forward(x, bias, p, grad)?;
+    if !grad {
+        return Ok(Some((h + m)?.reshape(x.shape())?));
+    }
+    let op = BlockOp { p: p.clone(), bias: bias.detach(), out: Mutex::new(Some((h, m))), saved: Mutex::new(saved) };
+    Ok(Some(x.contiguous()?.apply_op1_arc(Arc::new(Box::new(op)))?))
+}
+
+/// The graph node; its forward adds the two halves computed by [`forward`].
+struct BlockOp {
+    p: Gpt2BlockParams,
+    bias: Tensor,
+    out: Mutex<Option<(Tensor, Tensor)>>,
+    saved: Mutex<Option<Saved>>,
+}
+
+/// The contiguous f32 values of a CPU tensor.
+fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> CResult<R> {
+    let (s, l) = t.storage_and_layout();
+    match (&*s, l.contiguous_offsets()) {
+        (Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) => Ok(f(&v[a..b])),
+        _ => candle_core::bail!("gpt2 block: expected a contiguous f32 CPU tensor"),
+    }
+}
+
+impl CustomOp1 for BlockOp {
+    fn name(&self) -> &'static str {
+        "rltune-gpt2-block"
+    }
+
+    fn cpu_fwd(&self, _s: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
+        let Some((h, m)) = lock(&self.out).take() else {
+            candle_core::bail!("gpt2 block: the op ran twice");
+        };
+        let z = with_f32(&h, |h| with_f32(&m, |m| h.iter().zip(m).map(|(a, b)| a + b).collect::<Vec<f32>>()))??;
+        if z.len() != l.shape().elem_count() {
+            candle_core::bail!("gpt2 block: {} outputs for an input of shape {:?}", z.len(), l.dims());
+        }
+        Ok((CpuStorage::F32(z), l.shape().clone()))
+    }
+
+    fn bwd(&self, x: &Tensor, _z: &Tensor, dz: &Tensor) -> CResult<Option<Tensor>> {
+        let p = &self.p;
+        let saved = lock(&self.saved).take();
+        let s = match saved {
+            Some(s) => s,
+            // A second backward through the same graph: recompute the activations.
+            None => match forward(x, &self.bias, p, true)?.2 {
+                Some(s) => s,
+                None => candle_core::bail!("gpt2 block: no activations"),
+            },
+        };
+        let (b, t, c) = x.dims3()?;
+        let n = b * t;
+        let d = |t: &Tensor| t.detach();
+        let dz = dz.reshape((n, c))?.contiguous()?;
+        // `dx` of a linear map, then its weight's and bias's gradients (the weight's product may
+        // update it in place, so it comes after every read of the weight).
+        let linear_bwd = |x: &Tensor, (w, bias): &(Tensor, Tensor), g: &Tensor| -> CResult<Tensor> {
+            let dx = gemm_no_bwd(g, &d(w).t()?)?;
+            if w.track_op() {
+                sunk(weight_grad(w, &x.t()?, g)?, w)?;
+            }
+            if bias.track_op() {
+                sunk(grad_sink::give(bias, column_sum_of(g)?)?, bias)?;
+            }
+            Ok(dx)
+        };
+        let norm_bwd = |x: &Tensor, (w, bias): &(Tensor, Tensor), g: &Tensor| -> CResult<Tensor> {
+            let (dx, dw, db) = layer_norm_bwd_parts(x, &d(w), g, p.eps)?;
+            if w.track_op() {
+                sunk(grad_sink::give(w, dw)?, w)?;
+            }
+            if bias.track_op() {
+                sunk(grad_sink::give(bias, db)?, bias)?;
+            }
+            Ok(dx)
+        };
+        let dg = linear_bwd(&s.g, &p.mlp_proj, &dz)?;
+        let du = gelu_tanh_bwd(&s.u, &dg)?;
+        let da2 = linear_bwd(&s.a2, &p.c_fc, &du)?;
+        let dh = (&dz + norm_bwd(&s.h, &p.ln_2, &da2)?)?;
+        let dy = linear_bwd(&s.y, &p.c_proj, &dh)?.reshape((b, t, c))?;
+        let dqkv = self_attention_bwd(&s.qkv, &self.bias, &dy, p.n_head, p.scale, s.probs)?.reshape((n, 3 * c))?;
+        let da1 = linear_bwd(&s.a1, &p.c_attn, &dqkv)?;
+        let dx = (&dh + norm_bwd(&d(x).reshape((n, c))?, &p.ln_1, &da1)?)?;
+        Ok(Some(dx.reshape((b, t, c))?))
+    }
+}
+
+/// An error if a weight's gradient did not go into its sink (the backward ran outside the
+/// gradient-sink scope that the forward saw).
+fn sunk(left: Option<Tensor>, w: &Tensor) -> CResult<()> {
+    match left {
+        None => Ok(()),
+        Some(_) => candle_core::bail!(
+            "gpt2 block: no gradient sink for a weight of shape {:?} in the backward (run the \
+             backward inside the same `Grads` scope as the forward)",
+            w.dims()
+        ),
+    }
+}
