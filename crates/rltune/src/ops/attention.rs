@@ -24,7 +24,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::simd::{self, simd_kernel};
+use super::simd::{self, simd_kernel, LANES};
 use super::{contiguous, CResult, Elem};
 
 /// `+= a·x`
@@ -58,14 +58,21 @@ impl Dims {
     }
 }
 
+/// `t` rounded up to whole SIMD vectors: the row length of the transposed heads and of the
+/// score rows, so the loops along positions have no scalar remainder (T = 31 in PPO: 3 vectors
+/// and 7 scalar steps per row otherwise). The padding columns hold zeros.
+fn padded(t: usize) -> usize {
+    t.div_ceil(LANES) * LANES
+}
+
 /// Columns `col..col + d` of the `t` rows of `qkv` (row stride `3c`), transposed into
-/// `out (d, t)`: a head's keys or values with the positions contiguous.
+/// `out (d, ld)`: a head's keys or values with the positions contiguous.
 #[inline(always)]
-fn transpose_head<T: Elem>(out: &mut [T], qkv: &[T], col: usize, t: usize, c: usize, d: usize) {
+fn transpose_head<T: Elem>(out: &mut [T], qkv: &[T], col: usize, t: usize, c: usize, d: usize, ld: usize) {
     for j in 0..t {
         let row = &qkv[j * 3 * c + col..j * 3 * c + col + d];
         for (e, &x) in row.iter().enumerate() {
-            out[e * t + j] = x;
+            out[e * ld + j] = x;
         }
     }
 }
@@ -81,17 +88,19 @@ fn row_times<T: Elem>(row: &mut [T], x: &[T], mt: &[T], t: usize) {
 
 simd_kernel! {
     /// One sequence: `out (T, C)` and the probabilities `p (H, T, T)` from `qkv (T, 3C)`;
-    /// `kt (D, T)` is scratch.
+    /// `kt (D, Tp)` (zeros) and `srow (Tp)` are scratch, `Tp = padded(T)`.
     #[allow(clippy::too_many_arguments)]
-    fn fwd_seq<T: Elem>(out: &mut [T], p: &mut [T], kt: &mut [T], qkv: &[T], bias: &[T], b: usize, dims: &Dims, scale: T) {
+    fn fwd_seq<T: Elem>(out: &mut [T], p: &mut [T], kt: &mut [T], srow: &mut [T], qkv: &[T], bias: &[T], b: usize, dims: &Dims, scale: T) {
         let (t, c, d) = (dims.t, dims.c, dims.d());
+        let tp = padded(t);
         out.fill(T::zero());
         for h in 0..dims.h {
             let (q, v) = (h * d, 2 * c + h * d);
-            transpose_head(kt, qkv, c + h * d, t, c, d);
+            transpose_head(kt, qkv, c + h * d, t, c, d, tp);
             for i in 0..t {
+                row_times(srow, &qkv[i * 3 * c + q..i * 3 * c + q + d], kt, tp);
                 let row = &mut p[(h * t + i) * t..(h * t + i + 1) * t];
-                row_times(row, &qkv[i * 3 * c + q..i * 3 * c + q + d], kt, t);
+                row.copy_from_slice(&srow[..t]);
                 let br = dims.bias_row(b, h, i);
                 for (s, &bias) in row.iter_mut().zip(&bias[br..br + t]) {
                     *s = *s * scale + bias;
@@ -112,19 +121,22 @@ simd_kernel! {
 }
 
 simd_kernel! {
-    /// One sequence's `dqkv (T, 3C)` from `g (T, C)`; `ds (T)` and `vt (D, T)` are scratch.
+    /// One sequence's `dqkv (T, 3C)` from `g (T, C)`; `dsp (Tp)` and `vt (D, Tp)` (zeros) are
+    /// scratch, `Tp = padded(T)`.
     #[allow(clippy::too_many_arguments)]
-    fn bwd_seq<T: Elem>(dqkv: &mut [T], ds: &mut [T], vt: &mut [T], g: &[T], p: &[T], qkv: &[T], dims: &Dims, scale: T) {
+    fn bwd_seq<T: Elem>(dqkv: &mut [T], dsp: &mut [T], vt: &mut [T], g: &[T], p: &[T], qkv: &[T], dims: &Dims, scale: T) {
         let (t, c, d) = (dims.t, dims.c, dims.d());
+        let tp = padded(t);
         dqkv.fill(T::zero());
         for h in 0..dims.h {
             let (q, k, v) = (h * d, c + h * d, 2 * c + h * d);
-            transpose_head(vt, qkv, v, t, c, d);
+            transpose_head(vt, qkv, v, t, c, d, tp);
             for i in 0..t {
                 let pi = &p[(h * t + i) * t..(h * t + i + 1) * t];
                 let gi = &g[i * c + h * d..i * c + h * d + d];
                 // dP_i = g_i · Vᵀ, then the softmax backward.
-                row_times(ds, gi, vt, t);
+                row_times(dsp, gi, vt, tp);
+                let ds = &mut dsp[..t];
                 let dot = simd::dot(pi, ds);
                 for (x, &pij) in ds.iter_mut().zip(pi) {
                     *x = scale * pij * (*x - dot);
@@ -198,7 +210,18 @@ impl SelfAttention {
                 .zip(qkv.par_chunks(t * 3 * c))
                 .enumerate()
                 .for_each(|(bi, ((o, p), x))| {
-                    fwd_seq(o, p, &mut vec![T::zero(); c / h * t], x, bias, bi, &dims, scale)
+                    let tp = padded(t);
+                    fwd_seq(
+                        o,
+                        p,
+                        &mut vec![T::zero(); c / h * tp],
+                        &mut vec![T::zero(); tp],
+                        x,
+                        bias,
+                        bi,
+                        &dims,
+                        scale,
+                    )
                 });
         }
         *super::lock(&self.probs) = Some(T::to_cpu_storage_owned(p));
@@ -268,8 +291,8 @@ impl SelfAttentionBwd {
                 .for_each(|(((dx, g), p), x)| {
                     bwd_seq(
                         dx,
-                        &mut vec![T::zero(); t],
-                        &mut vec![T::zero(); c / h * t],
+                        &mut vec![T::zero(); padded(t)],
+                        &mut vec![T::zero(); c / h * padded(t)],
                         g,
                         p,
                         x,
