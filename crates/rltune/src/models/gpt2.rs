@@ -343,7 +343,8 @@ mod tests {
     }
 
     fn loss(h: &Tensor) -> Tensor {
-        let proj = Tensor::arange(0f32, h.elem_count() as f32, h.device()).unwrap().reshape(h.shape()).unwrap();
+        let proj =
+            Tensor::arange(0f32, h.elem_count() as f32, h.device()).unwrap().reshape(h.shape()).unwrap();
         (h * (proj * 0.37).unwrap().sin().unwrap()).unwrap().sum_all().unwrap()
     }
 
@@ -376,7 +377,8 @@ mod tests {
             model.forward(&ids, &pos, &bias, None).unwrap()
         };
         grads.backward(&loss(&fused)).unwrap();
-        let close = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| (x - y).abs() <= 1e-6 * (1.0 + y.abs()));
+        let close =
+            |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| (x - y).abs() <= 1e-6 * (1.0 + y.abs()));
         assert!(close(&values(&fused), &values(&composed)), "hidden states differ");
         for (i, (name, var)) in store.vars().iter().enumerate() {
             let (got, want) = (grads.get(i).unwrap(), want.get(var));

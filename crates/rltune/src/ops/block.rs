@@ -56,8 +56,18 @@ impl Gpt2BlockParams {
     fn all(&self) -> [&Tensor; 12] {
         let p = self;
         [
-            &p.ln_1.0, &p.ln_1.1, &p.c_attn.0, &p.c_attn.1, &p.c_proj.0, &p.c_proj.1, &p.ln_2.0, &p.ln_2.1,
-            &p.c_fc.0, &p.c_fc.1, &p.mlp_proj.0, &p.mlp_proj.1,
+            &p.ln_1.0,
+            &p.ln_1.1,
+            &p.c_attn.0,
+            &p.c_attn.1,
+            &p.c_proj.0,
+            &p.c_proj.1,
+            &p.ln_2.0,
+            &p.ln_2.1,
+            &p.c_fc.0,
+            &p.c_fc.1,
+            &p.mlp_proj.0,
+            &p.mlp_proj.1,
         ]
     }
 }
@@ -75,7 +85,12 @@ struct Saved {
 }
 
 /// The forward without a graph: `(h, mlp_out)` and, with `keep`, what the backward reads.
-fn forward(x: &Tensor, bias: &Tensor, p: &Gpt2BlockParams, keep: bool) -> CResult<(Tensor, Tensor, Option<Saved>)> {
+fn forward(
+    x: &Tensor,
+    bias: &Tensor,
+    p: &Gpt2BlockParams,
+    keep: bool,
+) -> CResult<(Tensor, Tensor, Option<Saved>)> {
     let (b, t, c) = x.dims3()?;
     let n = b * t;
     let d = |t: &Tensor| t.detach();
@@ -112,7 +127,12 @@ pub(crate) fn gpt2_block(x: &Tensor, bias: &Tensor, p: &Gpt2BlockParams) -> CRes
     if !grad {
         return Ok(Some((h + m)?.reshape(x.shape())?));
     }
-    let op = BlockOp { p: p.clone(), bias: bias.detach(), out: Mutex::new(Some((h, m))), saved: Mutex::new(saved) };
+    let op = BlockOp {
+        p: p.clone(),
+        bias: bias.detach(),
+        out: Mutex::new(Some((h, m))),
+        saved: Mutex::new(saved),
+    };
     Ok(Some(x.contiguous()?.apply_op1_arc(Arc::new(Box::new(op)))?))
 }
 
@@ -142,7 +162,8 @@ impl CustomOp1 for BlockOp {
         let Some((h, m)) = lock(&self.out).take() else {
             candle_core::bail!("gpt2 block: the op ran twice");
         };
-        let z = with_f32(&h, |h| with_f32(&m, |m| h.iter().zip(m).map(|(a, b)| a + b).collect::<Vec<f32>>()))??;
+        let z =
+            with_f32(&h, |h| with_f32(&m, |m| h.iter().zip(m).map(|(a, b)| a + b).collect::<Vec<f32>>()))??;
         if z.len() != l.shape().elem_count() {
             candle_core::bail!("gpt2 block: {} outputs for an input of shape {:?}", z.len(), l.dims());
         }
@@ -191,7 +212,8 @@ impl CustomOp1 for BlockOp {
         let da2 = linear_bwd(&s.a2, &p.c_fc, &du)?;
         let dh = (&dz + norm_bwd(&s.h, &p.ln_2, &da2)?)?;
         let dy = linear_bwd(&s.y, &p.c_proj, &dh)?.reshape((b, t, c))?;
-        let dqkv = self_attention_bwd(&s.qkv, &self.bias, &dy, p.n_head, p.scale, s.probs)?.reshape((n, 3 * c))?;
+        let dqkv =
+            self_attention_bwd(&s.qkv, &self.bias, &dy, p.n_head, p.scale, s.probs)?.reshape((n, 3 * c))?;
         let da1 = linear_bwd(&s.a1, &p.c_attn, &dqkv)?;
         let dx = (&dh + norm_bwd(&d(x).reshape((n, c))?, &p.ln_1, &da1)?)?;
         Ok(Some(dx.reshape((b, t, c))?))

@@ -220,7 +220,12 @@ impl CustomOp3 for LayerNormBwd {
 }
 
 /// Layer norm's `(dx, dw, db)` for upstream gradient `g` (no graph; CPU, f32 or f64).
-pub(crate) fn layer_norm_bwd_parts(x: &Tensor, w: &Tensor, g: &Tensor, eps: f64) -> CResult<(Tensor, Tensor, Tensor)> {
+pub(crate) fn layer_norm_bwd_parts(
+    x: &Tensor,
+    w: &Tensor,
+    g: &Tensor,
+    eps: f64,
+) -> CResult<(Tensor, Tensor, Tensor)> {
     let all = x.contiguous()?.apply_op3_no_bwd(&w.contiguous()?, &g.contiguous()?, &LayerNormBwd { eps })?;
     let rows = all.dim(0)? - 2;
     let dx = all.narrow(0, 0, rows)?.reshape(x.shape())?;
