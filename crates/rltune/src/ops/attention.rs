@@ -14,9 +14,12 @@
 //! | `dS_ij = scale·P_ij·(dP_ij − Σ_j' P_ij'·dP_ij')` | |
 //! | `dq_i = Σ_j dS_ij·k_j` | `dk_j = Σ_i dS_ij·q_i` |
 //!
-//! Sequences run in parallel. The scores take every key, masked ones included, exactly as
-//! [`super::scaled_masked_softmax`] does, so a fully masked (padding) row gets the same
-//! probabilities as in the composed version.
+//! Sequences run in parallel. A row skips the keys after its last live one (bias above −10⁸;
+//! with the causal mask, the future): their probabilities are exactly 0 either way, so the
+//! results are those of the composed version, and the causal half of every product is not
+//! computed. A fully masked (padding) row takes every key, as
+//! [`super::scaled_masked_softmax`] does, and gets the same uniform distribution. Each
+//! product keeps [`LANES`] outputs in registers, and rows are padded to whole vectors.
 
 use std::sync::Mutex;
 
@@ -77,80 +80,143 @@ fn transpose_head<T: Elem>(out: &mut [T], qkv: &[T], col: usize, t: usize, c: us
     }
 }
 
-/// `row (t) = Σ_e x[e] · mt[e, ..]` for `mt (d, t)`: a row of `x · M` (vectorized along `t`).
+/// `out[..n] = x · M[.., ..n]` for `M (d, ld)` row-major and `n` a multiple of [`LANES`] (at
+/// most `ld`): one row of a product, with `LANES` outputs at a time held in registers.
 #[inline(always)]
-fn row_times<T: Elem>(row: &mut [T], x: &[T], mt: &[T], t: usize) {
-    row.fill(T::zero());
-    for (e, &xe) in x.iter().enumerate() {
-        axpy(row, xe, &mt[e * t..(e + 1) * t]);
+fn row_times<T: Elem>(out: &mut [T], x: &[T], mt: &[T], ld: usize, n: usize) {
+    for c0 in (0..n).step_by(LANES) {
+        let mut acc = [T::zero(); LANES];
+        for (e, &xe) in x.iter().enumerate() {
+            let m = &mt[e * ld + c0..e * ld + c0 + LANES];
+            for l in 0..LANES {
+                acc[l] += xe * m[l];
+            }
+        }
+        out[c0..c0 + LANES].copy_from_slice(&acc);
+    }
+}
+
+/// `out = Σ_j w[j] · rows[j·stride..][..out.len()]`, summed in `j` order, `LANES` outputs at a
+/// time held in registers.
+#[inline(always)]
+fn weighted_rows<T: Elem>(out: &mut [T], w: &[T], rows: &[T], stride: usize) {
+    let d = out.len();
+    let mut c0 = 0;
+    while c0 + LANES <= d {
+        let mut acc = [T::zero(); LANES];
+        for (j, &wj) in w.iter().enumerate() {
+            let r = &rows[j * stride + c0..j * stride + c0 + LANES];
+            for l in 0..LANES {
+                acc[l] += wj * r[l];
+            }
+        }
+        out[c0..c0 + LANES].copy_from_slice(&acc);
+        c0 += LANES;
+    }
+    for (cc, o) in out.iter_mut().enumerate().skip(c0) {
+        let mut a = T::zero();
+        for (j, &wj) in w.iter().enumerate() {
+            a += wj * rows[j * stride + cc];
+        }
+        *o = a;
+    }
+}
+
+/// Bias values at or below this mask their key: its probability underflows to exactly 0 for
+/// any score below 10⁷ in magnitude (`causal_bias` uses −10⁹).
+const DEAD: f64 = -1e8;
+
+/// One past the last key of a bias row that is not masked; `t` when all are (a fully masked
+/// row gets its uniform distribution from the full computation, as the composed op gives).
+#[inline(always)]
+fn live_keys<T: Elem>(bias: &[T], dead: T) -> usize {
+    match bias.iter().rposition(|&b| b > dead) {
+        Some(j) => j + 1,
+        None => bias.len(),
     }
 }
 
 simd_kernel! {
     /// One sequence: `out (T, C)` and the probabilities `p (H, T, T)` from `qkv (T, 3C)`;
-    /// `kt (D, Tp)` (zeros) and `srow (Tp)` are scratch, `Tp = padded(T)`.
+    /// `kt (D, Tp)` (zeros) and `srow (Tp)` are scratch, `Tp = padded(T)`. Keys past the last
+    /// live one of a row (the causal future) are skipped: their probabilities are exactly 0.
     #[allow(clippy::too_many_arguments)]
     fn fwd_seq<T: Elem>(out: &mut [T], p: &mut [T], kt: &mut [T], srow: &mut [T], qkv: &[T], bias: &[T], b: usize, dims: &Dims, scale: T) {
         let (t, c, d) = (dims.t, dims.c, dims.d());
         let tp = padded(t);
-        out.fill(T::zero());
+        let dead = T::from(DEAD).unwrap_or_else(T::min_value);
         for h in 0..dims.h {
             let (q, v) = (h * d, 2 * c + h * d);
             transpose_head(kt, qkv, c + h * d, t, c, d, tp);
             for i in 0..t {
-                row_times(srow, &qkv[i * 3 * c + q..i * 3 * c + q + d], kt, tp);
-                let row = &mut p[(h * t + i) * t..(h * t + i + 1) * t];
-                row.copy_from_slice(&srow[..t]);
                 let br = dims.bias_row(b, h, i);
-                for (s, &bias) in row.iter_mut().zip(&bias[br..br + t]) {
-                    *s = *s * scale + bias;
+                let brow = &bias[br..br + t];
+                let live = live_keys(brow, dead);
+                row_times(srow, &qkv[i * 3 * c + q..i * 3 * c + q + d], kt, tp, padded(live));
+                let full = &mut p[(h * t + i) * t..(h * t + i + 1) * t];
+                full[live..].fill(T::zero());
+                let row = &mut full[..live];
+                for ((s, &x), &bias) in row.iter_mut().zip(&srow[..live]).zip(brow) {
+                    *s = x * scale + bias;
                 }
                 let m = simd::max(row);
                 for s in row.iter_mut() {
                     *s = (*s - m).exp_fast();
                 }
                 let inv = T::one() / simd::sum(row);
-                let oi = &mut out[i * c + h * d..i * c + h * d + d];
-                for (j, s) in row.iter_mut().enumerate() {
+                for s in row.iter_mut() {
                     *s *= inv;
-                    axpy(oi, *s, &qkv[j * 3 * c + v..j * 3 * c + v + d]);
                 }
+                weighted_rows(&mut out[i * c + h * d..i * c + h * d + d], row, &qkv[v..], 3 * c);
             }
         }
     }
 }
 
 simd_kernel! {
-    /// One sequence's `dqkv (T, 3C)` from `g (T, C)`; `dsp (Tp)` and `vt (D, Tp)` (zeros) are
-    /// scratch, `Tp = padded(T)`.
+    /// One sequence's `dqkv (T, 3C)` from `g (T, C)`. Scratch: `vt (D, Tp)` (zeros), `dsp (Tp)`,
+    /// `dsm (T, T)`, `col (2T)`, `Tp = padded(T)`. Per head: the rows of `dS` (skipping the
+    /// keys whose probability is 0) and `dq_i = Σ_j dS_ij·k_j`, then per key
+    /// `dk_j = Σ_i dS_ij·q_i` and `dv_j = Σ_i P_ij·g_i`; every output is written once.
     #[allow(clippy::too_many_arguments)]
-    fn bwd_seq<T: Elem>(dqkv: &mut [T], dsp: &mut [T], vt: &mut [T], g: &[T], p: &[T], qkv: &[T], dims: &Dims, scale: T) {
+    fn bwd_seq<T: Elem>(dqkv: &mut [T], vt: &mut [T], dsp: &mut [T], dsm: &mut [T], col: &mut [T], g: &[T], p: &[T], qkv: &[T], dims: &Dims, scale: T) {
         let (t, c, d) = (dims.t, dims.c, dims.d());
         let tp = padded(t);
-        dqkv.fill(T::zero());
+        let (wds, wp) = col.split_at_mut(t);
         for h in 0..dims.h {
             let (q, k, v) = (h * d, c + h * d, 2 * c + h * d);
             transpose_head(vt, qkv, v, t, c, d, tp);
             for i in 0..t {
                 let pi = &p[(h * t + i) * t..(h * t + i + 1) * t];
+                let live = pi.iter().rposition(|&x| x != T::zero()).map_or(0, |j| j + 1);
                 let gi = &g[i * c + h * d..i * c + h * d + d];
                 // dP_i = g_i · Vᵀ, then the softmax backward.
-                row_times(dsp, gi, vt, tp);
-                let ds = &mut dsp[..t];
-                let dot = simd::dot(pi, ds);
-                for (x, &pij) in ds.iter_mut().zip(pi) {
-                    *x = scale * pij * (*x - dot);
+                row_times(dsp, gi, vt, tp, padded(live));
+                let dsi = &mut dsm[i * t..(i + 1) * t];
+                dsi[live..].fill(T::zero());
+                let dot = simd::dot(&pi[..live], &dsp[..live]);
+                for ((x, &dp), &pij) in dsi.iter_mut().zip(&dsp[..live]).zip(pi) {
+                    *x = scale * pij * (dp - dot);
                 }
                 let qi = i * 3 * c + q;
-                for j in 0..t {
-                    // dq_i += dS_ij·k_j, then dk_j += dS_ij·q_i and dv_j += P_ij·g_i (row j ≠ i
-                    // of the same buffer, so the reads come from `qkv` and `g`, not `dqkv`).
-                    let kj = j * 3 * c + k;
-                    axpy(&mut dqkv[qi..qi + d], ds[j], &qkv[kj..kj + d]);
-                    axpy(&mut dqkv[kj..kj + d], ds[j], &qkv[qi..qi + d]);
-                    let vj = j * 3 * c + v;
-                    axpy(&mut dqkv[vj..vj + d], pi[j], gi);
+                weighted_rows(&mut dqkv[qi..qi + d], &dsi[..live], &qkv[k..], 3 * c);
+            }
+            for j in 0..t {
+                for i in 0..t {
+                    wds[i] = dsm[i * t + j];
+                    wp[i] = p[(h * t + i) * t + j];
                 }
+                // Queries before the first that attends to key j add exact zeros (the causal past).
+                let lo = wp.iter().position(|&x| x != T::zero()).unwrap_or(t);
+                let kj = j * 3 * c + k;
+                let vj = j * 3 * c + v;
+                if lo == t {
+                    dqkv[kj..kj + d].fill(T::zero());
+                    dqkv[vj..vj + d].fill(T::zero());
+                    continue;
+                }
+                weighted_rows(&mut dqkv[kj..kj + d], &wds[lo..], &qkv[lo * 3 * c + q..], 3 * c);
+                weighted_rows(&mut dqkv[vj..vj + d], &wp[lo..], &g[lo * c + h * d..], c);
             }
         }
     }
@@ -289,16 +355,10 @@ impl SelfAttentionBwd {
                 .zip(p.par_chunks(h * t * t))
                 .zip(qkv.par_chunks(t * 3 * c))
                 .for_each(|(((dx, g), p), x)| {
-                    bwd_seq(
-                        dx,
-                        &mut vec![T::zero(); padded(t)],
-                        &mut vec![T::zero(); c / h * padded(t)],
-                        g,
-                        p,
-                        x,
-                        &self.dims,
-                        scale,
-                    )
+                    let tp = padded(t);
+                    let (vt, dsp) = (&mut vec![T::zero(); c / h * tp], &mut vec![T::zero(); tp]);
+                    let (dsm, col) = (&mut vec![T::zero(); t * t], &mut vec![T::zero(); 2 * t]);
+                    bwd_seq(dx, vt, dsp, dsm, col, g, p, x, &self.dims, scale)
                 });
         }
         Ok((T::to_cpu_storage_owned(dqkv), l1.shape().clone()))
