@@ -53,7 +53,7 @@ fn consts<T: Elem>() -> (T, T) {
 
 fn gelu_fwd<T: Elem>(s: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
     let x = contiguous::<T>(s, l, "gelu")?;
-    let mut out = vec![T::zero(); x.len()];
+    let mut out = super::zeros_par(x.len());
     par_rows(&mut out, 1, &[x], |_, o, r| gelu_rows(o, r[0]));
     Ok((T::to_cpu_storage_owned(out), l.shape().clone()))
 }
@@ -66,7 +66,7 @@ fn gelu_bwd<T: Elem>(
 ) -> CResult<(CpuStorage, Shape)> {
     let x = contiguous::<T>(s1, l1, "gelu-bwd")?;
     let g = contiguous::<T>(s2, l2, "gelu-bwd")?;
-    let mut out = vec![T::zero(); x.len()];
+    let mut out = super::zeros_par(x.len());
     par_rows(&mut out, 1, &[x, g], |_, o, r| gelu_bwd_rows(o, r[0], r[1]));
     Ok((T::to_cpu_storage_owned(out), l1.shape().clone()))
 }

@@ -268,8 +268,8 @@ impl SelfAttention {
         let b = l1.dims()[0];
         let (t, c, h) = (dims.t, dims.c, dims.h);
         let scale = T::from(self.scale).unwrap_or_else(T::one);
-        let mut out = vec![T::zero(); b * t * c];
-        let mut p = vec![T::zero(); b * h * t * t];
+        let mut out = super::zeros_par(b * t * c);
+        let mut p = super::zeros_par(b * h * t * t);
         if t > 0 && c > 0 {
             out.par_chunks_mut(t * c)
                 .zip(p.par_chunks_mut(h * t * t))
@@ -348,7 +348,7 @@ impl SelfAttentionBwd {
         let Dims { t, c, h, .. } = self.dims;
         let b = l1.dims()[0];
         let scale = T::from(self.scale).unwrap_or_else(T::one);
-        let mut dqkv = vec![T::zero(); b * t * 3 * c];
+        let mut dqkv = super::zeros_par(b * t * 3 * c);
         if t > 0 && c > 0 {
             dqkv.par_chunks_mut(t * 3 * c)
                 .zip(g.par_chunks(t * c))

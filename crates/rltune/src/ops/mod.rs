@@ -115,6 +115,17 @@ fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// `n` zeros, written by the thread pool: an op's output buffer of activation size is then
+/// filled on every core, not by a serial `memset` on the calling thread while the workers wait.
+fn zeros_par<T: Elem>(n: usize) -> Vec<T> {
+    if n < 1 << 15 {
+        return vec![T::zero(); n];
+    }
+    let mut v = Vec::with_capacity(n);
+    v.par_extend(rayon::iter::repeat_n(T::zero(), n));
+    v
+}
+
 /// Rows per rayon task: small rows are batched so a task does real work.
 fn rows_per_task(row_len: usize) -> usize {
     (16384 / row_len.max(1)).max(1)

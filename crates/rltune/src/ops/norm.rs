@@ -117,7 +117,7 @@ fn layer_norm_fwd<T: Elem>(
     let b = contiguous::<T>(s3, l3, "layer-norm")?;
     check_param("layer-norm", l1, w.len())?;
     let eps = T::from(eps).unwrap_or_else(T::zero);
-    let mut out = vec![T::zero(); x.len()];
+    let mut out = super::zeros_par(x.len());
     par_rows(&mut out, w.len(), &[x], |_, o, r| layer_norm_rows(o, r[0], w, b, eps));
     Ok((T::to_cpu_storage_owned(out), l1.shape().clone()))
 }
@@ -135,7 +135,7 @@ where
     F: Fn(&mut [T], &mut [T], usize) + Sync + Send,
 {
     let rows = x.len() / n;
-    let mut out = vec![T::zero(); (rows + k) * n];
+    let mut out = super::zeros_par((rows + k) * n);
     let (dx, params) = out.split_at_mut(rows * n);
     let per = rows_per_task(n) * n;
     let partials: Vec<Vec<T>> = dx
@@ -305,7 +305,7 @@ fn rms_norm_fwd<T: Elem>(
     let w = contiguous::<T>(s2, l2, "rms-norm")?;
     check_param("rms-norm", l1, w.len())?;
     let eps = T::from(eps).unwrap_or_else(T::zero);
-    let mut out = vec![T::zero(); x.len()];
+    let mut out = super::zeros_par(x.len());
     par_rows(&mut out, w.len(), &[x], |_, o, r| rms_norm_rows(o, r[0], w, eps));
     Ok((T::to_cpu_storage_owned(out), l1.shape().clone()))
 }
