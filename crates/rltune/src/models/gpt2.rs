@@ -238,11 +238,18 @@ impl Block {
         })
     }
 
-    fn forward(&self, x: &Tensor, bias: &Tensor, cache: Option<(&mut KvCache, usize)>) -> Result<Tensor> {
+    /// `rows`: only these rows of `(B·T)` are read from the output (see [`Gpt2::forward_rows`]).
+    fn forward(
+        &self,
+        x: &Tensor,
+        bias: &Tensor,
+        cache: Option<(&mut KvCache, usize)>,
+        rows: Option<&ops::block::Rows>,
+    ) -> Result<Tensor> {
         if cache.is_none() && self.mlp.act == Activation::GeluTanh {
             // One graph node with a hand-written backward, where its weights' gradients can go to
             // gradient sinks (`ops::block`); else the composed block below.
-            if let Some(z) = ops::block::gpt2_block(x, bias, &self.params())? {
+            if let Some(z) = ops::block::gpt2_block(x, bias, &self.params(), rows)? {
                 return Ok(z);
             }
         }
@@ -298,11 +305,43 @@ impl Gpt2 {
         input_ids: &Tensor,
         position_ids: &Tensor,
         bias: &Tensor,
+        cache: Option<&mut KvCache>,
+    ) -> Result<Tensor> {
+        self.run(input_ids, position_ids, bias, cache, None)
+    }
+
+    /// [`Self::forward`] (no cache) where only the hidden states of `rows` (indices into the
+    /// flattened `(B·T)` positions, ascending) will be read: the last block computes its
+    /// attention output's projection and its MLP for those rows only; the other rows of the
+    /// result are unspecified. Where the fused block does not apply, every row is computed.
+    pub fn forward_rows(
+        &self,
+        input_ids: &Tensor,
+        position_ids: &Tensor,
+        bias: &Tensor,
+        rows: &[usize],
+    ) -> Result<Tensor> {
+        let n = input_ids.elem_count();
+        if rows.len() >= n || rows.windows(2).any(|w| w[0] >= w[1]) || rows.last().is_some_and(|&r| r >= n) {
+            return self.run(input_ids, position_ids, bias, None, None);
+        }
+        let rows = ops::block::Rows::new(rows.to_vec(), input_ids.device())?;
+        self.run(input_ids, position_ids, bias, None, Some(&rows))
+    }
+
+    fn run(
+        &self,
+        input_ids: &Tensor,
+        position_ids: &Tensor,
+        bias: &Tensor,
         mut cache: Option<&mut KvCache>,
+        rows: Option<&ops::block::Rows>,
     ) -> Result<Tensor> {
         let mut x = (self.wte.forward(input_ids)? + self.wpe.forward(position_ids)?)?;
+        let last = self.h.len().saturating_sub(1);
         for (i, block) in self.h.iter().enumerate() {
-            x = block.forward(&x, bias, cache.as_deref_mut().map(|c| (c, i)))?;
+            let rows = rows.filter(|_| i == last);
+            x = block.forward(&x, bias, cache.as_deref_mut().map(|c| (c, i)), rows)?;
         }
         self.ln_f.forward(&x)
     }
@@ -364,10 +403,10 @@ mod tests {
         let block = &model.h[0];
         let x = (model.wte.forward(&ids).unwrap() + model.wpe.forward(&pos).unwrap()).unwrap();
         // Without sinks for its weights the block cannot be fused; with them it is.
-        assert!(ops::block::gpt2_block(&x, &bias, &block.params()).unwrap().is_none());
+        assert!(ops::block::gpt2_block(&x, &bias, &block.params(), None).unwrap().is_none());
         {
             let _sinks = grads.scope();
-            assert!(ops::block::gpt2_block(&x, &bias, &block.params()).unwrap().is_some());
+            assert!(ops::block::gpt2_block(&x, &bias, &block.params(), None).unwrap().is_some());
         }
 
         let composed = model.forward(&ids, &pos, &bias, None).unwrap();
@@ -386,6 +425,41 @@ mod tests {
             assert!(close(&values(&got), &values(want)), "{name}: gradients differ");
             assert!(values(&got).iter().any(|&g| g != 0.0), "{name}: zero gradient");
         }
+    }
+
+    #[test]
+    fn selected_rows_match_the_full_forward_values_and_gradients() {
+        let (store, lm) = model(true);
+        let (ids, pos, bias) = inputs(&Device::Cpu);
+        let rows = [3usize, 4, 5, 6, 8, 10, 11];
+        let idx = Tensor::new(&[3u32, 4, 5, 6, 8, 10, 11], &Device::Cpu).unwrap();
+        let pick = |h: &Tensor| h.reshape((14, 32)).unwrap().index_select(&idx, 0).unwrap();
+        let vars: Vec<Var> = store.vars().into_iter().map(|(_, v)| v).collect();
+        let run = |selected: bool| {
+            let mut grads = Grads::new(&vars);
+            let h = {
+                let _sinks = grads.scope();
+                match selected {
+                    true => lm.forward_rows(&ids, &pos, &bias, &rows).unwrap(),
+                    false => lm.forward(&ids, &pos, &bias, None).unwrap(),
+                }
+            };
+            let h = pick(&h);
+            grads.backward(&loss(&h)).unwrap();
+            let g: Vec<Vec<f32>> = (0..vars.len()).map(|i| values(&grads.get(i).unwrap().unwrap())).collect();
+            (values(&h), g)
+        };
+        let ((h_all, g_all), (h_sel, g_sel)) = (run(false), run(true));
+        let close =
+            |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| (x - y).abs() <= 1e-5 * (1.0 + y.abs()));
+        assert!(close(&h_sel, &h_all), "selected hidden states differ");
+        for ((name, _), (a, b)) in store.vars().iter().zip(g_sel.iter().zip(&g_all)) {
+            assert!(close(a, b), "{name}: gradients differ");
+        }
+        // Frozen weights: the same rows without a graph.
+        let (_, frozen) = model(false);
+        let h = pick(&frozen.forward_rows(&ids, &pos, &bias, &rows).unwrap());
+        assert!(close(&values(&h), &h_all));
     }
 
     #[test]

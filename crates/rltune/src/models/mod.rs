@@ -200,6 +200,23 @@ impl CausalLm {
         }
     }
 
+    /// [`Self::forward`] (no cache) where only the hidden states of `rows` (indices into the
+    /// flattened `(B·T)` positions, ascending) will be read; the others are unspecified. GPT-2
+    /// skips the last block's work for the other rows ([`gpt2::Gpt2::forward_rows`]); other
+    /// architectures compute every row.
+    pub fn forward_rows(
+        &self,
+        input_ids: &Tensor,
+        position_ids: &Tensor,
+        bias: &Tensor,
+        rows: &[usize],
+    ) -> Result<Tensor> {
+        match &self.arch {
+            Arch::Gpt2(m) => m.forward_rows(input_ids, position_ids, bias, rows),
+            Arch::Llama(m) => m.forward(input_ids, position_ids, bias, None),
+        }
+    }
+
     /// The LM head's weight `(V, C)`; `logits(h) = h·Wᵀ`.
     pub fn lm_head_weight(&self) -> &Tensor {
         match &self.arch {

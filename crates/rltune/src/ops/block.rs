@@ -12,6 +12,10 @@
 //! optimizer fused into that product sees the right order), writes every weight's gradient
 //! into its gradient sink (`grad_sink`) and hands candle `dx` only.
 //!
+//! With [`Rows`], the block computes its attention output's projection and its MLP only for
+//! the rows whose output will be read (PPO reads the response positions; the model passes the
+//! rows to its last block), and keys and values for all.
+//!
 //! The weights' gradients can only go to sinks (a custom op returns gradients for its inputs,
 //! and the weights are not inputs), so the block is used only where every weight that tracks a
 //! gradient has a sink in the scope installed while the forward runs; the model falls back to
@@ -72,7 +76,38 @@ impl Gpt2BlockParams {
     }
 }
 
-/// What the backward reads, all `(N, ·)` row-major.
+/// Rows of `(B·T)` whose outputs are needed: the others skip the attention output's projection
+/// and the MLP (their keys and values are still computed for the rows that attend to them).
+#[derive(Debug, Clone)]
+pub(crate) struct Rows {
+    idx: Tensor,
+    list: Arc<Vec<usize>>,
+}
+
+impl Rows {
+    /// The rows `list` (ascending, each below `B·T`) on `device`.
+    pub(crate) fn new(list: Vec<usize>, device: &candle_core::Device) -> CResult<Self> {
+        let idx = Tensor::from_vec(list.iter().map(|&r| r as u32).collect::<Vec<_>>(), list.len(), device)?;
+        Ok(Self { idx, list: Arc::new(list) })
+    }
+}
+
+/// `base` (or zeros) `(n, c)` with rows `rows` replaced by the rows of `src`.
+fn scatter_rows(base: Option<&Tensor>, n: usize, c: usize, rows: &Rows, src: &Tensor) -> CResult<Tensor> {
+    let mut out = match base {
+        Some(b) => with_f32(b, <[f32]>::to_vec)?,
+        None => super::zeros_par(n * c),
+    };
+    with_f32(src, |s| {
+        for (k, &r) in rows.list.iter().enumerate() {
+            out[r * c..(r + 1) * c].copy_from_slice(&s[k * c..(k + 1) * c]);
+        }
+    })?;
+    Tensor::from_vec(out, (n, c), src.device())
+}
+
+/// What the backward reads, all `(N, ·)` row-major (with [`Rows`], `y` to `g` hold the selected
+/// rows only).
 struct Saved {
     a1: Tensor,
     qkv: Tensor,
@@ -84,11 +119,13 @@ struct Saved {
     g: Tensor,
 }
 
-/// The forward without a graph: `(h, mlp_out)` and, with `keep`, what the backward reads.
+/// The forward without a graph: `(h, mlp_out)` (of the selected rows) and, with `keep`, what the
+/// backward reads.
 fn forward(
     x: &Tensor,
     bias: &Tensor,
     p: &Gpt2BlockParams,
+    rows: Option<&Rows>,
     keep: bool,
 ) -> CResult<(Tensor, Tensor, Option<Saved>)> {
     let (b, t, c) = x.dims3()?;
@@ -99,7 +136,10 @@ fn forward(
     let a1 = layer_norm(&x, &d(&p.ln_1.0), &d(&p.ln_1.1), p.eps)?;
     let qkv = lin(&a1, &p.c_attn)?.reshape((b, t, 3 * c))?;
     let (y, probs) = self_attention_keep(&qkv, &d(bias), p.n_head, p.scale)?;
-    let y = y.reshape((n, c))?;
+    let (x, y) = match rows {
+        Some(r) => (x.index_select(&r.idx, 0)?, y.reshape((n, c))?.index_select(&r.idx, 0)?),
+        None => (x, y.reshape((n, c))?),
+    };
     let h = (&x + lin(&y, &p.c_proj)?)?;
     let a2 = layer_norm(&h, &d(&p.ln_2.0), &d(&p.ln_2.1), p.eps)?;
     let u = lin(&a2, &p.c_fc)?;
@@ -113,7 +153,15 @@ fn forward(
 /// attention bias `(B|1, 1, T, T)`; `None` where it does not apply (not f32 on a CPU with the
 /// fast SGEMM, or a weight that tracks a gradient has no sink in the installed scope), and the
 /// caller composes the block instead.
-pub(crate) fn gpt2_block(x: &Tensor, bias: &Tensor, p: &Gpt2BlockParams) -> CResult<Option<Tensor>> {
+///
+/// With `rows`, only those rows of `(B·T)` get the block's output; the others hold `x`
+/// unchanged and must not be read (their gradient passes straight through).
+pub(crate) fn gpt2_block(
+    x: &Tensor,
+    bias: &Tensor,
+    p: &Gpt2BlockParams,
+    rows: Option<&Rows>,
+) -> CResult<Option<Tensor>> {
     let ws = p.all();
     let f32_cpu = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32;
     if !super::gemm::fast_available() || !f32_cpu(x) || !f32_cpu(bias) || !ws.iter().all(|w| f32_cpu(w)) {
@@ -123,13 +171,20 @@ pub(crate) fn gpt2_block(x: &Tensor, bias: &Tensor, p: &Gpt2BlockParams) -> CRes
         return Ok(None);
     }
     let grad = x.track_op() || ws.iter().any(|w| w.track_op());
-    let (h, m, saved) = forward(x, bias, p, grad)?;
+    let (h, m, saved) = forward(x, bias, p, rows, grad)?;
     if !grad {
-        return Ok(Some((h + m)?.reshape(x.shape())?));
+        let (b, t, c) = x.dims3()?;
+        let z = (h + m)?;
+        let z = match rows {
+            Some(r) => scatter_rows(Some(&x.detach().reshape((b * t, c))?.contiguous()?), b * t, c, r, &z)?,
+            None => z,
+        };
+        return Ok(Some(z.reshape(x.shape())?));
     }
     let op = BlockOp {
         p: p.clone(),
         bias: bias.detach(),
+        rows: rows.cloned(),
         out: Mutex::new(Some((h, m))),
         saved: Mutex::new(saved),
     };
@@ -140,6 +195,7 @@ pub(crate) fn gpt2_block(x: &Tensor, bias: &Tensor, p: &Gpt2BlockParams) -> CRes
 struct BlockOp {
     p: Gpt2BlockParams,
     bias: Tensor,
+    rows: Option<Rows>,
     out: Mutex<Option<(Tensor, Tensor)>>,
     saved: Mutex<Option<Saved>>,
 }
@@ -158,12 +214,24 @@ impl CustomOp1 for BlockOp {
         "rltune-gpt2-block"
     }
 
-    fn cpu_fwd(&self, _s: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
         let Some((h, m)) = lock(&self.out).take() else {
             candle_core::bail!("gpt2 block: the op ran twice");
         };
-        let z =
-            with_f32(&h, |h| with_f32(&m, |m| h.iter().zip(m).map(|(a, b)| a + b).collect::<Vec<f32>>()))??;
+        let sum = |h: &[f32], m: &[f32]| h.iter().zip(m).map(|(a, b)| a + b).collect::<Vec<f32>>();
+        let z = match &self.rows {
+            None => with_f32(&h, |h| with_f32(&m, |m| sum(h, m)))??,
+            Some(rows) => {
+                // The unselected rows pass `x` through.
+                let mut z = super::contiguous::<f32>(s, l, "gpt2 block")?.to_vec();
+                let c = l.dims().last().copied().unwrap_or(1);
+                let zs = with_f32(&h, |h| with_f32(&m, |m| sum(h, m)))??;
+                for (k, &r) in rows.list.iter().enumerate() {
+                    z[r * c..(r + 1) * c].copy_from_slice(&zs[k * c..(k + 1) * c]);
+                }
+                z
+            }
+        };
         if z.len() != l.shape().elem_count() {
             candle_core::bail!("gpt2 block: {} outputs for an input of shape {:?}", z.len(), l.dims());
         }
@@ -176,7 +244,7 @@ impl CustomOp1 for BlockOp {
         let s = match saved {
             Some(s) => s,
             // A second backward through the same graph: recompute the activations.
-            None => match forward(x, &self.bias, p, true)?.2 {
+            None => match forward(x, &self.bias, p, self.rows.as_ref(), true)?.2 {
                 Some(s) => s,
                 None => candle_core::bail!("gpt2 block: no activations"),
             },
@@ -185,6 +253,10 @@ impl CustomOp1 for BlockOp {
         let n = b * t;
         let d = |t: &Tensor| t.detach();
         let dz = dz.reshape((n, c))?.contiguous()?;
+        let dz_rows = match &self.rows {
+            Some(r) => dz.index_select(&r.idx, 0)?,
+            None => dz.clone(),
+        };
         // `dx` of a linear map, then its weight's and bias's gradients (the weight's product may
         // update it in place, so it comes after every read of the weight).
         let linear_bwd = |x: &Tensor, (w, bias): &(Tensor, Tensor), g: &Tensor| -> CResult<Tensor> {
@@ -207,11 +279,17 @@ impl CustomOp1 for BlockOp {
             }
             Ok(dx)
         };
-        let dg = linear_bwd(&s.g, &p.mlp_proj, &dz)?;
+        let dg = linear_bwd(&s.g, &p.mlp_proj, &dz_rows)?;
         let du = gelu_tanh_bwd(&s.u, &dg)?;
         let da2 = linear_bwd(&s.a2, &p.c_fc, &du)?;
-        let dh = (&dz + norm_bwd(&s.h, &p.ln_2, &da2)?)?;
-        let dy = linear_bwd(&s.y, &p.c_proj, &dh)?.reshape((b, t, c))?;
+        let dh = (&dz_rows + norm_bwd(&s.h, &p.ln_2, &da2)?)?;
+        let dy = linear_bwd(&s.y, &p.c_proj, &dh)?;
+        // Unselected rows: no attention output was used, and their gradient passes straight on.
+        let (dy, dh) = match &self.rows {
+            Some(r) => (scatter_rows(None, n, c, r, &dy)?, scatter_rows(Some(&dz), n, c, r, &dh)?),
+            None => (dy, dh),
+        };
+        let dy = dy.reshape((b, t, c))?;
         let dqkv =
             self_attention_bwd(&s.qkv, &self.bias, &dy, p.n_head, p.scale, s.probs)?.reshape((n, 3 * c))?;
         let da1 = linear_bwd(&s.a1, &p.c_attn, &dqkv)?;

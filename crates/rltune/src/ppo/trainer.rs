@@ -417,7 +417,9 @@ impl PpoTrainer {
     /// position but the last, whose logits predict a token outside the batch).
     ///
     /// `select (B, L−1)` limits the LM head to the marked positions (the others read 0 in
-    /// logprobs and entropies); `keep` keeps its probabilities for a backward.
+    /// logprobs and entropies, and their values are unspecified: the model skips the last
+    /// block's work for them, and the losses mask them out); `keep` keeps its probabilities for
+    /// a backward.
     fn policy_forward(
         &self,
         ids: &Tensor,
@@ -426,7 +428,15 @@ impl PpoTrainer {
         select: Option<&Tensor>,
         keep: bool,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        let hidden = self.policy.lm.forward(&inputs(ids)?, pos, bias, None)?;
+        let hidden = match select {
+            // Only the selected positions are read: the last block skips the others.
+            Some(sel) => {
+                let flat = sel.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+                let rows: Vec<usize> = (0..flat.len()).filter(|&r| flat[r] != 0.0).collect();
+                self.policy.lm.forward_rows(&inputs(ids)?, pos, bias, &rows)?
+            }
+            None => self.policy.lm.forward(&inputs(ids)?, pos, bias, None)?,
+        };
         let (logp, entropy) = self.head_logprobs(&self.policy.lm, &hidden, ids, select, keep)?;
         let values = self.policy.v_head.forward(&hidden)?;
         Ok((logp, entropy, values))
