@@ -80,24 +80,9 @@ fn transpose_head<T: Elem>(out: &mut [T], qkv: &[T], col: usize, t: usize, c: us
     }
 }
 
-/// `out[..n] = x · M[.., ..n]` for `M (d, ld)` row-major and `n` a multiple of [`LANES`] (at
-/// most `ld`): one row of a product, with `LANES` outputs at a time held in registers.
-#[inline(always)]
-fn row_times<T: Elem>(out: &mut [T], x: &[T], mt: &[T], ld: usize, n: usize) {
-    for c0 in (0..n).step_by(LANES) {
-        let mut acc = [T::zero(); LANES];
-        for (e, &xe) in x.iter().enumerate() {
-            let m = &mt[e * ld + c0..e * ld + c0 + LANES];
-            for l in 0..LANES {
-                acc[l] += xe * m[l];
-            }
-        }
-        out[c0..c0 + LANES].copy_from_slice(&acc);
-    }
-}
-
 /// `out = Σ_j w[j] · rows[j·stride..][..out.len()]`, summed in `j` order, `LANES` outputs at a
-/// time held in registers.
+/// time held in registers: `P·V` and the other products of a head, and a row of `q·Kᵀ` from the
+/// transposed keys (`w = q`, `rows = Kᵀ`, a multiple of `LANES` outputs).
 #[inline(always)]
 fn weighted_rows<T: Elem>(out: &mut [T], w: &[T], rows: &[T], stride: usize) {
     let d = out.len();
@@ -152,7 +137,7 @@ simd_kernel! {
                 let br = dims.bias_row(b, h, i);
                 let brow = &bias[br..br + t];
                 let live = live_keys(brow, dead);
-                row_times(srow, &qkv[i * 3 * c + q..i * 3 * c + q + d], kt, tp, padded(live));
+                weighted_rows(&mut srow[..padded(live)], &qkv[i * 3 * c + q..i * 3 * c + q + d], kt, tp);
                 let full = &mut p[(h * t + i) * t..(h * t + i + 1) * t];
                 full[live..].fill(T::zero());
                 let row = &mut full[..live];
@@ -191,7 +176,7 @@ simd_kernel! {
                 let live = pi.iter().rposition(|&x| x != T::zero()).map_or(0, |j| j + 1);
                 let gi = &g[i * c + h * d..i * c + h * d + d];
                 // dP_i = g_i · Vᵀ, then the softmax backward.
-                row_times(dsp, gi, vt, tp, padded(live));
+                weighted_rows(&mut dsp[..padded(live)], gi, vt, tp);
                 let dsi = &mut dsm[i * t..(i + 1) * t];
                 dsi[live..].fill(T::zero());
                 let dot = simd::dot(&pi[..live], &dsp[..live]);
