@@ -313,7 +313,8 @@ impl Gpt2 {
     /// [`Self::forward`] (no cache) where only the hidden states of `rows` (indices into the
     /// flattened `(B·T)` positions, ascending) will be read: the last block computes its
     /// attention output's projection and its MLP for those rows only; the other rows of the
-    /// result are unspecified. Where the fused block does not apply, every row is computed.
+    /// result are unspecified. Where the fused block does not apply (and for an empty, unsorted
+    /// or out-of-range list), every row is computed.
     pub fn forward_rows(
         &self,
         input_ids: &Tensor,
@@ -322,7 +323,8 @@ impl Gpt2 {
         rows: &[usize],
     ) -> Result<Tensor> {
         let n = input_ids.elem_count();
-        if rows.len() >= n || rows.windows(2).any(|w| w[0] >= w[1]) || rows.last().is_some_and(|&r| r >= n) {
+        let unusable = rows.is_empty() || rows.len() >= n || rows.windows(2).any(|w| w[0] >= w[1]);
+        if unusable || rows.last().is_some_and(|&r| r >= n) {
             return self.run(input_ids, position_ids, bias, None, None);
         }
         let rows = ops::block::Rows::new(rows.to_vec(), input_ids.device())?;
