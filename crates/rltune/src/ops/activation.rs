@@ -81,7 +81,7 @@ impl CustomOp1 for GeluTanh {
     }
 
     fn bwd(&self, x: &Tensor, _y: &Tensor, g: &Tensor) -> CResult<Option<Tensor>> {
-        Ok(Some(x.apply_op2_no_bwd(&g.contiguous()?, &GeluTanhBwd)?))
+        Ok(Some(gelu_tanh_bwd(x, g)?))
     }
 }
 

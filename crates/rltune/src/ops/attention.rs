@@ -305,19 +305,12 @@ impl CustomOp2 for SelfAttention {
         _y: &Tensor,
         g: &Tensor,
     ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
-        let dims = dims_of(qkv.layout(), bias.layout(), self.n_head)?;
         let probs = match super::lock(&self.probs).take() {
             Some(p) => p,
-            None => {
-                // A second backward through the same graph: recompute them.
-                let again = SelfAttention { n_head: self.n_head, scale: self.scale, probs: Mutex::new(None) };
-                qkv.detach().apply_op2_no_bwd(&bias.detach(), &again)?;
-                let p = super::lock(&again.probs).take();
-                p.ok_or_else(|| candle_core::Error::Msg("self-attention: no probabilities".into()))?
-            }
+            // A second backward through the same graph: recompute them.
+            None => self_attention_keep(qkv, bias, self.n_head, self.scale)?.1,
         };
-        let bwd = SelfAttentionBwd { dims, scale: self.scale, probs };
-        Ok((Some(qkv.detach().apply_op2_no_bwd(&g.contiguous()?, &bwd)?), None))
+        Ok((Some(self_attention_bwd(qkv, bias, g, self.n_head, self.scale, probs)?), None))
     }
 }
 
@@ -627,6 +620,18 @@ mod tests {
             |t| self_attention(&t[0], &shared, 4, 0.5).unwrap(),
             |t| self_attention_composed(&t[0], &shared, 4, 0.5).unwrap(),
         );
+    }
+
+    #[test]
+    fn a_second_backward_recomputes_the_probabilities() {
+        let bias = causal(&[vec![1, 1, 1, 1], vec![0, 1, 1, 1]], DType::F64);
+        let x = candle_core::Var::from_tensor(&randn(&[2, 4, 12], 5)).unwrap();
+        let w = randn(&[2, 4, 4], 6);
+        let y = self_attention(x.as_tensor(), &bias, 2, 0.4).unwrap();
+        let loss = (y * &w).unwrap().sum_all().unwrap();
+        let first = loss.backward().unwrap().get(&x).unwrap().clone();
+        let second = loss.backward().unwrap().get(&x).unwrap().clone();
+        assert_eq!(max_diff(&first, &second), 0.0);
     }
 
     /// Right padding only: a fully masked query row (left padding) sits at −1e9, where a

@@ -92,18 +92,41 @@ impl Rows {
     }
 }
 
-/// `base` (or zeros) `(n, c)` with rows `rows` replaced by the rows of `src`.
-fn scatter_rows(base: Option<&Tensor>, n: usize, c: usize, rows: &Rows, src: &Tensor) -> CResult<Tensor> {
+/// `base` (or zeros) of `n` rows of `c` values with rows `rows` replaced by the rows of `src`.
+fn scatter_rows(base: Option<&[f32]>, n: usize, c: usize, rows: &Rows, src: &[f32]) -> Vec<f32> {
     let mut out = match base {
-        Some(b) => with_f32(b, <[f32]>::to_vec)?,
+        Some(b) => b.to_vec(),
         None => super::zeros_par(n * c),
     };
-    with_f32(src, |s| {
-        for (k, &r) in rows.list.iter().enumerate() {
-            out[r * c..(r + 1) * c].copy_from_slice(&s[k * c..(k + 1) * c]);
-        }
-    })?;
+    for (k, &r) in rows.list.iter().enumerate() {
+        out[r * c..(r + 1) * c].copy_from_slice(&src[k * c..(k + 1) * c]);
+    }
+    out
+}
+
+/// [`scatter_rows`] on tensors `(n, c)`.
+fn scatter_row_tensors(
+    base: Option<&Tensor>,
+    n: usize,
+    c: usize,
+    rows: &Rows,
+    src: &Tensor,
+) -> CResult<Tensor> {
+    let out = with_f32(src, |s| match base {
+        Some(b) => with_f32(b, |b| scatter_rows(Some(b), n, c, rows, s)),
+        None => Ok(scatter_rows(None, n, c, rows, s)),
+    })??;
     Tensor::from_vec(out, (n, c), src.device())
+}
+
+/// The block's output from [`forward`]'s halves: `h + m` on the computed rows, `x` passed
+/// through on the others (rows of `c` values).
+fn output(x: &[f32], h: &Tensor, m: &Tensor, rows: Option<&Rows>, c: usize) -> CResult<Vec<f32>> {
+    let z = with_f32(h, |h| with_f32(m, |m| h.iter().zip(m).map(|(a, b)| a + b).collect::<Vec<f32>>()))??;
+    Ok(match rows {
+        Some(r) => scatter_rows(Some(x), x.len() / c.max(1), c, r, &z),
+        None => z,
+    })
 }
 
 /// What the backward reads, all `(N, ·)` row-major (with [`Rows`], `y` to `g` hold the selected
@@ -173,13 +196,9 @@ pub(crate) fn gpt2_block(
     let grad = x.track_op() || ws.iter().any(|w| w.track_op());
     let (h, m, saved) = forward(x, bias, p, rows, grad)?;
     if !grad {
-        let (b, t, c) = x.dims3()?;
-        let z = (h + m)?;
-        let z = match rows {
-            Some(r) => scatter_rows(Some(&x.detach().reshape((b * t, c))?.contiguous()?), b * t, c, r, &z)?,
-            None => z,
-        };
-        return Ok(Some(z.reshape(x.shape())?));
+        let x = x.detach().contiguous()?;
+        let z = with_f32(&x, |xs| output(xs, &h, &m, rows, x.dim(2)?))??;
+        return Ok(Some(Tensor::from_vec(z, x.shape(), x.device())?));
     }
     let op = BlockOp {
         p: p.clone(),
@@ -218,20 +237,8 @@ impl CustomOp1 for BlockOp {
         let Some((h, m)) = lock(&self.out).take() else {
             candle_core::bail!("gpt2 block: the op ran twice");
         };
-        let sum = |h: &[f32], m: &[f32]| h.iter().zip(m).map(|(a, b)| a + b).collect::<Vec<f32>>();
-        let z = match &self.rows {
-            None => with_f32(&h, |h| with_f32(&m, |m| sum(h, m)))??,
-            Some(rows) => {
-                // The unselected rows pass `x` through.
-                let mut z = super::contiguous::<f32>(s, l, "gpt2 block")?.to_vec();
-                let c = l.dims().last().copied().unwrap_or(1);
-                let zs = with_f32(&h, |h| with_f32(&m, |m| sum(h, m)))??;
-                for (k, &r) in rows.list.iter().enumerate() {
-                    z[r * c..(r + 1) * c].copy_from_slice(&zs[k * c..(k + 1) * c]);
-                }
-                z
-            }
-        };
+        let x = super::contiguous::<f32>(s, l, "gpt2 block")?;
+        let z = output(x, &h, &m, self.rows.as_ref(), l.dims().last().copied().unwrap_or(1))?;
         if z.len() != l.shape().elem_count() {
             candle_core::bail!("gpt2 block: {} outputs for an input of shape {:?}", z.len(), l.dims());
         }
@@ -286,7 +293,9 @@ impl CustomOp1 for BlockOp {
         let dy = linear_bwd(&s.y, &p.c_proj, &dh)?;
         // Unselected rows: no attention output was used, and their gradient passes straight on.
         let (dy, dh) = match &self.rows {
-            Some(r) => (scatter_rows(None, n, c, r, &dy)?, scatter_rows(Some(&dz), n, c, r, &dh)?),
+            Some(r) => {
+                (scatter_row_tensors(None, n, c, r, &dy)?, scatter_row_tensors(Some(&dz), n, c, r, &dh)?)
+            }
             None => (dy, dh),
         };
         let dy = dy.reshape((b, t, c))?;
