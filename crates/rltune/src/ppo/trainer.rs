@@ -104,6 +104,9 @@ struct Batch {
     bias: Tensor,
     /// `(B, L−1)` f32
     mask: Tensor,
+    /// `(B, L−1)` f32: 1 on every response column (the mask before `response_masks`), where
+    /// the rollout cache has logprobs.
+    response: Tensor,
 }
 
 /// Per-token rollout quantities of a batch, each `(B, L−1)`.
@@ -395,21 +398,24 @@ impl PpoTrainer {
         let l = ids[0].len();
         attn.iter_mut().for_each(|a| a.truncate(l - 1));
         let b = rows.len();
-        let mut mask = vec![0f32; b * (l - 1)];
+        let (mut mask, mut response) = (vec![0f32; b * (l - 1)], vec![0f32; b * (l - 1)]);
         for i in 0..b {
             let start = input.queries[i].len() - 1;
             for j in 0..input.responses[i].len() {
                 let keep = input.response_masks.map_or(1, |m| m[i][j]);
                 mask[i * (l - 1) + start + j] = f32::from(keep);
+                response[i * (l - 1) + start + j] = 1.0;
             }
         }
+        let dt = self.store.dtype();
         Ok(Batch {
             ids: Tensor::new(ids, &self.device)?,
             // Right padding: `arange(L)` equals `cumsum(mask) − 1` on every real token, and gives
             // padding the positions TRL gives it (its logprobs appear in `objective/logprobs`).
             positions: Tensor::arange(0u32, (l - 1) as u32, &self.device)?.unsqueeze(0)?.repeat((b, 1))?,
             bias: causal_bias(&attn, l - 1, self.store.dtype(), &self.device)?,
-            mask: Tensor::from_vec(mask, (b, l - 1), &self.device)?.to_dtype(self.store.dtype())?,
+            mask: Tensor::from_vec(mask, (b, l - 1), &self.device)?.to_dtype(dt)?,
+            response: Tensor::from_vec(response, (b, l - 1), &self.device)?.to_dtype(dt)?,
         })
     }
 
@@ -428,15 +434,7 @@ impl PpoTrainer {
         select: Option<&Tensor>,
         keep: bool,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        let hidden = match select {
-            // Only the selected positions are read: the last block skips the others.
-            Some(sel) => {
-                let flat = sel.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-                let rows: Vec<usize> = (0..flat.len()).filter(|&r| flat[r] != 0.0).collect();
-                self.policy.lm.forward_rows(&inputs(ids)?, pos, bias, &rows)?
-            }
-            None => self.policy.lm.forward(&inputs(ids)?, pos, bias, None)?,
-        };
+        let hidden = hidden_states(&self.policy.lm, ids, pos, bias, select)?;
         let (logp, entropy) = self.head_logprobs(&self.policy.lm, &hidden, ids, select, keep)?;
         let values = self.policy.v_head.forward(&hidden)?;
         Ok((logp, entropy, values))
@@ -504,6 +502,15 @@ impl PpoTrainer {
                 lp.push(l);
                 flp.extend(f);
                 vals.push(self.policy.v_head.forward(&hidden)?.detach());
+            }
+            if use_cache {
+                // The cached policy logprobs exist on response columns only (0 elsewhere), so
+                // the reference's are computed there only: the LM head and the last block skip
+                // the query rows.
+                let response = batch.response.narrow(0, start, n)?;
+                let h = hidden_states(&self.reference, &ids, &pos, &bias, Some(&response))?;
+                rlp.push(self.head_logprobs(&self.reference, &h, &ids, Some(&response), false)?.0.detach());
+                continue;
             }
             let h = self.reference.forward(&input, &pos, &bias, None)?;
             let (l, f) = self.next_token_logprobs(&self.reference, &h, &ids, full)?;
@@ -808,6 +815,26 @@ fn negative_kl_floor(stats: &Stats, mean_kl: f64) -> f64 {
 }
 
 /// The models' input `ids[:, :L−1]` (see [`Batch`]).
+/// Hidden states `(B, L−1, C)` of the model's inputs (`ids[:, :L−1]`); with `select (B, L−1)`,
+/// only the marked positions are computed in full (the others are unspecified, see
+/// [`CausalLm::forward_rows`]).
+fn hidden_states(
+    lm: &CausalLm,
+    ids: &Tensor,
+    pos: &Tensor,
+    bias: &Tensor,
+    select: Option<&Tensor>,
+) -> Result<Tensor> {
+    match select {
+        Some(sel) => {
+            let flat = sel.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+            let rows: Vec<usize> = (0..flat.len()).filter(|&r| flat[r] != 0.0).collect();
+            lm.forward_rows(&inputs(ids)?, pos, bias, &rows)
+        }
+        None => lm.forward(&inputs(ids)?, pos, bias, None),
+    }
+}
+
 fn inputs(ids: &Tensor) -> Result<Tensor> {
     Ok(ids.narrow(1, 0, ids.dim(1)? - 1)?)
 }

@@ -204,12 +204,26 @@ fn rollout_cache_equals_recomputation() {
     ] {
         d_stats = d_stats.max((scalar(&a, key) - scalar(&b, key)).abs());
     }
+    // With the cache, the reference runs on the response columns only and reads 0 elsewhere.
+    let (ref_a, ref_b) = (matrix(&a, "objective/ref_logprobs"), matrix(&b, "objective/ref_logprobs"));
+    let mut d_ref = 0f64;
+    for (i, s) in samples.iter().enumerate() {
+        let cols: Vec<usize> = response_cols(&queries[i], &s.response_ids).collect();
+        for (c, (&x, &y)) in ref_a[i].iter().zip(&ref_b[i]).enumerate() {
+            if cols.contains(&c) {
+                d_ref = d_ref.max((x - y).abs());
+            } else {
+                assert_eq!(x, 0.0, "cached step: ref logprob of row {i}, column {c} outside the response");
+            }
+        }
+    }
     let d_w = weights_diff(&weights(&cached), &weights(&recomputed));
     println!(
-        "rollout cache vs recomputed: logprobs max diff {d_lp:.2e}, stats max diff {d_stats:.2e}, \
-         weights after the step max diff {d_w:.2e}"
+        "rollout cache vs recomputed: logprobs max diff {d_lp:.2e}, ref logprobs {d_ref:.2e}, stats max \
+         diff {d_stats:.2e}, weights after the step max diff {d_w:.2e}"
     );
     assert!(d_lp < 1e-5, "logprobs differ by {d_lp}");
+    assert!(d_ref < 1e-5, "reference logprobs differ by {d_ref}");
     assert!(d_stats < 1e-5, "stats differ by {d_stats}");
     assert!(d_w < 1e-5, "weights differ by {d_w}");
 }
