@@ -154,6 +154,8 @@ pub fn generate(
     let positions = crate::models::layers::position_ids_from_mask(&mask, device)?;
     let bias = causal_bias(&mask, prompt_len, DType::F32, device)?;
     let mut hidden = lm.forward(&input, &positions, &bias, Some(&mut cache))?;
+    // Every decoding step multiplies the same weights by B rows: pack them once.
+    let _packed = crate::ops::gemm::pack_scope(&lm.weight_matrices());
     for step in 0..cfg.max_new_tokens {
         let last = hidden.narrow(1, hidden.dim(1)? - 1, 1)?; // (B, 1, C)
         let mut logits = lm.logits(&last)?.squeeze(1)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;

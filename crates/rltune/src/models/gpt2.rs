@@ -353,6 +353,19 @@ impl Gpt2 {
         &self.lm_head
     }
 
+    /// The weight matrices of the blocks' Conv1D layers and the LM head.
+    pub fn weight_matrices(&self) -> Vec<Tensor> {
+        let mut w: Vec<Tensor> = self
+            .h
+            .iter()
+            .flat_map(|b| {
+                [&b.attn.c_attn, &b.attn.c_proj, &b.mlp.c_fc, &b.mlp.c_proj].map(|c| c.weight.clone())
+            })
+            .collect();
+        w.push(self.lm_head.clone());
+        w
+    }
+
     /// `(B, T, C) -> (B, T, V)`
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
         hidden.dims3()?;

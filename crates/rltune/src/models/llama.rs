@@ -690,6 +690,21 @@ impl Llama {
         &self.lm_head
     }
 
+    /// The weight matrices of the linear layers and the LM head.
+    pub fn weight_matrices(&self) -> Vec<Tensor> {
+        let mut w: Vec<Tensor> = self
+            .layers
+            .iter()
+            .flat_map(|l| {
+                let (a, m) = (&l.self_attn, &l.mlp);
+                [&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj, &m.gate_proj, &m.up_proj, &m.down_proj]
+                    .map(|lin| lin.weight.clone())
+            })
+            .collect();
+        w.push(self.lm_head.clone());
+        w
+    }
+
     /// `(B, T, C) -> (B, T, V)`
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
         let (b_sz, seq_len, c) = hidden.dims3()?;

@@ -225,6 +225,15 @@ impl CausalLm {
         }
     }
 
+    /// The weight matrices of the linear layers and the LM head (each a matrix product's
+    /// right-hand side).
+    pub fn weight_matrices(&self) -> Vec<Tensor> {
+        match &self.arch {
+            Arch::Gpt2(m) => m.weight_matrices(),
+            Arch::Llama(m) => m.weight_matrices(),
+        }
+    }
+
     /// `(B, T, C) -> (B, T, V)`
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
         match &self.arch {

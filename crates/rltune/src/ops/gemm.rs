@@ -18,6 +18,9 @@
 //!   accumulate, two hold B, one the broadcast of A). A panel of B is 16 KiB (in a 32 KiB
 //!   L1d), a block of A 96 KiB (144 KiB when one block spans all rows; in a 512 KiB L2).
 //!
+//! Inside a [`PackScope`] (generation's decoding steps), registered weights are packed once and
+//! every product of more than 32 rows reads them packed.
+//!
 //! With [`MatmulPrecision::Bf16`] set, products whose sides are all at least 32 run on the AMX
 //! kernel of `ops/amx.rs` instead (bf16 inputs, f32 accumulation).
 //!
@@ -213,6 +216,11 @@ pub(crate) fn sgemm(a: MatRef, b: MatRef, c: &mut [f32], bias: Option<&[f32]>, a
             unsafe { super::amx::sgemm(a, b, c.as_mut_ptr(), bias, accumulate) };
             return;
         }
+        if let Some(pb) = prepacked(&b, m, isa) {
+            // SAFETY: as below; `pb` is `b` packed for `isa`.
+            unsafe { x86::sgemm_prepacked(isa, a, b, pb.values(), c.as_mut_ptr(), bias, accumulate) };
+            return;
+        }
         if swap_pays(&a, &b, isa.nr()) {
             let ct = sgemm_new(b.t(), a.t(), None);
             transpose_into(&ct, n, m, c, bias, accumulate);
@@ -292,7 +300,11 @@ pub(crate) fn sgemm_new(a: MatRef, b: MatRef, bias: Option<&[f32]>) -> Vec<f32> 
     #[cfg(target_arch = "x86_64")]
     let amx = on_amx(m, k, n);
     #[cfg(target_arch = "x86_64")]
-    if let Some(isa) = isa().filter(|&isa| m > 0 && n > 0 && k > 0 && (amx || !swap_pays(&a, &b, isa.nr()))) {
+    let packed = isa().filter(|_| m > 0 && n > 0 && k > 0 && !amx).and_then(|isa| prepacked(&b, m, isa));
+    #[cfg(target_arch = "x86_64")]
+    if let Some(isa) = isa()
+        .filter(|&isa| m > 0 && n > 0 && k > 0 && (amx || packed.is_some() || !swap_pays(&a, &b, isa.nr())))
+    {
         let mut c: Vec<std::mem::MaybeUninit<f32>> = Vec::with_capacity(m * n);
         // SAFETY: MaybeUninit needs no initialization; the views were checked above (and
         // set_matmul_precision checked AMX for the bf16 path).
@@ -301,6 +313,8 @@ pub(crate) fn sgemm_new(a: MatRef, b: MatRef, bias: Option<&[f32]>) -> Vec<f32> 
             let c = c.as_mut_ptr().cast::<f32>();
             if amx {
                 super::amx::sgemm(a, b, c, bias, false);
+            } else if let Some(pb) = &packed {
+                x86::sgemm_prepacked(isa, a, b, pb.values(), c, bias, false);
             } else {
                 x86::sgemm(isa, a, b, c, bias, false);
             }
@@ -314,6 +328,112 @@ pub(crate) fn sgemm_new(a: MatRef, b: MatRef, bias: Option<&[f32]>) -> Vec<f32> 
     let mut c = vec![0f32; m * n];
     sgemm(a, b, &mut c, bias, false);
     c
+}
+
+/// B packed once, in the layout [`x86::drive`] packs all of B into (`KC`-deep blocks of `NR`-wide
+/// panels), 64-byte aligned.
+pub(crate) struct PackedB {
+    buf: Vec<f32>,
+    skip: usize,
+}
+
+impl PackedB {
+    fn values(&self) -> &[f32] {
+        &self.buf[self.skip..]
+    }
+}
+
+/// Which view of which registered matrix a [`PackedB`] holds, for which kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct PackKey {
+    start: usize,
+    len: usize,
+    off: usize,
+    rows: usize,
+    cols: usize,
+    rs: usize,
+    cs: usize,
+    isa: Isa,
+}
+
+/// The registry of a [`PackScope`]: the storage starts of its matrices and what was packed.
+struct Packed {
+    starts: Vec<usize>,
+    done: Vec<(PackKey, std::rc::Rc<PackedB>)>,
+}
+
+thread_local! {
+    /// The innermost live [`PackScope`] of this thread.
+    static PREPACKED: std::cell::RefCell<Option<Packed>> = const { std::cell::RefCell::new(None) };
+}
+
+/// While alive, products on this thread whose B is a view of one of the registered matrices
+/// read B packed once (on first use, per view) instead of packing it in every product: for the
+/// same weights multiplied by the same few rows many times, as in each decoding step of
+/// generation, where packing B cost about as much as a fifth of the product (64 rows). Only
+/// products of more than 32 rows use it: with fewer, the kernel reads row-major B in place
+/// and column-major B goes through the transposed product, so nothing is packed anyway.
+///
+/// The registered tensors are kept alive (their storage cannot be freed and reused by other
+/// data while the scope lives) and must not be written to while it lives: the packed copies
+/// would go stale. Scopes nest; dropping one restores the one before.
+pub(crate) struct PackScope {
+    _pins: Vec<candle_core::Tensor>,
+    prev: Option<Packed>,
+}
+
+/// Opens a [`PackScope`] for `matrices` (f32 CPU tensors; others are ignored).
+pub(crate) fn pack_scope(matrices: &[candle_core::Tensor]) -> PackScope {
+    let starts = matrices
+        .iter()
+        .filter_map(|t| match &*t.storage_and_layout().0 {
+            candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)) => Some(v.as_ptr() as usize),
+            _ => None,
+        })
+        .collect();
+    let prev = PREPACKED.with(|p| p.replace(Some(Packed { starts, done: Vec::new() })));
+    PackScope { _pins: matrices.to_vec(), prev }
+}
+
+impl Drop for PackScope {
+    fn drop(&mut self) {
+        let prev = self.prev.take();
+        PREPACKED.with(|p| *p.borrow_mut() = prev);
+    }
+}
+
+/// `b` packed for `isa`, when a [`PackScope`] registered its storage and the product has more
+/// than 32 rows (packed now on first use).
+#[cfg(target_arch = "x86_64")]
+fn prepacked(b: &MatRef, m: usize, isa: Isa) -> Option<std::rc::Rc<PackedB>> {
+    if m <= 32 {
+        return None;
+    }
+    PREPACKED.with(|p| {
+        let mut p = p.try_borrow_mut().ok()?;
+        let p = p.as_mut()?;
+        let start = b.data.as_ptr() as usize;
+        if !p.starts.contains(&start) {
+            return None;
+        }
+        let key = PackKey {
+            start,
+            len: b.data.len(),
+            off: b.off,
+            rows: b.rows,
+            cols: b.cols,
+            rs: b.rs,
+            cs: b.cs,
+            isa,
+        };
+        if let Some((_, v)) = p.done.iter().find(|(k, _)| *k == key) {
+            return Some(v.clone());
+        }
+        // SAFETY: the CPU has `isa` (from `isa()`); the caller checked the view's bounds.
+        let v = std::rc::Rc::new(unsafe { x86::pack_whole(isa, b) });
+        p.done.push((key, v.clone()));
+        Some(v)
+    })
 }
 
 /// The shape and bounds checks of [`sgemm`].
@@ -586,9 +706,67 @@ mod x86 {
         epi: Option<&Epilogue>,
     ) {
         match isa {
-            Isa::Avx512 => drive::<Avx512>(a, b, c, bias, accumulate, epi),
-            Isa::Avx2 => drive::<Avx2>(a, b, c, bias, accumulate, epi),
+            Isa::Avx512 => drive::<Avx512>(a, b, None, c, bias, accumulate, epi),
+            Isa::Avx2 => drive::<Avx2>(a, b, None, c, bias, accumulate, epi),
         }
+    }
+
+    /// [`sgemm`] with B already packed (`pb`, from [`pack_whole`] of `b` for `isa`).
+    ///
+    /// # Safety
+    /// As [`sgemm`].
+    pub(super) unsafe fn sgemm_prepacked(
+        isa: Isa,
+        a: MatRef,
+        b: MatRef,
+        pb: &[f32],
+        c: *mut f32,
+        bias: Option<&[f32]>,
+        accumulate: bool,
+    ) {
+        match isa {
+            Isa::Avx512 => drive::<Avx512>(a, b, Some(pb), c, bias, accumulate, None),
+            Isa::Avx2 => drive::<Avx2>(a, b, Some(pb), c, bias, accumulate, None),
+        }
+    }
+
+    /// All of `b` packed for `isa`'s kernel, in the layout [`drive`] packs it into.
+    ///
+    /// # Safety
+    /// The CPU has `isa`; `b` is in bounds.
+    pub(super) unsafe fn pack_whole(isa: Isa, b: &MatRef) -> PackedB {
+        match isa {
+            Isa::Avx512 => pack_all::<Avx512>(b),
+            Isa::Avx2 => pack_all::<Avx2>(b),
+        }
+    }
+
+    /// [`pack_whole`] for `K`.
+    ///
+    /// # Safety
+    /// As [`pack_whole`].
+    unsafe fn pack_all<K: Micro>(b: &MatRef) -> PackedB {
+        let (k, n, nr) = (b.rows, b.cols, K::NR);
+        let panels = n.div_ceil(nr);
+        let len = k * panels * nr;
+        let mut buf = vec![0f32; len + 16];
+        let skip = buf.as_ptr().align_offset(64).min(15);
+        let chunks: Vec<(usize, usize)> =
+            (0..k.div_ceil(KC)).flat_map(|q| (0..panels).map(move |j| (q, j))).collect();
+        let out = SendPtr(buf[skip..].as_mut_ptr());
+        chunks.par_iter().for_each(|&(q, j)| {
+            let kc = KC.min(k - q * KC);
+            // SAFETY: the blocks `q·KC·panels·NR + j·kc·NR` (`kc·NR` long) are disjoint and
+            // inside the `len` values after `skip`; the CPU has K's instruction set.
+            unsafe {
+                let dst = std::slice::from_raw_parts_mut(
+                    out.get().add(q * KC * panels * nr + j * kc * nr),
+                    kc * nr,
+                );
+                K::pack_b(b, q * KC, kc, j * nr, dst);
+            }
+        });
+        PackedB { buf, skip }
     }
 
     /// Whether the microkernel reads the full panels of row-major B in place (`ldb = rs`)
@@ -624,9 +802,14 @@ mod x86 {
     ///
     /// With an epilogue, each task multiplies into a buffer of its own block of C instead and
     /// hands the finished block to `epi`.
+    ///
+    /// With `prepacked` (all of `b` packed by [`pack_all`]), nothing is packed or prefetched
+    /// from B.
+    #[allow(clippy::too_many_arguments)]
     unsafe fn drive<K: Micro>(
         a: MatRef,
         b: MatRef,
+        prepacked: Option<&[f32]>,
         c: *mut f32,
         bias: Option<&[f32]>,
         accumulate: bool,
@@ -638,14 +821,14 @@ mod x86 {
         let panels = n.div_ceil(nr_);
         let blocks = k.div_ceil(KC);
         let s = split(m, n, k, rayon::current_num_threads(), (mr_, nr_));
-        let direct_b = reads_b_in_place(&b, m);
+        let direct_b = prepacked.is_none() && reads_b_in_place(&b, m);
         // Whether panel `j` is read in place (only full panels are).
         let in_place = |j: usize| direct_b && (j + 1) * nr_ <= n;
         // Whether the tasks pack their own panels (one task per column range).
-        let local_b = !direct_b && m.div_ceil(s.row_tiles * mr_) == 1;
+        let local_b = prepacked.is_none() && !direct_b && m.div_ceil(s.row_tiles * mr_) == 1;
         // Packed panels per depth block: all of them, or with `direct_b` only the last, partial
-        // one; none with `local_b`.
-        let packed_panels = match (local_b, direct_b) {
+        // one; none with `local_b` or `prepacked`.
+        let packed_panels = match (local_b || prepacked.is_some(), direct_b) {
             (true, _) => 0,
             (false, true) => 1,
             (false, false) => panels,
@@ -661,7 +844,7 @@ mod x86 {
             }
         };
         with_buffer(&PACKED_B, packed_len, |pb| {
-            let chunks: Vec<(usize, usize)> = match local_b {
+            let chunks: Vec<(usize, usize)> = match local_b || prepacked.is_some() {
                 true => Vec::new(),
                 false => (0..blocks)
                     .flat_map(|q| (0..panels).filter(|&j| !in_place(j)).map(move |j| (q, j)))
@@ -683,7 +866,7 @@ mod x86 {
             } else {
                 chunks.iter().for_each(pack);
             }
-            let pb: &[f32] = pb;
+            let pb: &[f32] = prepacked.unwrap_or(pb);
             let tasks: Vec<(usize, usize)> = (0..m.div_ceil(s.row_tiles * mr_))
                 .flat_map(|ti| (0..panels.div_ceil(s.col_panels)).map(move |tj| (ti, tj)))
                 .collect();
@@ -727,7 +910,7 @@ mod x86 {
                             let span = j1 - j0;
                             let at = q * span + (j - j0) + 1;
                             let next = (at < blocks * span).then(|| (at / span, j0 + at % span));
-                            let next = next.filter(|&(_, nj)| local_b || in_place(nj));
+                            let next = next.filter(|&(_, nj)| local_b || in_place(nj) || prepacked.is_some());
                             let next_kc = next.map_or(0, |(nq, _)| KC.min(k - nq * KC));
                             let per_tile = next_kc.div_ceil(tiles);
                             // SAFETY (this block): tile (row.., col..) lies inside c and belongs
@@ -748,7 +931,13 @@ mod x86 {
                                     if let Some((nq, nj)) = next {
                                         let p = (t * per_tile).min(next_kc);
                                         let p1 = (p + per_tile).min(next_kc);
-                                        prefetch_panel(&b, nq * KC + p, p1 - p, nj * nr_, nr_);
+                                        match prepacked {
+                                            // Packed steps are `NR` values each, one after another.
+                                            Some(pb) => prefetch_lines(
+                                                &pb[slot(nq, nj, next_kc)..][p * nr_..p1 * nr_],
+                                            ),
+                                            None => prefetch_panel(&b, nq * KC + p, p1 - p, nj * nr_, nr_),
+                                        }
                                     }
                                     let row = i0 + t * mr_;
                                     let mr = mr_.min(m - row);
@@ -778,6 +967,14 @@ mod x86 {
                 tasks.iter().for_each(run);
             }
         });
+    }
+
+    /// Prefetches the cache lines of `values`.
+    fn prefetch_lines(values: &[f32]) {
+        for line in values.chunks(16) {
+            // SAFETY: prefetching never faults; the address lies inside the slice anyway.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast()) };
+        }
     }
 
     /// Prefetches the values of B that a panel (`kc` steps from `p0`, `nr` columns from `j0`)
@@ -1178,6 +1375,66 @@ mod tests {
                 let d = pool.install(|| check(a, b, bias, acc));
                 assert!(d < 1e-5, "{m}×{k}×{n} bias {} acc {acc}: {d}", bias.is_some());
             }
+        }
+    }
+
+    /// How many packed copies the live [`PackScope`] holds (`None` without one).
+    fn packed_copies() -> Option<usize> {
+        PREPACKED.with(|p| p.borrow().as_ref().map(|p| p.done.len()))
+    }
+
+    #[test]
+    fn products_on_prepacked_weights_equal_the_packing_ones() {
+        use candle_core::{CpuStorage, Device, Storage, Tensor};
+        // On the test's thread: the scope is a thread's. Row-major B (a Conv1D weight) and column-major B (a transposed nn.Linear weight or LM
+        // head); several depth blocks and a partial last panel.
+        for (k, n, transposed) in [(300, 70, false), (300, 70, true), (513, 17, false)] {
+            let shape = if transposed { (n, k) } else { (k, n) };
+            let w = Tensor::from_vec(data(k * n, 2), shape, &Device::Cpu).expect("tensor");
+            let other = Tensor::from_vec(data(k * n, 4), shape, &Device::Cpu).expect("tensor");
+            let run = |w: &Tensor, m: usize, bias: Option<&[f32]>, acc: bool| -> Vec<f32> {
+                let (st, _) = w.storage_and_layout();
+                let Storage::Cpu(CpuStorage::F32(v)) = &*st else { panic!("f32 CPU tensor") };
+                let b = if transposed { MatRef::row_major(v, n, k).t() } else { MatRef::row_major(v, k, n) };
+                let a_data = data(m * k, 1);
+                let a = MatRef::row_major(&a_data, m, k);
+                if acc {
+                    let mut c = data(m * n, 9);
+                    sgemm(a, b, &mut c, None, true);
+                    c
+                } else {
+                    sgemm_new(a, b, bias)
+                }
+            };
+            let bias = data(n, 3);
+            let cases = [(None, false), (Some(&bias[..]), false), (None, true)];
+            let plain: Vec<Vec<f32>> =
+                [16, 40, 100].iter().flat_map(|&m| cases.map(|(b, acc)| run(&w, m, b, acc))).collect();
+            let other_plain = run(&other, 40, None, false);
+            let scope = pack_scope(std::slice::from_ref(&w));
+            assert_eq!(packed_copies(), Some(0));
+            let mut packed = Vec::new();
+            for m in [16, 40, 100] {
+                for (b, acc) in cases {
+                    packed.push(run(&w, m, b, acc));
+                }
+                // Products of at most 32 rows read B in place or transposed: nothing is packed.
+                let want = if m <= 32 { 0 } else { usize::from(isa().is_some()) };
+                assert_eq!(packed_copies(), Some(want), "{k}×{n} transposed {transposed}, m = {m}");
+            }
+            assert!(run(&other, 40, None, false) == other_plain, "an unregistered B's product changed");
+            assert_eq!(packed_copies(), Some(usize::from(isa().is_some())));
+            for (i, (x, y)) in packed.iter().zip(&plain).enumerate() {
+                // Without the scope, column-major B at up to 128 rows is multiplied transposed,
+                // which adds the bias (or C) after the last depth block instead of the first:
+                // the same products, rounded in another order.
+                let worst =
+                    x.iter().zip(y).map(|(x, y)| (x - y).abs() / (1.0 + y.abs())).fold(0f32, f32::max);
+                let tol = if transposed { 1e-6 } else { 0.0 };
+                assert!(worst <= tol, "{k}×{n} transposed {transposed}, case {i}: differs by {worst}");
+            }
+            drop(scope);
+            assert_eq!(packed_copies(), None);
         }
     }
 
