@@ -834,6 +834,14 @@ mod x86 {
             (false, false) => panels,
         };
         let packed_len = k * packed_panels * nr_;
+        let (row_chunks, col_chunks) = (m.div_ceil(s.row_tiles * mr_), panels.div_ceil(s.col_panels));
+        // A that is not row-major is packed whole; with several column ranges per row range,
+        // every task of a row range would pack the same rows again (4 times over for a weight
+        // gradient of the `small` preset), so then all of A is packed once, up front: block `q`
+        // (depth `kc`) of row tile `t` at `q·KC·MT·MR + t·kc·MR`.
+        let shared_a = a.cs != 1 && col_chunks > 1;
+        let mt = m.div_ceil(mr_);
+        let shared_len = if shared_a { mt * mr_ * k } else { 0 };
         // Where block `q` (depth `kc`) of packed panel `j` starts: `q·KC·panels·NR + j·kc·NR`,
         // or `q·KC·NR` for the one panel packed with `direct_b`.
         let slot = |q: usize, j: usize, kc: usize| {
@@ -843,7 +851,28 @@ mod x86 {
                 q * KC * panels * nr_ + j * kc * nr_
             }
         };
-        with_buffer(&PACKED_B, packed_len, |pb| {
+        with_buffer(&PACKED_B, packed_len + shared_len, |buf| {
+            let (pb, sa) = buf.split_at_mut(packed_len);
+            if shared_a {
+                let units: Vec<(usize, usize)> =
+                    (0..blocks).flat_map(|q| (0..row_chunks).map(move |ti| (q, ti))).collect();
+                let sa_ptr = SendPtr(sa.as_mut_ptr());
+                units.par_iter().for_each(|&(q, ti)| {
+                    let kc = KC.min(k - q * KC);
+                    let i0 = ti * s.row_tiles * mr_;
+                    let mc = (s.row_tiles * mr_).min(m - i0);
+                    // SAFETY: the units' ranges are disjoint and inside `sa` (`shared_len` covers
+                    // every block of every row tile).
+                    let out = unsafe {
+                        std::slice::from_raw_parts_mut(
+                            sa_ptr.get().add(q * KC * mt * mr_ + i0 * kc),
+                            mc.div_ceil(mr_) * kc * mr_,
+                        )
+                    };
+                    K::pack_a(&a, i0, mc, q * KC, kc, out);
+                });
+            }
+            let sa: &[f32] = sa;
             let chunks: Vec<(usize, usize)> = match local_b || prepacked.is_some() {
                 true => Vec::new(),
                 false => (0..blocks)
@@ -867,9 +896,8 @@ mod x86 {
                 chunks.iter().for_each(pack);
             }
             let pb: &[f32] = prepacked.unwrap_or(pb);
-            let tasks: Vec<(usize, usize)> = (0..m.div_ceil(s.row_tiles * mr_))
-                .flat_map(|ti| (0..panels.div_ceil(s.col_panels)).map(move |tj| (ti, tj)))
-                .collect();
+            let tasks: Vec<(usize, usize)> =
+                (0..row_chunks).flat_map(|ti| (0..col_chunks).map(move |tj| (ti, tj))).collect();
             let c_ptr = SendPtr(c);
             let run = |&(ti, tj): &(usize, usize)| {
                 let i0 = ti * s.row_tiles * mr_;
@@ -884,8 +912,9 @@ mod x86 {
                 // With an epilogue, C is this task's block: `tiles·MR` rows of `width` values.
                 let width = (j1 - j0) * nr_;
                 let block_len = if epi.is_some() { tiles * mr_ * width } else { 0 };
-                with_buffer(&PACKED_A, tiles * mr_ * KC + panel_len + block_len, |buf| {
-                    let (pa, rest) = buf.split_at_mut(tiles * mr_ * KC);
+                let pa_len = if shared_a { 0 } else { tiles * mr_ * KC };
+                with_buffer(&PACKED_A, pa_len + panel_len + block_len, |buf| {
+                    let (pa, rest) = buf.split_at_mut(pa_len);
                     let (panel, block) = rest.split_at_mut(panel_len);
                     let (c_base, ldc, c_row0, c_col0) = match epi {
                         Some(_) => (block.as_mut_ptr(), width, i0, j0 * nr_),
@@ -893,7 +922,7 @@ mod x86 {
                     };
                     for q in 0..blocks {
                         let kc = KC.min(k - q * KC);
-                        if full < tiles {
+                        if full < tiles && !shared_a {
                             K::pack_a(&a, i0 + full * mr_, mc - full * mr_, q * KC, kc, pa);
                         }
                         let load_c = accumulate || q > 0;
@@ -948,7 +977,10 @@ mod x86 {
                                             kc, ap, a.rs, bp, ldb, cp, ldc, mr, nr, load_c, bias,
                                         );
                                     } else {
-                                        let ap = pa.as_ptr().add((t - full) * kc * mr_);
+                                        let ap = match shared_a {
+                                            true => sa.as_ptr().add(q * KC * mt * mr_ + row * kc),
+                                            false => pa.as_ptr().add((t - full) * kc * mr_),
+                                        };
                                         K::kernel::<false>(kc, ap, 0, bp, ldb, cp, ldc, mr, nr, load_c, bias);
                                     }
                                 }
@@ -1372,6 +1404,26 @@ mod tests {
                 // On 2 threads, as on the dev machines: with many threads the small shapes
                 // split their rows and would skip the one-row-chunk path.
                 let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("thread pool");
+                let d = pool.install(|| check(a, b, bias, acc));
+                assert!(d < 1e-5, "{m}×{k}×{n} bias {} acc {acc}: {d}", bias.is_some());
+            }
+        }
+    }
+
+    #[test]
+    fn transposed_a_packed_once_for_several_column_ranges_matches_the_triple_loop() {
+        // A column-major (a weight gradient's `xᵀ`): with more than one column range per row
+        // range, A is packed once up front and shared by the tasks; partial tiles, several depth
+        // blocks, a partial last panel.
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("thread pool");
+        for &(m, k, n) in &[(256, 300, 768), (97, 513, 300), (7, 40, 1000)] {
+            let a = data(k * m, 1);
+            let b = data(k * n, 2);
+            let bias = data(n, 3);
+            let (a, b) = (MatRef::row_major(&a, k, m).t(), MatRef::row_major(&b, k, n));
+            let s = split(m, n, k, 2, (6, 16));
+            assert!(n.div_ceil(16).div_ceil(s.col_panels) > 1, "{m}×{k}×{n}: one column range");
+            for (bias, acc) in [(None, false), (Some(&bias[..]), false), (None, true)] {
                 let d = pool.install(|| check(a, b, bias, acc));
                 assert!(d < 1e-5, "{m}×{k}×{n} bias {} acc {acc}: {d}", bias.is_some());
             }
