@@ -413,7 +413,7 @@ impl PpoTrainer {
             // Right padding: `arange(L)` equals `cumsum(mask) − 1` on every real token, and gives
             // padding the positions TRL gives it (its logprobs appear in `objective/logprobs`).
             positions: Tensor::arange(0u32, (l - 1) as u32, &self.device)?.unsqueeze(0)?.repeat((b, 1))?,
-            bias: causal_bias(&attn, l - 1, self.store.dtype(), &self.device)?,
+            bias: causal_bias(&attn, l - 1, dt, &self.device)?,
             mask: Tensor::from_vec(mask, (b, l - 1), &self.device)?.to_dtype(dt)?,
             response: Tensor::from_vec(response, (b, l - 1), &self.device)?.to_dtype(dt)?,
         })
@@ -495,14 +495,6 @@ impl PpoTrainer {
             let ids = batch.ids.narrow(0, start, n)?;
             let pos = batch.positions.narrow(0, start, n)?;
             let bias = batch.bias.narrow(0, start, n)?;
-            let input = inputs(&ids)?;
-            if !use_cache {
-                let hidden = self.policy.lm.forward(&input, &pos, &bias, None)?;
-                let (l, f) = self.next_token_logprobs(&self.policy.lm, &hidden, &ids, full)?;
-                lp.push(l);
-                flp.extend(f);
-                vals.push(self.policy.v_head.forward(&hidden)?.detach());
-            }
             if use_cache {
                 // The cached policy logprobs exist on response columns only (0 elsewhere), so
                 // the reference's are computed there only: the LM head and the last block skip
@@ -512,6 +504,12 @@ impl PpoTrainer {
                 rlp.push(self.head_logprobs(&self.reference, &h, &ids, Some(&response), false)?.0.detach());
                 continue;
             }
+            let input = inputs(&ids)?;
+            let hidden = self.policy.lm.forward(&input, &pos, &bias, None)?;
+            let (l, f) = self.next_token_logprobs(&self.policy.lm, &hidden, &ids, full)?;
+            lp.push(l);
+            flp.extend(f);
+            vals.push(self.policy.v_head.forward(&hidden)?.detach());
             let h = self.reference.forward(&input, &pos, &bias, None)?;
             let (l, f) = self.next_token_logprobs(&self.reference, &h, &ids, full)?;
             rlp.push(l);
@@ -814,7 +812,6 @@ fn negative_kl_floor(stats: &Stats, mean_kl: f64) -> f64 {
     -(3.0 * se).max(1e-4)
 }
 
-/// The models' input `ids[:, :L−1]` (see [`Batch`]).
 /// Hidden states `(B, L−1, C)` of the model's inputs (`ids[:, :L−1]`); with `select (B, L−1)`,
 /// only the marked positions are computed in full (the others are unspecified, see
 /// [`CausalLm::forward_rows`]).
@@ -835,6 +832,7 @@ fn hidden_states(
     }
 }
 
+/// The models' input `ids[:, :L−1]` (see [`Batch`]).
 fn inputs(ids: &Tensor) -> Result<Tensor> {
     Ok(ids.narrow(1, 0, ids.dim(1)? - 1)?)
 }
