@@ -8,7 +8,7 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Shape, Tensor};
 
-use super::simd::simd_kernel;
+use super::simd::{self, simd_kernel};
 use super::{contiguous, par_rows, CResult, Elem};
 
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
@@ -51,10 +51,105 @@ fn consts<T: Elem>() -> (T, T) {
     (T::from(SQRT_2_OVER_PI).unwrap_or_else(T::one), T::from(COEF).unwrap_or_else(T::zero))
 }
 
+/// GELU of `x` into `out` (same length): the hand-written AVX2 body for f32 where the CPU has
+/// it, else [`gelu_rows`].
+fn gelu_into<T: Elem>(out: &mut [T], x: &[T]) {
+    #[cfg(target_arch = "x86_64")]
+    if let (Some(o), Some(xf)) = (simd::as_f32_mut(out), simd::as_f32(x)) {
+        if simd::avx2::available() {
+            // SAFETY: the CPU has AVX2 and FMA.
+            return unsafe { x86::gelu(o, xf) };
+        }
+    }
+    gelu_rows(out, x)
+}
+
+/// GELU's backward `g·gelu'(x)` into `out`, as [`gelu_into`].
+fn gelu_bwd_into<T: Elem>(out: &mut [T], x: &[T], g: &[T]) {
+    #[cfg(target_arch = "x86_64")]
+    if let (Some(o), Some(xf), Some(gf)) = (simd::as_f32_mut(out), simd::as_f32(x), simd::as_f32(g)) {
+        if simd::avx2::available() {
+            // SAFETY: the CPU has AVX2 and FMA.
+            return unsafe { x86::gelu_bwd(o, xf, gf) };
+        }
+    }
+    gelu_bwd_rows(out, x, g)
+}
+
+/// GELU and its backward on 8 lanes with FMA: [`gelu_rows`] and [`gelu_bwd_rows`] with
+/// [`simd::avx2::exp`] (the same formulas; a tail of fewer than 8 values goes to them).
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::super::simd::avx2::exp;
+    use super::{gelu_bwd_rows, gelu_rows, COEF, SQRT_2_OVER_PI};
+
+    /// `(s, x)` per lane: `s = σ(2u) = 1 / (1 + e^(−2u))`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn sigmoid_2u(x: __m256) -> __m256 {
+        let c = _mm256_set1_ps;
+        // 2u = 2k·(x + c·x³)
+        let cx2 = _mm256_mul_ps(_mm256_mul_ps(c(COEF as f32), x), x);
+        let two_u = _mm256_mul_ps(c(2.0 * SQRT_2_OVER_PI as f32), _mm256_fmadd_ps(cx2, x, x));
+        let e = exp(_mm256_sub_ps(_mm256_setzero_ps(), two_u));
+        _mm256_div_ps(c(1.0), _mm256_add_ps(c(1.0), e))
+    }
+
+    /// # Safety
+    /// The CPU has AVX2 and FMA; `out` and `x` have the same length.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn gelu(out: &mut [f32], x: &[f32]) {
+        let n = out.len() / 8 * 8;
+        for i in (0..n).step_by(8) {
+            // SAFETY: i + 8 ≤ n ≤ both lengths.
+            let v = _mm256_loadu_ps(x.as_ptr().add(i));
+            _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_mul_ps(v, sigmoid_2u(v)));
+        }
+        gelu_rows(&mut out[n..], &x[n..]);
+    }
+
+    /// # Safety
+    /// The CPU has AVX2 and FMA; `out`, `x` and `g` have the same length.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn gelu_bwd(out: &mut [f32], x: &[f32], g: &[f32]) {
+        let c = _mm256_set1_ps;
+        let n = out.len() / 8 * 8;
+        for i in (0..n).step_by(8) {
+            // SAFETY: i + 8 ≤ n ≤ every length.
+            let v = _mm256_loadu_ps(x.as_ptr().add(i));
+            let gv = _mm256_loadu_ps(g.as_ptr().add(i));
+            let s = sigmoid_2u(v);
+            // gelu'(x) = s + 2x·s(1 − s)·k(1 + 3c·x²)
+            let du = _mm256_mul_ps(
+                c(SQRT_2_OVER_PI as f32),
+                _mm256_fmadd_ps(c(3.0 * COEF as f32), _mm256_mul_ps(v, v), c(1.0)),
+            );
+            let t = _mm256_mul_ps(_mm256_mul_ps(_mm256_add_ps(v, v), s), _mm256_sub_ps(c(1.0), s));
+            let d = _mm256_fmadd_ps(t, du, s);
+            _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_mul_ps(gv, d));
+        }
+        gelu_bwd_rows(&mut out[n..], &x[n..], &g[n..]);
+    }
+}
+
+/// An output buffer of `n` values, not zero-filled: the GELU kernels write every value before
+/// anything reads it (a zero-fill was a third pass over the activations).
+fn output_buffer<T: Elem>(n: usize) -> Vec<T> {
+    let mut v: Vec<std::mem::MaybeUninit<T>> = Vec::with_capacity(n);
+    // SAFETY: MaybeUninit needs no initialization.
+    unsafe { v.set_len(n) };
+    let mut v = std::mem::ManuallyDrop::new(v);
+    // SAFETY: same allocation, length and capacity; MaybeUninit<T> and T share a layout, and
+    // no value is read before the kernel writes it.
+    unsafe { Vec::from_raw_parts(v.as_mut_ptr().cast::<T>(), v.len(), v.capacity()) }
+}
+
 fn gelu_fwd<T: Elem>(s: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
     let x = contiguous::<T>(s, l, "gelu")?;
-    let mut out = super::zeros_par(x.len());
-    par_rows(&mut out, 1, &[x], |_, o, r| gelu_rows(o, r[0]));
+    let mut out = output_buffer(x.len());
+    par_rows(&mut out, 1, &[x], |_, o, r| gelu_into(o, r[0]));
     Ok((T::to_cpu_storage_owned(out), l.shape().clone()))
 }
 
@@ -66,8 +161,11 @@ fn gelu_bwd<T: Elem>(
 ) -> CResult<(CpuStorage, Shape)> {
     let x = contiguous::<T>(s1, l1, "gelu-bwd")?;
     let g = contiguous::<T>(s2, l2, "gelu-bwd")?;
-    let mut out = super::zeros_par(x.len());
-    par_rows(&mut out, 1, &[x, g], |_, o, r| gelu_bwd_rows(o, r[0], r[1]));
+    if g.len() != x.len() {
+        candle_core::bail!("gelu-bwd: {} gradients for {} inputs", g.len(), x.len());
+    }
+    let mut out = output_buffer(x.len());
+    par_rows(&mut out, 1, &[x, g], |_, o, r| gelu_bwd_into(o, r[0], r[1]));
     Ok((T::to_cpu_storage_owned(out), l1.shape().clone()))
 }
 

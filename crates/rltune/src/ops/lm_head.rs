@@ -46,33 +46,8 @@ simd_kernel! {
                 }
             }
             let m = simd::max(x);
-            let lo = <T as num_traits::Float>::min_value();
             let xt = x[t];
-            let mut acc = [T::zero(); LANES];
-            let mut acc_x = [T::zero(); LANES];
-            let mut chunks = x.chunks_exact_mut(LANES);
-            for c in &mut chunks {
-                for l in 0..LANES {
-                    let d = c[l] - m;
-                    let e = d.exp_fast();
-                    acc[l] += e;
-                    // A term with e = 0 adds nothing: −∞ becomes −MAX, so x = −∞ adds 0·(−MAX)
-                    // = 0, not 0·(−∞) = NaN. Branch-free (a select here compiled to a masked
-                    // store per vector).
-                    acc_x[l] += e * if d > lo { d } else { lo };
-                    c[l] = e;
-                }
-            }
-            let (mut s, mut sx) = (simd::sum(&acc), simd::sum(&acc_x));
-            for v in chunks.into_remainder() {
-                let d = *v - m;
-                let e = d.exp_fast();
-                s += e;
-                if e > T::zero() {
-                    sx += e * d;
-                }
-                *v = e;
-            }
+            let (s, sx) = exp_pass(x, m);
             let ln_s = s.ln();
             *lp = xt - (m + ln_s);
             *en = ln_s - sx / s;
@@ -83,6 +58,89 @@ simd_kernel! {
                 }
             }
         }
+    }
+}
+
+/// `x ← e^(x − m)` over a row, returning `(Σ e, Σ e·(x − m))`; a term with `e = 0` adds nothing
+/// to the second sum (`x = −∞` gives `0·(−MAX) = 0`, not `0·(−∞) = NaN`). The hand-written AVX2
+/// body for f32 where the CPU has it.
+#[inline(always)]
+fn exp_pass<T: Elem>(x: &mut [T], m: T) -> (T, T) {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(xf) = simd::as_f32_mut(x) {
+        if simd::avx2::available() {
+            // SAFETY: the CPU has AVX2 and FMA.
+            let (s, sx) = unsafe { x86::exp_pass(xf, m.to_f32().unwrap_or(f32::NAN)) };
+            return (T::from(s).unwrap_or_else(T::nan), T::from(sx).unwrap_or_else(T::nan));
+        }
+    }
+    let lo = <T as num_traits::Float>::min_value();
+    let mut acc = [T::zero(); LANES];
+    let mut acc_x = [T::zero(); LANES];
+    let mut chunks = x.chunks_exact_mut(LANES);
+    for c in &mut chunks {
+        for l in 0..LANES {
+            let d = c[l] - m;
+            let e = d.exp_fast();
+            acc[l] += e;
+            // Branch-free (a select here compiled to a masked store per vector).
+            acc_x[l] += e * if d > lo { d } else { lo };
+            c[l] = e;
+        }
+    }
+    let (mut s, mut sx) = (simd::sum(&acc), simd::sum(&acc_x));
+    for v in chunks.into_remainder() {
+        let d = *v - m;
+        let e = d.exp_fast();
+        s += e;
+        if e > T::zero() {
+            sx += e * d;
+        }
+        *v = e;
+    }
+    (s, sx)
+}
+
+/// [`exp_pass`] on 8 lanes with FMA.
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::super::simd::avx2::exp;
+
+    /// # Safety
+    /// The CPU has AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn exp_pass(x: &mut [f32], m: f32) -> (f32, f32) {
+        let (mv, lo) = (_mm256_set1_ps(m), _mm256_set1_ps(f32::MIN));
+        let (mut acc, mut acc_x) = ([_mm256_setzero_ps(); 2], [_mm256_setzero_ps(); 2]);
+        let mut chunks = x.chunks_exact_mut(16);
+        for c in &mut chunks {
+            for (l, (a, ax)) in acc.iter_mut().zip(&mut acc_x).enumerate() {
+                // SAFETY: a chunk holds 16 values.
+                let p = c.as_mut_ptr().add(8 * l);
+                let d = _mm256_sub_ps(_mm256_loadu_ps(p), mv);
+                let e = exp(d);
+                *a = _mm256_add_ps(*a, e);
+                *ax = _mm256_fmadd_ps(e, _mm256_max_ps(d, lo), *ax);
+                _mm256_storeu_ps(p, e);
+            }
+        }
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_add_ps(acc[0], acc[1]));
+        let mut s: f32 = lanes.iter().sum();
+        _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_add_ps(acc_x[0], acc_x[1]));
+        let mut sx: f32 = lanes.iter().sum();
+        for v in chunks.into_remainder() {
+            let d = *v - m;
+            let e = super::super::simd::exp_f32(d);
+            s += e;
+            if e > 0.0 {
+                sx += e * d;
+            }
+            *v = e;
+        }
+        (s, sx)
     }
 }
 

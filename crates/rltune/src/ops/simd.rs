@@ -7,6 +7,11 @@
 //! contraction happens in any copy (Rust never fuses `a * b + c` on its own) and reductions
 //! keep [`LANES`] partial sums whatever the vector width, so all copies give bit-identical
 //! results.
+//!
+//! The hottest f32 loops (GELU, the LM head's and the attention's exponentials) also have a
+//! hand-written AVX2 + FMA body ([`avx2`]): the compiled copies above cannot use FMA and reload
+//! the polynomial's constants every iteration. Its `e^x` is [`exp_f32`]'s algorithm with fused
+//! multiply-adds, so its results differ from the portable copies' in the last bit or two.
 
 /// `e^x` in f32, within 2 ulp of the exact value; no function calls, so loops over it vectorize.
 ///
@@ -155,6 +160,87 @@ pub(crate) fn max<T: num_traits::Float>(x: &[T]) -> T {
     m
 }
 
+/// The f32 slice behind `x` when `T` is f32 (for kernels with a hand-written f32 body).
+pub(crate) fn as_f32<T: 'static>(x: &[T]) -> Option<&[f32]> {
+    // SAFETY: T is f32 (same type, so same layout and length).
+    (std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>())
+        .then(|| unsafe { &*(x as *const [T] as *const [f32]) })
+}
+
+/// [`as_f32`] for a mutable slice.
+pub(crate) fn as_f32_mut<T: 'static>(x: &mut [T]) -> Option<&mut [f32]> {
+    // SAFETY: T is f32 (same type, so same layout and length).
+    (std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>())
+        .then(|| unsafe { &mut *(x as *mut [T] as *mut [f32]) })
+}
+
+/// Hand-written AVX2 + FMA kernels for f32 (see the module docs). Every `unsafe fn` here needs
+/// a CPU with AVX2 and FMA ([`avx2::available`]).
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx2 {
+    use std::arch::x86_64::*;
+
+    /// Whether the CPU runs this module's kernels.
+    pub(crate) fn available() -> bool {
+        std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
+    }
+
+    /// `e^x` on 8 lanes: [`super::exp_f32`]'s algorithm and edges, with fused multiply-adds.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) unsafe fn exp(x: __m256) -> __m256 {
+        const HI: f32 = 88.722_83;
+        const LO: f32 = -87.336_55;
+        const MAGIC: f32 = 12_582_912.0;
+        let c = _mm256_set1_ps;
+        // min/max return their second operand when either is NaN: NaN goes through.
+        let xc = _mm256_min_ps(c(HI), _mm256_max_ps(c(LO), x));
+        let t = _mm256_fmadd_ps(xc, c(std::f32::consts::LOG2_E), c(MAGIC));
+        let n = _mm256_sub_ps(t, c(MAGIC));
+        let r = _mm256_fnmadd_ps(n, c(0.693_359_4), xc);
+        let r = _mm256_fnmadd_ps(n, c(-2.121_944_4e-4), r);
+        let r2 = _mm256_mul_ps(r, r);
+        let mut p = _mm256_fmadd_ps(c(1.987_569_1e-4), r, c(1.398_199_9e-3));
+        p = _mm256_fmadd_ps(p, r, c(8.333_452e-3));
+        p = _mm256_fmadd_ps(p, r, c(4.166_579_6e-2));
+        p = _mm256_fmadd_ps(p, r, c(1.666_666_5e-1));
+        p = _mm256_fmadd_ps(p, r, c(0.5));
+        p = _mm256_add_ps(_mm256_fmadd_ps(p, r2, r), c(1.0));
+        // 2^n = 2^(n/2) · 2^(n − n/2), each factor a normal float for n ∈ [−126, 128].
+        let ni = _mm256_sub_epi32(_mm256_castps_si256(t), _mm256_set1_epi32(MAGIC.to_bits() as i32));
+        let n1 = _mm256_srai_epi32::<1>(ni);
+        let n2 = _mm256_sub_epi32(ni, n1);
+        let bias = _mm256_set1_epi32(127);
+        let s1 = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(n1, bias)));
+        let s2 = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(n2, bias)));
+        let y = _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+        let y = _mm256_blendv_ps(y, c(f32::INFINITY), _mm256_cmp_ps::<_CMP_GT_OQ>(x, c(HI)));
+        // x < LO gives 0 (an unordered compare keeps NaN).
+        _mm256_and_ps(y, _mm256_cmp_ps::<_CMP_NLT_UQ>(x, c(LO)))
+    }
+
+    /// `x ← e^(x − m)` over a slice.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) unsafe fn exp_sub_inplace(x: &mut [f32], m: f32) {
+        let mut chunks = x.chunks_exact_mut(8);
+        let mv = _mm256_set1_ps(m);
+        for ch in &mut chunks {
+            // SAFETY: a chunk holds 8 values.
+            let v = _mm256_loadu_ps(ch.as_ptr());
+            _mm256_storeu_ps(ch.as_mut_ptr(), exp(_mm256_sub_ps(v, mv)));
+        }
+        for v in chunks.into_remainder() {
+            *v = super::exp_f32(*v - m);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -183,6 +269,46 @@ mod tests {
         assert_eq!(exp_f32(-1e9), 0.0);
         assert!(exp_f32(f32::NAN).is_nan());
         assert!(exp_f32(88.72).is_finite());
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_exp_is_within_2_ulp_with_the_same_edges() {
+        if !avx2::available() {
+            return;
+        }
+        let exp8 = |xs: [f32; 8]| -> [f32; 8] {
+            use std::arch::x86_64::*;
+            let mut out = [0f32; 8];
+            // SAFETY: the CPU has AVX2 and FMA (checked above).
+            unsafe { _mm256_storeu_ps(out.as_mut_ptr(), avx2::exp(_mm256_loadu_ps(xs.as_ptr()))) };
+            out
+        };
+        let mut worst = 0f64;
+        let mut x = -87.3f32;
+        while x < 88.7 {
+            let xs: [f32; 8] = std::array::from_fn(|l| x + l as f32 * 0.000_17);
+            for (&xi, got) in xs.iter().zip(exp8(xs)) {
+                let want = (xi as f64).exp();
+                let ulp = (want as f32).abs() * f32::EPSILON;
+                worst = worst.max((got as f64 - want).abs() / ulp as f64);
+            }
+            x += 0.0137;
+        }
+        assert!(worst <= 2.0, "worst error {worst} ulp");
+        let edges = [0.0, 100.0, f32::INFINITY, -100.0, f32::NEG_INFINITY, -1e9, f32::NAN, 88.72];
+        let got = exp8(edges);
+        for (&x, g) in edges.iter().zip(got) {
+            let want = exp_f32(x);
+            assert!(g == want || (g.is_nan() && want.is_nan()), "e^{x}: {g} against {want}");
+        }
+        let mut row: Vec<f32> = (0..21).map(|i| i as f32 * 0.5 - 3.0).collect();
+        let want: Vec<f32> = row.iter().map(|&v| exp_f32(v - 2.0)).collect();
+        // SAFETY: checked above.
+        unsafe { avx2::exp_sub_inplace(&mut row, 2.0) };
+        for (g, w) in row.iter().zip(&want) {
+            assert!((g - w).abs() <= 2.0 * f32::EPSILON * w, "{g} against {w}");
+        }
     }
 
     #[test]

@@ -65,6 +65,15 @@ simd_kernel! {
 
 /// [`exp_row_inplace`] for f32 rows (the sampler's fast path).
 pub(crate) fn exp_row_f32(x: &mut [f32], temperature: f32) {
+    #[cfg(target_arch = "x86_64")]
+    if simd::avx2::available() {
+        if temperature != 1.0 {
+            x.iter_mut().for_each(|v| *v /= temperature);
+        }
+        let m = simd::max(x);
+        // SAFETY: the CPU has AVX2 and FMA.
+        return unsafe { simd::avx2::exp_sub_inplace(x, m) };
+    }
     exp_row_inplace(x, temperature)
 }
 
