@@ -204,9 +204,9 @@ fn profiled_generate(
             let last = hidden.narrow(1, hidden.dim(1)? - 1, 1)?; // (B, 1, C)
             lm.logits(&last)?.squeeze(1)?.to_dtype(DType::F32).map_err(Into::into)
         })?;
-        let mut logits = timed(&mut prof.to_vec2, || Ok(logits.to_vec2::<f32>()?))?;
+        let logits = timed(&mut prof.to_vec2, || Ok(logits.to_vec2::<f32>()?))?;
         let mut next = vec![pad_id; b];
-        for (i, row) in logits.iter_mut().enumerate() {
+        for (i, row) in logits.iter().enumerate() {
             // As generate(): one uniform per row in row order, the pure-sampling path.
             let u: f64 = rand::Rng::gen(&mut rng);
             let t = Instant::now();

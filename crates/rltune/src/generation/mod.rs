@@ -158,7 +158,20 @@ pub fn generate(
     let _packed = crate::ops::gemm::pack_scope(&lm.weight_matrices());
     for step in 0..cfg.max_new_tokens {
         let last = hidden.narrow(1, hidden.dim(1)? - 1, 1)?; // (B, 1, C)
-        let mut logits = lm.logits(&last)?.squeeze(1)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+                                                             // (B, V), read in place: each row is copied once, by the task that samples it.
+        let logits =
+            lm.logits(&last)?.squeeze(1)?.to_dtype(DType::F32)?.to_device(&Device::Cpu)?.contiguous()?;
+        let vocab = logits.dim(1)?;
+        let (storage, layout) = logits.storage_and_layout();
+        let (candle_core::Storage::Cpu(candle_core::CpuStorage::F32(data)), Some((start, end))) =
+            (&*storage, layout.contiguous_offsets())
+        else {
+            return Err(candle_core::Error::Msg(
+                "generation: logits are not contiguous f32 on the CPU".into(),
+            )
+            .into());
+        };
+        let logits = &data[start..end];
         let values = match v_head {
             Some(h) => Some(h.forward(&last)?.squeeze(1)?.to_dtype(DType::F32)?.to_vec1::<f32>()?),
             None => None,
@@ -172,7 +185,7 @@ pub fn generate(
         let pure = cfg.top_k == 0 && cfg.top_p >= 1.0;
         let picked: Vec<Option<(usize, f64)>> = draws
             .par_iter()
-            .zip(logits.par_iter_mut())
+            .zip(logits.par_chunks(vocab.max(1)))
             .map(|(u, row)| {
                 u.map(|u| {
                     if pure {

@@ -86,7 +86,7 @@ pub fn sample_at(logp: &[f64], u: f64) -> usize {
 
 /// Pure sampling (temperature only, no top-k or top-p) from one row of logits with the uniform
 /// draw `u ∈ [0, 1)`: the token and its logprob under `softmax(logits / T)` with `banned`
-/// removed. `row` is overwritten.
+/// removed.
 ///
 /// One vectorized f32 pass turns the row into `e^(x/T − m)`; the draw scans the running sum (in
 /// f64) to `u · Σ`, the same inversion of the CDF as [`sample_at`]. It agrees with
@@ -94,15 +94,15 @@ pub fn sample_at(logp: &[f64], u: f64) -> usize {
 /// relative ~1e-7 per weight, and ~1e-5 absolute in the logprob when |x/T| is near 100): a
 /// draw that close to a CDF step can pick the neighbouring token. A row with no finite weight
 /// (all banned) goes to the f64 path. A temperature ≤ 0 counts as 1, as there.
-pub fn sample_pure(row: &mut [f32], temperature: f64, banned: &[u32], u: f64) -> (usize, f64) {
-    let original = row.to_vec();
+pub fn sample_pure(logits: &[f32], temperature: f64, banned: &[u32], u: f64) -> (usize, f64) {
+    let mut row = logits.to_vec();
     for &b in banned {
         if let Some(v) = row.get_mut(b as usize) {
             *v = f32::NEG_INFINITY;
         }
     }
     let t = if temperature > 0.0 { temperature } else { 1.0 };
-    crate::ops::exp_row_f32(row, t as f32);
+    crate::ops::exp_row_f32(&mut row, t as f32);
     // The total in the scan's own f64 arithmetic (an f32 sum is off by ~1e-6, which would move
     // the target across a CDF step in one draw out of twenty at GPT-2's vocabulary).
     let mut lanes = [0f64; 4];
@@ -115,7 +115,7 @@ pub fn sample_pure(row: &mut [f32], temperature: f64, banned: &[u32], u: f64) ->
     let s = lanes.iter().sum::<f64>() + chunks.remainder().iter().map(|&e| e as f64).sum::<f64>();
     if !(s > 0.0 && s.is_finite()) {
         let cfg = SamplerConfig { temperature, ..Default::default() };
-        let logp = log_distribution(&original, &cfg, banned);
+        let logp = log_distribution(logits, &cfg, banned);
         let tok = sample_at(&logp, u);
         return (tok, logp[tok]);
     }
@@ -199,7 +199,7 @@ mod tests {
             for _ in 0..200 {
                 let u: f64 = rng.gen();
                 let want = sample_at(&logp, u);
-                let (tok, lp) = sample_pure(&mut logits.clone(), t, &banned, u);
+                let (tok, lp) = sample_pure(&logits, t, &banned, u);
                 assert!(!banned.contains(&(tok as u32)));
                 assert!((lp - logp[tok]).abs() < 1e-5, "logprob {lp} vs {}", logp[tok]);
                 same += usize::from(tok == want);
@@ -207,7 +207,7 @@ mod tests {
             assert!(same >= 199, "{same} of 200 draws agree");
         }
         // Everything banned: the f64 path decides.
-        let (tok, lp) = sample_pure(&mut [1.0, 2.0], 1.0, &[0, 1], 0.5);
+        let (tok, lp) = sample_pure(&[1.0, 2.0], 1.0, &[0, 1], 0.5);
         let logp = log_distribution(&[1.0, 2.0], &SamplerConfig::default(), &[0, 1]);
         assert_eq!(tok, sample_at(&logp, 0.5));
         assert!(lp.is_nan() == logp[tok].is_nan());

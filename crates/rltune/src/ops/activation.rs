@@ -134,21 +134,9 @@ mod x86 {
     }
 }
 
-/// An output buffer of `n` values, not zero-filled: the GELU kernels write every value before
-/// anything reads it (a zero-fill was a third pass over the activations).
-fn output_buffer<T: Elem>(n: usize) -> Vec<T> {
-    let mut v: Vec<std::mem::MaybeUninit<T>> = Vec::with_capacity(n);
-    // SAFETY: MaybeUninit needs no initialization.
-    unsafe { v.set_len(n) };
-    let mut v = std::mem::ManuallyDrop::new(v);
-    // SAFETY: same allocation, length and capacity; MaybeUninit<T> and T share a layout, and
-    // no value is read before the kernel writes it.
-    unsafe { Vec::from_raw_parts(v.as_mut_ptr().cast::<T>(), v.len(), v.capacity()) }
-}
-
 fn gelu_fwd<T: Elem>(s: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
     let x = contiguous::<T>(s, l, "gelu")?;
-    let mut out = output_buffer(x.len());
+    let mut out = super::output_buffer(x.len());
     par_rows(&mut out, 1, &[x], |_, o, r| gelu_into(o, r[0]));
     Ok((T::to_cpu_storage_owned(out), l.shape().clone()))
 }
@@ -164,7 +152,7 @@ fn gelu_bwd<T: Elem>(
     if g.len() != x.len() {
         candle_core::bail!("gelu-bwd: {} gradients for {} inputs", g.len(), x.len());
     }
-    let mut out = output_buffer(x.len());
+    let mut out = super::output_buffer(x.len());
     par_rows(&mut out, 1, &[x, g], |_, o, r| gelu_bwd_into(o, r[0], r[1]));
     Ok((T::to_cpu_storage_owned(out), l1.shape().clone()))
 }

@@ -122,11 +122,21 @@ fn scatter_row_tensors(
 /// The block's output from [`forward`]'s halves: `h + m` on the computed rows, `x` passed
 /// through on the others (rows of `c` values).
 fn output(x: &[f32], h: &Tensor, m: &Tensor, rows: Option<&Rows>, c: usize) -> CResult<Vec<f32>> {
-    let z = with_f32(h, |h| with_f32(m, |m| h.iter().zip(m).map(|(a, b)| a + b).collect::<Vec<f32>>()))??;
+    let z = with_f32(h, |h| with_f32(m, |m| super::add_par(h, m)))??;
     Ok(match rows {
         Some(r) => scatter_rows(Some(x), x.len() / c.max(1), c, r, &z),
         None => z,
     })
+}
+
+/// `a + b` for f32 CPU tensors of one shape, on every core (the residual adds).
+fn add(a: &Tensor, b: &Tensor) -> CResult<Tensor> {
+    if a.shape() != b.shape() {
+        candle_core::bail!("gpt2 block: adding shapes {:?} and {:?}", a.dims(), b.dims());
+    }
+    let (a, b) = (a.contiguous()?, b.contiguous()?);
+    let z = with_f32(&a, |a| with_f32(&b, |b| super::add_par(a, b)))??;
+    Tensor::from_vec(z, a.shape(), a.device())
 }
 
 /// What the backward reads, all `(N, ·)` row-major (with [`Rows`], `y` to `g` hold the selected
@@ -163,7 +173,7 @@ fn forward(
         Some(r) => (x.index_select(&r.idx, 0)?, y.reshape((n, c))?.index_select(&r.idx, 0)?),
         None => (x, y.reshape((n, c))?),
     };
-    let h = (&x + lin(&y, &p.c_proj)?)?;
+    let h = add(&x, &lin(&y, &p.c_proj)?)?;
     let a2 = layer_norm(&h, &d(&p.ln_2.0), &d(&p.ln_2.1), p.eps)?;
     let u = lin(&a2, &p.c_fc)?;
     let g = gelu_tanh(&u)?;
@@ -289,7 +299,7 @@ impl CustomOp1 for BlockOp {
         let dg = linear_bwd(&s.g, &p.mlp_proj, &dz_rows)?;
         let du = gelu_tanh_bwd(&s.u, &dg)?;
         let da2 = linear_bwd(&s.a2, &p.c_fc, &du)?;
-        let dh = (&dz_rows + norm_bwd(&s.h, &p.ln_2, &da2)?)?;
+        let dh = add(&dz_rows, &norm_bwd(&s.h, &p.ln_2, &da2)?)?;
         let dy = linear_bwd(&s.y, &p.c_proj, &dh)?;
         // Unselected rows: no attention output was used, and their gradient passes straight on.
         let (dy, dh) = match &self.rows {
@@ -302,7 +312,7 @@ impl CustomOp1 for BlockOp {
         let dqkv =
             self_attention_bwd(&s.qkv, &self.bias, &dy, p.n_head, p.scale, s.probs)?.reshape((n, 3 * c))?;
         let da1 = linear_bwd(&s.a1, &p.c_attn, &dqkv)?;
-        let dx = (&dh + norm_bwd(&d(x).reshape((n, c))?, &p.ln_1, &da1)?)?;
+        let dx = add(&dh, &norm_bwd(&d(x).reshape((n, c))?, &p.ln_1, &da1)?)?;
         Ok(Some(dx.reshape((b, t, c))?))
     }
 }

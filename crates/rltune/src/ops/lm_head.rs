@@ -335,12 +335,38 @@ impl CustomOp2 for LmHead {
         // (an armed gradient sink, see `grad_sink`).
         let dh_sel = gemm_no_bwd(&d, &w)?;
         let dw = weight_grad(w_param, &d.t()?, &h_sel)?;
-        let dh = match &idx {
+        let dh = match &self.sel.rows {
             None => dh_sel,
-            Some(idx) => h.zeros_like()?.index_add(idx, &dh_sel, 0)?,
+            Some(rows) => by_dtype!(h, "lm-head", scatter_rows(rows, &dh_sel, self.sel.n))?,
         };
         Ok((Some(dh), dw))
     }
+}
+
+/// The `(rows.len(), C)` rows of `sel` placed at `rows` of an `(n, C)` tensor, zeros elsewhere
+/// (written once, in parallel: no zero-filled tensor plus an `index_add`).
+fn scatter_rows<T: Elem>(rows: &[usize], sel: &Tensor, n: usize) -> CResult<Tensor> {
+    let c = sel.dim(1)?;
+    let mut from = vec![None; n];
+    for (j, &r) in rows.iter().enumerate() {
+        from[r] = Some(j);
+    }
+    let (st, l) = sel.storage_and_layout();
+    let candle_core::Storage::Cpu(st) = &*st else {
+        candle_core::bail!("lm-head: the gradient is not on the CPU");
+    };
+    let src = contiguous::<T>(st, l, "lm-head")?;
+    let mut out = super::output_buffer::<T>(n * c);
+    let per = super::rows_per_task(c);
+    out.par_chunks_mut(per * c.max(1)).zip(from.par_chunks(per)).for_each(|(out, from)| {
+        for (row, f) in out.chunks_exact_mut(c.max(1)).zip(from) {
+            match f {
+                Some(j) => row.copy_from_slice(&src[j * c..(j + 1) * c]),
+                None => row.fill(T::zero()),
+            }
+        }
+    });
+    Tensor::from_vec(out, (n, c), &Device::Cpu)
 }
 
 /// The probabilities of the selected rows, `(rows, V)` (the backward's recompute).

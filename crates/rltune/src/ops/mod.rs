@@ -126,6 +126,34 @@ fn zeros_par<T: Elem>(n: usize) -> Vec<T> {
     v
 }
 
+/// An output buffer of `n` values, not zero-filled, for a kernel that writes every value before
+/// anything reads it (a zero-fill is one more pass over an activation, often on one thread).
+fn output_buffer<T: Elem>(n: usize) -> Vec<T> {
+    let mut v: Vec<std::mem::MaybeUninit<T>> = Vec::with_capacity(n);
+    // SAFETY: MaybeUninit needs no initialization.
+    unsafe { v.set_len(n) };
+    let mut v = std::mem::ManuallyDrop::new(v);
+    // SAFETY: same allocation, length and capacity; MaybeUninit<T> and T share a layout, and
+    // no value is read before the kernel writes it.
+    unsafe { Vec::from_raw_parts(v.as_mut_ptr().cast::<T>(), v.len(), v.capacity()) }
+}
+
+/// `a + b` element-wise, in parallel for activation-sized slices (candle's add runs on the
+/// calling thread while the matmul workers wait).
+fn add_par(a: &[f32], b: &[f32]) -> Vec<f32> {
+    let mut out = output_buffer(a.len().min(b.len()));
+    let add = |((o, a), b): ((&mut [f32], &[f32]), &[f32])| {
+        o.iter_mut().zip(a).zip(b).for_each(|((o, &a), &b)| *o = a + b);
+    };
+    const CHUNK: usize = 1 << 14;
+    if out.len() >= 2 * CHUNK {
+        out.par_chunks_mut(CHUNK).zip(a.par_chunks(CHUNK)).zip(b.par_chunks(CHUNK)).for_each(add);
+    } else {
+        add(((&mut out, a), b));
+    }
+    out
+}
+
 /// Rows per rayon task: small rows are batched so a task does real work.
 fn rows_per_task(row_len: usize) -> usize {
     (16384 / row_len.max(1)).max(1)
