@@ -235,22 +235,30 @@ pub(super) fn column_sum_of(g: &Tensor) -> CResult<Tensor> {
 fn column_sum<T: Elem>(s: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
     let (_, n) = dims2(l, "column-sum")?;
     let g = contiguous::<T>(s, l, "column-sum")?;
-    let mut out = vec![T::zero(); n];
-    // Blocks of columns in parallel, each summed over the rows in order (the same sums as one
-    // pass over the rows, which ran on the calling thread while the other cores idled).
-    const COLS: usize = 64;
-    let sum_block = |(b, out): (usize, &mut [T])| {
-        for row in g.chunks_exact(n.max(1)) {
-            for (o, &v) in out.iter_mut().zip(&row[b * COLS..]) {
+    let n1 = n.max(1);
+    let rows = g.len() / n1;
+    let sum_rows = |g: &[T]| {
+        let mut acc = vec![T::zero(); n];
+        for row in g.chunks_exact(n1) {
+            for (o, &v) in acc.iter_mut().zip(row) {
                 *o += v;
             }
         }
+        acc
     };
-    if g.len() >= 1 << 15 {
-        out.par_chunks_mut(COLS).enumerate().for_each(sum_block);
+    // Chunks of rows in parallel (each streamed in order), then their partial sums added in
+    // chunk order: the bias gradients ran on the calling thread while the other cores idled.
+    let out = if g.len() >= 1 << 15 {
+        let per = rows.div_ceil(4 * rayon::current_num_threads()).max(8);
+        let partials: Vec<Vec<T>> = g.par_chunks(per * n1).map(sum_rows).collect();
+        let mut out = vec![T::zero(); n];
+        for p in partials {
+            out.iter_mut().zip(p).for_each(|(o, v)| *o += v);
+        }
+        out
     } else {
-        out.chunks_mut(COLS).enumerate().for_each(sum_block);
-    }
+        sum_rows(g)
+    };
     Ok((T::to_cpu_storage_owned(out), n.into()))
 }
 
@@ -349,8 +357,8 @@ mod tests {
     use candle_core::Device;
 
     #[test]
-    fn column_sum_in_parallel_column_blocks_equals_the_row_loop() {
-        // 300 × 130 (39 000 values) takes the parallel path, with a partial last block.
+    fn column_sum_in_parallel_row_chunks_matches_the_f64_sum() {
+        // 300 × 130 (39 000 values) takes the parallel path, with a partial last chunk.
         for (rows, cols) in [(300, 130), (3, 5)] {
             let g = Tensor::arange(0f32, (rows * cols) as f32, &Device::Cpu)
                 .unwrap()
@@ -361,8 +369,12 @@ mod tests {
                 .reshape((rows, cols))
                 .unwrap();
             let v = g.to_vec2::<f32>().unwrap();
-            let want: Vec<f32> = (0..cols).map(|j| v.iter().fold(0f32, |a, r| a + r[j])).collect();
-            assert_eq!(column_sum_of(&g).unwrap().to_vec1::<f32>().unwrap(), want);
+            let want: Vec<f64> = (0..cols).map(|j| v.iter().map(|r| r[j] as f64).sum()).collect();
+            let got = column_sum_of(&g).unwrap().to_vec1::<f32>().unwrap();
+            assert_eq!(got.len(), cols);
+            for (g, w) in got.iter().zip(&want) {
+                assert!((*g as f64 - w).abs() < 1e-4, "{g} against {w}");
+            }
         }
     }
 
