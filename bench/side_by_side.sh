@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # rltune and TRL on the same PPO workload, interleaved (rltune then TRL, per preset and round),
 # each run's JSON line tagged with the share of the VM's CPU time it spent in user mode, idle
-# and stolen by the host (from /proc/stat; a run with much stolen is not comparable).
+# and stolen by the host (from /proc/stat; a run with much stolen is not comparable). At the end,
+# per preset: each round's ratio rltune / TRL of the median iteration time, and the median of
+# those ratios (the host's speed drifts between rounds; a ratio is read within its pair).
 #
 #   bench/side_by_side.sh [ROUNDS] [PRESET...]      # defaults: 1 round, small gpt2
 #
@@ -25,12 +27,15 @@ print(f"user {100*d[0]/tot:.0f}% idle {100*d[3]/tot:.0f}% steal {100*d[7]/tot:.0
 PY
 }
 
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+
 run() {
   local before after out
   before=$(head -1 /proc/stat)
   out=$("$@" 2>/dev/null | tail -1)
   after=$(head -1 /proc/stat)
-  echo "$out [$(shares "$before" "$after")]"
+  echo "$out [$(shares "$before" "$after")]" | tee -a "$log"
 }
 
 for preset in "${presets[@]}"; do
@@ -41,3 +46,23 @@ for preset in "${presets[@]}"; do
     HF_HUB_OFFLINE=1 run .venv/bin/python bench/trl_ppo.py --preset "$preset" --iters 3 --json ${TRL_FLAGS:-}
   done
 done
+
+# One line per preset: the rounds' ratios and their median.
+python3 - "$log" <<'PY'
+import json, statistics, sys
+runs = {}
+for line in open(sys.argv[1]):
+    try:
+        r = json.loads(line[: line.rindex("}") + 1])
+    except ValueError:
+        continue
+    runs.setdefault(r["preset"], {}).setdefault(r["impl"], []).append(r["median_total_s"])
+for preset, by in runs.items():
+    pairs = list(zip(by.get("rltune", []), by.get("trl", [])))
+    if not pairs:
+        print(f"# {preset}: no complete pair (a run failed; see its line above)")
+        continue
+    ratios = [a / b for a, b in pairs]
+    shown = ", ".join(f"{a:.2f}/{b:.2f}={q:.3f}" for (a, b), q in zip(pairs, ratios))
+    print(f"# {preset}: rltune/TRL per round {shown}; median ratio {statistics.median(ratios):.3f}")
+PY
