@@ -136,7 +136,7 @@ mod x86 {
 
 fn gelu_fwd<T: Elem>(s: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
     let x = contiguous::<T>(s, l, "gelu")?;
-    let mut out = super::output_buffer(x.len());
+    let mut out = super::zeros_par(x.len());
     par_rows(&mut out, 1, &[x], |_, o, r| gelu_into(o, r[0]));
     Ok((T::to_cpu_storage_owned(out), l.shape().clone()))
 }
@@ -152,7 +152,7 @@ fn gelu_bwd<T: Elem>(
     if g.len() != x.len() {
         candle_core::bail!("gelu-bwd: {} gradients for {} inputs", g.len(), x.len());
     }
-    let mut out = super::output_buffer(x.len());
+    let mut out = super::zeros_par(x.len());
     par_rows(&mut out, 1, &[x, g], |_, o, r| gelu_bwd_into(o, r[0], r[1]));
     Ok((T::to_cpu_storage_owned(out), l1.shape().clone()))
 }

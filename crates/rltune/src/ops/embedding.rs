@@ -31,7 +31,7 @@ fn gather<T: Elem>(
     if let Some(&bad) = ids.iter().find(|&&id| id as usize >= n) {
         candle_core::bail!("embedding: id {bad} is out of range for a table of {n} rows");
     }
-    let mut out = super::output_buffer(ids.len() * c);
+    let mut out = super::zeros_par(ids.len() * c);
     let copy = |(out, ids): (&mut [T], &[u32])| {
         for (row, &id) in out.chunks_exact_mut(c.max(1)).zip(ids) {
             row.copy_from_slice(&table[id as usize * c..(id as usize + 1) * c]);

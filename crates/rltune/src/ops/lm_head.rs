@@ -356,7 +356,7 @@ fn scatter_rows<T: Elem>(rows: &[usize], sel: &Tensor, n: usize) -> CResult<Tens
         candle_core::bail!("lm-head: the gradient is not on the CPU");
     };
     let src = contiguous::<T>(st, l, "lm-head")?;
-    let mut out = super::output_buffer::<T>(n * c);
+    let mut out = super::zeros_par::<T>(n * c);
     let per = super::rows_per_task(c);
     out.par_chunks_mut(per * c.max(1)).zip(from.par_chunks(per)).for_each(|(out, from)| {
         for (row, f) in out.chunks_exact_mut(c.max(1)).zip(from) {

@@ -117,6 +117,8 @@ fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 /// `n` zeros, written by the thread pool: an op's output buffer of activation size is then
 /// filled on every core, not by a serial `memset` on the calling thread while the workers wait.
+/// Kernels that write every value still start from it: a `Vec<f32>` over uninitialized memory
+/// is undefined behaviour in Rust even when nothing reads a value before it is written.
 fn zeros_par<T: Elem>(n: usize) -> Vec<T> {
     if n < 1 << 15 {
         return vec![T::zero(); n];
@@ -126,22 +128,10 @@ fn zeros_par<T: Elem>(n: usize) -> Vec<T> {
     v
 }
 
-/// An output buffer of `n` values, not zero-filled, for a kernel that writes every value before
-/// anything reads it (a zero-fill is one more pass over an activation, often on one thread).
-fn output_buffer<T: Elem>(n: usize) -> Vec<T> {
-    let mut v: Vec<std::mem::MaybeUninit<T>> = Vec::with_capacity(n);
-    // SAFETY: MaybeUninit needs no initialization.
-    unsafe { v.set_len(n) };
-    let mut v = std::mem::ManuallyDrop::new(v);
-    // SAFETY: same allocation, length and capacity; MaybeUninit<T> and T share a layout, and
-    // no value is read before the kernel writes it.
-    unsafe { Vec::from_raw_parts(v.as_mut_ptr().cast::<T>(), v.len(), v.capacity()) }
-}
-
 /// `a + b` element-wise, in parallel for activation-sized slices (candle's add runs on the
 /// calling thread while the matmul workers wait).
 fn add_par(a: &[f32], b: &[f32]) -> Vec<f32> {
-    let mut out = output_buffer(a.len().min(b.len()));
+    let mut out = zeros_par(a.len().min(b.len()));
     let add = |((o, a), b): ((&mut [f32], &[f32]), &[f32])| {
         o.iter_mut().zip(a).zip(b).for_each(|((o, &a), &b)| *o = a + b);
     };

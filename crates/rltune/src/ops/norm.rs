@@ -118,7 +118,7 @@ fn layer_norm_fwd<T: Elem>(
     check_param("layer-norm", l1, w.len())?;
     let eps = T::from(eps).unwrap_or_else(T::zero);
     // Every value is written by the kernel.
-    let mut out = super::output_buffer(x.len());
+    let mut out = super::zeros_par(x.len());
     par_rows(&mut out, w.len(), &[x], |_, o, r| layer_norm_rows(o, r[0], w, b, eps));
     Ok((T::to_cpu_storage_owned(out), l1.shape().clone()))
 }
@@ -138,7 +138,7 @@ where
 {
     let rows = x.len() / n;
     // `f` writes every `dx` value; the parameter rows are sums, so they start at 0.
-    let mut out = super::output_buffer((rows + k) * n);
+    let mut out = super::zeros_par((rows + k) * n);
     let (dx, params) = out.split_at_mut(rows * n);
     params.fill(T::zero());
     let per = rows_per_task(n) * n;
@@ -310,7 +310,7 @@ fn rms_norm_fwd<T: Elem>(
     check_param("rms-norm", l1, w.len())?;
     let eps = T::from(eps).unwrap_or_else(T::zero);
     // Every value is written by the kernel.
-    let mut out = super::output_buffer(x.len());
+    let mut out = super::zeros_par(x.len());
     par_rows(&mut out, w.len(), &[x], |_, o, r| rms_norm_rows(o, r[0], w, eps));
     Ok((T::to_cpu_storage_owned(out), l1.shape().clone()))
 }
