@@ -248,8 +248,9 @@ fn column_sum<T: Elem>(s: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape
     };
     // Chunks of rows in parallel (each streamed in order), then their partial sums added in
     // chunk order: the bias gradients ran on the calling thread while the other cores idled.
+    // The chunks depend on the shape only, so the sums are the same on any number of threads.
     let out = if g.len() >= 1 << 15 {
-        let per = rows.div_ceil(4 * rayon::current_num_threads()).max(8);
+        let per = rows.div_ceil(32).max(8);
         let partials: Vec<Vec<T>> = g.par_chunks(per * n1).map(sum_rows).collect();
         let mut out = vec![T::zero(); n];
         for p in partials {
@@ -374,6 +375,12 @@ mod tests {
             assert_eq!(got.len(), cols);
             for (g, w) in got.iter().zip(&want) {
                 assert!((*g as f64 - w).abs() < 1e-4, "{g} against {w}");
+            }
+            // The same bits on any number of threads (runs stay reproducible across machines).
+            for threads in [1, 3] {
+                let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+                let on = pool.install(|| column_sum_of(&g).unwrap().to_vec1::<f32>().unwrap());
+                assert_eq!(on, got, "{threads} threads");
             }
         }
     }
