@@ -137,10 +137,9 @@ where
     F: Fn(&mut [T], &mut [T], usize) + Sync + Send,
 {
     let rows = x.len() / n;
-    // `f` writes every `dx` value; the parameter rows are sums, so they start at 0.
+    // `f` writes every `dx` value; the parameter rows are sums of the tasks' partials from 0.
     let mut out = super::zeros_par((rows + k) * n);
     let (dx, params) = out.split_at_mut(rows * n);
-    params.fill(T::zero());
     let per = rows_per_task(n) * n;
     let partials: Vec<Vec<T>> = dx
         .par_chunks_mut(per)
