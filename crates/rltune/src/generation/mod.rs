@@ -157,8 +157,9 @@ pub fn generate(
     // Every decoding step multiplies the same weights by B rows: pack them once.
     let _packed = crate::ops::gemm::pack_scope(&lm.weight_matrices());
     for step in 0..cfg.max_new_tokens {
-        let last = hidden.narrow(1, hidden.dim(1)? - 1, 1)?; // (B, 1, C)
-                                                             // (B, V), read in place: each row is copied once, by the task that samples it.
+        // The last position's hidden state (B, 1, C), then its logits (B, V), read in place: each
+        // row is copied once, by the task that samples it.
+        let last = hidden.narrow(1, hidden.dim(1)? - 1, 1)?;
         let logits =
             lm.logits(&last)?.squeeze(1)?.to_dtype(DType::F32)?.to_device(&Device::Cpu)?.contiguous()?;
         let vocab = logits.dim(1)?;
