@@ -163,16 +163,6 @@ pub fn generate(
         let logits =
             lm.logits(&last)?.squeeze(1)?.to_dtype(DType::F32)?.to_device(&Device::Cpu)?.contiguous()?;
         let vocab = logits.dim(1)?;
-        let (storage, layout) = logits.storage_and_layout();
-        let (candle_core::Storage::Cpu(candle_core::CpuStorage::F32(data)), Some((start, end))) =
-            (&*storage, layout.contiguous_offsets())
-        else {
-            return Err(candle_core::Error::Msg(
-                "generation: logits are not contiguous f32 on the CPU".into(),
-            )
-            .into());
-        };
-        let logits = &data[start..end];
         let values = match v_head {
             Some(h) => Some(h.forward(&last)?.squeeze(1)?.to_dtype(DType::F32)?.to_vec1::<f32>()?),
             None => None,
@@ -184,20 +174,23 @@ pub fn generate(
         let draws: Vec<Option<f64>> = done.iter().map(|&d| (!d).then(|| rng.gen::<f64>())).collect();
         let sampler_cfg = cfg.sampler();
         let pure = cfg.top_k == 0 && cfg.top_p >= 1.0;
-        let picked: Vec<Option<(usize, f64)>> = draws
-            .par_iter()
-            .zip(logits.par_chunks(vocab.max(1)))
-            .map(|(u, row)| {
-                u.map(|u| {
-                    if pure {
-                        return sampler::sample_pure(row, cfg.temperature, banned, u);
-                    }
-                    let logp = sampler::log_distribution(row, &sampler_cfg, banned);
-                    let tok = sampler::sample_at(&logp, u);
-                    (tok, logp[tok])
-                })
-            })
-            .collect();
+        let picked: Vec<Option<(usize, f64)>> =
+            crate::ops::with_f32(&logits, "generation: logits", |logits| {
+                draws
+                    .par_iter()
+                    .zip(logits.par_chunks(vocab.max(1)))
+                    .map(|(u, row)| {
+                        u.map(|u| {
+                            if pure {
+                                return sampler::sample_pure(row, cfg.temperature, banned, u);
+                            }
+                            let logp = sampler::log_distribution(row, &sampler_cfg, banned);
+                            let tok = sampler::sample_at(&logp, u);
+                            (tok, logp[tok])
+                        })
+                    })
+                    .collect()
+            })?;
         for (i, pick) in picked.into_iter().enumerate() {
             let Some((tok, lp)) = pick else { continue };
             let s = &mut samples[i];

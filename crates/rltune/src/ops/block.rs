@@ -24,14 +24,14 @@
 
 use std::sync::{Arc, Mutex};
 
-use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Storage, Tensor};
+use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
 
 use super::activation::gelu_tanh_bwd;
 use super::attention::{self_attention_bwd, self_attention_keep};
 use super::grad_sink;
 use super::linear::{column_sum_of, gemm_no_bwd, weight_grad};
 use super::norm::layer_norm_bwd_parts;
-use super::{gelu_tanh, layer_norm, linear_in_out, lock, CResult};
+use super::{gelu_tanh, layer_norm, linear_in_out, lock, with_f32, CResult};
 
 /// A GPT-2 block's parameters (Conv1D weights are `(in, out)`) and geometry.
 #[derive(Debug, Clone)]
@@ -112,8 +112,8 @@ fn scatter_row_tensors(
     rows: &Rows,
     src: &Tensor,
 ) -> CResult<Tensor> {
-    let out = with_f32(src, |s| match base {
-        Some(b) => with_f32(b, |b| scatter_rows(Some(b), n, c, rows, s)),
+    let out = with_f32(src, "gpt2 block", |s| match base {
+        Some(b) => with_f32(b, "gpt2 block", |b| scatter_rows(Some(b), n, c, rows, s)),
         None => Ok(scatter_rows(None, n, c, rows, s)),
     })??;
     Tensor::from_vec(out, (n, c), src.device())
@@ -122,7 +122,7 @@ fn scatter_row_tensors(
 /// The block's output from [`forward`]'s halves: `h + m` on the computed rows, `x` passed
 /// through on the others (rows of `c` values).
 fn output(x: &[f32], h: &Tensor, m: &Tensor, rows: Option<&Rows>, c: usize) -> CResult<Vec<f32>> {
-    let z = with_f32(h, |h| with_f32(m, |m| super::add_par(h, m)))??;
+    let z = with_f32(h, "gpt2 block", |h| with_f32(m, "gpt2 block", |m| super::add_par(h, m)))??;
     Ok(match rows {
         Some(r) => scatter_rows(Some(x), x.len() / c.max(1), c, r, &z),
         None => z,
@@ -135,7 +135,7 @@ fn add(a: &Tensor, b: &Tensor) -> CResult<Tensor> {
         candle_core::bail!("gpt2 block: adding shapes {:?} and {:?}", a.dims(), b.dims());
     }
     let (a, b) = (a.contiguous()?, b.contiguous()?);
-    let z = with_f32(&a, |a| with_f32(&b, |b| super::add_par(a, b)))??;
+    let z = with_f32(&a, "gpt2 block", |a| with_f32(&b, "gpt2 block", |b| super::add_par(a, b)))??;
     Tensor::from_vec(z, a.shape(), a.device())
 }
 
@@ -207,7 +207,7 @@ pub(crate) fn gpt2_block(
     let (h, m, saved) = forward(x, bias, p, rows, grad)?;
     if !grad {
         let x = x.detach().contiguous()?;
-        let z = with_f32(&x, |xs| output(xs, &h, &m, rows, x.dim(2)?))??;
+        let z = with_f32(&x, "gpt2 block", |xs| output(xs, &h, &m, rows, x.dim(2)?))??;
         return Ok(Some(Tensor::from_vec(z, x.shape(), x.device())?));
     }
     let op = BlockOp {
@@ -227,15 +227,6 @@ struct BlockOp {
     rows: Option<Rows>,
     out: Mutex<Option<(Tensor, Tensor)>>,
     saved: Mutex<Option<Saved>>,
-}
-
-/// The contiguous f32 values of a CPU tensor.
-fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> CResult<R> {
-    let (s, l) = t.storage_and_layout();
-    match (&*s, l.contiguous_offsets()) {
-        (Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) => Ok(f(&v[a..b])),
-        _ => candle_core::bail!("gpt2 block: expected a contiguous f32 CPU tensor"),
-    }
 }
 
 impl CustomOp1 for BlockOp {

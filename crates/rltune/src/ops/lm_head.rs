@@ -344,7 +344,7 @@ impl CustomOp2 for LmHead {
 }
 
 /// The `(rows.len(), C)` rows of `sel` placed at `rows` of an `(n, C)` tensor, zeros elsewhere
-/// (written once, in parallel: no zero-filled tensor plus an `index_add`).
+/// (in parallel: a zero fill and one copy per selected row, no `index_add`).
 fn scatter_rows<T: Elem>(rows: &[usize], sel: &Tensor, n: usize) -> CResult<Tensor> {
     let c = sel.dim(1)?;
     let mut from = vec![None; n];
@@ -360,9 +360,8 @@ fn scatter_rows<T: Elem>(rows: &[usize], sel: &Tensor, n: usize) -> CResult<Tens
     let per = super::rows_per_task(c);
     out.par_chunks_mut(per * c.max(1)).zip(from.par_chunks(per)).for_each(|(out, from)| {
         for (row, f) in out.chunks_exact_mut(c.max(1)).zip(from) {
-            match f {
-                Some(j) => row.copy_from_slice(&src[j * c..(j + 1) * c]),
-                None => row.fill(T::zero()),
+            if let Some(j) = f {
+                row.copy_from_slice(&src[j * c..(j + 1) * c]);
             }
         }
     });

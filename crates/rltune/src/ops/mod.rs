@@ -75,7 +75,7 @@ pub use softmax::{
     softmax_composed, softmax_last_dim,
 };
 
-use candle_core::{CpuStorage, DType, Layout};
+use candle_core::{CpuStorage, DType, Layout, Tensor};
 use num_traits::Float;
 use rayon::prelude::*;
 
@@ -129,19 +129,24 @@ fn zeros_par<T: Elem>(n: usize) -> Vec<T> {
 }
 
 /// `a + b` element-wise, in parallel for activation-sized slices (candle's add runs on the
-/// calling thread while the matmul workers wait).
+/// calling thread while the matmul workers wait); collected straight into the output.
 fn add_par(a: &[f32], b: &[f32]) -> Vec<f32> {
-    let mut out = zeros_par(a.len().min(b.len()));
-    let add = |((o, a), b): ((&mut [f32], &[f32]), &[f32])| {
-        o.iter_mut().zip(a).zip(b).for_each(|((o, &a), &b)| *o = a + b);
-    };
     const CHUNK: usize = 1 << 14;
-    if out.len() >= 2 * CHUNK {
-        out.par_chunks_mut(CHUNK).zip(a.par_chunks(CHUNK)).zip(b.par_chunks(CHUNK)).for_each(add);
+    if a.len().min(b.len()) >= 2 * CHUNK {
+        a.par_iter().zip(b).with_min_len(CHUNK).map(|(&a, &b)| a + b).collect()
     } else {
-        add(((&mut out, a), b));
+        a.iter().zip(b).map(|(&a, &b)| a + b).collect()
     }
-    out
+}
+
+/// Runs `f` on the values of a contiguous f32 CPU tensor, read in place; `what` names the
+/// caller in the error for any other tensor.
+pub(crate) fn with_f32<R>(t: &Tensor, what: &str, f: impl FnOnce(&[f32]) -> R) -> CResult<R> {
+    let (s, l) = t.storage_and_layout();
+    match (&*s, l.contiguous_offsets()) {
+        (candle_core::Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) => Ok(f(&v[a..b])),
+        _ => candle_core::bail!("{what}: expected a contiguous f32 CPU tensor"),
+    }
 }
 
 /// Rows per rayon task: small rows are batched so a task does real work.

@@ -117,7 +117,6 @@ fn layer_norm_fwd<T: Elem>(
     let b = contiguous::<T>(s3, l3, "layer-norm")?;
     check_param("layer-norm", l1, w.len())?;
     let eps = T::from(eps).unwrap_or_else(T::zero);
-    // Every value is written by the kernel.
     let mut out = super::zeros_par(x.len());
     par_rows(&mut out, w.len(), &[x], |_, o, r| layer_norm_rows(o, r[0], w, b, eps));
     Ok((T::to_cpu_storage_owned(out), l1.shape().clone()))
@@ -130,14 +129,12 @@ fn check_param(op: &'static str, l: &Layout, n: usize) -> CResult<()> {
     Ok(())
 }
 
-/// `(R + k, n)` output: `dx` rows (`f` writes all of its rows), then `k` parameter-gradient
-/// rows summed over tasks.
+/// `(R + k, n)` output: `dx` rows, then `k` parameter-gradient rows summed over tasks.
 fn norm_bwd<T: Elem, F>(x: &[T], n: usize, k: usize, f: F) -> Vec<T>
 where
     F: Fn(&mut [T], &mut [T], usize) + Sync + Send,
 {
     let rows = x.len() / n;
-    // `f` writes every `dx` value; the parameter rows are sums of the tasks' partials from 0.
     let mut out = super::zeros_par((rows + k) * n);
     let (dx, params) = out.split_at_mut(rows * n);
     let per = rows_per_task(n) * n;
@@ -308,7 +305,6 @@ fn rms_norm_fwd<T: Elem>(
     let w = contiguous::<T>(s2, l2, "rms-norm")?;
     check_param("rms-norm", l1, w.len())?;
     let eps = T::from(eps).unwrap_or_else(T::zero);
-    // Every value is written by the kernel.
     let mut out = super::zeros_par(x.len());
     par_rows(&mut out, w.len(), &[x], |_, o, r| rms_norm_rows(o, r[0], w, eps));
     Ok((T::to_cpu_storage_owned(out), l1.shape().clone()))

@@ -57,23 +57,27 @@ simd_kernel! {
             }
         }
         let m = simd::max(x);
-        for v in x.iter_mut() {
-            *v = (*v - m).exp_fast();
+        exp_sub(x, m);
+    }
+}
+
+/// `x ← e^(x − m)`: the hand-written AVX2 body for f32 where the CPU has it.
+#[inline(always)]
+fn exp_sub<T: Elem>(x: &mut [T], m: T) {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(xf) = simd::as_f32_mut(x) {
+        if simd::avx2::available() {
+            // SAFETY: the CPU has AVX2 and FMA.
+            return unsafe { simd::avx2::exp_sub_inplace(xf, m.to_f32().unwrap_or(f32::NAN)) };
         }
+    }
+    for v in x.iter_mut() {
+        *v = (*v - m).exp_fast();
     }
 }
 
 /// [`exp_row_inplace`] for f32 rows (the sampler's fast path).
 pub(crate) fn exp_row_f32(x: &mut [f32], temperature: f32) {
-    #[cfg(target_arch = "x86_64")]
-    if simd::avx2::available() {
-        if temperature != 1.0 {
-            x.iter_mut().for_each(|v| *v /= temperature);
-        }
-        let m = simd::max(x);
-        // SAFETY: the CPU has AVX2 and FMA.
-        return unsafe { simd::avx2::exp_sub_inplace(x, m) };
-    }
     exp_row_inplace(x, temperature)
 }
 
