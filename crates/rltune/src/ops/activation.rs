@@ -8,8 +8,9 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Shape, Tensor};
 
+use super::gemm::{self, MatRef, SendPtr};
 use super::simd::{self, simd_kernel};
-use super::{contiguous, par_rows, CResult, Elem};
+use super::{contiguous, par_rows, with_f32, CResult, Elem};
 
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
 const COEF: f64 = 0.044_715;
@@ -57,8 +58,9 @@ fn gelu_into<T: Elem>(out: &mut [T], x: &[T]) {
     #[cfg(target_arch = "x86_64")]
     if let (Some(o), Some(xf)) = (simd::as_f32_mut(out), simd::as_f32(x)) {
         if simd::avx2::available() {
-            // SAFETY: the CPU has AVX2 and FMA.
-            return unsafe { x86::gelu(o, xf) };
+            let n = o.len().min(xf.len());
+            // SAFETY: the CPU has AVX2 and FMA; both slices have at least `n` values.
+            return unsafe { x86::gelu(o.as_mut_ptr(), xf.as_ptr(), n) };
         }
     }
     gelu_rows(out, x)
@@ -69,8 +71,9 @@ fn gelu_bwd_into<T: Elem>(out: &mut [T], x: &[T], g: &[T]) {
     #[cfg(target_arch = "x86_64")]
     if let (Some(o), Some(xf), Some(gf)) = (simd::as_f32_mut(out), simd::as_f32(x), simd::as_f32(g)) {
         if simd::avx2::available() {
-            // SAFETY: the CPU has AVX2 and FMA.
-            return unsafe { x86::gelu_bwd(o, xf, gf) };
+            let n = o.len().min(xf.len()).min(gf.len());
+            // SAFETY: the CPU has AVX2 and FMA; the slices have at least `n` values.
+            return unsafe { x86::gelu_bwd(o.as_mut_ptr(), xf.as_ptr(), gf.as_ptr(), n) };
         }
     }
     gelu_bwd_rows(out, x, g)
@@ -97,29 +100,38 @@ mod x86 {
         _mm256_div_ps(c(1.0), _mm256_add_ps(c(1.0), e))
     }
 
+    /// GELU of `len` values at `x` into `out`, which may be `x` itself (each vector is loaded
+    /// before it is stored).
+    ///
     /// # Safety
-    /// The CPU has AVX2 and FMA; `out` and `x` have the same length.
+    /// The CPU has AVX2 and FMA; `out` and `x` are valid for `len` values.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn gelu(out: &mut [f32], x: &[f32]) {
-        let n = out.len() / 8 * 8;
+    pub(super) unsafe fn gelu(out: *mut f32, x: *const f32, len: usize) {
+        let n = len / 8 * 8;
         for i in (0..n).step_by(8) {
-            // SAFETY: i + 8 ≤ n ≤ both lengths.
-            let v = _mm256_loadu_ps(x.as_ptr().add(i));
-            _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_mul_ps(v, sigmoid_2u(v)));
+            // SAFETY: i + 8 ≤ n ≤ len.
+            let v = _mm256_loadu_ps(x.add(i));
+            _mm256_storeu_ps(out.add(i), _mm256_mul_ps(v, sigmoid_2u(v)));
         }
-        gelu_rows(&mut out[n..], &x[n..]);
+        let (mut xs, mut os) = ([0f32; 8], [0f32; 8]);
+        let r = len - n;
+        std::ptr::copy_nonoverlapping(x.add(n), xs.as_mut_ptr(), r);
+        gelu_rows(&mut os[..r], &xs[..r]);
+        std::ptr::copy_nonoverlapping(os.as_ptr(), out.add(n), r);
     }
 
+    /// `g·gelu'(x)` of `len` values into `out`, which may be `g` itself.
+    ///
     /// # Safety
-    /// The CPU has AVX2 and FMA; `out`, `x` and `g` have the same length.
+    /// The CPU has AVX2 and FMA; `out`, `x` and `g` are valid for `len` values.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn gelu_bwd(out: &mut [f32], x: &[f32], g: &[f32]) {
+    pub(super) unsafe fn gelu_bwd(out: *mut f32, x: *const f32, g: *const f32, len: usize) {
         let c = _mm256_set1_ps;
-        let n = out.len() / 8 * 8;
+        let n = len / 8 * 8;
         for i in (0..n).step_by(8) {
-            // SAFETY: i + 8 ≤ n ≤ every length.
-            let v = _mm256_loadu_ps(x.as_ptr().add(i));
-            let gv = _mm256_loadu_ps(g.as_ptr().add(i));
+            // SAFETY: i + 8 ≤ n ≤ len.
+            let v = _mm256_loadu_ps(x.add(i));
+            let gv = _mm256_loadu_ps(g.add(i));
             let s = sigmoid_2u(v);
             // gelu'(x) = s + 2x·s(1 − s)·k(1 + 3c·x²)
             let du = _mm256_mul_ps(
@@ -128,9 +140,14 @@ mod x86 {
             );
             let t = _mm256_mul_ps(_mm256_mul_ps(_mm256_add_ps(v, v), s), _mm256_sub_ps(c(1.0), s));
             let d = _mm256_fmadd_ps(t, du, s);
-            _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_mul_ps(gv, d));
+            _mm256_storeu_ps(out.add(i), _mm256_mul_ps(gv, d));
         }
-        gelu_bwd_rows(&mut out[n..], &x[n..], &g[n..]);
+        let (mut xs, mut gs, mut os) = ([0f32; 8], [0f32; 8], [0f32; 8]);
+        let r = len - n;
+        std::ptr::copy_nonoverlapping(x.add(n), xs.as_mut_ptr(), r);
+        std::ptr::copy_nonoverlapping(g.add(n), gs.as_mut_ptr(), r);
+        gelu_bwd_rows(&mut os[..r], &xs[..r], &gs[..r]);
+        std::ptr::copy_nonoverlapping(os.as_ptr(), out.add(n), r);
     }
 }
 
@@ -201,6 +218,143 @@ pub(crate) fn gelu_tanh_bwd(x: &Tensor, g: &Tensor) -> CResult<Tensor> {
     x.contiguous()?.apply_op2_no_bwd(&g.contiguous()?, &GeluTanhBwd)
 }
 
+/// `v ← gelu(v)` for f32: the AVX2 body in place where the CPU has it, else [`gelu_rows`]
+/// through a small copy (the same values as [`gelu_into`]).
+fn gelu_in_place(v: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if simd::avx2::available() {
+        let p = v.as_mut_ptr();
+        // SAFETY: the CPU has AVX2 and FMA; `p` is valid for `v.len()` values (in and out).
+        return unsafe { x86::gelu(p, p, v.len()) };
+    }
+    for chunk in v.chunks_mut(64) {
+        let mut x = [0f32; 64];
+        x[..chunk.len()].copy_from_slice(chunk);
+        gelu_rows(chunk, &x[..chunk.len()]);
+    }
+}
+
+/// `g ← g·gelu'(x)` for f32, as [`gelu_in_place`].
+fn gelu_bwd_in_place(g: &mut [f32], x: &[f32]) {
+    let n = g.len().min(x.len());
+    #[cfg(target_arch = "x86_64")]
+    if simd::avx2::available() {
+        let p = g.as_mut_ptr();
+        // SAFETY: the CPU has AVX2 and FMA; `p` and `x` are valid for `n` values.
+        return unsafe { x86::gelu_bwd(p, x.as_ptr(), p, n) };
+    }
+    for (chunk, x) in g[..n].chunks_mut(64).zip(x.chunks(64)) {
+        let mut gs = [0f32; 64];
+        gs[..chunk.len()].copy_from_slice(chunk);
+        gelu_bwd_rows(chunk, x, &gs[..chunk.len()]);
+    }
+}
+
+/// `(u, gelu(u))` with `u = x·W + b`, for GPT-2's MLP (`W (in, out)`, Conv1D layout): GELU runs
+/// in the product's epilogue, on each block of `u` while the block is in cache, instead of in a
+/// second pass that reads all of `u` back; neither output is zero-filled first. The same values
+/// as [`super::linear_in_out`] then [`gelu_tanh`] (the same kernels: a block of the product,
+/// plus the bias, then GELU's body on it), without a graph. Other dtypes, devices or CPUs
+/// without the fast SGEMM take those two ops.
+pub(crate) fn linear_in_out_gelu(x: &Tensor, w: &Tensor, b: &Tensor) -> CResult<(Tensor, Tensor)> {
+    let fused = gemm::fast_available()
+        && [x, w, b].iter().all(|t| f32_cpu(t))
+        && b.rank() == 1
+        && b.dim(0)? == w.dim(1)?
+        && x.dim(1)? == w.dim(0)?;
+    let fused = fused.then(|| {
+        with_f32(&b.contiguous()?, "linear-gelu", |bias| {
+            gemm::with_matref(x, |x| gemm::with_matref(w, |w| product_gelu(x, w, bias)))
+        })
+    });
+    match fused.transpose()?.flatten().flatten() {
+        Some((u, g)) => {
+            let shape = (x.dim(0)?, w.dim(1)?);
+            Ok((Tensor::from_vec(u, shape, x.device())?, Tensor::from_vec(g, shape, x.device())?))
+        }
+        None => {
+            let (x, w, b) = (x.detach(), w.detach(), b.detach());
+            let u = super::linear_in_out(&x, &w, Some(&b))?;
+            let g = gelu_tanh(&u)?;
+            Ok((u, g))
+        }
+    }
+}
+
+/// Whether `t` is an f32 tensor on the CPU.
+fn f32_cpu(t: &Tensor) -> bool {
+    t.dtype() == DType::F32 && t.device().is_cpu()
+}
+
+/// [`linear_in_out_gelu`] on f32 matrices: `(u, g)` row-major.
+fn product_gelu(x: MatRef, w: MatRef, bias: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    let (m, n) = (x.rows, w.cols);
+    let mut u = Vec::<f32>::with_capacity(m * n);
+    let mut g = Vec::<f32>::with_capacity(m * n);
+    let (up, gp) = (SendPtr(u.as_mut_ptr()), SendPtr(g.as_mut_ptr()));
+    gemm::sgemm_epilogue(x, w, &|i0, rows, j0, cols, block, ld| {
+        for r in 0..rows {
+            let row = &mut block[r * ld..r * ld + cols];
+            for (v, &b) in row.iter_mut().zip(&bias[j0..j0 + cols]) {
+                *v += b;
+            }
+            let at = (i0 + r) * n + j0;
+            // SAFETY: the epilogue's blocks are disjoint and cover the `m × n` product once,
+            // so `at..at + cols` lies in both buffers' capacity and no other block writes it.
+            unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), up.get().add(at), cols) };
+            gelu_in_place(row);
+            // SAFETY: as above.
+            unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), gp.get().add(at), cols) };
+        }
+    });
+    // SAFETY: every one of the `m × n` values of both was written by the epilogue above.
+    unsafe {
+        u.set_len(m * n);
+        g.set_len(m * n);
+    }
+    (u, g)
+}
+
+/// `gelu'(u) ⊙ (dz·Wᵀ)`: the gradient at the MLP's pre-activation `u (N, I)` from the gradient
+/// `dz (N, C)` at its output, for `w_t = Wᵀ (C, I)` (a view of the Conv1D weight `W (I, C)`).
+/// GELU's backward runs in the product's epilogue, so `dz·Wᵀ` is never stored. The same values
+/// as the product then [`gelu_tanh_bwd`]; no graph.
+pub(crate) fn gelu_bwd_of_product(dz: &Tensor, w_t: &Tensor, u: &Tensor) -> CResult<Tensor> {
+    let shape = (dz.dim(0)?, w_t.dim(1)?);
+    let fused = gemm::fast_available()
+        && [dz, w_t, u].iter().all(|t| f32_cpu(t))
+        && u.dims() == [shape.0, shape.1]
+        && dz.dim(1)? == w_t.dim(0)?;
+    let fused = fused.then(|| {
+        with_f32(&u.contiguous()?, "gelu-bwd", |u| {
+            gemm::with_matref(dz, |dz| gemm::with_matref(w_t, |w_t| product_gelu_bwd(dz, w_t, u)))
+        })
+    });
+    match fused.transpose()?.flatten().flatten() {
+        Some(du) => Tensor::from_vec(du, shape, dz.device()),
+        None => gelu_tanh_bwd(u, &super::linear::gemm_no_bwd(dz, w_t)?),
+    }
+}
+
+/// [`gelu_bwd_of_product`] on f32 matrices.
+fn product_gelu_bwd(dz: MatRef, w_t: MatRef, u: &[f32]) -> Vec<f32> {
+    let (m, n) = (dz.rows, w_t.cols);
+    let mut du = Vec::<f32>::with_capacity(m * n);
+    let dp = SendPtr(du.as_mut_ptr());
+    gemm::sgemm_epilogue(dz, w_t, &|i0, rows, j0, cols, block, ld| {
+        for r in 0..rows {
+            let row = &mut block[r * ld..r * ld + cols];
+            let at = (i0 + r) * n + j0;
+            gelu_bwd_in_place(row, &u[at..at + cols]);
+            // SAFETY: the epilogue's blocks are disjoint and cover the `m × n` product once.
+            unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), dp.get().add(at), cols) };
+        }
+    });
+    // SAFETY: every one of the `m × n` values was written by the epilogue above.
+    unsafe { du.set_len(m * n) };
+    du
+}
+
 /// [`gelu_tanh`] from differentiable candle ops: `½x(1 + tanh(√(2/π)(x + 0.044715x³)))`, with
 /// exact constants (candle's own `gelu` backward rounds them to 6 digits).
 pub fn gelu_tanh_composed(x: &Tensor) -> CResult<Tensor> {
@@ -219,6 +373,51 @@ mod tests {
         // candle's gelu: same forward, backward with 6-digit constants.
         check_tol(&[&[2, 9]], 1e-5, |t| gelu_tanh(&t[0]).unwrap(), |t| t[0].gelu().unwrap());
         fd_check(&[&[2, 7]], |t| gelu_tanh(&t[0]).unwrap());
+    }
+
+    /// `(m, n)` values in −3..3 (f32), a strided view when `t` (stored `(n, m)`).
+    fn mat(m: usize, n: usize, seed: u64, t: bool) -> Tensor {
+        let shape: &[usize] = if t { &[n, m] } else { &[m, n] };
+        let x = (randn(shape, seed) * 1.5).unwrap().to_dtype(DType::F32).unwrap();
+        if t {
+            x.t().unwrap()
+        } else {
+            x
+        }
+    }
+
+    #[test]
+    fn gelu_in_the_products_epilogue_equals_the_product_then_gelu() {
+        // 512 × 256 → 1024 is the `small` preset's MLP: blocks of whole vectors, so every value
+        // takes the same vector path as the separate pass, and the results are the same bits.
+        // Odd widths put some values on the scalar tail in one version and not in the other
+        // (the AVX2 sigmoid uses FMA, the scalar one does not): a few roundings apart at most.
+        for (m, k, n, exact) in [(512, 256, 1024, true), (37, 29, 45, false), (6, 3, 17, false)] {
+            let (x, w, b) =
+                (mat(m, k, 1, false), mat(k, n, 2, false), mat(1, n, 3, false).flatten_all().unwrap());
+            let (u, g) = linear_in_out_gelu(&x, &w, &b).unwrap();
+            let u0 = crate::ops::linear_in_out(&x, &w, Some(&b)).unwrap();
+            let g0 = gelu_tanh(&u0).unwrap();
+            let tol = if exact { 0.0 } else { 1e-6 };
+            assert!(max_diff(&u, &u0) == 0.0, "{m}×{k}×{n}: u differs");
+            assert!(max_diff(&g, &g0) <= tol, "{m}×{k}×{n}: gelu differs by {}", max_diff(&g, &g0));
+
+            let dz = mat(m, k, 4, false);
+            let w_t = mat(k, n, 5, true); // Wᵀ as a view of a `(n, k)` weight, as in the block.
+            let du = gelu_bwd_of_product(&dz, &w_t, &u).unwrap();
+            let du0 = gelu_tanh_bwd(&u, &crate::ops::linear::gemm_no_bwd(&dz, &w_t).unwrap()).unwrap();
+            let scale = du0.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
+            let rel = max_diff(&du, &du0) / f64::from(scale);
+            assert!(rel <= tol, "{m}×{k}×{n}: du differs by {rel} of its largest value");
+        }
+        // f64 (no fused SGEMM) takes the two ops.
+        let (x, w, b) = (randn(&[5, 4], 6), randn(&[4, 7], 7), randn(&[7], 8));
+        let (u, g) = linear_in_out_gelu(&x, &w, &b).unwrap();
+        assert!(max_diff(&g, &gelu_tanh_composed(&u).unwrap()) < 1e-12);
+        let (dz, w_t) = (randn(&[5, 3], 9), randn(&[7, 3], 10).t().unwrap());
+        let du = gelu_bwd_of_product(&dz, &w_t, &u).unwrap();
+        let du0 = gelu_tanh_bwd(&u, &dz.matmul(&w_t).unwrap()).unwrap();
+        assert!(max_diff(&du, &du0) < 1e-12);
     }
 
     #[test]

@@ -26,12 +26,12 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
 
-use super::activation::gelu_tanh_bwd;
+use super::activation::{gelu_bwd_of_product, linear_in_out_gelu};
 use super::attention::{self_attention_bwd, self_attention_keep};
 use super::grad_sink;
 use super::linear::{column_sum_of, gemm_no_bwd, weight_grad};
 use super::norm::layer_norm_bwd_parts;
-use super::{gelu_tanh, layer_norm, linear_in_out, lock, with_f32, CResult};
+use super::{layer_norm, linear_in_out, lock, with_f32, CResult};
 
 /// A GPT-2 block's parameters (Conv1D weights are `(in, out)`) and geometry.
 #[derive(Debug, Clone)]
@@ -175,8 +175,7 @@ fn forward(
     };
     let h = add(&x, &lin(&y, &p.c_proj)?)?;
     let a2 = layer_norm(&h, &d(&p.ln_2.0), &d(&p.ln_2.1), p.eps)?;
-    let u = lin(&a2, &p.c_fc)?;
-    let g = gelu_tanh(&u)?;
+    let (u, g) = linear_in_out_gelu(&a2, &d(&p.c_fc.0), &d(&p.c_fc.1))?;
     let m = lin(&g, &p.mlp_proj)?;
     let saved = keep.then(|| Saved { a1, qkv, probs, y, h: h.clone(), a2, u, g });
     Ok((h, m, saved))
@@ -267,14 +266,18 @@ impl CustomOp1 for BlockOp {
         };
         // `dx` of a linear map, then its weight's and bias's gradients (the weight's product may
         // update it in place, so it comes after every read of the weight).
-        let linear_bwd = |x: &Tensor, (w, bias): &(Tensor, Tensor), g: &Tensor| -> CResult<Tensor> {
-            let dx = gemm_no_bwd(g, &d(w).t()?)?;
+        let param_grads = |x: &Tensor, (w, bias): &(Tensor, Tensor), g: &Tensor| -> CResult<()> {
             if w.track_op() {
                 sunk(weight_grad(w, &x.t()?, g)?, w)?;
             }
             if bias.track_op() {
                 sunk(grad_sink::give(bias, column_sum_of(g)?)?, bias)?;
             }
+            Ok(())
+        };
+        let linear_bwd = |x: &Tensor, w_b: &(Tensor, Tensor), g: &Tensor| -> CResult<Tensor> {
+            let dx = gemm_no_bwd(g, &d(&w_b.0).t()?)?;
+            param_grads(x, w_b, g)?;
             Ok(dx)
         };
         let norm_bwd = |x: &Tensor, (w, bias): &(Tensor, Tensor), g: &Tensor| -> CResult<Tensor> {
@@ -287,8 +290,10 @@ impl CustomOp1 for BlockOp {
             }
             Ok(dx)
         };
-        let dg = linear_bwd(&s.g, &p.mlp_proj, &dz_rows)?;
-        let du = gelu_tanh_bwd(&s.u, &dg)?;
+        // `du = gelu'(u) ⊙ dz·Wᵀ` in one product (GELU's backward in its epilogue), before the
+        // MLP projection's own weight gradient.
+        let du = gelu_bwd_of_product(&dz_rows, &d(&p.mlp_proj.0).t()?, &s.u)?;
+        param_grads(&s.g, &p.mlp_proj, &dz_rows)?;
         let da2 = linear_bwd(&s.a2, &p.c_fc, &du)?;
         let dh = add(&dz_rows, &norm_bwd(&s.h, &p.ln_2, &da2)?)?;
         let dy = linear_bwd(&s.y, &p.c_proj, &dh)?;

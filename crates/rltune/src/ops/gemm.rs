@@ -234,8 +234,9 @@ pub(crate) fn sgemm(a: MatRef, b: MatRef, c: &mut [f32], bias: Option<&[f32]>, a
 }
 
 /// What [`sgemm_epilogue`] hands its consumer: a finished block of the product, rows `i0..i0 +
-/// rows` × columns `j0..j0 + cols`, row `r` at `block[r·ld..r·ld + cols]`.
-pub(crate) type Epilogue<'a> = dyn Fn(usize, usize, usize, usize, &[f32], usize) + Sync + 'a;
+/// rows` × columns `j0..j0 + cols`, row `r` at `block[r·ld..r·ld + cols]` (scratch of the GEMM's,
+/// which the consumer may overwrite).
+pub(crate) type Epilogue<'a> = dyn Fn(usize, usize, usize, usize, &mut [f32], usize) + Sync + 'a;
 
 /// `a·b` handed to `epi` block by block, each block once, while it is still in cache, and never
 /// stored as a whole (a weight gradient consumed by the optimizer in place: see
@@ -256,7 +257,7 @@ pub(crate) fn sgemm_epilogue(a: MatRef, b: MatRef, epi: &Epilogue) {
     }
     let mut c = vec![0f32; m * n];
     sgemm_ref(a, b, &mut c, None, false);
-    epi(0, m, 0, n, &c, n);
+    epi(0, m, 0, n, &mut c, n);
 }
 
 /// Whether to compute `Cᵀ = Bᵀ·Aᵀ` instead: when B is column-major (a transposed weight, as in
@@ -436,6 +437,18 @@ fn prepacked(b: &MatRef, m: usize, isa: Isa) -> Option<std::rc::Rc<PackedB>> {
     })
 }
 
+/// Runs `f` on the f32 CPU data of a rank-2 tensor as a [`MatRef`] (any strides); `None` for
+/// other tensors.
+pub(crate) fn with_matref<R>(t: &candle_core::Tensor, f: impl FnOnce(MatRef) -> R) -> Option<R> {
+    let (s, l) = t.storage_and_layout();
+    let (candle_core::Storage::Cpu(candle_core::CpuStorage::F32(data)), &[rows, cols]) = (&*s, l.dims())
+    else {
+        return None;
+    };
+    let st = l.stride();
+    Some(f(MatRef { data, off: l.start_offset(), rows, cols, rs: st[0], cs: st[1] }))
+}
+
 /// The shape and bounds checks of [`sgemm`].
 fn check_args(a: &MatRef, b: &MatRef, bias: Option<&[f32]>, accumulate: bool) {
     assert_eq!(b.rows, a.cols, "sgemm: inner dimensions differ");
@@ -554,6 +567,29 @@ pub(super) fn with_buffer<T: Copy + Default, R>(
 /// Packs rows `i0..i0 + mc` × columns `p0..p0 + kc` of `a` into `MR`-row panels: panel `t`,
 /// step `p`, row `r` at `t·kc·MR + p·MR + r`; rows past the end are zero.
 fn pack_a<const MR: usize>(a: &MatRef, i0: usize, mc: usize, p0: usize, kc: usize, out: &mut [f32]) {
+    let full = mc / MR;
+    if a.rs == 1 && full > 1 {
+        // Column-major: step by step, the full panels' values of a step are one contiguous run
+        // of the stored matrix, read once. Panel by panel, each step would read MR values from
+        // a different cache line, `kc` lines per panel at a stride of `cs` values: at a stride
+        // of a power of two (the LM head's `dlogitsᵀ`, 8192 values) every line falls in the
+        // same L1 set, and each panel read all of them again from L2.
+        for p in 0..kc {
+            let s = a.off + i0 + (p0 + p) * a.cs;
+            for (t, src) in a.data[s..s + full * MR].chunks_exact(MR).enumerate() {
+                let at = t * kc * MR + p * MR;
+                if let (Ok(dst), Ok(src)) =
+                    (<&mut [f32; MR]>::try_from(&mut out[at..at + MR]), <&[f32; MR]>::try_from(src))
+                {
+                    *dst = *src;
+                }
+            }
+        }
+        if full * MR < mc {
+            pack_a::<MR>(a, i0 + full * MR, mc - full * MR, p0, kc, &mut out[full * kc * MR..]);
+        }
+        return;
+    }
     for (t, panel) in out[..mc.div_ceil(MR) * kc * MR].chunks_exact_mut(kc * MR).enumerate() {
         let r0 = i0 + t * MR;
         let rows = MR.min(i0 + mc - r0);
@@ -835,12 +871,19 @@ mod x86 {
         };
         let packed_len = k * packed_panels * nr_;
         let (row_chunks, col_chunks) = (m.div_ceil(s.row_tiles * mr_), panels.div_ceil(s.col_panels));
+        let mt = m.div_ceil(mr_);
+        // Row range `ti`: its first row and its row count. The tiles are dealt out evenly (86
+        // tiles in 6 ranges are 14 or 15 each, not five of 15 and one of 11), so equal tasks
+        // finish together.
+        let row_range = |ti: usize| {
+            let (t0, t1) = (ti * mt / row_chunks, (ti + 1) * mt / row_chunks);
+            (t0 * mr_, (t1 * mr_).min(m) - t0 * mr_)
+        };
         // A that is not row-major is packed whole; with several column ranges per row range,
         // every task of a row range would pack the same rows again (4 times over for a weight
         // gradient of the `small` preset), so then all of A is packed once, up front: block `q`
         // (depth `kc`) of row tile `t` at `q·KC·MT·MR + t·kc·MR`.
         let shared_a = a.cs != 1 && col_chunks > 1;
-        let mt = m.div_ceil(mr_);
         let shared_len = if shared_a { mt * mr_ * k } else { 0 };
         // Where block `q` (depth `kc`) of packed panel `j` starts: `q·KC·panels·NR + j·kc·NR`,
         // or `q·KC·NR` for the one panel packed with `direct_b`.
@@ -859,8 +902,7 @@ mod x86 {
                 let sa_ptr = SendPtr(sa.as_mut_ptr());
                 units.par_iter().for_each(|&(q, ti)| {
                     let kc = KC.min(k - q * KC);
-                    let i0 = ti * s.row_tiles * mr_;
-                    let mc = (s.row_tiles * mr_).min(m - i0);
+                    let (i0, mc) = row_range(ti);
                     // SAFETY: the units' ranges are disjoint and inside `sa` (`shared_len` covers
                     // every block of every row tile).
                     let out = unsafe {
@@ -900,10 +942,8 @@ mod x86 {
                 (0..row_chunks).flat_map(|ti| (0..col_chunks).map(move |tj| (ti, tj))).collect();
             let c_ptr = SendPtr(c);
             let run = |&(ti, tj): &(usize, usize)| {
-                let i0 = ti * s.row_tiles * mr_;
-                let mc = (s.row_tiles * mr_).min(m - i0);
-                let j0 = tj * s.col_panels;
-                let j1 = (j0 + s.col_panels).min(panels);
+                let (i0, mc) = row_range(ti);
+                let (j0, j1) = (tj * panels / col_chunks, (tj + 1) * panels / col_chunks);
                 // Rows stored contiguously are read in place by the microkernel; only a
                 // partial last tile (and other layouts) go through the packing buffer.
                 let tiles = mc.div_ceil(mr_);

@@ -26,9 +26,9 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use candle_core::{CpuStorage, DType, InplaceOp1, Layout, Storage, Tensor, TensorId};
+use candle_core::{CpuStorage, DType, InplaceOp1, Layout, Tensor, TensorId};
 
-use super::gemm::{self, MatRef};
+use super::gemm::{self, with_matref};
 use super::{lock, CResult};
 
 /// An optimizer step applied inside the product that makes a weight's gradient (see the module
@@ -189,17 +189,6 @@ pub(crate) fn give(w: &Tensor, dw: Tensor) -> CResult<Option<Tensor>> {
         Some(sink) => sink.add(&dw).map(|()| None),
         None => Ok(Some(dw)),
     }
-}
-
-/// Runs `f` on the f32 CPU data of a rank-2 tensor as a [`MatRef`] (any strides); `None` for
-/// other tensors.
-fn with_matref<R>(t: &Tensor, f: impl FnOnce(MatRef) -> R) -> Option<R> {
-    let (s, l) = t.storage_and_layout();
-    let (Storage::Cpu(candle_core::CpuStorage::F32(data)), &[rows, cols]) = (&*s, l.dims()) else {
-        return None;
-    };
-    let st = l.stride();
-    Some(f(MatRef { data, off: l.start_offset(), rows, cols, rs: st[0], cs: st[1] }))
 }
 
 /// Writes `a·b` into `w`'s sink with the GEMM (accumulating in its epilogue after the first
