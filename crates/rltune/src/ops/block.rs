@@ -10,7 +10,10 @@
 //! and puts one node in the graph: `x → z`. Its backward walks the block in reverse with the
 //! same kernels (`dx` products before each weight's own product, as the linear op does, so an
 //! optimizer fused into that product sees the right order), writes every weight's gradient
-//! into its gradient sink (`grad_sink`) and hands candle `dx` only.
+//! into its gradient sink (`grad_sink`) and hands candle `dx` only. GELU runs in the epilogues
+//! of the MLP's products (`activation::linear_in_out_gelu` forward,
+//! `activation::gelu_bwd_of_product` backward): neither GELU's input nor `dz·Wᵀ` makes another
+//! trip through memory.
 //!
 //! With [`Rows`], the block computes its attention output's projection and its MLP only for
 //! the rows whose output will be read (PPO reads the response positions; the model passes the
