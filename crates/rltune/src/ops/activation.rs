@@ -254,10 +254,10 @@ fn gelu_bwd_in_place(g: &mut [f32], x: &[f32]) {
 /// in the product's epilogue, on each block of `u` while the block is in cache, instead of in a
 /// second pass that reads all of `u` back; neither output is zero-filled first. The same values
 /// as [`super::linear_in_out`] then [`gelu_tanh`] (the same kernels: a block of the product,
-/// plus the bias, then GELU's body on it), without a graph. Other dtypes, devices or CPUs
-/// without the fast SGEMM take those two ops.
+/// plus the bias, then GELU's body on it), without a graph. Other dtypes, devices, CPUs without
+/// the fast SGEMM and the bf16 matmul precision take those two ops.
 pub(crate) fn linear_in_out_gelu(x: &Tensor, w: &Tensor, b: &Tensor) -> CResult<(Tensor, Tensor)> {
-    let fused = gemm::fast_available()
+    let fused = f32_products()
         && [x, w, b].iter().all(|t| f32_cpu(t))
         && b.rank() == 1
         && b.dim(0)? == w.dim(1)?
@@ -279,6 +279,13 @@ pub(crate) fn linear_in_out_gelu(x: &Tensor, w: &Tensor, b: &Tensor) -> CResult<
             Ok((u, g))
         }
     }
+}
+
+/// Whether products run on the f32 SGEMM, which the epilogues need: with the bf16 matmul
+/// precision (AMX) the fused functions take the separate product and GELU instead, so the
+/// product keeps its AMX speed.
+fn f32_products() -> bool {
+    gemm::fast_available() && gemm::matmul_precision() == gemm::MatmulPrecision::F32
 }
 
 /// Whether `t` is an f32 tensor on the CPU.
@@ -321,7 +328,7 @@ fn product_gelu(x: MatRef, w: MatRef, bias: &[f32]) -> (Vec<f32>, Vec<f32>) {
 /// as the product then [`gelu_tanh_bwd`]; no graph.
 pub(crate) fn gelu_bwd_of_product(dz: &Tensor, w_t: &Tensor, u: &Tensor) -> CResult<Tensor> {
     let shape = (dz.dim(0)?, w_t.dim(1)?);
-    let fused = gemm::fast_available()
+    let fused = f32_products()
         && [dz, w_t, u].iter().all(|t| f32_cpu(t))
         && u.dims() == [shape.0, shape.1]
         && dz.dim(1)? == w_t.dim(0)?;
