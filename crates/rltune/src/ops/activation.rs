@@ -10,7 +10,7 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Shape, Tensor
 
 use super::gemm::{self, MatRef, SendPtr};
 use super::simd::{self, simd_kernel};
-use super::{contiguous, par_rows, with_f32, CResult, Elem};
+use super::{contiguous, f32_cpu, par_rows, with_f32, CResult, Elem};
 
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
 const COEF: f64 = 0.044_715;
@@ -286,11 +286,6 @@ pub(crate) fn linear_in_out_gelu(x: &Tensor, w: &Tensor, b: &Tensor) -> CResult<
 /// product keeps its AMX speed.
 fn f32_products() -> bool {
     gemm::fast_available() && gemm::matmul_precision() == gemm::MatmulPrecision::F32
-}
-
-/// Whether `t` is an f32 tensor on the CPU.
-fn f32_cpu(t: &Tensor) -> bool {
-    t.dtype() == DType::F32 && t.device().is_cpu()
 }
 
 /// [`linear_in_out_gelu`] on f32 matrices: `(u, g)` row-major.

@@ -27,14 +27,14 @@
 
 use std::sync::{Arc, Mutex};
 
-use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
 
 use super::activation::{gelu_bwd_of_product, linear_in_out_gelu};
 use super::attention::{self_attention_bwd, self_attention_keep};
 use super::grad_sink;
 use super::linear::{column_sum_of, gemm_no_bwd, weight_grad};
 use super::norm::layer_norm_bwd_parts;
-use super::{layer_norm, linear_in_out, lock, with_f32, CResult};
+use super::{f32_cpu, layer_norm, linear_in_out, lock, with_f32, CResult};
 
 /// A GPT-2 block's parameters (Conv1D weights are `(in, out)`) and geometry.
 #[derive(Debug, Clone)]
@@ -198,7 +198,6 @@ pub(crate) fn gpt2_block(
     rows: Option<&Rows>,
 ) -> CResult<Option<Tensor>> {
     let ws = p.all();
-    let f32_cpu = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32;
     if !super::gemm::fast_available() || !f32_cpu(x) || !f32_cpu(bias) || !ws.iter().all(|w| f32_cpu(w)) {
         return Ok(None);
     }

@@ -203,8 +203,8 @@ pub(crate) fn gemm_into_sink(w: &Tensor, a: &Tensor, b: &Tensor) -> CResult<bool
     if m * n != w.elem_count() {
         candle_core::bail!("weight gradient of {m} × {n} for a weight of shape {:?}", w.dims());
     }
-    let f32_cpu = |t: &Tensor| t.dtype() == DType::F32 && t.device().is_cpu() && t.rank() == 2;
-    if f32_cpu(a) && f32_cpu(b) {
+    let f32_matrix = |t: &Tensor| super::f32_cpu(t) && t.rank() == 2;
+    if f32_matrix(a) && f32_matrix(b) {
         if let Some(update) = sink.first_fused() {
             w.inplace_op1(&FusedProduct { a, b, update })?;
             sink.mark_applied();

@@ -149,6 +149,11 @@ pub(crate) fn with_f32<R>(t: &Tensor, what: &str, f: impl FnOnce(&[f32]) -> R) -
     }
 }
 
+/// Whether `t` is an f32 tensor on the CPU (what the fused f32 kernels take).
+pub(crate) fn f32_cpu(t: &Tensor) -> bool {
+    t.dtype() == DType::F32 && t.device().is_cpu()
+}
+
 /// Rows per rayon task: small rows are batched so a task does real work.
 fn rows_per_task(row_len: usize) -> usize {
     (16384 / row_len.max(1)).max(1)
