@@ -294,12 +294,9 @@ fn product_gelu(x: MatRef, w: MatRef, bias: &[f32]) -> (Vec<f32>, Vec<f32>) {
     let mut u = Vec::<f32>::with_capacity(m * n);
     let mut g = Vec::<f32>::with_capacity(m * n);
     let (up, gp) = (SendPtr(u.as_mut_ptr()), SendPtr(g.as_mut_ptr()));
-    gemm::sgemm_epilogue(x, w, &|i0, rows, j0, cols, block, ld| {
+    gemm::sgemm_epilogue(x, w, Some(bias), &|i0, rows, j0, cols, block, ld| {
         for r in 0..rows {
             let row = &mut block[r * ld..r * ld + cols];
-            for (v, &b) in row.iter_mut().zip(&bias[j0..j0 + cols]) {
-                *v += b;
-            }
             let at = (i0 + r) * n + j0;
             // SAFETY: the epilogue's blocks are disjoint and cover the `m × n` product once,
             // so `at..at + cols` lies in both buffers' capacity and no other block writes it.
@@ -343,7 +340,7 @@ fn product_gelu_bwd(dz: MatRef, w_t: MatRef, u: &[f32]) -> Vec<f32> {
     let (m, n) = (dz.rows, w_t.cols);
     let mut du = Vec::<f32>::with_capacity(m * n);
     let dp = SendPtr(du.as_mut_ptr());
-    gemm::sgemm_epilogue(dz, w_t, &|i0, rows, j0, cols, block, ld| {
+    gemm::sgemm_epilogue(dz, w_t, None, &|i0, rows, j0, cols, block, ld| {
         for r in 0..rows {
             let row = &mut block[r * ld..r * ld + cols];
             let at = (i0 + r) * n + j0;

@@ -238,25 +238,26 @@ pub(crate) fn sgemm(a: MatRef, b: MatRef, c: &mut [f32], bias: Option<&[f32]>, a
 /// which the consumer may overwrite).
 pub(crate) type Epilogue<'a> = dyn Fn(usize, usize, usize, usize, &mut [f32], usize) + Sync + 'a;
 
-/// `a·b` handed to `epi` block by block, each block once, while it is still in cache, and never
-/// stored as a whole (a weight gradient consumed by the optimizer in place: see
-/// `grad_sink::gemm_into_sink`). Blocks are disjoint and may be handed over from several
-/// threads at once. Values equal [`sgemm`]'s bit for bit (the same kernel and depth order), but
-/// only the f32 kernels are used (no AMX, no transposed product).
-pub(crate) fn sgemm_epilogue(a: MatRef, b: MatRef, epi: &Epilogue) {
+/// `a·b` (plus `bias`, one value per column, when given) handed to `epi` block by block, each
+/// block once, while it is still in cache, and never stored as a whole (a weight gradient
+/// consumed by the optimizer in place: see `grad_sink::gemm_into_sink`). Blocks are disjoint
+/// and may be handed over from several threads at once. Values equal [`sgemm`]'s bit for bit
+/// (the same kernel and depth order), but only the f32 kernels are used (no AMX, no transposed
+/// product).
+pub(crate) fn sgemm_epilogue(a: MatRef, b: MatRef, bias: Option<&[f32]>, epi: &Epilogue) {
     let (m, k, n) = (a.rows, a.cols, b.cols);
-    check_args(&a, &b, None, false);
+    check_args(&a, &b, bias, false);
     if m == 0 || n == 0 {
         return;
     }
     #[cfg(target_arch = "x86_64")]
     if let Some(isa) = isa().filter(|_| k > 0) {
         // SAFETY: the CPU has `isa` and the views were checked; `c` is unused with an epilogue.
-        unsafe { x86::sgemm_with(isa, a, b, std::ptr::null_mut(), None, false, Some(epi)) };
+        unsafe { x86::sgemm_with(isa, a, b, std::ptr::null_mut(), bias, false, Some(epi)) };
         return;
     }
     let mut c = vec![0f32; m * n];
-    sgemm_ref(a, b, &mut c, None, false);
+    sgemm_ref(a, b, &mut c, bias, false);
     epi(0, m, 0, n, &mut c, n);
 }
 
@@ -728,8 +729,8 @@ mod x86 {
         sgemm_with(isa, a, b, c, bias, accumulate, None)
     }
 
-    /// [`sgemm`], or with `epi` (then `c` is unused, `bias` none and `accumulate` false) the
-    /// product handed to `epi` block by block (see [`super::sgemm_epilogue`]).
+    /// [`sgemm`], or with `epi` (then `c` is unused and `accumulate` false) the product, plus
+    /// `bias`, handed to `epi` block by block (see [`super::sgemm_epilogue`]).
     ///
     /// # Safety
     /// As [`sgemm`].
@@ -852,7 +853,7 @@ mod x86 {
         accumulate: bool,
         epi: Option<&Epilogue>,
     ) {
-        debug_assert!(epi.is_none() || (bias.is_none() && !accumulate));
+        debug_assert!(epi.is_none() || !accumulate);
         let (mr_, nr_) = (K::MR, K::NR);
         let (m, k, n) = (a.rows, a.cols, b.cols);
         let panels = n.div_ceil(nr_);
@@ -1535,7 +1536,8 @@ mod tests {
     fn epilogue_gets_every_block_once_with_the_products_values() {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("thread pool");
         // One row chunk with several depth blocks (B packed in the tasks), several row chunks
-        // (B packed up front), a weight gradient's transposed A, partial tiles everywhere.
+        // (B packed up front), a weight gradient's transposed A, partial tiles everywhere; with
+        // and without a bias.
         for (m, k, n, a_transposed) in [
             (1, 1, 1, false),
             (40, 600, 50, false),
@@ -1550,28 +1552,35 @@ mod tests {
                 false => MatRef::row_major(&a_data, m, k),
             };
             let b = MatRef::row_major(&b_data, k, n);
-            let mut want = vec![0f32; m * n];
-            pool.install(|| sgemm(a, b, &mut want, None, false));
-            let got = std::sync::Mutex::new((vec![f32::NAN; m * n], vec![0u32; m * n]));
-            pool.install(|| {
-                sgemm_epilogue(a, b, &|i0, rows, j0, cols, block, ld| {
-                    let mut g = got.lock().unwrap();
-                    for r in 0..rows {
-                        for c in 0..cols {
-                            g.0[(i0 + r) * n + j0 + c] = block[r * ld + c];
-                            g.1[(i0 + r) * n + j0 + c] += 1;
+            let bias_data = data(n, 3);
+            for bias in [None, Some(&bias_data[..])] {
+                let mut want = vec![0f32; m * n];
+                pool.install(|| sgemm(a, b, &mut want, bias, false));
+                let got = std::sync::Mutex::new((vec![f32::NAN; m * n], vec![0u32; m * n]));
+                pool.install(|| {
+                    sgemm_epilogue(a, b, bias, &|i0, rows, j0, cols, block, ld| {
+                        let mut g = got.lock().unwrap();
+                        for r in 0..rows {
+                            for c in 0..cols {
+                                g.0[(i0 + r) * n + j0 + c] = block[r * ld + c];
+                                g.1[(i0 + r) * n + j0 + c] += 1;
+                            }
                         }
-                    }
-                })
-            });
-            let (got, seen) = got.into_inner().unwrap();
-            assert!(
-                seen.iter().all(|&s| s == 1),
-                "{m}×{k}×{n}: a value handed over {:?} times",
-                seen.iter().max()
-            );
-            let same = got.iter().zip(&want).all(|(x, y)| x.to_bits() == y.to_bits());
-            assert!(same, "{m}×{k}×{n}: the epilogue's values differ from sgemm's");
+                    })
+                });
+                let (got, seen) = got.into_inner().unwrap();
+                assert!(
+                    seen.iter().all(|&s| s == 1),
+                    "{m}×{k}×{n}: a value handed over {:?} times",
+                    seen.iter().max()
+                );
+                let same = got.iter().zip(&want).all(|(x, y)| x.to_bits() == y.to_bits());
+                assert!(
+                    same,
+                    "{m}×{k}×{n}, bias {}: the epilogue's values differ from sgemm's",
+                    bias.is_some()
+                );
+            }
         }
     }
 

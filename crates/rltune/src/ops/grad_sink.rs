@@ -243,7 +243,7 @@ impl InplaceOp1 for FusedProduct<'_> {
                 if a.rows * n != len {
                     return false;
                 }
-                gemm::sgemm_epilogue(a, b, &|i0, rows, j0, cols, block, ld| {
+                gemm::sgemm_epilogue(a, b, None, &|i0, rows, j0, cols, block, ld| {
                     for r in 0..rows {
                         let at = (i0 + r) * n + j0;
                         // SAFETY: the epilogue's blocks are disjoint and lie inside the
