@@ -80,22 +80,28 @@ fn transpose_head<T: Elem>(out: &mut [T], qkv: &[T], col: usize, t: usize, c: us
     }
 }
 
-/// `out = Σ_j w[j] · rows[j·stride..][..out.len()]`, summed in `j` order, `LANES` outputs at a
-/// time held in registers: `P·V` and the other products of a head, and a row of `q·Kᵀ` from the
-/// transposed keys (`w = q`, `rows = Kᵀ`, a multiple of `LANES` outputs).
+/// `out = Σ_j w[j] · rows[j·stride..][..out.len()]`, summed in `j` order: `P·V` and the other
+/// products of a head, and a row of `q·Kᵀ` from the transposed keys (`w = q`, `rows = Kᵀ`, a
+/// multiple of `LANES` outputs).
+///
+/// Up to four `LANES`-wide blocks of outputs are summed in one pass over `w` (a head of 64
+/// values is one pass): each block's sum is a chain of dependent adds, so one block alone
+/// waits on the add latency every step, while four keep the vector units busy. Every output
+/// still sums its terms in `j` order, so the blocking does not change a bit.
 #[inline(always)]
 fn weighted_rows<T: Elem>(out: &mut [T], w: &[T], rows: &[T], stride: usize) {
     let d = out.len();
     let mut c0 = 0;
-    while c0 + LANES <= d {
-        let mut acc = [T::zero(); LANES];
-        for (j, &wj) in w.iter().enumerate() {
-            let r = &rows[j * stride + c0..j * stride + c0 + LANES];
-            for l in 0..LANES {
-                acc[l] += wj * r[l];
-            }
-        }
-        out[c0..c0 + LANES].copy_from_slice(&acc);
+    while c0 + 4 * LANES <= d {
+        weighted_block::<T, { 4 * LANES }>(&mut out[c0..c0 + 4 * LANES], w, &rows[c0..], stride);
+        c0 += 4 * LANES;
+    }
+    if c0 + 2 * LANES <= d {
+        weighted_block::<T, { 2 * LANES }>(&mut out[c0..c0 + 2 * LANES], w, &rows[c0..], stride);
+        c0 += 2 * LANES;
+    }
+    if c0 + LANES <= d {
+        weighted_block::<T, LANES>(&mut out[c0..c0 + LANES], w, &rows[c0..], stride);
         c0 += LANES;
     }
     for (cc, o) in out.iter_mut().enumerate().skip(c0) {
@@ -105,6 +111,19 @@ fn weighted_rows<T: Elem>(out: &mut [T], w: &[T], rows: &[T], stride: usize) {
         }
         *o = a;
     }
+}
+
+/// [`weighted_rows`] for exactly `N` outputs (a multiple of `LANES`), held in registers.
+#[inline(always)]
+fn weighted_block<T: Elem, const N: usize>(out: &mut [T], w: &[T], rows: &[T], stride: usize) {
+    let mut acc = [T::zero(); N];
+    for (j, &wj) in w.iter().enumerate() {
+        let r = &rows[j * stride..j * stride + N];
+        for l in 0..N {
+            acc[l] += wj * r[l];
+        }
+    }
+    out[..N].copy_from_slice(&acc);
 }
 
 /// Bias values at or below this mask their key: its probability underflows to exactly 0 for
