@@ -218,23 +218,8 @@ pub(crate) fn gelu_tanh_bwd(x: &Tensor, g: &Tensor) -> CResult<Tensor> {
     x.contiguous()?.apply_op2_no_bwd(&g.contiguous()?, &GeluTanhBwd)
 }
 
-/// `v ← gelu(v)` for f32: the AVX2 body in place where the CPU has it, else [`gelu_rows`]
-/// through a small copy (the same values as [`gelu_into`]).
-fn gelu_in_place(v: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if simd::avx2::available() {
-        let p = v.as_mut_ptr();
-        // SAFETY: the CPU has AVX2 and FMA; `p` is valid for `v.len()` values (in and out).
-        return unsafe { x86::gelu(p, p, v.len()) };
-    }
-    for chunk in v.chunks_mut(64) {
-        let mut x = [0f32; 64];
-        x[..chunk.len()].copy_from_slice(chunk);
-        gelu_rows(chunk, &x[..chunk.len()]);
-    }
-}
-
-/// `g ← g·gelu'(x)` for f32, as [`gelu_in_place`].
+/// `g ← g·gelu'(x)` for f32: the AVX2 body in place where the CPU has it, else
+/// [`gelu_bwd_rows`] through a small copy (the same values as [`gelu_bwd_into`]).
 fn gelu_bwd_in_place(g: &mut [f32], x: &[f32]) {
     let n = g.len().min(x.len());
     #[cfg(target_arch = "x86_64")]
@@ -293,20 +278,17 @@ fn product_gelu(x: MatRef, w: MatRef, bias: &[f32]) -> (Vec<f32>, Vec<f32>) {
     let (m, n) = (x.rows, w.cols);
     let mut u = Vec::<f32>::with_capacity(m * n);
     let mut g = Vec::<f32>::with_capacity(m * n);
-    let (up, gp) = (SendPtr(u.as_mut_ptr()), SendPtr(g.as_mut_ptr()));
-    gemm::sgemm_epilogue(x, w, Some(bias), &|i0, rows, j0, cols, block, ld| {
-        for r in 0..rows {
-            let row = &mut block[r * ld..r * ld + cols];
-            let at = (i0 + r) * n + j0;
-            // SAFETY: the epilogue's blocks are disjoint and cover the `m × n` product once,
-            // so `at..at + cols` lies in both buffers' capacity and no other block writes it.
-            unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), up.get().add(at), cols) };
-            gelu_in_place(row);
-            // SAFETY: as above.
-            unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), gp.get().add(at), cols) };
-        }
-    });
-    // SAFETY: every one of the `m × n` values of both was written by the epilogue above.
+    let gp = SendPtr(g.as_mut_ptr());
+    // SAFETY: `u` has capacity for the m × n product, which only this call touches.
+    unsafe {
+        gemm::sgemm_rows_then(x, w, Some(bias), u.as_mut_ptr(), &|i, j0, row| {
+            // SAFETY: the row segments are disjoint and cover the m × n product once, so this
+            // one lies in `g`'s capacity and no other segment writes it.
+            let out = std::slice::from_raw_parts_mut(gp.get().add(i * n + j0), row.len());
+            gelu_into(out, row);
+        })
+    };
+    // SAFETY: the product wrote all m × n values of `u`, the epilogue all of `g`.
     unsafe {
         u.set_len(m * n);
         g.set_len(m * n);
@@ -339,17 +321,13 @@ pub(crate) fn gelu_bwd_of_product(dz: &Tensor, w_t: &Tensor, u: &Tensor) -> CRes
 fn product_gelu_bwd(dz: MatRef, w_t: MatRef, u: &[f32]) -> Vec<f32> {
     let (m, n) = (dz.rows, w_t.cols);
     let mut du = Vec::<f32>::with_capacity(m * n);
-    let dp = SendPtr(du.as_mut_ptr());
-    gemm::sgemm_epilogue(dz, w_t, None, &|i0, rows, j0, cols, block, ld| {
-        for r in 0..rows {
-            let row = &mut block[r * ld..r * ld + cols];
-            let at = (i0 + r) * n + j0;
-            gelu_bwd_in_place(row, &u[at..at + cols]);
-            // SAFETY: the epilogue's blocks are disjoint and cover the `m × n` product once.
-            unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), dp.get().add(at), cols) };
-        }
-    });
-    // SAFETY: every one of the `m × n` values was written by the epilogue above.
+    // SAFETY: `du` has capacity for the m × n product, which only this call touches.
+    unsafe {
+        gemm::sgemm_rows_then(dz, w_t, None, du.as_mut_ptr(), &|i, j0, row| {
+            gelu_bwd_in_place(row, &u[i * n + j0..i * n + j0 + row.len()])
+        })
+    };
+    // SAFETY: the product wrote all m × n values.
     unsafe { du.set_len(m * n) };
     du
 }

@@ -253,12 +253,63 @@ pub(crate) fn sgemm_epilogue(a: MatRef, b: MatRef, bias: Option<&[f32]>, epi: &E
     #[cfg(target_arch = "x86_64")]
     if let Some(isa) = isa().filter(|_| k > 0) {
         // SAFETY: the CPU has `isa` and the views were checked; `c` is unused with an epilogue.
-        unsafe { x86::sgemm_with(isa, a, b, std::ptr::null_mut(), bias, false, Some(epi)) };
+        unsafe { x86::sgemm_with(isa, a, b, std::ptr::null_mut(), bias, false, Some(Epi::Block(epi))) };
         return;
     }
     let mut c = vec![0f32; m * n];
     sgemm_ref(a, b, &mut c, bias, false);
     epi(0, m, 0, n, &mut c, n);
+}
+
+/// What [`sgemm_rows_then`] hands its consumer: row `i` of the product, columns `j0..j0 +
+/// row.len()`, in place in the output.
+pub(crate) type RowEpilogue<'a> = dyn Fn(usize, usize, &mut [f32]) + Sync + 'a;
+
+/// `c = a·b` (plus `bias`, one value per column, when given), written in place like [`sgemm`]'s,
+/// and each task's finished block handed to `epi` row by row while it is still in cache (GELU
+/// turning the MLP's product into its activation next to it, or GELU's backward scaling the
+/// gradient in place). Each row segment is handed over once, possibly from several threads at
+/// once. The product's values equal [`sgemm`]'s bit for bit (the same kernel and depth order),
+/// but only the f32 kernels are used (no AMX, no transposed product). `c` may be uninitialized
+/// memory of `a.rows × b.cols` values (every value is written before `epi` sees it).
+///
+/// # Safety
+/// `c` points to `a.rows × b.cols` writable values that nothing else reads or writes during
+/// the call.
+pub(crate) unsafe fn sgemm_rows_then(
+    a: MatRef,
+    b: MatRef,
+    bias: Option<&[f32]>,
+    c: *mut f32,
+    epi: &RowEpilogue,
+) {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    check_args(&a, &b, bias, false);
+    if m == 0 || n == 0 {
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if let Some(isa) = isa().filter(|_| k > 0) {
+        // SAFETY: the CPU has `isa`, the views were checked and `c` has m × n values (the
+        // caller's promise).
+        unsafe { x86::sgemm_with(isa, a, b, c, bias, false, Some(Epi::Rows(epi))) };
+        return;
+    }
+    let mut out = vec![0f32; m * n];
+    sgemm_ref(a, b, &mut out, bias, false);
+    for (i, row) in out.chunks_mut(n).enumerate() {
+        epi(i, 0, row);
+    }
+    // SAFETY: `c` has m × n values (the caller's promise); `out` is a separate buffer.
+    unsafe { std::ptr::copy_nonoverlapping(out.as_ptr(), c, m * n) };
+}
+
+/// How a product's finished blocks reach a consumer: copied into a scratch block
+/// ([`sgemm_epilogue`]) or row by row in place in C ([`sgemm_rows_then`]).
+#[derive(Clone, Copy)]
+enum Epi<'a> {
+    Block(&'a Epilogue<'a>),
+    Rows(&'a RowEpilogue<'a>),
 }
 
 /// Whether to compute `Cᵀ = Bᵀ·Aᵀ` instead: when B is column-major (a transposed weight, as in
@@ -729,8 +780,9 @@ mod x86 {
         sgemm_with(isa, a, b, c, bias, accumulate, None)
     }
 
-    /// [`sgemm`], or with `epi` (then `c` is unused and `accumulate` false) the product, plus
-    /// `bias`, handed to `epi` block by block (see [`super::sgemm_epilogue`]).
+    /// [`sgemm`], or with `epi` (then `accumulate` is false) the product, plus `bias`, handed to
+    /// `epi` block by block: copied (`c` unused, see [`super::sgemm_epilogue`]) or in place in
+    /// `c` (see [`super::sgemm_rows_then`]).
     ///
     /// # Safety
     /// As [`sgemm`].
@@ -741,7 +793,7 @@ mod x86 {
         c: *mut f32,
         bias: Option<&[f32]>,
         accumulate: bool,
-        epi: Option<&Epilogue>,
+        epi: Option<Epi>,
     ) {
         match isa {
             Isa::Avx512 => drive::<Avx512>(a, b, None, c, bias, accumulate, epi),
@@ -838,8 +890,9 @@ mod x86 {
     /// # Safety
     /// As [`sgemm`], for `K`'s instruction set.
     ///
-    /// With an epilogue, each task multiplies into a buffer of its own block of C instead and
-    /// hands the finished block to `epi`.
+    /// With a block epilogue, each task multiplies into a buffer of its own block of C instead
+    /// and hands the finished block to `epi`; with a row epilogue, into C, then hands `epi` the
+    /// block's rows there.
     ///
     /// With `prepacked` (all of `b` packed by [`pack_all`]), nothing is packed or prefetched
     /// from B.
@@ -851,9 +904,13 @@ mod x86 {
         c: *mut f32,
         bias: Option<&[f32]>,
         accumulate: bool,
-        epi: Option<&Epilogue>,
+        epi: Option<Epi>,
     ) {
         debug_assert!(epi.is_none() || !accumulate);
+        let block_epi = match epi {
+            Some(Epi::Block(e)) => Some(e),
+            _ => None,
+        };
         let (mr_, nr_) = (K::MR, K::NR);
         let (m, k, n) = (a.rows, a.cols, b.cols);
         let panels = n.div_ceil(nr_);
@@ -951,14 +1008,14 @@ mod x86 {
                 let tiles = mc.div_ceil(mr_);
                 let full = if a.cs == 1 { mc / mr_ } else { 0 };
                 let panel_len = if local_b { KC * nr_ } else { 0 };
-                // With an epilogue, C is this task's block: `tiles·MR` rows of `width` values.
+                // With a block epilogue, C is this task's block: `tiles·MR` rows of `width` values.
                 let width = (j1 - j0) * nr_;
-                let block_len = if epi.is_some() { tiles * mr_ * width } else { 0 };
+                let block_len = if block_epi.is_some() { tiles * mr_ * width } else { 0 };
                 let pa_len = if shared_a { 0 } else { tiles * mr_ * KC };
                 with_buffer(&PACKED_A, pa_len + panel_len + block_len, |buf| {
                     let (pa, rest) = buf.split_at_mut(pa_len);
                     let (panel, block) = rest.split_at_mut(panel_len);
-                    let (c_base, ldc, c_row0, c_col0) = match epi {
+                    let (c_base, ldc, c_row0, c_col0) = match block_epi {
                         Some(_) => (block.as_mut_ptr(), width, i0, j0 * nr_),
                         None => (c_ptr.get(), n, 0, 0),
                     };
@@ -1029,9 +1086,21 @@ mod x86 {
                             }
                         }
                     }
-                    if let Some(epi) = epi {
-                        let col0 = j0 * nr_;
-                        epi(i0, mc, col0, width.min(n - col0), block, width);
+                    let col0 = j0 * nr_;
+                    let cols = width.min(n - col0);
+                    match epi {
+                        Some(Epi::Block(epi)) => epi(i0, mc, col0, cols, block, width),
+                        Some(Epi::Rows(epi)) => {
+                            for i in i0..i0 + mc {
+                                // SAFETY: this task wrote rows i0..i0 + mc × columns col0..col0 +
+                                // cols of C, which no other task touches; C has m × n values.
+                                let row = unsafe {
+                                    std::slice::from_raw_parts_mut(c_ptr.get().add(i * n + col0), cols)
+                                };
+                                epi(i, col0, row);
+                            }
+                        }
+                        None => {}
                     }
                 });
             };
@@ -1580,6 +1649,62 @@ mod tests {
                     "{m}×{k}×{n}, bias {}: the epilogue's values differ from sgemm's",
                     bias.is_some()
                 );
+            }
+        }
+    }
+
+    #[test]
+    fn row_epilogue_sees_every_row_segment_once_in_place() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("thread pool");
+        for (m, k, n, a_transposed) in [
+            (1, 1, 1, false),
+            (40, 600, 50, false),
+            (150, 300, 70, false),
+            (200, 96, 130, true),
+            (13, 5, 700, true),
+        ] {
+            let a_data = data(m * k, 1);
+            let b_data = data(k * n, 2);
+            let a = match a_transposed {
+                true => MatRef::row_major(&a_data, k, m).t(),
+                false => MatRef::row_major(&a_data, m, k),
+            };
+            let b = MatRef::row_major(&b_data, k, n);
+            let bias_data = data(n, 3);
+            for bias in [None, Some(&bias_data[..])] {
+                let mut want = vec![0f32; m * n];
+                pool.install(|| sgemm(a, b, &mut want, bias, false));
+                // The epilogue records what it saw, then doubles the row in place.
+                let seen = std::sync::Mutex::new((vec![f32::NAN; m * n], vec![0u32; m * n]));
+                let mut c = vec![f32::NAN; m * n];
+                let cp = SendPtr(c.as_mut_ptr());
+                pool.install(|| {
+                    // SAFETY: `c` has m × n values and nothing else touches it during the call.
+                    unsafe {
+                        sgemm_rows_then(a, b, bias, cp.get(), &|i, j0, row| {
+                            let mut s = seen.lock().unwrap();
+                            for (j, v) in row.iter_mut().enumerate() {
+                                s.0[i * n + j0 + j] = *v;
+                                s.1[i * n + j0 + j] += 1;
+                                *v *= 2.0;
+                            }
+                        })
+                    }
+                });
+                let (got, count) = seen.into_inner().unwrap();
+                assert!(
+                    count.iter().all(|&s| s == 1),
+                    "{m}×{k}×{n}: a value handed over {:?} times",
+                    count.iter().max()
+                );
+                let same = got.iter().zip(&want).all(|(x, y)| x.to_bits() == y.to_bits());
+                assert!(
+                    same,
+                    "{m}×{k}×{n}, bias {}: the epilogue's values differ from sgemm's",
+                    bias.is_some()
+                );
+                let kept = c.iter().zip(&want).all(|(x, y)| x.to_bits() == (2.0 * y).to_bits());
+                assert!(kept, "{m}×{k}×{n}: the epilogue's writes did not stay in C");
             }
         }
     }
