@@ -245,17 +245,11 @@ pub(crate) type Epilogue<'a> = dyn Fn(usize, usize, usize, usize, &mut [f32], us
 /// (the same kernel and depth order), but only the f32 kernels are used (no AMX, no transposed
 /// product).
 pub(crate) fn sgemm_epilogue(a: MatRef, b: MatRef, bias: Option<&[f32]>, epi: &Epilogue) {
-    let (m, k, n) = (a.rows, a.cols, b.cols);
-    check_args(&a, &b, bias, false);
-    if m == 0 || n == 0 {
+    // SAFETY: `c` is unused with a block epilogue.
+    if unsafe { epilogue_product(a, b, bias, std::ptr::null_mut(), Epi::Block(epi)) } {
         return;
     }
-    #[cfg(target_arch = "x86_64")]
-    if let Some(isa) = isa().filter(|_| k > 0) {
-        // SAFETY: the CPU has `isa` and the views were checked; `c` is unused with an epilogue.
-        unsafe { x86::sgemm_with(isa, a, b, std::ptr::null_mut(), bias, false, Some(Epi::Block(epi))) };
-        return;
-    }
+    let (m, n) = (a.rows, b.cols);
     let mut c = vec![0f32; m * n];
     sgemm_ref(a, b, &mut c, bias, false);
     epi(0, m, 0, n, &mut c, n);
@@ -283,18 +277,11 @@ pub(crate) unsafe fn sgemm_rows_then(
     c: *mut f32,
     epi: &RowEpilogue,
 ) {
-    let (m, k, n) = (a.rows, a.cols, b.cols);
-    check_args(&a, &b, bias, false);
-    if m == 0 || n == 0 {
+    // SAFETY: `c` has m × n values (the caller's promise).
+    if unsafe { epilogue_product(a, b, bias, c, Epi::Rows(epi)) } {
         return;
     }
-    #[cfg(target_arch = "x86_64")]
-    if let Some(isa) = isa().filter(|_| k > 0) {
-        // SAFETY: the CPU has `isa`, the views were checked and `c` has m × n values (the
-        // caller's promise).
-        unsafe { x86::sgemm_with(isa, a, b, c, bias, false, Some(Epi::Rows(epi))) };
-        return;
-    }
+    let (m, n) = (a.rows, b.cols);
     let mut out = vec![0f32; m * n];
     sgemm_ref(a, b, &mut out, bias, false);
     for (i, row) in out.chunks_mut(n).enumerate() {
@@ -302,6 +289,28 @@ pub(crate) unsafe fn sgemm_rows_then(
     }
     // SAFETY: `c` has m × n values (the caller's promise); `out` is a separate buffer.
     unsafe { std::ptr::copy_nonoverlapping(out.as_ptr(), c, m * n) };
+}
+
+/// The shared part of [`sgemm_epilogue`] and [`sgemm_rows_then`]: checks the views, then runs
+/// the f32 kernels with `epi`; `false` (nothing done) where they do not apply (no fast SGEMM,
+/// zero depth) and the caller computes the product itself.
+///
+/// # Safety
+/// With [`Epi::Rows`], `c` as for [`sgemm_rows_then`].
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
+unsafe fn epilogue_product(a: MatRef, b: MatRef, bias: Option<&[f32]>, c: *mut f32, epi: Epi) -> bool {
+    check_args(&a, &b, bias, false);
+    if a.rows == 0 || b.cols == 0 {
+        return true;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if let Some(isa) = isa().filter(|_| a.cols > 0) {
+        // SAFETY: the CPU has `isa`, the views were checked, and `c` is unused (block epilogue)
+        // or has m × n values (the caller's promise).
+        unsafe { x86::sgemm_with(isa, a, b, c, bias, false, Some(epi)) };
+        return true;
+    }
+    false
 }
 
 /// How a product's finished blocks reach a consumer: copied into a scratch block
@@ -1601,12 +1610,17 @@ mod tests {
         }
     }
 
-    #[test]
-    fn epilogue_gets_every_block_once_with_the_products_values() {
+    /// Runs `run(a, b, bias, seen)` on 2 threads for the epilogue tests' shapes — one row chunk
+    /// with several depth blocks (B packed in the tasks), several row chunks (B packed up front),
+    /// a weight gradient's transposed A, partial tiles everywhere; with and without a bias —
+    /// where `run` records each value its epilogue sees into `seen` (value, times seen), then
+    /// checks that every value was seen once with `sgemm`'s bits; returns what `run` returned
+    /// for each case, with `sgemm`'s result.
+    fn each_value_once<R: Send>(
+        run: impl Fn(MatRef, MatRef, Option<&[f32]>, &std::sync::Mutex<(Vec<f32>, Vec<u32>)>) -> R + Sync,
+    ) -> Vec<(R, Vec<f32>)> {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("thread pool");
-        // One row chunk with several depth blocks (B packed in the tasks), several row chunks
-        // (B packed up front), a weight gradient's transposed A, partial tiles everywhere; with
-        // and without a bias.
+        let mut out = Vec::new();
         for (m, k, n, a_transposed) in [
             (1, 1, 1, false),
             (40, 600, 50, false),
@@ -1625,72 +1639,8 @@ mod tests {
             for bias in [None, Some(&bias_data[..])] {
                 let mut want = vec![0f32; m * n];
                 pool.install(|| sgemm(a, b, &mut want, bias, false));
-                let got = std::sync::Mutex::new((vec![f32::NAN; m * n], vec![0u32; m * n]));
-                pool.install(|| {
-                    sgemm_epilogue(a, b, bias, &|i0, rows, j0, cols, block, ld| {
-                        let mut g = got.lock().unwrap();
-                        for r in 0..rows {
-                            for c in 0..cols {
-                                g.0[(i0 + r) * n + j0 + c] = block[r * ld + c];
-                                g.1[(i0 + r) * n + j0 + c] += 1;
-                            }
-                        }
-                    })
-                });
-                let (got, seen) = got.into_inner().unwrap();
-                assert!(
-                    seen.iter().all(|&s| s == 1),
-                    "{m}×{k}×{n}: a value handed over {:?} times",
-                    seen.iter().max()
-                );
-                let same = got.iter().zip(&want).all(|(x, y)| x.to_bits() == y.to_bits());
-                assert!(
-                    same,
-                    "{m}×{k}×{n}, bias {}: the epilogue's values differ from sgemm's",
-                    bias.is_some()
-                );
-            }
-        }
-    }
-
-    #[test]
-    fn row_epilogue_sees_every_row_segment_once_in_place() {
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("thread pool");
-        for (m, k, n, a_transposed) in [
-            (1, 1, 1, false),
-            (40, 600, 50, false),
-            (150, 300, 70, false),
-            (200, 96, 130, true),
-            (13, 5, 700, true),
-        ] {
-            let a_data = data(m * k, 1);
-            let b_data = data(k * n, 2);
-            let a = match a_transposed {
-                true => MatRef::row_major(&a_data, k, m).t(),
-                false => MatRef::row_major(&a_data, m, k),
-            };
-            let b = MatRef::row_major(&b_data, k, n);
-            let bias_data = data(n, 3);
-            for bias in [None, Some(&bias_data[..])] {
-                let mut want = vec![0f32; m * n];
-                pool.install(|| sgemm(a, b, &mut want, bias, false));
-                // The epilogue records what it saw, then doubles the row in place.
                 let seen = std::sync::Mutex::new((vec![f32::NAN; m * n], vec![0u32; m * n]));
-                let mut c = vec![f32::NAN; m * n];
-                let cp = SendPtr(c.as_mut_ptr());
-                pool.install(|| {
-                    // SAFETY: `c` has m × n values and nothing else touches it during the call.
-                    unsafe {
-                        sgemm_rows_then(a, b, bias, cp.get(), &|i, j0, row| {
-                            let mut s = seen.lock().unwrap();
-                            for (j, v) in row.iter_mut().enumerate() {
-                                s.0[i * n + j0 + j] = *v;
-                                s.1[i * n + j0 + j] += 1;
-                                *v *= 2.0;
-                            }
-                        })
-                    }
-                });
+                let r = pool.install(|| run(a, b, bias, &seen));
                 let (got, count) = seen.into_inner().unwrap();
                 assert!(
                     count.iter().all(|&s| s == 1),
@@ -1703,9 +1653,51 @@ mod tests {
                     "{m}×{k}×{n}, bias {}: the epilogue's values differ from sgemm's",
                     bias.is_some()
                 );
-                let kept = c.iter().zip(&want).all(|(x, y)| x.to_bits() == (2.0 * y).to_bits());
-                assert!(kept, "{m}×{k}×{n}: the epilogue's writes did not stay in C");
+                out.push((r, want));
             }
+        }
+        out
+    }
+
+    #[test]
+    fn epilogue_gets_every_block_once_with_the_products_values() {
+        each_value_once(|a, b, bias, seen| {
+            let n = b.cols;
+            sgemm_epilogue(a, b, bias, &|i0, rows, j0, cols, block, ld| {
+                let mut s = seen.lock().unwrap();
+                for r in 0..rows {
+                    for c in 0..cols {
+                        s.0[(i0 + r) * n + j0 + c] = block[r * ld + c];
+                        s.1[(i0 + r) * n + j0 + c] += 1;
+                    }
+                }
+            })
+        });
+    }
+
+    #[test]
+    fn row_epilogue_sees_every_row_segment_once_in_place() {
+        // The epilogue records what it saw, then doubles the row in place.
+        let cases = each_value_once(|a, b, bias, seen| {
+            let n = b.cols;
+            let mut c = vec![f32::NAN; a.rows * n];
+            let cp = SendPtr(c.as_mut_ptr());
+            // SAFETY: `c` has m × n values and nothing else touches it during the call.
+            unsafe {
+                sgemm_rows_then(a, b, bias, cp.get(), &|i, j0, row| {
+                    let mut s = seen.lock().unwrap();
+                    for (j, v) in row.iter_mut().enumerate() {
+                        s.0[i * n + j0 + j] = *v;
+                        s.1[i * n + j0 + j] += 1;
+                        *v *= 2.0;
+                    }
+                })
+            };
+            c
+        });
+        for (c, want) in cases {
+            let kept = c.iter().zip(&want).all(|(x, y)| x.to_bits() == (2.0 * y).to_bits());
+            assert!(kept, "{} values: the epilogue's writes did not stay in C", c.len());
         }
     }
 
