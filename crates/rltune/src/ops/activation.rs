@@ -218,6 +218,26 @@ pub(crate) fn gelu_tanh_bwd(x: &Tensor, g: &Tensor) -> CResult<Tensor> {
     x.contiguous()?.apply_op2_no_bwd(&g.contiguous()?, &GeluTanhBwd)
 }
 
+/// GELU of `x` written to `out`, which may be uninitialized (no slice is made of it): the AVX2
+/// body where the CPU has it, else [`gelu_rows`] through a small buffer (the same values as
+/// [`gelu_into`]).
+///
+/// # Safety
+/// `out` is valid for `x.len()` writes and overlaps nothing else in use.
+unsafe fn gelu_to(out: *mut f32, x: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if simd::avx2::available() {
+        // SAFETY: the CPU has AVX2 and FMA; `out` and `x` are valid for `x.len()` values.
+        return unsafe { x86::gelu(out, x.as_ptr(), x.len()) };
+    }
+    for (i, chunk) in x.chunks(64).enumerate() {
+        let mut o = [0f32; 64];
+        gelu_rows(&mut o[..chunk.len()], chunk);
+        // SAFETY: `out` is valid for `x.len()` values (the caller's promise).
+        unsafe { std::ptr::copy_nonoverlapping(o.as_ptr(), out.add(i * 64), chunk.len()) };
+    }
+}
+
 /// `g ← g·gelu'(x)` for f32: the AVX2 body in place where the CPU has it, else
 /// [`gelu_bwd_rows`] through a small copy (the same values as [`gelu_bwd_into`]).
 fn gelu_bwd_in_place(g: &mut [f32], x: &[f32]) {
@@ -284,8 +304,7 @@ fn product_gelu(x: MatRef, w: MatRef, bias: &[f32]) -> (Vec<f32>, Vec<f32>) {
         gemm::sgemm_rows_then(x, w, Some(bias), u.as_mut_ptr(), &|i, j0, row| {
             // SAFETY: the row segments are disjoint and cover the m × n product once, so this
             // one lies in `g`'s capacity and no other segment writes it.
-            let out = std::slice::from_raw_parts_mut(gp.get().add(i * n + j0), row.len());
-            gelu_into(out, row);
+            gelu_to(gp.get().add(i * n + j0), row)
         })
     };
     // SAFETY: the product wrote all m × n values of `u`, the epilogue all of `g`.
