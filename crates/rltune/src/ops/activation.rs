@@ -85,19 +85,29 @@ fn gelu_bwd_into<T: Elem>(out: &mut [T], x: &[T], g: &[T]) {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::super::simd::avx2::exp;
+    use super::super::simd::avx2::exp_clamped;
     use super::{gelu_bwd_rows, gelu_rows, COEF, SQRT_2_OVER_PI};
 
-    /// `(s, x)` per lane: `s = σ(2u) = 1 / (1 + e^(−2u))`.
+    /// `1 + e^(−2u)` per lane, so that `σ(2u) = 1 / (1 + e^(−2u))`. The exponent is clamped to
+    /// ±80 ([`exp_clamped`]), where σ is already 0 or 1 to float precision (beyond about
+    /// |x| = 5).
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn sigmoid_2u(x: __m256) -> __m256 {
+    unsafe fn one_plus_exp_m2u(x: __m256) -> __m256 {
         let c = _mm256_set1_ps;
-        // 2u = 2k·(x + c·x³)
+        // −2u = −2k·(x + c·x³)
         let cx2 = _mm256_mul_ps(_mm256_mul_ps(c(COEF as f32), x), x);
-        let two_u = _mm256_mul_ps(c(2.0 * SQRT_2_OVER_PI as f32), _mm256_fmadd_ps(cx2, x, x));
-        let e = exp(_mm256_sub_ps(_mm256_setzero_ps(), two_u));
-        _mm256_div_ps(c(1.0), _mm256_add_ps(c(1.0), e))
+        let m2u = _mm256_mul_ps(c(-2.0 * SQRT_2_OVER_PI as f32), _mm256_fmadd_ps(cx2, x, x));
+        _mm256_add_ps(c(1.0), exp_clamped(m2u))
+    }
+
+    /// `x·σ(2u) = x / (1 + e^(−2u))` per lane. `x` is floored at −10⁴ in the numerator, so that
+    /// −∞ gives −0 (the limit; the clamped denominator is finite), not −∞; NaN stays NaN.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn gelu8(x: __m256) -> __m256 {
+        let floor = _mm256_max_ps(_mm256_set1_ps(-1e4), x);
+        _mm256_div_ps(floor, one_plus_exp_m2u(x))
     }
 
     /// GELU of `len` values at `x` into `out`, which may be `x` itself (each vector is loaded
@@ -111,7 +121,7 @@ mod x86 {
         for i in (0..n).step_by(8) {
             // SAFETY: i + 8 ≤ n ≤ len.
             let v = _mm256_loadu_ps(x.add(i));
-            _mm256_storeu_ps(out.add(i), _mm256_mul_ps(v, sigmoid_2u(v)));
+            _mm256_storeu_ps(out.add(i), gelu8(v));
         }
         let (mut xs, mut os) = ([0f32; 8], [0f32; 8]);
         let r = len - n;
@@ -132,7 +142,7 @@ mod x86 {
             // SAFETY: i + 8 ≤ n ≤ len.
             let v = _mm256_loadu_ps(x.add(i));
             let gv = _mm256_loadu_ps(g.add(i));
-            let s = sigmoid_2u(v);
+            let s = _mm256_div_ps(c(1.0), one_plus_exp_m2u(v));
             // gelu'(x) = s + 2x·s(1 − s)·k(1 + 3c·x²)
             let du = _mm256_mul_ps(
                 c(SQRT_2_OVER_PI as f32),
@@ -427,5 +437,39 @@ mod tests {
         assert_eq!(y[2], 0.0);
         assert!(y[0].abs() < 1e-30 && y[1].abs() < 1e-30, "{y:?}");
         assert_eq!((y[3], y[4]), (20.0, 100.0));
+    }
+
+    /// The vector body (8 values at a time) against GELU and its derivative in f64, over a
+    /// wide range, and at the edges: NaN stays NaN, −∞ gives (−)0 (the limit), +∞ gives +∞.
+    #[test]
+    fn gelu_vector_body_matches_f64_and_keeps_the_edges() {
+        let xs: Vec<f32> = (0..4000).map(|i| (i as f32 - 2000.0) * 0.006).collect();
+        let gelu64 = |x: f64| {
+            let u = SQRT_2_OVER_PI * (x + COEF * x * x * x);
+            0.5 * x * (1.0 + u.tanh())
+        };
+        let dgelu64 = |x: f64| {
+            let u = SQRT_2_OVER_PI * (x + COEF * x * x * x);
+            let t = u.tanh();
+            0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * COEF * x * x)
+        };
+        let mut y = vec![0f32; xs.len()];
+        gelu_into(&mut y, &xs);
+        let mut dy = vec![0f32; xs.len()];
+        gelu_bwd_into(&mut dy, &xs, &vec![1f32; xs.len()]);
+        for ((&x, &y), &dy) in xs.iter().zip(&y).zip(&dy) {
+            let (want, dwant) = (gelu64(x as f64), dgelu64(x as f64));
+            assert!((y as f64 - want).abs() <= 1e-6 * (1.0 + want.abs()), "gelu({x}) = {y}, want {want}");
+            assert!(
+                (dy as f64 - dwant).abs() <= 1e-6 * (1.0 + dwant.abs()),
+                "gelu'({x}) = {dy}, want {dwant}"
+            );
+        }
+        let edges = [f32::NAN, f32::NEG_INFINITY, -1e6, -30.0, 30.0, 1e6, f32::INFINITY, 0.0];
+        let mut y = [0f32; 8];
+        gelu_into(&mut y, &edges);
+        assert!(y[0].is_nan());
+        assert!(y[1..4].iter().all(|v| v.abs() < 1e-30), "{y:?}");
+        assert_eq!(y[4..], [30.0, 1e6, f32::INFINITY, 0.0]);
     }
 }

@@ -106,13 +106,16 @@ fn exp_pass<T: Elem>(x: &mut [T], m: T) -> (T, T) {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::super::simd::avx2::exp;
+    use super::super::simd::avx2::exp_clamped;
 
+    /// Values more than 80 below the maximum count as `e^(x − m) = 0`: their share of the sum is
+    /// below 2·10⁻³⁵ (and −∞, a masked logit, must give 0, not [`exp_clamped`]'s `e^−80`); NaN stays NaN (an unordered compare keeps it).
+    ///
     /// # Safety
     /// The CPU has AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn exp_pass(x: &mut [f32], m: f32) -> (f32, f32) {
-        let (mv, lo) = (_mm256_set1_ps(m), _mm256_set1_ps(f32::MIN));
+        let (mv, lo, floor) = (_mm256_set1_ps(m), _mm256_set1_ps(f32::MIN), _mm256_set1_ps(-80.0));
         let (mut acc, mut acc_x) = ([_mm256_setzero_ps(); 2], [_mm256_setzero_ps(); 2]);
         let mut chunks = x.chunks_exact_mut(16);
         for c in &mut chunks {
@@ -120,7 +123,7 @@ mod x86 {
                 // SAFETY: a chunk holds 16 values.
                 let p = c.as_mut_ptr().add(8 * l);
                 let d = _mm256_sub_ps(_mm256_loadu_ps(p), mv);
-                let e = exp(d);
+                let e = _mm256_and_ps(exp_clamped(d), _mm256_cmp_ps::<_CMP_NLT_UQ>(d, floor));
                 *a = _mm256_add_ps(*a, e);
                 *ax = _mm256_fmadd_ps(e, _mm256_max_ps(d, lo), *ax);
                 _mm256_storeu_ps(p, e);
@@ -552,6 +555,36 @@ mod tests {
         let (lp32, en32) = lm_head_logprobs(&h32, &w32, &t, Some(&sel), 1.0, true).unwrap();
         assert!(max_diff(&lp32, &lp64) < 1e-4, "logp {}", max_diff(&lp32, &lp64));
         assert!(max_diff(&en32, &en64) < 1e-4, "entropy {}", max_diff(&en32, &en64));
+    }
+
+    /// The row pass on 8-lane vectors: masked logits (−∞) and logits far below the maximum
+    /// add nothing, NaN stays NaN; against the sums in f64.
+    #[test]
+    fn exp_pass_sums_match_f64_with_masked_and_far_logits() {
+        let m = 3.0f32;
+        let mut row: Vec<f32> = (0..77).map(|i| (i as f32 * 0.37).sin() * 4.0).collect();
+        row[5] = f32::NEG_INFINITY;
+        row[17] = m;
+        row[20] = -79.0;
+        row[33] = -200.0;
+        let (mut s64, mut sx64) = (0f64, 0f64);
+        for &x in &row {
+            let d = x as f64 - m as f64;
+            let e = d.exp();
+            s64 += e;
+            if e > 0.0 {
+                sx64 += e * d;
+            }
+        }
+        let mut x = row.clone();
+        let (s, sx) = exp_pass(&mut x, m);
+        assert!(((s as f64) - s64).abs() < 1e-5 * s64, "{s} vs {s64}");
+        assert!(((sx as f64) - sx64).abs() < 1e-5 * (1.0 + sx64.abs()), "{sx} vs {sx64}");
+        assert_eq!((x[5], x[33]), (0.0, 0.0));
+        assert_eq!(x[17], 1.0);
+        row[9] = f32::NAN;
+        let (s, sx) = exp_pass(&mut row, m);
+        assert!(s.is_nan() && sx.is_nan());
     }
 
     #[test]
