@@ -185,19 +185,16 @@ pub(crate) mod avx2 {
         std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
     }
 
-    /// `e^x` on 8 lanes: [`super::exp_f32`]'s algorithm and edges, with fused multiply-adds.
+    /// The shared core of [`exp`] and [`exp_clamped`] for `xc` already clamped: `(t, p)` with
+    /// `n = round(xc·log₂e)` in `t`'s low mantissa bits (`t = xc·log₂e + MAGIC`, `MAGIC = 1.5·2²³`)
+    /// and `p = e^(xc − n·ln 2)`, so that `e^xc = p·2ⁿ`.
     ///
     /// # Safety
     /// The CPU has AVX2 and FMA.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    pub(crate) unsafe fn exp(x: __m256) -> __m256 {
-        const HI: f32 = 88.722_83;
-        const LO: f32 = -87.336_55;
-        const MAGIC: f32 = 12_582_912.0;
+    unsafe fn exp_reduced(xc: __m256) -> (__m256, __m256) {
         let c = _mm256_set1_ps;
-        // min/max return their second operand when either is NaN: NaN goes through.
-        let xc = _mm256_min_ps(c(HI), _mm256_max_ps(c(LO), x));
         let t = _mm256_fmadd_ps(xc, c(std::f32::consts::LOG2_E), c(MAGIC));
         let n = _mm256_sub_ps(t, c(MAGIC));
         let r = _mm256_fnmadd_ps(n, c(0.693_359_4), xc);
@@ -208,7 +205,26 @@ pub(crate) mod avx2 {
         p = _mm256_fmadd_ps(p, r, c(4.166_579_6e-2));
         p = _mm256_fmadd_ps(p, r, c(1.666_666_5e-1));
         p = _mm256_fmadd_ps(p, r, c(0.5));
-        p = _mm256_add_ps(_mm256_fmadd_ps(p, r2, r), c(1.0));
+        (t, _mm256_add_ps(_mm256_fmadd_ps(p, r2, r), c(1.0)))
+    }
+
+    /// `1.5·2²³`: added to a float below 2²², it leaves the value rounded to an integer in the
+    /// low mantissa bits.
+    const MAGIC: f32 = 12_582_912.0;
+
+    /// `e^x` on 8 lanes: [`super::exp_f32`]'s algorithm and edges, with fused multiply-adds.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) unsafe fn exp(x: __m256) -> __m256 {
+        const HI: f32 = 88.722_83;
+        const LO: f32 = -87.336_55;
+        let c = _mm256_set1_ps;
+        // min/max return their second operand when either is NaN: NaN goes through.
+        let xc = _mm256_min_ps(c(HI), _mm256_max_ps(c(LO), x));
+        let (t, p) = exp_reduced(xc);
         // 2^n = 2^(n/2) · 2^(n − n/2), each factor a normal float for n ∈ [−126, 128].
         let ni = _mm256_sub_epi32(_mm256_castps_si256(t), _mm256_set1_epi32(MAGIC.to_bits() as i32));
         let n1 = _mm256_srai_epi32::<1>(ni);
@@ -234,21 +250,9 @@ pub(crate) mod avx2 {
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     pub(crate) unsafe fn exp_clamped(x: __m256) -> __m256 {
-        const MAGIC: f32 = 12_582_912.0;
         let c = _mm256_set1_ps;
         let xc = _mm256_min_ps(c(80.0), _mm256_max_ps(c(-80.0), x));
-        // t's low mantissa bits hold n = round(x·log₂e) (MAGIC = 1.5·2²³).
-        let t = _mm256_fmadd_ps(xc, c(std::f32::consts::LOG2_E), c(MAGIC));
-        let n = _mm256_sub_ps(t, c(MAGIC));
-        let r = _mm256_fnmadd_ps(n, c(0.693_359_4), xc);
-        let r = _mm256_fnmadd_ps(n, c(-2.121_944_4e-4), r);
-        let r2 = _mm256_mul_ps(r, r);
-        let mut p = _mm256_fmadd_ps(c(1.987_569_1e-4), r, c(1.398_199_9e-3));
-        p = _mm256_fmadd_ps(p, r, c(8.333_452e-3));
-        p = _mm256_fmadd_ps(p, r, c(4.166_579_6e-2));
-        p = _mm256_fmadd_ps(p, r, c(1.666_666_5e-1));
-        p = _mm256_fmadd_ps(p, r, c(0.5));
-        p = _mm256_add_ps(_mm256_fmadd_ps(p, r2, r), c(1.0));
+        let (t, p) = exp_reduced(xc);
         // Shifting t's bits by 23 leaves n << 23 (MAGIC's bits shift out): p·2ⁿ for |n| ≤ 116,
         // with p in [0.7, 1.42].
         let n_exp = _mm256_slli_epi32::<23>(_mm256_castps_si256(t));
@@ -304,30 +308,48 @@ mod tests {
         assert!(exp_f32(88.72).is_finite());
     }
 
+    /// `f` on the 8 lanes of `xs`.
     #[cfg(target_arch = "x86_64")]
-    #[test]
-    fn avx2_exp_is_within_2_ulp_with_the_same_edges() {
-        if !avx2::available() {
-            return;
-        }
-        let exp8 = |xs: [f32; 8]| -> [f32; 8] {
-            use std::arch::x86_64::*;
-            let mut out = [0f32; 8];
-            // SAFETY: the CPU has AVX2 and FMA (checked above).
-            unsafe { _mm256_storeu_ps(out.as_mut_ptr(), avx2::exp(_mm256_loadu_ps(xs.as_ptr()))) };
-            out
-        };
+    fn lanes8(
+        f: unsafe fn(std::arch::x86_64::__m256) -> std::arch::x86_64::__m256,
+        xs: [f32; 8],
+    ) -> [f32; 8] {
+        use std::arch::x86_64::*;
+        let mut out = [0f32; 8];
+        // SAFETY: the tests call this only where the CPU has AVX2 and FMA (all `f` needs).
+        unsafe { _mm256_storeu_ps(out.as_mut_ptr(), f(_mm256_loadu_ps(xs.as_ptr()))) };
+        out
+    }
+
+    /// The worst error of the vector `e^x` `f` against f64's over `[lo, hi]`, in ulps.
+    #[cfg(target_arch = "x86_64")]
+    fn worst_exp_ulp(
+        f: unsafe fn(std::arch::x86_64::__m256) -> std::arch::x86_64::__m256,
+        lo: f32,
+        hi: f32,
+    ) -> f64 {
         let mut worst = 0f64;
-        let mut x = -87.3f32;
-        while x < 88.7 {
-            let xs: [f32; 8] = std::array::from_fn(|l| x + l as f32 * 0.000_17);
-            for (&xi, got) in xs.iter().zip(exp8(xs)) {
+        let mut x = lo;
+        while x < hi {
+            let xs: [f32; 8] = std::array::from_fn(|l| (x + l as f32 * 0.000_17).min(hi));
+            for (&xi, got) in xs.iter().zip(lanes8(f, xs)) {
                 let want = (xi as f64).exp();
                 let ulp = (want as f32).abs() * f32::EPSILON;
                 worst = worst.max((got as f64 - want).abs() / ulp as f64);
             }
             x += 0.0137;
         }
+        worst
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_exp_is_within_2_ulp_with_the_same_edges() {
+        if !avx2::available() {
+            return;
+        }
+        let exp8 = |xs| lanes8(avx2::exp, xs);
+        let worst = worst_exp_ulp(avx2::exp, -87.3, 88.7);
         assert!(worst <= 2.0, "worst error {worst} ulp");
         let edges = [0.0, 100.0, f32::INFINITY, -100.0, f32::NEG_INFINITY, -1e9, f32::NAN, 88.72];
         let got = exp8(edges);
@@ -350,24 +372,8 @@ mod tests {
         if !avx2::available() {
             return;
         }
-        let exp8 = |xs: [f32; 8]| -> [f32; 8] {
-            use std::arch::x86_64::*;
-            let mut out = [0f32; 8];
-            // SAFETY: the CPU has AVX2 and FMA (checked above).
-            unsafe { _mm256_storeu_ps(out.as_mut_ptr(), avx2::exp_clamped(_mm256_loadu_ps(xs.as_ptr()))) };
-            out
-        };
-        let mut worst = 0f64;
-        let mut x = -80f32;
-        while x <= 80.0 {
-            let xs: [f32; 8] = std::array::from_fn(|l| (x + l as f32 * 0.000_17).min(80.0));
-            for (&xi, got) in xs.iter().zip(exp8(xs)) {
-                let want = (xi as f64).exp();
-                let ulp = (want as f32).abs() * f32::EPSILON;
-                worst = worst.max((got as f64 - want).abs() / ulp as f64);
-            }
-            x += 0.0137;
-        }
+        let exp8 = |xs| lanes8(avx2::exp_clamped, xs);
+        let worst = worst_exp_ulp(avx2::exp_clamped, -80.0, 80.0);
         assert!(worst <= 2.0, "worst error {worst} ulp");
         let edges = [f32::INFINITY, 1e9, 80.5, f32::NEG_INFINITY, -1e9, -80.5, 0.0, f32::NAN];
         let got = exp8(edges);
