@@ -2,8 +2,9 @@
 # rltune and TRL on the same PPO workload, interleaved (rltune then TRL, per preset and round),
 # each run's JSON line tagged with the share of the VM's CPU time it spent in user mode, idle
 # and stolen by the host (from /proc/stat; a run with much stolen is not comparable). At the end,
-# per preset: each round's ratio rltune / TRL of the median iteration time, and the median of
-# those ratios (the host's speed drifts between rounds; a ratio is read within its pair).
+# per preset: each round's ratio rltune / TRL of the median iteration time, the median of those
+# ratios (the host's speed drifts between rounds; a ratio is read within its pair), and each
+# side's spread across the rounds (max / min − 1: how quiet the stretch was).
 #
 #   bench/side_by_side.sh [ROUNDS] [PRESET...]      # defaults: 1 round, small gpt2
 #
@@ -65,4 +66,9 @@ for preset, by in runs.items():
     ratios = [a / b for a, b in pairs]
     shown = ", ".join(f"{a:.2f}/{b:.2f}={q:.3f}" for (a, b), q in zip(pairs, ratios))
     print(f"# {preset}: rltune/TRL per round {shown}; median ratio {statistics.median(ratios):.3f}")
+    # How steady each side was across the rounds: a ratio near the goal is only decided in a
+    # stretch where both sides repeat to a few percent.
+    for side, xs in (("rltune", [a for a, _ in pairs]), ("TRL", [b for _, b in pairs])):
+        print(f"#   {side}: min {min(xs):.2f} median {statistics.median(xs):.2f} max {max(xs):.2f} s "
+              f"(spread {100 * (max(xs) / min(xs) - 1):.0f}%)")
 PY
