@@ -109,7 +109,8 @@ mod x86 {
     use super::super::simd::avx2::exp_clamped;
 
     /// Values more than 80 below the maximum count as `e^(x − m) = 0`: their share of the sum is
-    /// below 2·10⁻³⁵ (and −∞, a masked logit, must give 0, not [`exp_clamped`]'s `e^−80`); NaN stays NaN (an unordered compare keeps it).
+    /// below 2·10⁻³⁵ (and −∞, a masked logit, must give 0, not [`exp_clamped`]'s `e^−80`). NaN
+    /// stays NaN (an unordered compare keeps it).
     ///
     /// # Safety
     /// The CPU has AVX2 and FMA.
