@@ -88,26 +88,20 @@ mod x86 {
     use super::super::simd::avx2::exp_clamped;
     use super::{gelu_bwd_rows, gelu_rows, COEF, SQRT_2_OVER_PI};
 
-    /// `1 + e^(−2u)` per lane, so that `σ(2u) = 1 / (1 + e^(−2u))`. The exponent is clamped to
-    /// ±80 ([`exp_clamped`]; |x| > 8.7): σ is then within 2·10⁻³⁵ of 0 or 1 where the exact
-    /// value is closer still, an absolute change of at most 2·10⁻³⁵·|x| in GELU (`x·σ`).
+    /// `σ(2u) = 1 / (1 + e^(−2u))` per lane, `−2u = −2k·(x + c·x³)`. The exponent is clamped
+    /// to ±80 ([`exp_clamped`]); where `−2u ≥ 80` (x below about −8.7) σ is set to 0, what the
+    /// unclamped `1 / (1 + e^(−2u))` gives in f32 from x ≈ −10 on (torch's and the scalar
+    /// [`gelu_rows`]' value there: GELU −0, −∞ times 0 = NaN at −∞), instead of the clamped
+    /// `e^−80`. Above, the clamp changes nothing: σ is within 2·10⁻³⁵ of 1 where it applies.
+    /// NaN stays NaN (an unordered compare keeps it).
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn one_plus_exp_m2u(x: __m256) -> __m256 {
+    unsafe fn sigmoid_2u(x: __m256) -> __m256 {
         let c = _mm256_set1_ps;
-        // −2u = −2k·(x + c·x³)
         let cx2 = _mm256_mul_ps(_mm256_mul_ps(c(COEF as f32), x), x);
         let m2u = _mm256_mul_ps(c(-2.0 * SQRT_2_OVER_PI as f32), _mm256_fmadd_ps(cx2, x, x));
-        _mm256_add_ps(c(1.0), exp_clamped(m2u))
-    }
-
-    /// `x·σ(2u) = x / (1 + e^(−2u))` per lane. `x` is floored at −10⁴ in the numerator, so that
-    /// −∞ gives −0 (the limit; the clamped denominator is finite), not −∞; NaN stays NaN.
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn gelu8(x: __m256) -> __m256 {
-        let floor = _mm256_max_ps(_mm256_set1_ps(-1e4), x);
-        _mm256_div_ps(floor, one_plus_exp_m2u(x))
+        let s = _mm256_div_ps(c(1.0), _mm256_add_ps(c(1.0), exp_clamped(m2u)));
+        _mm256_and_ps(s, _mm256_cmp_ps::<_CMP_NGE_UQ>(m2u, c(80.0)))
     }
 
     /// GELU of `len` values at `x` into `out`, which may be `x` itself (each vector is loaded
@@ -121,7 +115,7 @@ mod x86 {
         for i in (0..n).step_by(8) {
             // SAFETY: i + 8 ≤ n ≤ len.
             let v = _mm256_loadu_ps(x.add(i));
-            _mm256_storeu_ps(out.add(i), gelu8(v));
+            _mm256_storeu_ps(out.add(i), _mm256_mul_ps(v, sigmoid_2u(v)));
         }
         let (mut xs, mut os) = ([0f32; 8], [0f32; 8]);
         let r = len - n;
@@ -142,7 +136,7 @@ mod x86 {
             // SAFETY: i + 8 ≤ n ≤ len.
             let v = _mm256_loadu_ps(x.add(i));
             let gv = _mm256_loadu_ps(g.add(i));
-            let s = _mm256_div_ps(c(1.0), one_plus_exp_m2u(v));
+            let s = sigmoid_2u(v);
             // gelu'(x) = s + 2x·s(1 − s)·k(1 + 3c·x²)
             let du = _mm256_mul_ps(
                 c(SQRT_2_OVER_PI as f32),
@@ -440,7 +434,8 @@ mod tests {
     }
 
     /// The vector body (8 values at a time) against GELU and its derivative in f64, over a
-    /// wide range, and at the edges: NaN stays NaN, −∞ gives (−)0 (the limit), +∞ gives +∞.
+    /// wide range, and at the edges as torch: NaN stays NaN, −∞ gives NaN (−∞·0), large
+    /// negative values (−)0, +∞ gives +∞; the derivative is NaN at ±∞, as in the scalar tail.
     #[test]
     fn gelu_vector_body_matches_f64_and_keeps_the_edges() {
         let xs: Vec<f32> = (0..4000).map(|i| (i as f32 - 2000.0) * 0.006).collect();
@@ -468,8 +463,19 @@ mod tests {
         let edges = [f32::NAN, f32::NEG_INFINITY, -1e6, -30.0, 30.0, 1e6, f32::INFINITY, 0.0];
         let mut y = [0f32; 8];
         gelu_into(&mut y, &edges);
-        assert!(y[0].is_nan());
-        assert!(y[1..4].iter().all(|v| v.abs() < 1e-30), "{y:?}");
+        assert!(y[0].is_nan() && y[1].is_nan(), "{y:?}");
+        assert!(y[2..4].iter().all(|v| v.abs() < 1e-30), "{y:?}");
         assert_eq!(y[4..], [30.0, 1e6, f32::INFINITY, 0.0]);
+        let mut tail = [0f32; 8];
+        gelu_rows(&mut tail, &edges);
+        let mut dy = [0f32; 8];
+        gelu_bwd_into(&mut dy, &edges, &[1.0; 8]);
+        let mut dtail = [0f32; 8];
+        gelu_bwd_rows(&mut dtail, &edges, &[1.0; 8]);
+        let same = |a: f32, b: f32| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan());
+        for (i, &x) in edges.iter().enumerate() {
+            assert!(same(y[i], tail[i]), "gelu({x}): {}, scalar {}", y[i], tail[i]);
+            assert!(same(dy[i], dtail[i]), "gelu'({x}): {}, scalar {}", dy[i], dtail[i]);
+        }
     }
 }

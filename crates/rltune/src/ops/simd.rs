@@ -242,8 +242,8 @@ pub(crate) mod avx2 {
     /// to float precision well inside that range): [`exp`]'s polynomial, but `2^n` is added
     /// straight into the exponent bits (it stays a normal float there) and there are no edge
     /// cases to blend in. NaN stays NaN (`max`/`min` return their second operand then, and the
-    /// polynomial of NaN is NaN). GELU's forward took 16 cycles a vector with this (and one
-    /// division), 26 with [`exp`] (and a division and a multiplication) (AMD EPYC, Zen 3).
+    /// polynomial of NaN is NaN). GELU's forward took 18 cycles a vector with this (and a mask
+    /// for the clamped range), 27 with [`exp`] (AMD EPYC, Zen 3).
     ///
     /// # Safety
     /// The CPU has AVX2 and FMA.
