@@ -121,6 +121,7 @@ pub fn generate(
         );
     }
     check_prompts(prompts, lm.vocab_size())?;
+    let _awake = device.is_cpu().then(crate::cpu::keep_pool_awake);
     let eos =
         if cfg.eos_token_ids.is_empty() { lm.config().eos_token_ids() } else { cfg.eos_token_ids.clone() };
     let pad_id = cfg.pad_token_id.or(lm.config().pad_token_id()).or(eos.first().copied()).unwrap_or(0);

@@ -247,6 +247,7 @@ impl PpoTrainer {
     /// One PPO step with optional response masks and rollout caches.
     pub fn step_with(&mut self, input: StepInput) -> Result<Stats> {
         let t0 = Instant::now();
+        let _awake = self.device.is_cpu().then(crate::cpu::keep_pool_awake);
         self.check_input(&input)?;
         let scores = self.process_scores(&input)?;
         let batch = self.build_batch(&input)?;

@@ -324,6 +324,7 @@ pub(crate) fn run<O: Objective>(
     if store.device().is_cpu() {
         crate::cpu::flush_denormals();
     }
+    let _awake = store.device().is_cpu().then(crate::cpu::keep_pool_awake);
     let (train_idx, eval_idx) = split_eval(examples.len(), args.eval_fraction, args.seed)?;
     let eval: Vec<&O::Example> = eval_idx.iter().map(|&i| &examples[i]).collect();
     let eval_bs = args.eval_batch_size.unwrap_or(args.batch_size);
