@@ -1274,6 +1274,9 @@ mod x86 {
             }
         }
 
+        /// Runs the tile with 14 rows of accumulators, or with 8 or 4 when `mr` is that small (the
+        /// last tile of a product whose rows are not a multiple of 14: 16 rows are 14 + 8
+        /// computed instead of 14 + 14, 64 rows 4 × 14 + 8 instead of 5 × 14).
         #[target_feature(enable = "avx512f")]
         unsafe fn kernel<const DIRECT: bool>(
             kc: usize,
@@ -1288,9 +1291,40 @@ mod x86 {
             load_c: bool,
             bias: *const f32,
         ) {
+            match mr {
+                0..=4 => Self::tile::<4, DIRECT>(kc, a, lda, b, ldb, c, ldc, mr, nr, load_c, bias),
+                5..=8 => Self::tile::<8, DIRECT>(kc, a, lda, b, ldb, c, ldc, mr, nr, load_c, bias),
+                _ => Self::tile::<{ Self::MR }, DIRECT>(kc, a, lda, b, ldb, c, ldc, mr, nr, load_c, bias),
+            }
+        }
+    }
+
+    impl Avx512 {
+        /// The microkernel with `R ≤ MR` rows of accumulators; packed A still advances `MR`
+        /// values a step (its panels are `MR` rows, zero-padded).
+        ///
+        /// # Safety
+        /// As [`Micro::kernel`], with `mr ≤ R`.
+        #[inline]
+        #[allow(clippy::too_many_arguments)]
+        #[target_feature(enable = "avx512f")]
+        unsafe fn tile<const R: usize, const DIRECT: bool>(
+            kc: usize,
+            a: *const f32,
+            lda: usize,
+            b: *const f32,
+            ldb: usize,
+            c: *mut f32,
+            ldc: usize,
+            mr: usize,
+            nr: usize,
+            load_c: bool,
+            bias: *const f32,
+        ) {
             const MR: usize = Avx512::MR;
             const NV: usize = Avx512::NV;
-            let mut acc = [[_mm512_setzero_ps(); NV]; MR];
+            debug_assert!(mr <= R && R <= MR);
+            let mut acc = [[_mm512_setzero_ps(); NV]; R];
             let (mut a, mut b) = (a, b);
             for _ in 0..kc {
                 let mut bv = [_mm512_setzero_ps(); NV];
