@@ -100,6 +100,11 @@ pub struct KeepAwake {
     active: bool,
 }
 
+/// How long a spinner looks for work without finding any before it leaves (see
+/// [`keep_pool_awake`]): longer than the gaps between a PPO step's parallel ops, short enough
+/// that a spinner caught inside another job's wait holds it up only briefly.
+const IDLE_LIMIT: std::time::Duration = std::time::Duration::from_millis(2);
+
 /// One generation of spinners: the stop flag, and how many of them are in their loop.
 #[derive(Default)]
 struct Spinners {
@@ -118,11 +123,15 @@ static AWAKE: std::sync::Mutex<(usize, Option<std::sync::Arc<Spinners>>)> = std:
 /// pool of one thread.
 ///
 /// Each spinner is a broadcast job that runs the pool's other jobs until it is told to stop.
-/// Such a job can also start inside another job's wait; started there by a new guard while a job
-/// of the caller's runs on that thread, it would spin inside work the caller waits for, until a
-/// drop the caller never reaches. So a guard starts spinners only after the previous ones have
-/// left their loops (the last drop waits for that), and when it is created the caller has no
-/// parallel work out: the other threads are idle and take the new job first.
+/// Such a job can also start inside another job's wait, and there it holds up that job until it
+/// stops; if the job's owner is what keeps a guard alive, nothing would ever stop it. Two rules
+/// keep that away: a guard starts spinners only after the previous ones have left their loops
+/// (the last drop waits for that) and when its caller has no parallel work out, so the other
+/// threads are idle and take the new job first; and a spinner that has found no work for
+/// [`IDLE_LIMIT`] leaves by itself (the pool then sleeps between ops again until the guard is
+/// dropped and another taken). The second rule bounds what the first cannot rule out: several
+/// threads using one pool, one of them taking a guard while another's job runs (`cargo test`
+/// hung once in four runs without it).
 pub fn keep_pool_awake() -> KeepAwake {
     use std::sync::atomic::Ordering::SeqCst;
     static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -146,11 +155,19 @@ pub fn keep_pool_awake() -> KeepAwake {
             // Runs the pool's jobs (stealing from the others, as an idle rayon thread does) until
             // the last guard is dropped; a short pause between empty looks keeps this thread off
             // the cache lines of the others' queues.
+            // A spinner that finds nothing to do for IDLE_LIMIT leaves early (see above).
+            let mut idle_since: Option<std::time::Instant> = None;
             while !spinners.stop.load(SeqCst) {
-                if rayon::yield_now() != Some(rayon::Yield::Executed) {
-                    for _ in 0..8 {
-                        std::hint::spin_loop();
-                    }
+                if rayon::yield_now() == Some(rayon::Yield::Executed) {
+                    idle_since = None;
+                    continue;
+                }
+                for _ in 0..8 {
+                    std::hint::spin_loop();
+                }
+                let since = *idle_since.get_or_insert_with(std::time::Instant::now);
+                if since.elapsed() > IDLE_LIMIT {
+                    break;
                 }
             }
             spinners.running.fetch_sub(1, SeqCst);
