@@ -101,9 +101,11 @@ pub struct KeepAwake {
 }
 
 /// How long a spinner looks for work without finding any before it leaves (see
-/// [`keep_pool_awake`]): longer than the gaps between a PPO step's parallel ops, short enough
-/// that a spinner caught inside another job's wait holds it up only briefly.
-const IDLE_LIMIT: std::time::Duration = std::time::Duration::from_millis(2);
+/// [`keep_pool_awake`]): longer than the serial stretches inside generation and a PPO step, short
+/// enough that a spinner caught inside another job's wait holds it up only briefly. In a `bench
+/// ppo --preset small` run (4 iterations, 8 guards) spinners left early under 2 of the 8 guards
+/// at a limit of 2 ms, under none at 20 ms; OpenMP runtimes spin for 0.2–200 ms by default.
+const IDLE_LIMIT: std::time::Duration = std::time::Duration::from_millis(20);
 
 /// One generation of spinners: the stop flag, and how many of them are in their loop.
 #[derive(Default)]
