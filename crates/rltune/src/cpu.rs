@@ -155,9 +155,9 @@ pub fn keep_pool_awake() -> KeepAwake {
             // and waits for it, or the spinner sees the flag and never enters the loop.
             spinners.running.fetch_add(1, SeqCst);
             // Runs the pool's jobs (stealing from the others, as an idle rayon thread does) until
-            // the last guard is dropped; a short pause between empty looks keeps this thread off
-            // the cache lines of the others' queues.
-            // A spinner that finds nothing to do for IDLE_LIMIT leaves early (see above).
+            // the last guard is dropped, or until it has found nothing to do for IDLE_LIMIT; a
+            // short pause between empty looks keeps this thread off the cache lines of the
+            // others' queues.
             let mut idle_since: Option<std::time::Instant> = None;
             while !spinners.stop.load(SeqCst) {
                 if rayon::yield_now() == Some(rayon::Yield::Executed) {

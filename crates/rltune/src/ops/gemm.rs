@@ -1195,6 +1195,8 @@ mod x86 {
         unsafe fn pack_columns(b: &MatRef, p0: usize, kc: usize, j0: usize, out: &mut [f32]) {
             assert!(out.len() >= kc * Self::NR);
             let whole = kc / 16 * 16;
+            let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+            let idx = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(b.cs as i32));
             for v in 0..Self::NV {
                 let base = b.data.as_ptr().add(b.off + p0 + (j0 + 16 * v) * b.cs);
                 let dst = out.as_mut_ptr().add(16 * v);
@@ -1204,8 +1206,6 @@ mod x86 {
                         _mm512_storeu_ps(dst.add((p + r) * Self::NR), x);
                     }
                 }
-                let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-                let idx = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(b.cs as i32));
                 for p in whole..kc {
                     let x = _mm512_i32gather_ps::<4>(idx, base.add(p));
                     _mm512_storeu_ps(dst.add(p * Self::NR), x);
@@ -1862,14 +1862,13 @@ mod tests {
                 let s = split(m, n, k, t, (mr, nr));
                 assert!(s.row_tiles >= 1 && s.col_panels >= 1);
                 assert!(s.row_tiles <= ONE_ROW_CHUNK_WIDE && s.col_panels <= 32);
+                let (mt, nt) = (m.div_ceil(mr), n.div_ceil(nr));
                 // A wide B (the LM head's forward) keeps up to ONE_ROW_CHUNK_WIDE tiles in one
                 // chunk; others up to ONE_ROW_CHUNK.
-                let (mt, wide) = (m.div_ceil(mr), n >= 8 * m);
-                let one = mt <= ONE_ROW_CHUNK || (wide && mt <= ONE_ROW_CHUNK_WIDE);
+                let one = mt <= ONE_ROW_CHUNK || (n >= 8 * m && mt <= ONE_ROW_CHUNK_WIDE);
                 assert_eq!(s.row_tiles == mt, one, "{m}×{k}×{n} on ({mr}, {nr}): {s:?}");
                 // Even chunks: padding the last one to full size takes fewer tiles than there
                 // are chunks (22 tiles are 2 × 11, not 16 + 6).
-                let (mt, nt) = (m.div_ceil(mr), n.div_ceil(nr));
                 assert!(mt.div_ceil(s.row_tiles) * s.row_tiles - mt < mt.div_ceil(s.row_tiles));
                 assert!(nt.div_ceil(s.col_panels) * s.col_panels - nt < nt.div_ceil(s.col_panels));
             }
