@@ -216,7 +216,7 @@ pub(crate) fn sgemm(a: MatRef, b: MatRef, c: &mut [f32], bias: Option<&[f32]>, a
             unsafe { super::amx::sgemm(a, b, c.as_mut_ptr(), bias, accumulate) };
             return;
         }
-        if let Some(pb) = prepacked(&b, m, isa) {
+        if let Some(pb) = prepacked(&b, isa) {
             // SAFETY: as below; `pb` is `b` packed for `isa`.
             unsafe { x86::sgemm_prepacked(isa, a, b, pb.values(), c.as_mut_ptr(), bias, accumulate) };
             return;
@@ -324,8 +324,8 @@ enum Epi<'a> {
 /// Whether to compute `Cᵀ = Bᵀ·Aᵀ` instead: when B is column-major (a transposed weight, as in
 /// `x·Wᵀ`) and A has few rows, packing B costs more than the product itself (per value of B,
 /// 2m FLOPs against a gather). `Bᵀ` is row-major and the microkernel reads it in place, so
-/// only the small `Aᵀ` is packed, and the result is transposed into place (the LM head in
-/// generation: m = 16 rows against a 768 × 50257 B). Measured on the bench shapes: a loss for
+/// only the small `Aᵀ` is packed, and the result is transposed into place (16 rows against a
+/// 768 × 50257 B, GPT-2's LM head, outside a [`PackScope`]). Measured on the bench shapes: a loss for
 /// m = 512, a gain for m ≤ 128. `nr` is the microkernel's width.
 #[cfg(target_arch = "x86_64")]
 fn swap_pays(a: &MatRef, b: &MatRef, nr: usize) -> bool {
@@ -362,7 +362,7 @@ pub(crate) fn sgemm_new(a: MatRef, b: MatRef, bias: Option<&[f32]>) -> Vec<f32> 
     #[cfg(target_arch = "x86_64")]
     let amx = on_amx(m, k, n);
     #[cfg(target_arch = "x86_64")]
-    let packed = isa().filter(|_| m > 0 && n > 0 && k > 0 && !amx).and_then(|isa| prepacked(&b, m, isa));
+    let packed = isa().filter(|_| m > 0 && n > 0 && k > 0 && !amx).and_then(|isa| prepacked(&b, isa));
     #[cfg(target_arch = "x86_64")]
     if let Some(isa) = isa()
         .filter(|&isa| m > 0 && n > 0 && k > 0 && (amx || packed.is_some() || !swap_pays(&a, &b, isa.nr())))
@@ -432,13 +432,23 @@ thread_local! {
 /// While alive, products on this thread whose B is a view of one of the registered matrices
 /// read B packed once (on first use, per view) instead of packing it in every product: for the
 /// same weights multiplied by the same few rows many times, as in each decoding step of
-/// generation, where packing B cost about as much as a fifth of the product (64 rows). Only
-/// products of more than 32 rows use it: with fewer, the kernel reads row-major B in place
-/// and column-major B goes through the transposed product, so nothing is packed anyway.
+/// generation. At 64 rows packing B in every product cost about a fifth of the product; at 16
+/// rows (`gpt2`'s decoding) B was read in place (row-major) or multiplied transposed
+/// (column-major), both bound by memory: a 32-column panel of a row-major weight is 2 cache
+/// lines from each of `KC` rows, a pattern the hardware prefetcher does not follow, where a
+/// packed panel is one contiguous run. Packed, `gpt2`'s 16-row products read their weights at
+/// 14–15 GB/s instead of 5–6 (768 × 3072: 1.8 → 0.67 ms per product on the Xeon of
+/// BENCHMARKS.md's sixteenth session; generation 1.90 → 1.05 s).
 ///
 /// The registered tensors are kept alive (their storage cannot be freed and reused by other
 /// data while the scope lives) and must not be written to while it lives: the packed copies
 /// would go stale. Scopes nest; dropping one restores the one before.
+///
+/// Dropping a scope keeps its packed buffers on the thread for the next scope's copies of
+/// matrices of the same sizes (the next generation's weights), so the packed size stays
+/// allocated between generations (~475 MiB for GPT-2 small, 21 MiB for the `small` preset): a
+/// fresh allocation is first touched page by page, which made packing 6–18× slower (a 768 ×
+/// 3072 weight in 16 ms instead of 0.9, GPT-2's `wte` in 305 ms instead of 17, in a VM).
 pub(crate) struct PackScope {
     _pins: Vec<candle_core::Tensor>,
     prev: Option<Packed>,
@@ -460,17 +470,32 @@ pub(crate) fn pack_scope(matrices: &[candle_core::Tensor]) -> PackScope {
 impl Drop for PackScope {
     fn drop(&mut self) {
         let prev = self.prev.take();
-        PREPACKED.with(|p| *p.borrow_mut() = prev);
+        let mine = PREPACKED.with(|p| p.replace(prev));
+        let bufs = mine.into_iter().flat_map(|p| p.done).filter_map(|(_, v)| std::rc::Rc::try_unwrap(v).ok());
+        // The last scope's buffers replace (and free) those it did not take.
+        SPARE.with(|s| *s.borrow_mut() = bufs.map(|v| v.buf).collect());
     }
 }
 
-/// `b` packed for `isa`, when a [`PackScope`] registered its storage and the product has more
-/// than 32 rows (packed now on first use).
+thread_local! {
+    /// The packed buffers of the last [`PackScope`] dropped on this thread, for the next one.
+    static SPARE: std::cell::RefCell<Vec<Vec<f32>>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// A buffer of `len` values: a spare one of that length (its values stale) or a new one (zeros).
+fn spare_buffer(len: usize) -> Vec<f32> {
+    SPARE.with(|s| {
+        let mut s = s.borrow_mut();
+        match s.iter().position(|b| b.len() == len) {
+            Some(i) => s.swap_remove(i),
+            None => vec![0f32; len],
+        }
+    })
+}
+
+/// `b` packed for `isa`, when a [`PackScope`] registered its storage (packed now on first use).
 #[cfg(target_arch = "x86_64")]
-fn prepacked(b: &MatRef, m: usize, isa: Isa) -> Option<std::rc::Rc<PackedB>> {
-    if m <= 32 {
-        return None;
-    }
+fn prepacked(b: &MatRef, isa: Isa) -> Option<std::rc::Rc<PackedB>> {
     PREPACKED.with(|p| {
         let mut p = p.try_borrow_mut().ok()?;
         let p = p.as_mut()?;
@@ -860,7 +885,8 @@ mod x86 {
         let (k, n, nr) = (b.rows, b.cols, K::NR);
         let panels = n.div_ceil(nr);
         let len = k * panels * nr;
-        let mut buf = vec![0f32; len + 16];
+        // Every value but the alignment slack is written below.
+        let mut buf = spare_buffer(len + 16);
         let skip = buf.as_ptr().align_offset(64).min(15);
         let chunks: Vec<(usize, usize)> =
             (0..k.div_ceil(KC)).flat_map(|q| (0..panels).map(move |j| (q, j))).collect();
@@ -1654,8 +1680,9 @@ mod tests {
     #[test]
     fn products_on_prepacked_weights_equal_the_packing_ones() {
         use candle_core::{CpuStorage, Device, Storage, Tensor};
-        // On the test's thread: the scope is a thread's. Row-major B (a Conv1D weight) and column-major B (a transposed nn.Linear weight or LM
-        // head); several depth blocks and a partial last panel.
+        // On the test's thread: the scope is a thread's. Row-major B (a Conv1D weight) and
+        // column-major B (a transposed nn.Linear weight or LM head); several depth blocks and a
+        // partial last panel.
         for (k, n, transposed) in [(300, 70, false), (300, 70, true), (513, 17, false)] {
             let shape = if transposed { (n, k) } else { (k, n) };
             let w = Tensor::from_vec(data(k * n, 2), shape, &Device::Cpu).expect("tensor");
@@ -1686,23 +1713,35 @@ mod tests {
                 for (b, acc) in cases {
                     packed.push(run(&w, m, b, acc));
                 }
-                // Products of at most 32 rows read B in place or transposed: nothing is packed.
-                let want = if m <= 32 { 0 } else { usize::from(isa().is_some()) };
+                // One copy from the first product on, whatever its rows.
+                let want = usize::from(isa().is_some());
                 assert_eq!(packed_copies(), Some(want), "{k}×{n} transposed {transposed}, m = {m}");
             }
             assert!(run(&other, 40, None, false) == other_plain, "an unregistered B's product changed");
             assert_eq!(packed_copies(), Some(usize::from(isa().is_some())));
-            for (i, (x, y)) in packed.iter().zip(&plain).enumerate() {
-                // Without the scope, column-major B at up to 128 rows is multiplied transposed,
-                // which adds the bias (or C) after the last depth block instead of the first:
-                // the same products, rounded in another order.
+            // Without the scope, column-major B at up to 128 rows is multiplied transposed, which
+            // adds the bias (or C) after the last depth block instead of the first: the same
+            // products, rounded in another order.
+            let tol = if transposed { 1e-6 } else { 0.0 };
+            let check = |x: &[f32], y: &[f32], what: &str| {
                 let worst =
                     x.iter().zip(y).map(|(x, y)| (x - y).abs() / (1.0 + y.abs())).fold(0f32, f32::max);
-                let tol = if transposed { 1e-6 } else { 0.0 };
-                assert!(worst <= tol, "{k}×{n} transposed {transposed}, case {i}: differs by {worst}");
+                assert!(worst <= tol, "{k}×{n} transposed {transposed}, {what}: differs by {worst}");
+            };
+            for (i, (x, y)) in packed.iter().zip(&plain).enumerate() {
+                check(x, y, &format!("case {i}"));
             }
             drop(scope);
             assert_eq!(packed_copies(), None);
+            // The next scope packs `other` (the same size) into the dropped scope's buffer, over
+            // `w`'s values.
+            let spares = || SPARE.with(|s| s.borrow().len());
+            assert_eq!(spares(), usize::from(isa().is_some()));
+            let scope = pack_scope(std::slice::from_ref(&other));
+            check(&run(&other, 40, None, false), &other_plain, "a reused buffer");
+            assert_eq!(spares(), 0);
+            drop(scope);
+            assert_eq!(spares(), usize::from(isa().is_some()));
         }
     }
 
