@@ -34,15 +34,32 @@ simd_kernel! {
     }
 }
 
+/// `gelu'(x)` from `s = σ(2u)`: `s + 2x·s(1 − s)·k(1 + 3c·x²)`.
+#[inline(always)]
+fn derivative<T: Elem>(x: T, s: T, k: T, c: T) -> T {
+    let three_c = c + c + c;
+    let two = T::one() + T::one();
+    let du = k * (T::one() + three_c * x * x);
+    s + two * x * s * (T::one() - s) * du
+}
+
 simd_kernel! {
     fn gelu_bwd_rows<T: Elem>(out: &mut [T], x: &[T], g: &[T]) {
         let (k, c) = consts::<T>();
-        let three_c = c + c + c;
-        let two = T::one() + T::one();
         for ((o, &x), &g) in out.iter_mut().zip(x).zip(g) {
-            let s = sigmoid_2u(x, k, c);
-            let du = k * (T::one() + three_c * x * x);
-            *o = g * (s + two * x * s * (T::one() - s) * du);
+            *o = g * derivative(x, sigmoid_2u(x, k, c), k, c);
+        }
+    }
+}
+
+simd_kernel! {
+    /// GELU of `x` into `out` and `gelu'(x)` over `x`: one `exp` for both.
+    fn gelu_and_derivative_rows<T: Elem>(out: &mut [T], x: &mut [T]) {
+        let (k, c) = consts::<T>();
+        for (o, x) in out.iter_mut().zip(x) {
+            let s = sigmoid_2u(*x, k, c);
+            *o = *x * s;
+            *x = derivative(*x, s, k, c);
         }
     }
 }
@@ -86,7 +103,7 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::super::simd::avx2::exp_clamped;
-    use super::{gelu_bwd_rows, gelu_rows, COEF, SQRT_2_OVER_PI};
+    use super::{gelu_and_derivative_rows, gelu_bwd_rows, gelu_rows, COEF, SQRT_2_OVER_PI};
 
     /// `σ(2u) = 1 / (1 + e^(−2u))` per lane, `−2u = −2k·(x + c·x³)`. The exponent is clamped
     /// to ±80 ([`exp_clamped`]); where `−2u ≥ 80` (x below about −8.7) σ is set to 0, what the
@@ -102,6 +119,41 @@ mod x86 {
         let m2u = _mm256_mul_ps(c(-2.0 * SQRT_2_OVER_PI as f32), _mm256_fmadd_ps(cx2, x, x));
         let s = _mm256_div_ps(c(1.0), _mm256_add_ps(c(1.0), exp_clamped(m2u)));
         _mm256_and_ps(s, _mm256_cmp_ps::<_CMP_NGE_UQ>(m2u, c(80.0)))
+    }
+
+    /// `gelu'(x) = s + 2x·s(1 − s)·k(1 + 3c·x²)` per lane, from `s = σ(2u)`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn derivative(x: __m256, s: __m256) -> __m256 {
+        let c = _mm256_set1_ps;
+        let du = _mm256_mul_ps(
+            c(SQRT_2_OVER_PI as f32),
+            _mm256_fmadd_ps(c(3.0 * COEF as f32), _mm256_mul_ps(x, x), c(1.0)),
+        );
+        let t = _mm256_mul_ps(_mm256_mul_ps(_mm256_add_ps(x, x), s), _mm256_sub_ps(c(1.0), s));
+        _mm256_fmadd_ps(t, du, s)
+    }
+
+    /// GELU of `len` values at `x` into `out`, and `gelu'(x)` over `x` in place.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA; `out` and `x` are valid for `len` values and do not overlap.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn gelu_and_derivative(out: *mut f32, x: *mut f32, len: usize) {
+        let n = len / 8 * 8;
+        for i in (0..n).step_by(8) {
+            // SAFETY: i + 8 ≤ n ≤ len.
+            let v = _mm256_loadu_ps(x.add(i));
+            let s = sigmoid_2u(v);
+            _mm256_storeu_ps(out.add(i), _mm256_mul_ps(v, s));
+            _mm256_storeu_ps(x.add(i), derivative(v, s));
+        }
+        let (mut xs, mut os) = ([0f32; 8], [0f32; 8]);
+        let r = len - n;
+        std::ptr::copy_nonoverlapping(x.add(n), xs.as_mut_ptr(), r);
+        gelu_and_derivative_rows(&mut os[..r], &mut xs[..r]);
+        std::ptr::copy_nonoverlapping(os.as_ptr(), out.add(n), r);
+        std::ptr::copy_nonoverlapping(xs.as_ptr(), x.add(n), r);
     }
 
     /// GELU of `len` values at `x` into `out`, which may be `x` itself (each vector is loaded
@@ -130,21 +182,12 @@ mod x86 {
     /// The CPU has AVX2 and FMA; `out`, `x` and `g` are valid for `len` values.
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn gelu_bwd(out: *mut f32, x: *const f32, g: *const f32, len: usize) {
-        let c = _mm256_set1_ps;
         let n = len / 8 * 8;
         for i in (0..n).step_by(8) {
             // SAFETY: i + 8 ≤ n ≤ len.
             let v = _mm256_loadu_ps(x.add(i));
             let gv = _mm256_loadu_ps(g.add(i));
-            let s = sigmoid_2u(v);
-            // gelu'(x) = s + 2x·s(1 − s)·k(1 + 3c·x²)
-            let du = _mm256_mul_ps(
-                c(SQRT_2_OVER_PI as f32),
-                _mm256_fmadd_ps(c(3.0 * COEF as f32), _mm256_mul_ps(v, v), c(1.0)),
-            );
-            let t = _mm256_mul_ps(_mm256_mul_ps(_mm256_add_ps(v, v), s), _mm256_sub_ps(c(1.0), s));
-            let d = _mm256_fmadd_ps(t, du, s);
-            _mm256_storeu_ps(out.add(i), _mm256_mul_ps(gv, d));
+            _mm256_storeu_ps(out.add(i), _mm256_mul_ps(gv, derivative(v, sigmoid_2u(v))));
         }
         let (mut xs, mut gs, mut os) = ([0f32; 8], [0f32; 8], [0f32; 8]);
         let r = len - n;
@@ -242,30 +285,40 @@ unsafe fn gelu_to(out: *mut f32, x: &[f32]) {
     }
 }
 
-/// `g ← g·gelu'(x)` for f32: the AVX2 body in place where the CPU has it, else
-/// [`gelu_bwd_rows`] through a small copy (the same values as [`gelu_bwd_into`]).
-fn gelu_bwd_in_place(g: &mut [f32], x: &[f32]) {
-    let n = g.len().min(x.len());
+/// [`gelu_to`], and `gelu'(x)` over `x` in place (the same values as [`gelu_tanh_bwd`]'s factor:
+/// the same operations).
+///
+/// # Safety
+/// As [`gelu_to`].
+unsafe fn gelu_and_derivative_to(out: *mut f32, x: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if simd::avx2::available() {
-        let p = g.as_mut_ptr();
-        // SAFETY: the CPU has AVX2 and FMA; `p` and `x` are valid for `n` values.
-        return unsafe { x86::gelu_bwd(p, x.as_ptr(), p, n) };
+        // SAFETY: the CPU has AVX2 and FMA; `out` and `x` are valid for `x.len()` values and
+        // do not overlap (the caller's promise).
+        return unsafe { x86::gelu_and_derivative(out, x.as_mut_ptr(), x.len()) };
     }
-    for (chunk, x) in g[..n].chunks_mut(64).zip(x.chunks(64)) {
-        let mut gs = [0f32; 64];
-        gs[..chunk.len()].copy_from_slice(chunk);
-        gelu_bwd_rows(chunk, x, &gs[..chunk.len()]);
+    for (i, chunk) in x.chunks_mut(64).enumerate() {
+        let mut o = [0f32; 64];
+        gelu_and_derivative_rows(&mut o[..chunk.len()], chunk);
+        // SAFETY: `out` is valid for `x.len()` values (the caller's promise).
+        unsafe { std::ptr::copy_nonoverlapping(o.as_ptr(), out.add(i * 64), chunk.len()) };
     }
 }
 
-/// `(u, gelu(u))` with `u = x·W + b`, for GPT-2's MLP (`W (in, out)`, Conv1D layout): GELU runs
-/// in the product's epilogue, on each block of `u` while the block is in cache, instead of in a
-/// second pass that reads all of `u` back; neither output is zero-filled first. The same values
-/// as [`super::linear_in_out`] then [`gelu_tanh`] (the same kernels: a block of the product,
-/// plus the bias, then GELU's body on it), without a graph. Other dtypes, devices, CPUs without
-/// the fast SGEMM and the bf16 matmul precision take those two ops.
-pub(crate) fn linear_in_out_gelu(x: &Tensor, w: &Tensor, b: &Tensor) -> CResult<(Tensor, Tensor)> {
+/// `(u, gelu(u))` with `u = x·W + b`, for GPT-2's MLP (`W (in, out)`, Conv1D layout), or with
+/// `derivative` `(gelu'(u), gelu(u))`: what the backward needs ([`gelu_bwd_of_product`]), so it
+/// multiplies instead of evaluating GELU's derivative again (its `exp` and division, shared with
+/// the forward's GELU here). GELU runs in the product's epilogue, on each block of `u` while the
+/// block is in cache, instead of in a second pass that reads all of `u` back; neither output is
+/// zero-filled first. The same values as [`super::linear_in_out`] then [`gelu_tanh`] (and
+/// [`gelu_tanh_bwd`] of ones), from the same kernels, without a graph. Other dtypes, devices,
+/// CPUs without the fast SGEMM and the bf16 matmul precision take those ops.
+pub(crate) fn linear_in_out_gelu(
+    x: &Tensor,
+    w: &Tensor,
+    b: &Tensor,
+    derivative: bool,
+) -> CResult<(Tensor, Tensor)> {
     let fused = f32_products()
         && [x, w, b].iter().all(|t| f32_cpu(t))
         && b.rank() == 1
@@ -273,7 +326,7 @@ pub(crate) fn linear_in_out_gelu(x: &Tensor, w: &Tensor, b: &Tensor) -> CResult<
         && x.dim(1)? == w.dim(0)?;
     let fused = fused.then(|| {
         with_f32(&b.contiguous()?, "linear-gelu", |bias| {
-            gemm::with_matref(x, |x| gemm::with_matref(w, |w| product_gelu(x, w, bias)))
+            gemm::with_matref(x, |x| gemm::with_matref(w, |w| product_gelu(x, w, bias, derivative)))
         })
     });
     match fused.transpose()?.flatten().flatten() {
@@ -285,7 +338,10 @@ pub(crate) fn linear_in_out_gelu(x: &Tensor, w: &Tensor, b: &Tensor) -> CResult<
             let (x, w, b) = (x.detach(), w.detach(), b.detach());
             let u = super::linear_in_out(&x, &w, Some(&b))?;
             let g = gelu_tanh(&u)?;
-            Ok((u, g))
+            match derivative {
+                true => Ok((gelu_tanh_bwd(&u, &u.ones_like()?)?, g)),
+                false => Ok((u, g)),
+            }
         }
     }
 }
@@ -297,8 +353,8 @@ fn f32_products() -> bool {
     gemm::fast_available() && gemm::matmul_precision() == gemm::MatmulPrecision::F32
 }
 
-/// [`linear_in_out_gelu`] on f32 matrices: `(u, g)` row-major.
-fn product_gelu(x: MatRef, w: MatRef, bias: &[f32]) -> (Vec<f32>, Vec<f32>) {
+/// [`linear_in_out_gelu`] on f32 matrices: `(u, g)` or `(gelu'(u), g)`, row-major.
+fn product_gelu(x: MatRef, w: MatRef, bias: &[f32], derivative: bool) -> (Vec<f32>, Vec<f32>) {
     let (m, n) = (x.rows, w.cols);
     let mut u = Vec::<f32>::with_capacity(m * n);
     let mut g = Vec::<f32>::with_capacity(m * n);
@@ -307,8 +363,13 @@ fn product_gelu(x: MatRef, w: MatRef, bias: &[f32]) -> (Vec<f32>, Vec<f32>) {
     unsafe {
         gemm::sgemm_rows_then(x, w, Some(bias), u.as_mut_ptr(), &|i, j0, row| {
             // SAFETY: the row segments are disjoint and cover the m × n product once, so this
-            // one lies in `g`'s capacity and no other segment writes it.
-            gelu_to(gp.get().add(i * n + j0), row)
+            // one lies in `g`'s capacity and no other segment writes it; `g` and `u` are
+            // separate buffers.
+            let out = gp.get().add(i * n + j0);
+            match derivative {
+                true => gelu_and_derivative_to(out, row),
+                false => gelu_to(out, row),
+            }
         })
     };
     // SAFETY: the product wrote all m × n values of `u`, the epilogue all of `g`.
@@ -320,34 +381,34 @@ fn product_gelu(x: MatRef, w: MatRef, bias: &[f32]) -> (Vec<f32>, Vec<f32>) {
 }
 
 /// `gelu'(u) ⊙ (dz·Wᵀ)`: the gradient at the MLP's pre-activation `u (N, I)` from the gradient
-/// `dz (N, C)` at its output, for `w_t = Wᵀ (C, I)` (a view of the Conv1D weight `W (I, C)`).
-/// GELU's backward runs in the product's epilogue, so `dz·Wᵀ` is never stored. The same values
-/// as the product then [`gelu_tanh_bwd`]; no graph.
-pub(crate) fn gelu_bwd_of_product(dz: &Tensor, w_t: &Tensor, u: &Tensor) -> CResult<Tensor> {
+/// `dz (N, C)` at its output, for `w_t = Wᵀ (C, I)` (a view of the Conv1D weight `W (I, C)`)
+/// and `dgelu = gelu'(u)` from [`linear_in_out_gelu`]. The product is scaled in its epilogue,
+/// so `dz·Wᵀ` is never stored. The same values as the product then [`gelu_tanh_bwd`]; no graph.
+pub(crate) fn gelu_bwd_of_product(dz: &Tensor, w_t: &Tensor, dgelu: &Tensor) -> CResult<Tensor> {
     let shape = (dz.dim(0)?, w_t.dim(1)?);
     let fused = f32_products()
-        && [dz, w_t, u].iter().all(|t| f32_cpu(t))
-        && u.dims() == [shape.0, shape.1]
+        && [dz, w_t, dgelu].iter().all(|t| f32_cpu(t))
+        && dgelu.dims() == [shape.0, shape.1]
         && dz.dim(1)? == w_t.dim(0)?;
     let fused = fused.then(|| {
-        with_f32(&u.contiguous()?, "gelu-bwd", |u| {
-            gemm::with_matref(dz, |dz| gemm::with_matref(w_t, |w_t| product_gelu_bwd(dz, w_t, u)))
+        with_f32(&dgelu.contiguous()?, "gelu-bwd", |d| {
+            gemm::with_matref(dz, |dz| gemm::with_matref(w_t, |w_t| product_scaled(dz, w_t, d)))
         })
     });
     match fused.transpose()?.flatten().flatten() {
         Some(du) => Tensor::from_vec(du, shape, dz.device()),
-        None => gelu_tanh_bwd(u, &super::linear::gemm_no_bwd(dz, w_t)?),
+        None => super::linear::gemm_no_bwd(dz, w_t)? * dgelu,
     }
 }
 
-/// [`gelu_bwd_of_product`] on f32 matrices.
-fn product_gelu_bwd(dz: MatRef, w_t: MatRef, u: &[f32]) -> Vec<f32> {
+/// `(dz·w_t) ⊙ d` on f32 matrices, `d` row-major.
+fn product_scaled(dz: MatRef, w_t: MatRef, d: &[f32]) -> Vec<f32> {
     let (m, n) = (dz.rows, w_t.cols);
     let mut du = Vec::<f32>::with_capacity(m * n);
     // SAFETY: `du` has capacity for the m × n product, which only this call touches.
     unsafe {
         gemm::sgemm_rows_then(dz, w_t, None, du.as_mut_ptr(), &|i, j0, row| {
-            gelu_bwd_in_place(row, &u[i * n + j0..i * n + j0 + row.len()])
+            row.iter_mut().zip(&d[i * n + j0..]).for_each(|(v, &d)| *v *= d)
         })
     };
     // SAFETY: the product wrote all m × n values.
@@ -395,16 +456,21 @@ mod tests {
         for (m, k, n, exact) in [(512, 256, 1024, true), (37, 29, 45, false), (6, 3, 17, false)] {
             let (x, w, b) =
                 (mat(m, k, 1, false), mat(k, n, 2, false), mat(1, n, 3, false).flatten_all().unwrap());
-            let (u, g) = linear_in_out_gelu(&x, &w, &b).unwrap();
+            let (u, g) = linear_in_out_gelu(&x, &w, &b, false).unwrap();
             let u0 = crate::ops::linear_in_out(&x, &w, Some(&b)).unwrap();
             let g0 = gelu_tanh(&u0).unwrap();
             let tol = if exact { 0.0 } else { 1e-6 };
             assert!(max_diff(&u, &u0) == 0.0, "{m}×{k}×{n}: u differs");
             assert!(max_diff(&g, &g0) <= tol, "{m}×{k}×{n}: gelu differs by {}", max_diff(&g, &g0));
+            let (dgelu, g1) = linear_in_out_gelu(&x, &w, &b, true).unwrap();
+            assert!(max_diff(&g1, &g) == 0.0, "{m}×{k}×{n}: gelu with the derivative differs");
+            let dgelu0 = gelu_tanh_bwd(&u0, &u0.ones_like().unwrap()).unwrap();
+            let d = max_diff(&dgelu, &dgelu0);
+            assert!(d <= tol, "{m}×{k}×{n}: gelu' differs by {d}");
 
             let dz = mat(m, k, 4, false);
             let w_t = mat(k, n, 5, true); // Wᵀ as a view of a `(n, k)` weight, as in the block.
-            let du = gelu_bwd_of_product(&dz, &w_t, &u).unwrap();
+            let du = gelu_bwd_of_product(&dz, &w_t, &dgelu).unwrap();
             let du0 = gelu_tanh_bwd(&u, &crate::ops::linear::gemm_no_bwd(&dz, &w_t).unwrap()).unwrap();
             let scale = du0.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
             let rel = max_diff(&du, &du0) / f64::from(scale);
@@ -412,10 +478,11 @@ mod tests {
         }
         // f64 (no fused SGEMM) takes the two ops.
         let (x, w, b) = (randn(&[5, 4], 6), randn(&[4, 7], 7), randn(&[7], 8));
-        let (u, g) = linear_in_out_gelu(&x, &w, &b).unwrap();
+        let (u, g) = linear_in_out_gelu(&x, &w, &b, false).unwrap();
         assert!(max_diff(&g, &gelu_tanh_composed(&u).unwrap()) < 1e-12);
+        let (dgelu, _) = linear_in_out_gelu(&x, &w, &b, true).unwrap();
         let (dz, w_t) = (randn(&[5, 3], 9), randn(&[7, 3], 10).t().unwrap());
-        let du = gelu_bwd_of_product(&dz, &w_t, &u).unwrap();
+        let du = gelu_bwd_of_product(&dz, &w_t, &dgelu).unwrap();
         let du0 = gelu_tanh_bwd(&u, &dz.matmul(&w_t).unwrap()).unwrap();
         assert!(max_diff(&du, &du0) < 1e-12);
     }

@@ -10,10 +10,10 @@
 //! and puts one node in the graph: `x → z`. Its backward walks the block in reverse with the
 //! same kernels (`dx` products before each weight's own product, as the linear op does, so an
 //! optimizer fused into that product sees the right order), writes every weight's gradient
-//! into its gradient sink (`grad_sink`) and hands candle `dx` only. GELU runs in the epilogues
-//! of the MLP's products (`activation::linear_in_out_gelu` forward,
-//! `activation::gelu_bwd_of_product` backward): neither GELU's input nor `dz·Wᵀ` makes another
-//! trip through memory.
+//! into its gradient sink (`grad_sink`) and hands candle `dx` only. GELU and its derivative run
+//! in the epilogue of the MLP's first product (`activation::linear_in_out_gelu`), the
+//! derivative's product in the backward's (`activation::gelu_bwd_of_product`): neither GELU's
+//! input nor `dz·Wᵀ` makes another trip through memory.
 //!
 //! With [`Rows`], the block computes its attention output's projection and its MLP only for
 //! the rows whose output will be read (PPO reads the response positions; the model passes the
@@ -151,7 +151,9 @@ struct Saved {
     y: Tensor,
     h: Tensor,
     a2: Tensor,
-    u: Tensor,
+    /// `gelu'(u)` at the MLP's pre-activation `u` (the forward's epilogue computes it with
+    /// `gelu(u)`; `u` itself is not kept).
+    dgelu: Tensor,
     g: Tensor,
 }
 
@@ -178,9 +180,9 @@ fn forward(
     };
     let h = add(&x, &lin(&y, &p.c_proj)?)?;
     let a2 = layer_norm(&h, &d(&p.ln_2.0), &d(&p.ln_2.1), p.eps)?;
-    let (u, g) = linear_in_out_gelu(&a2, &d(&p.c_fc.0), &d(&p.c_fc.1))?;
+    let (dgelu, g) = linear_in_out_gelu(&a2, &d(&p.c_fc.0), &d(&p.c_fc.1), keep)?;
     let m = lin(&g, &p.mlp_proj)?;
-    let saved = keep.then(|| Saved { a1, qkv, probs, y, h: h.clone(), a2, u, g });
+    let saved = keep.then(|| Saved { a1, qkv, probs, y, h: h.clone(), a2, dgelu, g });
     Ok((h, m, saved))
 }
 
@@ -292,9 +294,9 @@ impl CustomOp1 for BlockOp {
             }
             Ok(dx)
         };
-        // `du = gelu'(u) ⊙ dz·Wᵀ` in one product (GELU's backward in its epilogue), before the
+        // `du = gelu'(u) ⊙ dz·Wᵀ` in one product (scaled in its epilogue), before the
         // MLP projection's own weight gradient.
-        let du = gelu_bwd_of_product(&dz_rows, &d(&p.mlp_proj.0).t()?, &s.u)?;
+        let du = gelu_bwd_of_product(&dz_rows, &d(&p.mlp_proj.0).t()?, &s.dgelu)?;
         param_grads(&s.g, &p.mlp_proj, &dz_rows)?;
         let da2 = linear_bwd(&s.a2, &p.c_fc, &du)?;
         let dh = add(&dz_rows, &norm_bwd(&s.h, &p.ln_2, &da2)?)?;
