@@ -19,7 +19,7 @@
 //!   L1d), a block of A 96 KiB (144 KiB when one block spans all rows; in a 512 KiB L2).
 //!
 //! Inside a [`PackScope`] (generation's decoding steps), registered weights are packed once and
-//! every product of more than 32 rows reads them packed.
+//! every product reads them packed; the packed buffers outlive the scope for the next one.
 //!
 //! With [`MatmulPrecision::Bf16`] set, products whose sides are all at least 32 run on the AMX
 //! kernel of `ops/amx.rs` instead (bf16 inputs, f32 accumulation).
@@ -908,7 +908,8 @@ mod x86 {
 
     /// Whether the microkernel reads the full panels of row-major B in place (`ldb = rs`)
     /// instead of packing B: when A has so few rows that packing B costs about as much as the
-    /// product (a weight times the batch's rows in generation). Measured (AVX2, 2 threads):
+    /// product (a weight times a few rows outside a [`PackScope`]; generation's decoding reads
+    /// its weights packed once, which is faster still). Measured (AVX2, 2 threads):
     /// 16 × 768 × 2304 went from 25–28 to 42–55 GFLOP/s and 16 × 3072 × 768 from 16–18 to
     /// 32–47; at 64 and 128 rows reading in place was no better (L1 set conflicts between the
     /// rows of B, which packing avoids).
