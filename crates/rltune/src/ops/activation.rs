@@ -289,7 +289,7 @@ unsafe fn gelu_to(out: *mut f32, x: &[f32]) {
 /// the same operations).
 ///
 /// # Safety
-/// As [`gelu_to`].
+/// `out` is valid for `x.len()` writes and overlaps neither `x` nor anything else in use.
 unsafe fn gelu_and_derivative_to(out: *mut f32, x: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if simd::avx2::available() {
@@ -306,18 +306,19 @@ unsafe fn gelu_and_derivative_to(out: *mut f32, x: &mut [f32]) {
 }
 
 /// `(u, gelu(u))` with `u = x·W + b`, for GPT-2's MLP (`W (in, out)`, Conv1D layout), or with
-/// `derivative` `(gelu'(u), gelu(u))`: what the backward needs ([`gelu_bwd_of_product`]), so it
+/// `with_derivative` `(gelu'(u), gelu(u))`: what the backward needs ([`gelu_bwd_of_product`]), so it
 /// multiplies instead of evaluating GELU's derivative again (its `exp` and division, shared with
 /// the forward's GELU here). GELU runs in the product's epilogue, on each block of `u` while the
 /// block is in cache, instead of in a second pass that reads all of `u` back; neither output is
 /// zero-filled first. The same values as [`super::linear_in_out`] then [`gelu_tanh`] (and
 /// [`gelu_tanh_bwd`] of ones), from the same kernels, without a graph. Other dtypes, devices,
-/// CPUs without the fast SGEMM and the bf16 matmul precision take those ops.
+/// CPUs without the fast SGEMM and the bf16 matmul precision take those ops (the derivative's
+/// is a CPU op: the GPT-2 block that asks for it runs on the CPU only).
 pub(crate) fn linear_in_out_gelu(
     x: &Tensor,
     w: &Tensor,
     b: &Tensor,
-    derivative: bool,
+    with_derivative: bool,
 ) -> CResult<(Tensor, Tensor)> {
     let fused = f32_products()
         && [x, w, b].iter().all(|t| f32_cpu(t))
@@ -326,7 +327,7 @@ pub(crate) fn linear_in_out_gelu(
         && x.dim(1)? == w.dim(0)?;
     let fused = fused.then(|| {
         with_f32(&b.contiguous()?, "linear-gelu", |bias| {
-            gemm::with_matref(x, |x| gemm::with_matref(w, |w| product_gelu(x, w, bias, derivative)))
+            gemm::with_matref(x, |x| gemm::with_matref(w, |w| product_gelu(x, w, bias, with_derivative)))
         })
     });
     match fused.transpose()?.flatten().flatten() {
@@ -338,7 +339,7 @@ pub(crate) fn linear_in_out_gelu(
             let (x, w, b) = (x.detach(), w.detach(), b.detach());
             let u = super::linear_in_out(&x, &w, Some(&b))?;
             let g = gelu_tanh(&u)?;
-            match derivative {
+            match with_derivative {
                 true => Ok((gelu_tanh_bwd(&u, &u.ones_like()?)?, g)),
                 false => Ok((u, g)),
             }
@@ -354,7 +355,7 @@ fn f32_products() -> bool {
 }
 
 /// [`linear_in_out_gelu`] on f32 matrices: `(u, g)` or `(gelu'(u), g)`, row-major.
-fn product_gelu(x: MatRef, w: MatRef, bias: &[f32], derivative: bool) -> (Vec<f32>, Vec<f32>) {
+fn product_gelu(x: MatRef, w: MatRef, bias: &[f32], with_derivative: bool) -> (Vec<f32>, Vec<f32>) {
     let (m, n) = (x.rows, w.cols);
     let mut u = Vec::<f32>::with_capacity(m * n);
     let mut g = Vec::<f32>::with_capacity(m * n);
@@ -366,7 +367,7 @@ fn product_gelu(x: MatRef, w: MatRef, bias: &[f32], derivative: bool) -> (Vec<f3
             // one lies in `g`'s capacity and no other segment writes it; `g` and `u` are
             // separate buffers.
             let out = gp.get().add(i * n + j0);
-            match derivative {
+            match with_derivative {
                 true => gelu_and_derivative_to(out, row),
                 false => gelu_to(out, row),
             }

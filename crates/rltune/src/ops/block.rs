@@ -180,6 +180,7 @@ fn forward(
     };
     let h = add(&x, &lin(&y, &p.c_proj)?)?;
     let a2 = layer_norm(&h, &d(&p.ln_2.0), &d(&p.ln_2.1), p.eps)?;
+    // With `keep`, `gelu'(u)` for the backward; else `u`, unused.
     let (dgelu, g) = linear_in_out_gelu(&a2, &d(&p.c_fc.0), &d(&p.c_fc.1), keep)?;
     let m = lin(&g, &p.mlp_proj)?;
     let saved = keep.then(|| Saved { a1, qkv, probs, y, h: h.clone(), a2, dgelu, g });

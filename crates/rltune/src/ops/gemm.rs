@@ -19,7 +19,8 @@
 //!   L1d), a block of A 96 KiB (144 KiB when one block spans all rows; in a 512 KiB L2).
 //!
 //! Inside a [`PackScope`] (generation's decoding steps), registered weights are packed once and
-//! every product reads them packed; the packed buffers outlive the scope for the next one.
+//! the plain f32 products ([`sgemm`], [`sgemm_new`]) read them packed; the packed buffers outlive
+//! the scope for the next one.
 //!
 //! With [`MatmulPrecision::Bf16`] set, products whose sides are all at least 32 run on the AMX
 //! kernel of `ops/amx.rs` instead (bf16 inputs, f32 accumulation).
@@ -261,8 +262,8 @@ pub(crate) type RowEpilogue<'a> = dyn Fn(usize, usize, &mut [f32]) + Sync + 'a;
 
 /// `c = a·b` (plus `bias`, one value per column, when given), written in place like [`sgemm`]'s,
 /// and each task's finished block handed to `epi` row by row while it is still in cache (GELU
-/// turning the MLP's product into its activation next to it, or GELU's backward scaling the
-/// gradient in place). Each row segment is handed over once, possibly from several threads at
+/// turning the MLP's product into its activation next to it, or the MLP's backward scaling the
+/// product by GELU's derivative in place). Each row segment is handed over once, possibly from several threads at
 /// once. The product's values equal [`sgemm`]'s bit for bit (the same kernel and depth order),
 /// but only the f32 kernels are used (no AMX, no transposed product). `c` may be uninitialized
 /// memory of `a.rows × b.cols` values (every value is written before `epi` sees it).
@@ -429,8 +430,9 @@ thread_local! {
     static PREPACKED: std::cell::RefCell<Option<Packed>> = const { std::cell::RefCell::new(None) };
 }
 
-/// While alive, products on this thread whose B is a view of one of the registered matrices
-/// read B packed once (on first use, per view) instead of packing it in every product: for the
+/// While alive, plain f32 products ([`sgemm`], [`sgemm_new`]; not the epilogue products nor AMX)
+/// on this thread whose B is a view of one of the registered matrices read B packed once (on
+/// first use, per view) instead of packing it in every product: for the
 /// same weights multiplied by the same few rows many times, as in each decoding step of
 /// generation. At 64 rows packing B in every product cost about a fifth of the product; at 16
 /// rows (`gpt2`'s decoding) B was read in place (row-major) or multiplied transposed
@@ -438,7 +440,7 @@ thread_local! {
 /// lines from each of `KC` rows, a pattern the hardware prefetcher does not follow, where a
 /// packed panel is one contiguous run. Packed, `gpt2`'s 16-row products read their weights at
 /// 14–15 GB/s instead of 5–6 (768 × 3072: 1.8 → 0.67 ms per product on the Xeon of
-/// BENCHMARKS.md's sixteenth session; generation 1.90 → 1.05 s).
+/// BENCHMARKS.md's sixteenth session; generation 1.81 → 0.99–1.02 s).
 ///
 /// The registered tensors are kept alive (their storage cannot be freed and reused by other
 /// data while the scope lives) and must not be written to while it lives: the packed copies
