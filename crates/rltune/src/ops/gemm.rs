@@ -263,8 +263,8 @@ pub(crate) type RowEpilogue<'a> = dyn Fn(usize, usize, &mut [f32]) + Sync + 'a;
 /// `c = a·b` (plus `bias`, one value per column, when given), written in place like [`sgemm`]'s,
 /// and each task's finished block handed to `epi` row by row while it is still in cache (GELU
 /// turning the MLP's product into its activation next to it, or the MLP's backward scaling the
-/// product by GELU's derivative in place). Each row segment is handed over once, possibly from several threads at
-/// once. The product's values equal [`sgemm`]'s bit for bit (the same kernel and depth order),
+/// product by GELU's derivative in place). Each row segment is handed over once, possibly from
+/// several threads at once. The product's values equal [`sgemm`]'s bit for bit (the same kernel and depth order),
 /// but only the f32 kernels are used (no AMX, no transposed product). `c` may be uninitialized
 /// memory of `a.rows × b.cols` values (every value is written before `epi` sees it).
 ///
@@ -326,8 +326,8 @@ enum Epi<'a> {
 /// `x·Wᵀ`) and A has few rows, packing B costs more than the product itself (per value of B,
 /// 2m FLOPs against a gather). `Bᵀ` is row-major and the microkernel reads it in place, so
 /// only the small `Aᵀ` is packed, and the result is transposed into place (16 rows against a
-/// 768 × 50257 B, GPT-2's LM head, outside a [`PackScope`]). Measured on the bench shapes: a loss for
-/// m = 512, a gain for m ≤ 128. `nr` is the microkernel's width.
+/// 768 × 50257 B, GPT-2's LM head, outside a [`PackScope`]). Measured on the bench shapes: a
+/// loss for m = 512, a gain for m ≤ 128. `nr` is the microkernel's width.
 #[cfg(target_arch = "x86_64")]
 fn swap_pays(a: &MatRef, b: &MatRef, nr: usize) -> bool {
     b.rs == 1 && b.cs != 1 && a.rows <= 128 && b.cols > a.rows && b.cols >= nr
@@ -769,6 +769,7 @@ fn pack_b_panel<const NR: usize>(b: &MatRef, p0: usize, kc: usize, j0: usize, ou
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::*;
+    use crate::ops::simd::avx512::transpose16;
     use std::arch::x86_64::*;
 
     /// One microkernel and how B is packed for it.
@@ -1212,10 +1213,10 @@ mod x86 {
 
         /// [`pack_b_panel`] for a full panel of column-major B (`rs == 1`): 16 × 16 blocks are
         /// loaded along the columns (16 steps of one column per load) and transposed in
-        /// registers ([`transpose16`]); steps past the last multiple of 16 gather 16 columns at
-        /// once. Gathers for every step (16 cache lines per load) took 7% more samples
-        /// (`perf` over `bench ppo --preset small`: 597 against 557); both wait mostly on B
-        /// coming from memory.
+        /// registers (`simd::avx512::transpose16`); steps past the last multiple of 16 gather 16
+        /// columns at once. Gathers for every step (16 cache lines per load) took 7% more
+        /// samples (`perf` over `bench ppo --preset small`: 597 against 557); both wait mostly
+        /// on B coming from memory.
         ///
         /// # Safety
         /// AVX-512F; `b` in bounds with `rs == 1`, columns `j0..j0 + NR` and rows
@@ -1230,9 +1231,10 @@ mod x86 {
                 let base = b.data.as_ptr().add(b.off + p0 + (j0 + 16 * v) * b.cs);
                 let dst = out.as_mut_ptr().add(16 * v);
                 for p in (0..whole).step_by(16) {
-                    let cols: [__m512; 16] = std::array::from_fn(|c| _mm512_loadu_ps(base.add(c * b.cs + p)));
-                    for (r, x) in transpose16(cols).into_iter().enumerate() {
-                        _mm512_storeu_ps(dst.add((p + r) * Self::NR), x);
+                    let cols: [__m512i; 16] =
+                        std::array::from_fn(|c| _mm512_castps_si512(_mm512_loadu_ps(base.add(c * b.cs + p))));
+                    for (r, x) in transpose16(&cols).into_iter().enumerate() {
+                        _mm512_storeu_ps(dst.add((p + r) * Self::NR), _mm512_castsi512_ps(x));
                     }
                 }
                 for p in whole..kc {
@@ -1241,45 +1243,6 @@ mod x86 {
                 }
             }
         }
-    }
-
-    /// The transpose of a 16 × 16 block held as 16 row vectors: pairs of rows interleaved,
-    /// then 4 × 4 blocks within each 128-bit lane, then the lanes (twice).
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn transpose16(r: [__m512; 16]) -> [__m512; 16] {
-        // t[4g + 2h + 0/1] = low/high interleave of rows 4g + 2h and 4g + 2h + 1.
-        let t: [__m512; 16] = std::array::from_fn(|i| {
-            let (a, b) = (r[i & !1], r[i | 1]);
-            if i % 2 == 0 {
-                _mm512_unpacklo_ps(a, b)
-            } else {
-                _mm512_unpackhi_ps(a, b)
-            }
-        });
-        // u[4g + e], lane L: element 4L + e of rows 4g..4g + 4.
-        let u: [__m512; 16] = std::array::from_fn(|i| {
-            let (g, e) = (i / 4, i % 4);
-            let (a, b) = (t[4 * g + e / 2], t[4 * g + 2 + e / 2]);
-            if e % 2 == 0 {
-                _mm512_shuffle_ps::<0x44>(a, b)
-            } else {
-                _mm512_shuffle_ps::<0xEE>(a, b)
-            }
-        });
-        let mut out = [_mm512_setzero_ps(); 16];
-        for e in 0..4 {
-            // Lanes (0, 2) and (1, 3) of rows 0..8 and of rows 8..16.
-            let v02 = _mm512_shuffle_f32x4::<0x88>(u[e], u[4 + e]);
-            let v13 = _mm512_shuffle_f32x4::<0xDD>(u[e], u[4 + e]);
-            let w02 = _mm512_shuffle_f32x4::<0x88>(u[8 + e], u[12 + e]);
-            let w13 = _mm512_shuffle_f32x4::<0xDD>(u[8 + e], u[12 + e]);
-            out[e] = _mm512_shuffle_f32x4::<0x88>(v02, w02);
-            out[8 + e] = _mm512_shuffle_f32x4::<0xDD>(v02, w02);
-            out[4 + e] = _mm512_shuffle_f32x4::<0x88>(v13, w13);
-            out[12 + e] = _mm512_shuffle_f32x4::<0xDD>(v13, w13);
-        }
-        out
     }
 
     impl Micro for Avx512 {

@@ -174,6 +174,54 @@ pub(crate) fn as_f32_mut<T: 'static>(x: &mut [T]) -> Option<&mut [f32]> {
         .then(|| unsafe { &mut *(x as *mut [T] as *mut [f32]) })
 }
 
+/// AVX-512 helpers shared by the kernels that need a CPU with AVX-512F.
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx512 {
+    use std::arch::x86_64::*;
+
+    /// The transpose of a 16 × 16 matrix of 32-bit values held as 16 row vectors (f32 values
+    /// go through `_mm512_castps_si512`, which costs nothing). Inlined into its callers, which
+    /// enable AVX-512F: the AMX kernel's bf16 packing and the SGEMM's packing of column-major B.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F.
+    #[inline(always)]
+    pub(crate) unsafe fn transpose16(r: &[__m512i; 16]) -> [__m512i; 16] {
+        // Pairs of rows interleaved, then quads: u[4g + c] holds, in its 128-bit lane L,
+        // rows 4g..4g + 4 at column 4L + c.
+        let t: [__m512i; 16] = std::array::from_fn(|i| {
+            let (x, y) = (r[i & !1], r[i | 1]);
+            if i % 2 == 0 {
+                _mm512_unpacklo_epi32(x, y)
+            } else {
+                _mm512_unpackhi_epi32(x, y)
+            }
+        });
+        let u: [__m512i; 16] = std::array::from_fn(|i| {
+            let (g, c) = (i / 4, i % 4);
+            let (x, y) = (t[4 * g + c / 2], t[4 * g + 2 + c / 2]);
+            if c % 2 == 0 {
+                _mm512_unpacklo_epi64(x, y)
+            } else {
+                _mm512_unpackhi_epi64(x, y)
+            }
+        });
+        // Lanes L of u[c], u[4 + c], u[8 + c], u[12 + c] make row 4L + c of the transpose.
+        let mut out = [_mm512_setzero_si512(); 16];
+        for c in 0..4 {
+            let v0 = _mm512_shuffle_i32x4::<0x44>(u[c], u[4 + c]);
+            let v1 = _mm512_shuffle_i32x4::<0x44>(u[8 + c], u[12 + c]);
+            let w0 = _mm512_shuffle_i32x4::<0xEE>(u[c], u[4 + c]);
+            let w1 = _mm512_shuffle_i32x4::<0xEE>(u[8 + c], u[12 + c]);
+            out[c] = _mm512_shuffle_i32x4::<0x88>(v0, v1);
+            out[4 + c] = _mm512_shuffle_i32x4::<0xDD>(v0, v1);
+            out[8 + c] = _mm512_shuffle_i32x4::<0x88>(w0, w1);
+            out[12 + c] = _mm512_shuffle_i32x4::<0xDD>(w0, w1);
+        }
+        out
+    }
+}
+
 /// Hand-written AVX2 + FMA kernels for f32 (see the module docs). Every `unsafe fn` here needs
 /// a CPU with AVX2 and FMA ([`avx2::available`]).
 #[cfg(target_arch = "x86_64")]
