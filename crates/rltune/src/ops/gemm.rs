@@ -1010,7 +1010,8 @@ mod x86 {
                 let units: Vec<(usize, usize)> =
                     (0..blocks).flat_map(|q| (0..row_chunks).map(move |ti| (q, ti))).collect();
                 let sa_ptr = SendPtr(sa.as_mut_ptr());
-                units.par_iter().for_each(|&(q, ti)| {
+                crate::cpu::for_each_task(units.len(), |u| {
+                    let (q, ti) = units[u];
                     let kc = KC.min(k - q * KC);
                     let (i0, mc) = row_range(ti);
                     // SAFETY: the units' ranges are disjoint and inside `sa` (`shared_len` covers
@@ -1043,7 +1044,7 @@ mod x86 {
                 }
             };
             if (packed_len as f64) * (m as f64) > 2e6 && chunks.len() > 1 {
-                chunks.par_iter().for_each(pack);
+                crate::cpu::for_each_task(chunks.len(), |i| pack(&chunks[i]));
             } else {
                 chunks.iter().for_each(pack);
             }
@@ -1155,11 +1156,7 @@ mod x86 {
                     }
                 });
             };
-            if tasks.len() > 1 {
-                tasks.par_iter().for_each(run);
-            } else {
-                tasks.iter().for_each(run);
-            }
+            crate::cpu::for_each_task(tasks.len(), |i| run(&tasks[i]));
         });
     }
 
