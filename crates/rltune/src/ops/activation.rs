@@ -308,9 +308,9 @@ unsafe fn gelu_and_derivative_to(out: *mut f32, x: &mut [f32]) {
 /// `(u, gelu(u))` with `u = x·W + b`, for GPT-2's MLP (`W (in, out)`, Conv1D layout), or with
 /// `with_derivative` `(gelu'(u), gelu(u))`: what the backward needs ([`gelu_bwd_of_product`]),
 /// so it multiplies instead of evaluating GELU's derivative again (its `exp` and division,
-/// shared with the forward's GELU here). GELU runs in the product's epilogue, on each block of `u` while the
-/// block is in cache, instead of in a second pass that reads all of `u` back; neither output is
-/// zero-filled first. The same values as [`super::linear_in_out`] then [`gelu_tanh`] (and
+/// shared with the forward's GELU here). GELU runs in the product's epilogue, on each block of
+/// `u` while the block is in cache, instead of in a second pass that reads all of `u` back;
+/// neither output is zero-filled first. The same values as [`super::linear_in_out`] then [`gelu_tanh`] (and
 /// [`gelu_tanh_bwd`] of ones), from the same kernels, without a graph. Other dtypes, devices,
 /// CPUs without the fast SGEMM and the bf16 matmul precision take those ops (the derivative's
 /// is a CPU op: the GPT-2 block that asks for it runs on the CPU only).

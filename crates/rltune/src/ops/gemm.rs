@@ -264,9 +264,10 @@ pub(crate) type RowEpilogue<'a> = dyn Fn(usize, usize, &mut [f32]) + Sync + 'a;
 /// and each task's finished block handed to `epi` row by row while it is still in cache (GELU
 /// turning the MLP's product into its activation next to it, or the MLP's backward scaling the
 /// product by GELU's derivative in place). Each row segment is handed over once, possibly from
-/// several threads at once. The product's values equal [`sgemm`]'s bit for bit (the same kernel and depth order),
-/// but only the f32 kernels are used (no AMX, no transposed product). `c` may be uninitialized
-/// memory of `a.rows × b.cols` values (every value is written before `epi` sees it).
+/// several threads at once. The product's values equal [`sgemm`]'s bit for bit (the same kernel
+/// and depth order), but only the f32 kernels are used (no AMX, no transposed product). `c` may
+/// be uninitialized memory of `a.rows × b.cols` values (every value is written before `epi`
+/// sees it).
 ///
 /// # Safety
 /// `c` points to `a.rows × b.cols` writable values that nothing else reads or writes during
@@ -894,7 +895,8 @@ mod x86 {
         let chunks: Vec<(usize, usize)> =
             (0..k.div_ceil(KC)).flat_map(|q| (0..panels).map(move |j| (q, j))).collect();
         let out = SendPtr(buf[skip..].as_mut_ptr());
-        chunks.par_iter().for_each(|&(q, j)| {
+        crate::cpu::for_each_task(chunks.len(), |i| {
+            let (q, j) = chunks[i];
             let kc = KC.min(k - q * KC);
             // SAFETY: the blocks `q·KC·panels·NR + j·kc·NR` (`kc·NR` long) are disjoint and
             // inside the `len` values after `skip`; the CPU has K's instruction set.
@@ -1043,7 +1045,7 @@ mod x86 {
                     K::pack_b(&b, q * KC, kc, j * nr_, out);
                 }
             };
-            if (packed_len as f64) * (m as f64) > 2e6 && chunks.len() > 1 {
+            if (packed_len as f64) * (m as f64) > 2e6 {
                 crate::cpu::for_each_task(chunks.len(), |i| pack(&chunks[i]));
             } else {
                 chunks.iter().for_each(pack);
