@@ -126,6 +126,112 @@ fn weighted_block<T: Elem, const N: usize>(out: &mut [T], w: &[T], rows: &[T], s
     out[..N].copy_from_slice(&acc);
 }
 
+/// [`weighted_rows`] for `r ≤ ROWS` weight vectors at once: `out[i·ld..][..n] = Σ_j w[i·ws + j] ·
+/// rows[j·stride..][..n]` for `i < r`, `j < k`. The scores `q·Kᵀ` and `dP = g·Vᵀ` of a head have
+/// only `T` outputs per row (2 vectors at T = 31), so one row alone waits on the add latency at
+/// every step; [`ROWS`] rows share each load of `rows` and keep 8 sums in flight. `dk` and `dv`
+/// take [`ROWS`] keys at a time the same way. Every output still sums its terms in `j` order,
+/// as [`weighted_rows`] does, so the results are the same to the bit.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn weighted_rows_by<T: Elem>(
+    r: usize,
+    out: &mut [T],
+    ld: usize,
+    w: &[T],
+    ws: usize,
+    k: usize,
+    rows: &[T],
+    stride: usize,
+    n: usize,
+) {
+    match r {
+        ROWS => weighted_rows_r::<T, ROWS>(out, ld, w, ws, k, rows, stride, n),
+        2 => weighted_rows_r::<T, 2>(out, ld, w, ws, k, rows, stride, n),
+        _ => weighted_rows_r::<T, 1>(out, ld, w, ws, k, rows, stride, n),
+    }
+}
+
+/// [`weighted_rows_by`] for exactly `R` rows.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn weighted_rows_r<T: Elem, const R: usize>(
+    out: &mut [T],
+    ld: usize,
+    w: &[T],
+    ws: usize,
+    k: usize,
+    rows: &[T],
+    stride: usize,
+    n: usize,
+) {
+    let mut c0 = 0;
+    while c0 + 2 * LANES <= n {
+        weighted_tile::<T, R, { 2 * LANES }>(&mut out[c0..], ld, w, ws, k, &rows[c0..], stride);
+        c0 += 2 * LANES;
+    }
+    if c0 + LANES <= n {
+        weighted_tile::<T, R, LANES>(&mut out[c0..], ld, w, ws, k, &rows[c0..], stride);
+        c0 += LANES;
+    }
+    for i in 0..R {
+        for cc in c0..n {
+            let mut a = T::zero();
+            for j in 0..k {
+                a += w[i * ws + j] * rows[j * stride + cc];
+            }
+            out[i * ld + cc] = a;
+        }
+    }
+}
+
+/// [`weighted_rows_by`] for exactly `N` outputs per row, held in registers.
+#[inline(always)]
+fn weighted_tile<T: Elem, const R: usize, const N: usize>(
+    out: &mut [T],
+    ld: usize,
+    w: &[T],
+    ws: usize,
+    k: usize,
+    rows: &[T],
+    stride: usize,
+) {
+    let ws: [&[T]; R] = std::array::from_fn(|i| &w[i * ws..i * ws + k]);
+    let mut acc = [[T::zero(); N]; R];
+    for j in 0..k {
+        let r = &rows[j * stride..j * stride + N];
+        for (a, w) in acc.iter_mut().zip(&ws) {
+            let wj = w[j];
+            for l in 0..N {
+                a[l] += wj * r[l];
+            }
+        }
+    }
+    for (i, a) in acc.iter().enumerate() {
+        out[i * ld..i * ld + N].copy_from_slice(a);
+    }
+}
+
+/// Rows per call of [`weighted_rows_by`]: 4 rows of 2 vectors are 8 sums in flight, enough to
+/// cover the add latency on two ports.
+const ROWS: usize = 4;
+
+/// The blocks `(first, count)` that cover the rows `0..t`: [`ROWS`] rows each, then 2 and 1.
+fn row_blocks(t: usize) -> impl Iterator<Item = (usize, usize)> {
+    let mut i = 0;
+    std::iter::from_fn(move || {
+        (i < t).then(|| {
+            let r = match t - i {
+                n if n >= ROWS => ROWS,
+                n if n >= 2 => 2,
+                _ => 1,
+            };
+            i += r;
+            (i - r, r)
+        })
+    })
+}
+
 /// Bias values at or below this mask their key: its probability underflows to exactly 0 for
 /// any score below 10⁷ in magnitude (`causal_bias` uses −10⁹).
 const DEAD: f64 = -1e8;
@@ -142,85 +248,109 @@ fn live_keys<T: Elem>(bias: &[T], dead: T) -> usize {
 
 simd_kernel! {
     /// One sequence: `out (T, C)` and the probabilities `p (H, T, T)` from `qkv (T, 3C)`;
-    /// `kt (D, Tp)` (zeros) and `srow (Tp)` are scratch, `Tp = padded(T)`. Keys past the last
-    /// live one of a row (the causal future) are skipped: their probabilities are exactly 0.
+    /// `kt (D, Tp)` (zeros) and `srows (ROWS, Tp)` are scratch, `Tp = padded(T)`. Keys past the
+    /// last live one of a row (the causal future) are skipped: their probabilities are exactly 0.
     #[allow(clippy::too_many_arguments)]
-    fn fwd_seq<T: Elem>(out: &mut [T], p: &mut [T], kt: &mut [T], srow: &mut [T], qkv: &[T], bias: &[T], b: usize, dims: &Dims, scale: T) {
+    fn fwd_seq<T: Elem>(out: &mut [T], p: &mut [T], kt: &mut [T], srows: &mut [T], qkv: &[T], bias: &[T], b: usize, dims: &Dims, scale: T) {
         let (t, c, d) = (dims.t, dims.c, dims.d());
         let tp = padded(t);
         let dead = T::from(DEAD).unwrap_or_else(T::min_value);
         for h in 0..dims.h {
             let (q, v) = (h * d, 2 * c + h * d);
             transpose_head(kt, qkv, c + h * d, t, c, d, tp);
-            for i in 0..t {
+            let live_of = |i: usize| {
                 let br = dims.bias_row(b, h, i);
-                let brow = &bias[br..br + t];
-                let live = live_keys(brow, dead);
-                weighted_rows(&mut srow[..padded(live)], &qkv[i * 3 * c + q..i * 3 * c + q + d], kt, tp);
-                let full = &mut p[(h * t + i) * t..(h * t + i + 1) * t];
-                full[live..].fill(T::zero());
-                let row = &mut full[..live];
-                for ((s, &x), &bias) in row.iter_mut().zip(&srow[..live]).zip(brow) {
-                    *s = x * scale + bias;
+                live_keys(&bias[br..br + t], dead)
+            };
+            for (i0, r) in row_blocks(t) {
+                // The block's scores up to its longest row (a row's extra scores are unused).
+                let n = padded((i0..i0 + r).map(live_of).max().unwrap_or(0));
+                weighted_rows_by(r, srows, tp, &qkv[i0 * 3 * c + q..], 3 * c, d, kt, tp, n);
+                for i in i0..i0 + r {
+                    let br = dims.bias_row(b, h, i);
+                    let brow = &bias[br..br + t];
+                    let live = live_keys(brow, dead);
+                    let srow = &srows[(i - i0) * tp..];
+                    let full = &mut p[(h * t + i) * t..(h * t + i + 1) * t];
+                    full[live..].fill(T::zero());
+                    let row = &mut full[..live];
+                    for ((s, &x), &bias) in row.iter_mut().zip(&srow[..live]).zip(brow) {
+                        *s = x * scale + bias;
+                    }
+                    let m = simd::max(row);
+                    for s in row.iter_mut() {
+                        *s = (*s - m).exp_fast();
+                    }
+                    let inv = T::one() / simd::sum(row);
+                    for s in row.iter_mut() {
+                        *s *= inv;
+                    }
+                    weighted_rows(&mut out[i * c + h * d..i * c + h * d + d], row, &qkv[v..], 3 * c);
                 }
-                let m = simd::max(row);
-                for s in row.iter_mut() {
-                    *s = (*s - m).exp_fast();
-                }
-                let inv = T::one() / simd::sum(row);
-                for s in row.iter_mut() {
-                    *s *= inv;
-                }
-                weighted_rows(&mut out[i * c + h * d..i * c + h * d + d], row, &qkv[v..], 3 * c);
             }
         }
     }
 }
 
 simd_kernel! {
-    /// One sequence's `dqkv (T, 3C)` from `g (T, C)`. Scratch: `vt (D, Tp)` (zeros), `dsp (Tp)`,
-    /// `dsm (T, T)`, `col (2T)`, `Tp = padded(T)`. Per head: the rows of `dS` (skipping the
-    /// keys whose probability is 0) and `dq_i = Σ_j dS_ij·k_j`, then per key
+    /// One sequence's `dqkv (T, 3C)` from `g (T, C)`. Scratch: `vt (D, Tp)` (zeros), `dsp (ROWS,
+    /// Tp)`, `dsm (T, T)`, `col (2·ROWS·T)`, `Tp = padded(T)`. Per head: the rows of `dS`
+    /// (skipping the keys whose probability is 0) and `dq_i = Σ_j dS_ij·k_j`, then per key
     /// `dk_j = Σ_i dS_ij·q_i` and `dv_j = Σ_i P_ij·g_i`; every output is written once.
     #[allow(clippy::too_many_arguments)]
     fn bwd_seq<T: Elem>(dqkv: &mut [T], vt: &mut [T], dsp: &mut [T], dsm: &mut [T], col: &mut [T], g: &[T], p: &[T], qkv: &[T], dims: &Dims, scale: T) {
         let (t, c, d) = (dims.t, dims.c, dims.d());
         let tp = padded(t);
-        let (wds, wp) = col.split_at_mut(t);
+        let (wds, wp) = col.split_at_mut(ROWS * t);
         for h in 0..dims.h {
             let (q, k, v) = (h * d, c + h * d, 2 * c + h * d);
             transpose_head(vt, qkv, v, t, c, d, tp);
-            for i in 0..t {
+            let live_of = |i: usize| {
                 let pi = &p[(h * t + i) * t..(h * t + i + 1) * t];
-                let live = pi.iter().rposition(|&x| x != T::zero()).map_or(0, |j| j + 1);
-                let gi = &g[i * c + h * d..i * c + h * d + d];
-                // dP_i = g_i · Vᵀ, then the softmax backward.
-                weighted_rows(&mut dsp[..padded(live)], gi, vt, tp);
-                let dsi = &mut dsm[i * t..(i + 1) * t];
-                dsi[live..].fill(T::zero());
-                let dot = simd::dot(&pi[..live], &dsp[..live]);
-                for ((x, &dp), &pij) in dsi.iter_mut().zip(&dsp[..live]).zip(pi) {
-                    *x = scale * pij * (dp - dot);
+                pi.iter().rposition(|&x| x != T::zero()).map_or(0, |j| j + 1)
+            };
+            for (i0, r) in row_blocks(t) {
+                // dP = g · Vᵀ for the block's rows, up to its longest row.
+                let n = padded((i0..i0 + r).map(live_of).max().unwrap_or(0));
+                weighted_rows_by(r, dsp, tp, &g[i0 * c + h * d..], c, d, vt, tp, n);
+                for i in i0..i0 + r {
+                    let pi = &p[(h * t + i) * t..(h * t + i + 1) * t];
+                    let live = live_of(i);
+                    let dsp = &dsp[(i - i0) * tp..];
+                    // The softmax backward.
+                    let dsi = &mut dsm[i * t..(i + 1) * t];
+                    dsi[live..].fill(T::zero());
+                    let dot = simd::dot(&pi[..live], &dsp[..live]);
+                    for ((x, &dp), &pij) in dsi.iter_mut().zip(&dsp[..live]).zip(pi) {
+                        *x = scale * pij * (dp - dot);
+                    }
+                    let qi = i * 3 * c + q;
+                    weighted_rows(&mut dqkv[qi..qi + d], &dsi[..live], &qkv[k..], 3 * c);
                 }
-                let qi = i * 3 * c + q;
-                weighted_rows(&mut dqkv[qi..qi + d], &dsi[..live], &qkv[k..], 3 * c);
             }
-            for j in 0..t {
-                for i in 0..t {
-                    wds[i] = dsm[i * t + j];
-                    wp[i] = p[(h * t + i) * t + j];
-                }
-                // Queries before the first that attends to key j add exact zeros (the causal past).
-                let lo = wp.iter().position(|&x| x != T::zero()).unwrap_or(t);
-                let kj = j * 3 * c + k;
-                let vj = j * 3 * c + v;
+            // Queries before the first that attends to key j add exact zeros (the causal past).
+            let first = |j: usize| (0..t).find(|&i| p[(h * t + i) * t + j] != T::zero()).unwrap_or(t);
+            for (j0, r) in row_blocks(t) {
+                let lo = (j0..j0 + r).map(first).min().unwrap_or(t);
                 if lo == t {
-                    dqkv[kj..kj + d].fill(T::zero());
-                    dqkv[vj..vj + d].fill(T::zero());
+                    for j in j0..j0 + r {
+                        dqkv[j * 3 * c + k..][..d].fill(T::zero());
+                        dqkv[j * 3 * c + v..][..d].fill(T::zero());
+                    }
                     continue;
                 }
-                weighted_rows(&mut dqkv[kj..kj + d], &wds[lo..], &qkv[lo * 3 * c + q..], 3 * c);
-                weighted_rows(&mut dqkv[vj..vj + d], &wp[lo..], &g[lo * c + h * d..], c);
+                // The block's columns of dS and P, each contiguous from query `lo` (a key's
+                // terms before its own first query are exact zeros).
+                for jj in 0..r {
+                    for i in lo..t {
+                        wds[jj * t + i] = dsm[i * t + j0 + jj];
+                        wp[jj * t + i] = p[(h * t + i) * t + j0 + jj];
+                    }
+                }
+                let (n, at) = (t - lo, j0 * 3 * c);
+                let (qs, gs) = (&qkv[lo * 3 * c + q..], &g[lo * c + h * d..]);
+                weighted_rows_by(r, &mut dqkv[at + k..], 3 * c, &wds[lo..], t, n, qs, 3 * c, d);
+                weighted_rows_by(r, &mut dqkv[at + v..], 3 * c, &wp[lo..], t, n, gs, c, d);
             }
         }
     }
@@ -285,7 +415,7 @@ impl SelfAttention {
                         o,
                         p,
                         &mut vec![T::zero(); c / h * tp],
-                        &mut vec![T::zero(); tp],
+                        &mut vec![T::zero(); ROWS * tp],
                         x,
                         bias,
                         bi,
@@ -353,8 +483,8 @@ impl SelfAttentionBwd {
                 .zip(qkv.par_chunks(t * 3 * c))
                 .for_each(|(((dx, g), p), x)| {
                     let tp = padded(t);
-                    let (vt, dsp) = (&mut vec![T::zero(); c / h * tp], &mut vec![T::zero(); tp]);
-                    let (dsm, col) = (&mut vec![T::zero(); t * t], &mut vec![T::zero(); 2 * t]);
+                    let (vt, dsp) = (&mut vec![T::zero(); c / h * tp], &mut vec![T::zero(); ROWS * tp]);
+                    let (dsm, col) = (&mut vec![T::zero(); t * t], &mut vec![T::zero(); 2 * ROWS * t]);
                     bwd_seq(dx, vt, dsp, dsm, col, g, p, x, &self.dims, scale)
                 });
         }
