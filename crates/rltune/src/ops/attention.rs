@@ -19,7 +19,9 @@
 //! results are those of the composed version, and the causal half of every product is not
 //! computed. A fully masked (padding) row takes every key, as
 //! [`super::scaled_masked_softmax`] does, and gets the same uniform distribution. Each
-//! product keeps [`LANES`] outputs in registers, and rows are padded to whole vectors.
+//! product keeps its outputs in registers, [`LANES`] or more per row, for 4 rows (queries, or
+//! keys for `dk` and `dv`) at a time where a row alone has few; rows are padded to whole
+//! vectors.
 
 use std::sync::Mutex;
 
