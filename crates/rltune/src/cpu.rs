@@ -130,7 +130,7 @@ static AWAKE: std::sync::Mutex<(usize, Option<std::sync::Arc<Spinners>>)> = std:
 /// keep that away: a guard starts spinners only after the previous ones have left their loops
 /// (the last drop waits for that) and when its caller has no parallel work out, so the other
 /// threads are idle and take the new job first; and a spinner that has found no work for
-/// [`IDLE_LIMIT`] leaves by itself (the pool then sleeps between ops again until the guard is
+/// `IDLE_LIMIT` leaves by itself (the pool then sleeps between ops again until the guard is
 /// dropped and another taken). The second rule bounds what the first cannot rule out: several
 /// threads using one pool, one of them taking a guard while another's job runs (`cargo test`
 /// hung once in four runs without it).

@@ -288,7 +288,7 @@ mod imp {
         std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo))
     }
 
-    /// (x0[0], x1[0], x0[1], x1[1], …) from the 32 bf16 values (x0[0..16], x1[0..16]).
+    /// (`x0[0], x1[0], x0[1], x1[1], …`) from the 32 bf16 values (`x0[0..16]`, `x1[0..16]`).
     #[inline(always)]
     unsafe fn interleave(v: __m512i) -> __m512i {
         let idx = _mm512_set_epi16(

@@ -410,7 +410,7 @@ impl CustomOp2 for Probs {
 /// without, the backward recomputes them). TRL: `logprobs_from_logits(logits / τ, labels)` and
 /// `entropy_from_logits(logits / τ)` on the full logits.
 ///
-/// On the CPU (f32, f64) one fused op; elsewhere composed from [`super::linear`],
+/// On the CPU (f32, f64) one fused op; elsewhere composed from [`super::linear()`],
 /// [`super::logprobs_of`] and [`super::entropy_from_logits`], with the same results.
 pub fn lm_head_logprobs(
     hidden: &Tensor,

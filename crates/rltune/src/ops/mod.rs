@@ -19,8 +19,8 @@
 //! | [`lm_head_logprobs`] | the LM head's product, then logprobs and entropy, on selected rows only (no `(N, V)` tensor in the graph) |
 //! | [`gelu_tanh`] | candle's `gelu` (its backward: ~12 ops with `powf` and `tanh`) |
 //! | [`layer_norm`], [`rms_norm`] | mean, sub, sqr, mean, add, sqrt, div, mul, add |
-//! | [`embedding`] | `index_select` (its backward: a table-sized zero fill and add, twice) |
-//! | [`linear`], [`linear_in_out`], [`matmul`] | candle's matmul (AVX2 only), broadcast add of the bias, `contiguous()` copies of transposed operands in the backward |
+//! | [`embedding()`] | `index_select` (its backward: a table-sized zero fill and add, twice) |
+//! | [`linear()`], [`linear_in_out`], [`matmul`] | candle's matmul (AVX2 only), broadcast add of the bias, `contiguous()` copies of transposed operands in the backward |
 //! | `block::gpt2_block` (crate-internal; used by the GPT-2 model) | the ten graph nodes of a GPT-2 block, when every trained weight has a gradient sink |
 //!
 //! f32 kernels use a vectorizable `exp` (within 2 ulp of libm's) and are compiled three times,
