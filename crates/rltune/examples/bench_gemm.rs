@@ -1,4 +1,4 @@
-//! GFLOP/s of `rltune::ops::matmul` (the AVX-512 or AVX2 SGEMM of `ops/gemm.rs`) against candle's
+//! GFLOP/s of `rltune::ops::matmul` (the AVX-512 or AVX2 SGEMM of `ops/gemm`) against candle's
 //! `Tensor::matmul`, f32 on the CPU, for the shapes of a PPO step on the `small` preset.
 //!
 //! Each shape `M×K×N` (`(M, K)·(K, N)`) runs for at least 0.3 s after one warm-up call; the

@@ -1,4 +1,4 @@
-//! Matrix products and linear layers on the SGEMM of `gemm.rs`, with backward passes that reuse it.
+//! Matrix products and linear layers on the SGEMM of `ops/gemm`, with backward passes that reuse it.
 //!
 //! [`linear`] is `y = x·Wᵀ + b` for nn.Linear's `W (out, in)`; [`linear_in_out`] is
 //! `y = x·W + b` for GPT-2's Conv1D `W (in, out)`; [`matmul`] is a 2-D `A·B`. The bias is
@@ -10,7 +10,7 @@
 //! | `x·Wᵀ + b` | `dy·W` | `dyᵀ·x` | `Σ_rows dy` |
 //! | `x·W + b` | `dy·Wᵀ` | `xᵀ·dy` | `Σ_rows dy` |
 //!
-//! f32 runs on the SGEMM of `gemm.rs` where the CPU has AVX-512 or AVX2. f64, and f32 on other CPUs, run
+//! f32 runs on the SGEMM of `ops/gemm` where the CPU has AVX-512 or AVX2. f64, and f32 on other CPUs, run
 //! candle's own CPU matmul on the same strided views (f64 so the tests can check gradients
 //! by finite differences). Other devices use the composed candle ops.
 
