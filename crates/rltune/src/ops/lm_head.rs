@@ -101,12 +101,12 @@ fn exp_pass<T: Elem>(x: &mut [T], m: T) -> (T, T) {
     (s, sx)
 }
 
-/// [`exp_pass`] on 8 lanes with FMA.
+/// [`exp_pass`] with FMA, on 16 lanes where the CPU has AVX-512, else on 8.
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::super::simd::avx2::exp_clamped;
+    use super::super::simd::{self, avx2::exp_clamped, avx512};
 
     /// Values more than 80 below the maximum count as `e^(x − m) = 0`: their share of the sum is
     /// below 2·10⁻³⁵ (and −∞, a masked logit, must give 0, not [`exp_clamped`]'s `e^−80`). NaN
@@ -116,10 +116,30 @@ mod x86 {
     /// The CPU has AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn exp_pass(x: &mut [f32], m: f32) -> (f32, f32) {
+        let (mut s, mut sx) = if simd::has_avx512() { exp_pass_16(x, m) } else { exp_pass_8(x, m) };
+        for v in x.chunks_exact_mut(16).into_remainder() {
+            let d = *v - m;
+            let e = super::super::simd::exp_f32(d);
+            s += e;
+            if e > 0.0 {
+                sx += e * d;
+            }
+            *v = e;
+        }
+        (s, sx)
+    }
+
+    /// The loop over whole chunks of 16 values of [`exp_pass`] on 8 lanes: the sums of
+    /// `e^(x − m)` and `e^(x − m)·(x − m)`, two vectors of each, added up lane by lane at the
+    /// end.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn exp_pass_8(x: &mut [f32], m: f32) -> (f32, f32) {
         let (mv, lo, floor) = (_mm256_set1_ps(m), _mm256_set1_ps(f32::MIN), _mm256_set1_ps(-80.0));
         let (mut acc, mut acc_x) = ([_mm256_setzero_ps(); 2], [_mm256_setzero_ps(); 2]);
-        let mut chunks = x.chunks_exact_mut(16);
-        for c in &mut chunks {
+        for c in x.chunks_exact_mut(16) {
             for (l, (a, ax)) in acc.iter_mut().zip(&mut acc_x).enumerate() {
                 // SAFETY: a chunk holds 16 values.
                 let p = c.as_mut_ptr().add(8 * l);
@@ -132,19 +152,36 @@ mod x86 {
         }
         let mut lanes = [0f32; 8];
         _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_add_ps(acc[0], acc[1]));
-        let mut s: f32 = lanes.iter().sum();
+        let s: f32 = lanes.iter().sum();
         _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_add_ps(acc_x[0], acc_x[1]));
-        let mut sx: f32 = lanes.iter().sum();
-        for v in chunks.into_remainder() {
-            let d = *v - m;
-            let e = super::super::simd::exp_f32(d);
-            s += e;
-            if e > 0.0 {
-                sx += e * d;
-            }
-            *v = e;
+        (s, lanes.iter().sum())
+    }
+
+    /// [`exp_pass_8`] on 16 lanes where the CPU has AVX-512: lane `l` of the sums is lane
+    /// `l % 8` of the 8-lane body's `acc[l / 8]`, added in the same order, and the halves are
+    /// added as those two are, so the sums have the same bits.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn exp_pass_16(x: &mut [f32], m: f32) -> (f32, f32) {
+        let (mv, lo, floor) = (_mm512_set1_ps(m), _mm512_set1_ps(f32::MIN), _mm512_set1_ps(-80.0));
+        let (mut acc, mut acc_x) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        for c in x.chunks_exact_mut(16) {
+            // SAFETY: a chunk holds 16 values.
+            let p = c.as_mut_ptr();
+            let d = _mm512_sub_ps(_mm512_loadu_ps(p), mv);
+            let e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask::<_CMP_NLT_UQ>(d, floor), avx512::exp_clamped(d));
+            acc = _mm512_add_ps(acc, e);
+            acc_x = _mm512_fmadd_ps(e, _mm512_max_ps(d, lo), acc_x);
+            _mm512_storeu_ps(p, e);
         }
-        (s, sx)
+        let halves = |v: __m512| {
+            let mut lanes = [0f32; 16];
+            _mm512_storeu_ps(lanes.as_mut_ptr(), v);
+            (0..8).map(|l| lanes[l] + lanes[8 + l]).sum::<f32>()
+        };
+        (halves(acc), halves(acc_x))
     }
 }
 
@@ -586,6 +623,31 @@ mod tests {
         row[9] = f32::NAN;
         let (s, sx) = exp_pass(&mut row, m);
         assert!(s.is_nan() && sx.is_nan());
+    }
+
+    /// The 16-lane row pass gives the 8-lane one's bits: the exponentials and both sums, also
+    /// with masked, far and NaN logits.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn exp_pass_on_16_lanes_has_the_bits_of_8() {
+        if !simd::has_avx512() || !simd::avx2::available() {
+            return;
+        }
+        let mut row: Vec<f32> = (0..8192).map(|i| (i as f32 * 0.37).sin() * 30.0 - 10.0).collect();
+        row[5] = f32::NEG_INFINITY;
+        row[20] = -79.0;
+        row[33] = -200.0;
+        for nan in [false, true] {
+            if nan {
+                row[901] = f32::NAN;
+            }
+            let (mut a, mut b) = (row.clone(), row.clone());
+            // SAFETY: the CPU has AVX-512F, AVX2 and FMA (checked above).
+            let (s8, s16) = unsafe { (x86::exp_pass_8(&mut a, 15.0), x86::exp_pass_16(&mut b, 15.0)) };
+            let same = |x: f32, y: f32| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan());
+            assert!(same(s8.0, s16.0) && same(s8.1, s16.1), "{s8:?} vs {s16:?}");
+            assert!(a.iter().zip(&b).all(|(&x, &y)| same(x, y)));
+        }
     }
 
     #[test]

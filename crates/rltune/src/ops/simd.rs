@@ -12,6 +12,8 @@
 //! hand-written AVX2 + FMA body ([`avx2`]): the compiled copies above cannot use FMA and reload
 //! the polynomial's constants every iteration. Its `e^x` is [`exp_f32`]'s algorithm with fused
 //! multiply-adds, so its results differ from the portable copies' in the last bit or two.
+//! GELU and the LM head's row pass run those bodies on 16 lanes where the CPU has AVX-512
+//! ([`avx512::exp_clamped`]): the same operations lane by lane, so the same bits as on 8.
 
 /// `e^x` in f32, within 2 ulp of the exact value; no function calls, so loops over it vectorize.
 ///
@@ -220,6 +222,31 @@ pub(crate) mod avx512 {
         }
         out
     }
+
+    /// [`super::avx2::exp_clamped`] on 16 lanes: the same operations lane by lane, so the same
+    /// bits.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(crate) unsafe fn exp_clamped(x: __m512) -> __m512 {
+        let c = _mm512_set1_ps;
+        let xc = _mm512_min_ps(c(80.0), _mm512_max_ps(c(-80.0), x));
+        let t = _mm512_fmadd_ps(xc, c(std::f32::consts::LOG2_E), c(super::avx2::MAGIC));
+        let n = _mm512_sub_ps(t, c(super::avx2::MAGIC));
+        let r = _mm512_fnmadd_ps(n, c(0.693_359_4), xc);
+        let r = _mm512_fnmadd_ps(n, c(-2.121_944_4e-4), r);
+        let r2 = _mm512_mul_ps(r, r);
+        let mut p = _mm512_fmadd_ps(c(1.987_569_1e-4), r, c(1.398_199_9e-3));
+        p = _mm512_fmadd_ps(p, r, c(8.333_452e-3));
+        p = _mm512_fmadd_ps(p, r, c(4.166_579_6e-2));
+        p = _mm512_fmadd_ps(p, r, c(1.666_666_5e-1));
+        p = _mm512_fmadd_ps(p, r, c(0.5));
+        let p = _mm512_add_ps(_mm512_fmadd_ps(p, r2, r), c(1.0));
+        let n_exp = _mm512_slli_epi32::<23>(_mm512_castps_si512(t));
+        _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), n_exp))
+    }
 }
 
 /// Hand-written AVX2 + FMA kernels for f32 (see the module docs). Every `unsafe fn` here needs
@@ -258,7 +285,7 @@ pub(crate) mod avx2 {
 
     /// `1.5·2²³`: added to a float below 2²², it leaves the value rounded to an integer in the
     /// low mantissa bits.
-    const MAGIC: f32 = 12_582_912.0;
+    pub(super) const MAGIC: f32 = 12_582_912.0;
 
     /// `e^x` on 8 lanes: [`super::exp_f32`]'s algorithm and edges, with fused multiply-adds.
     ///
