@@ -175,15 +175,18 @@ fn reads_b_in_place(b: &MatRef, m: usize) -> bool {
 /// miss buffers and stalled the kernel): 152–157 GFLOP/s cold. The same holds for the panels
 /// read in place.
 ///
-/// # Safety
-/// As [`sgemm`], for `K`'s instruction set.
-///
 /// With a block epilogue, each task multiplies into a buffer of its own block of C instead
 /// and hands the finished block to `epi`; with a row epilogue, into C, then hands `epi` the
 /// block's rows there.
 ///
 /// With `prepacked` (all of `b` packed by [`pack_all`]), nothing is packed or prefetched
 /// from B.
+///
+/// What is packed where and how the output is cut into tasks is decided up front ([`Plan`]);
+/// the tasks run [`Plan::run_task`].
+///
+/// # Safety
+/// As [`sgemm`], for `K`'s instruction set.
 #[allow(clippy::too_many_arguments)]
 unsafe fn drive<K: Micro>(
     a: MatRef,
@@ -195,204 +198,313 @@ unsafe fn drive<K: Micro>(
     epi: Option<Epi>,
 ) {
     debug_assert!(epi.is_none() || !accumulate);
-    let block_epi = match epi {
-        Some(Epi::Block(e)) => Some(e),
-        _ => None,
-    };
-    let (mr_, nr_) = (K::MR, K::NR);
-    let (m, k, n) = (a.rows, a.cols, b.cols);
-    let panels = n.div_ceil(nr_);
-    let blocks = k.div_ceil(KC);
-    let s = split(m, n, k, rayon::current_num_threads(), (mr_, nr_));
-    let direct_b = prepacked.is_none() && reads_b_in_place(&b, m);
-    // Whether panel `j` is read in place (only full panels are).
-    let in_place = |j: usize| direct_b && (j + 1) * nr_ <= n;
-    // Whether the tasks pack their own panels (one task per column range).
-    let local_b = prepacked.is_none() && !direct_b && m.div_ceil(s.row_tiles * mr_) == 1;
-    // Packed panels per depth block: all of them, or with `direct_b` only the last, partial
-    // one; none with `local_b` or `prepacked`.
-    let packed_panels = match (local_b || prepacked.is_some(), direct_b) {
-        (true, _) => 0,
-        (false, true) => 1,
-        (false, false) => panels,
-    };
-    let packed_len = k * packed_panels * nr_;
-    let (row_chunks, col_chunks) = (m.div_ceil(s.row_tiles * mr_), panels.div_ceil(s.col_panels));
-    let mt = m.div_ceil(mr_);
-    // Row range `ti`: its first row and its row count. The tiles are dealt out evenly (86
-    // tiles in 6 ranges are 14 or 15 each, not five of 15 and one of 11), so equal tasks
-    // finish together.
-    let row_range = |ti: usize| {
-        let (t0, t1) = (ti * mt / row_chunks, (ti + 1) * mt / row_chunks);
-        (t0 * mr_, (t1 * mr_).min(m) - t0 * mr_)
-    };
-    // A that is not row-major is packed whole; with several column ranges per row range,
-    // every task of a row range would pack the same rows again (4 times over for a weight
-    // gradient of the `small` preset), so then all of A is packed once, up front: block `q`
-    // (depth `kc`) of row tile `t` at `q·KC·MT·MR + t·kc·MR`.
-    let shared_a = a.cs != 1 && col_chunks > 1;
-    let shared_len = if shared_a { mt * mr_ * k } else { 0 };
-    // Where block `q` (depth `kc`) of packed panel `j` starts: `q·KC·panels·NR + j·kc·NR`,
-    // or `q·KC·NR` for the one panel packed with `direct_b`.
-    let slot = |q: usize, j: usize, kc: usize| {
-        if direct_b {
-            q * KC * nr_
-        } else {
-            q * KC * panels * nr_ + j * kc * nr_
+    let plan = Plan::new::<K>(&a, &b, prepacked.is_some());
+    with_buffer(&PACKED_B, plan.packed_len + plan.shared_len, |buf| {
+        let (pb, sa) = buf.split_at_mut(plan.packed_len);
+        if plan.shared_a {
+            plan.pack_all_of_a::<K>(&a, sa);
         }
-    };
-    with_buffer(&PACKED_B, packed_len + shared_len, |buf| {
-        let (pb, sa) = buf.split_at_mut(packed_len);
-        if shared_a {
-            let units: Vec<(usize, usize)> =
-                (0..blocks).flat_map(|q| (0..row_chunks).map(move |ti| (q, ti))).collect();
-            let sa_ptr = SendPtr(sa.as_mut_ptr());
-            crate::cpu::for_each_task(units.len(), |u| {
-                let (q, ti) = units[u];
-                let kc = KC.min(k - q * KC);
-                let (i0, mc) = row_range(ti);
-                // SAFETY: the units' ranges are disjoint and inside `sa` (`shared_len` covers
-                // every block of every row tile).
-                let out = unsafe {
-                    std::slice::from_raw_parts_mut(
-                        sa_ptr.get().add(q * KC * mt * mr_ + i0 * kc),
-                        mc.div_ceil(mr_) * kc * mr_,
-                    )
-                };
-                K::pack_a(&a, i0, mc, q * KC, kc, out);
-            });
+        if !plan.local_b && prepacked.is_none() {
+            // SAFETY: the CPU has K's instruction set (the caller's promise).
+            unsafe { plan.pack_b_up_front::<K>(&b, pb) };
         }
-        let sa: &[f32] = sa;
-        let chunks: Vec<(usize, usize)> = match local_b || prepacked.is_some() {
-            true => Vec::new(),
-            false => {
-                (0..blocks).flat_map(|q| (0..panels).filter(|&j| !in_place(j)).map(move |j| (q, j))).collect()
-            }
+        let ops = Operands { a, b, pb: prepacked.unwrap_or(pb), sa, c: SendPtr(c), bias, accumulate, epi };
+        let tasks: Vec<(usize, usize)> =
+            (0..plan.row_chunks).flat_map(|ti| (0..plan.col_chunks).map(move |tj| (ti, tj))).collect();
+        // SAFETY: the tasks' blocks of C are disjoint; the rest as the caller promised.
+        crate::cpu::for_each_task(tasks.len(), |i| unsafe { plan.run_task::<K>(&ops, tasks[i]) });
+    });
+}
+
+/// How [`drive`] cuts a product up and where its packed operands go, decided before any work.
+struct Plan {
+    m: usize,
+    k: usize,
+    n: usize,
+    mr: usize,
+    nr: usize,
+    /// `NR`-wide panels of B.
+    panels: usize,
+    /// `KC`-deep blocks of the depth.
+    blocks: usize,
+    /// `MR`-high tiles of A.
+    mt: usize,
+    row_chunks: usize,
+    col_chunks: usize,
+    /// B packed once by the caller ([`pack_all`]): nothing is packed or prefetched from B.
+    prepacked: bool,
+    /// The full panels of B are read in place ([`reads_b_in_place`]).
+    direct_b: bool,
+    /// The tasks pack their own panels of B (one task per column range).
+    local_b: bool,
+    /// A is packed whole, once, up front: block `q` (depth `kc`) of row tile `t` at
+    /// `q·KC·MT·MR + t·kc·MR`.
+    shared_a: bool,
+    /// Values of B packed up front.
+    packed_len: usize,
+    /// Values of A packed up front.
+    shared_len: usize,
+}
+
+/// The operands of a product, as its tasks read them: `pb` is B packed (up front or by the
+/// caller), `sa` A packed up front (both empty where not used).
+struct Operands<'a> {
+    a: MatRef<'a>,
+    b: MatRef<'a>,
+    pb: &'a [f32],
+    sa: &'a [f32],
+    c: SendPtr<f32>,
+    bias: Option<&'a [f32]>,
+    accumulate: bool,
+    epi: Option<Epi<'a>>,
+}
+
+impl Plan {
+    fn new<K: Micro>(a: &MatRef, b: &MatRef, prepacked: bool) -> Plan {
+        let (mr, nr) = (K::MR, K::NR);
+        let (m, k, n) = (a.rows, a.cols, b.cols);
+        let panels = n.div_ceil(nr);
+        let s = split(m, n, k, rayon::current_num_threads(), (mr, nr));
+        let direct_b = !prepacked && reads_b_in_place(b, m);
+        let row_chunks = m.div_ceil(s.row_tiles * mr);
+        let col_chunks = panels.div_ceil(s.col_panels);
+        let local_b = !prepacked && !direct_b && row_chunks == 1;
+        // Packed panels per depth block: all of them, or with `direct_b` only the last,
+        // partial one; none with `local_b` or `prepacked`.
+        let packed_panels = match (local_b || prepacked, direct_b) {
+            (true, _) => 0,
+            (false, true) => 1,
+            (false, false) => panels,
         };
+        // A that is not row-major is packed whole; with several column ranges per row range,
+        // every task of a row range would pack the same rows again (4 times over for a weight
+        // gradient of the `small` preset), so then all of A is packed once, up front.
+        let shared_a = a.cs != 1 && col_chunks > 1;
+        let mt = m.div_ceil(mr);
+        Plan {
+            m,
+            k,
+            n,
+            mr,
+            nr,
+            panels,
+            blocks: k.div_ceil(KC),
+            mt,
+            row_chunks,
+            col_chunks,
+            prepacked,
+            direct_b,
+            local_b,
+            shared_a,
+            packed_len: k * packed_panels * nr,
+            shared_len: if shared_a { mt * mr * k } else { 0 },
+        }
+    }
+
+    /// The depth of block `q`.
+    fn kc(&self, q: usize) -> usize {
+        KC.min(self.k - q * KC)
+    }
+
+    /// Whether panel `j` is read in place (only full panels are).
+    fn in_place(&self, j: usize) -> bool {
+        self.direct_b && (j + 1) * self.nr <= self.n
+    }
+
+    /// Row range `ti`: its first row and its row count. The tiles are dealt out evenly (86
+    /// tiles in 6 ranges are 14 or 15 each, not five of 15 and one of 11), so equal tasks
+    /// finish together.
+    fn row_range(&self, ti: usize) -> (usize, usize) {
+        let (t0, t1) = (ti * self.mt / self.row_chunks, (ti + 1) * self.mt / self.row_chunks);
+        (t0 * self.mr, (t1 * self.mr).min(self.m) - t0 * self.mr)
+    }
+
+    /// Where block `q` (depth `kc`) of packed panel `j` starts: `q·KC·panels·NR + j·kc·NR`,
+    /// or `q·KC·NR` for the one panel packed with `direct_b`.
+    fn slot(&self, q: usize, j: usize, kc: usize) -> usize {
+        if self.direct_b {
+            q * KC * self.nr
+        } else {
+            q * KC * self.panels * self.nr + j * kc * self.nr
+        }
+    }
+
+    /// Packs all of A into `sa` (`shared_len` values), in parallel by depth block and row range.
+    fn pack_all_of_a<K: Micro>(&self, a: &MatRef, sa: &mut [f32]) {
+        let units: Vec<(usize, usize)> =
+            (0..self.blocks).flat_map(|q| (0..self.row_chunks).map(move |ti| (q, ti))).collect();
+        let sa_ptr = SendPtr(sa.as_mut_ptr());
+        crate::cpu::for_each_task(units.len(), |u| {
+            let (q, ti) = units[u];
+            let kc = self.kc(q);
+            let (i0, mc) = self.row_range(ti);
+            // SAFETY: the units' ranges are disjoint and inside `sa` (`shared_len` covers every
+            // block of every row tile).
+            let out = unsafe {
+                std::slice::from_raw_parts_mut(
+                    sa_ptr.get().add(q * KC * self.mt * self.mr + i0 * kc),
+                    mc.div_ceil(self.mr) * kc * self.mr,
+                )
+            };
+            K::pack_a(a, i0, mc, q * KC, kc, out);
+        });
+    }
+
+    /// Packs the panels of B that are not read in place into `pb` (`packed_len` values), in
+    /// parallel when the product is large enough to pay for it.
+    ///
+    /// # Safety
+    /// The CPU has K's instruction set.
+    unsafe fn pack_b_up_front<K: Micro>(&self, b: &MatRef, pb: &mut [f32]) {
+        let chunks: Vec<(usize, usize)> = (0..self.blocks)
+            .flat_map(|q| (0..self.panels).filter(|&j| !self.in_place(j)).map(move |j| (q, j)))
+            .collect();
         let pb_ptr = SendPtr(pb.as_mut_ptr());
         let pack = |&(q, j): &(usize, usize)| {
-            let kc = KC.min(k - q * KC);
-            let start = slot(q, j, kc);
+            let kc = self.kc(q);
             // SAFETY: chunks are disjoint and inside `pb` (packed_len covers every packed
             // block); the CPU has K's instruction set (the caller's promise).
             unsafe {
-                let out = std::slice::from_raw_parts_mut(pb_ptr.get().add(start), kc * nr_);
-                K::pack_b(&b, q * KC, kc, j * nr_, out);
+                let out = std::slice::from_raw_parts_mut(pb_ptr.get().add(self.slot(q, j, kc)), kc * self.nr);
+                K::pack_b(b, q * KC, kc, j * self.nr, out);
             }
         };
-        if (packed_len as f64) * (m as f64) > 2e6 {
+        if (self.packed_len as f64) * (self.m as f64) > 2e6 {
             crate::cpu::for_each_task(chunks.len(), |i| pack(&chunks[i]));
         } else {
             chunks.iter().for_each(pack);
         }
-        let pb: &[f32] = prepacked.unwrap_or(pb);
-        let tasks: Vec<(usize, usize)> =
-            (0..row_chunks).flat_map(|ti| (0..col_chunks).map(move |tj| (ti, tj))).collect();
-        let c_ptr = SendPtr(c);
-        let run = |&(ti, tj): &(usize, usize)| {
-            let (i0, mc) = row_range(ti);
-            let (j0, j1) = (tj * panels / col_chunks, (tj + 1) * panels / col_chunks);
-            // Rows stored contiguously are read in place by the microkernel; only a
-            // partial last tile (and other layouts) go through the packing buffer.
-            let tiles = mc.div_ceil(mr_);
-            let full = if a.cs == 1 { mc / mr_ } else { 0 };
-            let panel_len = if local_b { KC * nr_ } else { 0 };
-            // With a block epilogue, C is this task's block: `tiles·MR` rows of `width` values.
-            let width = (j1 - j0) * nr_;
-            let block_len = if block_epi.is_some() { tiles * mr_ * width } else { 0 };
-            let pa_len = if shared_a { 0 } else { tiles * mr_ * KC };
-            with_buffer(&PACKED_A, pa_len + panel_len + block_len, |buf| {
-                let (pa, rest) = buf.split_at_mut(pa_len);
-                let (panel, block) = rest.split_at_mut(panel_len);
-                let (c_base, ldc, c_row0, c_col0) = match block_epi {
-                    Some(_) => (block.as_mut_ptr(), width, i0, j0 * nr_),
-                    None => (c_ptr.get(), n, 0, 0),
+    }
+
+    /// The panel that task `j0..j1` reads from B after panel `j` of depth block `q`, where it
+    /// reads B unpacked (or packed by the caller), to be fetched while panel `j` is multiplied:
+    /// a panel is `kc` separate cache lines of a weight that comes from memory, which packing
+    /// alone waits on.
+    fn next_panel(&self, q: usize, j: usize, j0: usize, j1: usize) -> Option<(usize, usize)> {
+        let span = j1 - j0;
+        let at = q * span + (j - j0) + 1;
+        let next = (at < self.blocks * span).then(|| (at / span, j0 + at % span));
+        next.filter(|&(_, nj)| self.local_b || self.in_place(nj) || self.prepacked)
+    }
+
+    /// Hands a task's finished block (rows `i0..i0 + mc` × columns `col0..col0 + cols`) to the
+    /// epilogue: the task's `block` buffer (`width` values a row), or the rows in place in C.
+    ///
+    /// # Safety
+    /// The task wrote that block of C, which no other task touches; C has `m × n` values.
+    unsafe fn hand_over(
+        ops: &Operands,
+        i0: usize,
+        mc: usize,
+        col0: usize,
+        cols: usize,
+        block: &mut [f32],
+        width: usize,
+    ) {
+        match ops.epi {
+            Some(Epi::Block(epi)) => epi(i0, mc, col0, cols, block, width),
+            Some(Epi::Rows(epi)) => {
+                let n = ops.b.cols;
+                for i in i0..i0 + mc {
+                    // SAFETY: as the caller promised.
+                    let row = unsafe { std::slice::from_raw_parts_mut(ops.c.get().add(i * n + col0), cols) };
+                    epi(i, col0, row);
+                }
+            }
+            None => {}
+        }
+    }
+
+    /// Task `(ti, tj)`: rows `row_range(ti)` × column range `tj` of C, every depth block, then
+    /// the epilogue on the finished block. Rows stored contiguously are read in place by the
+    /// microkernel; only a partial last tile (and other layouts) go through the packing buffer.
+    ///
+    /// # Safety
+    /// The CPU has K's instruction set; `ops` as [`drive`] was given them; no other task
+    /// has the same `(ti, tj)`.
+    unsafe fn run_task<K: Micro>(&self, ops: &Operands, (ti, tj): (usize, usize)) {
+        let (mr_, nr_) = (self.mr, self.nr);
+        let (a, n) = (&ops.a, self.n);
+        let (i0, mc) = self.row_range(ti);
+        let (j0, j1) = (tj * self.panels / self.col_chunks, (tj + 1) * self.panels / self.col_chunks);
+        let tiles = mc.div_ceil(mr_);
+        let full = if a.cs == 1 { mc / mr_ } else { 0 };
+        let panel_len = if self.local_b { KC * nr_ } else { 0 };
+        let block_epi = matches!(ops.epi, Some(Epi::Block(_)));
+        // With a block epilogue, C is this task's block: `tiles·MR` rows of `width` values.
+        let width = (j1 - j0) * nr_;
+        let block_len = if block_epi { tiles * mr_ * width } else { 0 };
+        let pa_len = if self.shared_a { 0 } else { tiles * mr_ * KC };
+        with_buffer(&PACKED_A, pa_len + panel_len + block_len, |buf| {
+            let (pa, rest) = buf.split_at_mut(pa_len);
+            let (panel, block) = rest.split_at_mut(panel_len);
+            let (c_base, ldc, c_row0, c_col0) = match block_epi {
+                true => (block.as_mut_ptr(), width, i0, j0 * nr_),
+                false => (ops.c.get(), n, 0, 0),
+            };
+            for q in 0..self.blocks {
+                let kc = self.kc(q);
+                if full < tiles && !self.shared_a {
+                    K::pack_a(a, i0 + full * mr_, mc - full * mr_, q * KC, kc, pa);
+                }
+                let load_c = ops.accumulate || q > 0;
+                let bias_ptr = match ops.bias {
+                    Some(bias) if q == 0 => bias.as_ptr(),
+                    _ => std::ptr::null(),
                 };
-                for q in 0..blocks {
-                    let kc = KC.min(k - q * KC);
-                    if full < tiles && !shared_a {
-                        K::pack_a(&a, i0 + full * mr_, mc - full * mr_, q * KC, kc, pa);
-                    }
-                    let load_c = accumulate || q > 0;
-                    let bias_ptr = match bias {
-                        Some(bias) if q == 0 => bias.as_ptr(),
-                        _ => std::ptr::null(),
-                    };
-                    for j in j0..j1 {
-                        let col = j * nr_;
-                        let nr = nr_.min(n - col);
-                        // The next panel this task reads from B (unpacked), fetched while
-                        // this one is multiplied: a panel is `kc` separate cache lines of a
-                        // weight that comes from memory, which packing alone waits on.
-                        let span = j1 - j0;
-                        let at = q * span + (j - j0) + 1;
-                        let next = (at < blocks * span).then(|| (at / span, j0 + at % span));
-                        let next = next.filter(|&(_, nj)| local_b || in_place(nj) || prepacked.is_some());
-                        let next_kc = next.map_or(0, |(nq, _)| KC.min(k - nq * KC));
-                        let per_tile = next_kc.div_ceil(tiles);
-                        // SAFETY (this block): tile (row.., col..) lies inside c and belongs
-                        // to this task; a full direct tile reads rows row..row + MR of `a`;
-                        // the packed panels lie inside `pa`, `pb` or `panel`; the CPU has K's
-                        // instruction set (the caller's promise).
-                        unsafe {
-                            let (bp, ldb) = if in_place(j) {
-                                (b.data.as_ptr().add(b.off + q * KC * b.rs + col), b.rs)
-                            } else if local_b {
-                                K::pack_b(&b, q * KC, kc, col, &mut panel[..kc * nr_]);
-                                (panel.as_ptr(), nr_)
+                for j in j0..j1 {
+                    let col = j * nr_;
+                    let nr = nr_.min(n - col);
+                    let next = self.next_panel(q, j, j0, j1);
+                    let next_kc = next.map_or(0, |(nq, _)| self.kc(nq));
+                    let per_tile = next_kc.div_ceil(tiles);
+                    // SAFETY (this block): tile (row.., col..) lies inside c and belongs to this
+                    // task; a full direct tile reads rows row..row + MR of `a`; the packed panels
+                    // lie inside `pa`, `pb` or `panel`; the CPU has K's instruction set (the
+                    // caller's promise).
+                    unsafe {
+                        let (bp, ldb) = if self.in_place(j) {
+                            (ops.b.data.as_ptr().add(ops.b.off + q * KC * ops.b.rs + col), ops.b.rs)
+                        } else if self.local_b {
+                            K::pack_b(&ops.b, q * KC, kc, col, &mut panel[..kc * nr_]);
+                            (panel.as_ptr(), nr_)
+                        } else {
+                            (ops.pb.as_ptr().add(self.slot(q, j, kc)), nr_)
+                        };
+                        let bias = if bias_ptr.is_null() { bias_ptr } else { bias_ptr.add(col) };
+                        for t in 0..tiles {
+                            if let Some((nq, nj)) = next {
+                                let p = (t * per_tile).min(next_kc);
+                                let p1 = (p + per_tile).min(next_kc);
+                                match self.prepacked {
+                                    // Packed steps are `NR` values each, one after another.
+                                    true => prefetch_lines(
+                                        &ops.pb[self.slot(nq, nj, next_kc)..][p * nr_..p1 * nr_],
+                                    ),
+                                    false => prefetch_panel(&ops.b, nq * KC + p, p1 - p, nj * nr_, nr_),
+                                }
+                            }
+                            let row = i0 + t * mr_;
+                            let mr = mr_.min(self.m - row);
+                            let cp = c_base.add((row - c_row0) * ldc + col - c_col0);
+                            if t < full {
+                                let ap = a.data.as_ptr().add(a.off + row * a.rs + q * KC);
+                                K::kernel::<true>(kc, ap, a.rs, bp, ldb, cp, ldc, mr, nr, load_c, bias);
                             } else {
-                                (pb.as_ptr().add(slot(q, j, kc)), nr_)
-                            };
-                            let bias = if bias_ptr.is_null() { bias_ptr } else { bias_ptr.add(col) };
-                            for t in 0..tiles {
-                                if let Some((nq, nj)) = next {
-                                    let p = (t * per_tile).min(next_kc);
-                                    let p1 = (p + per_tile).min(next_kc);
-                                    match prepacked {
-                                        // Packed steps are `NR` values each, one after another.
-                                        Some(pb) => {
-                                            prefetch_lines(&pb[slot(nq, nj, next_kc)..][p * nr_..p1 * nr_])
-                                        }
-                                        None => prefetch_panel(&b, nq * KC + p, p1 - p, nj * nr_, nr_),
-                                    }
-                                }
-                                let row = i0 + t * mr_;
-                                let mr = mr_.min(m - row);
-                                let cp = c_base.add((row - c_row0) * ldc + col - c_col0);
-                                if t < full {
-                                    let ap = a.data.as_ptr().add(a.off + row * a.rs + q * KC);
-                                    K::kernel::<true>(kc, ap, a.rs, bp, ldb, cp, ldc, mr, nr, load_c, bias);
-                                } else {
-                                    let ap = match shared_a {
-                                        true => sa.as_ptr().add(q * KC * mt * mr_ + row * kc),
-                                        false => pa.as_ptr().add((t - full) * kc * mr_),
-                                    };
-                                    K::kernel::<false>(kc, ap, 0, bp, ldb, cp, ldc, mr, nr, load_c, bias);
-                                }
+                                let ap = match self.shared_a {
+                                    true => ops.sa.as_ptr().add(q * KC * self.mt * mr_ + row * kc),
+                                    false => pa.as_ptr().add((t - full) * kc * mr_),
+                                };
+                                K::kernel::<false>(kc, ap, 0, bp, ldb, cp, ldc, mr, nr, load_c, bias);
                             }
                         }
                     }
                 }
-                let col0 = j0 * nr_;
-                let cols = width.min(n - col0);
-                match epi {
-                    Some(Epi::Block(epi)) => epi(i0, mc, col0, cols, block, width),
-                    Some(Epi::Rows(epi)) => {
-                        for i in i0..i0 + mc {
-                            // SAFETY: this task wrote rows i0..i0 + mc × columns col0..col0 +
-                            // cols of C, which no other task touches; C has m × n values.
-                            let row = unsafe {
-                                std::slice::from_raw_parts_mut(c_ptr.get().add(i * n + col0), cols)
-                            };
-                            epi(i, col0, row);
-                        }
-                    }
-                    None => {}
-                }
-            });
-        };
-        crate::cpu::for_each_task(tasks.len(), |i| run(&tasks[i]));
-    });
+            }
+            // SAFETY: this task wrote its block of C (the caller's promise for the rest).
+            unsafe { Self::hand_over(ops, i0, mc, j0 * nr_, width.min(n - j0 * nr_), block, width) };
+        });
+    }
 }
 
 /// Prefetches the cache lines of `values`.
