@@ -180,7 +180,9 @@ fn reads_b_in_place(b: &MatRef, m: usize) -> bool {
 /// block's rows there.
 ///
 /// With `prepacked` (all of `b` packed by [`pack_all`]), nothing is packed or prefetched
-/// from B.
+/// from B: prefetching the next packed panel, as for the panels read unpacked, made the
+/// `small` preset's generation 4% slower (its prefetches stalled on the line-fill buffers
+/// while the weights streamed from L3).
 ///
 /// What is packed where and how the output is cut into tasks is decided up front ([`Plan`]);
 /// the tasks run [`Plan::run_task`].
@@ -231,8 +233,6 @@ struct Plan {
     mt: usize,
     row_chunks: usize,
     col_chunks: usize,
-    /// B packed once by the caller ([`pack_all`]): nothing is packed or prefetched from B.
-    prepacked: bool,
     /// The full panels of B are read in place ([`reads_b_in_place`]).
     direct_b: bool,
     /// The tasks pack their own panels of B (one task per column range).
@@ -292,7 +292,6 @@ impl Plan {
             mt,
             row_chunks,
             col_chunks,
-            prepacked,
             direct_b,
             local_b,
             shared_a,
@@ -377,14 +376,14 @@ impl Plan {
     }
 
     /// The panel that task `j0..j1` reads from B after panel `j` of depth block `q`, where it
-    /// reads B unpacked (or packed by the caller), to be fetched while panel `j` is multiplied:
+    /// reads B unpacked (packing its own panels, or in place), to be fetched while panel `j` is multiplied:
     /// a panel is `kc` separate cache lines of a weight that comes from memory, which packing
     /// alone waits on.
     fn next_panel(&self, q: usize, j: usize, j0: usize, j1: usize) -> Option<(usize, usize)> {
         let span = j1 - j0;
         let at = q * span + (j - j0) + 1;
         let next = (at < self.blocks * span).then(|| (at / span, j0 + at % span));
-        next.filter(|&(_, nj)| self.local_b || self.in_place(nj) || self.prepacked)
+        next.filter(|&(_, nj)| self.local_b || self.in_place(nj))
     }
 
     /// Hands a task's finished block (rows `i0..i0 + mc` × columns `col0..col0 + cols`) to the
@@ -476,13 +475,7 @@ impl Plan {
                             if let Some((nq, nj)) = next {
                                 let p = (t * per_tile).min(next_kc);
                                 let p1 = (p + per_tile).min(next_kc);
-                                match self.prepacked {
-                                    // Packed steps are `NR` values each, one after another.
-                                    true => prefetch_lines(
-                                        &ops.pb[self.slot(nq, nj, next_kc)..][p * nr_..p1 * nr_],
-                                    ),
-                                    false => prefetch_panel(&ops.b, nq * KC + p, p1 - p, nj * nr_, nr_),
-                                }
+                                prefetch_panel(&ops.b, nq * KC + p, p1 - p, nj * nr_, nr_);
                             }
                             let row = i0 + t * mr_;
                             let mr = mr_.min(self.m - row);
@@ -504,14 +497,6 @@ impl Plan {
             // SAFETY: this task wrote its block of C (the caller's promise for the rest).
             unsafe { Self::hand_over(ops, i0, mc, j0 * nr_, width.min(n - j0 * nr_), block, width) };
         });
-    }
-}
-
-/// Prefetches the cache lines of `values`.
-fn prefetch_lines(values: &[f32]) {
-    for line in values.chunks(16) {
-        // SAFETY: prefetching never faults; the address lies inside the slice anyway.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast()) };
     }
 }
 
