@@ -89,43 +89,12 @@ fn transpose_head<T: Elem>(out: &mut [T], qkv: &[T], col: usize, t: usize, c: us
 /// Up to four `LANES`-wide blocks of outputs are summed in one pass over `w` (a head of 64
 /// values is one pass): each block's sum is a chain of dependent adds, so one block alone
 /// waits on the add latency every step, while four keep the vector units busy. Every output
-/// still sums its terms in `j` order, so the blocking does not change a bit.
+/// still sums its terms in `j` order, so the blocking does not change a bit. It is
+/// [`weighted_rows_by`]'s code for one row.
 #[inline(always)]
 fn weighted_rows<T: Elem>(out: &mut [T], w: &[T], rows: &[T], stride: usize) {
-    let d = out.len();
-    let mut c0 = 0;
-    while c0 + 4 * LANES <= d {
-        weighted_block::<T, { 4 * LANES }>(&mut out[c0..c0 + 4 * LANES], w, &rows[c0..], stride);
-        c0 += 4 * LANES;
-    }
-    if c0 + 2 * LANES <= d {
-        weighted_block::<T, { 2 * LANES }>(&mut out[c0..c0 + 2 * LANES], w, &rows[c0..], stride);
-        c0 += 2 * LANES;
-    }
-    if c0 + LANES <= d {
-        weighted_block::<T, LANES>(&mut out[c0..c0 + LANES], w, &rows[c0..], stride);
-        c0 += LANES;
-    }
-    for (cc, o) in out.iter_mut().enumerate().skip(c0) {
-        let mut a = T::zero();
-        for (j, &wj) in w.iter().enumerate() {
-            a += wj * rows[j * stride + cc];
-        }
-        *o = a;
-    }
-}
-
-/// [`weighted_rows`] for exactly `N` outputs (a multiple of `LANES`), held in registers.
-#[inline(always)]
-fn weighted_block<T: Elem, const N: usize>(out: &mut [T], w: &[T], rows: &[T], stride: usize) {
-    let mut acc = [T::zero(); N];
-    for (j, &wj) in w.iter().enumerate() {
-        let r = &rows[j * stride..j * stride + N];
-        for l in 0..N {
-            acc[l] += wj * r[l];
-        }
-    }
-    out[..N].copy_from_slice(&acc);
+    let n = out.len();
+    weighted_rows_r::<T, 1>(out, 0, w, 0, w.len(), rows, stride, n);
 }
 
 /// [`weighted_rows`] for `r ≤ ROWS` weight vectors at once: `out[i·ld..][..n] = Σ_j w[i·ws + j] ·
@@ -168,6 +137,13 @@ fn weighted_rows_r<T: Elem, const R: usize>(
     n: usize,
 ) {
     let mut c0 = 0;
+    // One row keeps four vectors of sums in flight, several rows two each.
+    if R == 1 {
+        while c0 + 4 * LANES <= n {
+            weighted_tile::<T, R, { 4 * LANES }>(&mut out[c0..], ld, w, ws, k, &rows[c0..], stride);
+            c0 += 4 * LANES;
+        }
+    }
     while c0 + 2 * LANES <= n {
         weighted_tile::<T, R, { 2 * LANES }>(&mut out[c0..], ld, w, ws, k, &rows[c0..], stride);
         c0 += 2 * LANES;
