@@ -185,8 +185,8 @@ pub struct Adam {
 impl Adam {
     /// A fresh optimizer over `vars`.
     pub fn new(vars: Vec<Var>, cfg: AdamConfig) -> Self {
-        let m = vars.iter().map(|v| vec![0f32; v.elem_count()]).collect();
-        let v = vars.iter().map(|v| vec![0f32; v.elem_count()]).collect();
+        let m = vars.iter().map(|v| zeroed(v.elem_count())).collect();
+        let v = vars.iter().map(|v| zeroed(v.elem_count())).collect();
         Self { vars, m, v, step: 0, cfg }
     }
 
@@ -312,6 +312,15 @@ impl Adam {
         }
         Ok(())
     }
+}
+
+/// `n` zeros written now, in parallel. `vec![0.0; n]` is calloc's untouched zero pages: the first
+/// update reads each page (mapping the shared zero page), then writes it, a second fault that
+/// copies the page and flushes the other CPU's TLB.
+fn zeroed(n: usize) -> Vec<f32> {
+    let mut v = Vec::new();
+    v.par_extend(rayon::iter::repeat_n(0f32, n));
+    v
 }
 
 /// Disarms the sinks when dropped (also when the backward fails or panics), so no sink keeps
