@@ -70,15 +70,8 @@ impl CustomOp2 for Embedding {
         g: &Tensor,
     ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
         if let (Some(sink), DType::F32) = (grad_sink::sink_of(table), g.dtype()) {
-            let c = table.dim(1)?;
             let g = g.flatten_all()?.to_vec1::<f32>()?;
-            let ids = ids.to_vec1::<u32>()?;
-            sink.write_sparse(|buf| {
-                for (row, &id) in g.chunks_exact(c).zip(&ids) {
-                    let dst = &mut buf[id as usize * c..][..c];
-                    dst.iter_mut().zip(row).for_each(|(d, g)| *d += g);
-                }
-            })?;
+            sink.add_rows(&ids.to_vec1::<u32>()?, table.dim(1)?, &g)?;
             return Ok((None, None));
         }
         let dense = table.zeros_like()?.index_add(ids, g, 0)?;
@@ -94,6 +87,11 @@ pub fn embedding(table: &Tensor, ids: &Tensor) -> CResult<Tensor> {
     dims.push(table.dim(1)?);
     let flat = ids.flatten_all()?.to_dtype(DType::U32)?;
     let rows = if table.device().is_cpu() && matches!(table.dtype(), DType::F32 | DType::F64) {
+        // Inside a gradient scope, the looked-up rows are held in the table's sink, so that an
+        // optimizer fused into a tied LM head's product leaves them for this op's backward.
+        if let Some(sink) = grad_sink::sink_of(table).filter(|_| table.dtype() == DType::F32) {
+            sink.hold_rows(&flat.to_vec1::<u32>()?, table.dim(1)?)?;
+        }
         table.contiguous()?.apply_op2(&flat, Embedding)?
     } else {
         table.index_select(&flat, 0)?

@@ -21,6 +21,14 @@
 //! optimizer-in-backward, done at the level of the product). The owner arms only parameters
 //! whose whole gradient is that one product (one write in the previous backward, nothing in
 //! candle's store); a later write to an updated parameter is an error.
+//!
+//! A tied table (GPT-2's `wte`: the LM head's product, then the embedding's rows) is updated in
+//! its product too, all but the rows the embedding will add to: its forward, run inside a
+//! scope, *holds* the rows it looked up ([`GradSink::hold_rows`]); the product's epilogue then
+//! stores the held rows' gradient in the buffer and updates every other row in place, the
+//! embedding adds its rows ([`GradSink::add_rows`], only into held rows), and the optimizer
+//! updates the held rows after the backward. For GPT-2 that takes the 50257 × 768 table's
+//! gradient (all but a few hundred rows) out of memory: it is never written and read back.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -61,19 +69,59 @@ pub(crate) struct SinkState {
     pub writes: usize,
     /// Whether an armed update consumed the gradient (the buffer holds none, `filled` is false).
     pub applied: bool,
+    /// Rows held for a later sparse write, as `(row length, held?)` per row ([`GradSink::hold_rows`]).
+    pub held: Option<(usize, Vec<bool>)>,
+    /// Whether an armed update consumed the gradient of every row but the held ones: the buffer
+    /// holds the held rows' gradient only (`filled` is true).
+    pub partial: bool,
+    /// Whether rows were ever added to this sink ([`GradSink::add_rows`]): a table read by an
+    /// embedding, which an armed product updates only where rows are held.
+    pub sparse_writer: bool,
+    /// Of `writes`, those of [`GradSink::add_rows`].
+    pub row_writes: usize,
 }
 
 impl GradSink {
     /// A sink for a parameter of `len` values.
     pub fn new(len: usize) -> Self {
-        let state = SinkState { buf: vec![0.0; len], filled: false, writes: 0, applied: false };
+        let state = SinkState {
+            buf: vec![0.0; len],
+            filled: false,
+            writes: 0,
+            applied: false,
+            held: None,
+            partial: false,
+            sparse_writer: false,
+            row_writes: 0,
+        };
         Self { state: Mutex::new(state), fused: Mutex::new(None) }
     }
 
     /// Forgets the gradient (the buffer is kept, and overwritten by the next write).
     pub fn clear(&self) {
         let mut s = lock(&self.state);
-        (s.filled, s.writes, s.applied) = (false, 0, false);
+        (s.filled, s.writes, s.row_writes, s.applied, s.partial) = (false, 0, 0, false, false);
+        s.held = None;
+    }
+
+    /// Holds rows `ids` of this `(rows, row_len)` parameter for a sparse write later in the
+    /// backward (an embedding's forward calls it for the rows it looked up): an armed product
+    /// leaves those rows' gradient in the buffer instead of updating them. Holds add up until
+    /// the next [`Self::clear`].
+    pub fn hold_rows(&self, ids: &[u32], row_len: usize) -> CResult<()> {
+        let mut s = lock(&self.state);
+        let rows = s.buf.len() / row_len.max(1);
+        let (len, held) = s.held.get_or_insert_with(|| (row_len, vec![false; rows]));
+        if *len != row_len {
+            candle_core::bail!("rows of {row_len} values held in a sink that holds rows of {len}");
+        }
+        for &id in ids {
+            match held.get_mut(id as usize) {
+                Some(h) => *h = true,
+                None => candle_core::bail!("row {id} held in a sink of {rows} rows"),
+            }
+        }
+        Ok(())
     }
 
     /// Arms (or with `None` disarms) the optimizer update that the next first write applies.
@@ -87,13 +135,13 @@ impl GradSink {
     }
 
     /// Runs `f(buf, accumulate)`: `accumulate` is false for the first write since the last clear
-    /// (`f` must then overwrite every value it is responsible for; see [`Self::write_sparse`]).
+    /// (`f` must then overwrite every value it is responsible for; see [`Self::add_rows`] for a writer of some rows).
     ///
     /// An error after an armed update consumed this backward's gradient (the parameter has moved;
     /// it should not have been armed).
     pub fn write(&self, f: impl FnOnce(&mut [f32], bool)) -> CResult<()> {
         let mut s = lock(&self.state);
-        if s.applied {
+        if s.applied || s.partial {
             candle_core::bail!(
                 "a second gradient for a parameter already updated inside this backward (an \
                  optimizer fused into the backward must only be armed for parameters with one \
@@ -107,31 +155,55 @@ impl GradSink {
         Ok(())
     }
 
-    /// Like [`Self::write`] for a writer that touches only some values (a scatter): a first write
-    /// zero-fills the buffer before `f` adds into it.
-    pub fn write_sparse(&self, f: impl FnOnce(&mut [f32])) -> CResult<()> {
-        self.write(|buf, acc| {
-            if !acc {
-                buf.fill(0.0);
+    /// Adds `g` (one row of `row_len` values per id) to rows `ids` (an embedding's backward); a
+    /// first write zero-fills the buffer first. After a partly fused product (see the module
+    /// docs) only held rows may be added to; another is an error.
+    pub fn add_rows(&self, ids: &[u32], row_len: usize, g: &[f32]) -> CResult<()> {
+        let mut s = lock(&self.state);
+        if s.applied {
+            candle_core::bail!(
+                "rows added to the gradient of a parameter already updated inside this backward \
+                 (its forward held no rows: run the forward inside the gradients' scope)"
+            );
+        }
+        let rows = s.buf.len() / row_len.max(1);
+        if g.len() != ids.len() * row_len {
+            candle_core::bail!("{} gradient values for {} rows of {row_len}", g.len(), ids.len());
+        }
+        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= rows) {
+            candle_core::bail!("row {bad} added to a sink of {rows} rows");
+        }
+        if s.partial {
+            let held = |id: u32| s.held.as_ref().is_some_and(|(len, h)| *len == row_len && h[id as usize]);
+            if let Some(&bad) = ids.iter().find(|&&id| !held(id)) {
+                candle_core::bail!(
+                    "row {bad} added to a gradient whose unheld rows were updated inside this \
+                     backward (hold the rows in the forward: GradSink::hold_rows)"
+                );
             }
-            f(buf)
-        })
+        }
+        if !s.filled {
+            s.buf.fill(0.0);
+        }
+        for (row, &id) in g.chunks_exact(row_len.max(1)).zip(ids) {
+            let dst = &mut s.buf[id as usize * row_len..][..row_len];
+            dst.iter_mut().zip(row).for_each(|(d, g)| *d += g);
+        }
+        s.filled = true;
+        s.writes += 1;
+        s.row_writes += 1;
+        s.sparse_writer = true;
+        Ok(())
     }
 
-    /// The armed update, if this is the first write since the last clear.
+    /// The armed update, if this is the first write since the last clear and the update may
+    /// consume it: a table that gets rows added later only with rows held.
     fn first_fused(&self) -> Option<Arc<dyn FusedUpdate>> {
         let s = lock(&self.state);
-        if s.writes > 0 {
+        if s.writes > 0 || (s.sparse_writer && s.held.is_none()) {
             return None;
         }
         lock(&self.fused).clone()
-    }
-
-    /// Records that the armed update consumed the gradient.
-    fn mark_applied(&self) {
-        let mut s = lock(&self.state);
-        s.writes += 1;
-        s.applied = true;
     }
 
     /// Adds a gradient tensor of the parameter's size (any shape, f32 after conversion).
@@ -206,9 +278,16 @@ pub(crate) fn gemm_into_sink(w: &Tensor, a: &Tensor, b: &Tensor) -> CResult<bool
     let f32_matrix = |t: &Tensor| super::f32_cpu(t) && t.rank() == 2;
     if f32_matrix(a) && f32_matrix(b) {
         if let Some(update) = sink.first_fused() {
-            w.inplace_op1(&FusedProduct { a, b, update })?;
-            sink.mark_applied();
-            return Ok(true);
+            let mut s = sink.state();
+            let held = s.held.take();
+            let rows = held.as_ref().filter(|(len, _)| *len == n).map(|(_, h)| h.as_slice());
+            let buf = gemm::SendPtr(s.buf.as_mut_ptr());
+            let done = w.inplace_op1(&FusedProduct { a, b, update, held: rows.map(|h| (h, buf)) });
+            s.writes += 1;
+            // With rows held, the buffer holds their gradient; without, nothing.
+            (s.applied, s.partial, s.filled) = (rows.is_none(), rows.is_some(), rows.is_some());
+            s.held = held;
+            return done.map(|()| true);
         }
     }
     let done =
@@ -219,11 +298,13 @@ pub(crate) fn gemm_into_sink(w: &Tensor, a: &Tensor, b: &Tensor) -> CResult<bool
     }
 }
 
-/// `w ← update(w, a·b)` block by block from the GEMM's epilogue (an armed sink's first write).
+/// `w ← update(w, a·b)` block by block from the GEMM's epilogue (an armed sink's first write);
+/// rows marked in `held` are instead stored in the sink's buffer (`a·b`'s shape).
 struct FusedProduct<'a> {
     a: &'a Tensor,
     b: &'a Tensor,
     update: Arc<dyn FusedUpdate>,
+    held: Option<(&'a [bool], gemm::SendPtr<f32>)>,
 }
 
 impl InplaceOp1 for FusedProduct<'_> {
@@ -243,14 +324,25 @@ impl InplaceOp1 for FusedProduct<'_> {
                 if a.rows * n != len {
                     return false;
                 }
+                if self.held.is_some_and(|(h, _)| h.len() != a.rows) {
+                    return false;
+                }
                 gemm::sgemm_epilogue(a, b, None, &|i0, rows, j0, cols, block, ld| {
                     for r in 0..rows {
                         let at = (i0 + r) * n + j0;
+                        let g = &block[r * ld..r * ld + cols];
+                        if let Some((_, buf)) = self.held.filter(|(h, _)| h[i0 + r]) {
+                            // SAFETY: as below, for the sink's buffer of the same size, which
+                            // the caller holds locked.
+                            unsafe { std::slice::from_raw_parts_mut(buf.get().add(at), cols) }
+                                .copy_from_slice(g);
+                            continue;
+                        }
                         // SAFETY: the epilogue's blocks are disjoint and lie inside the
                         // `rows(a) × cols(b)` product, which has the parameter's `len` values;
                         // the parameter's storage is locked for writing by this in-place op.
                         let p = unsafe { std::slice::from_raw_parts_mut(ptr.get().add(at), cols) };
-                        self.update.update(p, &block[r * ld..r * ld + cols], at);
+                        self.update.update(p, g, at);
                     }
                 });
                 true
@@ -286,10 +378,73 @@ mod tests {
         assert_eq!(s.state().buf, [2.0, 3.0, 4.0]);
         s.clear();
         assert!(!s.state().filled);
-        s.write_sparse(|b| b[1] += 5.0).unwrap();
-        assert_eq!(s.state().buf, [0.0, 5.0, 0.0]);
+        s.add_rows(&[1, 1], 1, &[5.0, 1.0]).unwrap();
+        assert_eq!(s.state().buf, [0.0, 6.0, 0.0]);
+        let err = s.add_rows(&[3], 1, &[1.0]).unwrap_err().to_string();
+        assert!(err.contains("row 3 added to a sink of 3 rows"), "{err}");
         let err = s.add(&Tensor::new(&[1f32], &Device::Cpu).unwrap()).unwrap_err().to_string();
         assert!(err.contains("1 values for a parameter of 3"), "{err}");
+    }
+
+    /// Records the flat offsets it updated; subtracts the gradient.
+    struct Recorder(Mutex<Vec<usize>>);
+
+    impl FusedUpdate for Recorder {
+        fn update(&self, p: &mut [f32], g: &[f32], at: usize) {
+            lock(&self.0).extend(at..at + p.len());
+            p.iter_mut().zip(g).for_each(|(p, g)| *p -= g);
+        }
+    }
+
+    #[test]
+    fn an_armed_product_leaves_held_rows_to_the_sparse_write() {
+        let dev = Device::Cpu;
+        // A (3, 2) table: the product writes all rows, an embedding adds to row 1.
+        let w = Var::zeros((3, 2), DType::F32, &dev).unwrap();
+        let a = Tensor::arange(0f32, 12.0, &dev).unwrap().reshape((3, 4)).unwrap();
+        let b = Tensor::arange(0f32, 8.0, &dev).unwrap().reshape((4, 2)).unwrap();
+        let ab = a.matmul(&b).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let sink = Arc::new(GradSink::new(6));
+        let _scope = SinkScope::install(map_of(&[(w.as_tensor(), &sink)]));
+        if !gemm::fast_available() {
+            return;
+        }
+        let run = |hold: Option<&[u32]>| {
+            sink.clear();
+            if let Some(ids) = hold {
+                sink.hold_rows(ids, 2).unwrap();
+            }
+            let rec = Arc::new(Recorder(Mutex::new(Vec::new())));
+            sink.arm(Some(rec.clone()));
+            let done = gemm_into_sink(&w, &a, &b);
+            sink.arm(None);
+            done.unwrap();
+            let mut at = lock(&rec.0).clone();
+            at.sort();
+            at
+        };
+        // Before any rows were added, the product is consumed whole.
+        assert_eq!(run(None), [0, 1, 2, 3, 4, 5]);
+        assert!(sink.state().applied);
+        sink.clear();
+        sink.add_rows(&[1], 2, &[1.0, 1.0]).unwrap();
+        // A table that gets rows added: without held rows the product is not fused.
+        assert_eq!(run(None), Vec::<usize>::new());
+        assert_eq!(sink.state().buf, ab);
+        // With row 1 held: rows 0 and 2 are updated, row 1 stays in the buffer for the rows.
+        let before = w.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(run(Some(&[1])), [0, 1, 4, 5]);
+        let after = w.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(after[2..4], before[2..4]);
+        assert_eq!(after[0], before[0] - ab[0]);
+        assert!(sink.state().partial && sink.state().filled);
+        assert_eq!(sink.state().buf[2..4], ab[2..4]);
+        sink.add_rows(&[1], 2, &[0.5, 0.5]).unwrap();
+        assert_eq!(sink.state().buf[2..4], [ab[2] + 0.5, ab[3] + 0.5]);
+        let err = sink.add_rows(&[2], 2, &[1.0, 1.0]).unwrap_err().to_string();
+        assert!(err.contains("row 2 added to a gradient whose unheld rows were updated"), "{err}");
+        let err = sink.add(&Tensor::zeros(6, DType::F32, &dev).unwrap()).unwrap_err().to_string();
+        assert!(err.contains("already updated inside this backward"), "{err}");
     }
 
     #[test]

@@ -28,8 +28,9 @@ pub struct Grads {
     sinks: Vec<Option<Arc<GradSink>>>,
     map: Arc<SinkMap>,
     tensors: Vec<Option<Tensor>>,
-    /// Per variable, whether the last backward gave it exactly one buffered write and nothing
-    /// in candle's store (so [`Adam::step_fused`] may fuse its update into that write).
+    /// Per variable, whether the last backward gave it exactly one buffered write besides rows
+    /// added by an embedding, and nothing in candle's store (so [`Adam::step_fused`] may fuse its
+    /// update into that write; see `ops::grad_sink` for the rows).
     single_write: Vec<bool>,
 }
 
@@ -73,8 +74,11 @@ impl Grads {
         };
         for i in 0..self.vars.len() {
             let stored = store.get(self.vars[i].as_tensor());
-            let writes = self.sinks[i].as_ref().map_or(0, |s| s.state().writes);
-            self.single_write[i] = writes == 1 && stored.is_none();
+            let dense = self.sinks[i].as_ref().map_or(0, |s| {
+                let s = s.state();
+                s.writes - s.row_writes
+            });
+            self.single_write[i] = dense == 1 && stored.is_none();
             if let Some(g) = stored {
                 self.add(i, g)?;
             }
@@ -111,7 +115,8 @@ impl Grads {
         match &self.sinks[i] {
             Some(sink) => {
                 let s = sink.state();
-                Ok(s.filled
+                // A partly fused update left only the held rows' gradient: none to give.
+                Ok((s.filled && !s.partial)
                     .then(|| Tensor::from_vec(s.buf.clone(), var.shape(), var.device()))
                     .transpose()?)
             }
@@ -228,8 +233,10 @@ impl Adam {
     /// is one weight-gradient product (a linear layer's weight, an untied LM head) fused into
     /// that product: its blocks update the parameter from the GEMM's epilogue, so the gradient
     /// is never stored and read back (for GPT-2 the update's memory traffic drops by a third,
-    /// and overlaps the backward's products). The other variables are updated after the
-    /// backward. Results are those of `backward` then [`Self::step`], bit for bit (at the
+    /// and overlaps the backward's products). A tied table (the LM head's product, then an
+    /// embedding's rows) is updated in the product too, except the rows its embedding held in
+    /// a forward run inside the gradients' scope (see `ops::grad_sink`), which are updated after
+    /// the backward with the other variables. Results are those of `backward` then [`Self::step`], bit for bit (at the
     /// default f32 matmul precision: the fused products always run the f32 kernels, so under
     /// `MatmulPrecision::Bf16` their gradients are the f32 ones).
     ///
@@ -297,7 +304,9 @@ impl Adam {
             if let Some(sink) = &grads.sinks[i] {
                 let s = sink.state();
                 if s.filled {
-                    let op = AdamInplace { g: &s.buf, m: Mutex::new(m), v: Mutex::new(v), k };
+                    // After a partly fused product, only the held rows are left to update.
+                    let rows = s.held.as_ref().filter(|_| s.partial);
+                    let op = AdamInplace { g: &s.buf, m: Mutex::new(m), v: Mutex::new(v), k, rows };
                     var.as_tensor().inplace_op1(&op)?;
                 }
                 continue;
@@ -414,6 +423,8 @@ struct AdamInplace<'a> {
     m: Mutex<&'a mut Vec<f32>>,
     v: Mutex<&'a mut Vec<f32>>,
     k: AdamConsts,
+    /// Only these rows, as `(row length, updated?)` per row.
+    rows: Option<&'a (usize, Vec<bool>)>,
 }
 
 impl InplaceOp1 for AdamInplace<'_> {
@@ -434,7 +445,24 @@ impl InplaceOp1 for AdamInplace<'_> {
         if p.len() != self.g.len() || p.len() != m.len() || p.len() != v.len() {
             candle_core::bail!("adam: parameter, gradient and moments differ in size");
         }
-        self.k.update(p, self.g, &mut m[..], &mut v[..]);
+        match self.rows {
+            None => self.k.update(p, self.g, &mut m[..], &mut v[..]),
+            Some((len, rows)) => {
+                let len = *len;
+                if rows.len() * len != p.len() {
+                    candle_core::bail!("adam: rows of {len} do not cover a parameter of {}", p.len());
+                }
+                for (r, _) in rows.iter().enumerate().filter(|(_, &held)| held) {
+                    let at = r * len..(r + 1) * len;
+                    self.k.update_rows(
+                        &mut p[at.clone()],
+                        &self.g[at.clone()],
+                        &mut m[at.clone()],
+                        &mut v[at],
+                    );
+                }
+            }
+        }
         Ok(())
     }
 }
@@ -644,6 +672,50 @@ mod tests {
         assert!(!ob.step_fused(&mut gb, |_| Ok(false)).unwrap());
         assert_eq!(ob.steps(), 3);
         assert_eq!(vb[1].flatten_all().unwrap().to_vec1::<f32>().unwrap(), before);
+    }
+
+    #[test]
+    fn a_tied_table_with_held_rows_is_updated_in_its_product_with_the_same_bits() {
+        let cfg = AdamConfig { lr: 1e-2, ..AdamConfig::default() };
+        let (va, vb) = (fused_model_vars(), fused_model_vars());
+        let (mut oa, mut ob) = (Adam::new(va.clone(), cfg), Adam::new(vb.clone(), cfg));
+        let (mut ga, mut gb) = (Grads::new(&va), Grads::new(&vb));
+        for step in 0..3 {
+            ga.clear();
+            ga.backward(&fused_model_loss(&va, false)).unwrap();
+            oa.step(&ga).unwrap();
+            gb.clear();
+            let ran = ob
+                .step_fused(&mut gb, |g| {
+                    // The forward inside the scope holds the embedding's rows of the table.
+                    let loss = {
+                        let _scope = g.scope();
+                        fused_model_loss(&vb, false)
+                    };
+                    g.backward(&loss)?;
+                    Ok(true)
+                })
+                .unwrap();
+            assert!(ran);
+            for (i, (a, b)) in va.iter().zip(&vb).enumerate() {
+                let (a, b) = (
+                    a.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                    b.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                );
+                assert!(
+                    a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                    "step {step}, variable {i} differs"
+                );
+            }
+            // From the second step the table (the LM head's product, then the embedding's rows)
+            // is updated in its product but for the held rows.
+            let partial: Vec<bool> =
+                gb.sinks.iter().map(|s| s.as_ref().is_some_and(|s| s.state().partial)).collect();
+            assert_eq!(partial, [step > 0, false, false, false, false, false, false, false], "step {step}");
+            if step > 0 {
+                assert!(gb.get(0).unwrap().is_none(), "a partly consumed gradient is not handed out");
+            }
+        }
     }
 
     #[test]
