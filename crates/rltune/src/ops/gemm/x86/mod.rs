@@ -163,17 +163,20 @@ fn reads_b_in_place(b: &MatRef, m: usize) -> bool {
 ///
 /// When one task spans all rows (A has at most [`super::ONE_ROW_CHUNK`] tiles, as PPO's
 /// minibatches of 96–128 rows), each B panel is used by one task only: the task packs it
-/// into an L1-sized buffer just before its row tiles use it, instead of all of B going to a
-/// packed copy in memory and back (at 128 rows that round trip cost as much as a fifth of
-/// the product).
+/// itself, just before its row tiles use it, instead of all of B going to a packed copy in
+/// memory and back (at 128 rows that round trip cost as much as a fifth of the product).
 ///
-/// A panel of row-major B is `KC` cache lines from as many rows, each a separate miss when B
-/// is a weight coming from memory (once per pass in training), and the hardware prefetcher
-/// does not follow such strides: packing it alone waited on them (the product ran at 141
-/// GFLOP/s instead of 160 at 128 × 768 × 3072 with B cold). So while a panel's tiles run,
-/// the next panel's lines are prefetched, a share before each tile (all at once filled the
-/// miss buffers and stalled the kernel): 152–157 GFLOP/s cold. The same holds for the panels
-/// read in place.
+/// A panel of row-major B is `KC` pieces of a cache line or two from as many rows, each a
+/// separate miss when B is a weight coming from memory (once per pass in training), and the
+/// hardware prefetcher does not follow such strides. So a task packs all its panels of a
+/// depth block at once, row by row ([`pack_b_rows`]): each row of its column range is one
+/// contiguous run, which the prefetcher does follow. `bench_gemm --cold`, 2 threads:
+/// 128 × 768 × 2304 198 → 231 GFLOP/s, 128 × 3072 × 768 198 → 210, 128 × 768 × 768 190 → 210;
+/// `bench ppo --preset gpt2`, 3 alternating pairs: 8.54 → 8.28 s. (Packing panel by panel,
+/// the next panel's lines were prefetched while a panel's tiles ran, a share before each
+/// tile: all at once filled the miss buffers and stalled the kernel. That still holds for
+/// column-major B packed in the tasks, whose columns are contiguous runs already, and for the
+/// panels read in place.)
 ///
 /// With a block epilogue, each task multiplies into a buffer of its own block of C instead
 /// and hands the finished block to `epi`; with a row epilogue, into C, then hands `epi` the
@@ -237,6 +240,9 @@ struct Plan {
     direct_b: bool,
     /// The tasks pack their own panels of B (one task per column range).
     local_b: bool,
+    /// With `local_b`, B is row-major and each task packs all its panels of a depth block at
+    /// once, row by row ([`pack_b_rows`]).
+    local_rows: bool,
     /// A is packed whole, once, up front: block `q` (depth `kc`) of row tile `t` at
     /// `q·KC·MT·MR + t·kc·MR`.
     shared_a: bool,
@@ -294,6 +300,7 @@ impl Plan {
             col_chunks,
             direct_b,
             local_b,
+            local_rows: local_b && b.cs == 1,
             shared_a,
             packed_len: k * packed_panels * nr,
             shared_len: if shared_a { mt * mr * k } else { 0 },
@@ -376,14 +383,14 @@ impl Plan {
     }
 
     /// The panel that task `j0..j1` reads from B after panel `j` of depth block `q`, where it
-    /// reads B unpacked (packing its own panels, or in place), to be fetched while panel `j` is multiplied:
+    /// reads B unpacked (packing its own panels one by one, or in place), to be fetched while panel `j` is multiplied:
     /// a panel is `kc` separate cache lines of a weight that comes from memory, which packing
     /// alone waits on.
     fn next_panel(&self, q: usize, j: usize, j0: usize, j1: usize) -> Option<(usize, usize)> {
         let span = j1 - j0;
         let at = q * span + (j - j0) + 1;
         let next = (at < self.blocks * span).then(|| (at / span, j0 + at % span));
-        next.filter(|&(_, nj)| self.local_b || self.in_place(nj))
+        next.filter(|&(_, nj)| (self.local_b && !self.local_rows) || self.in_place(nj))
     }
 
     /// Hands a task's finished block (rows `i0..i0 + mc` × columns `col0..col0 + cols`) to the
@@ -428,7 +435,11 @@ impl Plan {
         let (j0, j1) = (tj * self.panels / self.col_chunks, (tj + 1) * self.panels / self.col_chunks);
         let tiles = mc.div_ceil(mr_);
         let full = if a.cs == 1 { mc / mr_ } else { 0 };
-        let panel_len = if self.local_b { KC * nr_ } else { 0 };
+        let panel_len = match (self.local_b, self.local_rows) {
+            (false, _) => 0,
+            (true, false) => KC * nr_,
+            (true, true) => KC * (j1 - j0) * nr_,
+        };
         let block_epi = matches!(ops.epi, Some(Epi::Block(_)));
         // With a block epilogue, C is this task's block: `tiles·MR` rows of `width` values.
         let width = (j1 - j0) * nr_;
@@ -445,6 +456,9 @@ impl Plan {
                 let kc = self.kc(q);
                 if full < tiles && !self.shared_a {
                     K::pack_a(a, i0 + full * mr_, mc - full * mr_, q * KC, kc, pa);
+                }
+                if self.local_rows {
+                    pack_b_rows(&ops.b, q * KC, kc, j0 * nr_, j1 - j0, nr_, panel);
                 }
                 let load_c = ops.accumulate || q > 0;
                 let bias_ptr = match ops.bias {
@@ -464,6 +478,8 @@ impl Plan {
                     unsafe {
                         let (bp, ldb) = if self.in_place(j) {
                             (ops.b.data.as_ptr().add(ops.b.off + q * KC * ops.b.rs + col), ops.b.rs)
+                        } else if self.local_rows {
+                            (panel.as_ptr().add((j - j0) * kc * nr_), nr_)
                         } else if self.local_b {
                             K::pack_b(&ops.b, q * KC, kc, col, &mut panel[..kc * nr_]);
                             (panel.as_ptr(), nr_)
@@ -497,6 +513,31 @@ impl Plan {
             // SAFETY: this task wrote its block of C (the caller's promise for the rest).
             unsafe { Self::hand_over(ops, i0, mc, j0 * nr_, width.min(n - j0 * nr_), block, width) };
         });
+    }
+}
+
+/// Packs `span` panels of row-major B (`nr` columns each from column `c0`, steps `p0..p0 + kc`)
+/// into `out` (panel after panel, `kc × nr` each), reading B row by row: each row's
+/// `span · nr` values are one contiguous run.
+fn pack_b_rows(b: &MatRef, p0: usize, kc: usize, c0: usize, span: usize, nr: usize, out: &mut [f32]) {
+    let width = (span * nr).min(b.cols - c0);
+    for p in 0..kc {
+        let s = b.off + (p0 + p) * b.rs + c0;
+        let row = &b.data[s..s + width];
+        for jj in 0..span {
+            let dst = &mut out[jj * kc * nr + p * nr..][..nr];
+            let src = &row[jj * nr..(jj * nr + nr).min(width)];
+            if src.len() == nr {
+                for (d, s) in dst.chunks_exact_mut(8).zip(src.chunks_exact(8)) {
+                    if let (Ok(d), Ok(s)) = (<&mut [f32; 8]>::try_from(d), <&[f32; 8]>::try_from(s)) {
+                        *d = *s;
+                    }
+                }
+            } else {
+                dst[..src.len()].copy_from_slice(src);
+                dst[src.len()..].fill(0.0);
+            }
+        }
     }
 }
 
