@@ -482,10 +482,21 @@ const ONE_ROW_CHUNK: usize = 24;
 /// (384 × 8192 × 256, where A is the big operand) slower.
 const ONE_ROW_CHUNK_WIDE: usize = 36;
 
+/// Values of A in a row chunk above which [`split`] aims at one task per thread instead of
+/// about four: each column range reads all of its row chunk's A again, and past about three
+/// quarters of L2 that A comes from memory each time. GPT-2's LM head backward `dlogits·W`
+/// (96 × 50257 × 768, A 19 MB) read A eight times, as much traffic as B. `bench_gemm --cold`,
+/// 2 threads, four tasks → one per thread: 96×50257×768 157–170 → 209–214 GFLOP/s,
+/// 128×3072×768 202–209 → 222–236, 384×8192×256 260–275 → 280–290; `bench ppo --preset gpt2`,
+/// 6 alternating pairs: 8.13 → 8.06 s; `small` within noise. (At 128 × 2304 × 768 with B
+/// transposed, A 1.2 MB, one task per thread was 2–5% slower: hence the threshold.)
+const BIG_A_ROWS: usize = 3 << 17;
+
 /// Picks task sizes for an `mr × nr` microkernel: blocks that fit the caches (up to 16 row tiles
 /// — or all of them, when there are at most [`ONE_ROW_CHUNK`], or [`ONE_ROW_CHUNK_WIDE`] for a
 /// wide B — by 32 column panels, in chunks of even size), then halved until every thread has
-/// about four tasks (rayon balances the rest), but no smaller than one tile.
+/// about four tasks (rayon balances the rest; one when A is large, see [`BIG_A_ROWS`]), but no
+/// smaller than one tile.
 fn split(m: usize, n: usize, k: usize, threads: usize, (mr, nr): (usize, usize)) -> Split {
     let (mt, nt) = (m.div_ceil(mr), n.div_ceil(nr));
     // Even chunks: 22 tiles are 2 × 11, not 16 + 6.
@@ -497,7 +508,8 @@ fn split(m: usize, n: usize, k: usize, threads: usize, (mr, nr): (usize, usize))
     let min_flops = 4e6;
     let count = |s: Split| mt.div_ceil(s.row_tiles) * nt.div_ceil(s.col_panels);
     let flops = |s: Split| 2.0 * (s.row_tiles * mr * s.col_panels * nr * k) as f64;
-    while threads > 1 && count(s) < 4 * threads {
+    let per_thread = if s.row_tiles * mr * k > BIG_A_ROWS { 1 } else { 4 };
+    while threads > 1 && count(s) < per_thread * threads {
         let halve_cols = s.col_panels > 1 && (s.col_panels * nr >= s.row_tiles * mr || s.row_tiles == 1);
         let next = if halve_cols {
             Split { col_panels: s.col_panels.div_ceil(2), ..s }

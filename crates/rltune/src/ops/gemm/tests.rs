@@ -369,3 +369,16 @@ fn splits_cover_the_output() {
         }
     }
 }
+
+#[test]
+fn a_large_a_is_cut_into_one_task_per_thread() {
+    let tasks = |s: Split, m: usize, n: usize| m.div_ceil(14 * s.row_tiles) * n.div_ceil(32 * s.col_panels);
+    // GPT-2's LM head backward: A (96 × 50257) is read once per column range.
+    let (m, n, k): (usize, usize, usize) = (96, 768, 50257);
+    assert!(14 * m.div_ceil(14) * k > BIG_A_ROWS);
+    assert_eq!(tasks(split(m, n, k, 2, (14, 32)), m, n), 2);
+    // A small enough to stay in L2: about four tasks per thread.
+    let (m, n, k): (usize, usize, usize) = (128, 2304, 768);
+    assert!(14 * m.div_ceil(14) * k <= BIG_A_ROWS);
+    assert!(tasks(split(m, n, k, 2, (14, 32)), m, n) >= 8);
+}
