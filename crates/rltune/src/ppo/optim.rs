@@ -471,6 +471,7 @@ impl InplaceOp1 for AdamInplace<'_> {
 mod tests {
     use super::*;
     use crate::ops;
+    use crate::ops::grad_sink::SinkState;
     use candle_core::Device;
 
     /// Gradients holding `g` for the single variable `var`.
@@ -630,8 +631,11 @@ mod tests {
             .collect()
     }
 
-    #[test]
-    fn fused_steps_equal_backward_then_step() {
+    /// Three steps of `backward` then `step` on one copy of the model and of `step_fused` on
+    /// another (its forward inside the gradients' scope with `in_scope`), which must give the
+    /// same bits; `check(step, grads)` looks at the fused side's gradients after each step.
+    /// Returns the fused side.
+    fn unfused_and_fused_steps(in_scope: bool, check: impl Fn(usize, &Grads)) -> (Adam, Vec<Var>, Grads) {
         let cfg = AdamConfig { lr: 1e-2, ..AdamConfig::default() };
         let (va, vb) = (fused_model_vars(), fused_model_vars());
         let (mut oa, mut ob) = (Adam::new(va.clone(), cfg), Adam::new(vb.clone(), cfg));
@@ -643,53 +647,9 @@ mod tests {
             gb.clear();
             let ran = ob
                 .step_fused(&mut gb, |g| {
-                    g.backward(&fused_model_loss(&vb, false))?;
-                    Ok(true)
-                })
-                .unwrap();
-            assert!(ran);
-            for (i, (a, b)) in va.iter().zip(&vb).enumerate() {
-                let (a, b) = (
-                    a.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
-                    b.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
-                );
-                assert!(
-                    a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
-                    "step {step}, variable {i} differs"
-                );
-            }
-            // From the second step the single-product weights (w1, w2, the untied head) are
-            // updated inside their products; the tied table, the bias and the norm are not.
-            let applied: Vec<bool> =
-                gb.sinks.iter().map(|s| s.as_ref().is_some_and(|s| s.state().applied)).collect();
-            let want = step > 0;
-            assert_eq!(applied, [false, want, false, want, false, false, false, want], "step {step}");
-        }
-        assert_eq!(oa.steps(), ob.steps());
-        // A skipped backward changes nothing.
-        let before = vb[1].flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        gb.clear();
-        assert!(!ob.step_fused(&mut gb, |_| Ok(false)).unwrap());
-        assert_eq!(ob.steps(), 3);
-        assert_eq!(vb[1].flatten_all().unwrap().to_vec1::<f32>().unwrap(), before);
-    }
-
-    #[test]
-    fn a_tied_table_with_held_rows_is_updated_in_its_product_with_the_same_bits() {
-        let cfg = AdamConfig { lr: 1e-2, ..AdamConfig::default() };
-        let (va, vb) = (fused_model_vars(), fused_model_vars());
-        let (mut oa, mut ob) = (Adam::new(va.clone(), cfg), Adam::new(vb.clone(), cfg));
-        let (mut ga, mut gb) = (Grads::new(&va), Grads::new(&vb));
-        for step in 0..3 {
-            ga.clear();
-            ga.backward(&fused_model_loss(&va, false)).unwrap();
-            oa.step(&ga).unwrap();
-            gb.clear();
-            let ran = ob
-                .step_fused(&mut gb, |g| {
-                    // The forward inside the scope holds the embedding's rows of the table.
+                    // Inside the scope, the embedding holds the rows it looks up in the table.
                     let loss = {
-                        let _scope = g.scope();
+                        let _scope = in_scope.then(|| g.scope());
                         fused_model_loss(&vb, false)
                     };
                     g.backward(&loss)?;
@@ -707,15 +667,46 @@ mod tests {
                     "step {step}, variable {i} differs"
                 );
             }
-            // From the second step the table (the LM head's product, then the embedding's rows)
-            // is updated in its product but for the held rows.
-            let partial: Vec<bool> =
-                gb.sinks.iter().map(|s| s.as_ref().is_some_and(|s| s.state().partial)).collect();
+            check(step, &gb);
+        }
+        assert_eq!(oa.steps(), ob.steps());
+        (ob, vb, gb)
+    }
+
+    /// Per sink of `grads`, `flag` of its state (false without a sink).
+    fn sink_flags(grads: &Grads, flag: impl Fn(&SinkState) -> bool) -> Vec<bool> {
+        grads.sinks.iter().map(|s| s.as_ref().is_some_and(|s| flag(&s.state()))).collect()
+    }
+
+    #[test]
+    fn fused_steps_equal_backward_then_step() {
+        let (mut ob, vb, mut gb) = unfused_and_fused_steps(false, |step, gb| {
+            // From the second step the single-product weights (w1, w2, the untied head) are
+            // updated inside their products; the tied table (its forward held no rows), the
+            // bias and the norm are not.
+            let want = step > 0;
+            let applied = sink_flags(gb, |s| s.applied);
+            assert_eq!(applied, [false, want, false, want, false, false, false, want], "step {step}");
+        });
+        // A skipped backward changes nothing.
+        let before = vb[1].flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        gb.clear();
+        assert!(!ob.step_fused(&mut gb, |_| Ok(false)).unwrap());
+        assert_eq!(ob.steps(), 3);
+        assert_eq!(vb[1].flatten_all().unwrap().to_vec1::<f32>().unwrap(), before);
+    }
+
+    #[test]
+    fn a_tied_table_with_held_rows_is_updated_in_its_product_with_the_same_bits() {
+        unfused_and_fused_steps(true, |step, gb| {
+            // From the second step the table (the LM head's product, then the embedding's
+            // rows) is updated in its product but for the held rows.
+            let partial = sink_flags(gb, |s| s.partial);
             assert_eq!(partial, [step > 0, false, false, false, false, false, false, false], "step {step}");
             if step > 0 {
                 assert!(gb.get(0).unwrap().is_none(), "a partly consumed gradient is not handed out");
             }
-        }
+        });
     }
 
     #[test]
