@@ -69,7 +69,8 @@ pub(crate) struct SinkState {
     pub writes: usize,
     /// Whether an armed update consumed the gradient (the buffer holds none, `filled` is false).
     pub applied: bool,
-    /// Rows held for a later sparse write, as `(row length, held?)` per row ([`GradSink::hold_rows`]).
+    /// Rows held for a later sparse write, as `(row length, held?)` per row
+    /// ([`GradSink::hold_rows`]).
     pub held: Option<(usize, Vec<bool>)>,
     /// Whether an armed update consumed the gradient of every row but the held ones: the buffer
     /// holds the held rows' gradient only (`filled` is true).
@@ -135,7 +136,8 @@ impl GradSink {
     }
 
     /// Runs `f(buf, accumulate)`: `accumulate` is false for the first write since the last clear
-    /// (`f` must then overwrite every value it is responsible for; see [`Self::add_rows`] for a writer of some rows).
+    /// (`f` must then overwrite every value it is responsible for; a writer of some rows is
+    /// [`Self::add_rows`]).
     ///
     /// An error after an armed update consumed this backward's gradient (the parameter has moved;
     /// it should not have been armed).

@@ -236,9 +236,9 @@ impl Adam {
     /// and overlaps the backward's products). A tied table (the LM head's product, then an
     /// embedding's rows) is updated in the product too, except the rows its embedding held in
     /// a forward run inside the gradients' scope (see `ops::grad_sink`), which are updated after
-    /// the backward with the other variables. Results are those of `backward` then [`Self::step`], bit for bit (at the
-    /// default f32 matmul precision: the fused products always run the f32 kernels, so under
-    /// `MatmulPrecision::Bf16` their gradients are the f32 ones).
+    /// the backward with the other variables. Results are those of `backward` then
+    /// [`Self::step`], bit for bit (at the default f32 matmul precision: the fused products always
+    /// run the f32 kernels, so under `MatmulPrecision::Bf16` their gradients are the f32 ones).
     ///
     /// `backward` returns whether it ran a backward pass (false: no update, as for a skipped
     /// minibatch). Which variables are fused is learned from the previous backward on `grads`

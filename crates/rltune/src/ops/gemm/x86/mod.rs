@@ -383,9 +383,9 @@ impl Plan {
     }
 
     /// The panel that task `j0..j1` reads from B after panel `j` of depth block `q`, where it
-    /// reads B unpacked (packing its own panels one by one, or in place), to be fetched while panel `j` is multiplied:
-    /// a panel is `kc` separate cache lines of a weight that comes from memory, which packing
-    /// alone waits on.
+    /// reads B unpacked (packing its own panels one by one, or in place), to be fetched while
+    /// panel `j` is multiplied: a panel is `kc` separate cache lines of a weight that comes from
+    /// memory, which packing alone waits on.
     fn next_panel(&self, q: usize, j: usize, j0: usize, j1: usize) -> Option<(usize, usize)> {
         let span = j1 - j0;
         let at = q * span + (j - j0) + 1;
