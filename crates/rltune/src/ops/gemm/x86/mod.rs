@@ -172,7 +172,13 @@ fn reads_b_in_place(b: &MatRef, m: usize) -> bool {
 /// depth block at once, row by row ([`pack_b_rows`]): each row of its column range is one
 /// contiguous run, which the prefetcher does follow. `bench_gemm --cold`, 2 threads:
 /// 128 × 768 × 2304 198 → 231 GFLOP/s, 128 × 3072 × 768 198 → 210, 128 × 768 × 768 190 → 210;
-/// `bench ppo --preset gpt2`, 3 alternating pairs: 8.54 → 8.28 s. (Packing panel by panel,
+/// `bench ppo --preset gpt2`, 3 alternating pairs: 8.54 → 8.28 s. The rows of the task's next
+/// depth block are prefetched into L2 while this block's tiles run, an even share after each
+/// tile, so that its packing finds them there: `bench_gemm --cold`, 3 alternating runs,
+/// 128 × 768 × 768 184 → 215 GFLOP/s, 128 × 768 × 2304 197 → 209, 128 × 768 × 3072 199 → 213,
+/// 128 × 3072 × 768 207 → 214. (Prefetching only each row's first line, for the hardware
+/// prefetcher to follow, or every other line, was slower; into L1 instead of L2 the same.)
+/// (Packing panel by panel,
 /// the next panel's lines were prefetched while a panel's tiles ran, a share before each
 /// tile: all at once filled the miss buffers and stalled the kernel. That still holds for
 /// column-major B packed in the tasks, whose columns are contiguous runs already, and for the
@@ -460,6 +466,13 @@ impl Plan {
                 if self.local_rows {
                     pack_b_rows(&ops.b, q * KC, kc, j0 * nr_, j1 - j0, nr_, panel);
                 }
+                // With `local_rows`, the rows of this task's next depth block are prefetched
+                // while this block's tiles run, an even share after each tile.
+                let ahead = match self.local_rows && q + 1 < self.blocks {
+                    true => self.kc(q + 1),
+                    false => 0,
+                };
+                let calls = (j1 - j0) * tiles;
                 let load_c = ops.accumulate || q > 0;
                 let bias_ptr = match ops.bias {
                     Some(bias) if q == 0 => bias.as_ptr(),
@@ -506,6 +519,11 @@ impl Plan {
                                 };
                                 K::kernel::<false>(kc, ap, 0, bp, ldb, cp, ldc, mr, nr, load_c, bias);
                             }
+                            if ahead > 0 {
+                                let call = (j - j0) * tiles + t;
+                                let (r0, r1) = (call * ahead / calls, (call + 1) * ahead / calls);
+                                prefetch_rows(&ops.b, (q + 1) * KC + r0, r1 - r0, j0 * nr_, width);
+                            }
                         }
                     }
                 }
@@ -537,6 +555,21 @@ fn pack_b_rows(b: &MatRef, p0: usize, kc: usize, c0: usize, span: usize, nr: usi
                 dst[..src.len()].copy_from_slice(src);
                 dst[src.len()..].fill(0.0);
             }
+        }
+    }
+}
+
+/// Prefetches rows `p0..p0 + rows` of row-major B, columns `c0..c0 + width`, into L2, every
+/// cache line.
+fn prefetch_rows(b: &MatRef, p0: usize, rows: usize, c0: usize, width: usize) {
+    let width = width.min(b.cols - c0);
+    let base = b.data.as_ptr().wrapping_add(b.off) as usize;
+    for p in p0..p0 + rows {
+        let first = (base + 4 * (p * b.rs + c0)) / 64;
+        let last = (base + 4 * (p * b.rs + c0 + width) - 1) / 64;
+        for line in first..=last {
+            // SAFETY: prefetching never faults; the lines hold values of the view anyway.
+            unsafe { _mm_prefetch::<_MM_HINT_T1>((line * 64) as *const i8) };
         }
     }
 }
