@@ -12,6 +12,10 @@ mod train;
 
 use clap::{Parser, Subcommand};
 
+/// Large buffers (weights, optimizer state, packed copies) in transparent huge pages.
+#[global_allocator]
+static ALLOC: rltune::cpu::HugePages = rltune::cpu::HugePages;
+
 /// Reinforcement-learning fine-tuning of transformer language models (PPO, RLHF).
 #[derive(Parser)]
 #[command(name = "rltune", version, about)]
