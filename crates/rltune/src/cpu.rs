@@ -49,7 +49,8 @@
 //! 3 × 256 MiB read and wrote 55 → 58 GB/s with huge pages, read alone 28.6 → 30.7 GB/s; `bench
 //! ppo --preset gpt2` ran 8.42 → 8.03 s per iteration (3 alternating pairs, each faster; glibc's
 //! own `GLIBC_TUNABLES=glibc.malloc.hugetlb=1`, which advises all of its heap, 8.09 s), `small`
-//! (21 MiB of weights) 1.152 / 1.152 s, and peak RSS stayed the same. Library users opt in with
+//! (21 MiB of weights) 1.152 / 1.152 s, and peak RSS stayed the same; the start of a run costs
+//! more (see [`HugePages`]; `RLTUNE_HUGE_PAGES=0` switches it off). Library users opt in with
 //! `#[global_allocator] static A: rltune::cpu::HugePages = rltune::cpu::HugePages;`.
 //!
 //! # Keeping the pool awake
@@ -114,6 +115,13 @@ pub fn tune_allocator() {
 /// pages inside it, before anything touches it): see the module docs. The advice is a hint
 /// (memory already faulted in keeps its pages; with transparent huge pages `never` nothing
 /// changes) and a no-op off Linux. Small allocations go to the system allocator untouched.
+/// `RLTUNE_HUGE_PAGES=0` in the environment switches the advice off.
+///
+/// The cost is at the start: a huge page is zeroed whole when first touched, and on a VM fresh
+/// 2 MiB pages are slow to come by: `bench ppo --preset gpt2` spent 6.7–6.9 s of system time
+/// instead of 1.7–1.8 (clearing pages while the models, moments and first buffers were
+/// faulted in), about 2.5 s more wall time before the first iteration, which pays back after
+/// about ten iterations. Later iterations reuse the memory and fault nothing.
 pub struct HugePages;
 
 impl HugePages {
@@ -128,9 +136,32 @@ impl HugePages {
         (size >= Self::MIN && end > start).then(|| (start, end - start))
     }
 
+    /// Whether to advise: unless `RLTUNE_HUGE_PAGES=0` (read once, with `getenv`, which does
+    /// not allocate: this runs inside the allocator).
+    #[cfg(target_os = "linux")]
+    fn enabled() -> bool {
+        use std::sync::atomic::{AtomicU8, Ordering};
+        // 0: not read yet, 1: on, 2: off.
+        static STATE: AtomicU8 = AtomicU8::new(0);
+        match STATE.load(Ordering::Relaxed) {
+            0 => {
+                // SAFETY: a NUL-terminated name; the value is read before anything can change
+                // the environment (`getenv`'s result is only compared, not kept).
+                let off = unsafe {
+                    let v = libc::getenv(c"RLTUNE_HUGE_PAGES".as_ptr());
+                    !v.is_null() && std::ffi::CStr::from_ptr(v).to_bytes() == b"0"
+                };
+                STATE.store(if off { 2 } else { 1 }, Ordering::Relaxed);
+                !off
+            }
+            state => state == 1,
+        }
+    }
+
     fn advise(p: *mut u8, size: usize) {
         #[cfg(target_os = "linux")]
-        if let Some((start, len)) = Self::pages(p as usize, size).filter(|_| !p.is_null()) {
+        if let Some((start, len)) = Self::pages(p as usize, size).filter(|_| !p.is_null() && Self::enabled())
+        {
             // SAFETY: the range lies inside an allocation just made; MADV_HUGEPAGE only sets a
             // flag on the mapping (its contents stay), and a failure leaves 4 KiB pages.
             unsafe { libc::madvise(start as *mut libc::c_void, len, libc::MADV_HUGEPAGE) };
@@ -376,7 +407,8 @@ mod tests {
     }
 
     /// A large allocation's mapping carries the kernel's huge-page advice (`hg` in
-    /// `/proc/self/smaps`' VmFlags), whatever the system's transparent-huge-page mode.
+    /// `/proc/self/smaps`' VmFlags), whatever the system's transparent-huge-page mode, unless
+    /// `RLTUNE_HUGE_PAGES=0`.
     #[cfg(target_os = "linux")]
     #[test]
     fn a_large_allocation_is_advised_huge_pages() {
@@ -403,7 +435,9 @@ mod tests {
         // SAFETY: allocated above with this layout.
         unsafe { super::HugePages.dealloc(p, layout) };
         let flags = flags.expect("the allocation's mapping in /proc/self/smaps");
-        assert!(flags.split_whitespace().any(|f| f == "hg"), "no huge-page advice: {flags}");
+        let advised = flags.split_whitespace().any(|f| f == "hg");
+        // Advised unless `RLTUNE_HUGE_PAGES=0`.
+        assert_eq!(advised, super::HugePages::enabled(), "huge-page advice: {flags}");
     }
 
     /// Guards taken and dropped around nested parallel work, many times over, in a pool of two:
