@@ -176,13 +176,12 @@ fn reads_b_in_place(b: &MatRef, m: usize) -> bool {
 /// depth block are prefetched into L2 while this block's tiles run, an even share after each
 /// tile, so that its packing finds them there: `bench_gemm --cold`, 3 alternating runs,
 /// 128 × 768 × 768 184 → 215 GFLOP/s, 128 × 768 × 2304 197 → 209, 128 × 768 × 3072 199 → 213,
-/// 128 × 3072 × 768 207 → 214. (Prefetching only each row's first line, for the hardware
-/// prefetcher to follow, or every other line, was slower; into L1 instead of L2 the same.)
-/// (Packing panel by panel,
-/// the next panel's lines were prefetched while a panel's tiles ran, a share before each
-/// tile: all at once filled the miss buffers and stalled the kernel. That still holds for
-/// column-major B packed in the tasks, whose columns are contiguous runs already, and for the
-/// panels read in place.)
+/// 128 × 3072 × 768 207 → 214. (Only each row's first line, for the hardware prefetcher to
+/// follow, gained nothing; every other line was slower; into L1 instead of L2 the same.)
+/// (Packing panel by panel, the next panel's lines were prefetched while a panel's tiles ran,
+/// a share before each tile: all at once filled the miss buffers and stalled the kernel. That
+/// still holds for column-major B packed in the tasks, whose columns are contiguous runs
+/// already, and for the panels read in place.)
 ///
 /// With a block epilogue, each task multiplies into a buffer of its own block of C instead
 /// and hands the finished block to `epi`; with a row epilogue, into C, then hands `epi` the
