@@ -130,6 +130,7 @@ impl HugePages {
 
     /// The whole 2 MiB pages inside `size` bytes from `at`, as (start, length); `None` for
     /// small allocations.
+    #[cfg_attr(not(target_os = "linux"), allow(dead_code))]
     fn pages(at: usize, size: usize) -> Option<(usize, usize)> {
         const PAGE: usize = 2 << 20;
         let (start, end) = (at.checked_next_multiple_of(PAGE)?, (at + size) / PAGE * PAGE);
@@ -145,8 +146,9 @@ impl HugePages {
         static STATE: AtomicU8 = AtomicU8::new(0);
         match STATE.load(Ordering::Relaxed) {
             0 => {
-                // SAFETY: a NUL-terminated name; the value is read before anything can change
-                // the environment (`getenv`'s result is only compared, not kept).
+                // SAFETY: a NUL-terminated name; the result is only compared, not kept.
+                // `getenv` races only with a concurrent `setenv`, and rltune's one
+                // (`default_thread_setup`) runs at the start of `main`, before other threads.
                 let off = unsafe {
                     let v = libc::getenv(c"RLTUNE_HUGE_PAGES".as_ptr());
                     !v.is_null() && std::ffi::CStr::from_ptr(v).to_bytes() == b"0"
