@@ -2,7 +2,9 @@
 //!
 //! Every model returns hidden states and logits at **every** position and takes an **external**
 //! [`KvCache`] for incremental decoding. Every op on the training path has a backward pass (see
-//! [`crate::ops`]); `tests/gradients.rs` checks each model against finite differences.
+//! [`crate::ops`]); each model's gradients are checked against finite differences (the
+//! `gradients_*` unit tests in `bert.rs`, `distilbert.rs` and `llama.rs`, and
+//! `tests/integration/gpt2.rs`'s `gpt2_gradients_match_finite_differences`).
 //!
 //! | `model_type` | type | used as |
 //! |---|---|---|

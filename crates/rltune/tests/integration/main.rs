@@ -4,5 +4,7 @@ mod common;
 mod errors;
 mod generation;
 mod gpt2;
+mod layout;
 mod ppo_behaviour;
 mod ppo_parity;
+mod train;
