@@ -153,3 +153,58 @@ fn top_k_warns_that_it_biases_the_kl_estimate() {
     let out = generate(model.to_str().unwrap(), &["--prompt-ids", "1,2,3", "--json"]);
     assert!(!stderr(&out).contains("KL estimate"), "{}", stderr(&out));
 }
+
+/// Regression (issue #28, defect 1): TRL's value-head checkpoints of GPT-2 hold both
+/// `transformer.wte.weight` and the tied `lm_head.weight`; `ppo-step` wrote the trained `wte`
+/// and the stale `lm_head` (2.0e-3 apart after one step at lr 1e-3). Every saved tensor must
+/// hold the trained value, under the input's names.
+#[test]
+fn ppo_step_saves_a_tied_lm_head_with_the_trained_embedding() {
+    use candle_core::{Device, Tensor};
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    std::fs::create_dir_all(&model).unwrap();
+    std::fs::copy(fixture("ppo/init/config.json"), model.join("config.json")).unwrap();
+    let mut tensors =
+        candle_core::safetensors::load(fixture("ppo/init/model.safetensors"), &Device::Cpu).unwrap();
+    let wte = tensors["transformer.wte.weight"].clone();
+    tensors.insert("lm_head.weight".into(), wte.clone());
+    candle_core::safetensors::save(&tensors, model.join("model.safetensors")).unwrap();
+    let vocab = wte.dim(0).unwrap() as u32;
+    let rollouts: String = (0..4u32)
+        .map(|i| {
+            let q: Vec<u32> = (0..3).map(|j| (i * 5 + j) % vocab).collect();
+            let r: Vec<u32> = (0..4).map(|j| (i * 7 + j + 1) % vocab).collect();
+            format!("{}\n", serde_json::json!({"query_ids": q, "response_ids": r, "score": i as f32 - 1.5}))
+        })
+        .collect();
+    std::fs::write(dir.path().join("rollouts.jsonl"), rollouts).unwrap();
+    std::fs::write(
+        dir.path().join("ppo.toml"),
+        "[ppo]\nbatch_size = 4\nmini_batch_size = 2\nlearning_rate = 1e-3\n",
+    )
+    .unwrap();
+    let out_dir = dir.path().join("out");
+    let out = Command::new(env!("CARGO_BIN_EXE_rltune"))
+        .args(["ppo-step", "--model", model.to_str().unwrap(), "--config"])
+        .arg(dir.path().join("ppo.toml"))
+        .arg("--rollouts")
+        .arg(dir.path().join("rollouts.jsonl"))
+        .arg("--output")
+        .arg(&out_dir)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let saved = candle_core::safetensors::load(out_dir.join("model.safetensors"), &Device::Cpu).unwrap();
+    let diff = |a: &Tensor, b: &Tensor| {
+        (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
+    };
+    let (new_wte, new_head) = (&saved["transformer.wte.weight"], &saved["lm_head.weight"]);
+    assert!(diff(new_wte, &wte) > 1e-4, "the step trained the embedding");
+    assert_eq!(diff(new_head, new_wte), 0.0, "lm_head.weight holds the trained (tied) embedding");
+    let mut names: Vec<&String> = saved.keys().collect();
+    names.sort();
+    let mut want: Vec<&String> = tensors.keys().collect();
+    want.sort();
+    assert!(want.iter().all(|n| names.contains(n)), "the input's names are kept: {names:?}");
+}

@@ -38,6 +38,9 @@ struct Inner {
     vars: BTreeMap<String, Var>,
     /// Names initialized here rather than loaded.
     initialized: Vec<String>,
+    /// Tied duplicates read from the checkpoint (`lm_head.weight` → `transformer.wte.weight`):
+    /// not parameters of their own, written back with their target's current value.
+    aliases: BTreeMap<String, String>,
     /// Random source for initialization, seeded.
     rng: rand::rngs::StdRng,
 }
@@ -74,8 +77,13 @@ impl ParamStore {
                 vars.insert(name.clone(), v);
             }
         }
-        let inner =
-            Inner { tensors, vars, initialized: Vec::new(), rng: rand::rngs::StdRng::seed_from_u64(seed) };
+        let inner = Inner {
+            tensors,
+            vars,
+            initialized: Vec::new(),
+            aliases: BTreeMap::new(),
+            rng: rand::rngs::StdRng::seed_from_u64(seed),
+        };
         Ok(Self {
             inner: Arc::new(Mutex::new(inner)),
             trainable,
@@ -177,21 +185,44 @@ impl ParamStore {
         self.lock().vars.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
     }
 
-    /// A snapshot of every tensor by name (detached copies share no storage with the store).
+    /// A snapshot of every tensor by name (detached copies share no storage with the store),
+    /// tied duplicates included with their target's current value.
     pub fn snapshot(&self) -> Result<BTreeMap<String, Tensor>> {
         let inner = self.lock();
         let mut out = BTreeMap::new();
         for (k, t) in inner.tensors.iter() {
             out.insert(k.clone(), t.detach().copy()?);
         }
+        for (alias, target) in &inner.aliases {
+            if let Some(t) = out.get(target).cloned() {
+                out.insert(alias.clone(), t);
+            }
+        }
         Ok(out)
+    }
+
+    /// Makes the checkpoint's tensor `alias` a tied duplicate of `target` (a tied LM head): it
+    /// stops being a tensor (and a trainable variable) of its own, and every save writes it with
+    /// `target`'s current value, so no file holds a stale copy. Without `alias` in the checkpoint
+    /// nothing is recorded and saves leave it out, as transformers' `save_pretrained` does.
+    pub fn tie(&self, alias: &str, target: &str) {
+        let mut inner = self.lock();
+        if inner.tensors.remove(alias).is_some() {
+            inner.vars.remove(alias);
+            inner.aliases.insert(alias.to_string(), target.to_string());
+        }
     }
 
     /// A frozen deep copy (for a reference model): same names, no gradient tracking.
     pub fn frozen_copy(&self) -> Result<Self> {
         let map: HashMap<String, Tensor> = self.snapshot()?.into_iter().collect();
+        let aliases = self.lock().aliases.clone();
         let mut s = Self::from_tensors(map, false, self.dtype, &self.device, &self.source)?;
         s.fill_missing = false;
+        // The snapshot wrote each tied duplicate as a tensor: tie it again.
+        for (alias, target) in aliases {
+            s.tie(&alias, &target);
+        }
         Ok(s)
     }
 
@@ -202,13 +233,7 @@ impl ParamStore {
             .into_iter()
             .map(|(k, t)| t.contiguous().map(|t| (k, t)))
             .collect::<std::result::Result<_, _>>()?;
-        crate::io::write_atomic(path, |tmp| {
-            candle_core::safetensors::save(
-                &tensors.iter().map(|(k, t)| (k.as_str(), t.clone())).collect::<HashMap<_, _>>(),
-                tmp,
-            )
-            .map_err(|e| Error::weights(tmp, format!("cannot write safetensors: {e}")))
-        })
+        crate::io::save_safetensors(path, &tensors.into_iter().collect())
     }
 
     /// The tensor `name` with the expected shape, initializing it if allowed.
@@ -308,6 +333,12 @@ impl<'a> Params<'a> {
         self.store.get(&self.full_name(name), &shape.into(), init)
     }
 
+    /// Ties the checkpoint's tensor `alias` (under this view) to `target` (a full name); see
+    /// [`ParamStore::tie`].
+    pub fn tie(&self, alias: &str, target: &str) {
+        self.store.tie(&self.full_name(alias), target)
+    }
+
     /// The tensor `name`, initialized with `init` when absent, whatever the store's mode.
     pub fn get_or_init(&self, name: &str, shape: impl Into<Shape>, init: Init) -> Result<Tensor> {
         self.store.get(&self.full_name(name), &shape.into(), Some(init))
@@ -333,6 +364,25 @@ mod tests {
         assert!(err.contains("\"a.w\"") && err.contains("[2, 3]") && err.contains("[3, 2]"), "{err}");
         let err = s.root().get("b", (1,), Init::Zeros).unwrap_err().to_string();
         assert!(err.contains("missing"), "{err}");
+    }
+
+    /// Regression (issue #28, defect 1): a checkpoint with both `wte` and a tied `lm_head`
+    /// was saved with the trained `wte` and the stale `lm_head`.
+    #[test]
+    fn a_tied_duplicate_is_saved_with_its_targets_current_value() {
+        let mut m = HashMap::new();
+        m.insert("wte".to_string(), Tensor::zeros((2, 3), DType::F32, &Device::Cpu).unwrap());
+        m.insert("head".to_string(), Tensor::ones((2, 3), DType::F32, &Device::Cpu).unwrap());
+        let s = ParamStore::from_tensors(m, true, DType::F32, &Device::Cpu, Path::new("m")).unwrap();
+        s.root().tie("head", "wte");
+        s.root().tie("absent", "wte");
+        assert_eq!(s.vars().len(), 1, "the duplicate is no parameter of its own");
+        let (_, wte) = &s.vars()[0];
+        wte.set(&Tensor::full(5f32, (2, 3), &Device::Cpu).unwrap()).unwrap();
+        for snap in [s.snapshot().unwrap(), s.frozen_copy().unwrap().snapshot().unwrap()] {
+            assert_eq!(snap.keys().collect::<Vec<_>>(), ["head", "wte"]);
+            assert_eq!(snap["head"].to_vec2::<f32>().unwrap(), vec![vec![5f32; 3]; 2]);
+        }
     }
 
     #[test]

@@ -283,6 +283,8 @@ impl Gpt2 {
             (0..cfg.n_layer).map(|i| Block::load(&body.pp("h").pp(i), cfg, i)).collect::<Result<Vec<_>>>()?;
         let ln_f = LayerNorm::load(&body.pp("ln_f"), c, cfg.layer_norm_epsilon)?;
         let lm_head = if cfg.tie_word_embeddings {
+            // A checkpoint may also hold the tied copy (TRL's value-head models do).
+            p.tie("lm_head.weight", &body.pp("wte").full_name("weight"));
             wte.weight.clone()
         } else {
             p.get("lm_head.weight", (cfg.vocab_size, c), crate::params::Init::Normal(std))?

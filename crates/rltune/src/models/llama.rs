@@ -625,6 +625,7 @@ impl Llama {
             .collect::<Result<Vec<_>>>()?;
         let norm = RmsNorm::load(&body.pp("norm"), c, cfg.rms_norm_eps)?;
         let lm_head = if cfg.tie_word_embeddings {
+            p.tie("lm_head.weight", &body.pp("embed_tokens").full_name("weight"));
             embed_tokens.weight.clone()
         } else {
             p.get("lm_head.weight", (v, c), Init::Normal(std))?
