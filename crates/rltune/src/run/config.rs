@@ -178,8 +178,14 @@ impl RunConfig {
     }
 
     /// Parses TOML text (see [`Self::load`]); `path` names the source in errors.
+    ///
+    /// `[ppo] temperature`, when absent, is `[generation] temperature`: the training logprobs
+    /// must come from the distribution the responses were sampled from.
     pub fn from_toml(text: &str, path: &Path, overrides: &[String]) -> Result<Self> {
-        let cfg: Self = parse_toml(text, path, overrides)?;
+        let mut cfg: Self = parse_toml(text, path, overrides)?;
+        if !sets_ppo_temperature(text, overrides) {
+            cfg.ppo.temperature = cfg.generation.temperature;
+        }
         cfg.validate().map_err(|m| Error::config(path, m))?;
         Ok(cfg)
     }
@@ -188,6 +194,15 @@ impl RunConfig {
     pub fn validate(&self) -> std::result::Result<(), String> {
         self.ppo.validate()?;
         self.generation.validate().map_err(|e| e.to_string())?;
+        if self.ppo.temperature != self.generation.temperature {
+            return Err(format!(
+                "[ppo] temperature = {} but [generation] temperature = {}: the PPO ratio would compare \
+                 logprobs of two different distributions (with the rollout cache on, it is not 1 on \
+                 the first minibatch); leave [ppo] temperature out (it follows [generation]) or set \
+                 both to the same value",
+                self.ppo.temperature, self.generation.temperature
+            ));
+        }
         if self.model.path.is_empty() {
             return Err("[model] path is empty; set it to a model directory or hub id".into());
         }
@@ -211,6 +226,15 @@ impl RunConfig {
     pub fn to_toml(&self) -> Result<String> {
         toml::to_string_pretty(self).map_err(|e| Error::Input(format!("cannot serialize the config: {e}")))
     }
+}
+
+/// Whether `[ppo] temperature` is given in `text` or by an override.
+fn sets_ppo_temperature(text: &str, overrides: &[String]) -> bool {
+    let in_text = toml::from_str::<toml::Table>(text)
+        .ok()
+        .and_then(|t| t.get("ppo").and_then(|p| p.as_table()).map(|p| p.contains_key("temperature")))
+        .unwrap_or(false);
+    in_text || overrides.iter().any(|o| o.split('=').next().is_some_and(|k| k.trim() == "ppo.temperature"))
 }
 
 /// Deserializes TOML `text` after applying `overrides` (`table.key=value`; the value is parsed as
@@ -300,6 +324,29 @@ command = ["cat"]
         let err =
             RunConfig::from_toml(MINIMAL, p, &["generation.max_new_tokns=3".into()]).unwrap_err().to_string();
         assert!(err.contains("did you mean \"max_new_tokens\""), "{err}");
+    }
+
+    /// Regression (issue #28, defect 4): the two temperatures could differ silently, so the
+    /// rollout-cached logprobs and the training logprobs came from different distributions.
+    #[test]
+    fn ppo_temperature_follows_generation_and_a_mismatch_names_both_keys() {
+        let p = Path::new("run.toml");
+        let c = RunConfig::from_toml(MINIMAL, p, &["generation.temperature=0.7".into()]).unwrap();
+        assert_eq!((c.generation.temperature, c.ppo.temperature), (0.7, 0.7));
+        let text = format!("{MINIMAL}[generation]\ntemperature = 0.5\n");
+        assert_eq!(RunConfig::from_toml(&text, p, &[]).unwrap().ppo.temperature, 0.5);
+        let same = ["generation.temperature=0.7".into(), "ppo.temperature=0.7".into()];
+        assert_eq!(RunConfig::from_toml(MINIMAL, p, &same).unwrap().ppo.temperature, 0.7);
+        for set in [
+            vec!["ppo.temperature=0.7".to_string()],
+            vec!["generation.temperature=0.7".into(), "ppo.temperature=1.0".into()],
+        ] {
+            let err = RunConfig::from_toml(MINIMAL, p, &set).unwrap_err().to_string();
+            assert!(err.contains("[ppo] temperature") && err.contains("[generation] temperature"), "{err}");
+        }
+        let text = format!("{MINIMAL}[ppo]\ntemperature = 2.0\n");
+        let err = RunConfig::from_toml(&text, p, &[]).unwrap_err().to_string();
+        assert!(err.contains("[ppo] temperature = 2"), "{err}");
     }
 
     #[test]
