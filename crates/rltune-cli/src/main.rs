@@ -74,9 +74,35 @@ fn main() {
     }
 }
 
-/// Logs to stderr; `RUST_LOG` overrides the default `info` level.
+/// Logs to stderr; `RUST_LOG` overrides the default `info` level. Colours only on a terminal,
+/// and never with `NO_COLOR` set (<https://no-color.org>).
 fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).init();
+    let colour =
+        use_colour(std::io::IsTerminal::is_terminal(&std::io::stderr()), std::env::var_os("NO_COLOR"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .with_ansi(colour)
+        .init();
+}
+
+/// Whether to colour the logs: stderr is a terminal and `NO_COLOR` is unset or empty.
+fn use_colour(stderr_is_terminal: bool, no_color: Option<std::ffi::OsString>) -> bool {
+    stderr_is_terminal && no_color.is_none_or(|v| v.is_empty())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::use_colour;
+
+    #[test]
+    fn colour_only_on_a_terminal_without_no_color() {
+        assert!(use_colour(true, None));
+        assert!(use_colour(true, Some("".into())));
+        assert!(!use_colour(true, Some("1".into())));
+        assert!(!use_colour(false, None));
+    }
 }
