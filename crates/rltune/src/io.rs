@@ -15,12 +15,53 @@ where
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     let name = path.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
     let tmp: PathBuf = dir.join(format!(".{name}.tmp-{}", std::process::id()));
-    let res = write(&tmp);
+    let res = write(&tmp).and_then(|()| plain_file_mode(&tmp));
     if res.is_err() {
         let _ = std::fs::remove_file(&tmp);
         return res;
     }
     std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))
+}
+
+/// Gives `path` the mode a new plain file gets under the process umask (`0666 & !umask`), as
+/// transformers' `save_pretrained` files have: writers that go through a `tempfile` (the
+/// safetensors crate does) leave 0600, which other users of a shared machine cannot read.
+fn plain_file_mode(path: &Path) -> Result<()> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = 0o666 & !process_umask();
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+            .map_err(|e| Error::io(path, e))?;
+    }
+    #[cfg(not(unix))]
+    let _ = path;
+    Ok(())
+}
+
+/// The process umask, read from `/proc/self/status` (Linux ≥ 4.7; changing it to read it
+/// would race with other threads); 0o022 where that is unavailable.
+#[cfg(unix)]
+fn process_umask() -> u32 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("Umask:"))
+                .and_then(|v| u32::from_str_radix(v.trim(), 8).ok())
+        })
+        .unwrap_or(0o022)
+}
+
+/// Writes `tensors` to `path` as safetensors, atomically and with the plain file mode.
+pub fn save_safetensors(
+    path: &Path,
+    tensors: &std::collections::HashMap<String, candle_core::Tensor>,
+) -> Result<()> {
+    write_atomic(path, |tmp| {
+        candle_core::safetensors::save(tensors, tmp)
+            .map_err(|e| Error::weights(tmp, format!("cannot write safetensors: {e}")))
+    })
 }
 
 /// Writes `bytes` to `path` atomically.
@@ -32,4 +73,25 @@ pub fn write_bytes_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 pub fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T> {
     let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
     serde_json::from_str(&text).map_err(|e| Error::config(path, e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Regression (issue #28, defect 5): safetensors files were left with tempfile's 0600.
+    #[cfg(unix)]
+    #[test]
+    fn written_files_get_the_umask_mode_not_0600() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("w.safetensors");
+        let t = candle_core::Tensor::zeros(3, candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
+        save_safetensors(&path, &[("w".to_string(), t)].into_iter().collect()).unwrap();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o666 & !process_umask(), "mode {mode:o}");
+        if process_umask() & 0o044 == 0 {
+            assert_ne!(mode & 0o044, 0, "readable by group and others");
+        }
+    }
 }
