@@ -229,8 +229,10 @@ fn read_parquet(path: &Path, text_column: &str) -> Result<Vec<PromptRow>> {
 #[cfg(not(feature = "parquet"))]
 fn read_parquet(path: &Path, _text_column: &str) -> Result<Vec<PromptRow>> {
     Err(Error::Input(format!(
-        "{}: reading Parquet needs rltune built with the `parquet` feature (`cargo build --release \
-         --features rltune/parquet`); or convert the file to JSON lines, e.g. `python -c \"import pandas as \
+        "{}: reading Parquet needs the `parquet` cargo feature, which this build was made without: \
+         the `rltune` binary has it by default (`cargo build --release -p rltune-cli`, without \
+         `--no-default-features`); a program using the library adds `features = [\"parquet\"]` to its \
+         `rltune` dependency. Or convert the file to JSON lines, e.g. `python -c \"import pandas as \
          pd; pd.read_parquet('IN.parquet').to_json('OUT.jsonl', orient='records', lines=True)\"`",
         path.display()
     )))

@@ -197,7 +197,10 @@ fn parquet_reads_text_and_other_columns() {
 fn parquet_without_the_feature_says_how_to_enable_it() {
     let d = dir_with(&[("p.parquet", "PAR1")]);
     let e = err(d.path(), "p.parquet", "text");
-    assert!(e.contains("`parquet` feature") && e.contains("to_json"), "{e}");
+    assert!(
+        e.contains("`parquet` cargo feature") && e.contains("rltune-cli") && e.contains("to_json"),
+        "{e}"
+    );
 }
 
 #[test]
