@@ -17,6 +17,8 @@ fn rltune(args: &[&str]) -> Output {
         .expect("run rltune");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!stderr.contains("panicked"), "rltune panicked:\n{stderr}");
+    // Regression (issue #28, defect 6): logs to a pipe were coloured with raw ESC[…m codes.
+    assert!(!stderr.contains('\u{1b}'), "ANSI escape codes in logs that are not on a terminal:\n{stderr}");
     out
 }
 
@@ -367,4 +369,216 @@ fn ctrl_c_finishes_the_step_writes_a_checkpoint_and_exits_cleanly() {
         "a checkpoint of the last finished step ({steps})"
     );
     assert!(run.join("report.html").is_file());
+}
+
+/// The quickstart's PPO config in `dir/run.toml` for a run in `dir/run`: checkpoints with
+/// optimizer state every 2 steps, two epochs of two shuffled minibatches, score scaling (the
+/// running moments), and a second reward source, a command that answers 0 for each sample
+/// (the sum is unchanged); when `RLTUNE_TEST_BLOCK_AFTER` is set it hangs after that many
+/// samples, and with `RLTUNE_TEST_BATCH_SLEEP` it sleeps that long at each batch's start.
+fn resumable_config(dir: &Path) -> PathBuf {
+    let base = std::fs::read_to_string(quickstart().join("ppo.toml")).unwrap();
+    let script = "n=0; while read l; do n=$((n+1)); \
+                  if [ -n \"$RLTUNE_TEST_BLOCK_AFTER\" ] && [ $n -gt \"$RLTUNE_TEST_BLOCK_AFTER\" ]; then sleep 600; fi; \
+                  if [ -n \"$RLTUNE_TEST_BATCH_SLEEP\" ] && [ $((n % 8)) -eq 1 ]; then sleep $RLTUNE_TEST_BATCH_SLEEP; fi; \
+                  echo 0; done";
+    let text = format!(
+        "{base}\n[[reward.sources]]\nkind = \"command\"\ncommand = [\"sh\", \"-c\", {script:?}]\ntimeout_s = 900\n"
+    );
+    let path = dir.join("run.toml");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// `rltune ppo` on `config` for `steps` steps, with the settings of [`resumable_config`].
+fn resumable_ppo(config: &Path, run: &Path, steps: usize, resume: bool) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_rltune"));
+    cmd.args(["ppo", "--config", s(config)]);
+    for o in [
+        format!("logging.dir={:?}", s(run)),
+        format!("ppo.steps={steps}"),
+        "checkpoint.every=2".into(),
+        "checkpoint.optimizer_state=true".into(),
+        "ppo.ppo_epochs=2".into(),
+        "ppo.use_score_scaling=true".into(),
+    ] {
+        cmd.args(["--set", &o]);
+    }
+    if resume {
+        cmd.arg("--resume");
+    }
+    cmd.env("HF_HUB_OFFLINE", "1").env("RUST_LOG", "warn");
+    cmd
+}
+
+/// The metrics lines without the wall-clock `time/*` keys.
+fn metrics_without_times(run: &Path) -> Vec<serde_json::Value> {
+    metrics(run)
+        .into_iter()
+        .map(|mut m| {
+            m.as_object_mut().unwrap().retain(|k, _| !k.starts_with("time/"));
+            m
+        })
+        .collect()
+}
+
+/// Kills `child`'s whole process group (it was started as a group leader) with SIGKILL.
+fn kill_group(child: &mut std::process::Child) {
+    let pgid = format!("-{}", child.id());
+    let _ = Command::new("kill").args(["-KILL", "--", &pgid]).status();
+    let _ = child.wait();
+}
+
+/// Regression (issue #28, defect 2): `--resume` restored the weights, Adam and the KL
+/// controller but not the minibatch-shuffle stream, so step 3's update differed from an
+/// uninterrupted run's. Now 4 steps straight through and 2 steps, SIGKILL in the middle of
+/// step 4 (after step 3 was logged), then `--resume` to 4 give the same bits and the same
+/// metrics and samples lines; step 3's line from the killed run is dropped.
+#[test]
+fn ppo_resume_after_sigkill_is_bitwise_identical_to_a_straight_run() {
+    use std::os::unix::process::CommandExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let config = resumable_config(tmp.path());
+    let straight = tmp.path().join("straight");
+    let out = resumable_ppo(&config, &straight, 4, false).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+
+    // Hang on the 4th batch's reward (8 samples a batch): steps 1–3 are logged, step 2 saved.
+    let resumed = tmp.path().join("resumed");
+    let mut child = resumable_ppo(&config, &resumed, 4, false)
+        .env("RLTUNE_TEST_BLOCK_AFTER", "24")
+        .process_group(0)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    let complete_lines = |run: &Path| {
+        std::fs::read_to_string(run.join("metrics.jsonl")).map_or(0, |t| t.matches('\n').count())
+    };
+    while complete_lines(&resumed) < 3 {
+        assert!(std::time::Instant::now() < deadline, "the run did not reach step 3");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    kill_group(&mut child);
+    assert!(resumed.join("checkpoints/step-2").is_dir() && !resumed.join("checkpoints/step-4").exists());
+
+    let out = resumable_ppo(&config, &resumed, 4, true).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    for file in ["model.safetensors", "optimizer.safetensors", "trainer_state.json"] {
+        let a = std::fs::read(straight.join("checkpoints/step-4").join(file)).unwrap();
+        let b = std::fs::read(resumed.join("checkpoints/step-4").join(file)).unwrap();
+        assert!(a == b, "checkpoints/step-4/{file} differs between the straight and the resumed run");
+    }
+    assert_eq!(metrics_without_times(&straight), metrics_without_times(&resumed));
+    let samples = |run: &Path| std::fs::read_to_string(run.join("samples.jsonl")).unwrap();
+    assert_eq!(samples(&straight), samples(&resumed));
+}
+
+/// Issue #28's checkpoint fault: `rltune ppo` killed with SIGKILL 50 times, at random moments
+/// (while it loads, samples, trains or writes its checkpoint of every step) and, every other
+/// time, in the middle of a checkpoint write, leaves no unreadable checkpoint, and each time
+/// resumes from the latest one; the steps finished are never lost.
+#[test]
+fn sigkill_at_random_moments_leaves_every_checkpoint_readable() {
+    use rand::{Rng, SeedableRng};
+    use std::os::unix::process::CommandExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let config = resumable_config(tmp.path());
+    let run = tmp.path().join("run");
+    // Never reached: every run is killed. A checkpoint each step; each step waits 30 ms for its
+    // reward, so the ~50 kills leave a few hundred checkpoints, not tens of thousands.
+    let steps = 1_000_000;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(28);
+    let (mut last_done, mut mid_write) = (0, 0);
+    for kill in 0..50 {
+        let resume = latest(&run).is_some();
+        if !resume {
+            // Killed before its first checkpoint: nothing finished to keep; start over.
+            let _ = std::fs::remove_dir_all(&run);
+        }
+        let mut cmd = resumable_ppo(&config, &run, steps, resume);
+        cmd.args(["--set", "checkpoint.every=1"]).env("RLTUNE_TEST_BATCH_SLEEP", "0.03");
+        let log = tmp.path().join(format!("stderr-{kill}"));
+        let mut child = cmd
+            .process_group(0)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        if kill % 2 == 0 {
+            std::thread::sleep(std::time::Duration::from_millis(rng.gen_range(100..700)));
+        } else {
+            // Every other kill lands while a checkpoint is being written: as soon as its
+            // temporary folder appears, or after a random delay into the write.
+            let start = std::time::Instant::now();
+            let delay = std::time::Duration::from_micros(rng.gen_range(0..600));
+            while !writing(&run) && start.elapsed() < std::time::Duration::from_secs(5) {
+                std::thread::sleep(std::time::Duration::from_micros(100));
+            }
+            std::thread::sleep(delay);
+        }
+        let finished = child.try_wait().unwrap().is_some();
+        kill_group(&mut child);
+        let stderr = std::fs::read_to_string(&log).unwrap();
+        assert!(!finished, "kill {kill}: the run ended before it was killed:\n{stderr}");
+        mid_write += usize::from(writing(&run));
+        let ckpts = checkpoint_steps(&run);
+        for step in &ckpts {
+            let dir = run.join("checkpoints").join(format!("step-{step}"));
+            check_checkpoint(&dir)
+                .unwrap_or_else(|e| panic!("kill {kill}: {} unreadable: {e}", dir.display()));
+        }
+        let done = ckpts.last().copied().unwrap_or(0);
+        assert!(done >= last_done, "kill {kill}: the latest checkpoint went back from {last_done} to {done}");
+        last_done = done;
+    }
+    assert!(last_done > 0, "no checkpoint was ever written");
+    println!("50 kills: {mid_write} left an unfinished checkpoint write; latest checkpoint step-{last_done}");
+    // Stray temporary folders of killed writes are cleared by the next resume.
+    let out = resumable_ppo(&config, &run, last_done + 1, true).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let names: Vec<String> = std::fs::read_dir(run.join("checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(names.iter().all(|n| n.starts_with("step-")), "{names:?}");
+    let lines = metrics(&run);
+    let logged: Vec<u64> = lines.iter().map(|m| m["step"].as_u64().unwrap()).collect();
+    assert_eq!(logged, (1..=last_done as u64 + 1).collect::<Vec<_>>(), "every step logged once, in order");
+}
+
+/// Whether `run/checkpoints` holds an unfinished write (a `.step-N.tmp-PID` folder).
+fn writing(run: &Path) -> bool {
+    std::fs::read_dir(run.join("checkpoints"))
+        .map(|rd| rd.flatten().any(|e| e.file_name().to_string_lossy().contains(".tmp-")))
+        .unwrap_or(false)
+}
+
+/// The steps of `run/checkpoints/step-N` folders, sorted.
+fn checkpoint_steps(run: &Path) -> Vec<usize> {
+    let mut steps: Vec<usize> = std::fs::read_dir(run.join("checkpoints"))
+        .map(|rd| {
+            rd.filter_map(|e| e.ok()?.file_name().to_str()?.strip_prefix("step-")?.parse().ok()).collect()
+        })
+        .unwrap_or_default();
+    steps.sort_unstable();
+    steps
+}
+
+fn latest(run: &Path) -> Option<usize> {
+    checkpoint_steps(run).last().copied()
+}
+
+/// Reads every file of a checkpoint as `--resume` would.
+fn check_checkpoint(dir: &Path) -> Result<(), String> {
+    for f in ["model.safetensors", "optimizer.safetensors"] {
+        candle_core::safetensors::load(dir.join(f), &candle_core::Device::Cpu)
+            .map_err(|e| format!("{f}: {e}"))?;
+    }
+    for f in ["config.json", "trainer_state.json"] {
+        let text = std::fs::read_to_string(dir.join(f)).map_err(|e| format!("{f}: {e}"))?;
+        serde_json::from_str::<serde_json::Value>(&text).map_err(|e| format!("{f}: {e}"))?;
+    }
+    Ok(())
 }

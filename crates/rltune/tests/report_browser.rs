@@ -141,7 +141,7 @@ fn count(haystack: &str, needle: &str) -> usize {
 fn write_report(out: &Path) -> PathBuf {
     let run = out.join("run");
     let _ = std::fs::remove_dir_all(&run);
-    let mut logger = RunLogger::create(&run, false).expect("create run dir");
+    let mut logger = RunLogger::create(&run, None).expect("create run dir");
     let mut rng = 42u64;
     for step in 1..=STEPS {
         let (stats, samples) = synthetic_stats(step, &mut rng);

@@ -178,6 +178,39 @@ where
     Ok(out)
 }
 
+/// Rewrites `path` (atomically) without the lines of steps after `last`, and without lines
+/// that do not parse (a line cut short by a crash); every kept line stays byte for byte. A
+/// missing file is left missing.
+pub fn truncate_after(path: &Path, last: usize) -> Result<()> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(Error::io(path, e)),
+    };
+    let step_of = |line: &str| {
+        serde_json::from_str::<serde_json::Value>(line).ok()?.get("step")?.as_u64().map(|s| s as usize)
+    };
+    let mut kept = String::with_capacity(text.len());
+    let mut dropped = 0usize;
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        match step_of(line) {
+            Some(step) if step <= last => {
+                kept.push_str(line);
+                kept.push('\n');
+            }
+            _ => dropped += 1,
+        }
+    }
+    if dropped > 0 {
+        tracing::info!(
+            "{}: {dropped} lines after step {last} dropped (those steps run again)",
+            path.display()
+        );
+        crate::io::write_bytes_atomic(path, kept.as_bytes())?;
+    }
+    Ok(())
+}
+
 /// Something logged at a step.
 pub trait HasStep {
     /// The training step.

@@ -24,7 +24,7 @@
 //!
 //! # fn main() -> rltune::Result<()> {
 //! let dir = tempfile::tempdir().expect("tempdir");
-//! let mut log = RunLogger::create(dir.path(), false)?;
+//! let mut log = RunLogger::create(dir.path(), None)?;
 //! let mut stats = Stats::new();
 //! stats.insert("env/reward_mean".into(), Stat::Scalar(0.5));
 //! stats.insert("env/reward_dist".into(), Stat::Array(vec![0.0, 1.0]));
@@ -76,9 +76,15 @@ pub struct RunLogger {
 impl RunLogger {
     /// Creates `dir` and `dir/tb/` and opens the run's files for appending.
     ///
-    /// Without `resume`, a directory that already holds logged steps is an error (nothing is
-    /// overwritten). With `resume`, the logged steps are read back for the report.
-    pub fn create(dir: &Path, resume: bool) -> Result<Self> {
+    /// With `resume_from: None` (a new run), a directory that already holds logged steps is an
+    /// error (nothing is overwritten). With `Some(k)` (a run resumed from its step-k checkpoint),
+    /// `metrics.jsonl` and `samples.jsonl` are first cut back to the lines of steps ≤ k (rewritten
+    /// atomically; the later steps run again and are logged anew), then read back for the report.
+    /// TensorBoard's event files are append-only: the resumed steps are written again to a new
+    /// event file, and TensorBoard shows each step's latest value (its `purge_orphaned_data`,
+    /// on by default, drops the earlier ones).
+    pub fn create(dir: &Path, resume_from: Option<usize>) -> Result<Self> {
+        let resume = resume_from.is_some();
         let tb_dir = dir.join("tb");
         std::fs::create_dir_all(&tb_dir).map_err(|e| Error::io(&tb_dir, e))?;
         let metrics_path = dir.join("metrics.jsonl");
@@ -91,7 +97,9 @@ impl RunLogger {
             )));
         }
         let (mut rows, mut samples) = (Vec::new(), Vec::new());
-        if resume {
+        if let Some(last) = resume_from {
+            jsonl::truncate_after(&metrics_path, last)?;
+            jsonl::truncate_after(&samples_path, last)?;
             rows = jsonl::read_steps(&metrics_path, MetricRow::from_json_line)?;
             samples = jsonl::read_steps(&samples_path, jsonl::samples_from_json_line)?;
             // Samples of steps whose metrics were superseded by a restart are stale.

@@ -18,4 +18,4 @@ pub use config::PpoConfig;
 pub use kl_control::KlController;
 pub use math::KlPenalty;
 pub use stats::{Stat, Stats};
-pub use trainer::{PpoTrainer, RolloutCache, StepInput};
+pub use trainer::{PpoTrainer, RolloutCache, RunningMoments, StepInput, TrainerStreams};

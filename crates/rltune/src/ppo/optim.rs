@@ -6,6 +6,7 @@
 //! operations, so results agree to float rounding. f32 parameters on the CPU are updated in place
 //! (a candle in-place op) from their gradient buffers, with no copy of either.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use candle_core::{CpuStorage, DType, InplaceOp1, Layout, Tensor, Var};
@@ -127,6 +128,24 @@ impl Grads {
     /// Scales the gradients so their global L2 norm is at most `max_norm`; returns the norm
     /// before (computed in f64). torch `clip_grad_norm_`: `coef = min(1, max_norm / (norm + 1e-6))`.
     pub fn clip_norm(&mut self, max_norm: f64) -> Result<f64> {
+        let norm = self.global_norm()?;
+        let coef = (max_norm / (norm + 1e-6)).min(1.0);
+        if coef < 1.0 {
+            for sink in self.sinks.iter().flatten() {
+                let mut s = sink.state();
+                if s.filled {
+                    s.buf.par_iter_mut().for_each(|g| *g *= coef as f32);
+                }
+            }
+            for g in self.tensors.iter_mut().flatten() {
+                *g = (&*g * coef)?;
+            }
+        }
+        Ok(norm)
+    }
+
+    /// The global L2 norm of the gradients (computed in f64); non-finite when any entry is.
+    pub fn global_norm(&self) -> Result<f64> {
         let mut sq = 0f64;
         for sink in self.sinks.iter().flatten() {
             let s = sink.state();
@@ -141,20 +160,7 @@ impl Grads {
         for g in self.tensors.iter().flatten() {
             sq += g.to_dtype(DType::F64)?.sqr()?.sum_all()?.to_scalar::<f64>()?;
         }
-        let norm = sq.sqrt();
-        let coef = (max_norm / (norm + 1e-6)).min(1.0);
-        if coef < 1.0 {
-            for sink in self.sinks.iter().flatten() {
-                let mut s = sink.state();
-                if s.filled {
-                    s.buf.par_iter_mut().for_each(|g| *g *= coef as f32);
-                }
-            }
-            for g in self.tensors.iter_mut().flatten() {
-                *g = (&*g * coef)?;
-            }
-        }
-        Ok(norm)
+        Ok(sq.sqrt())
     }
 }
 
@@ -244,28 +250,42 @@ impl Adam {
     /// minibatch). Which variables are fused is learned from the previous backward on `grads`
     /// (the first runs unfused). Not for accumulated or clipped gradients, which need all of
     /// them before any update. If `backward` fails, some variables may have been updated.
+    ///
+    /// A non-finite gradient never reaches the weights: a fused block holding one is not
+    /// applied (its weights and moments stay), and the update of the other variables is then
+    /// skipped ([`FusedStep::NonFinite`]). Blocks fused before it was met keep their update.
     pub fn step_fused(
         &mut self,
         grads: &mut Grads,
         backward: impl FnOnce(&mut Grads) -> Result<bool>,
-    ) -> Result<bool> {
+    ) -> Result<FusedStep> {
         self.check(grads)?;
         let k = self.consts(self.step + 1);
         let armed = Armed(grads.sinks.iter().flatten().cloned().collect());
+        let non_finite = Arc::new(AtomicBool::new(false));
         for (i, sink) in grads.sinks.iter().enumerate() {
             let Some(sink) = sink.as_ref().filter(|_| grads.single_write[i]) else { continue };
             let (m, v) = (&mut self.m[i], &mut self.v[i]);
-            let update = FusedAdam { m: RawVec(m.as_mut_ptr()), v: RawVec(v.as_mut_ptr()), len: m.len(), k };
+            let update = FusedAdam {
+                m: RawVec(m.as_mut_ptr()),
+                v: RawVec(v.as_mut_ptr()),
+                len: m.len(),
+                k,
+                non_finite: non_finite.clone(),
+            };
             sink.arm(Some(Arc::new(update)));
         }
         let ran = backward(grads);
         drop(armed);
         if !ran? {
-            return Ok(false);
+            return Ok(FusedStep::Skipped);
+        }
+        if non_finite.load(Ordering::Relaxed) || !grads.global_norm()?.is_finite() {
+            return Ok(FusedStep::NonFinite);
         }
         self.step += 1;
         self.apply(grads, k)?;
-        Ok(true)
+        Ok(FusedStep::Updated)
     }
 
     /// Checks that `grads` were built over this optimizer's variables.
@@ -351,12 +371,25 @@ struct RawVec(*mut f32);
 unsafe impl Send for RawVec {}
 unsafe impl Sync for RawVec {}
 
+/// What [`Adam::step_fused`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FusedStep {
+    /// The backward ran and every variable was updated.
+    Updated,
+    /// The backward reported no pass (a skipped minibatch): nothing was updated.
+    Skipped,
+    /// A gradient was not finite: the update was skipped (see [`Adam::step_fused`]).
+    NonFinite,
+}
+
 /// One variable's Adam update, run on blocks of its gradient from the GEMM's epilogue.
 struct FusedAdam {
     m: RawVec,
     v: RawVec,
     len: usize,
     k: AdamConsts,
+    /// Set when a block's gradient is not finite (that block is left alone).
+    non_finite: Arc<AtomicBool>,
 }
 
 impl FusedUpdate for FusedAdam {
@@ -370,6 +403,13 @@ impl FusedUpdate for FusedAdam {
                 std::slice::from_raw_parts_mut(self.v.0.add(at), p.len()),
             )
         };
+        if !all_finite(g) {
+            self.non_finite.store(true, Ordering::Relaxed);
+            return;
+        }
+        if self.non_finite.load(Ordering::Relaxed) {
+            return;
+        }
         self.k.update_rows(p, g, m, v);
     }
 }
@@ -414,6 +454,24 @@ simd_kernel! {
             let denom = v.sqrt() / bc2s + eps;
             *p = *p - step_size * *m / denom;
         }
+    }
+}
+
+simd_kernel! {
+    /// Whether every value is finite: `x · 0` is 0 for a finite x and NaN for NaN or ±∞, summed
+    /// in 64 independent lanes so the pass over a block still in cache vectorizes.
+    fn all_finite<T: num_traits::Float>(g: &[T]) -> bool {
+        const W: usize = 64;
+        let mut acc = [T::zero(); W];
+        let chunks = g.chunks_exact(W);
+        let rest = chunks.remainder();
+        for c in chunks {
+            for l in 0..W {
+                acc[l] = acc[l] + c[l] * T::zero();
+            }
+        }
+        let tail = rest.iter().fold(T::zero(), |a, &x| a + x * T::zero());
+        acc.iter().fold(tail, |a, &x| a + x) == T::zero()
     }
 }
 
@@ -656,7 +714,7 @@ mod tests {
                     Ok(true)
                 })
                 .unwrap();
-            assert!(ran);
+            assert_eq!(ran, FusedStep::Updated);
             for (i, (a, b)) in va.iter().zip(&vb).enumerate() {
                 let (a, b) = (
                     a.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
@@ -691,9 +749,40 @@ mod tests {
         // A skipped backward changes nothing.
         let before = vb[1].flatten_all().unwrap().to_vec1::<f32>().unwrap();
         gb.clear();
-        assert!(!ob.step_fused(&mut gb, |_| Ok(false)).unwrap());
+        assert_eq!(ob.step_fused(&mut gb, |_| Ok(false)).unwrap(), FusedStep::Skipped);
         assert_eq!(ob.steps(), 3);
         assert_eq!(vb[1].flatten_all().unwrap().to_vec1::<f32>().unwrap(), before);
+    }
+
+    /// Issue #28: a non-finite gradient never reaches the weights or the moments, in the fused
+    /// products (armed after the steps above) or in the update after the backward.
+    #[test]
+    fn a_non_finite_gradient_is_not_applied() {
+        let (mut ob, vb, mut gb) = unfused_and_fused_steps(false, |_, _| {});
+        let flat = |v: &Var| v.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let before: Vec<Vec<f32>> = vb.iter().map(flat).collect();
+        let moments: Vec<(Vec<f32>, Vec<f32>)> =
+            (0..vb.len()).map(|i| (ob.moments(i).0.to_vec(), ob.moments(i).1.to_vec())).collect();
+        gb.clear();
+        let ran = ob
+            .step_fused(&mut gb, |g| {
+                g.backward(&(fused_model_loss(&vb, false) * f64::INFINITY)?)?;
+                Ok(true)
+            })
+            .unwrap();
+        assert_eq!(ran, FusedStep::NonFinite);
+        assert_eq!(ob.steps(), 3, "no Adam step counted");
+        for (i, v) in vb.iter().enumerate() {
+            assert_eq!(flat(v), before[i], "variable {i} changed");
+            assert_eq!(
+                (ob.moments(i).0.to_vec(), ob.moments(i).1.to_vec()),
+                moments[i],
+                "moments {i} changed"
+            );
+        }
+        assert!(
+            !all_finite(&[1f32, f32::NAN]) && !all_finite(&[f32::NEG_INFINITY]) && all_finite(&[0f32; 100])
+        );
     }
 
     #[test]

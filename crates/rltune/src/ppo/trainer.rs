@@ -12,6 +12,8 @@
 //! Deliberate deviations from TRL 0.11.4 (each where TRL has a bug; see `docs/trl-deviations.md`):
 //! - `max_grad_norm` clips every update (TRL only the first: its parameter iterator is consumed).
 //! - A minibatch over `ratio_threshold` is skipped (TRL zeroes its loss but still steps Adam).
+//! - A non-finite loss or gradient never reaches the weights: that update is skipped, counted in
+//!   `rltune/skipped_updates` and logged (TRL steps Adam and spreads the NaN).
 //! - `use_score_scaling` works (it crashes in TRL).
 //! - `whiten_rewards` keeps padding at zero (TRL leaks it into the advantages).
 //! - Position ids come from the attention mask, so left padding does not shift positions.
@@ -27,7 +29,7 @@ use rand::SeedableRng;
 use super::config::PpoConfig;
 use super::kl_control::KlController;
 use super::math::{self, scalar, KlPenalty};
-use super::optim::{Adam, AdamConfig, Grads};
+use super::optim::{Adam, AdamConfig, FusedStep, Grads};
 use super::stats::{mean_std, Stat, Stats};
 use crate::error::{Error, Result};
 use crate::models::layers::causal_bias;
@@ -61,12 +63,27 @@ pub struct StepInput<'a> {
 }
 
 /// Running mean and variance of scores. TRL `trainer/utils.py::RunningMoments`.
-#[derive(Debug, Clone, PartialEq)]
-struct RunningMoments {
-    mean: f64,
-    var: f64,
-    std: f64,
-    count: f64,
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct RunningMoments {
+    /// Running mean.
+    pub mean: f64,
+    /// Running (biased) variance.
+    pub var: f64,
+    /// Running unbiased standard deviation.
+    pub std: f64,
+    /// Scores seen (starts at 1e-24, as TRL's).
+    pub count: f64,
+}
+
+/// The state a trainer carries from one step to the next besides the weights, Adam and the
+/// KL controller; a checkpoint saves it so that a resumed run continues bit for bit.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct TrainerStreams {
+    /// Position (in 32-bit words) of the minibatch-shuffle stream, ChaCha12 seeded with
+    /// `[ppo] seed` (the stream of rand's `StdRng`).
+    pub shuffle_word_pos: u128,
+    /// The running score moments (`use_score_scaling`, `use_score_norm`).
+    pub score_moments: RunningMoments,
 }
 
 impl RunningMoments {
@@ -87,6 +104,22 @@ impl RunningMoments {
         self.var = new_var;
         self.count = tot;
     }
+}
+
+/// Why a minibatch ran no backward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Skip {
+    /// It ran one.
+    No,
+    /// Its mean ratio exceeded `ratio_threshold`.
+    Ratio,
+    /// Its loss was NaN or infinite.
+    NonFinite,
+}
+
+/// Whether a minibatch's `loss/total` is finite (a skipped one reports 0).
+fn loss_is_finite(stats: &Stats) -> bool {
+    stats.get("loss/total").and_then(Stat::as_f64).is_none_or(f64::is_finite)
 }
 
 /// The padded batch and the tensors every minibatch slices from.
@@ -134,8 +167,12 @@ pub struct PpoTrainer {
     /// The gradient buffers, kept between steps (`None` until the first, or after an error).
     grads: Option<Grads>,
     kl_ctl: KlController,
-    rng: rand::rngs::StdRng,
+    /// The minibatch shuffles: `StdRng`'s generator, used directly so that its position can be
+    /// saved and restored ([`TrainerStreams`]).
+    rng: rand_chacha::ChaCha12Rng,
     running: RunningMoments,
+    /// Optimizer updates skipped for a non-finite loss or gradient, over the trainer's life.
+    skipped_updates: usize,
     pad_id: u32,
     eos_ids: Vec<u32>,
     /// Minibatch orders to use instead of the seeded shuffle (for parity with recorded runs).
@@ -179,7 +216,7 @@ impl PpoTrainer {
         let pad_id = lm_cfg.pad_token_id().or(eos_ids.first().copied()).unwrap_or(0);
         let device = store.device().clone();
         Ok(Self {
-            rng: rand::rngs::StdRng::seed_from_u64(config.seed),
+            rng: rand_chacha::ChaCha12Rng::seed_from_u64(config.seed),
             config,
             policy,
             store,
@@ -188,6 +225,7 @@ impl PpoTrainer {
             grads: None,
             kl_ctl,
             running: RunningMoments::new(),
+            skipped_updates: 0,
             pad_id,
             eos_ids,
             forced_permutations: VecDeque::new(),
@@ -216,6 +254,28 @@ impl PpoTrainer {
     /// Mutable optimizer (to restore a checkpoint).
     pub fn optimizer_mut(&mut self) -> &mut Adam {
         &mut self.optimizer
+    }
+
+    /// The shuffle stream's position and the score moments, for a checkpoint.
+    pub fn streams(&self) -> TrainerStreams {
+        TrainerStreams { shuffle_word_pos: self.rng.get_word_pos(), score_moments: self.running.clone() }
+    }
+
+    /// Restores what [`Self::streams`] saved (the trainer must use the same `[ppo] seed`).
+    pub fn restore_streams(&mut self, s: &TrainerStreams) {
+        self.rng = rand_chacha::ChaCha12Rng::seed_from_u64(self.config.seed);
+        self.rng.set_word_pos(s.shuffle_word_pos);
+        self.running = s.score_moments.clone();
+    }
+
+    /// Optimizer updates skipped so far for a non-finite loss or gradient.
+    pub fn skipped_updates(&self) -> usize {
+        self.skipped_updates
+    }
+
+    /// Restores the count of skipped updates (from a checkpoint).
+    pub fn set_skipped_updates(&mut self, n: usize) {
+        self.skipped_updates = n;
     }
 
     /// The id used for padding.
@@ -295,6 +355,7 @@ impl PpoTrainer {
         let mut stats = self.step_stats(&input, &scores, &kl, &non_score, &rollout, &batch, kl_coef)?;
         average_minibatch_stats(&mut stats, &mb_stats)?;
         stats.insert("ppo/learning_rate".into(), Stat::Scalar(self.optimizer.cfg.lr));
+        stats.insert("rltune/skipped_updates".into(), Stat::Scalar(self.skipped_updates as f64));
         let mean_kl = stats.get("objective/kl").and_then(Stat::as_f64).unwrap_or(0.0);
         self.kl_ctl.update(mean_kl, self.config.batch_size);
         negative_kl_guard(&mut stats, mean_kl);
@@ -582,24 +643,35 @@ impl PpoTrainer {
                     let mut optimizer = std::mem::replace(&mut self.optimizer, placeholder);
                     let mut stats = None;
                     let ran = optimizer.step_fused(&mut grads, |grads| {
-                        let (s, skipped) = self.train_minibatch(batch, data, backward, grads)?;
+                        let (s, skip) = self.train_minibatch(batch, data, backward, grads)?;
                         stats = Some(s);
-                        Ok(!skipped)
+                        Ok(skip == Skip::No)
                     });
                     self.optimizer = optimizer;
-                    ran?;
+                    if ran? == FusedStep::NonFinite {
+                        self.skip_non_finite_update("gradient");
+                    }
                     if let Some(stats) = stats {
+                        if !loss_is_finite(&stats) {
+                            self.skip_non_finite_update("loss");
+                        }
                         last_policykl = stats.get("policy/policykl").and_then(Stat::as_f64).unwrap_or(0.0);
                         all.push(stats);
                     }
                     continue;
                 }
-                let mut any = false;
+                let (mut any, mut non_finite) = (false, false);
                 for mb in backward.chunks(cfg.mini_batch_size) {
-                    let (stats, skipped) = self.train_minibatch(batch, data, mb, &mut grads)?;
+                    let (stats, skip) = self.train_minibatch(batch, data, mb, &mut grads)?;
                     last_policykl = stats.get("policy/policykl").and_then(Stat::as_f64).unwrap_or(0.0);
-                    any |= !skipped;
+                    any |= skip == Skip::No;
+                    non_finite |= skip == Skip::NonFinite;
                     all.push(stats);
+                }
+                if non_finite {
+                    // Part of the accumulated gradient is missing: no update at all.
+                    self.skip_non_finite_update("loss");
+                    continue;
                 }
                 if any && self.record_grads {
                     self.record_grads = false;
@@ -612,10 +684,15 @@ impl PpoTrainer {
                     self.recorded_grads = Some(named);
                 }
                 if any {
-                    if let Some(max) = cfg.max_grad_norm {
-                        grads.clip_norm(max)?;
+                    let norm = match cfg.max_grad_norm {
+                        Some(max) => grads.clip_norm(max)?,
+                        None => grads.global_norm()?,
+                    };
+                    if norm.is_finite() {
+                        self.optimizer.step(&grads)?;
+                    } else {
+                        self.skip_non_finite_update("gradient");
                     }
-                    self.optimizer.step(&grads)?;
                 }
             }
             if cfg.early_stopping && last_policykl > 1.5 * cfg.target_kl {
@@ -627,15 +704,26 @@ impl PpoTrainer {
         Ok(all)
     }
 
+    /// Counts and logs an optimizer update skipped for a non-finite `what` (loss or gradient).
+    fn skip_non_finite_update(&mut self, what: &str) {
+        self.skipped_updates += 1;
+        tracing::warn!(
+            "update skipped: the {what} is not finite (NaN or infinite), so no weight changed \
+             ({} updates skipped so far; see rltune/skipped_updates)",
+            self.skipped_updates
+        );
+    }
+
     /// Forward, losses and backward of one minibatch; gradients are added to `grads`.
-    /// Returns the minibatch stats (TRL `PPOTrainer.loss`) and whether it was skipped.
+    /// Returns the minibatch stats (TRL `PPOTrainer.loss`) and whether (and why) its backward
+    /// was skipped: a non-finite loss runs no backward, so it never reaches a gradient.
     fn train_minibatch(
         &self,
         batch: &Batch,
         data: &TrainData,
         rows: &[usize],
         grads: &mut Grads,
-    ) -> Result<(Stats, bool)> {
+    ) -> Result<(Stats, Skip)> {
         let cfg = &self.config;
         let idx =
             Tensor::from_vec(rows.iter().map(|&r| r as u32).collect::<Vec<_>>(), rows.len(), &self.device)?;
@@ -662,12 +750,18 @@ impl PpoTrainer {
         let avg_ratio = scalar(&math::masked_mean(&l.ratio, &mask)?)?;
         let skipped = avg_ratio > cfg.ratio_threshold;
         let loss = (&l.pg_loss + (&l.vf_loss * cfg.vf_coef)?)?;
+        let finite = scalar(&loss)?.is_finite();
+        let skip = match (skipped, finite) {
+            (true, _) => Skip::Ratio,
+            (false, false) => Skip::NonFinite,
+            (false, true) => Skip::No,
+        };
         if skipped {
             tracing::warn!(
                 "minibatch skipped: mean ratio {avg_ratio:.2} > ratio_threshold {}; the policy moved too far",
                 cfg.ratio_threshold
             );
-        } else {
+        } else if finite {
             let scaled = (&loss / cfg.gradient_accumulation_steps as f64)?;
             grads.backward(&scaled)?;
         }
@@ -700,7 +794,7 @@ impl PpoTrainer {
             s.insert("returns/var".into(), Stat::Scalar(sc(&math::masked_var(&ret, &mask, true)?)?));
             s.insert("val/var".into(), Stat::Scalar(sc(&math::masked_var(&old_v, &mask, true)?)?));
         }
-        Ok((s, skipped))
+        Ok((s, skip))
     }
 
     /// The step-level stats of TRL `record_step_stats`.

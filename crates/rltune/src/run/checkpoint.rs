@@ -3,7 +3,14 @@
 //! also `optimizer.safetensors` (Adam's moments), which `--resume` needs. No reference model is
 //! saved: it is the run's `[ref_model]` (or the initial `[model]`).
 //!
-//! Every checkpoint is written to a temporary directory and renamed into place.
+//! Every checkpoint is written to a temporary directory and renamed into place, so a crash
+//! (even SIGKILL) leaves the previous checkpoints and at most a `.step-N.tmp-PID` folder, which
+//! the next save of that step replaces and [`latest_checkpoint`] ignores.
+//!
+//! A resumed run continues bit for bit: `trainer_state.json` holds everything the loop carries
+//! between steps besides the weights and Adam's moments (the KL controller, the minibatch-shuffle
+//! stream's position, the running score moments, the skipped-batch count); the prompt order,
+//! query lengths and sampling seeds are functions of the step and are replayed.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -13,7 +20,7 @@ use candle_core::{Device, Tensor};
 use crate::error::{Error, Result};
 use crate::io::{read_json, write_bytes_atomic};
 use crate::models::load::{copy_side_files, save_dir_atomic, ModelFiles};
-use crate::ppo::{KlController, PpoTrainer};
+use crate::ppo::{KlController, PpoTrainer, TrainerStreams};
 
 /// `trainer_state.json`
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -26,6 +33,16 @@ pub struct TrainerState {
     pub adam_steps: u64,
     /// Whether `optimizer.safetensors` is present.
     pub optimizer_state: bool,
+    /// The shuffle stream and score moments (absent in checkpoints of rltune before 0.1.0's
+    /// exact resume: such a run resumes with fresh ones and says so).
+    #[serde(default)]
+    pub streams: Option<TrainerStreams>,
+    /// Batches skipped so far for a non-finite reward (`rltune/skipped_batches`).
+    #[serde(default)]
+    pub skipped_batches: usize,
+    /// Updates skipped so far for a non-finite loss or gradient (`rltune/skipped_updates`).
+    #[serde(default)]
+    pub skipped_updates: usize,
 }
 
 /// Saves a checkpoint of `trainer` after `step` steps into `dir`.
@@ -36,6 +53,7 @@ pub fn save_checkpoint(
     files: &ModelFiles,
     optimizer_state: bool,
     step: usize,
+    skipped_batches: usize,
 ) -> Result<()> {
     save_dir_atomic(dir, |tmp| {
         trainer.store.save_safetensors(&tmp.join("model.safetensors"))?;
@@ -50,19 +68,46 @@ pub fn save_checkpoint(
                 tensors.insert(format!("m.{name}"), Tensor::from_slice(m, var.shape(), &Device::Cpu)?);
                 tensors.insert(format!("v.{name}"), Tensor::from_slice(v, var.shape(), &Device::Cpu)?);
             }
-            let path = tmp.join("optimizer.safetensors");
-            candle_core::safetensors::save(&tensors, &path)
-                .map_err(|e| Error::weights(&path, e.to_string()))?;
+            crate::io::save_safetensors(&tmp.join("optimizer.safetensors"), &tensors)?;
         }
         let state = TrainerState {
             step,
             kl_controller: trainer.kl_controller().clone(),
             adam_steps: opt.steps(),
             optimizer_state,
+            streams: Some(trainer.streams()),
+            skipped_batches,
+            skipped_updates: trainer.skipped_updates(),
         };
         let text = serde_json::to_string_pretty(&state).map_err(|e| Error::Input(e.to_string()))?;
         write_bytes_atomic(&tmp.join("trainer_state.json"), text.as_bytes())
     })
+}
+
+/// Clears what killed checkpoint writes left under `run_dir/checkpoints`: a `.step-N.tmp-PID`
+/// folder (an unfinished write) is removed; a `.step-N.old-PID` folder (the previous copy of a
+/// checkpoint being replaced) is put back as `step-N` if that is missing, else removed.
+pub fn clear_stale_writes(run_dir: &Path) -> Result<()> {
+    let dir = run_dir.join("checkpoints");
+    let Ok(entries) = std::fs::read_dir(&dir) else { return Ok(()) };
+    for entry in entries {
+        let path = entry.map_err(|e| Error::io(&dir, e))?.path();
+        let Some(name) = path.file_name().and_then(|n| n.to_str()).and_then(|n| n.strip_prefix('.')) else {
+            continue;
+        };
+        if let Some((step, _pid)) = name.rsplit_once(".old-") {
+            let target = dir.join(step);
+            if !target.exists() {
+                tracing::warn!("{}: restored from an interrupted replacement", target.display());
+                std::fs::rename(&path, &target).map_err(|e| Error::io(&target, e))?;
+                continue;
+            }
+        } else if !name.contains(".tmp-") {
+            continue;
+        }
+        std::fs::remove_dir_all(&path).map_err(|e| Error::io(&path, e))?;
+    }
+    Ok(())
 }
 
 /// The checkpoint with the most steps under `run_dir/checkpoints`, if any.
@@ -109,5 +154,14 @@ pub fn load_trainer_state(dir: &Path, trainer: &mut PpoTrainer) -> Result<Traine
     }
     trainer.optimizer_mut().restore(ms, vs, state.adam_steps);
     *trainer.kl_controller_mut() = state.kl_controller.clone();
+    match &state.streams {
+        Some(streams) => trainer.restore_streams(streams),
+        None => tracing::warn!(
+            "{}: no shuffle-stream state (an older checkpoint); the resumed run's minibatch order \
+             differs from an uninterrupted run's",
+            dir.display()
+        ),
+    }
+    trainer.set_skipped_updates(state.skipped_updates);
     Ok(state)
 }

@@ -12,7 +12,7 @@ use candle_core::{DType, Device};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 
-use super::checkpoint::{latest_checkpoint, load_trainer_state, save_checkpoint};
+use super::checkpoint::{clear_stale_writes, latest_checkpoint, load_trainer_state, save_checkpoint};
 use super::config::{RewardSourceConfig, RunConfig};
 use crate::data::prompts::{load_prompts, LengthSampler, PromptRow};
 use crate::error::{Error, Result};
@@ -107,11 +107,15 @@ impl PpoRun {
                 config.runtime.matmul_precision.as_str()
             ))
         })?;
+        if resume {
+            clear_stale_writes(&config.logging.dir)?;
+        }
         let ckpt = if resume { latest_checkpoint(&config.logging.dir)? } else { None };
         if resume && ckpt.is_none() {
             return Err(Error::Input(format!(
-                "--resume: no checkpoint under {}/checkpoints; run without --resume to start",
-                config.logging.dir.display()
+                "--resume: no checkpoint under {dir}/checkpoints; run without --resume to start (if \
+                 {dir} holds a run stopped before its first checkpoint, delete it first)",
+                dir = config.logging.dir.display()
             )));
         }
         let policy_src = ckpt.as_ref().map_or(config.model.path.clone(), |(_, p)| p.display().to_string());
@@ -131,10 +135,10 @@ impl PpoRun {
         let tokenizer = Tokenizer::from_file(&tok_path)?;
         tokenizer.check_fits(lm_cfg.vocab_size())?;
         let mut trainer = PpoTrainer::new(config.ppo.clone(), store, model, reference)?;
-        let mut start_step = 0;
+        let (mut start_step, mut skipped) = (0, 0);
         if let Some((step, dir)) = &ckpt {
-            load_trainer_state(dir, &mut trainer)?;
-            start_step = *step;
+            let state = load_trainer_state(dir, &mut trainer)?;
+            (start_step, skipped) = (*step, state.skipped_batches);
         }
         let rows = load_prompts(&config.data.source, &config.data.text_column, None)?;
         let prompts = rows
@@ -151,7 +155,9 @@ impl PpoRun {
             )));
         }
         let reward = build_rewards(&config, extra_rewards, &device)?;
-        let logger = RunLogger::create(&config.logging.dir, resume)?;
+        // Lines logged after the checkpoint (a run killed between two checkpoints) are dropped:
+        // those steps run again.
+        let logger = RunLogger::create(&config.logging.dir, ckpt.as_ref().map(|(step, _)| *step))?;
         let resolved = config.to_toml()?;
         crate::io::write_bytes_atomic(&config.logging.dir.join("config.toml"), resolved.as_bytes())?;
         Ok(Self {
@@ -164,7 +170,7 @@ impl PpoRun {
             reward,
             logger,
             start_step,
-            skipped: 0,
+            skipped,
             device,
         })
     }
@@ -333,6 +339,7 @@ impl PpoRun {
             &self.policy_files,
             self.config.checkpoint.optimizer_state,
             step,
+            self.skipped,
         )
     }
 }
