@@ -59,11 +59,17 @@ pub fn run(args: Args) -> Result<()> {
             eprintln!("[{stage}] done in {seconds:.1} s");
         }
     })?;
-    print_summary(&summary, &args.output, started.elapsed().as_secs_f64());
+    let tiny = args.preset == "tiny";
+    print_summary(&summary, &args.output, started.elapsed().as_secs_f64(), tiny);
+    let failed = summary.checks().iter().filter(|c| !c.ok).count();
+    if failed > 0 && !tiny {
+        anyhow::bail!("{failed} acceptance check(s) failed (see FAIL above)");
+    }
     Ok(())
 }
 
-fn print_summary(s: &Summary, out: &std::path::Path, wall: f64) {
+/// Prints the results and the acceptance checks (with `tiny`, failures are not enforced).
+fn print_summary(s: &Summary, out: &std::path::Path, wall: f64, tiny: bool) {
     println!();
     println!(
         "policy: GPT-2, {:.2}M parameters; reward: DistilBERT classifier, {:.2}M parameters",
@@ -95,7 +101,12 @@ fn print_summary(s: &Summary, out: &std::path::Path, wall: f64) {
         }
     }
     for c in s.checks() {
-        println!("{} {}", if c.ok { "PASS" } else { "FAIL" }, c.what);
+        let verdict = match (c.ok, tiny) {
+            (true, _) => "PASS",
+            (false, false) => "FAIL",
+            (false, true) => "FAIL (not enforced: the tiny preset is too small to learn)",
+        };
+        println!("{verdict} {}", c.what);
     }
     println!("wall time {wall:.0} s; report: {}", out.join("ppo").join("report.html").display());
     println!(

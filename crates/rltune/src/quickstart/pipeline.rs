@@ -261,22 +261,38 @@ pub struct Check {
     pub ok: bool,
 }
 
+/// The smallest standardized rise of the mean reward that passes: Cohen's "large" effect.
+pub const MIN_EFFECT_SIZE: f64 = 0.8;
+
 impl Summary {
-    /// The acceptance criteria: reward up by at least one initial standard deviation, at least
-    /// 90% of samples positive after PPO, and `objective/kl` within [0, 10] at every step (−1e-3 counts as 0).
+    /// The acceptance criteria:
+    /// - the mean reward rose by a large effect: Cohen's d = rise / pooled std ≥ 0.8, where the
+    ///   pooled std is √((σ_before² + σ_after²)/2) over the same held-out prompts;
+    /// - at least 90% of samples classified positive after PPO;
+    /// - `objective/kl` within [0, 10] at every step (−1e-3 counts as 0).
+    ///
+    /// The first check replaced "a rise of at least one initial std", which was ill-posed: the
+    /// classifier's logit saturates (every seed's PPO policy ends near 3.5–4.1), so an SFT policy
+    /// that starts mostly positive (seed 3: 60.9%, mean 0.87) has less room to rise than its own
+    /// spread, and failed although it learned (60.9% → 96.9% positive). The pooled std also counts
+    /// the trained policy's much narrower spread. Seeds 0–9 give d = 1.19–1.65; the SFT policy
+    /// against itself gives d = 0 and fails, as do the positive-fraction check (43.8–60.9%).
     pub fn checks(&self) -> Vec<Check> {
         let (b, a) = (&self.before, &self.after);
         let rise = a.reward_mean - b.reward_mean;
+        let pooled = ((b.reward_std.powi(2) + a.reward_std.powi(2)) / 2.0).sqrt();
+        let d = if pooled > 0.0 { rise / pooled } else { 0.0 };
         let kl: Vec<f64> = self.ppo_curve.iter().map(|c| c.kl).filter(|k| k.is_finite()).collect();
         let (kl_min, kl_max) =
             kl.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &k| (lo.min(k), hi.max(k)));
         vec![
             Check {
                 what: format!(
-                    "mean reward rose by {rise:.3} ({:.3} → {:.3}); needed ≥ one initial std ({:.3})",
-                    b.reward_mean, a.reward_mean, b.reward_std
+                    "mean reward rose by {rise:.3} ({:.3} → {:.3}), {d:.2} pooled stds ({pooled:.3}); \
+                     needed ≥ {MIN_EFFECT_SIZE}",
+                    b.reward_mean, a.reward_mean
                 ),
-                ok: rise >= b.reward_std,
+                ok: d >= MIN_EFFECT_SIZE,
             },
             Check {
                 what: format!(
@@ -735,5 +751,55 @@ fn train_progress<'a>(stage: &'static str, on: &'a mut dyn FnMut(Event)) -> impl
             message.push_str(&format!("  eval loss {:.3}  acc {:.3}", e.loss, e.accuracy));
         }
         on(Event::Progress { stage, done: p.step, message });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn eval(reward_mean: f64, reward_std: f64, positive_fraction: f64) -> PolicyEval {
+        PolicyEval { reward_mean, reward_std, positive_fraction, samples: Vec::new() }
+    }
+
+    fn summary(before: PolicyEval, after: PolicyEval) -> Summary {
+        let kl = [0.0, 2.0, 4.0];
+        Summary {
+            config: QuickstartConfig::tiny(),
+            policy_parameters: 0,
+            classifier_parameters: 0,
+            sft_eval_loss: None,
+            classifier_eval_accuracy: None,
+            ppo_curve: kl
+                .iter()
+                .enumerate()
+                .map(|(i, &kl)| CurvePoint {
+                    step: i + 1,
+                    reward_mean: 0.0,
+                    reward_std: 1.0,
+                    kl,
+                    kl_coef: 0.2,
+                })
+                .collect(),
+            before,
+            after,
+            stage_seconds: Vec::new(),
+        }
+    }
+
+    /// Regression (issue #28, defect 9): seed 3 learned (60.9% → 96.9% positive) but failed
+    /// "rise ≥ one initial std"; the pooled-std effect size passes it, and fails the SFT policy
+    /// measured against itself.
+    #[test]
+    fn acceptance_passes_seed_3_and_fails_a_policy_that_did_not_learn() {
+        let seed3 = summary(eval(0.866, 3.358, 0.609), eval(3.879, 1.246, 0.969));
+        assert!(seed3.checks().iter().all(|c| c.ok), "{:?}", seed3.checks());
+        let sft = eval(0.866, 3.358, 0.609);
+        let unlearned = summary(sft.clone(), sft);
+        let failed: Vec<bool> = unlearned.checks().iter().map(|c| !c.ok).collect();
+        assert_eq!(failed, [true, true, false], "{:?}", unlearned.checks());
+        // A small rise with the SFT policy's spread is no large effect either.
+        let small = summary(eval(0.0, 3.0, 0.5), eval(2.0, 3.0, 0.95));
+        assert!(!small.checks()[0].ok, "{:?}", small.checks());
     }
 }
