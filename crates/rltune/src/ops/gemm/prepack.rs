@@ -63,7 +63,7 @@ thread_local! {
 /// lines from each of `KC` rows, a pattern the hardware prefetcher does not follow, where a
 /// packed panel is one contiguous run. Packed, `gpt2`'s 16-row products read their weights at
 /// 14–15 GB/s instead of 5–6 (768 × 3072: 1.8 → 0.67 ms per product on the Xeon of
-/// BENCHMARKS.md's sixteenth session; generation 1.81 → 0.99–1.02 s).
+/// bench/LOG.md's sixteenth session; generation 1.81 → 0.99–1.02 s).
 ///
 /// The registered tensors are kept alive (their storage cannot be freed and reused by other
 /// data while the scope lives) and must not be written to while it lives: the packed copies
