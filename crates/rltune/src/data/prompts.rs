@@ -71,7 +71,7 @@ pub fn load_prompts(source: &str, text_column: &str, split: Option<&str>) -> Res
 /// Loads one local file, by extension.
 pub fn load_file(path: &Path, text_column: &str) -> Result<Vec<PromptRow>> {
     let ext = extension(path);
-    let text = |p: &Path| std::fs::read_to_string(p).map_err(|e| Error::io(p, e));
+    let text = |p: &Path| super::read_utf8(p);
     match ext.as_str() {
         "jsonl" => read_json_lines(path, &text(path)?, text_column),
         "json" => {
@@ -184,10 +184,9 @@ fn read_json_array(path: &Path, text: &str, text_column: &str) -> Result<Vec<Pro
 
 /// CSV with a header row; every value is a string.
 fn read_csv(path: &Path, text_column: &str) -> Result<Vec<PromptRow>> {
-    let mut reader = csv::ReaderBuilder::new()
-        .has_headers(true)
-        .from_path(path)
-        .map_err(|e| Error::Input(format!("{}: {e}", path.display())))?;
+    // Read as UTF-8 first: invalid bytes then get the line and the fix.
+    let text = super::read_utf8(path)?;
+    let mut reader = csv::ReaderBuilder::new().has_headers(true).from_reader(text.as_bytes());
     let bad = |e: csv::Error| Error::Input(format!("{}: invalid CSV: {e}", path.display()));
     let headers = reader.headers().map_err(bad)?.clone();
     if !headers.iter().any(|h| h == text_column) {

@@ -33,7 +33,7 @@ struct Line {
 
 /// Reads and checks a rollouts file: ids below `vocab_size`, non-empty responses, finite scores.
 pub fn read_rollouts(path: &Path, tokenizer: Option<&Tokenizer>, vocab_size: usize) -> Result<Vec<Rollout>> {
-    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let text = super::read_utf8(path)?;
     let mut out = Vec::new();
     for (i, raw) in text.lines().enumerate() {
         let n = i + 1;

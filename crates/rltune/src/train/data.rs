@@ -97,7 +97,7 @@ struct RewardLine {
 
 /// The non-empty lines of `path` with their 1-based numbers.
 fn lines(path: &Path) -> Result<Vec<(usize, String)>> {
-    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let text = crate::data::read_utf8(path)?;
     Ok(text
         .lines()
         .enumerate()
