@@ -131,12 +131,20 @@ fn list_files(root: &Path, dir: &Path, out: &mut Vec<String>) -> Result<()> {
 /// Turns one row (a JSON object) into a [`PromptRow`]; `at` is e.g. `"file line 3"`.
 fn to_prompt(row: serde_json::Value, text_column: &str, at: &dyn Fn() -> String) -> Result<PromptRow> {
     let obj = row.as_object().ok_or_else(|| {
-        Error::Input(format!("{}: a row must be a JSON object with a {text_column:?} field, got {row}", at()))
+        Error::Input(format!(
+            "{}: a row must be a JSON object with a {text_column:?} field, got {}",
+            at(),
+            shorten(&row)
+        ))
     })?;
     let text = match obj.get(text_column) {
         Some(serde_json::Value::String(s)) => s.clone(),
         Some(other) => {
-            return Err(Error::Input(format!("{}: column {text_column:?} is {other}, not a string", at())));
+            return Err(Error::Input(format!(
+                "{}: column {text_column:?} is {}, not a string",
+                at(),
+                shorten(other)
+            )));
         }
         None => {
             let cols = obj.keys().map(|k| format!("{k:?}")).collect::<Vec<_>>().join(", ");
@@ -154,6 +162,17 @@ fn to_prompt(row: serde_json::Value, text_column: &str, at: &dyn Fn() -> String)
         )));
     }
     Ok(PromptRow { text, meta: row })
+}
+
+/// `v` as JSON, cut to about 200 bytes: error messages quote rows, and a row can be megabytes.
+fn shorten(v: &serde_json::Value) -> String {
+    const MAX: usize = 200;
+    let s = v.to_string();
+    if s.len() <= MAX {
+        return s;
+    }
+    let cut = (0..=MAX).rev().find(|&i| s.is_char_boundary(i)).unwrap_or(0);
+    format!("{}… ({} bytes)", &s[..cut], s.len())
 }
 
 /// JSON lines: one object per non-blank line.
