@@ -115,7 +115,9 @@ fn bad_sft_and_reward_datasets_name_the_file_and_line() {
     type Reader = fn(&Path) -> rltune::Result<usize>;
     let sft: Reader = |p| read_sft_records(p).map(|v| v.len());
     let reward: Reader = |p| read_reward_records(p).map(|v| v.len());
-    let cases: Vec<(&str, Reader, &str, Vec<u8>, Vec<&str>)> = vec![
+    /// Name, reader, file name, contents, what the message must hold.
+    type Case = (&'static str, Reader, &'static str, Vec<u8>, Vec<&'static str>);
+    let cases: Vec<Case> = vec![
         (
             "SFT .txt, invalid UTF-8",
             sft,
@@ -150,14 +152,14 @@ fn bad_sft_and_reward_datasets_name_the_file_and_line() {
             sft,
             "s.jsonl",
             b"{\"text\": \"a\"}\n{\"text\": 7}\n".to_vec(),
-            vec!["s.jsonl", "line 2", "invalid type: integer `7`, expected a string", "column 10"],
+            vec!["s.jsonl", "line 2", "field \"text\" is 7, not a string"],
         ),
         (
             "SFT, a number where the completion belongs",
             sft,
             "s.jsonl",
             b"{\"prompt\": \"a\", \"completion\": 3.5}\n".to_vec(),
-            vec!["s.jsonl", "line 1", "floating point `3.5`, expected a string", "column 33"],
+            vec!["s.jsonl", "line 1", "field \"completion\" is 3.5, not a string"],
         ),
         (
             "SFT, a 10 MB line of broken JSON",
@@ -178,7 +180,7 @@ fn bad_sft_and_reward_datasets_name_the_file_and_line() {
             reward,
             "r.jsonl",
             b"{\"chosen\": 1, \"rejected\": \"b\"}\n".to_vec(),
-            vec!["r.jsonl", "line 1", "integer `1`, expected a string", "column 12"],
+            vec!["r.jsonl", "line 1", "field \"chosen\" is 1, not a string"],
         ),
         (
             "reward, a list as label",

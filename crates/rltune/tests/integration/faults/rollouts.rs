@@ -96,7 +96,9 @@ fn bad_step_inputs_are_refused_naming_the_sample() {
     let q = || vec![vec![1, 2, 3], vec![4, 5]];
     let r = || vec![vec![6, 7], vec![8]];
     // The tiny model: V = 50, 64 positions.
-    let cases: Vec<(&str, Vec<Vec<u32>>, Vec<Vec<u32>>, Vec<f32>, Vec<&str>)> = vec![
+    /// Name, queries, responses, scores, what the message must hold.
+    type Case = (&'static str, Vec<Vec<u32>>, Vec<Vec<u32>>, Vec<f32>, Vec<&'static str>);
+    let cases: Vec<Case> = vec![
         (
             "one sample for a batch of 2",
             vec![vec![1]],
