@@ -43,6 +43,10 @@ struct Inner {
     aliases: BTreeMap<String, String>,
     /// Random source for initialization, seeded.
     rng: rand::rngs::StdRng,
+    /// The integer dtype a tensor was stored with, for tensors converted to the store's float
+    /// dtype: such a tensor is refused when a model asks for it as a weight (checkpoints also
+    /// hold integer buffers, e.g. BERT's `position_ids`, that no model reads).
+    stored_int: BTreeMap<String, DType>,
 }
 
 /// A set of named parameters shared by a model and its optimizer.
@@ -70,6 +74,7 @@ impl ParamStore {
     ) -> Result<Self> {
         let mut vars = BTreeMap::new();
         let mut tensors = tensors;
+        let stored_int = BTreeMap::new();
         if trainable {
             for (name, t) in tensors.iter_mut() {
                 let v = Var::from_tensor(t)?;
@@ -77,13 +82,9 @@ impl ParamStore {
                 vars.insert(name.clone(), v);
             }
         }
-        let inner = Inner {
-            tensors,
-            vars,
-            initialized: Vec::new(),
-            aliases: BTreeMap::new(),
-            rng: rand::rngs::StdRng::seed_from_u64(seed),
-        };
+        let rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let inner =
+            Inner { tensors, vars, initialized: Vec::new(), aliases: BTreeMap::new(), rng, stored_int };
         Ok(Self {
             inner: Arc::new(Mutex::new(inner)),
             trainable,
@@ -109,10 +110,16 @@ impl ParamStore {
         source: &Path,
     ) -> Result<Self> {
         let mut map = BTreeMap::new();
+        let mut stored_int = BTreeMap::new();
         for (name, t) in tensors {
+            if !t.dtype().is_float() {
+                stored_int.insert(name.clone(), t.dtype());
+            }
             map.insert(name, t.to_device(device)?.to_dtype(dtype)?);
         }
-        Self::new(map, trainable, false, 0, source.to_path_buf(), dtype, device)
+        let store = Self::new(map, trainable, false, 0, source.to_path_buf(), dtype, device)?;
+        store.lock().stored_int = stored_int;
+        Ok(store)
     }
 
     /// Loads one or more safetensors files into a store.
@@ -124,8 +131,19 @@ impl ParamStore {
     ) -> Result<Self> {
         let mut map = HashMap::new();
         for f in files {
-            let ts = candle_core::safetensors::load(f, &Device::Cpu)
-                .map_err(|e| Error::weights(f, format!("cannot read safetensors: {e}")))?;
+            let ts = candle_core::safetensors::load(f, &Device::Cpu).map_err(|e| {
+                Error::weights(
+                    f,
+                    format!(
+                        "cannot read safetensors: {e}; the file is truncated, corrupt or not \
+                         safetensors: download it again, or re-save the model with transformers' \
+                         save_pretrained(DIR, safe_serialization=True)"
+                    ),
+                )
+            })?;
+            for (name, t) in &ts {
+                check_finite(f, name, t)?;
+            }
             map.extend(ts);
         }
         let source = match files {
@@ -239,6 +257,17 @@ impl ParamStore {
     /// The tensor `name` with the expected shape, initializing it if allowed.
     fn get(&self, name: &str, shape: &Shape, init: Option<Init>) -> Result<Tensor> {
         let mut inner = self.lock();
+        if let Some(dt) = inner.stored_int.get(name) {
+            return Err(Error::weights(
+                &self.source,
+                format!(
+                    "tensor {name:?} is stored as {} (integers), but it is a weight and must be a \
+                     float (f32, f16 or bf16): the checkpoint is corrupt, quantized or of another \
+                     model; re-save it with transformers' save_pretrained",
+                    dt.as_str()
+                ),
+            ));
+        }
         if let Some(t) = inner.tensors.get(name) {
             if t.shape() != shape {
                 return Err(Error::weights(
@@ -285,6 +314,35 @@ impl ParamStore {
         inner.initialized.push(name.to_string());
         Ok(t)
     }
+}
+
+/// Fails if the float tensor `name` of `file` holds a NaN or an infinity, naming the first one.
+///
+/// A weight that is not finite makes every output NaN; the usual cause is a training run that
+/// diverged before it saved. Cost: one pass over the weights (a sum; the element is located
+/// only when the sum is not finite, and an overflowing sum of finite values is let through).
+fn check_finite(file: &Path, name: &str, t: &Tensor) -> Result<()> {
+    if !t.dtype().is_float() {
+        return Ok(());
+    }
+    let t = t.flatten_all()?.to_dtype(DType::F32)?;
+    if t.sum_all()?.to_scalar::<f32>()?.is_finite() {
+        return Ok(());
+    }
+    let values = t.to_vec1::<f32>()?;
+    let Some((i, v)) = values.iter().enumerate().find(|(_, v)| !v.is_finite()) else {
+        return Ok(());
+    };
+    let count = values.iter().filter(|v| !v.is_finite()).count();
+    Err(Error::weights(
+        file,
+        format!(
+            "tensor {name:?} holds {v} at element {i} ({count} of its {} values are not finite); \
+             a model with NaN or infinite weights outputs NaN. The run that saved it probably \
+             diverged: load an earlier checkpoint, or lower the learning rate and train again",
+            values.len()
+        ),
+    ))
 }
 
 /// Box–Muller normal sampler (keeps `rand_distr` out of the dependency tree).

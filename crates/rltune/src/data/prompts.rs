@@ -71,7 +71,7 @@ pub fn load_prompts(source: &str, text_column: &str, split: Option<&str>) -> Res
 /// Loads one local file, by extension.
 pub fn load_file(path: &Path, text_column: &str) -> Result<Vec<PromptRow>> {
     let ext = extension(path);
-    let text = |p: &Path| std::fs::read_to_string(p).map_err(|e| Error::io(p, e));
+    let text = |p: &Path| super::read_utf8(p);
     match ext.as_str() {
         "jsonl" => read_json_lines(path, &text(path)?, text_column),
         "json" => {
@@ -131,12 +131,20 @@ fn list_files(root: &Path, dir: &Path, out: &mut Vec<String>) -> Result<()> {
 /// Turns one row (a JSON object) into a [`PromptRow`]; `at` is e.g. `"file line 3"`.
 fn to_prompt(row: serde_json::Value, text_column: &str, at: &dyn Fn() -> String) -> Result<PromptRow> {
     let obj = row.as_object().ok_or_else(|| {
-        Error::Input(format!("{}: a row must be a JSON object with a {text_column:?} field, got {row}", at()))
+        Error::Input(format!(
+            "{}: a row must be a JSON object with a {text_column:?} field, got {}",
+            at(),
+            shorten(&row)
+        ))
     })?;
     let text = match obj.get(text_column) {
         Some(serde_json::Value::String(s)) => s.clone(),
         Some(other) => {
-            return Err(Error::Input(format!("{}: column {text_column:?} is {other}, not a string", at())));
+            return Err(Error::Input(format!(
+                "{}: column {text_column:?} is {}, not a string",
+                at(),
+                shorten(other)
+            )));
         }
         None => {
             let cols = obj.keys().map(|k| format!("{k:?}")).collect::<Vec<_>>().join(", ");
@@ -154,6 +162,17 @@ fn to_prompt(row: serde_json::Value, text_column: &str, at: &dyn Fn() -> String)
         )));
     }
     Ok(PromptRow { text, meta: row })
+}
+
+/// `v` as JSON, cut to about 200 bytes: error messages quote rows, and a row can be megabytes.
+fn shorten(v: &serde_json::Value) -> String {
+    const MAX: usize = 200;
+    let s = v.to_string();
+    if s.len() <= MAX {
+        return s;
+    }
+    let cut = (0..=MAX).rev().find(|&i| s.is_char_boundary(i)).unwrap_or(0);
+    format!("{}… ({} bytes)", &s[..cut], s.len())
 }
 
 /// JSON lines: one object per non-blank line.
@@ -184,10 +203,9 @@ fn read_json_array(path: &Path, text: &str, text_column: &str) -> Result<Vec<Pro
 
 /// CSV with a header row; every value is a string.
 fn read_csv(path: &Path, text_column: &str) -> Result<Vec<PromptRow>> {
-    let mut reader = csv::ReaderBuilder::new()
-        .has_headers(true)
-        .from_path(path)
-        .map_err(|e| Error::Input(format!("{}: {e}", path.display())))?;
+    // Read as UTF-8 first: invalid bytes then get the line and the fix.
+    let text = super::read_utf8(path)?;
+    let mut reader = csv::ReaderBuilder::new().has_headers(true).from_reader(text.as_bytes());
     let bad = |e: csv::Error| Error::Input(format!("{}: invalid CSV: {e}", path.display()));
     let headers = reader.headers().map_err(bad)?.clone();
     if !headers.iter().any(|h| h == text_column) {

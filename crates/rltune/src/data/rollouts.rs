@@ -33,7 +33,7 @@ struct Line {
 
 /// Reads and checks a rollouts file: ids below `vocab_size`, non-empty responses, finite scores.
 pub fn read_rollouts(path: &Path, tokenizer: Option<&Tokenizer>, vocab_size: usize) -> Result<Vec<Rollout>> {
-    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let text = super::read_utf8(path)?;
     let mut out = Vec::new();
     for (i, raw) in text.lines().enumerate() {
         let n = i + 1;
@@ -41,10 +41,12 @@ pub fn read_rollouts(path: &Path, tokenizer: Option<&Tokenizer>, vocab_size: usi
         if raw.trim().is_empty() {
             continue;
         }
-        if raw.contains("NaN") || raw.contains("Infinity") {
-            return Err(at("score is NaN or infinite; every score must be a finite number".into()));
-        }
         let line: Line = serde_json::from_str(raw).map_err(|e| {
+            // JSON has no NaN or Infinity, so a bare one fails to parse; a text that merely
+            // mentions the word parses, and is not refused here.
+            if e.is_syntax() && (raw.contains("NaN") || raw.contains("Infinity")) {
+                return at("score is NaN or infinite; every score must be a finite number".into());
+            }
             at(format!(
                 "{e}; expected {{\"query_ids\": [..], \"response_ids\": [..], \"score\": x}} \
                  or {{\"query\": \"..\", \"response\": \"..\", \"score\": x}}"
@@ -66,7 +68,9 @@ pub fn read_rollouts(path: &Path, tokenizer: Option<&Tokenizer>, vocab_size: usi
         let query_ids = ids(line.query_ids, line.query, "query")?;
         let response_ids = ids(line.response_ids, line.response, "response")?;
         if query_ids.is_empty() {
-            return Err(at("empty query".into()));
+            return Err(at(
+                "empty query; every rollout needs the prompt it answered (at least one token)".into()
+            ));
         }
         if response_ids.is_empty() {
             return Err(at("empty response; PPO needs at least one response token".into()));

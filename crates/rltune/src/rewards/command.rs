@@ -10,6 +10,9 @@
 //! rating samples by hand (`crates/rltune/examples/rewards/rate_by_hand.py`, which talks to the
 //! terminal through `/dev/tty`; give it a long timeout or none).
 //!
+//! An answer line longer than 1 MiB is an error (it is not read to its end, so output without
+//! newlines cannot exhaust memory), and so is a last line cut off by the program's exit.
+//!
 //! After any error (a timeout, a bad answer, the program exiting) the program is killed and the
 //! reward refuses further batches: later answers could no longer be matched to samples.
 
@@ -28,6 +31,11 @@ use crate::error::{Error, Result};
 const STDERR_TAIL_LINES: usize = 20;
 /// The longest stderr line kept, in bytes.
 const STDERR_LINE_MAX: usize = 500;
+/// The longest answer line read, in bytes: a longer one is an error, so a program that writes
+/// without newlines cannot exhaust memory.
+const ANSWER_LINE_MAX: usize = 1 << 20;
+/// How much of a bad answer line an error quotes, in bytes.
+const ANSWER_QUOTE_MAX: usize = 200;
 
 /// A reward from an external process speaking JSON lines (see the module docs).
 pub struct CommandReward {
@@ -132,15 +140,19 @@ impl CommandReward {
                     self.lines_read += 1;
                     let answer = parse_answer(&line).map_err(|why| {
                         self.err(format!(
-                            "answer line {} (for sample {i} of {n} in this batch) is {:?}: {why}; each answer \
+                            "answer line {} (for sample {i} of {n} in this batch) is {}: {why}; each answer \
                              must be a number or {{\"reward\": <number>}} on its own line",
                             self.lines_read,
-                            line.trim_end()
+                            quote(line.trim_end())
                         ))
                     })?;
                     out.push(answer);
                 }
-                Ok(Err(e)) => return Err(self.err(format!("cannot read its stdout: {e}"))),
+                Ok(Err(e)) => {
+                    // The program may still be running (an overlong line): wait only briefly.
+                    let msg = format!("cannot read its stdout: {e}");
+                    return Err(self.exited_with(msg, i, n, Duration::from_millis(200)));
+                }
                 Err(RecvTimeoutError::Timeout) => {
                     return Err(self.err(format!(
                         "timed out waiting for the answer to sample {i} of {n} in this batch: the batch \
@@ -164,7 +176,14 @@ impl CommandReward {
     /// The error for a program that closed its stdout after answering `i` of `n`: its exit status
     /// (after a short wait for it to exit) and the tail of its stderr.
     fn exited(&mut self, i: usize, n: usize) -> Error {
-        let deadline = Instant::now() + Duration::from_secs(2);
+        let what = "the program closed its stdout: it died or exited".into();
+        self.exited_with(what, i, n, Duration::from_secs(2))
+    }
+
+    /// The error `what`, after answering `i` of `n`, with the program's exit status (waiting up
+    /// to `wait` for it; "still running" if it has not exited) and the tail of its stderr.
+    fn exited_with(&mut self, what: String, i: usize, n: usize, wait: Duration) -> Error {
+        let deadline = Instant::now() + wait;
         let status = loop {
             match self.child.try_wait() {
                 Ok(Some(status)) => break status.to_string(),
@@ -174,10 +193,9 @@ impl CommandReward {
             }
         };
         // The stderr thread reaches EOF soon after the program exits.
-        let _ = self.stderr_done.recv_timeout(Duration::from_secs(1));
+        let _ = self.stderr_done.recv_timeout(wait.min(Duration::from_secs(1)));
         let msg = format!(
-            "the program closed its stdout (it died or exited: {status}) after answering {i} of {n} \
-             samples in this batch; {}",
+            "{what} ({status}) after answering {i} of {n} samples in this batch; {}",
             self.stderr_summary()
         );
         self.err(msg)
@@ -255,12 +273,30 @@ fn write_lines(mut stdin: std::process::ChildStdin, lines: Receiver<String>) {
 }
 
 /// Reader thread: sends each stdout line (lossy UTF-8); returns at EOF, which disconnects.
+/// A line longer than [`ANSWER_LINE_MAX`], or one cut off by EOF, is sent as an error.
 fn read_lines(stdout: impl Read, to_parent: Sender<std::io::Result<String>>) {
     let mut reader = BufReader::new(stdout);
     loop {
         let mut buf = Vec::new();
-        match reader.read_until(b'\n', &mut buf) {
+        match reader.by_ref().take(ANSWER_LINE_MAX as u64 + 1).read_until(b'\n', &mut buf) {
             Ok(0) => return,
+            Ok(_) if !buf.ends_with(b"\n") => {
+                let why = if buf.len() > ANSWER_LINE_MAX {
+                    let head = String::from_utf8_lossy(&buf[..ANSWER_QUOTE_MAX]);
+                    format!(
+                        "an answer line longer than {ANSWER_LINE_MAX} bytes, starting {head:?}; each \
+                         answer must be one short line"
+                    )
+                } else {
+                    format!(
+                        "its output ended in the middle of a line, {}, without the newline that ends an \
+                         answer",
+                        quote(&String::from_utf8_lossy(&buf))
+                    )
+                };
+                let _ = to_parent.send(Err(std::io::Error::new(std::io::ErrorKind::InvalidData, why)));
+                return;
+            }
             Ok(_) => {
                 if to_parent.send(Ok(String::from_utf8_lossy(&buf).into_owned())).is_err() {
                     return;
@@ -274,11 +310,12 @@ fn read_lines(stdout: impl Read, to_parent: Sender<std::io::Result<String>>) {
     }
 }
 
-/// Stderr thread: keeps the last [`STDERR_TAIL_LINES`] lines and logs each at debug level.
+/// Stderr thread: keeps the last [`STDERR_TAIL_LINES`] lines and logs each at debug level. A
+/// line past 64 KiB is split there, so output without newlines cannot exhaust memory.
 fn collect_stderr(stderr: impl Read, tail: &Mutex<VecDeque<String>>) {
     let mut reader = BufReader::new(stderr);
     let mut buf = Vec::new();
-    while matches!(reader.read_until(b'\n', &mut buf), Ok(n) if n > 0) {
+    while matches!(reader.by_ref().take(64 << 10).read_until(b'\n', &mut buf), Ok(n) if n > 0) {
         let mut line = String::from_utf8_lossy(&buf).trim_end().to_string();
         buf.clear();
         tracing::debug!(target: "rltune::rewards::command", "stderr: {line}");
@@ -315,6 +352,15 @@ fn parse_answer(line: &str) -> std::result::Result<f32, String> {
         Err(_) => t.parse::<f64>().map_err(|_| "not a number".to_string())?,
     };
     Ok(v as f32)
+}
+
+/// `s` quoted (Rust debug syntax), cut to [`ANSWER_QUOTE_MAX`] bytes with the length noted.
+fn quote(s: &str) -> String {
+    if s.len() <= ANSWER_QUOTE_MAX {
+        return format!("{s:?}");
+    }
+    let cut = (0..=ANSWER_QUOTE_MAX).rev().find(|&i| s.is_char_boundary(i)).unwrap_or(0);
+    format!("{:?}… ({} bytes)", &s[..cut], s.len())
 }
 
 fn json_kind(v: &serde_json::Value) -> &'static str {

@@ -97,7 +97,7 @@ struct RewardLine {
 
 /// The non-empty lines of `path` with their 1-based numbers.
 fn lines(path: &Path) -> Result<Vec<(usize, String)>> {
-    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let text = crate::data::read_utf8(path)?;
     Ok(text
         .lines()
         .enumerate()
@@ -132,8 +132,9 @@ pub fn read_sft_records(path: &Path) -> Result<Vec<SftRecord>> {
         let at = |msg: String| Error::Input(format!("{} line {n}: {msg}", path.display()));
         let line: SftLine = serde_json::from_str(&raw).map_err(|e| {
             at(format!(
-                "{e}; expected {{\"text\": \"..\"}} or {{\"prompt\": \"..\", \"completion\": \"..\"}} (a .txt \
-                 file is read as one example per line)"
+                "{}; expected {{\"text\": \"..\"}} or {{\"prompt\": \"..\", \"completion\": \"..\"}} (a .txt \
+                 file is read as one example per line)",
+                not_a_string(&raw, &["text", "prompt", "completion"]).unwrap_or_else(|| e.to_string())
             ))
         })?;
         let rec = match (line.text, line.prompt, line.completion) {
@@ -167,8 +168,10 @@ pub fn read_reward_records(path: &Path) -> Result<Vec<RewardRecord>> {
         let at = |msg: String| Error::Input(format!("{} line {n}: {msg}", path.display()));
         let line: RewardLine = serde_json::from_str(&raw).map_err(|e| {
             at(format!(
-                "{e}; expected {{\"text\": \"..\", \"label\": \"NAME\" or index}} or \
-                 {{\"chosen\": \"..\", \"rejected\": \"..\"}} (optional \"prompt\")"
+                "{}; expected {{\"text\": \"..\", \"label\": \"NAME\" or index}} or \
+                 {{\"chosen\": \"..\", \"rejected\": \"..\"}} (optional \"prompt\")",
+                not_a_string(&raw, &["text", "prompt", "chosen", "rejected"])
+                    .unwrap_or_else(|| e.to_string())
             ))
         })?;
         let rec = reward_record(line).map_err(at)?;
@@ -178,6 +181,21 @@ pub fn read_reward_records(path: &Path) -> Result<Vec<RewardRecord>> {
         out.push(rec);
     }
     non_empty(path, out)
+}
+
+/// For a line that is a JSON object but failed to parse: which of the string `fields` holds
+/// something else (serde's message gives only the column), e.g. `"text" is 7, not a string`.
+fn not_a_string(raw: &str, fields: &[&str]) -> Option<String> {
+    let v: serde_json::Value = serde_json::from_str(raw).ok()?;
+    let obj = v.as_object()?;
+    fields.iter().find_map(|&f| {
+        let x = obj.get(f).filter(|x| !x.is_string() && !x.is_null())?;
+        let mut shown = x.to_string();
+        if shown.len() > 100 {
+            shown = format!("a {}-byte {}", shown.len(), if x.is_array() { "array" } else { "value" });
+        }
+        Some(format!("field \"{f}\" is {shown}, not a string"))
+    })
 }
 
 fn reward_record(line: RewardLine) -> std::result::Result<RewardRecord, String> {

@@ -2,6 +2,7 @@
 
 mod common;
 mod errors;
+mod faults;
 mod generation;
 mod gpt2;
 mod layout;
