@@ -386,14 +386,26 @@ impl PpoTrainer {
             )));
         }
         let vocab = self.policy.lm.vocab_size();
+        let max_positions = self.policy.lm.config().max_positions();
         for i in 0..b {
             let (q, r) = (&input.queries[i], &input.responses[i]);
             if q.is_empty() {
-                return Err(Error::Input(format!("sample {i}: empty query")));
+                return Err(Error::Input(format!(
+                    "sample {i}: empty query; every query needs a token (e.g. the BOS token)"
+                )));
             }
             if r.is_empty() {
                 return Err(Error::Input(format!(
                     "sample {i}: empty response; every response needs a token"
+                )));
+            }
+            if let Some(max) = max_positions.filter(|&max| q.len() + r.len() > max) {
+                return Err(Error::Input(format!(
+                    "sample {i}: {} tokens (query {} + response {}) but the model has {max} positions; \
+                     truncate the query or lower max_new_tokens",
+                    q.len() + r.len(),
+                    q.len(),
+                    r.len()
                 )));
             }
             if let Some(&t) = q.iter().chain(r).find(|&&t| t as usize >= vocab) {

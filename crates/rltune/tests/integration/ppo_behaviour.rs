@@ -387,6 +387,30 @@ fn ratio_threshold_skips_the_update_entirely() {
     }
 }
 
+/// Issue #28: a loss that overflows to infinity (a value head scaled to 1e20, so the squared
+/// value error exceeds f32) never reaches the weights, on the fused update path (the default)
+/// and on the clipped one: every update is skipped, counted and the weights stay.
+#[test]
+fn a_non_finite_loss_skips_the_update_and_is_counted() {
+    for max_grad_norm in [None, Some(1.0)] {
+        let cfg = PpoConfig { batch_size: 8, mini_batch_size: 4, max_grad_norm, ..Default::default() };
+        let mut t = trainer(31, cfg);
+        let (queries, resp, scores) = synthetic(8, 32);
+        t.step(&queries, &resp, &scores).unwrap();
+        let (name, v_head) =
+            t.store.vars().into_iter().find(|(n, _)| n == "v_head.summary.weight").expect("a value head");
+        v_head.set(&(v_head.as_tensor() * 1e20).unwrap()).unwrap();
+        let (before, steps) = (weights(&t), t.optimizer().steps());
+        let stats = t.step(&queries, &resp, &scores).unwrap();
+        assert!(!scalar(&stats, "ppo/loss/value").is_finite(), "{name}: the loss did not overflow");
+        assert_eq!(weights_diff(&before, &weights(&t)), 0.0, "clip {max_grad_norm:?}: weights moved");
+        assert_eq!(t.optimizer().steps(), steps, "clip {max_grad_norm:?}: Adam stepped");
+        // 2 minibatches × 4 epochs, none applied.
+        assert_eq!(scalar(&stats, "rltune/skipped_updates"), 8.0, "clip {max_grad_norm:?}");
+        assert_eq!(t.skipped_updates(), 8);
+    }
+}
+
 #[test]
 fn score_scaling_and_norm_use_running_moments() {
     let (queries, resp, s1) = synthetic(8, 22);
