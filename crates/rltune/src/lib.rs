@@ -43,6 +43,7 @@ pub mod models;
 pub mod ops;
 pub mod params;
 pub mod ppo;
+pub mod process;
 pub mod quickstart;
 pub mod rewards;
 pub mod run;

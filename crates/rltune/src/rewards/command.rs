@@ -16,39 +16,21 @@
 //! After any error (a timeout, a bad answer, the program exiting) the program is killed and the
 //! reward refuses further batches: later answers could no longer be matched to samples.
 
-use std::collections::VecDeque;
-use std::io::{BufRead, BufReader, Read, Write};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
-use std::sync::{Arc, Mutex};
-use std::thread;
 use std::time::{Duration, Instant};
 
 use super::{RewardInput, RewardSource};
 use crate::error::{Error, Result};
+use crate::process::{quote, LineProcess, Received};
 
-/// How many of the program's last stderr lines an error quotes.
-const STDERR_TAIL_LINES: usize = 20;
-/// The longest stderr line kept, in bytes.
-const STDERR_LINE_MAX: usize = 500;
 /// The longest answer line read, in bytes: a longer one is an error, so a program that writes
 /// without newlines cannot exhaust memory.
 const ANSWER_LINE_MAX: usize = 1 << 20;
-/// How much of a bad answer line an error quotes, in bytes.
-const ANSWER_QUOTE_MAX: usize = 200;
 
 /// A reward from an external process speaking JSON lines (see the module docs).
 pub struct CommandReward {
     name: String,
     timeout: Option<Duration>,
-    child: Child,
-    /// Lines for the writer thread; dropping it closes the program's stdin.
-    to_child: Option<Sender<String>>,
-    /// The program's stdout, line by line, from the reader thread; disconnected at EOF.
-    from_child: Receiver<std::io::Result<String>>,
-    stderr_tail: Arc<Mutex<VecDeque<String>>>,
-    /// Disconnected when the stderr thread has read to EOF.
-    stderr_done: Receiver<()>,
+    process: LineProcess,
     /// Answer lines read since the program started.
     lines_read: usize,
     /// Why the reward no longer works, after an error.
@@ -61,46 +43,11 @@ impl CommandReward {
 
     /// Spawns `argv` (program, then arguments; no shell) with the default timeout.
     pub fn spawn(argv: Vec<String>) -> Result<Self> {
-        let Some(program) = argv.first() else {
-            return Err(Error::Input(
-                "the reward command is empty; give the program and its arguments".into(),
-            ));
-        };
-        let shown = shell_words(&argv);
-        let mut child = Command::new(program)
-            .args(&argv[1..])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(|e| Error::Input(format!("cannot start reward command `{shown}`: {e}")))?;
-        let (Some(stdin), Some(stdout), Some(stderr)) =
-            (child.stdin.take(), child.stdout.take(), child.stderr.take())
-        else {
-            let _ = child.kill();
-            return Err(Error::Input(format!(
-                "reward command `{shown}`: could not open its stdin/stdout/stderr"
-            )));
-        };
-        let (to_child, from_parent) = mpsc::channel::<String>();
-        thread::spawn(move || write_lines(stdin, from_parent));
-        let (to_parent, from_child) = mpsc::channel();
-        thread::spawn(move || read_lines(stdout, to_parent));
-        let stderr_tail = Arc::new(Mutex::new(VecDeque::new()));
-        let (done_tx, stderr_done) = mpsc::channel();
-        let tail = Arc::clone(&stderr_tail);
-        thread::spawn(move || {
-            collect_stderr(stderr, &tail);
-            drop(done_tx);
-        });
+        let process = LineProcess::spawn(&argv, "reward command", ANSWER_LINE_MAX)?;
         Ok(Self {
-            name: format!("command({shown})"),
+            name: format!("command({})", process.shown),
             timeout: Some(Self::DEFAULT_TIMEOUT),
-            child,
-            to_child: Some(to_child),
-            from_child,
-            stderr_tail,
-            stderr_done,
+            process,
             lines_read: 0,
             broken: None,
         })
@@ -121,22 +68,18 @@ impl CommandReward {
     /// Sends the batch and collects one answer per sample.
     fn score_batch(&mut self, batch: &[RewardInput<'_>]) -> Result<Vec<f32>> {
         let n = batch.len();
-        let to_child = self.to_child.as_ref().ok_or_else(|| self.err("its stdin is closed".into()))?;
         for s in batch {
             let line = serde_json::json!({"query": s.query, "response": s.response, "meta": s.meta});
-            // A send fails only when the writer thread stopped (the program closed its stdin or
-            // exited); reading below then reports how the program ended.
-            let _ = to_child.send(format!("{line}\n"));
+            // A send fails only when the program no longer reads (it closed its stdin or
+            // exited); reading below then reports how it ended.
+            let _ = self.process.send(format!("{line}\n"));
         }
         let start = Instant::now();
+        let deadline = self.timeout.map(|t| start + t);
         let mut out = Vec::with_capacity(n);
         for i in 0..n {
-            let got = match self.timeout {
-                Some(t) => self.from_child.recv_timeout(t.saturating_sub(start.elapsed())),
-                None => self.from_child.recv().map_err(|_| RecvTimeoutError::Disconnected),
-            };
-            match got {
-                Ok(Ok(line)) => {
+            match self.process.recv(deadline) {
+                Received::Line(line) => {
                     self.lines_read += 1;
                     let answer = parse_answer(&line).map_err(|why| {
                         self.err(format!(
@@ -148,12 +91,11 @@ impl CommandReward {
                     })?;
                     out.push(answer);
                 }
-                Ok(Err(e)) => {
-                    // The program may still be running (an overlong line): wait only briefly.
-                    let msg = format!("cannot read its stdout: {e}");
-                    return Err(self.exited_with(msg, i, n, Duration::from_millis(200)));
+                // The program may still be running (an overlong line): wait only briefly.
+                Received::Unreadable(why) => {
+                    return Err(self.exited_with(why, i, n, Duration::from_millis(200)))
                 }
-                Err(RecvTimeoutError::Timeout) => {
+                Received::Timeout => {
                     return Err(self.err(format!(
                         "timed out waiting for the answer to sample {i} of {n} in this batch: the batch \
                          timeout is {:.1?} and {:.1?} have passed ({i} answered); raise the timeout, or \
@@ -162,7 +104,7 @@ impl CommandReward {
                         start.elapsed()
                     )))
                 }
-                Err(RecvTimeoutError::Disconnected) => return Err(self.exited(i, n)),
+                Received::Closed => return Err(self.exited(i, n)),
             }
         }
         Ok(out)
@@ -183,46 +125,8 @@ impl CommandReward {
     /// The error `what`, after answering `i` of `n`, with the program's exit status (waiting up
     /// to `wait` for it; "still running" if it has not exited) and the tail of its stderr.
     fn exited_with(&mut self, what: String, i: usize, n: usize, wait: Duration) -> Error {
-        let deadline = Instant::now() + wait;
-        let status = loop {
-            match self.child.try_wait() {
-                Ok(Some(status)) => break status.to_string(),
-                Ok(None) if Instant::now() < deadline => thread::sleep(Duration::from_millis(10)),
-                Ok(None) => break "still running".to_string(),
-                Err(e) => break format!("status unknown: {e}"),
-            }
-        };
-        // The stderr thread reaches EOF soon after the program exits.
-        let _ = self.stderr_done.recv_timeout(wait.min(Duration::from_secs(1)));
-        let msg = format!(
-            "{what} ({status}) after answering {i} of {n} samples in this batch; {}",
-            self.stderr_summary()
-        );
-        self.err(msg)
-    }
-
-    /// `stderr (last lines): ...` or `stderr was empty`.
-    fn stderr_summary(&self) -> String {
-        let tail = self.stderr_tail.lock().map(|t| t.iter().cloned().collect::<Vec<_>>()).unwrap_or_default();
-        if tail.is_empty() {
-            "its stderr was empty".into()
-        } else {
-            format!("its stderr ended with:\n{}", tail.join("\n"))
-        }
-    }
-
-    /// Closes stdin, then kills the program if it does not exit within `grace`, and reaps it.
-    fn shut_down(&mut self, grace: Duration) {
-        self.to_child = None;
-        let deadline = Instant::now() + grace;
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            thread::sleep(Duration::from_millis(5));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        let (status, stderr) = self.process.ending(wait);
+        self.err(format!("{what} ({status}) after answering {i} of {n} samples in this batch; {stderr}"))
     }
 }
 
@@ -250,86 +154,9 @@ impl RewardSource for CommandReward {
         let res = self.score_batch(batch);
         if let Err(e) = &res {
             self.broken = Some(e.to_string());
-            self.shut_down(Duration::ZERO);
+            self.process.shut_down(Duration::ZERO);
         }
         res
-    }
-}
-
-impl Drop for CommandReward {
-    fn drop(&mut self) {
-        self.shut_down(Duration::from_millis(500));
-    }
-}
-
-/// Writer thread: writes each line to the program's stdin until the channel closes or a write
-/// fails (the program exited).
-fn write_lines(mut stdin: std::process::ChildStdin, lines: Receiver<String>) {
-    for line in lines {
-        if stdin.write_all(line.as_bytes()).and_then(|()| stdin.flush()).is_err() {
-            return;
-        }
-    }
-}
-
-/// Reader thread: sends each stdout line (lossy UTF-8); returns at EOF, which disconnects.
-/// A line longer than [`ANSWER_LINE_MAX`], or one cut off by EOF, is sent as an error.
-fn read_lines(stdout: impl Read, to_parent: Sender<std::io::Result<String>>) {
-    let mut reader = BufReader::new(stdout);
-    loop {
-        let mut buf = Vec::new();
-        match reader.by_ref().take(ANSWER_LINE_MAX as u64 + 1).read_until(b'\n', &mut buf) {
-            Ok(0) => return,
-            Ok(_) if !buf.ends_with(b"\n") => {
-                let why = if buf.len() > ANSWER_LINE_MAX {
-                    let head = String::from_utf8_lossy(&buf[..ANSWER_QUOTE_MAX]);
-                    format!(
-                        "an answer line longer than {ANSWER_LINE_MAX} bytes, starting {head:?}; each \
-                         answer must be one short line"
-                    )
-                } else {
-                    format!(
-                        "its output ended in the middle of a line, {}, without the newline that ends an \
-                         answer",
-                        quote(&String::from_utf8_lossy(&buf))
-                    )
-                };
-                let _ = to_parent.send(Err(std::io::Error::new(std::io::ErrorKind::InvalidData, why)));
-                return;
-            }
-            Ok(_) => {
-                if to_parent.send(Ok(String::from_utf8_lossy(&buf).into_owned())).is_err() {
-                    return;
-                }
-            }
-            Err(e) => {
-                let _ = to_parent.send(Err(e));
-                return;
-            }
-        }
-    }
-}
-
-/// Stderr thread: keeps the last [`STDERR_TAIL_LINES`] lines and logs each at debug level. A
-/// line past 64 KiB is split there, so output without newlines cannot exhaust memory.
-fn collect_stderr(stderr: impl Read, tail: &Mutex<VecDeque<String>>) {
-    let mut reader = BufReader::new(stderr);
-    let mut buf = Vec::new();
-    while matches!(reader.by_ref().take(64 << 10).read_until(b'\n', &mut buf), Ok(n) if n > 0) {
-        let mut line = String::from_utf8_lossy(&buf).trim_end().to_string();
-        buf.clear();
-        tracing::debug!(target: "rltune::rewards::command", "stderr: {line}");
-        if line.len() > STDERR_LINE_MAX {
-            let cut = (0..=STDERR_LINE_MAX).rev().find(|&i| line.is_char_boundary(i)).unwrap_or(0);
-            line.truncate(cut);
-            line.push('…');
-        }
-        if let Ok(mut t) = tail.lock() {
-            if t.len() == STDERR_TAIL_LINES {
-                t.pop_front();
-            }
-            t.push_back(line);
-        }
     }
 }
 
@@ -354,15 +181,6 @@ fn parse_answer(line: &str) -> std::result::Result<f32, String> {
     Ok(v as f32)
 }
 
-/// `s` quoted (Rust debug syntax), cut to [`ANSWER_QUOTE_MAX`] bytes with the length noted.
-fn quote(s: &str) -> String {
-    if s.len() <= ANSWER_QUOTE_MAX {
-        return format!("{s:?}");
-    }
-    let cut = (0..=ANSWER_QUOTE_MAX).rev().find(|&i| s.is_char_boundary(i)).unwrap_or(0);
-    format!("{:?}… ({} bytes)", &s[..cut], s.len())
-}
-
 fn json_kind(v: &serde_json::Value) -> &'static str {
     match v {
         serde_json::Value::Null => "null",
@@ -371,18 +189,6 @@ fn json_kind(v: &serde_json::Value) -> &'static str {
         serde_json::Value::Array(_) => "an array",
         serde_json::Value::Number(_) | serde_json::Value::Object(_) => "a value",
     }
-}
-
-/// `argv` for messages, quoting arguments that hold spaces or quotes.
-fn shell_words(argv: &[String]) -> String {
-    let quote = |a: &String| {
-        if a.is_empty() || a.contains(|c: char| c.is_whitespace() || c == '\'' || c == '"') {
-            format!("'{}'", a.replace('\'', "'\\''"))
-        } else {
-            a.clone()
-        }
-    };
-    argv.iter().map(quote).collect::<Vec<_>>().join(" ")
 }
 
 #[cfg(test)]
