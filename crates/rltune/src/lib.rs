@@ -35,6 +35,7 @@
 
 pub mod cpu;
 pub mod data;
+pub mod envs;
 pub mod error;
 pub mod generation;
 pub mod io;

@@ -1,0 +1,1 @@
+//! Placeholder: the generated text-adventure family (being written).
