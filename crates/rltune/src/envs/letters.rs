@@ -60,21 +60,18 @@ impl TextEnv for Letters {
             .iter()
             .map(|(e, action)| {
                 let Some(moves) = self.moves[*e] else {
-                    return Err(Error::Input(format!("letters: environment {e} has no episode; reset it first")));
+                    return Err(Error::Input(format!(
+                        "letters: environment {e} has no episode; reset it first"
+                    )));
                 };
                 let action = sanitize_action(action, MAX_ACTION_CHARS);
-                let reward = REWARD_PER_E * action.chars().filter(|c| c.eq_ignore_ascii_case(&'e')).count() as f64;
+                let reward =
+                    REWARD_PER_E * action.chars().filter(|c| c.eq_ignore_ascii_case(&'e')).count() as f64;
                 let moves = moves + 1;
                 self.score[*e] += reward;
                 let truncated = moves >= self.turns;
                 self.moves[*e] = (!truncated).then_some(moves);
-                Ok(EnvStep {
-                    reward,
-                    truncated,
-                    score: self.score[*e],
-                    moves,
-                    ..self.observation(moves)
-                })
+                Ok(EnvStep { reward, truncated, score: self.score[*e], moves, ..self.observation(moves) })
             })
             .collect())
     }

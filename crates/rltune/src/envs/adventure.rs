@@ -1,1 +1,0 @@
-//! Placeholder: the generated text-adventure family (being written).
