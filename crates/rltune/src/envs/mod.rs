@@ -25,10 +25,12 @@
 //! # Ok(()) }
 //! ```
 
-//ADV pub mod adventure;
+pub mod adventure;
 pub mod command;
-//CFG pub mod config;
+pub mod config;
 pub mod letters;
+pub mod model_agent;
+pub mod play;
 
 use crate::error::Result;
 
