@@ -5,6 +5,7 @@
 
 mod bench;
 mod generate;
+mod play;
 mod ppo;
 mod ppo_step;
 mod quickstart;
@@ -41,6 +42,9 @@ enum Command {
     /// Train a sequence-classification reward model: JSONL with "text" and "label"
     /// (cross-entropy), or "chosen" and "rejected" [and "prompt"] (Bradley–Terry).
     Reward(train::RewardArgs),
+    /// Play episodes of a text environment (TextWorld, generated adventures, the letter toy,
+    /// any program speaking docs/env-protocol.md) with a model or a random agent.
+    Play(play::Args),
     /// Benchmarks (see bench/README.md).
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -61,6 +65,7 @@ fn main() {
         Command::Sft(args) => train::run_sft(args),
         Command::Reward(args) => train::run_reward(args),
         Command::Generate(args) => generate::run(args),
+        Command::Play(args) => play::run(args),
         Command::Ppo(args) => ppo::run(args),
         Command::PpoStep(args) => ppo_step::run(args),
         Command::Bench(BenchCommand::Ppo(args)) => bench::run(args),

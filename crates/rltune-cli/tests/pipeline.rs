@@ -582,3 +582,62 @@ fn check_checkpoint(dir: &Path) -> Result<(), String> {
     }
     Ok(())
 }
+
+/// `rltune play` with the random baseline and with a model, on the generated adventures:
+/// `--json` prints the documented keys, `--transcripts` one line per episode.
+#[test]
+fn play_reports_win_rates_for_the_random_agent_and_a_model() {
+    let tmp = tempfile::tempdir().unwrap();
+    let env = repo_config("adventure.toml");
+    let keys =
+        ["episodes", "win_rate", "mean_score", "mean_normalized_score", "mean_steps", "invalid_action_rate"];
+    let transcripts = tmp.path().join("t.jsonl");
+    let out = ok(rltune(&[
+        "play",
+        "--env",
+        s(&env),
+        "--agent",
+        "random",
+        "--episodes",
+        "40",
+        "--json",
+        "--transcripts",
+        s(&transcripts),
+    ]));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    for k in keys {
+        assert!(report[k].is_number(), "{k} in {report}");
+    }
+    assert_eq!(report["episodes"], 40);
+    let win = report["win_rate"].as_f64().unwrap();
+    assert!(win > 0.0 && win < 0.5, "the random agent wins sometimes: {report}");
+    assert_eq!(report["invalid_action_rate"], 0.0, "it only plays admissible commands");
+    let lines = std::fs::read_to_string(&transcripts).unwrap();
+    assert_eq!(lines.lines().count(), 40);
+    let first: serde_json::Value = serde_json::from_str(lines.lines().next().unwrap()).unwrap();
+    assert!(first["turns"][0]["action"].is_string() && first["objective"].is_string(), "{first}");
+
+    // A (tiny, untrained) model plays too: its prompt is fitted to its 48 positions.
+    let model = quickstart().join("sft");
+    let out = ok(rltune(&[
+        "play",
+        "--env",
+        s(&env),
+        "--model",
+        s(&model),
+        "--episodes",
+        "4",
+        "--json",
+        "--set",
+        "env.max_steps=3",
+    ]));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        (report["episodes"].as_u64(), report["mean_steps"].as_f64()),
+        (Some(4), Some(3.0)),
+        "{report}"
+    );
+
+    let err = fails(rltune(&["play", "--env", s(&env), "--agent", "random", "--set", "env.kind=chess"]));
+    assert!(err.contains("chess") && err.contains("adventure"), "{err}");
+}

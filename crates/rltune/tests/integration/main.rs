@@ -8,4 +8,5 @@ mod gpt2;
 mod layout;
 mod ppo_behaviour;
 mod ppo_parity;
+mod textworld;
 mod train;

@@ -1,0 +1,109 @@
+//! `rltune play`: episodes of a text environment played by a model or by the random baseline,
+//! with win rate, scores, episode length and invalid actions.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device};
+use rltune::envs::config::{agent_generation, EnvConfig, EnvKind};
+use rltune::envs::model_agent::ModelAgent;
+use rltune::envs::play::{play, Agent, PlayReport, RandomAgent};
+use rltune::models::load::load_policy;
+use rltune::tokenizer::Tokenizer;
+
+/// Arguments of `rltune play`.
+#[derive(clap::Args)]
+pub struct Args {
+    /// Env config: an [env] table (kind, games, max_steps, …), optionally [agent] (the prompt)
+    /// and [generation] (how a model samples its actions).
+    #[arg(long)]
+    env: PathBuf,
+    /// A policy directory (Hugging Face layout with tokenizer.json) to play.
+    #[arg(long, conflicts_with = "agent", required_unless_present = "agent")]
+    model: Option<String>,
+    /// A built-in agent instead of a model: `random` (a uniformly random admissible command).
+    #[arg(long, value_parser = ["random"])]
+    agent: Option<String>,
+    /// Episodes to play.
+    #[arg(long, default_value_t = 50)]
+    episodes: usize,
+    /// First seed: generated families play seeds S, S+1, … of their split; also the agent's
+    /// sampling seed.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Write every episode (turns, actions, rewards) as JSON lines here.
+    #[arg(long)]
+    transcripts: Option<PathBuf>,
+    /// Print one JSON object instead of the summary.
+    #[arg(long)]
+    json: bool,
+    /// Override a setting of the env config, e.g. --set env.max_steps=30 (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    set: Vec<String>,
+}
+
+/// Runs `rltune play`.
+pub fn run(args: Args) -> Result<()> {
+    if args.episodes == 0 {
+        bail!("--episodes must be at least 1");
+    }
+    let cfg = EnvConfig::load(&args.env, &args.set)?;
+    let mut env = cfg
+        .env
+        .build()
+        .with_context(|| format!("cannot start the environments of {}", args.env.display()))?;
+    let games = if matches!(cfg.env.kind, EnvKind::Textworld) { cfg.env.game_files()?.len() } else { 0 };
+    let resets = |i: usize| cfg.env.reset_for(args.seed, i, games);
+    let device = Device::Cpu;
+    let started = std::time::Instant::now();
+    let (episodes, dropped) = match &args.model {
+        None => play(env.as_mut(), &mut RandomAgent::new(args.seed), args.episodes, &resets)?,
+        Some(model) => {
+            let policy = load_policy(model, false, DType::F32, &device)
+                .with_context(|| format!("cannot load the model {model:?}"))?;
+            let tok_path = policy.files.tokenizer.clone().with_context(|| {
+                format!("{model}: no tokenizer.json; a model agent needs one to read the game")
+            })?;
+            let tokenizer = Tokenizer::from_file(&tok_path)?;
+            let mut agent: Box<dyn Agent> = Box::new(ModelAgent::new(
+                &policy.model.lm,
+                &tokenizer,
+                cfg.agent.clone(),
+                agent_generation(&cfg, args.seed),
+                &device,
+            )?);
+            play(env.as_mut(), agent.as_mut(), args.episodes, &resets)?
+        }
+    };
+    let report = PlayReport::of(&episodes, dropped, started.elapsed().as_secs_f64());
+    if let Some(path) = &args.transcripts {
+        let mut text = String::new();
+        for e in &episodes {
+            text.push_str(&serde_json::to_string(e)?);
+            text.push('\n');
+        }
+        rltune::io::write_bytes_atomic(path, text.as_bytes())?;
+    }
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        let who = args.model.as_deref().map_or("random agent".to_string(), |m| format!("model {m}"));
+        println!(
+            "{who}: {} episodes, win rate {:.1}%, mean score {:.2} (normalized {:.3}), mean steps {:.1}, \
+             invalid actions {:.1}%, {:.1} episodes/s{}",
+            report.episodes,
+            100.0 * report.win_rate,
+            report.mean_score,
+            report.mean_normalized_score,
+            report.mean_steps,
+            100.0 * report.invalid_action_rate,
+            report.episodes_per_second,
+            if dropped > 0 {
+                format!(", {dropped} dropped (the environment program restarted)")
+            } else {
+                String::new()
+            }
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,410 @@
+//! Playing episodes: the prompt an LM agent reads, the action it writes, and the evaluation
+//! loop behind `rltune play` (a random baseline or a model, over B environments at once).
+//!
+//! The prompt follows the textworld fork: the objective, a memory of the last `memory_turns`
+//! (action, observation) turns, the observation, the inventory, "Your possible actions are c1,
+//! c2, …, or cN." and an instruction line. When it does not fit the model's context the oldest
+//! memory goes first, then the prompt is cut from the left: a long game never crashes.
+//! The action is the generated text up to the first newline or sentence punctuation.
+
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+
+use super::{EnvStep, Reset, TextEnv};
+use crate::error::{Error, Result};
+
+/// The prompt's parts and the memory length (`[agent]` in env configs).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PromptTemplate {
+    /// Earlier turns shown, newest last.
+    pub memory_turns: usize,
+    /// Whether the admissible commands are listed.
+    pub show_admissible: bool,
+    /// Whether the inventory is shown.
+    pub show_inventory: bool,
+    /// The last line, after which the model writes its action.
+    pub instruction: String,
+}
+
+impl Default for PromptTemplate {
+    fn default() -> Self {
+        Self {
+            memory_turns: 3,
+            show_admissible: true,
+            show_inventory: true,
+            instruction: "What do you do next?\n>".into(),
+        }
+    }
+}
+
+/// One turn of an episode, as the agent saw and did it.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Turn {
+    /// The observation before the action.
+    pub observation: String,
+    /// The action taken.
+    pub action: String,
+    /// The reward it earned.
+    pub reward: f64,
+    /// Whether the game did not understand it.
+    pub invalid: bool,
+}
+
+impl PromptTemplate {
+    /// The prompt for the state `now`, after the turns `memory` (oldest first), with the last
+    /// `keep` of those turns shown (at most `memory_turns`).
+    pub fn render(&self, now: &EnvStep, memory: &[Turn], keep: usize) -> String {
+        let mut s = String::new();
+        if !now.objective.is_empty() {
+            s.push_str(&format!("Objective: {}\n", now.objective.trim()));
+        }
+        let keep = keep.min(self.memory_turns).min(memory.len());
+        for t in &memory[memory.len() - keep..] {
+            s.push_str(&format!("> {}\n{}\n", t.action, t.observation.trim()));
+        }
+        s.push_str(&format!("Observation: {}\n", now.observation.trim()));
+        if self.show_inventory && !now.inventory.is_empty() {
+            s.push_str(&format!("Inventory: {}\n", now.inventory.trim()));
+        }
+        if self.show_admissible && !now.admissible_commands.is_empty() {
+            s.push_str(&format!("Your possible actions are {}.\n", or_list(&now.admissible_commands)));
+        }
+        s.push_str(&self.instruction);
+        s
+    }
+
+    /// The prompt's token ids, at most `max_tokens` long: memory turns are dropped oldest first
+    /// until it fits, then the front is cut.
+    pub fn fit(
+        &self,
+        now: &EnvStep,
+        memory: &[Turn],
+        max_tokens: usize,
+        encode: impl Fn(&str) -> Result<Vec<u32>>,
+    ) -> Result<Vec<u32>> {
+        let mut keep = self.memory_turns.min(memory.len());
+        loop {
+            let ids = encode(&self.render(now, memory, keep))?;
+            if ids.len() <= max_tokens {
+                return Ok(ids);
+            }
+            if keep == 0 {
+                return Ok(ids[ids.len() - max_tokens..].to_vec());
+            }
+            keep -= 1;
+        }
+    }
+}
+
+/// "a, b, or c" (TextWorld's fork writes the list this way).
+fn or_list(items: &[String]) -> String {
+    match items {
+        [] => String::new(),
+        [one] => one.clone(),
+        [init @ .., last] => format!("{}, or {last}", init.join(", ")),
+    }
+}
+
+/// The action in generated text: up to the first newline or sentence punctuation (`.`, `!`,
+/// `?`, `;`), trimmed.
+pub fn extract_action(text: &str) -> String {
+    let end = text.find(['\n', '\r', '.', '!', '?', ';']).unwrap_or(text.len());
+    text[..end].trim().to_string()
+}
+
+/// An agent that picks one action per environment from their current states.
+pub trait Agent {
+    /// One action per state, for the environments listed (their memories, oldest turn first).
+    fn act(&mut self, states: &[(&EnvStep, &[Turn])]) -> Result<Vec<String>>;
+}
+
+/// The baseline: a uniformly random admissible command (or "look" when there is none).
+#[derive(Debug)]
+pub struct RandomAgent {
+    rng: rand::rngs::StdRng,
+}
+
+impl RandomAgent {
+    /// A random agent with its own seeded stream.
+    pub fn new(seed: u64) -> Self {
+        Self { rng: rand::rngs::StdRng::seed_from_u64(seed) }
+    }
+}
+
+impl Agent for RandomAgent {
+    fn act(&mut self, states: &[(&EnvStep, &[Turn])]) -> Result<Vec<String>> {
+        Ok(states
+            .iter()
+            .map(|(s, _)| {
+                s.admissible_commands.choose(&mut self.rng).cloned().unwrap_or_else(|| "look".into())
+            })
+            .collect())
+    }
+}
+
+/// One finished (or dropped) episode.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Episode {
+    /// Its index among the episodes played.
+    pub episode: usize,
+    /// How it was reset.
+    pub seed: Option<u64>,
+    /// The game file index, for environments with game files.
+    pub game: Option<usize>,
+    /// Whether it was won.
+    pub won: bool,
+    /// Whether it was lost.
+    pub lost: bool,
+    /// Whether it hit the step cap.
+    pub truncated: bool,
+    /// The final score.
+    pub score: f64,
+    /// The game's maximum score.
+    pub max_score: f64,
+    /// The sum of rewards.
+    pub episode_return: f64,
+    /// Steps taken.
+    pub steps: usize,
+    /// Steps whose action the game did not understand.
+    pub invalid_actions: usize,
+    /// The objective.
+    pub objective: String,
+    /// Every turn, in order.
+    pub turns: Vec<Turn>,
+    /// The final observation.
+    pub final_observation: String,
+}
+
+/// What `rltune play --json` prints.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct PlayReport {
+    /// Episodes finished.
+    pub episodes: usize,
+    /// Fraction won.
+    pub win_rate: f64,
+    /// Mean final score.
+    pub mean_score: f64,
+    /// Mean of score / max score.
+    pub mean_normalized_score: f64,
+    /// Mean steps per episode.
+    pub mean_steps: f64,
+    /// Invalid actions over all actions.
+    pub invalid_action_rate: f64,
+    /// Episodes lost to a restarted environment program (not in the means).
+    pub dropped_episodes: usize,
+    /// Episodes per second of wall time.
+    pub episodes_per_second: f64,
+}
+
+impl PlayReport {
+    /// The summary of `episodes`, played in `seconds`.
+    pub fn of(episodes: &[Episode], dropped: usize, seconds: f64) -> Self {
+        let n = episodes.len().max(1) as f64;
+        let mean = |f: &dyn Fn(&Episode) -> f64| episodes.iter().map(f).sum::<f64>() / n;
+        let actions: usize = episodes.iter().map(|e| e.steps).sum();
+        let invalid: usize = episodes.iter().map(|e| e.invalid_actions).sum();
+        Self {
+            episodes: episodes.len(),
+            win_rate: mean(&|e| f64::from(u8::from(e.won))),
+            mean_score: mean(&|e| e.score),
+            mean_normalized_score: mean(&|e| if e.max_score > 0.0 { e.score / e.max_score } else { 0.0 }),
+            mean_steps: mean(&|e| e.steps as f64),
+            invalid_action_rate: invalid as f64 / actions.max(1) as f64,
+            dropped_episodes: dropped,
+            episodes_per_second: episodes.len() as f64 / seconds.max(1e-9),
+        }
+    }
+}
+
+/// How the episodes of a run are reset: episode `i` gets `resets(i)`.
+pub type ResetPlan<'a> = &'a dyn Fn(usize) -> Reset;
+
+/// Plays `episodes` episodes on all of `env`'s environments at once with `agent`: each
+/// environment starts the next episode as soon as its last one ends. An environment whose step
+/// fails (a per-env error, e.g. a restarted program) drops its episode and starts the next.
+/// Returns the finished episodes, ordered by index, and the number dropped.
+pub fn play(
+    env: &mut dyn TextEnv,
+    agent: &mut dyn Agent,
+    episodes: usize,
+    resets: ResetPlan,
+) -> Result<(Vec<Episode>, usize)> {
+    let b = env.num_envs().min(episodes.max(1));
+    let mut next = 0usize;
+    let mut dropped = 0usize;
+    let mut done: Vec<Episode> = Vec::new();
+    // Per env: the episode it plays, its current state, its turns.
+    let mut slots: Vec<Option<(Episode, EnvStep)>> = vec![None; b];
+    let start = |env: &mut dyn TextEnv,
+                 slots: &mut Vec<Option<(Episode, EnvStep)>>,
+                 ids: &[usize],
+                 next: &mut usize|
+     -> Result<()> {
+        let mut envs = Vec::new();
+        let mut plan = Vec::new();
+        for &e in ids {
+            if *next < episodes {
+                envs.push(e);
+                plan.push((*next, resets(*next)));
+                *next += 1;
+            }
+        }
+        if envs.is_empty() {
+            return Ok(());
+        }
+        let firsts = env.reset(&envs, &plan.iter().map(|(_, r)| *r).collect::<Vec<_>>())?;
+        for ((e, (i, r)), first) in envs.into_iter().zip(plan).zip(firsts) {
+            let ep = Episode {
+                episode: i,
+                seed: r.seed,
+                game: r.game,
+                won: false,
+                lost: false,
+                truncated: false,
+                score: 0.0,
+                max_score: first.max_score,
+                episode_return: 0.0,
+                steps: 0,
+                invalid_actions: 0,
+                objective: first.objective.clone(),
+                turns: Vec::new(),
+                final_observation: String::new(),
+            };
+            slots[e] = Some((ep, first));
+        }
+        Ok(())
+    };
+    let all: Vec<usize> = (0..b).collect();
+    start(env, &mut slots, &all, &mut next)?;
+    while slots.iter().any(Option::is_some) {
+        let active: Vec<usize> = (0..b).filter(|&e| slots[e].is_some()).collect();
+        let actions = {
+            let states: Vec<(&EnvStep, &[Turn])> = active
+                .iter()
+                .filter_map(|&e| slots[e].as_ref().map(|(ep, s)| (s, ep.turns.as_slice())))
+                .collect();
+            agent.act(&states)?
+        };
+        if actions.len() != active.len() {
+            return Err(Error::Input(format!(
+                "the agent gave {} actions for {} states",
+                actions.len(),
+                active.len()
+            )));
+        }
+        let sent: Vec<(usize, String)> = active.iter().copied().zip(actions.iter().cloned()).collect();
+        let results = env.step(&sent)?;
+        let mut finished = Vec::new();
+        for ((&e, action), result) in active.iter().zip(actions).zip(results) {
+            let Some((mut ep, before)) = slots[e].take() else { continue };
+            match result {
+                Err(err) => {
+                    tracing::warn!("episode {} dropped: {err}", ep.episode);
+                    dropped += 1;
+                    finished.push(e);
+                }
+                Ok(after) => {
+                    ep.turns.push(Turn {
+                        observation: before.observation.clone(),
+                        action,
+                        reward: after.reward,
+                        invalid: after.invalid,
+                    });
+                    ep.steps += 1;
+                    ep.invalid_actions += usize::from(after.invalid);
+                    ep.episode_return += after.reward;
+                    ep.score = after.score;
+                    ep.max_score = after.max_score;
+                    if after.done() {
+                        ep.won = after.won;
+                        ep.lost = after.lost;
+                        ep.truncated = after.truncated;
+                        ep.final_observation = after.observation.clone();
+                        done.push(ep);
+                        finished.push(e);
+                    } else {
+                        slots[e] = Some((ep, after));
+                    }
+                }
+            }
+        }
+        if !finished.is_empty() {
+            start(env, &mut slots, &finished, &mut next)?;
+        }
+    }
+    done.sort_by_key(|e| e.episode);
+    Ok((done, dropped))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::envs::letters::Letters;
+
+    #[test]
+    fn actions_end_at_the_first_line_or_sentence_end() {
+        assert_eq!(extract_action(" take key. then go"), "take key");
+        assert_eq!(extract_action("go north\nopen door"), "go north");
+        assert_eq!(extract_action("look"), "look");
+        assert_eq!(extract_action("\nlook"), "");
+    }
+
+    fn state(obs: &str, commands: &[&str]) -> EnvStep {
+        EnvStep {
+            observation: obs.into(),
+            objective: "Win.".into(),
+            inventory: "You are carrying nothing.".into(),
+            admissible_commands: commands.iter().map(|c| c.to_string()).collect(),
+            ..EnvStep::default()
+        }
+    }
+
+    #[test]
+    fn prompts_hold_the_parts_and_drop_the_oldest_memory_first() {
+        let t = PromptTemplate::default();
+        let memory: Vec<Turn> = (0..5)
+            .map(|i| Turn {
+                observation: format!("room {i}"),
+                action: format!("go {i}"),
+                reward: 0.0,
+                invalid: false,
+            })
+            .collect();
+        let now = state("A hall.", &["go east", "look", "take key"]);
+        let p = t.render(&now, &memory, 3);
+        assert_eq!(
+            p,
+            "Objective: Win.\n> go 2\nroom 2\n> go 3\nroom 3\n> go 4\nroom 4\nObservation: A hall.\n\
+             Inventory: You are carrying nothing.\nYour possible actions are go east, look, or take key.\n\
+             What do you do next?\n>"
+        );
+        // One token per character: the budget forces memory out, oldest first, then a cut.
+        let chars = |s: &str| Ok(s.chars().map(|c| c as u32).collect::<Vec<u32>>());
+        let full = t.fit(&now, &memory, 10_000, chars).unwrap();
+        assert_eq!(full.len(), p.chars().count());
+        let fewer = t.fit(&now, &memory, p.chars().count() - 5, chars).unwrap();
+        let text: String = fewer.iter().map(|&c| char::from_u32(c).unwrap()).collect();
+        assert!(!text.contains("go 2") && text.contains("go 3"), "{text}");
+        let tiny = t.fit(&now, &memory, 12, chars).unwrap();
+        assert_eq!(tiny.len(), 12, "cut from the left, never an error");
+    }
+
+    #[test]
+    fn play_runs_episodes_over_a_batch_and_reports() {
+        struct Es;
+        impl Agent for Es {
+            fn act(&mut self, states: &[(&EnvStep, &[Turn])]) -> Result<Vec<String>> {
+                Ok(states.iter().map(|(_, m)| "e".repeat(m.len() + 1)).collect())
+            }
+        }
+        let mut env = Letters::new(3, 2);
+        let (eps, dropped) =
+            play(&mut env, &mut Es, 5, &|i| Reset { seed: Some(i as u64), game: None }).unwrap();
+        assert_eq!((eps.len(), dropped), (5, 0));
+        assert!(eps.iter().all(|e| e.steps == 2 && e.truncated && (e.episode_return - 0.3).abs() < 1e-9));
+        assert_eq!(eps.iter().map(|e| e.seed).collect::<Vec<_>>(), (0..5).map(Some).collect::<Vec<_>>());
+        let r = PlayReport::of(&eps, dropped, 1.0);
+        assert_eq!((r.episodes, r.win_rate, r.mean_steps, r.invalid_action_rate), (5, 0.0, 2.0, 0.0));
+    }
+}

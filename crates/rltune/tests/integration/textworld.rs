@@ -1,0 +1,81 @@
+//! TextWorld through the bridge (`tools/textworld/bridge.py`) and `CommandEnv`, on games made by
+//! `tools/textworld/make_games.sh`. Runs when `RLTUNE_TEXTWORLD_PYTHON` (a Python with
+//! `textworld`) and `RLTUNE_TEXTWORLD_GAMES` (the games' folder) are set, as `.ci/run` sets them
+//! after installing TextWorld; otherwise it says loudly that it was skipped, and fails if
+//! `RLTUNE_REQUIRE_TEXTWORLD` is set.
+
+use std::path::PathBuf;
+
+use rltune::envs::config::{EnvKind, EnvSection};
+use rltune::envs::play::{play, PlayReport, RandomAgent};
+use rltune::envs::Reset;
+
+/// The interpreter and the games folder, or `None` (after saying why) when TextWorld is absent.
+fn textworld() -> Option<(String, PathBuf)> {
+    let python = std::env::var("RLTUNE_TEXTWORLD_PYTHON").ok();
+    let games = std::env::var("RLTUNE_TEXTWORLD_GAMES").ok().map(PathBuf::from);
+    match (python, games) {
+        (Some(p), Some(g)) if g.join("coin5_s6.z8").is_file() => Some((p, g)),
+        _ => {
+            let why = "SKIPPED: TextWorld tests need RLTUNE_TEXTWORLD_PYTHON and RLTUNE_TEXTWORLD_GAMES \
+                       (tools/textworld/install.sh, then make_games.sh)";
+            assert!(std::env::var_os("RLTUNE_REQUIRE_TEXTWORLD").is_none(), "{why}");
+            eprintln!("{why}");
+            None
+        }
+    }
+}
+
+fn section(python: String, games: &std::path::Path, num_envs: usize) -> EnvSection {
+    EnvSection {
+        kind: EnvKind::Textworld,
+        num_envs,
+        max_steps: 20,
+        python,
+        games: vec![games.join("*.z8").to_string_lossy().into_owned()],
+        timeout_s: 60.0,
+        ..EnvSection::default()
+    }
+}
+
+#[test]
+fn the_bridge_plays_generated_games_through_command_env() {
+    let Some((python, games)) = textworld() else { return };
+    let cfg = section(python, &games, 2);
+    let files = cfg.game_files().unwrap();
+    assert!(files.len() >= 2, "{files:?}");
+    let mut env = cfg.build().unwrap();
+    let first = env
+        .reset(&[0, 1], &[Reset { seed: None, game: Some(0) }, Reset { seed: None, game: Some(1) }])
+        .unwrap();
+    for s in &first {
+        assert!(!s.observation.is_empty() && !s.admissible_commands.is_empty() && s.max_score > 0.0, "{s:?}");
+        assert!(
+            !s.observation.contains("-= ") || !s.observation.trim_end().ends_with("0/0"),
+            "status line kept"
+        );
+    }
+    // A newline runs only the first line; an out-of-game command is refused, not sent.
+    let out =
+        env.step(&[(0, format!("{}\nquit", first[0].admissible_commands[0])), (1, "quit".into())]).unwrap();
+    let (a, b) = (out[0].as_ref().unwrap(), out[1].as_ref().unwrap());
+    assert!(!a.invalid, "the first line was admissible: {a:?}");
+    assert!(b.invalid && b.infos.get("sent") == Some(&serde_json::Value::Bool(false)), "{b:?}");
+    assert_eq!(b.moves, 1, "a refused action still counts a move");
+}
+
+#[test]
+fn a_random_agent_plays_textworld_episodes() {
+    let Some((python, games)) = textworld() else { return };
+    let cfg = section(python, &games, 4);
+    let n = cfg.game_files().unwrap().len();
+    let mut env = cfg.build().unwrap();
+    let start = std::time::Instant::now();
+    let (eps, dropped) =
+        play(env.as_mut(), &mut RandomAgent::new(0), 12, &|i| cfg.reset_for(0, i, n)).unwrap();
+    let report = PlayReport::of(&eps, dropped, start.elapsed().as_secs_f64());
+    println!("random agent on {n} TextWorld games: {report:?}");
+    assert_eq!((report.episodes, dropped), (12, 0));
+    assert!(eps.iter().all(|e| e.steps <= 20 && (e.won || e.lost || e.truncated)));
+    assert!(report.mean_steps > 1.0);
+}
