@@ -102,9 +102,15 @@ impl RunLogger {
             jsonl::truncate_after(&samples_path, last)?;
             rows = jsonl::read_steps(&metrics_path, MetricRow::from_json_line)?;
             samples = jsonl::read_steps(&samples_path, jsonl::samples_from_json_line)?;
-            // Samples of steps whose metrics were superseded by a restart are stale.
+            // Samples of steps without a metrics line (written by an older rltune before a
+            // restart) are stale.
             let steps: BTreeSet<usize> = rows.iter().map(|r| r.step).collect();
             samples.retain(|(step, _)| steps.contains(step));
+            samples.drain(..samples.len().saturating_sub(REPORT_SAMPLE_STEPS));
+            rows = rows.into_iter().map(report_row).collect();
+            while rows.len() > REPORT_ROWS_MAX {
+                thin(&mut rows);
+            }
         }
         Ok(RunLogger {
             dir: dir.to_path_buf(),
@@ -129,12 +135,13 @@ impl RunLogger {
         &self.dir
     }
 
-    /// The steps logged so far (including those read back on resume), in step order.
+    /// The report's history, in step order: the steps logged so far (including those read back
+    /// on resume), thinned past [`REPORT_ROWS_MAX`], each with the keys the report draws.
     pub fn rows(&self) -> &[MetricRow] {
         &self.rows
     }
 
-    /// The samples kept so far, by step.
+    /// The samples of the last [`REPORT_SAMPLE_STEPS`] steps that logged some, by step.
     pub fn samples(&self) -> &[(usize, Vec<SampleRow>)] {
         &self.samples
     }
@@ -149,13 +156,18 @@ impl RunLogger {
         if !kept.is_empty() {
             self.samples_file.write_line(&jsonl::samples_to_json_line(step, &kept))?;
             self.samples.push((step, kept));
+            let excess = self.samples.len().saturating_sub(REPORT_SAMPLE_STEPS);
+            self.samples.drain(..excess);
         }
         let tb = match &mut self.tb {
             Some(tb) => tb,
             None => self.tb.insert(EventWriter::create(&self.dir.join("tb"))?),
         };
         tb.write_summary(step, summary_values(&row))?;
-        jsonl::push_step(&mut self.rows, row);
+        jsonl::push_step(&mut self.rows, report_row(row));
+        if self.rows.len() > REPORT_ROWS_MAX {
+            thin(&mut self.rows);
+        }
         Ok(())
     }
 
@@ -171,6 +183,44 @@ impl RunLogger {
 }
 
 /// The TensorBoard values of a step: every scalar, and a histogram of every `*_dist` array.
+/// The most steps the report's history holds in memory: past it, every other one is dropped
+/// (the newest is kept), so a run of any length plots at most this many points per curve and
+/// the logger's memory stays flat (the files keep every step).
+pub const REPORT_ROWS_MAX: usize = 256;
+
+/// The steps whose samples the report shows (the newest).
+pub const REPORT_SAMPLE_STEPS: usize = 20;
+
+/// What the report draws of a metrics row: the scalars of its plots and cards, the reward
+/// distribution, the warnings. (A full row holds ~80 scalars and every `*_dist`: about 9 KB.)
+fn report_row(mut row: MetricRow) -> MetricRow {
+    const SCALARS: [&str; 9] = [
+        "env/reward_mean",
+        "env/reward_std",
+        "ppo/mean_scores",
+        "ppo/std_scores",
+        "objective/kl",
+        "objective/kl_coef",
+        "rltune/logprobs_mean",
+        "rltune/ref_logprobs_mean",
+        "rltune/skipped_batches",
+    ];
+    row.scalars.retain(|k, _| SCALARS.contains(&k.as_str()) || k.starts_with("time/"));
+    row.arrays.retain(|k, _| k == "env/reward_dist");
+    row
+}
+
+/// Drops every other row, keeping the newest.
+fn thin(rows: &mut Vec<MetricRow>) {
+    let last = rows.len() - 1;
+    let mut i = 0;
+    rows.retain(|_| {
+        let keep = i % 2 == 0 || i == last;
+        i += 1;
+        keep
+    });
+}
+
 fn summary_values(row: &MetricRow) -> Vec<SummaryValue> {
     let scalars = row.scalars.iter().map(|(k, &v)| SummaryValue::Scalar(k.clone(), v as f32));
     let histos = row.arrays.iter().filter_map(|(k, a)| {
@@ -178,4 +228,31 @@ fn summary_values(row: &MetricRow) -> Vec<SummaryValue> {
             .map(|h| SummaryValue::Histogram(k.clone(), h))
     });
     scalars.chain(histos).collect()
+}
+
+#[cfg(test)]
+mod history_tests {
+    use super::*;
+
+    /// Issue #28's soak: the logger kept every full metrics row for the report (~9 KB a step),
+    /// so its memory grew with the run. The history is now bounded.
+    #[test]
+    fn the_report_history_stays_bounded_and_keeps_the_newest_step() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut log = RunLogger::create(dir.path(), None).unwrap();
+        let mut stats = Stats::new();
+        stats.insert("env/reward_mean".into(), crate::ppo::Stat::Scalar(1.0));
+        stats.insert("ppo/loss/total".into(), crate::ppo::Stat::Scalar(2.0));
+        let sample = SampleRow { query: "q".into(), response: "r".into(), reward: 1.0 };
+        for step in 1..=3 * REPORT_ROWS_MAX {
+            log.log_step(step, &stats, std::slice::from_ref(&sample)).unwrap();
+            assert!(log.rows().len() <= REPORT_ROWS_MAX, "step {step}: {} rows", log.rows().len());
+        }
+        assert_eq!(log.rows().last().unwrap().step, 3 * REPORT_ROWS_MAX);
+        assert_eq!(log.rows()[0].step, 1);
+        assert!(!log.rows()[0].scalars.contains_key("ppo/loss/total"), "only what the report draws");
+        assert_eq!(log.samples().len(), REPORT_SAMPLE_STEPS);
+        let lines = std::fs::read_to_string(dir.path().join("metrics.jsonl")).unwrap();
+        assert_eq!(lines.lines().count(), 3 * REPORT_ROWS_MAX, "the file keeps every step");
+    }
 }

@@ -106,7 +106,7 @@ fn header(title: &str, rows: &[MetricRow]) -> String {
     let reward = first_logged(rows, &REWARD_MEAN).unwrap_or(REWARD_MEAN[0]);
     let step_time = rows.iter().filter_map(|r| r.get("time/ppo/total")).collect::<Vec<_>>();
     let cards = [
-        ("steps logged", rows.len().to_string()),
+        ("last step", rows.last().map_or("–".to_string(), |r| r.step.to_string())),
         ("first reward mean", fmt(first_value(rows, reward))),
         ("last reward mean", fmt(last_value(rows, reward))),
         ("final KL", fmt(last_value(rows, "objective/kl"))),
