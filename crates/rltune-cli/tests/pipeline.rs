@@ -641,3 +641,38 @@ fn play_reports_win_rates_for_the_random_agent_and_a_model() {
     let err = fails(rltune(&["play", "--env", s(&env), "--agent", "random", "--set", "env.kind=chess"]));
     assert!(err.contains("chess") && err.contains("adventure"), "{err}");
 }
+
+/// Issue #28's full-disk fault, injected as a file-size limit (`ulimit -f`, with SIGXFSZ
+/// ignored, so writes past it fail with EFBIG as on a full disk): the checkpoint of step 4
+/// cannot be written. The run stops with an error naming that checkpoint and saying the earlier
+/// one is intact; nothing of the failed write is left; `--resume` without the limit goes on
+/// from step 2 and every step is logged once.
+#[test]
+fn a_checkpoint_that_cannot_be_written_stops_the_run_and_loses_no_finished_step() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = resumable_config(tmp.path());
+    let run = tmp.path().join("run");
+    let out = resumable_ppo(&config, &run, 2, false).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let model_bytes = std::fs::metadata(run.join("checkpoints/step-2/model.safetensors")).unwrap().len();
+    // Room for the logs, not for another model file (dash's `ulimit -f` counts 512-byte blocks).
+    let blocks = model_bytes / 2 / 512;
+    let inner = resumable_ppo(&config, &run, 6, true);
+    let mut argv = vec![inner.get_program().to_string_lossy().into_owned()];
+    argv.extend(inner.get_args().map(|a| a.to_string_lossy().into_owned()));
+    let quoted: Vec<String> = argv.iter().map(|a| format!("'{}'", a.replace('\'', "'\\''"))).collect();
+    let script = format!("trap '' XFSZ; ulimit -f {blocks}; exec {}", quoted.join(" "));
+    let out = Command::new("sh").args(["-c", &script]).env("RUST_LOG", "warn").output().unwrap();
+    let err = fails(out);
+    assert!(err.contains("step-4") && err.contains("could not be written"), "{err}");
+    assert!(err.contains("step 2 is intact") && err.contains("--resume"), "{err}");
+    assert_eq!(checkpoint_steps(&run), [2], "no partial step-4");
+    assert!(!writing(&run), "the failed write's temporary folder was removed");
+    check_checkpoint(&run.join("checkpoints/step-2")).unwrap();
+
+    let out = resumable_ppo(&config, &run, 6, true).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let steps: Vec<u64> = metrics(&run).iter().map(|m| m["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps, [1, 2, 3, 4, 5, 6]);
+    assert_eq!(checkpoint_steps(&run), [2, 4, 6]);
+}

@@ -341,6 +341,18 @@ impl PpoRun {
             step,
             self.skipped,
         )
+        .map_err(|e| {
+            let previous = latest_checkpoint(&self.config.logging.dir).ok().flatten();
+            Error::Input(format!(
+                "checkpoint {} could not be written ({e}); nothing of it was kept (a full disk?). {} \
+                 Free some room, then continue with --resume",
+                dir.display(),
+                match previous {
+                    Some((k, _)) => format!("The checkpoint of step {k} is intact."),
+                    None => "No earlier checkpoint exists.".into(),
+                }
+            ))
+        })
     }
 }
 
