@@ -48,6 +48,19 @@ fn grid_tree(rng: &mut ChaCha8Rng, n: usize) -> Vec<(usize, Dir, usize)> {
     edges
 }
 
+/// The edges at room `r`, as `(edge index, the room at its other end)`.
+fn neighbours(edges: &[(usize, Dir, usize)], r: usize) -> impl Iterator<Item = (usize, usize)> + '_ {
+    edges.iter().enumerate().filter_map(move |(e, &(a, _, b))| {
+        if a == r {
+            Some((e, b))
+        } else if b == r {
+            Some((e, a))
+        } else {
+            None
+        }
+    })
+}
+
 /// The edges on the tree path from `from` to `to`.
 fn tree_path(edges: &[(usize, Dir, usize)], n: usize, from: usize, to: usize) -> Vec<usize> {
     // parent[r] = (parent room, edge) in a search from `from`
@@ -56,14 +69,7 @@ fn tree_path(edges: &[(usize, Dir, usize)], n: usize, from: usize, to: usize) ->
     let mut seen = vec![false; n];
     seen[from] = true;
     while let Some(r) = stack.pop() {
-        for (e, &(a, _, b)) in edges.iter().enumerate() {
-            let other = if a == r {
-                b
-            } else if b == r {
-                a
-            } else {
-                continue;
-            };
+        for (e, other) in neighbours(edges, r) {
             if !seen[other] {
                 seen[other] = true;
                 parent[other] = Some((r, e));
@@ -86,14 +92,7 @@ fn side_of(edges: &[(usize, Dir, usize)], n: usize, from: usize, cut: usize) -> 
     seen[from] = true;
     let mut stack = vec![from];
     while let Some(r) = stack.pop() {
-        for (e, &(a, _, b)) in edges.iter().enumerate() {
-            let other = if a == r {
-                b
-            } else if b == r {
-                a
-            } else {
-                continue;
-            };
+        for (e, other) in neighbours(edges, r) {
             if e != cut && !seen[other] {
                 seen[other] = true;
                 stack.push(other);
