@@ -208,3 +208,37 @@ fn ppo_step_saves_a_tied_lm_head_with_the_trained_embedding() {
     want.sort();
     assert!(want.iter().all(|n| names.contains(n)), "the input's names are kept: {names:?}");
 }
+
+/// Regression (issue #28, defect 8): the binary was built without Parquet, so
+/// configs/trl-sentiment.toml (IMDB's Parquet file) could not run. A `.parquet` prompt source
+/// now reaches the Parquet reader (this file is not Parquet: "invalid Parquet"), instead of
+/// "needs the `parquet` cargo feature".
+#[test]
+fn the_binary_reads_parquet_prompt_datasets() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    std::fs::create_dir_all(&model).unwrap();
+    for (src, dst) in [
+        ("ppo/init/config.json", "config.json"),
+        ("ppo/init/model.safetensors", "model.safetensors"),
+        ("ppo/tokenizer.json", "tokenizer.json"),
+    ] {
+        std::fs::copy(fixture(src), model.join(dst)).unwrap();
+    }
+    let data = dir.path().join("train-00000-of-00001.parquet");
+    std::fs::write(&data, b"PAR1 not really parquet PAR1").unwrap();
+    let config = dir.path().join("run.toml");
+    let text = format!(
+        "[model]\npath = {:?}\n[data]\nsource = {:?}\n[[reward.sources]]\nkind = \"command\"\ncommand = [\"cat\"]\n\
+         [logging]\ndir = {:?}\n",
+        model.to_str().unwrap(),
+        data.to_str().unwrap(),
+        dir.path().join("run").to_str().unwrap()
+    );
+    std::fs::write(&config, text).unwrap();
+    let out =
+        Command::new(env!("CARGO_BIN_EXE_rltune")).args(["ppo", "--config"]).arg(&config).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("invalid Parquet") && !err.contains("cargo feature"), "{err}");
+}
