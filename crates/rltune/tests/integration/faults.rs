@@ -33,6 +33,14 @@
 //!   answers half a line then exits, answers a 100 MB line, answers an endless line, answers on
 //!   stderr; one that exits after answering some batches; one that never reads a batch large
 //!   enough to fill the pipe.
+//! - **checkpoints** (in `rltune-cli/tests/pipeline.rs`, they need the binary):
+//!   `sigkill_at_random_moments_leaves_every_checkpoint_readable` (50 kills, every other one
+//!   inside a checkpoint write), `a_checkpoint_that_cannot_be_written_stops_the_run_and_loses_no_finished_step`
+//!   (a full disk, as a file-size limit), `ppo_resume_after_sigkill_is_bitwise_identical_to_a_straight_run`.
+//! - **training**: `ppo_behaviour::a_non_finite_loss_skips_the_update_and_is_counted` (fused and
+//!   clipped update paths) and the unit test `optim::tests::a_non_finite_gradient_is_not_applied`.
+//! - **environments**: the unit tests of `envs::command` (a program that dies, hangs, babbles or
+//!   answers errors) and `envs::play` (a prompt longer than the context).
 
 mod data;
 mod models;
