@@ -117,6 +117,7 @@ pub fn run(args: Args) -> Result<()> {
             scores: &scores,
             response_masks: None,
             rollout: (!args.no_rollout_cache).then_some(caches.as_slice()),
+            bootstrap: None,
         })?;
         let t_step = t1.elapsed().as_secs_f64();
         let get = |k: &str| stats.get(k).and_then(Stat::as_f64).unwrap_or(f64::NAN);

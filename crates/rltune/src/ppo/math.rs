@@ -110,17 +110,31 @@ pub fn full_kl(logp: &Tensor, ref_logp: &Tensor) -> Result<Tensor> {
 /// Rows with an empty mask are an error (TRL would crash on `mask.nonzero()[-1]`).
 pub fn compute_rewards(scores: &[f32], kl: &Tensor, mask: &Tensor, kl_coef: f64) -> Result<(Tensor, Tensor)> {
     let non_score = (kl * -kl_coef)?;
-    let (b, t) = kl.dims2()?;
+    let bonus = at_last_token(scores, mask, kl.dtype())?;
+    Ok(((&non_score + bonus)?, non_score))
+}
+
+/// A `(B, T)` tensor holding `x[i]` at row i's last masked column and 0 elsewhere.
+fn at_last_token(x: &[f32], mask: &Tensor, dtype: DType) -> Result<Tensor> {
+    let (b, t) = mask.dims2()?;
     let mask_rows = mask.to_dtype(DType::F32)?.to_vec2::<f32>()?;
-    let mut bonus = vec![0f32; b * t];
+    let mut out = vec![0f32; b * t];
     for (i, row) in mask_rows.iter().enumerate() {
         let last = row.iter().rposition(|&m| m != 0.0).ok_or_else(|| {
             Error::Input(format!("row {i} has no response tokens under the mask; every response needs one"))
         })?;
-        bonus[i * t + last] = scores[i];
+        out[i * t + last] = x[i];
     }
-    let bonus = Tensor::from_vec(bonus, (b, t), kl.device())?.to_dtype(kl.dtype())?;
-    Ok(((&non_score + bonus)?, non_score))
+    Ok(Tensor::from_vec(out, (b, t), mask.device())?.to_dtype(dtype)?)
+}
+
+/// Bootstrapping past the response: adds `γ · next_values[i]` to row i's reward at its last
+/// masked token, so GAE's delta there is `r + γ·V_next − V` instead of `r − V` (TRL's step ends
+/// every response with a next value of 0). For the turns of a multi-turn episode the next value
+/// is `game_gamma · V(next turn's state)`, and 0 when the episode terminated (textworld fork).
+pub fn bootstrap_last(rewards: &Tensor, mask: &Tensor, next_values: &[f32], gamma: f64) -> Result<Tensor> {
+    let scaled: Vec<f32> = next_values.iter().map(|&v| (gamma * v as f64) as f32).collect();
+    Ok((rewards + at_last_token(&scaled, mask, rewards.dtype())?)?)
 }
 
 /// Generalized advantage estimation over each whole row, right to left.
@@ -284,6 +298,26 @@ mod tests {
         assert!((mse[0][1] - 0.5).abs() < 1e-6);
         let abs = kl_penalty(KlPenalty::Abs, &lp, &rp).unwrap().to_vec2::<f32>().unwrap();
         assert!((abs[0][1] - 1.0).abs() < 1e-6);
+    }
+
+    /// Issue #29: a turn's GAE with a bootstrap, by hand: rewards (0, 0, 1), values (0.5, 0.4,
+    /// 0.3), γ = 1, λ = 0.95, next value 2 → δ = (−0.1, −0.1, 2.7), A = (2.24175, 2.465, 2.7);
+    /// terminated (next value 0) → A = (0.43675, 0.565, 0.7). Padding after the response stays 0.
+    #[test]
+    fn bootstrapped_gae_matches_a_hand_computation() {
+        let v = t(&[&[0.5, 0.4, 0.3, 0.0]]);
+        let r = t(&[&[0.0, 0.0, 1.0, 0.0]]);
+        let mask = t(&[&[1.0, 1.0, 1.0, 0.0]]);
+        for (next, want) in [(2.0f32, [2.24175f32, 2.465, 2.7, 0.0]), (0.0, [0.43675, 0.565, 0.7, 0.0])] {
+            let rb = bootstrap_last(&r, &mask, &[next], 1.0).unwrap();
+            let a = gae(&v, &rb, 1.0, 0.95).unwrap().to_vec2::<f32>().unwrap();
+            for (x, w) in a[0].iter().zip(want) {
+                assert!((x - w).abs() < 1e-6, "next {next}: {:?} vs {want:?}", a[0]);
+            }
+        }
+        // γ scales the bootstrap: δ_2 = 1 + 0.5·2 − 0.3.
+        let rb = bootstrap_last(&r, &mask, &[2.0], 0.5).unwrap().to_vec2::<f32>().unwrap();
+        assert_eq!(rb[0], [0.0, 0.0, 2.0, 0.0]);
     }
 
     #[test]

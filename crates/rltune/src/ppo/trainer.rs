@@ -60,6 +60,10 @@ pub struct StepInput<'a> {
     pub response_masks: Option<&'a [Vec<u8>]>,
     /// Optional logprobs and values from generation (rollout caching).
     pub rollout: Option<&'a [RolloutCache]>,
+    /// Optional value of the state after each response, bootstrapped at its last token
+    /// ([`math::bootstrap_last`]): for a turn of a multi-turn episode, `game_gamma · V(next
+    /// turn)`, or 0 when the episode terminated. `None` (TRL's step) is 0 for every sample.
+    pub bootstrap: Option<&'a [f32]>,
 }
 
 /// Running mean and variance of scores. TRL `trainer/utils.py::RunningMoments`.
@@ -301,7 +305,14 @@ impl PpoTrainer {
 
     /// One PPO step on `(query, response, score)` triplets. TRL `PPOTrainer.step`.
     pub fn step(&mut self, queries: &[Vec<u32>], responses: &[Vec<u32>], scores: &[f32]) -> Result<Stats> {
-        self.step_with(StepInput { queries, responses, scores, response_masks: None, rollout: None })
+        self.step_with(StepInput {
+            queries,
+            responses,
+            scores,
+            response_masks: None,
+            rollout: None,
+            bootstrap: None,
+        })
     }
 
     /// One PPO step with optional response masks and rollout caches.
@@ -330,6 +341,11 @@ impl PpoTrainer {
             math::whiten_rewards(&(&rewards * &batch.mask)?, &batch.mask)?
         } else {
             rewards
+        };
+        // A value, not a reward: added after whitening.
+        let rewards = match input.bootstrap {
+            Some(next) => math::bootstrap_last(&rewards, &batch.mask, next, self.config.gamma)?,
+            None => rewards,
         };
         let (values, advantages, returns) = math::compute_advantages(
             &rollout.values,
@@ -418,6 +434,22 @@ impl PpoTrainer {
                     "sample {i}: score is {} (must be finite)",
                     input.scores[i]
                 )));
+            }
+            if let Some(next) = input.bootstrap {
+                match next.get(i) {
+                    Some(v) if v.is_finite() => {}
+                    Some(v) => {
+                        return Err(Error::Input(format!(
+                            "sample {i}: bootstrap value is {v} (must be finite)"
+                        )))
+                    }
+                    None => {
+                        return Err(Error::Input(format!(
+                            "{} bootstrap values for {b} samples; pass one per sample",
+                            next.len()
+                        )))
+                    }
+                }
             }
             if let Some(m) = input.response_masks {
                 if m.get(i).map(Vec::len) != Some(r.len()) {

@@ -304,6 +304,7 @@ impl PpoRun {
             scores: &scores,
             response_masks: None,
             rollout: self.config.ppo.rollout_cache.then_some(caches.as_slice()),
+            bootstrap: None,
         })?;
         add_env_stats(&mut stats, &samples, &scores, &queries, time_gen, time_reward, self.skipped);
         let rows: Vec<SampleRow> = texts

@@ -179,6 +179,7 @@ fn rollout_cache_equals_recomputation() {
             scores: &scores,
             response_masks: None,
             rollout: Some(&cache),
+            bootstrap: None,
         })
         .unwrap();
     let b = recomputed.step(&queries, &resp, &scores).unwrap();
@@ -481,6 +482,7 @@ fn whiten_rewards_ignores_padding_after_the_response() {
             scores: &scores,
             response_masks: Some(&masks),
             rollout: None,
+            bootstrap: None,
         })
         .unwrap();
     let mut d_stats = 0f64;
@@ -557,6 +559,7 @@ fn bad_input_is_rejected_naming_the_sample() {
             scores: &s,
             response_masks: None,
             rollout: Some(&short_cache),
+            bootstrap: None,
         })
         .unwrap_err()
         .to_string();
@@ -617,4 +620,46 @@ fn stats_have_every_trl_key() {
         stats.iter().filter_map(|(k, v)| v.as_f64().map(|x| (k, x))).all(|(_, x)| x.is_finite()),
         "non-finite scalar stat"
     );
+}
+
+/// Issue #29: a turn whose episode goes on bootstraps from the next state's value. With every
+/// bootstrap 0 (every turn ends its episode) the step is TRL's, bit for bit; a positive
+/// bootstrap raises the returns by γ·value at the last token and changes the update.
+#[test]
+fn bootstrap_zero_is_the_plain_step_and_a_value_raises_the_returns() {
+    let cfg = PpoConfig { batch_size: 8, mini_batch_size: 4, ..Default::default() };
+    let (queries, resp, scores) = synthetic(8, 41);
+    let run = |bootstrap: Option<&[f32]>| {
+        let mut t = trainer(42, cfg.clone());
+        let input = StepInput {
+            queries: &queries,
+            responses: &resp,
+            scores: &scores,
+            response_masks: None,
+            rollout: None,
+            bootstrap,
+        };
+        let stats = t.step_with(input).unwrap();
+        (stats, weights(&t))
+    };
+    let (plain, w_plain) = run(None);
+    let (zero, w_zero) = run(Some(&[0.0; 8]));
+    assert_eq!(weights_diff(&w_plain, &w_zero), 0.0);
+    for key in ["ppo/loss/total", "ppo/returns/mean", "objective/kl"] {
+        assert_eq!(scalar(&plain, key).to_bits(), scalar(&zero, key).to_bits(), "{key}");
+    }
+    let (boot, w_boot) = run(Some(&[5.0; 8]));
+    assert!(weights_diff(&w_plain, &w_boot) > 0.0);
+    assert!(scalar(&boot, "ppo/returns/mean") > scalar(&plain, "ppo/returns/mean") + 0.5);
+    let mut t = trainer(42, cfg);
+    let bad = StepInput {
+        queries: &queries,
+        responses: &resp,
+        scores: &scores,
+        response_masks: None,
+        rollout: None,
+        bootstrap: Some(&[f32::NAN; 8]),
+    };
+    let e = t.step_with(bad).unwrap_err().to_string();
+    assert!(e.contains("sample 0") && e.contains("bootstrap"), "{e}");
 }
