@@ -31,6 +31,7 @@ pub mod config;
 pub mod letters;
 pub mod model_agent;
 pub mod play;
+pub mod rollout;
 
 use crate::error::Result;
 

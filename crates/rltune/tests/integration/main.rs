@@ -6,6 +6,7 @@ mod faults;
 mod generation;
 mod gpt2;
 mod layout;
+mod multiturn;
 mod ppo_behaviour;
 mod ppo_parity;
 mod textworld;

@@ -1,0 +1,248 @@
+//! Multi-turn rollouts for PPO: B environments each play one episode with the policy, and every
+//! turn the policy played becomes a transition for [`crate::ppo::PpoTrainer::step_with`]
+//! (query = the turn's prompt, response = the action's tokens, score = the shaped turn reward,
+//! bootstrap = the next state's value).
+//!
+//! As in the textworld fork: the action is the generated text up to the first newline or
+//! sentence punctuation, and the response is cut after the token that completes it (the policy
+//! learns to stop there, and the logprobs and values the sampler returned stay aligned with
+//! the kept tokens); with probability `example_turn_prob` a turn plays a random admissible
+//! command instead, which enters the memory but not training; across turns the last token's next
+//! value is `game_gamma · V(next turn's prompt)`, 0 when the episode terminated, and bootstrapped
+//! from the final state when it was truncated (the fork treated the step cap as termination).
+
+use candle_core::Device;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+
+use super::play::{PromptTemplate, Turn};
+use super::{EnvStep, Reset, TextEnv};
+use crate::error::{Error, Result};
+use crate::generation::{generate, GenerationConfig};
+use crate::models::CausalLmWithValueHead;
+use crate::tokenizer::Tokenizer;
+
+/// Reward shaping, added to the environment's reward (the score's change).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Shaping {
+    /// Added on the turn that wins.
+    pub win_bonus: f64,
+    /// Subtracted on the turn that loses.
+    pub loss_penalty: f64,
+    /// Subtracted for an action the game did not understand.
+    pub invalid_penalty: f64,
+    /// Subtracted every turn.
+    pub step_cost: f64,
+    /// The fork's toy reward: this much per letter "e" in the action (0: off).
+    pub per_letter_e: f64,
+}
+
+impl Default for Shaping {
+    fn default() -> Self {
+        Self { win_bonus: 0.0, loss_penalty: 0.0, invalid_penalty: 0.0, step_cost: 0.0, per_letter_e: 0.0 }
+    }
+}
+
+impl Shaping {
+    /// The shaped reward of a turn that played `action` and got `step`.
+    pub fn reward(&self, action: &str, step: &EnvStep) -> f64 {
+        let e = action.chars().filter(|c| c.eq_ignore_ascii_case(&'e')).count() as f64;
+        step.reward + self.win_bonus * f64::from(u8::from(step.won))
+            - self.loss_penalty * f64::from(u8::from(step.lost))
+            - self.invalid_penalty * f64::from(u8::from(step.invalid))
+            - self.step_cost
+            + self.per_letter_e * e
+    }
+}
+
+/// How turns are collected.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RolloutConfig {
+    /// The prompt.
+    pub template: PromptTemplate,
+    /// Sampling (its `seed` starts the per-turn seeds).
+    pub generation: GenerationConfig,
+    /// The discount between turns (the fork's `game_gamma`, 0.6).
+    pub game_gamma: f64,
+    /// Probability that a turn plays a random admissible command (memory only, no training).
+    pub example_turn_prob: f64,
+    /// Reward shaping.
+    pub shaping: Shaping,
+}
+
+/// One turn the policy played.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Transition {
+    /// The environment it was played in.
+    pub env: usize,
+    /// The prompt's tokens.
+    pub query_ids: Vec<u32>,
+    /// The action's tokens, cut after the one that ends the action.
+    pub response_ids: Vec<u32>,
+    /// Their logprobs under the sampling distribution.
+    pub logprobs: Vec<f32>,
+    /// The value of the state before each of them.
+    pub values: Vec<f32>,
+    /// The action played.
+    pub action: String,
+    /// The shaped reward.
+    pub reward: f32,
+    /// `game_gamma · V(next state)`, or 0 after the episode terminated.
+    pub bootstrap: f32,
+}
+
+/// Where an action ends in a response: the number of tokens up to and including the one whose
+/// text completes the first line or sentence (all of them when none does).
+pub fn action_cut(response_ids: &[u32], tokenizer: &Tokenizer) -> Result<usize> {
+    for k in 1..=response_ids.len() {
+        let text = tokenizer.decode(&response_ids[..k])?;
+        if text.contains(['\n', '\r', '.', '!', '?', ';']) {
+            return Ok(k);
+        }
+    }
+    Ok(response_ids.len())
+}
+
+/// Plays one episode in each of `env`'s environments (reset with `resets`) with `policy`, and
+/// returns every turn it played as a transition, episode by episode, in turn order.
+pub fn collect_episodes(
+    env: &mut dyn TextEnv,
+    policy: &CausalLmWithValueHead,
+    tokenizer: &Tokenizer,
+    cfg: &RolloutConfig,
+    resets: &[Reset],
+    seed: u64,
+    device: &Device,
+) -> Result<Vec<Transition>> {
+    let b = env.num_envs();
+    let envs: Vec<usize> = (0..b).collect();
+    if resets.len() != b {
+        return Err(Error::Input(format!("collect_episodes: {} resets for {b} environments", resets.len())));
+    }
+    let context = policy.lm.config().max_positions().unwrap_or(usize::MAX);
+    let max_prompt = context.saturating_sub(cfg.generation.max_new_tokens);
+    if max_prompt == 0 {
+        return Err(Error::Input("generation.max_new_tokens leaves no room for a prompt".into()));
+    }
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0xe4a3);
+    let firsts = env.reset(&envs, resets)?;
+    // Per env: its state and memory while the episode runs; its transitions; the index of its
+    // last transition, whose bootstrap waits for the next state's value.
+    let mut live: Vec<Option<(EnvStep, Vec<Turn>)>> =
+        firsts.into_iter().map(|s| Some((s, Vec::new()))).collect();
+    let mut out: Vec<Vec<Transition>> = vec![Vec::new(); b];
+    let mut waiting: Vec<Option<usize>> = vec![None; b];
+    // The final state of a truncated episode whose last transition still needs its bootstrap.
+    let mut truncated: Vec<Option<(EnvStep, Vec<Turn>)>> = vec![None; b];
+    let mut turn = 0u64;
+    loop {
+        let active: Vec<usize> = (0..b).filter(|&e| live[e].is_some()).collect();
+        let finals: Vec<usize> = (0..b).filter(|&e| truncated[e].is_some()).collect();
+        if active.is_empty() && finals.is_empty() {
+            break;
+        }
+        // The prompts of the running episodes, then of the truncated ones (only their value).
+        let mut prompts = Vec::with_capacity(active.len() + finals.len());
+        for &e in active.iter().chain(&finals) {
+            let state = live[e].as_ref().or(truncated[e].as_ref());
+            let (s, m) =
+                state.ok_or_else(|| Error::Input(format!("internal: environment {e} has no state")))?;
+            prompts.push(cfg.template.fit(s, m, max_prompt, |t| tokenizer.encode(t))?);
+        }
+        let seed_k = cfg.generation.seed.wrapping_add(seed).wrapping_add(turn);
+        turn += 1;
+        let gen = GenerationConfig { seed: seed_k, ..cfg.generation.clone() };
+        let samples = generate(&policy.lm, Some(&policy.v_head), &prompts, &gen, device)?;
+        // V(prompt): the value of the state before the first sampled token.
+        let bootstrap = |k: usize| {
+            let v = samples[k].values.as_ref().and_then(|v| v.first().copied()).unwrap_or(0.0);
+            (cfg.game_gamma * f64::from(v)) as f32
+        };
+        for (k, &e) in finals.iter().enumerate() {
+            if let (Some(i), Some(_)) = (waiting[e].take(), truncated[e].take()) {
+                out[e][i].bootstrap = bootstrap(active.len() + k);
+            }
+        }
+        if active.is_empty() {
+            break;
+        }
+        let mut actions = Vec::with_capacity(active.len());
+        let mut cuts = Vec::with_capacity(active.len());
+        for (k, &e) in active.iter().enumerate() {
+            // The episode's previous transition bootstraps from this state's value.
+            if let Some(i) = waiting[e].take() {
+                out[e][i].bootstrap = bootstrap(k);
+            }
+            let (s, _) = live[e]
+                .as_ref()
+                .ok_or_else(|| Error::Input(format!("internal: environment {e} has no state")))?;
+            if cfg.example_turn_prob > 0.0 && rng.gen::<f64>() < cfg.example_turn_prob {
+                let cmd = s.admissible_commands.choose(&mut rng).cloned().unwrap_or_else(|| "look".into());
+                actions.push(cmd);
+                cuts.push(None);
+            } else {
+                let cut = action_cut(&samples[k].response_ids, tokenizer)?;
+                let text = tokenizer.decode(&samples[k].response_ids[..cut])?;
+                actions.push(super::play::extract_action(&text));
+                cuts.push(Some(cut));
+            }
+        }
+        let sent: Vec<(usize, String)> = active.iter().copied().zip(actions.iter().cloned()).collect();
+        let results = env.step(&sent)?;
+        for (k, ((&e, action), result)) in active.iter().zip(&actions).zip(results).enumerate() {
+            let after = result?;
+            let Some((before, mut memory)) = live[e].take() else { continue };
+            if let Some(cut) = cuts[k] {
+                let s = &samples[k];
+                out[e].push(Transition {
+                    env: e,
+                    query_ids: s.query_ids.clone(),
+                    response_ids: s.response_ids[..cut].to_vec(),
+                    logprobs: s.logprobs[..cut].to_vec(),
+                    values: s.values.as_ref().map(|v| v[..cut].to_vec()).unwrap_or_default(),
+                    action: action.clone(),
+                    reward: cfg.shaping.reward(action, &after) as f32,
+                    bootstrap: 0.0,
+                });
+                // Terminated: no bootstrap. Going on or truncated: the next state's value.
+                if !after.terminated {
+                    waiting[e] = Some(out[e].len() - 1);
+                }
+            }
+            memory.push(Turn {
+                observation: before.observation,
+                action: action.clone(),
+                reward: after.reward,
+                invalid: after.invalid,
+            });
+            if !after.done() {
+                live[e] = Some((after, memory));
+            } else if after.truncated && waiting[e].is_some() {
+                truncated[e] = Some((after, memory));
+            } else {
+                waiting[e] = None;
+            }
+        }
+    }
+    Ok(out.into_iter().flatten().collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shaping_adds_its_parts() {
+        let step = EnvStep { reward: 1.0, won: true, invalid: true, ..EnvStep::default() };
+        let s = Shaping {
+            win_bonus: 10.0,
+            invalid_penalty: 0.5,
+            step_cost: 0.1,
+            per_letter_e: 0.1,
+            ..Shaping::default()
+        };
+        assert!((s.reward("see", &step) - (1.0 + 10.0 - 0.5 - 0.1 + 0.2)).abs() < 1e-12);
+        assert_eq!(Shaping::default().reward("eee", &step), 1.0);
+    }
+}
