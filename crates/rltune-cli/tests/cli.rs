@@ -1,12 +1,9 @@
 //! The `rltune` binary, run as a user runs it: output format, exit codes, messages.
 
-use std::path::PathBuf;
 use std::process::{Command, Output};
 
-/// `tools/fixtures/<rel>` in the repository.
-fn fixture(rel: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tools/fixtures").join(rel)
-}
+mod common;
+use common::fixture;
 
 /// Runs `rltune generate --model MODEL ARGS…` with a hub cache that cannot reach the network.
 fn generate(model: &str, args: &[&str]) -> Output {

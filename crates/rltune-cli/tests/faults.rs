@@ -8,28 +8,11 @@
 //! - `ppo-step` with more rollouts than `[ppo] batch_size`, with a rollouts file of invalid
 //!   UTF-8, and with a rollouts line whose score is NaN.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::path::Path;
+use std::process::Output;
 
-/// `tools/fixtures/<rel>` in the repository.
-fn fixture(rel: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tools/fixtures").join(rel)
-}
-
-/// Runs `rltune ARGS…` offline; fails on a panic.
-fn rltune(args: &[&str]) -> Output {
-    let hf_home = tempfile::tempdir().unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_rltune"))
-        .args(args)
-        .env("HF_HUB_OFFLINE", "1")
-        .env("HF_HOME", hf_home.path())
-        .env("RUST_LOG", "warn")
-        .output()
-        .expect("run rltune");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!stderr.contains("panicked"), "rltune panicked:\n{stderr}");
-    out
-}
+mod common;
+use common::{fixture, rltune};
 
 /// The stderr of a run that must exit with code 1, checked for each of `parts`.
 fn fails_with(out: Output, parts: &[&str]) {

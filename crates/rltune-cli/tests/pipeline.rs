@@ -6,21 +6,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::OnceLock;
 
-fn rltune(args: &[&str]) -> Output {
-    let hf_home = tempfile::tempdir().unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_rltune"))
-        .args(args)
-        .env("HF_HUB_OFFLINE", "1")
-        .env("HF_HOME", hf_home.path())
-        .env("RUST_LOG", "warn")
-        .output()
-        .expect("run rltune");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!stderr.contains("panicked"), "rltune panicked:\n{stderr}");
-    // Regression (issue #28, defect 6): logs to a pipe were coloured with raw ESC[…m codes.
-    assert!(!stderr.contains('\u{1b}'), "ANSI escape codes in logs that are not on a terminal:\n{stderr}");
-    out
-}
+mod common;
+use common::rltune;
 
 fn ok(out: Output) -> Output {
     assert!(
