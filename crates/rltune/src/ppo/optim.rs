@@ -145,16 +145,26 @@ impl Grads {
     }
 
     /// The global L2 norm of the gradients (computed in f64); non-finite when any entry is.
+    /// After a partly fused product only the held rows hold a gradient: only they count.
     pub fn global_norm(&self) -> Result<f64> {
+        let sum_sq = |c: &[f32]| c.iter().map(|&g| g as f64 * g as f64).sum::<f64>();
         let mut sq = 0f64;
         for sink in self.sinks.iter().flatten() {
             let s = sink.state();
-            if s.filled {
-                sq += s
-                    .buf
-                    .par_chunks(1 << 16)
-                    .map(|c| c.iter().map(|&g| g as f64 * g as f64).sum::<f64>())
-                    .sum::<f64>();
+            if !s.filled {
+                continue;
+            }
+            match s.held.as_ref().filter(|_| s.partial) {
+                Some((len, held)) => {
+                    sq += s
+                        .buf
+                        .chunks(*len)
+                        .zip(held)
+                        .filter(|(_, &h)| h)
+                        .map(|(row, _)| sum_sq(row))
+                        .sum::<f64>()
+                }
+                None => sq += s.buf.par_chunks(1 << 16).map(sum_sq).sum::<f64>(),
             }
         }
         for g in self.tensors.iter().flatten() {
