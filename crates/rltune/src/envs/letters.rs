@@ -12,6 +12,11 @@ pub const REWARD_PER_E: f64 = 0.1;
 /// The longest action read, in characters.
 const MAX_ACTION_CHARS: usize = 200;
 
+/// The letters "e" and "E" in `text`.
+pub fn count_e(text: &str) -> usize {
+    text.chars().filter(|c| c.eq_ignore_ascii_case(&'e')).count()
+}
+
 /// The letter toy (see the module docs).
 #[derive(Debug, Clone)]
 pub struct Letters {
@@ -65,8 +70,7 @@ impl TextEnv for Letters {
                     )));
                 };
                 let action = sanitize_action(action, MAX_ACTION_CHARS);
-                let reward =
-                    REWARD_PER_E * action.chars().filter(|c| c.eq_ignore_ascii_case(&'e')).count() as f64;
+                let reward = REWARD_PER_E * count_e(&action) as f64;
                 let moves = moves + 1;
                 self.score[*e] += reward;
                 let truncated = moves >= self.turns;

@@ -4,9 +4,9 @@
 
 use candle_core::Device;
 
-use super::play::{extract_action, Agent, PromptTemplate, Turn};
+use super::play::{extract_action, prompt_budget, Agent, PromptTemplate, Turn};
 use super::EnvStep;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::generation::{generate, GenerationConfig};
 use crate::models::CausalLm;
 use crate::tokenizer::Tokenizer;
@@ -34,13 +34,7 @@ impl<'a> ModelAgent<'a> {
         device: &Device,
     ) -> Result<Self> {
         generation.validate()?;
-        let context = lm.config().max_positions().unwrap_or(usize::MAX);
-        let max_prompt_tokens = context.checked_sub(generation.max_new_tokens).filter(|&n| n > 0).ok_or_else(|| {
-            Error::Input(format!(
-                "generation.max_new_tokens = {} leaves no room for a prompt in the model's {context} positions",
-                generation.max_new_tokens
-            ))
-        })?;
+        let max_prompt_tokens = prompt_budget(lm, generation.max_new_tokens)?;
         Ok(Self { lm, tokenizer, template, generation, device: device.clone(), max_prompt_tokens, calls: 0 })
     }
 }

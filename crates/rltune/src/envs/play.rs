@@ -106,11 +106,24 @@ fn or_list(items: &[String]) -> String {
     }
 }
 
-/// The action in generated text: up to the first newline or sentence punctuation (`.`, `!`,
-/// `?`, `;`), trimmed.
+/// The characters that end an action in generated text: a line break or sentence punctuation.
+pub const ACTION_STOPS: [char; 6] = ['\n', '\r', '.', '!', '?', ';'];
+
+/// The action in generated text: up to the first of [`ACTION_STOPS`], trimmed.
 pub fn extract_action(text: &str) -> String {
-    let end = text.find(['\n', '\r', '.', '!', '?', ';']).unwrap_or(text.len());
+    let end = text.find(ACTION_STOPS).unwrap_or(text.len());
     text[..end].trim().to_string()
+}
+
+/// The longest prompt a model can read when it samples `max_new_tokens` after it: its context
+/// less those tokens; an error when nothing is left.
+pub fn prompt_budget(lm: &crate::models::CausalLm, max_new_tokens: usize) -> Result<usize> {
+    let context = lm.config().max_positions().unwrap_or(usize::MAX);
+    context.checked_sub(max_new_tokens).filter(|&n| n > 0).ok_or_else(|| {
+        Error::Input(format!(
+            "generation.max_new_tokens = {max_new_tokens} leaves no room for a prompt in the model's {context} positions"
+        ))
+    })
 }
 
 /// An agent that picks one action per environment from their current states.

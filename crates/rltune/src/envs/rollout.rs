@@ -15,15 +15,17 @@ use candle_core::Device;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 
-use super::play::{PromptTemplate, Turn};
+use super::letters::count_e;
+use super::play::{prompt_budget, PromptTemplate, Turn, ACTION_STOPS};
 use super::{EnvStep, Reset, TextEnv};
 use crate::error::{Error, Result};
 use crate::generation::{generate, GenerationConfig};
 use crate::models::CausalLmWithValueHead;
 use crate::tokenizer::Tokenizer;
 
-/// Reward shaping, added to the environment's reward (the score's change).
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+/// Reward shaping, added to the environment's reward (the score's change); every part 0 by
+/// default.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Shaping {
     /// Added on the turn that wins.
@@ -38,16 +40,10 @@ pub struct Shaping {
     pub per_letter_e: f64,
 }
 
-impl Default for Shaping {
-    fn default() -> Self {
-        Self { win_bonus: 0.0, loss_penalty: 0.0, invalid_penalty: 0.0, step_cost: 0.0, per_letter_e: 0.0 }
-    }
-}
-
 impl Shaping {
     /// The shaped reward of a turn that played `action` and got `step`.
     pub fn reward(&self, action: &str, step: &EnvStep) -> f64 {
-        let e = action.chars().filter(|c| c.eq_ignore_ascii_case(&'e')).count() as f64;
+        let e = count_e(action) as f64;
         step.reward + self.win_bonus * f64::from(u8::from(step.won))
             - self.loss_penalty * f64::from(u8::from(step.lost))
             - self.invalid_penalty * f64::from(u8::from(step.invalid))
@@ -97,7 +93,7 @@ pub struct Transition {
 pub fn action_cut(response_ids: &[u32], tokenizer: &Tokenizer) -> Result<usize> {
     for k in 1..=response_ids.len() {
         let text = tokenizer.decode(&response_ids[..k])?;
-        if text.contains(['\n', '\r', '.', '!', '?', ';']) {
+        if text.contains(ACTION_STOPS) {
             return Ok(k);
         }
     }
@@ -120,11 +116,7 @@ pub fn collect_episodes(
     if resets.len() != b {
         return Err(Error::Input(format!("collect_episodes: {} resets for {b} environments", resets.len())));
     }
-    let context = policy.lm.config().max_positions().unwrap_or(usize::MAX);
-    let max_prompt = context.saturating_sub(cfg.generation.max_new_tokens);
-    if max_prompt == 0 {
-        return Err(Error::Input("generation.max_new_tokens leaves no room for a prompt".into()));
-    }
+    let max_prompt = prompt_budget(&policy.lm, cfg.generation.max_new_tokens)?;
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0xe4a3);
     let firsts = env.reset(&envs, resets)?;
     // Per env: its state and memory while the episode runs; its transitions; the index of its
