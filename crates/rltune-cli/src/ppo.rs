@@ -11,7 +11,8 @@ use rltune::run::{PpoRun, RunConfig, StepReport};
 #[derive(clap::Args)]
 pub struct Args {
     /// Run config (TOML with [model], [ref_model], [reward], [data], [generation], [ppo],
-    /// [logging], [checkpoint]); see configs/.
+    /// [logging], [checkpoint]; or [env], [agent], [episodes] instead of [data] and [reward] to
+    /// play text games); see configs/.
     #[arg(long)]
     config: PathBuf,
     /// Override a config value, e.g. --set ppo.learning_rate=1e-5 (repeatable).
@@ -65,7 +66,8 @@ impl Progress {
         let msg = if r.skipped {
             "batch skipped (non-finite reward)".to_string()
         } else {
-            format!("reward {:.3}  kl {:.3}", r.reward_mean, r.kl)
+            let wins = r.win_rate.map(|w| format!("  wins {:.0}%", 100.0 * w)).unwrap_or_default();
+            format!("reward {:.3}  kl {:.3}{wins}", r.reward_mean, r.kl)
         };
         match &self.bar {
             Some(bar) => {

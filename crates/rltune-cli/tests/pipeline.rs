@@ -663,3 +663,61 @@ fn a_checkpoint_that_cannot_be_written_stops_the_run_and_loses_no_finished_step(
     assert_eq!(steps, [1, 2, 3, 4, 5, 6]);
     assert_eq!(checkpoint_steps(&run), [2, 4, 6]);
 }
+
+/// Issue #29: `rltune ppo` with `[env]` plays text games: episode metrics every step, held-out
+/// evaluation when due, transcripts, the report's episodes figure; `--resume` goes on.
+#[test]
+fn ppo_on_text_games_logs_episodes_evaluates_and_resumes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("run");
+    let config = tmp.path().join("games.toml");
+    let model = quickstart().join("sft");
+    std::fs::write(
+        &config,
+        format!(
+            "[model]\npath = {model:?}\n[env]\nkind = \"adventure\"\nnum_envs = 4\nmax_steps = 3\n\
+             [agent]\nmemory_turns = 1\n[generation]\nmax_new_tokens = 4\n\
+             [ppo]\nbatch_size = 8\nmini_batch_size = 4\nsteps = 2\n\
+             [episodes]\neval_every = 2\neval_episodes = 4\ntranscripts_per_step = 2\n\
+             [logging]\ndir = {run:?}\n[checkpoint]\nevery = 1\noptimizer_state = true\n",
+            model = s(&model),
+            run = s(&run)
+        ),
+    )
+    .unwrap();
+    ok(rltune(&["ppo", "--config", s(&config)]));
+    let lines = metrics(&run);
+    assert_eq!(lines.len(), 2);
+    for m in &lines {
+        for key in [
+            "env/win_rate",
+            "env/episodes",
+            "env/episode_length_mean",
+            "env/invalid_action_rate",
+            "env/reward_mean",
+            "objective/kl",
+            "time/rollout/env",
+        ] {
+            assert!(m[key].is_number(), "step {}: {key} missing in {m}", m["step"]);
+        }
+        assert!(m["env/episodes"].as_f64().unwrap() >= 3.0, "8 turns of 3-move episodes: {m}");
+    }
+    assert!(lines[0].get("eval/win_rate").is_none() && lines[1]["eval/win_rate"].is_number());
+    assert_eq!(lines[1]["eval/episodes"], 4.0);
+    let transcripts = std::fs::read_to_string(run.join("transcripts.jsonl")).unwrap();
+    let t: Vec<serde_json::Value> = transcripts.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(t.iter().map(|x| x["step"].as_u64().unwrap()).collect::<Vec<_>>(), [1, 1, 2, 2]);
+    assert!(t[0]["turns"][0]["action"].is_string() && t[0]["objective"].is_string(), "{}", t[0]);
+    let report = std::fs::read_to_string(run.join("report.html")).unwrap();
+    assert!(report.contains("id=\"plot-episodes\"") && report.contains("eval/win_rate"));
+
+    ok(rltune(&["ppo", "--config", s(&config), "--resume", "--set", "ppo.steps=3"]));
+    let steps: Vec<u64> = metrics(&run).iter().map(|m| m["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps, [1, 2, 3]);
+
+    // Both data sources, or a reward source with games: clear errors.
+    let text = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(&config, format!("{text}[data]\nsource = \"p.jsonl\"\n")).unwrap();
+    let err = fails(rltune(&["ppo", "--config", s(&config)]));
+    assert!(err.contains("[data] source and [env]"), "{err}");
+}

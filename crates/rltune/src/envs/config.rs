@@ -115,20 +115,14 @@ impl EnvConfig {
     pub fn load(path: &Path, overrides: &[String]) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
         let mut cfg: Self = crate::run::config::parse_toml(&text, path, overrides)?;
-        let base = path.parent().unwrap_or(Path::new("."));
-        cfg.env.games = cfg.env.games.iter().map(|g| resolve(base, g)).collect();
-        // A path (not a bare program name looked up on PATH) is relative to the file too.
-        if cfg.env.python.contains('/') {
-            cfg.env.python = resolve(base, &cfg.env.python);
-        }
-        cfg.env.bridge = cfg.env.bridge.as_ref().map(|b| PathBuf::from(resolve(base, &b.to_string_lossy())));
+        cfg.env.resolve_paths(path.parent().unwrap_or(Path::new(".")));
         cfg.env.validate().map_err(|m| Error::config(path, m))?;
         Ok(cfg)
     }
 }
 
 /// `p` relative to `base` unless absolute.
-fn resolve(base: &Path, p: &str) -> String {
+pub fn resolve(base: &Path, p: &str) -> String {
     if Path::new(p).is_absolute() {
         p.to_string()
     } else {
@@ -137,6 +131,16 @@ fn resolve(base: &Path, p: &str) -> String {
 }
 
 impl EnvSection {
+    /// Makes the relative paths (`games`, `bridge`, and `python` when it is a path rather than
+    /// a program looked up on PATH) relative to `base`, the config file's folder.
+    pub fn resolve_paths(&mut self, base: &Path) {
+        self.games = self.games.iter().map(|g| resolve(base, g)).collect();
+        if self.python.contains('/') {
+            self.python = resolve(base, &self.python);
+        }
+        self.bridge = self.bridge.as_ref().map(|b| PathBuf::from(resolve(base, &b.to_string_lossy())));
+    }
+
     /// Checks the fields of the chosen kind; messages name the key.
     pub fn validate(&self) -> std::result::Result<(), String> {
         if self.num_envs == 0 || self.max_steps == 0 {

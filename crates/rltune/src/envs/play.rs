@@ -189,6 +189,44 @@ pub struct Episode {
     pub final_observation: String,
 }
 
+impl Episode {
+    /// Episode `index`, reset with `reset`, starting from `first`.
+    pub fn start(index: usize, reset: &Reset, first: &EnvStep) -> Self {
+        Self {
+            episode: index,
+            seed: reset.seed,
+            game: reset.game,
+            won: false,
+            lost: false,
+            truncated: false,
+            score: 0.0,
+            max_score: first.max_score,
+            episode_return: 0.0,
+            steps: 0,
+            invalid_actions: 0,
+            objective: first.objective.clone(),
+            turns: Vec::new(),
+            final_observation: String::new(),
+        }
+    }
+
+    /// Adds `turn`, which led to `after`.
+    pub fn record(&mut self, turn: Turn, after: &EnvStep) {
+        self.turns.push(turn);
+        self.steps += 1;
+        self.invalid_actions += usize::from(after.invalid);
+        self.episode_return += after.reward;
+        self.score = after.score;
+        self.max_score = after.max_score;
+        if after.done() {
+            self.won = after.won;
+            self.lost = after.lost;
+            self.truncated = after.truncated;
+            self.final_observation = after.observation.clone();
+        }
+    }
+}
+
 /// What `rltune play --json` prints.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct PlayReport {
@@ -268,22 +306,7 @@ pub fn play(
         }
         let firsts = env.reset(&envs, &plan.iter().map(|(_, r)| *r).collect::<Vec<_>>())?;
         for ((e, (i, r)), first) in envs.into_iter().zip(plan).zip(firsts) {
-            let ep = Episode {
-                episode: i,
-                seed: r.seed,
-                game: r.game,
-                won: false,
-                lost: false,
-                truncated: false,
-                score: 0.0,
-                max_score: first.max_score,
-                episode_return: 0.0,
-                steps: 0,
-                invalid_actions: 0,
-                objective: first.objective.clone(),
-                turns: Vec::new(),
-                final_observation: String::new(),
-            };
+            let ep = Episode::start(i, &r, &first);
             slots[e] = Some((ep, first));
         }
         Ok(())
@@ -318,22 +341,14 @@ pub fn play(
                     finished.push(e);
                 }
                 Ok(after) => {
-                    ep.turns.push(Turn {
-                        observation: before.observation.clone(),
+                    let turn = Turn {
+                        observation: before.observation,
                         action,
                         reward: after.reward,
                         invalid: after.invalid,
-                    });
-                    ep.steps += 1;
-                    ep.invalid_actions += usize::from(after.invalid);
-                    ep.episode_return += after.reward;
-                    ep.score = after.score;
-                    ep.max_score = after.max_score;
+                    };
+                    ep.record(turn, &after);
                     if after.done() {
-                        ep.won = after.won;
-                        ep.lost = after.lost;
-                        ep.truncated = after.truncated;
-                        ep.final_observation = after.observation.clone();
                         done.push(ep);
                         finished.push(e);
                     } else {

@@ -11,12 +11,14 @@
 //! value is `game_gamma · V(next turn's prompt)`, 0 when the episode terminated, and bootstrapped
 //! from the final state when it was truncated (the fork treated the step cap as termination).
 
+use std::time::{Duration, Instant};
+
 use candle_core::Device;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 
 use super::letters::count_e;
-use super::play::{prompt_budget, PromptTemplate, Turn, ACTION_STOPS};
+use super::play::{prompt_budget, Episode, PromptTemplate, Turn, ACTION_STOPS};
 use super::{EnvStep, Reset, TextEnv};
 use crate::error::{Error, Result};
 use crate::generation::{generate, GenerationConfig};
@@ -100,8 +102,30 @@ pub fn action_cut(response_ids: &[u32], tokenizer: &Tokenizer) -> Result<usize> 
     Ok(response_ids.len())
 }
 
+/// What one round of [`collect_episodes`] produced.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Collected {
+    /// Every turn the policy played, episode by episode, in turn order.
+    pub transitions: Vec<Transition>,
+    /// The finished episodes (the env's rewards, not the shaped ones), by environment.
+    pub episodes: Vec<Episode>,
+    /// Turns that played a random admissible command (memory only).
+    pub example_turns: usize,
+    /// Episodes dropped because their environment failed (a restarted program); their turns
+    /// are not in `transitions`.
+    pub dropped: usize,
+    /// Time spent sampling actions (and values).
+    pub time_generation: Duration,
+    /// Time spent in the environments (resets and steps).
+    pub time_env: Duration,
+}
+
 /// Plays one episode in each of `env`'s environments (reset with `resets`) with `policy`, and
-/// returns every turn it played as a transition, episode by episode, in turn order.
+/// returns every turn it played as a transition, plus the episodes' summaries.
+///
+/// An environment whose step fails (its own error, e.g. a restarted program) drops its
+/// episode, transitions included, and the others carry on; an error of the whole batch is
+/// returned.
 pub fn collect_episodes(
     env: &mut dyn TextEnv,
     policy: &CausalLmWithValueHead,
@@ -110,7 +134,7 @@ pub fn collect_episodes(
     resets: &[Reset],
     seed: u64,
     device: &Device,
-) -> Result<Vec<Transition>> {
+) -> Result<Collected> {
     let b = env.num_envs();
     let envs: Vec<usize> = (0..b).collect();
     if resets.len() != b {
@@ -118,7 +142,12 @@ pub fn collect_episodes(
     }
     let max_prompt = prompt_budget(&policy.lm, cfg.generation.max_new_tokens)?;
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0xe4a3);
+    let (mut time_generation, mut time_env) = (Duration::ZERO, Duration::ZERO);
+    let t = Instant::now();
     let firsts = env.reset(&envs, resets)?;
+    time_env += t.elapsed();
+    let mut episodes: Vec<Option<Episode>> =
+        firsts.iter().zip(resets).enumerate().map(|(e, (s, r))| Some(Episode::start(e, r, s))).collect();
     // Per env: its state and memory while the episode runs; its transitions; the index of its
     // last transition, whose bootstrap waits for the next state's value.
     let mut live: Vec<Option<(EnvStep, Vec<Turn>)>> =
@@ -127,6 +156,7 @@ pub fn collect_episodes(
     let mut waiting: Vec<Option<usize>> = vec![None; b];
     // The final state of a truncated episode whose last transition still needs its bootstrap.
     let mut truncated: Vec<Option<(EnvStep, Vec<Turn>)>> = vec![None; b];
+    let (mut example_turns, mut dropped) = (0usize, 0usize);
     let mut turn = 0u64;
     loop {
         let active: Vec<usize> = (0..b).filter(|&e| live[e].is_some()).collect();
@@ -145,7 +175,9 @@ pub fn collect_episodes(
         let seed_k = cfg.generation.seed.wrapping_add(seed).wrapping_add(turn);
         turn += 1;
         let gen = GenerationConfig { seed: seed_k, ..cfg.generation.clone() };
+        let t = Instant::now();
         let samples = generate(&policy.lm, Some(&policy.v_head), &prompts, &gen, device)?;
+        time_generation += t.elapsed();
         // V(prompt): the value of the state before the first sampled token.
         let bootstrap = |k: usize| {
             let v = samples[k].values.as_ref().and_then(|v| v.first().copied()).unwrap_or(0.0);
@@ -173,6 +205,7 @@ pub fn collect_episodes(
                 let cmd = s.admissible_commands.choose(&mut rng).cloned().unwrap_or_else(|| "look".into());
                 actions.push(cmd);
                 cuts.push(None);
+                example_turns += 1;
             } else {
                 let cut = action_cut(&samples[k].response_ids, tokenizer)?;
                 let text = tokenizer.decode(&samples[k].response_ids[..cut])?;
@@ -181,10 +214,22 @@ pub fn collect_episodes(
             }
         }
         let sent: Vec<(usize, String)> = active.iter().copied().zip(actions.iter().cloned()).collect();
+        let t = Instant::now();
         let results = env.step(&sent)?;
+        time_env += t.elapsed();
         for (k, ((&e, action), result)) in active.iter().zip(&actions).zip(results).enumerate() {
-            let after = result?;
             let Some((before, mut memory)) = live[e].take() else { continue };
+            let after = match result {
+                Ok(after) => after,
+                Err(err) => {
+                    tracing::warn!("environment {e}: episode dropped ({err})");
+                    out[e].clear();
+                    waiting[e] = None;
+                    episodes[e] = None;
+                    dropped += 1;
+                    continue;
+                }
+            };
             if let Some(cut) = cuts[k] {
                 let s = &samples[k];
                 out[e].push(Transition {
@@ -202,12 +247,16 @@ pub fn collect_episodes(
                     waiting[e] = Some(out[e].len() - 1);
                 }
             }
-            memory.push(Turn {
+            let turn = Turn {
                 observation: before.observation,
                 action: action.clone(),
                 reward: after.reward,
                 invalid: after.invalid,
-            });
+            };
+            if let Some(ep) = episodes[e].as_mut() {
+                ep.record(turn.clone(), &after);
+            }
+            memory.push(turn);
             if !after.done() {
                 live[e] = Some((after, memory));
             } else if after.truncated && waiting[e].is_some() {
@@ -217,7 +266,14 @@ pub fn collect_episodes(
             }
         }
     }
-    Ok(out.into_iter().flatten().collect())
+    Ok(Collected {
+        transitions: out.into_iter().flatten().collect(),
+        episodes: episodes.into_iter().flatten().collect(),
+        example_turns,
+        dropped,
+        time_generation,
+        time_env,
+    })
 }
 
 #[cfg(test)]

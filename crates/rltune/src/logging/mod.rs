@@ -66,6 +66,8 @@ pub struct RunLogger {
     dir: PathBuf,
     metrics: JsonlWriter,
     samples_file: JsonlWriter,
+    /// `transcripts.jsonl` (runs on text games), opened at the first transcript.
+    transcripts: Option<JsonlWriter>,
     /// Opened at the first logged step, so that re-reading a run adds no empty event file.
     tb: Option<EventWriter>,
     rows: Vec<MetricRow>,
@@ -100,6 +102,7 @@ impl RunLogger {
         if let Some(last) = resume_from {
             jsonl::truncate_after(&metrics_path, last)?;
             jsonl::truncate_after(&samples_path, last)?;
+            jsonl::truncate_after(&dir.join(TRANSCRIPTS), last)?;
             rows = jsonl::read_steps(&metrics_path, MetricRow::from_json_line)?;
             samples = jsonl::read_steps(&samples_path, jsonl::samples_from_json_line)?;
             // Samples of steps without a metrics line (written by an older rltune before a
@@ -116,6 +119,7 @@ impl RunLogger {
             dir: dir.to_path_buf(),
             metrics: JsonlWriter::append(&metrics_path)?,
             samples_file: JsonlWriter::append(&samples_path)?,
+            transcripts: None,
             tb: None,
             rows,
             samples,
@@ -171,6 +175,28 @@ impl RunLogger {
         Ok(())
     }
 
+    /// Appends episodes played at `step` to `transcripts.jsonl`, one line each:
+    /// `{"step": step, …the episode's fields}`.
+    pub fn log_transcripts<'a, T: serde::Serialize + 'a>(
+        &mut self,
+        step: usize,
+        episodes: impl IntoIterator<Item = &'a T>,
+    ) -> Result<()> {
+        for ep in episodes {
+            let mut v = serde_json::to_value(ep)
+                .map_err(|e| Error::Input(format!("cannot serialize a transcript: {e}")))?;
+            if let serde_json::Value::Object(m) = &mut v {
+                m.insert("step".into(), step.into());
+            }
+            let w = match &mut self.transcripts {
+                Some(w) => w,
+                None => self.transcripts.insert(JsonlWriter::append(&self.dir.join(TRANSCRIPTS))?),
+            };
+            w.write_line(&v.to_string())?;
+        }
+        Ok(())
+    }
+
     /// Writes `DIR/report.html` atomically and returns its path.
     pub fn write_report(&self) -> Result<PathBuf> {
         let path = self.dir.join("report.html");
@@ -183,6 +209,9 @@ impl RunLogger {
 }
 
 /// The TensorBoard values of a step: every scalar, and a histogram of every `*_dist` array.
+/// The transcripts file of a run on text games.
+pub const TRANSCRIPTS: &str = "transcripts.jsonl";
+
 /// The most steps the report's history holds in memory: past it, every other one is dropped
 /// (the newest is kept), so a run of any length plots at most this many points per curve and
 /// the logger's memory stays flat (the files keep every step).
@@ -205,7 +234,9 @@ fn report_row(mut row: MetricRow) -> MetricRow {
         "rltune/ref_logprobs_mean",
         "rltune/skipped_batches",
     ];
-    row.scalars.retain(|k, _| SCALARS.contains(&k.as_str()) || k.starts_with("time/"));
+    row.scalars.retain(|k, _| {
+        SCALARS.contains(&k.as_str()) || k.starts_with("time/") || report::EPISODE_KEYS.contains(&k.as_str())
+    });
     row.arrays.retain(|k, _| k == "env/reward_dist");
     row
 }

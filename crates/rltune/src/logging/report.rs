@@ -64,6 +64,9 @@ pub fn render_report(title: &str, rows: &[MetricRow], samples: &[(usize, Vec<Sam
     let _ = writeln!(html, "<style>{CSS}</style>\n</head>\n<body>\n<main>");
     html.push_str(&header(title, rows));
     html.push_str(&reward_figure(rows));
+    if rows.iter().any(|r| EPISODE_KEYS.iter().any(|k| r.get(k).is_some())) {
+        html.push_str(&episodes_figure(rows));
+    }
     html.push_str(&heatmap_figure(rows));
     html.push_str(&kl_figure(rows));
     html.push_str(&logprobs_figure(rows));
@@ -207,6 +210,44 @@ fn reward_figure(rows: &[MetricRow]) -> String {
     let desc = "Mean reward of each batch (<code>env/reward_mean</code>), the band ± one standard deviation \
                 (<code>env/reward_std</code>).";
     figure("plot-reward", "Reward", desc, plot, &[])
+}
+
+/// The episode metrics of runs on text games, drawn by the `plot-episodes` figure (only in
+/// such runs' reports).
+pub const EPISODE_KEYS: [&str; 8] = [
+    "env/win_rate",
+    "eval/win_rate",
+    "env/normalized_score_mean",
+    "eval/normalized_score_mean",
+    "env/episode_length_mean",
+    "eval/episode_length_mean",
+    "env/invalid_action_rate",
+    "eval/invalid_action_rate",
+];
+
+fn episodes_figure(rows: &[MetricRow]) -> String {
+    let panels: Vec<Panel> = EPISODE_KEYS
+        .chunks(2)
+        .enumerate()
+        .map(|(i, pair)| Panel {
+            title: pair[0].trim_start_matches("env/").replace('_', " "),
+            y_desc: if i == 2 { "moves".into() } else { "fraction".into() },
+            series: pair
+                .iter()
+                .enumerate()
+                .filter(|(_, k)| rows.iter().any(|r| r.get(k).is_some()))
+                .map(|(j, k)| series(rows, k, j))
+                .collect(),
+            band: Vec::new(),
+        })
+        .filter(|p| !p.series.is_empty())
+        .collect();
+    let plot = plots::line_svg(&panels).map_err(|e| format!("episode metrics: {e}."));
+    let legend = [series(rows, EPISODE_KEYS[0], 0), series(rows, EPISODE_KEYS[1], 1)];
+    let desc = "The episodes of each step's rollouts on training games (<code>env/*</code>) and, when \
+                evaluated, on held-out games (<code>eval/*</code>): wins, score as a fraction of the \
+                maximum, moves per episode, and actions the game did not understand.";
+    figure("plot-episodes", "Episodes: wins, score, length, invalid actions", desc, plot, &legend)
 }
 
 fn heatmap_figure(rows: &[MetricRow]) -> String {

@@ -1,9 +1,15 @@
 //! The run config: one TOML file with tables `[model]`, `[ref_model]`, `[reward]`, `[data]`,
 //! `[generation]`, `[ppo]`, `[logging]`, `[checkpoint]` and `[runtime]`, plus `--set table.key=value`
 //! overrides. Unknown keys are rejected with the closest valid key.
+//!
+//! To train on text games, `[env]` (as in env configs, `rltune play`), `[agent]` (the prompt) and
+//! `[episodes]` (discounting across turns, shaping, evaluation) replace `[data]` and `[reward]`.
 
 use std::path::{Path, PathBuf};
 
+use crate::envs::config::EnvSection;
+use crate::envs::play::PromptTemplate;
+use crate::envs::rollout::Shaping;
 use crate::error::{Error, Result};
 use crate::generation::GenerationConfig;
 use crate::ppo::PpoConfig;
@@ -138,6 +144,61 @@ pub struct RuntimeSection {
     pub matmul_precision: crate::ops::MatmulPrecision,
 }
 
+/// `[episodes]`: how turns of text games become PPO transitions (with `[env]`).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EpisodesSection {
+    /// The discount between turns: a turn's last token bootstraps from `game_gamma · V(next
+    /// turn's prompt)` (the textworld fork's `game_gamma`, 0.6).
+    pub game_gamma: f64,
+    /// Probability that a turn plays a random admissible command instead of the policy's
+    /// (the fork's "example turns": memory only, not trained on).
+    pub example_turn_prob: f64,
+    /// Reward shaping added to the game's reward.
+    pub shaping: Shaping,
+    /// Evaluate on held-out games every this many steps (0: never), with sampling as in
+    /// training; logged as `eval/*`.
+    pub eval_every: usize,
+    /// Episodes per evaluation.
+    pub eval_episodes: usize,
+    /// TextWorld/command games to evaluate on (default: the training `games`).
+    pub eval_games: Vec<String>,
+    /// Episodes per step written to `transcripts.jsonl`.
+    pub transcripts_per_step: usize,
+}
+
+impl Default for EpisodesSection {
+    fn default() -> Self {
+        Self {
+            game_gamma: 0.6,
+            example_turn_prob: 0.0,
+            shaping: Shaping::default(),
+            eval_every: 0,
+            eval_episodes: 32,
+            eval_games: Vec::new(),
+            transcripts_per_step: 1,
+        }
+    }
+}
+
+impl EpisodesSection {
+    fn validate(&self) -> std::result::Result<(), String> {
+        if !(0.0..=1.0).contains(&self.game_gamma) {
+            return Err(format!("[episodes] game_gamma must be in [0, 1], got {}", self.game_gamma));
+        }
+        if !(0.0..1.0).contains(&self.example_turn_prob) {
+            return Err(format!(
+                "[episodes] example_turn_prob must be in [0, 1), got {} (1 would never train)",
+                self.example_turn_prob
+            ));
+        }
+        if self.eval_every > 0 && self.eval_episodes == 0 {
+            return Err("[episodes] eval_every is set but eval_episodes = 0".into());
+        }
+        Ok(())
+    }
+}
+
 /// The whole run config.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -150,8 +211,18 @@ pub struct RunConfig {
     /// Reward sources.
     #[serde(default)]
     pub reward: RewardSection,
-    /// Prompts.
+    /// Prompts (or `[env]`).
+    #[serde(default)]
     pub data: DataSection,
+    /// Text games to play instead of prompts.
+    #[serde(default)]
+    pub env: Option<EnvSection>,
+    /// With `[env]`: the prompt the policy reads each turn.
+    #[serde(default)]
+    pub agent: PromptTemplate,
+    /// With `[env]`: turns as transitions, shaping, evaluation.
+    #[serde(default)]
+    pub episodes: EpisodesSection,
     /// Sampling.
     #[serde(default)]
     pub generation: GenerationConfig,
@@ -174,7 +245,15 @@ impl RunConfig {
     /// as a string), then validates.
     pub fn load(path: &Path, overrides: &[String]) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-        Self::from_toml(&text, path, overrides)
+        let mut cfg = Self::from_toml(&text, path, overrides)?;
+        // Game files and the interpreter are found from the config's folder, as in env configs.
+        if let Some(env) = cfg.env.as_mut() {
+            let base = path.parent().unwrap_or(Path::new("."));
+            env.resolve_paths(base);
+            cfg.episodes.eval_games =
+                cfg.episodes.eval_games.iter().map(|g| crate::envs::config::resolve(base, g)).collect();
+        }
+        Ok(cfg)
     }
 
     /// Parses TOML text (see [`Self::load`]); `path` names the source in errors.
@@ -206,8 +285,25 @@ impl RunConfig {
         if self.model.path.is_empty() {
             return Err("[model] path is empty; set it to a model directory or hub id".into());
         }
+        if let Some(env) = &self.env {
+            env.validate()?;
+            self.episodes.validate()?;
+            if !self.data.source.is_empty() {
+                return Err("both [data] source and [env] are set; a run trains on prompts or on text \
+                            games, not both: remove one"
+                    .into());
+            }
+            if !self.reward.sources.is_empty() {
+                return Err("[reward] sources are set with [env]: turns are scored by the game (plus \
+                            [episodes.shaping]); remove [[reward.sources]]"
+                    .into());
+            }
+            return Ok(());
+        }
         if self.data.source.is_empty() {
-            return Err("[data] source is empty; set it to a JSONL/CSV/Parquet file or hub dataset".into());
+            return Err("[data] source is empty; set it to a JSONL/CSV/Parquet file or hub dataset (or \
+                        add an [env] table to train on text games)"
+                .into());
         }
         if self.data.min_query_tokens == 0 || self.data.max_query_tokens <= self.data.min_query_tokens {
             return Err(format!(

@@ -14,6 +14,7 @@ use rand::SeedableRng;
 
 use super::checkpoint::{clear_stale_writes, latest_checkpoint, load_trainer_state, save_checkpoint};
 use super::config::{RewardSourceConfig, RunConfig};
+use super::episodes::{add_episode_stats, add_eval_stats, EpisodeSource};
 use crate::data::prompts::{load_prompts, LengthSampler, PromptRow};
 use crate::error::{Error, Result};
 use crate::generation::{generate, GenerationConfig, Sample};
@@ -40,6 +41,16 @@ pub struct StepReport {
     pub kl: f64,
     /// Whether the batch was skipped (a non-finite reward).
     pub skipped: bool,
+    /// Runs on text games: the fraction of the step's episodes won (`env/win_rate`).
+    pub win_rate: Option<f64>,
+}
+
+/// Where a run's samples come from.
+enum Source {
+    /// Prompts, scored by reward sources.
+    Prompts { prompts: Vec<(Vec<u32>, PromptRow)>, reward: Box<dyn RewardSource> },
+    /// Text games (`[env]`).
+    Games(Box<EpisodeSource>),
 }
 
 /// A prepared PPO run.
@@ -50,8 +61,7 @@ pub struct PpoRun {
     policy_files: crate::models::load::ModelFiles,
     config_json: serde_json::Value,
     tokenizer: Tokenizer,
-    prompts: Vec<(Vec<u32>, PromptRow)>,
-    reward: Box<dyn RewardSource>,
+    source: Source,
     logger: RunLogger,
     start_step: usize,
     skipped: usize,
@@ -140,21 +150,21 @@ impl PpoRun {
             let state = load_trainer_state(dir, &mut trainer)?;
             (start_step, skipped) = (*step, state.skipped_batches);
         }
-        let rows = load_prompts(&config.data.source, &config.data.text_column, None)?;
-        let prompts = rows
-            .into_iter()
-            .map(|r| Ok((tokenizer.encode(&r.text)?, r)))
-            .filter(|r: &Result<(Vec<u32>, PromptRow)>| r.as_ref().map_or(true, |(ids, _)| !ids.is_empty()))
-            .collect::<Result<Vec<_>>>()?;
-        if prompts.len() < config.ppo.batch_size {
-            return Err(Error::Input(format!(
-                "{}: {} usable prompts but [ppo] batch_size is {}",
-                config.data.source,
-                prompts.len(),
-                config.ppo.batch_size
-            )));
-        }
-        let reward = build_rewards(&config, extra_rewards, &device)?;
+        let source = match &config.env {
+            Some(_) => {
+                if !extra_rewards.is_empty() {
+                    return Err(Error::Input(
+                        "reward functions from code are not used with [env]: the game scores the turns"
+                            .into(),
+                    ));
+                }
+                Source::Games(Box::new(EpisodeSource::new(&config)?))
+            }
+            None => Source::Prompts {
+                prompts: load_encoded_prompts(&config, &tokenizer)?,
+                reward: build_rewards(&config, extra_rewards, &device)?,
+            },
+        };
         // Lines logged after the checkpoint (a run killed between two checkpoints) are dropped:
         // those steps run again.
         let logger = RunLogger::create(&config.logging.dir, ckpt.as_ref().map(|(step, _)| *step))?;
@@ -166,8 +176,7 @@ impl PpoRun {
             policy_files: files,
             config_json,
             tokenizer,
-            prompts,
-            reward,
+            source,
             logger,
             start_step,
             skipped,
@@ -190,8 +199,12 @@ impl PpoRun {
         }
         let mut step = self.start_step;
         while step < total {
-            let batch = self.next_batch(&mut order, &mut rng, &sampler, b);
-            let report = self.one_step(step, &batch)?;
+            let report = if matches!(self.source, Source::Games(_)) {
+                self.game_step(step)?
+            } else {
+                let batch = self.next_batch(&mut order, &mut rng, &sampler, b);
+                self.one_step(step, &batch)?
+            };
             step += 1;
             progress(&StepReport { step, ..report });
             let stopping = stop.load(Ordering::SeqCst);
@@ -219,9 +232,10 @@ impl PpoRun {
         b: usize,
     ) -> Vec<(usize, usize)> {
         let mut out = Vec::with_capacity(b);
+        let Source::Prompts { prompts, .. } = &self.source else { return out };
         while out.len() < b {
             if order.is_empty() {
-                *order = (0..self.prompts.len()).collect();
+                *order = (0..prompts.len()).collect();
                 order.shuffle(rng);
                 order.reverse();
             }
@@ -234,10 +248,13 @@ impl PpoRun {
     }
 
     fn one_step(&mut self, step: usize, batch: &[(usize, usize)]) -> Result<StepReport> {
+        let Source::Prompts { prompts, reward } = &mut self.source else {
+            return Err(Error::Input("internal: a prompt step without prompts".into()));
+        };
         let queries: Vec<Vec<u32>> = batch
             .iter()
             .map(|&(i, len)| {
-                let ids = &self.prompts[i].0;
+                let ids = &prompts[i].0;
                 ids[..ids.len().min(len)].to_vec()
             })
             .collect();
@@ -251,7 +268,7 @@ impl PpoRun {
         let time_gen = t.elapsed().as_secs_f64();
 
         let t = Instant::now();
-        let texts = self.decode(&samples)?;
+        let texts = decode(&self.tokenizer, &samples)?;
         let inputs: Vec<RewardInput> = samples
             .iter()
             .zip(&texts)
@@ -261,10 +278,10 @@ impl PpoRun {
                 response: r,
                 query_ids: &s.query_ids,
                 response_ids: &s.response_ids,
-                meta: &self.prompts[i].1.meta,
+                meta: &prompts[i].1.meta,
             })
             .collect();
-        let scores = self.reward.score(&inputs)?;
+        let scores = reward.score(&inputs)?;
         let time_reward = t.elapsed().as_secs_f64();
         if scores.len() != inputs.len() || scores.iter().any(|s| !s.is_finite()) {
             self.skipped += 1;
@@ -288,6 +305,7 @@ impl PpoRun {
                 reward_mean: f64::NAN,
                 kl: f64::NAN,
                 skipped: true,
+                win_rate: None,
             });
         }
         let responses: Vec<Vec<u32>> = samples.iter().map(|s| s.response_ids.clone()).collect();
@@ -306,7 +324,8 @@ impl PpoRun {
             rollout: self.config.ppo.rollout_cache.then_some(caches.as_slice()),
             bootstrap: None,
         })?;
-        add_env_stats(&mut stats, &samples, &scores, &queries, time_gen, time_reward, self.skipped);
+        let logprobs: Vec<&[f32]> = samples.iter().map(|s| s.logprobs.as_slice()).collect();
+        add_env_stats(&mut stats, &logprobs, &scores, &queries, time_gen, time_reward, self.skipped);
         let rows: Vec<SampleRow> = texts
             .iter()
             .zip(&scores)
@@ -321,14 +340,76 @@ impl PpoRun {
             reward_mean: get("env/reward_mean"),
             kl: get("objective/kl"),
             skipped: false,
+            win_rate: None,
         })
     }
 
-    fn decode(&self, samples: &[Sample]) -> Result<Vec<(String, String)>> {
-        samples
+    /// One step on text games: play, step on the turns, log episodes, evaluate when due.
+    fn game_step(&mut self, step: usize) -> Result<StepReport> {
+        let Source::Games(games) = &mut self.source else {
+            return Err(Error::Input("internal: a game step without games".into()));
+        };
+        let b = self.config.ppo.batch_size;
+        let t = Instant::now();
+        let batch = games.collect(step, &self.trainer.policy, &self.tokenizer, b, &self.device)?;
+        let time_rollout = t.elapsed().as_secs_f64();
+        let turns = &batch.transitions;
+        let queries: Vec<Vec<u32>> = turns.iter().map(|t| t.query_ids.clone()).collect();
+        let responses: Vec<Vec<u32>> = turns.iter().map(|t| t.response_ids.clone()).collect();
+        let scores: Vec<f32> = turns.iter().map(|t| t.reward).collect();
+        let bootstrap: Vec<f32> = turns.iter().map(|t| t.bootstrap).collect();
+        let caches: Vec<RolloutCache> = turns
             .iter()
-            .map(|s| Ok((self.tokenizer.decode(&s.query_ids)?, self.tokenizer.decode(&s.response_ids)?)))
-            .collect()
+            .map(|t| RolloutCache { logprobs: t.logprobs.clone(), values: t.values.clone() })
+            .collect();
+        let mut stats = self.trainer.step_with(StepInput {
+            queries: &queries,
+            responses: &responses,
+            scores: &scores,
+            response_masks: None,
+            rollout: self.config.ppo.rollout_cache.then_some(caches.as_slice()),
+            bootstrap: Some(&bootstrap),
+        })?;
+        let logprobs: Vec<&[f32]> = turns.iter().map(|t| t.logprobs.as_slice()).collect();
+        let time_gen = batch.time_generation.as_secs_f64();
+        add_env_stats(&mut stats, &logprobs, &scores, &queries, time_gen, 0.0, self.skipped);
+        stats.insert("time/rollout/total".into(), Stat::Scalar(time_rollout));
+        add_episode_stats(&mut stats, &batch);
+        if games.eval_due(step + 1) {
+            let t = Instant::now();
+            let policy = &self.trainer.policy;
+            let r = games.evaluate(
+                policy,
+                &self.tokenizer,
+                &self.config.generation,
+                self.config.ppo.seed,
+                &self.device,
+            )?;
+            add_eval_stats(&mut stats, &r, t.elapsed().as_secs_f64());
+        }
+        let rows = turns
+            .iter()
+            .take(self.config.logging.samples_per_step)
+            .map(|t| {
+                Ok(SampleRow {
+                    query: self.tokenizer.decode(&t.query_ids)?,
+                    response: t.action.clone(),
+                    reward: t.reward,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.logger.log_step(step + 1, &stats, &rows)?;
+        let shown = batch.episodes.iter().take(self.config.episodes.transcripts_per_step);
+        self.logger.log_transcripts(step + 1, shown)?;
+        let get = |k: &str| stats.get(k).and_then(Stat::as_f64).unwrap_or(f64::NAN);
+        Ok(StepReport {
+            step,
+            total: self.config.ppo.steps,
+            reward_mean: get("env/reward_mean"),
+            kl: get("objective/kl"),
+            skipped: false,
+            win_rate: Some(get("env/win_rate")),
+        })
     }
 
     fn checkpoint(&self, step: usize) -> Result<()> {
@@ -357,11 +438,38 @@ impl PpoRun {
     }
 }
 
+/// The prompts of `[data]`, encoded; empty ones are left out.
+fn load_encoded_prompts(config: &RunConfig, tokenizer: &Tokenizer) -> Result<Vec<(Vec<u32>, PromptRow)>> {
+    let rows = load_prompts(&config.data.source, &config.data.text_column, None)?;
+    let prompts = rows
+        .into_iter()
+        .map(|r| Ok((tokenizer.encode(&r.text)?, r)))
+        .filter(|r: &Result<(Vec<u32>, PromptRow)>| r.as_ref().map_or(true, |(ids, _)| !ids.is_empty()))
+        .collect::<Result<Vec<_>>>()?;
+    if prompts.len() < config.ppo.batch_size {
+        return Err(Error::Input(format!(
+            "{}: {} usable prompts but [ppo] batch_size is {}",
+            config.data.source,
+            prompts.len(),
+            config.ppo.batch_size
+        )));
+    }
+    Ok(prompts)
+}
+
+/// The query and response texts of `samples`.
+fn decode(tokenizer: &Tokenizer, samples: &[Sample]) -> Result<Vec<(String, String)>> {
+    samples
+        .iter()
+        .map(|s| Ok((tokenizer.decode(&s.query_ids)?, tokenizer.decode(&s.response_ids)?)))
+        .collect()
+}
+
 /// TRL `log_stats`'s `env/*` keys, plus rltune's: mean logprobs of policy and reference over the
-/// response tokens, rollout phase times, skipped batches.
+/// response tokens (`logprobs[i]` holds sample i's), rollout phase times, skipped batches.
 fn add_env_stats(
     stats: &mut crate::ppo::Stats,
-    samples: &[Sample],
+    logprobs: &[&[f32]],
     scores: &[f32],
     queries: &[Vec<u32>],
     time_gen: f64,
@@ -373,14 +481,14 @@ fn add_env_stats(
     stats.insert("env/reward_mean".into(), Stat::Scalar(mean));
     stats.insert("env/reward_std".into(), Stat::Scalar(std));
     stats.insert("env/reward_dist".into(), Stat::Array(r));
-    let lp: Vec<f64> = samples.iter().flat_map(|s| s.logprobs.iter().map(|&x| x as f64)).collect();
+    let lp: Vec<f64> = logprobs.iter().flat_map(|s| s.iter().map(|&x| x as f64)).collect();
     stats
         .insert("rltune/logprobs_mean".into(), Stat::Scalar(lp.iter().sum::<f64>() / lp.len().max(1) as f64));
     if let Some(Stat::Matrix(refs)) = stats.get("objective/ref_logprobs") {
         let mut sum = 0.0;
         let mut n = 0usize;
-        for ((row, q), s) in refs.iter().zip(queries).zip(samples) {
-            for j in 0..s.response_ids.len() {
+        for ((row, q), s) in refs.iter().zip(queries).zip(logprobs) {
+            for j in 0..s.len() {
                 if let Some(v) = row.get(q.len() - 1 + j) {
                     sum += v;
                     n += 1;

@@ -4,16 +4,16 @@
 use candle_core::{DType, Device};
 use rltune::envs::letters::Letters;
 use rltune::envs::play::PromptTemplate;
-use rltune::envs::rollout::{action_cut, collect_episodes, RolloutConfig, Shaping, Transition};
-use rltune::envs::Reset;
+use rltune::envs::rollout::{action_cut, collect_episodes, Collected, RolloutConfig, Shaping, Transition};
+use rltune::envs::{EnvStep, Reset, TextEnv};
 use rltune::generation::{generate, GenerationConfig};
 use rltune::models::gpt2::Gpt2Config;
 use rltune::models::{CausalLm, CausalLmConfig, CausalLmWithValueHead};
 use rltune::params::ParamStore;
-use rltune::ppo::{PpoConfig, PpoTrainer, RolloutCache, StepInput};
+use rltune::ppo::{PpoConfig, PpoTrainer, RolloutCache, Stat, Stats, StepInput};
 use rltune::tokenizer::Tokenizer;
 
-use crate::common::word_tokenizer;
+use crate::common::{self, word_tokenizer};
 
 const WORDS: [&str; 12] = ["e", "ee", "a", "b", "c", "d", ".", "Turn", "of", "Say", "something", ">"];
 
@@ -44,7 +44,152 @@ fn rollout_config() -> RolloutConfig {
 fn collect(model: &CausalLmWithValueHead, envs: usize, turns: usize, seed: u64) -> Vec<Transition> {
     let mut env = Letters::new(envs, turns);
     let resets = vec![Reset::default(); envs];
+    collect_episodes(&mut env, model, &tokenizer(), &rollout_config(), &resets, seed, &Device::Cpu)
+        .unwrap()
+        .transitions
+}
+
+/// A deterministic game: every action earns `rewards[turn]` (the letter "e" earns nothing), and
+/// the episode terminates after the last of them.
+struct Fixed {
+    rewards: Vec<f64>,
+    turn: Vec<usize>,
+}
+
+impl TextEnv for Fixed {
+    fn num_envs(&self) -> usize {
+        self.turn.len()
+    }
+    fn reset(&mut self, envs: &[usize], _: &[Reset]) -> rltune::Result<Vec<EnvStep>> {
+        Ok(envs
+            .iter()
+            .map(|&e| {
+                self.turn[e] = 0;
+                EnvStep { observation: "Say something".into(), ..EnvStep::default() }
+            })
+            .collect())
+    }
+    fn step(&mut self, actions: &[(usize, String)]) -> rltune::Result<Vec<rltune::Result<EnvStep>>> {
+        Ok(actions
+            .iter()
+            .map(|(e, _)| {
+                let k = self.turn[*e];
+                self.turn[*e] += 1;
+                Ok(EnvStep {
+                    observation: format!("Turn {k}"),
+                    reward: self.rewards[k],
+                    terminated: k + 1 == self.rewards.len(),
+                    ..EnvStep::default()
+                })
+            })
+            .collect())
+    }
+}
+
+fn collect_fixed(model: &CausalLmWithValueHead, rewards: &[f64], envs: usize, seed: u64) -> Collected {
+    let mut env = Fixed { rewards: rewards.to_vec(), turn: vec![0; envs] };
+    let resets = vec![Reset::default(); envs];
     collect_episodes(&mut env, model, &tokenizer(), &rollout_config(), &resets, seed, &Device::Cpu).unwrap()
+}
+
+fn step_on(trainer: &mut PpoTrainer, turns: &[Transition], bootstrap: bool) -> Stats {
+    let queries: Vec<Vec<u32>> = turns.iter().map(|t| t.query_ids.clone()).collect();
+    let responses: Vec<Vec<u32>> = turns.iter().map(|t| t.response_ids.clone()).collect();
+    let scores: Vec<f32> = turns.iter().map(|t| t.reward).collect();
+    let next: Vec<f32> = turns.iter().map(|t| t.bootstrap).collect();
+    let caches: Vec<RolloutCache> = turns
+        .iter()
+        .map(|t| RolloutCache { logprobs: t.logprobs.clone(), values: t.values.clone() })
+        .collect();
+    trainer
+        .step_with(StepInput {
+            queries: &queries,
+            responses: &responses,
+            scores: &scores,
+            response_masks: None,
+            rollout: Some(&caches),
+            bootstrap: bootstrap.then_some(next.as_slice()),
+        })
+        .unwrap()
+}
+
+fn scalar(stats: &Stats, key: &str) -> f64 {
+    stats.get(key).and_then(Stat::as_f64).unwrap_or_else(|| panic!("no {key}"))
+}
+
+/// Issue #29: with one turn per episode (the game terminates after it) every bootstrap is 0 and
+/// the multi-turn step is the plain step, bit for bit.
+#[test]
+fn one_turn_episodes_step_exactly_as_the_plain_step() {
+    let cfg = PpoConfig { batch_size: 4, mini_batch_size: 2, seed: 1, ..PpoConfig::default() };
+    let (store, model, reference) = policy(21);
+    let got = collect_fixed(&model, &[1.0], 4, 3);
+    assert_eq!((got.transitions.len(), got.episodes.len()), (4, 4));
+    assert!(got.transitions.iter().all(|t| t.bootstrap == 0.0 && t.reward == 1.0));
+    assert!(got.episodes.iter().all(|e| e.steps == 1 && !e.truncated));
+    let mut a = PpoTrainer::new(cfg.clone(), store, model, reference).unwrap();
+    let (store, model, reference) = policy(21);
+    let mut b = PpoTrainer::new(cfg, store, model, reference).unwrap();
+    let sa = step_on(&mut a, &got.transitions, true);
+    let sb = step_on(&mut b, &got.transitions, false);
+    for key in ["ppo/loss/total", "ppo/returns/mean", "ppo/val/error", "objective/kl"] {
+        assert_eq!(scalar(&sa, key).to_bits(), scalar(&sb, key).to_bits(), "{key}");
+    }
+    let wb = b.store.snapshot().unwrap();
+    for (name, wa) in a.store.snapshot().unwrap() {
+        assert_eq!(common::max_diff(&wa, &wb[&name]), 0.0, "{name}");
+    }
+}
+
+/// Issue #29: on a deterministic two-turn game the step's returns are GAE by hand: token rewards
+/// 0 … 0, r at the last token, plus γ·game_gamma·V(next prompt) after the first turn (the KL
+/// penalty is off), γ = 1, λ = 0.95, over the rollout's values.
+#[test]
+fn two_turn_returns_equal_a_hand_computation() {
+    let cfg = PpoConfig {
+        batch_size: 8,
+        mini_batch_size: 8,
+        ppo_epochs: 1,
+        init_kl_coef: 0.0,
+        adap_kl_ctrl: false,
+        ..PpoConfig::default()
+    };
+    let (store, model, reference) = policy(5);
+    let got = collect_fixed(&model, &[0.5, 2.0], 4, 9);
+    assert_eq!(got.transitions.len(), 8, "4 episodes of 2 turns");
+    let (mut sum, mut sq, mut n) = (0.0f64, 0.0f64, 0usize);
+    let mut returns_all = Vec::new();
+    for (i, t) in got.transitions.iter().enumerate() {
+        let first = i % 2 == 0;
+        assert_eq!(t.reward, if first { 0.5 } else { 2.0 });
+        assert_eq!(t.bootstrap == 0.0, !first, "turn {i}: only the first turn bootstraps");
+        let v: Vec<f64> = t.values.iter().map(|&x| f64::from(x)).collect();
+        let len = v.len();
+        let (mut adv, mut returns) = (0.0f64, vec![0.0; len]);
+        for j in (0..len).rev() {
+            let mut r = 0.0;
+            if j + 1 == len {
+                r = f64::from(t.reward) + f64::from(t.bootstrap);
+            }
+            let next = if j + 1 < len { v[j + 1] } else { 0.0 };
+            adv = r + next - v[j] + 0.95 * adv;
+            returns[j] = adv + v[j];
+        }
+        returns_all.extend(returns);
+    }
+    for &r in &returns_all {
+        sum += r;
+        sq += r * r;
+        n += 1;
+    }
+    let mean = sum / n as f64;
+    let var = (sq / n as f64 - mean * mean) * n as f64 / (n - 1) as f64;
+    let mut trainer = PpoTrainer::new(cfg, store, model, reference).unwrap();
+    let stats = step_on(&mut trainer, &got.transitions, true);
+    let (m, v) = (scalar(&stats, "ppo/returns/mean"), scalar(&stats, "ppo/returns/var"));
+    println!("returns mean {m} (hand {mean}), var {v} (hand {var})");
+    assert!((m - mean).abs() < 1e-5, "mean {m} vs {mean}");
+    assert!((v - var).abs() < 1e-4, "var {v} vs {var}");
 }
 
 /// Each turn bootstraps from `game_gamma · V(next turn's prompt)`; the last turn of a truncated

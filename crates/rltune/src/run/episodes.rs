@@ -1,0 +1,289 @@
+//! Text games as the data of `rltune ppo` (a run config with `[env]`): each step plays rounds of
+//! episodes on the training games until there are `batch_size` turns, picks `batch_size` of them
+//! at random (the others are logged as `env/unused_turns`), and every picked turn becomes one
+//! PPO transition ([`crate::envs::rollout`]). Every `eval_every` steps the policy plays
+//! `eval_episodes` held-out games, as `rltune play` would with the same seed.
+//!
+//! Which games: generated families play their training seeds in training and their held-out
+//! seeds in evaluation (the `[env] split` key is `rltune play`'s); game files are drawn at random
+//! from `games` in training and played in turn from `[episodes] eval_games` (default: `games`)
+//! in evaluation. A step's games depend only on the run's seed and the step, so `--resume`
+//! replays them.
+
+use std::time::{Duration, Instant};
+
+use candle_core::Device;
+use rand::seq::index::sample;
+use rand::SeedableRng;
+
+use super::config::{EpisodesSection, RunConfig};
+use crate::envs::config::{EnvKind, EnvSection, Split};
+use crate::envs::model_agent::ModelAgent;
+use crate::envs::play::{play, Episode, PlayReport, PromptTemplate};
+use crate::envs::rollout::{collect_episodes, RolloutConfig, Transition};
+use crate::envs::{Reset, TextEnv};
+use crate::error::{Error, Result};
+use crate::generation::GenerationConfig;
+use crate::models::CausalLmWithValueHead;
+use crate::ppo::{Stat, Stats};
+use crate::tokenizer::Tokenizer;
+
+/// The most rounds of episodes one step plays before it gives up (a policy whose every turn is
+/// an example turn, or episodes that end before their first turn, yield no transitions).
+const MAX_ROUNDS: usize = 64;
+
+/// One step's turns and what else the rounds produced.
+#[derive(Debug, Clone)]
+pub struct EpisodeBatch {
+    /// Exactly `batch_size` turns.
+    pub transitions: Vec<Transition>,
+    /// Every finished episode of the step's rounds.
+    pub episodes: Vec<Episode>,
+    /// Turns played but not picked.
+    pub unused_turns: usize,
+    /// Turns that played a random admissible command.
+    pub example_turns: usize,
+    /// Episodes dropped by failing environments.
+    pub dropped: usize,
+    /// Time spent sampling actions (and values).
+    pub time_generation: Duration,
+    /// Time spent in the environments.
+    pub time_env: Duration,
+}
+
+/// The training games, their environments and the evaluation settings of a run.
+pub struct EpisodeSource {
+    env: Box<dyn TextEnv>,
+    section: EnvSection,
+    episodes: EpisodesSection,
+    rollout: RolloutConfig,
+    games: usize,
+    seed: u64,
+}
+
+impl EpisodeSource {
+    /// Starts the training environments of `cfg` (which must have `[env]`).
+    pub fn new(cfg: &RunConfig) -> Result<Self> {
+        let section = cfg
+            .env
+            .clone()
+            .ok_or_else(|| Error::Input("internal: EpisodeSource needs an [env] table".into()))?;
+        let games = game_count(&section)?;
+        let env = section.build()?;
+        let rollout = RolloutConfig {
+            template: cfg.agent.clone(),
+            generation: cfg.generation.clone(),
+            game_gamma: cfg.episodes.game_gamma,
+            example_turn_prob: cfg.episodes.example_turn_prob,
+            shaping: cfg.episodes.shaping.clone(),
+        };
+        Ok(Self { env, section, episodes: cfg.episodes.clone(), rollout, games, seed: cfg.ppo.seed })
+    }
+
+    /// Plays rounds of episodes with `policy` until `batch_size` turns are played, then picks
+    /// `batch_size` of them at random.
+    pub fn collect(
+        &mut self,
+        step: usize,
+        policy: &CausalLmWithValueHead,
+        tokenizer: &Tokenizer,
+        batch_size: usize,
+        device: &Device,
+    ) -> Result<EpisodeBatch> {
+        let b = self.env.num_envs();
+        let (mut turns, mut episodes) = (Vec::new(), Vec::new());
+        let (mut example_turns, mut dropped) = (0, 0);
+        let (mut time_generation, mut time_env) = (Duration::ZERO, Duration::ZERO);
+        let mut round = 0;
+        while turns.len() < batch_size {
+            if round == MAX_ROUNDS {
+                return Err(Error::Input(format!(
+                    "step {}: {MAX_ROUNDS} rounds of {b} episodes gave {} trainable turns, fewer than \
+                     [ppo] batch_size = {batch_size} (are [episodes] example_turn_prob or [env] \
+                     max_steps too high/low?)",
+                    step + 1,
+                    turns.len()
+                )));
+            }
+            let resets: Vec<Reset> = (0..b).map(|e| self.train_reset(step, round, e)).collect();
+            let seed = mix(self.seed, step as u64, round as u64, u64::MAX);
+            let got =
+                collect_episodes(self.env.as_mut(), policy, tokenizer, &self.rollout, &resets, seed, device)?;
+            turns.extend(got.transitions);
+            let first = episodes.len();
+            episodes.extend(got.episodes);
+            for (k, ep) in episodes[first..].iter_mut().enumerate() {
+                ep.episode = first + k;
+            }
+            example_turns += got.example_turns;
+            dropped += got.dropped;
+            time_generation += got.time_generation;
+            time_env += got.time_env;
+            round += 1;
+        }
+        // Which turns train: a random subset, kept in play order.
+        let mut rng = rand::rngs::StdRng::seed_from_u64(mix(self.seed, step as u64, 0, 0x7e4d));
+        let mut picked = sample(&mut rng, turns.len(), batch_size).into_vec();
+        picked.sort_unstable();
+        let unused_turns = turns.len() - batch_size;
+        let mut slots: Vec<Option<Transition>> = turns.into_iter().map(Some).collect();
+        let transitions = picked.into_iter().filter_map(|i| slots[i].take()).collect();
+        Ok(EpisodeBatch {
+            transitions,
+            episodes,
+            unused_turns,
+            example_turns,
+            dropped,
+            time_generation,
+            time_env,
+        })
+    }
+
+    /// How environment `e` starts in round `round` of `step`: a training game drawn from the
+    /// run's seed, the step, the round and the environment.
+    fn train_reset(&self, step: usize, round: usize, e: usize) -> Reset {
+        let i = mix(self.seed, step as u64, round as u64, e as u64);
+        match self.section.kind {
+            EnvKind::Adventure => Reset { seed: Some(crate::envs::adventure::train_seed(i)), game: None },
+            EnvKind::Letters => Reset { seed: Some(i), game: None },
+            EnvKind::Command | EnvKind::Textworld => {
+                Reset { seed: None, game: (self.games > 0).then(|| (i % self.games as u64) as usize) }
+            }
+        }
+    }
+
+    /// Whether evaluation is due after `step` steps.
+    pub fn eval_due(&self, step: usize) -> bool {
+        self.episodes.eval_every > 0 && step.is_multiple_of(self.episodes.eval_every)
+    }
+
+    /// Plays `eval_episodes` held-out games with `policy`'s LM (sampling as in training, seed
+    /// `seed`), as `rltune play --seed SEED` does.
+    pub fn evaluate(
+        &self,
+        policy: &CausalLmWithValueHead,
+        tokenizer: &Tokenizer,
+        generation: &GenerationConfig,
+        seed: u64,
+        device: &Device,
+    ) -> Result<PlayReport> {
+        let section = self.eval_section();
+        evaluate(
+            &section,
+            policy,
+            tokenizer,
+            &self.rollout.template,
+            generation,
+            self.episodes.eval_episodes,
+            seed,
+            device,
+        )
+    }
+
+    /// The evaluation games: the held-out split, or `eval_games`.
+    pub fn eval_section(&self) -> EnvSection {
+        let mut s = self.section.clone();
+        s.split = Split::Heldout;
+        if !self.episodes.eval_games.is_empty() {
+            s.games = self.episodes.eval_games.clone();
+        }
+        s
+    }
+}
+
+/// Plays `episodes` episodes of `section` with `policy`'s LM and summarizes them (the
+/// evaluation of `rltune play --model … --seed SEED`).
+#[allow(clippy::too_many_arguments)]
+pub fn evaluate(
+    section: &EnvSection,
+    policy: &CausalLmWithValueHead,
+    tokenizer: &Tokenizer,
+    template: &PromptTemplate,
+    generation: &GenerationConfig,
+    episodes: usize,
+    seed: u64,
+    device: &Device,
+) -> Result<PlayReport> {
+    let games = game_count(section)?;
+    let mut env = section.build()?;
+    let gen = GenerationConfig { seed, ..generation.clone() };
+    let mut agent = ModelAgent::new(&policy.lm, tokenizer, template.clone(), gen, device)?;
+    let t = Instant::now();
+    let (done, dropped) = play(env.as_mut(), &mut agent, episodes, &|i| section.reset_for(seed, i, games))?;
+    Ok(PlayReport::of(&done, dropped, t.elapsed().as_secs_f64()))
+}
+
+/// The number of game files (0 for generated families).
+fn game_count(section: &EnvSection) -> Result<usize> {
+    Ok(match section.kind {
+        EnvKind::Textworld | EnvKind::Command if !section.games.is_empty() => section.game_files()?.len(),
+        _ => 0,
+    })
+}
+
+/// A 64-bit hash of four numbers (splitmix64 steps).
+fn mix(a: u64, b: u64, c: u64, d: u64) -> u64 {
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    for v in [a, b, c, d] {
+        x = (x ^ v).wrapping_add(0x9e37_79b9_7f4a_7c15);
+        x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        x ^= x >> 31;
+    }
+    x
+}
+
+/// The episode metrics of a step: `env/episodes`, `env/win_rate`, `env/episode_return_mean`,
+/// `env/normalized_score_mean`, `env/episode_length_mean`, `env/invalid_action_rate`,
+/// `env/unused_turns`, `env/example_turns`, `env/dropped_episodes`, and the rollout's times.
+pub fn add_episode_stats(stats: &mut Stats, batch: &EpisodeBatch) {
+    let r = PlayReport::of(&batch.episodes, batch.dropped, 1.0);
+    let n = batch.episodes.len().max(1) as f64;
+    let mean_return = batch.episodes.iter().map(|e| e.episode_return).sum::<f64>() / n;
+    for (k, v) in [
+        ("env/episodes", r.episodes as f64),
+        ("env/win_rate", r.win_rate),
+        ("env/episode_return_mean", mean_return),
+        ("env/normalized_score_mean", r.mean_normalized_score),
+        ("env/episode_length_mean", r.mean_steps),
+        ("env/invalid_action_rate", r.invalid_action_rate),
+        ("env/unused_turns", batch.unused_turns as f64),
+        ("env/example_turns", batch.example_turns as f64),
+        ("env/dropped_episodes", batch.dropped as f64),
+        ("time/rollout/env", batch.time_env.as_secs_f64()),
+    ] {
+        stats.insert(k.into(), Stat::Scalar(v));
+    }
+}
+
+/// The `eval/*` metrics of an evaluation.
+pub fn add_eval_stats(stats: &mut Stats, r: &PlayReport, seconds: f64) {
+    for (k, v) in [
+        ("eval/episodes", r.episodes as f64),
+        ("eval/win_rate", r.win_rate),
+        ("eval/normalized_score_mean", r.mean_normalized_score),
+        ("eval/episode_length_mean", r.mean_steps),
+        ("eval/invalid_action_rate", r.invalid_action_rate),
+        ("time/eval", seconds),
+    ] {
+        stats.insert(k.into(), Stat::Scalar(v));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mixing_separates_steps_rounds_and_environments() {
+        let mut seen = std::collections::BTreeSet::new();
+        for s in 0..20 {
+            for r in 0..5 {
+                for e in 0..8 {
+                    assert!(seen.insert(mix(3, s, r, e)));
+                }
+            }
+        }
+        assert_ne!(mix(0, 1, 0, 0), mix(1, 0, 0, 0));
+    }
+}
