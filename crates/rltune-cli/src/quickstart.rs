@@ -6,7 +6,9 @@ use std::path::PathBuf;
 use std::path::Path;
 
 use anyhow::{Context, Result};
-use rltune::quickstart::{run_quickstart, Event, QuickstartConfig, Summary};
+use rltune::quickstart::{
+    run_adventure_quickstart, run_quickstart, AdventureQuickstartConfig, Event, QuickstartConfig, Summary,
+};
 use rltune::run::config::parse_toml;
 
 use crate::train::Bar;
@@ -14,9 +16,14 @@ use crate::train::Bar;
 /// Arguments of `rltune quickstart`.
 #[derive(clap::Args)]
 pub struct Args {
-    /// Where every stage writes (cached stages are skipped on a rerun).
-    #[arg(long, default_value = "runs/quickstart")]
-    output: PathBuf,
+    /// `sentiment` (PPO toward positive reviews with a classifier reward) or `adventure` (an LM
+    /// agent for text adventures: walkthrough demonstrations, behavioural cloning, PPO on games).
+    #[arg(long, default_value = "sentiment", value_parser = ["sentiment", "adventure"])]
+    task: String,
+    /// Where every stage writes (cached stages are skipped on a rerun); default
+    /// runs/quickstart, or runs/quickstart-adventure for the adventure task.
+    #[arg(long)]
+    output: Option<PathBuf>,
     /// Seed of every stage.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -32,6 +39,10 @@ pub struct Args {
 
 /// Runs `rltune quickstart`.
 pub fn run(args: Args) -> Result<()> {
+    if args.task == "adventure" {
+        return run_adventure(args);
+    }
+    let output = args.output.clone().unwrap_or_else(|| PathBuf::from("runs/quickstart"));
     let mut cfg = if args.preset == "tiny" { QuickstartConfig::tiny() } else { QuickstartConfig::default() };
     cfg.seed = args.seed;
     if !args.set.is_empty() {
@@ -41,26 +52,11 @@ pub fn run(args: Args) -> Result<()> {
     let stop = crate::ppo::stop_flag()?;
     let started = std::time::Instant::now();
     let mut bar: Option<(Bar, usize)> = None;
-    let summary = run_quickstart(&args.output, &cfg, &stop, &mut |e| match e {
-        Event::Start { stage, total } => {
-            eprintln!("[{stage}] started");
-            bar = total.map(|t| (Bar::new(stage), t));
-        }
-        Event::Cached { stage, path } => eprintln!("[{stage}] cached: {}", path.display()),
-        Event::Progress { done, message, .. } => {
-            if let Some((b, total)) = &bar {
-                b.show(done, *total, message);
-            }
-        }
-        Event::Done { stage, seconds } => {
-            if let Some((b, _)) = bar.take() {
-                b.finish();
-            }
-            eprintln!("[{stage}] done in {seconds:.1} s");
-        }
+    let summary = run_quickstart(&output, &cfg, &stop, &mut |e| {
+        show_event(&mut bar, e);
     })?;
     let tiny = args.preset == "tiny";
-    print_summary(&summary, &args.output, started.elapsed().as_secs_f64(), tiny);
+    print_summary(&summary, &output, started.elapsed().as_secs_f64(), tiny);
     let failed = summary.checks().iter().filter(|c| !c.ok).count();
     if failed > 0 && !tiny {
         anyhow::bail!("{failed} acceptance check(s) failed (see FAIL above)");
@@ -100,7 +96,87 @@ fn print_summary(s: &Summary, out: &std::path::Path, wall: f64, tiny: bool) {
             println!("    {sample}");
         }
     }
-    for c in s.checks() {
+    report_checks(s.checks(), tiny);
+    println!("wall time {wall:.0} s; report: {}", out.join("ppo").join("report.html").display());
+    println!(
+        "summary: {}; rerun PPO alone: rltune ppo --config {}",
+        out.join("summary.json").display(),
+        out.join("ppo.toml").display()
+    );
+}
+
+/// Shows a pipeline event: stage lines and a progress bar.
+fn show_event(bar: &mut Option<(Bar, usize)>, e: Event) {
+    match e {
+        Event::Start { stage, total } => {
+            eprintln!("[{stage}] started");
+            *bar = total.map(|t| (Bar::new(stage), t));
+        }
+        Event::Cached { stage, path } => eprintln!("[{stage}] cached: {}", path.display()),
+        Event::Progress { done, message, .. } => {
+            if let Some((b, total)) = bar.as_ref() {
+                b.show(done, *total, message);
+            }
+        }
+        Event::Done { stage, seconds } => {
+            if let Some((b, _)) = bar.take() {
+                b.finish();
+            }
+            eprintln!("[{stage}] done in {seconds:.1} s");
+        }
+    }
+}
+
+/// `rltune quickstart --task adventure`.
+fn run_adventure(args: Args) -> Result<()> {
+    let output = args.output.clone().unwrap_or_else(|| PathBuf::from("runs/quickstart-adventure"));
+    let tiny = args.preset == "tiny";
+    let mut cfg = if tiny { AdventureQuickstartConfig::tiny() } else { AdventureQuickstartConfig::default() };
+    cfg.seed = args.seed;
+    if !args.set.is_empty() {
+        let text = toml::to_string(&cfg).context("cannot serialize the quickstart settings")?;
+        cfg = parse_toml(&text, Path::new("quickstart settings"), &args.set)?;
+    }
+    let stop = crate::ppo::stop_flag()?;
+    let started = std::time::Instant::now();
+    let mut bar: Option<(Bar, usize)> = None;
+    let s = run_adventure_quickstart(&output, &cfg, &stop, &mut |e| show_event(&mut bar, e))?;
+    println!();
+    println!(
+        "policy: GPT-2, {:.2}M parameters, behaviour-cloned on {} demonstrated turns",
+        s.policy_parameters as f64 / 1e6,
+        s.demonstrations
+    );
+    println!("held-out games ({} episodes each, {} moves at most):", s.random.episodes, cfg.max_steps);
+    for (name, r) in [("random agent", &s.random), ("BC policy", &s.bc), ("PPO policy", &s.ppo)] {
+        println!(
+            "  {name:<13} win rate {:5.1}%, normalized score {:.3}, mean moves {:4.1}, invalid actions {:4.1}%",
+            100.0 * r.win_rate,
+            r.mean_normalized_score,
+            r.mean_steps,
+            100.0 * r.invalid_action_rate
+        );
+    }
+    let failed = report_checks(s.checks(), tiny);
+    println!(
+        "wall time {:.0} s; report: {}",
+        started.elapsed().as_secs_f64(),
+        output.join("ppo/report.html").display()
+    );
+    println!(
+        "summary: {}; rerun PPO alone: rltune ppo --config {}",
+        output.join("summary.json").display(),
+        output.join("ppo.toml").display()
+    );
+    if failed > 0 && !tiny {
+        anyhow::bail!("{failed} acceptance check(s) failed (see FAIL above)");
+    }
+    Ok(())
+}
+
+/// Prints each check's verdict; returns the number that failed.
+fn report_checks(checks: Vec<rltune::quickstart::Check>, tiny: bool) -> usize {
+    for c in &checks {
         let verdict = match (c.ok, tiny) {
             (true, _) => "PASS",
             (false, false) => "FAIL",
@@ -108,10 +184,5 @@ fn print_summary(s: &Summary, out: &std::path::Path, wall: f64, tiny: bool) {
         };
         println!("{verdict} {}", c.what);
     }
-    println!("wall time {wall:.0} s; report: {}", out.join("ppo").join("report.html").display());
-    println!(
-        "summary: {}; rerun PPO alone: rltune ppo --config {}",
-        out.join("summary.json").display(),
-        out.join("ppo.toml").display()
-    );
+    checks.iter().filter(|c| !c.ok).count()
 }

@@ -28,6 +28,7 @@
 pub mod adventure;
 pub mod command;
 pub mod config;
+pub mod demos;
 pub mod letters;
 pub mod model_agent;
 pub mod play;

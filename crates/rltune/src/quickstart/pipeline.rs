@@ -482,12 +482,15 @@ pub fn run_quickstart(
 }
 
 /// Refuses to mix stages made with another configuration in one directory.
-fn check_same_config(path: &Path, cfg: &QuickstartConfig) -> Result<()> {
+pub(crate) fn check_same_config<T: serde::de::DeserializeOwned + PartialEq>(
+    path: &Path,
+    cfg: &T,
+) -> Result<()> {
     if !path.is_file() {
         return Ok(());
     }
     let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-    match serde_json::from_str::<QuickstartConfig>(&text) {
+    match serde_json::from_str::<T>(&text) {
         Ok(old) if old == *cfg => Ok(()),
         _ => Err(Error::Input(format!(
             "{} was written by a quickstart with other settings; its cached stages would not match. \
@@ -497,15 +500,15 @@ fn check_same_config(path: &Path, cfg: &QuickstartConfig) -> Result<()> {
     }
 }
 
-fn json_err(e: serde_json::Error) -> Error {
+pub(crate) fn json_err(e: serde_json::Error) -> Error {
     Error::Input(format!("cannot serialize to JSON: {e}"))
 }
 
-fn to_json<T: Serialize>(value: &T) -> Result<String> {
+pub(crate) fn to_json<T: Serialize>(value: &T) -> Result<String> {
     serde_json::to_string_pretty(value).map_err(json_err)
 }
 
-fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
+pub(crate) fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
     if let Some(parent) = path.parent() {
         std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
     }
@@ -715,7 +718,7 @@ fn evaluate_policy(
     })
 }
 
-fn count_parameters(store: &ParamStore, keep: impl Fn(&str) -> bool) -> Result<usize> {
+pub(crate) fn count_parameters(store: &ParamStore, keep: impl Fn(&str) -> bool) -> Result<usize> {
     Ok(store.snapshot()?.iter().filter(|(n, _)| keep(n)).map(|(_, t)| t.elem_count()).sum())
 }
 
@@ -744,7 +747,10 @@ fn read_curve(path: &Path) -> Result<Vec<CurvePoint>> {
 }
 
 /// A progress callback for the supervised trainers.
-fn train_progress<'a>(stage: &'static str, on: &'a mut dyn FnMut(Event)) -> impl FnMut(&TrainProgress) + 'a {
+pub(crate) fn train_progress<'a>(
+    stage: &'static str,
+    on: &'a mut dyn FnMut(Event),
+) -> impl FnMut(&TrainProgress) + 'a {
     move |p: &TrainProgress| {
         let mut message = format!("loss {:.3}", p.loss);
         if let Some(e) = &p.eval {
