@@ -46,6 +46,7 @@ pub mod params;
 pub mod ppo;
 pub mod process;
 pub mod quickstart;
+pub mod rejection;
 pub mod rewards;
 pub mod run;
 pub mod tokenizer;

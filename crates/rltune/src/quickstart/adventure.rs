@@ -371,6 +371,8 @@ fn ppo_config(dir: &Path, cfg: &AdventureQuickstartConfig) -> RunConfig {
     };
     RunConfig {
         model: ModelSection { path: dir.join("bc").to_string_lossy().into_owned() },
+        algorithm: Default::default(),
+        rejection: Default::default(),
         ref_model: None,
         reward: Default::default(),
         data: Default::default(),

@@ -4,6 +4,8 @@
 //!
 //! To train on text games, `[env]` (as in env configs, `rltune play`), `[agent]` (the prompt) and
 //! `[episodes]` (discounting across turns, shaping, evaluation) replace `[data]` and `[reward]`.
+//! `[algorithm] kind = "rejection_sampling"` with a `[rejection]` table trains by rejection
+//! sampling instead of PPO (on games or prompts; [`crate::rejection`]).
 
 use std::path::{Path, PathBuf};
 
@@ -13,6 +15,7 @@ use crate::envs::rollout::Shaping;
 use crate::error::{Error, Result};
 use crate::generation::GenerationConfig;
 use crate::ppo::PpoConfig;
+use crate::rejection::RejectionConfig;
 use crate::rewards::{ClassifierOutput, ScoredText};
 
 /// `[model]` / `[ref_model]`: where a model comes from.
@@ -199,12 +202,37 @@ impl EpisodesSection {
     }
 }
 
+/// Which trainer a run uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AlgorithmKind {
+    /// TRL's PPO (`[ppo]`).
+    #[default]
+    Ppo,
+    /// Sample, keep the best, fine-tune on them (`[rejection]`; [`crate::rejection`]).
+    RejectionSampling,
+}
+
+/// `[algorithm]`
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AlgorithmSection {
+    /// The trainer.
+    pub kind: AlgorithmKind,
+}
+
 /// The whole run config.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RunConfig {
     /// The policy to train.
     pub model: ModelSection,
+    /// The trainer: PPO (default) or rejection sampling.
+    #[serde(default)]
+    pub algorithm: AlgorithmSection,
+    /// Rejection sampling's settings (with `[algorithm] kind = "rejection_sampling"`).
+    #[serde(default)]
+    pub rejection: RejectionConfig,
     /// The reference model; default: a frozen copy of the policy.
     #[serde(default)]
     pub ref_model: Option<ModelSection>,
@@ -272,6 +300,9 @@ impl RunConfig {
     /// Checks the sections; messages name the field.
     pub fn validate(&self) -> std::result::Result<(), String> {
         self.ppo.validate()?;
+        if self.algorithm.kind == AlgorithmKind::RejectionSampling {
+            self.rejection.validate()?;
+        }
         self.generation.validate().map_err(|e| e.to_string())?;
         if self.ppo.temperature != self.generation.temperature {
             return Err(format!(

@@ -35,8 +35,11 @@ const MAX_ROUNDS: usize = 64;
 /// One step's turns and what else the rounds produced.
 #[derive(Debug, Clone)]
 pub struct EpisodeBatch {
-    /// Exactly `batch_size` turns.
+    /// The turns: exactly `batch_size` from [`EpisodeSource::collect`], all of them from
+    /// [`EpisodeSource::play_rounds`].
     pub transitions: Vec<Transition>,
+    /// From [`EpisodeSource::play_rounds`]: which episode each turn belongs to (0, 1, …).
+    pub turn_episodes: Vec<usize>,
     /// Every finished episode of the step's rounds.
     pub episodes: Vec<Episode>,
     /// Turns played but not picked.
@@ -90,53 +93,76 @@ impl EpisodeSource {
         batch_size: usize,
         device: &Device,
     ) -> Result<EpisodeBatch> {
+        let mut batch = self.play_rounds(step, policy, tokenizer, batch_size, device)?;
+        let turns: Vec<Transition> = std::mem::take(&mut batch.transitions);
+        // Which turns train: a random subset, kept in play order.
+        let mut rng = rand::rngs::StdRng::seed_from_u64(mix(self.seed, step as u64, 0, 0x7e4d));
+        let mut picked = sample(&mut rng, turns.len(), batch_size).into_vec();
+        picked.sort_unstable();
+        batch.unused_turns = turns.len() - batch_size;
+        let mut slots: Vec<Option<Transition>> = turns.into_iter().map(Some).collect();
+        batch.transitions = picked.into_iter().filter_map(|i| slots[i].take()).collect();
+        Ok(batch)
+    }
+
+    /// Plays rounds of episodes with `policy` until at least `min_turns` turns are played;
+    /// returns them all, episode by episode (`turn_episodes[i]`: the episode of turn i).
+    pub fn play_rounds(
+        &mut self,
+        step: usize,
+        policy: &CausalLmWithValueHead,
+        tokenizer: &Tokenizer,
+        min_turns: usize,
+        device: &Device,
+    ) -> Result<EpisodeBatch> {
         let b = self.env.num_envs();
-        let (mut turns, mut episodes) = (Vec::new(), Vec::new());
-        let (mut example_turns, mut dropped) = (0, 0);
-        let (mut time_generation, mut time_env) = (Duration::ZERO, Duration::ZERO);
+        let mut out = EpisodeBatch {
+            transitions: Vec::new(),
+            turn_episodes: Vec::new(),
+            episodes: Vec::new(),
+            unused_turns: 0,
+            example_turns: 0,
+            dropped: 0,
+            time_generation: Duration::ZERO,
+            time_env: Duration::ZERO,
+        };
         let mut round = 0;
-        while turns.len() < batch_size {
+        let mut groups = 0;
+        while out.transitions.len() < min_turns {
             if round == MAX_ROUNDS {
                 return Err(Error::Input(format!(
                     "step {}: {MAX_ROUNDS} rounds of {b} episodes gave {} trainable turns, fewer than \
-                     [ppo] batch_size = {batch_size} (are [episodes] example_turn_prob or [env] \
-                     max_steps too high/low?)",
+                     {min_turns} (is [episodes] example_turn_prob too high, or [env] max_steps too low?)",
                     step + 1,
-                    turns.len()
+                    out.transitions.len()
                 )));
             }
             let resets: Vec<Reset> = (0..b).map(|e| self.train_reset(step, round, e)).collect();
             let seed = mix(self.seed, step as u64, round as u64, u64::MAX);
             let got =
                 collect_episodes(self.env.as_mut(), policy, tokenizer, &self.rollout, &resets, seed, device)?;
-            turns.extend(got.transitions);
-            let first = episodes.len();
-            episodes.extend(got.episodes);
-            for (k, ep) in episodes[first..].iter_mut().enumerate() {
+            // A round's turns come episode by episode: a new environment index starts a new one.
+            let mut last_env = None;
+            for t in got.transitions {
+                if last_env != Some(t.env) {
+                    groups += 1;
+                    last_env = Some(t.env);
+                }
+                out.turn_episodes.push(groups - 1);
+                out.transitions.push(t);
+            }
+            let first = out.episodes.len();
+            out.episodes.extend(got.episodes);
+            for (k, ep) in out.episodes[first..].iter_mut().enumerate() {
                 ep.episode = first + k;
             }
-            example_turns += got.example_turns;
-            dropped += got.dropped;
-            time_generation += got.time_generation;
-            time_env += got.time_env;
+            out.example_turns += got.example_turns;
+            out.dropped += got.dropped;
+            out.time_generation += got.time_generation;
+            out.time_env += got.time_env;
             round += 1;
         }
-        // Which turns train: a random subset, kept in play order.
-        let mut rng = rand::rngs::StdRng::seed_from_u64(mix(self.seed, step as u64, 0, 0x7e4d));
-        let mut picked = sample(&mut rng, turns.len(), batch_size).into_vec();
-        picked.sort_unstable();
-        let unused_turns = turns.len() - batch_size;
-        let mut slots: Vec<Option<Transition>> = turns.into_iter().map(Some).collect();
-        let transitions = picked.into_iter().filter_map(|i| slots[i].take()).collect();
-        Ok(EpisodeBatch {
-            transitions,
-            episodes,
-            unused_turns,
-            example_turns,
-            dropped,
-            time_generation,
-            time_env,
-        })
+        Ok(out)
     }
 
     /// How environment `e` starts in round `round` of `step`: a training game drawn from the

@@ -13,7 +13,7 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 
 use super::checkpoint::{clear_stale_writes, latest_checkpoint, load_trainer_state, save_checkpoint};
-use super::config::{RewardSourceConfig, RunConfig};
+use super::config::{AlgorithmKind, RewardSourceConfig, RunConfig};
 use super::episodes::{add_episode_stats, add_eval_stats, EpisodeSource};
 use crate::data::prompts::{load_prompts, LengthSampler, PromptRow};
 use crate::error::{Error, Result};
@@ -27,6 +27,8 @@ use crate::rewards::{
     ClassifierReward, ClassifierRewardConfig, CommandReward, RewardInput, RewardSource, WeightedSum,
 };
 use crate::tokenizer::Tokenizer;
+
+mod rejection;
 
 /// What the loop reports after each step (for progress bars).
 #[derive(Debug, Clone, PartialEq)]
@@ -199,11 +201,12 @@ impl PpoRun {
         }
         let mut step = self.start_step;
         while step < total {
-            let report = if matches!(self.source, Source::Games(_)) {
-                self.game_step(step)?
-            } else {
-                let batch = self.next_batch(&mut order, &mut rng, &sampler, b);
-                self.one_step(step, &batch)?
+            let games = matches!(self.source, Source::Games(_));
+            let batch = if games { Vec::new() } else { self.next_batch(&mut order, &mut rng, &sampler, b) };
+            let report = match (self.config.algorithm.kind, games) {
+                (AlgorithmKind::RejectionSampling, _) => self.rejection_step(step, &batch)?,
+                (AlgorithmKind::Ppo, true) => self.game_step(step)?,
+                (AlgorithmKind::Ppo, false) => self.one_step(step, &batch)?,
             };
             step += 1;
             progress(&StepReport { step, ..report });
@@ -344,6 +347,19 @@ impl PpoRun {
         })
     }
 
+    /// On text games, after `step` (from 0) when `eval_every` says so: the policy on held-out
+    /// games (`eval/*`).
+    fn eval_if_due(&self, step: usize, stats: &mut crate::ppo::Stats) -> Result<()> {
+        let Source::Games(games) = &self.source else { return Ok(()) };
+        if games.eval_due(step + 1) {
+            let t = Instant::now();
+            let (policy, gen) = (&self.trainer.policy, &self.config.generation);
+            let r = games.evaluate(policy, &self.tokenizer, gen, self.config.ppo.seed, &self.device)?;
+            add_eval_stats(stats, &r, t.elapsed().as_secs_f64());
+        }
+        Ok(())
+    }
+
     /// One step on text games: play, step on the turns, log episodes, evaluate when due.
     fn game_step(&mut self, step: usize) -> Result<StepReport> {
         let Source::Games(games) = &mut self.source else {
@@ -375,18 +391,7 @@ impl PpoRun {
         add_env_stats(&mut stats, &logprobs, &scores, &queries, time_gen, 0.0, self.skipped);
         stats.insert("time/rollout/total".into(), Stat::Scalar(time_rollout));
         add_episode_stats(&mut stats, &batch);
-        if games.eval_due(step + 1) {
-            let t = Instant::now();
-            let policy = &self.trainer.policy;
-            let r = games.evaluate(
-                policy,
-                &self.tokenizer,
-                &self.config.generation,
-                self.config.ppo.seed,
-                &self.device,
-            )?;
-            add_eval_stats(&mut stats, &r, t.elapsed().as_secs_f64());
-        }
+        self.eval_if_due(step, &mut stats)?;
         let rows = turns
             .iter()
             .take(self.config.logging.samples_per_step)

@@ -287,6 +287,20 @@ pub fn train_sft(
     Ok(summary)
 }
 
+/// Fine-tunes `model` on examples tokenized already (e.g. the kept (prompt, action) pairs of
+/// rejection sampling, with the loss on the action's tokens).
+pub fn train_sft_examples(
+    model: &SftModel,
+    examples: &[SftExample],
+    args: &TrainingArgs,
+    progress: &mut dyn FnMut(&TrainProgress),
+) -> Result<TrainSummary> {
+    if examples.is_empty() {
+        return Err(Error::Input("no SFT example to train on".into()));
+    }
+    runner::run(&SftObjective::new(model), &model.store, examples, args, progress)
+}
+
 /// Mean next-token loss, perplexity and token accuracy of `model` on `examples`.
 pub fn evaluate_sft(model: &SftModel, examples: &[SftExample], batch_size: usize) -> Result<EvalResult> {
     let refs: Vec<&SftExample> = examples.iter().collect();

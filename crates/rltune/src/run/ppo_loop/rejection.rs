@@ -1,0 +1,266 @@
+//! The rejection-sampling step of a run (`[algorithm] kind = "rejection_sampling"`; see
+//! [`crate::rejection`]): sample, score, keep the best, fine-tune on them.
+
+use std::time::Instant;
+
+use super::{add_env_stats, decode, PpoRun, Source, StepReport};
+use crate::error::{Error, Result};
+use crate::generation::{generate, GenerationConfig};
+use crate::logging::SampleRow;
+use crate::ppo::{Stat, Stats};
+use crate::rejection::{response_logprobs, returns_to_go, select_top, Per};
+use crate::rewards::RewardInput;
+use crate::run::episodes::add_episode_stats;
+use crate::train::sft::{train_sft_examples, SftExample, SftModel};
+use crate::train::{ScheduleKind, TrainingArgs};
+
+/// One candidate: the pair to fine-tune on and its score before the KL term.
+struct Candidate {
+    query: Vec<u32>,
+    response: Vec<u32>,
+    logprobs: Vec<f32>,
+    score: f64,
+    /// Candidates ranked together (a prompt's samples, or all turns of a game batch).
+    group: usize,
+    /// Kept or dropped together (an episode with `per = "episode"`; else itself).
+    unit: usize,
+    /// The text shown in the report.
+    shown: (String, String),
+}
+
+impl PpoRun {
+    /// One rejection-sampling step.
+    pub(super) fn rejection_step(&mut self, step: usize, batch: &[(usize, usize)]) -> Result<StepReport> {
+        let rs = self.config.rejection.clone();
+        let t = Instant::now();
+        let mut stats = Stats::new();
+        let mut episodes = Vec::new();
+        let candidates = match &mut self.source {
+            Source::Games(games) => {
+                let b = self.config.ppo.batch_size;
+                let got = games.play_rounds(step, &self.trainer.policy, &self.tokenizer, b, &self.device)?;
+                add_episode_stats(&mut stats, &got);
+                episodes = got.episodes.clone();
+                let gamma = self.config.episodes.game_gamma;
+                // Per episode: its turns' shaped rewards, discounted to each turn or summed.
+                let n_eps = got.turn_episodes.last().map_or(0, |&e| e + 1);
+                let mut rewards: Vec<Vec<f64>> = vec![Vec::new(); n_eps];
+                for (t, &e) in got.transitions.iter().zip(&got.turn_episodes) {
+                    rewards[e].push(f64::from(t.reward));
+                }
+                let scores: Vec<Vec<f64>> = rewards
+                    .iter()
+                    .map(|r| match rs.per {
+                        Per::Turn => returns_to_go(r, gamma),
+                        Per::Episode => vec![r.iter().sum(); r.len()],
+                    })
+                    .collect();
+                let mut seen = vec![0usize; n_eps];
+                let mut out = Vec::with_capacity(got.transitions.len());
+                for (i, (t, &e)) in got.transitions.into_iter().zip(&got.turn_episodes).enumerate() {
+                    let score = scores[e][seen[e]];
+                    seen[e] += 1;
+                    let unit = if rs.per == Per::Episode { e } else { i };
+                    let shown = (self.tokenizer.decode(&t.query_ids)?, t.action.clone());
+                    out.push(Candidate {
+                        query: t.query_ids,
+                        response: t.response_ids,
+                        logprobs: t.logprobs,
+                        score,
+                        group: 0,
+                        unit,
+                        shown,
+                    });
+                }
+                out
+            }
+            Source::Prompts { prompts, reward } => {
+                let n = rs.samples_per_prompt;
+                let mut queries = Vec::with_capacity(batch.len() * n);
+                let mut rows = Vec::with_capacity(batch.len() * n);
+                for &(i, len) in batch {
+                    let ids = &prompts[i].0;
+                    for _ in 0..n {
+                        queries.push(ids[..ids.len().min(len)].to_vec());
+                        rows.push(i);
+                    }
+                }
+                let gen = GenerationConfig {
+                    seed: self.config.generation.seed.wrapping_add(step as u64),
+                    ..self.config.generation.clone()
+                };
+                let policy = &self.trainer.policy;
+                let samples = generate(&policy.lm, None, &queries, &gen, &self.device)?;
+                let texts = decode(&self.tokenizer, &samples)?;
+                let inputs: Vec<RewardInput> = samples
+                    .iter()
+                    .zip(&texts)
+                    .zip(&rows)
+                    .map(|((s, (q, r)), &i)| RewardInput {
+                        query: q,
+                        response: r,
+                        query_ids: &s.query_ids,
+                        response_ids: &s.response_ids,
+                        meta: &prompts[i].1.meta,
+                    })
+                    .collect();
+                let scores = reward.score(&inputs)?;
+                if scores.len() != samples.len() {
+                    return Err(Error::Input(format!(
+                        "the reward sources gave {} scores for {} samples",
+                        scores.len(),
+                        samples.len()
+                    )));
+                }
+                let grouped = n > 1;
+                samples
+                    .into_iter()
+                    .zip(scores)
+                    .zip(texts)
+                    .enumerate()
+                    .map(|(k, ((s, score), shown))| Candidate {
+                        query: s.query_ids,
+                        response: s.response_ids,
+                        logprobs: s.logprobs,
+                        score: f64::from(score),
+                        group: if grouped { k / n } else { 0 },
+                        unit: k,
+                        shown,
+                    })
+                    .collect()
+            }
+        };
+        let time_rollout = t.elapsed().as_secs_f64();
+        self.eval_if_due(step, &mut stats)?;
+        let report = self.rejection_update(step, candidates, stats, time_rollout)?;
+        let shown = episodes.iter().take(self.config.episodes.transcripts_per_step);
+        self.logger.log_transcripts(step + 1, shown)?;
+        Ok(report)
+    }
+
+    /// Scores with the KL term, keeps the best of each group, fine-tunes on them, logs.
+    fn rejection_update(
+        &mut self,
+        step: usize,
+        candidates: Vec<Candidate>,
+        mut stats: Stats,
+        time_rollout: f64,
+    ) -> Result<StepReport> {
+        let rs = self.config.rejection.clone();
+        let t = Instant::now();
+        // The KL to the reference over each response: Σ_t log π(a_t) − log π_ref(a_t).
+        let mut kls = Vec::with_capacity(candidates.len());
+        for c in &candidates {
+            if c.response.is_empty() {
+                kls.push(0.0);
+                continue;
+            }
+            let reference = &self.trainer.reference;
+            let temperature = self.config.generation.temperature;
+            let r = response_logprobs(reference, &c.query, &c.response, temperature, &self.device)?;
+            kls.push(c.logprobs.iter().zip(&r).map(|(&p, &q)| f64::from(p - q)).sum::<f64>());
+        }
+        let time_ref = t.elapsed().as_secs_f64();
+        let scores: Vec<f64> = candidates.iter().zip(&kls).map(|(c, k)| c.score - rs.kl_coef * k).collect();
+        // Rank units (a turn, an episode, a sample) within each group; a unit's score is its
+        // first candidate's (all of an episode's turns share its return).
+        let mut kept = vec![false; candidates.len()];
+        let groups = candidates.iter().map(|c| c.group).max().map_or(0, |g| g + 1);
+        for g in 0..groups {
+            let mut units: Vec<(usize, f64)> = Vec::new();
+            for (i, c) in candidates.iter().enumerate().filter(|(_, c)| c.group == g) {
+                if units.last().is_none_or(|&(u, _)| candidates[u].unit != c.unit) {
+                    units.push((i, scores[i]));
+                }
+            }
+            let unit_scores: Vec<f64> = units.iter().map(|u| u.1).collect();
+            for k in select_top(&unit_scores, rs.kept_of(units.len())) {
+                let unit = candidates[units[k].0].unit;
+                for (i, c) in candidates.iter().enumerate() {
+                    if c.group == g && c.unit == unit {
+                        kept[i] = true;
+                    }
+                }
+            }
+        }
+        let examples: Vec<SftExample> = candidates
+            .iter()
+            .zip(&kept)
+            .filter(|(c, &k)| k && !c.response.is_empty())
+            .map(|(c, _)| SftExample {
+                input_ids: c.query.iter().chain(&c.response).copied().collect(),
+                loss_mask: [vec![0u8; c.query.len()], vec![1u8; c.response.len()]].concat(),
+            })
+            .collect();
+        let t = Instant::now();
+        let model = SftModel {
+            store: self.trainer.store.clone(),
+            lm: self.trainer.policy.lm.clone(),
+            config_json: self.config_json.clone(),
+            tokenizer: self.tokenizer.clone(),
+            generation_config: None,
+        };
+        let args = TrainingArgs {
+            learning_rate: rs.learning_rate,
+            num_train_epochs: rs.epochs,
+            batch_size: rs.batch_size,
+            lr_scheduler_type: ScheduleKind::Constant,
+            eval_fraction: 0.0,
+            seed: self.config.ppo.seed.wrapping_add(step as u64),
+            ..TrainingArgs::default()
+        };
+        let sft = if examples.is_empty() {
+            None
+        } else {
+            Some(train_sft_examples(&model, &examples, &args, &mut |_| {})?)
+        };
+        let time_sft = t.elapsed().as_secs_f64();
+
+        let raw: Vec<f32> = candidates.iter().map(|c| c.score as f32).collect();
+        let queries: Vec<Vec<u32>> = candidates.iter().map(|c| c.query.clone()).collect();
+        let logprobs: Vec<&[f32]> = candidates.iter().map(|c| c.logprobs.as_slice()).collect();
+        add_env_stats(&mut stats, &logprobs, &raw, &queries, time_rollout, 0.0, self.skipped);
+        let n_kept = kept.iter().filter(|&&k| k).count();
+        let mean = |v: &mut dyn Iterator<Item = f64>| {
+            let (s, n) = v.fold((0.0, 0usize), |(s, n), x| (s + x, n + 1));
+            s / n.max(1) as f64
+        };
+        let kept_scores = &mut scores.iter().zip(&kept).filter(|(_, &k)| k).map(|(&s, _)| s);
+        let threshold =
+            scores.iter().zip(&kept).filter(|(_, &k)| k).map(|(&s, _)| s).fold(f64::INFINITY, f64::min);
+        for (k, v) in [
+            ("rejection/candidates", candidates.len() as f64),
+            ("rejection/kept", n_kept as f64),
+            ("rejection/score_mean", mean(&mut scores.iter().copied())),
+            ("rejection/kept_score_mean", mean(kept_scores)),
+            ("rejection/threshold", threshold),
+            ("rejection/sft_loss", sft.as_ref().map_or(f64::NAN, |s| s.mean_train_loss)),
+            ("objective/kl", mean(&mut kls.iter().copied())),
+            ("time/rejection/reference", time_ref),
+            ("time/rejection/sft", time_sft),
+        ] {
+            stats.insert(k.into(), Stat::Scalar(v));
+        }
+        let rows: Vec<SampleRow> = candidates
+            .iter()
+            .zip(&kept)
+            .filter(|(_, &k)| k)
+            .take(self.config.logging.samples_per_step)
+            .map(|(c, _)| SampleRow {
+                query: c.shown.0.clone(),
+                response: c.shown.1.clone(),
+                reward: c.score as f32,
+            })
+            .collect();
+        self.logger.log_step(step + 1, &stats, &rows)?;
+        let get = |k: &str| stats.get(k).and_then(Stat::as_f64).unwrap_or(f64::NAN);
+        Ok(StepReport {
+            step,
+            total: self.config.ppo.steps,
+            reward_mean: get("env/reward_mean"),
+            kl: get("objective/kl"),
+            skipped: false,
+            win_rate: stats.get("env/win_rate").and_then(Stat::as_f64),
+        })
+    }
+}
