@@ -2,6 +2,7 @@
 
 pub mod checkpoint;
 pub mod config;
+pub mod critic;
 pub mod ppo_loop;
 
 pub use config::RunConfig;
