@@ -18,6 +18,9 @@
 //! - `whiten_rewards` keeps padding at zero (TRL leaks it into the advantages).
 //! - Position ids come from the attention mask, so left padding does not shift positions.
 //! - No dropout anywhere (TRL's value head applies dropout 0.1 unless configured off).
+//!
+//! Options TRL lacks: an MLP value head (`value_head`), a detached value head
+//! (`detach_value_head`), and a separate critic with its own optimizer ([`super::critic`]).
 
 use std::collections::VecDeque;
 use std::time::Instant;

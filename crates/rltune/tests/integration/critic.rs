@@ -436,3 +436,74 @@ fn run_critic_loading_checks_the_tokenizer_and_the_checkpoint() {
     let err = load(&without, Some(&ckpt)).unwrap_err().to_string();
     assert!(err.contains("holds a critic") && err.contains("add [critic]"), "{err}");
 }
+
+/// `rltune ppo` with `[critic]`, through `PpoRun`: the critic trains, is checkpointed in
+/// `critic/` with its optimizer, and a run resumed from step 2 ends with the weights and
+/// metrics of a straight 3-step run.
+#[test]
+fn a_run_with_a_critic_checkpoints_it_and_resumes_exactly() {
+    use rltune::run::{PpoRun, RunConfig};
+    use std::sync::atomic::AtomicBool;
+    let tmp = tempfile::tempdir().unwrap();
+    let words: Vec<String> = (0..48).map(|i| format!("w{i}")).collect();
+    let tok = crate::common::word_tokenizer(&as_str(&words), false);
+    let save = |name: &str, seed: u64| {
+        let (store, model) = tiny_with_head(seed, 50, ValueHeadSpec::default());
+        let dir = tmp.path().join(name);
+        save_pretrained(&dir, &store, &config_json(&model.lm)).unwrap();
+        tok.inner().save(dir.join("tokenizer.json"), false).unwrap();
+        dir
+    };
+    let (policy, critic) = (save("policy", 1), save("critic", 2));
+    let prompts = tmp.path().join("prompts.jsonl");
+    let lines: Vec<String> =
+        (0..12).map(|i| format!("{{\"text\": \"w{} w{} w{}\"}}", i, (i * 7) % 48, (i * 5) % 48)).collect();
+    std::fs::write(&prompts, lines.join("\n")).unwrap();
+    let config = |run: &str, steps: usize| {
+        let text = format!(
+            "[model]\npath = {:?}\n[critic]\npath = {:?}\nlearning_rate = 1e-3\n[data]\nsource = {:?}\n\
+             min_query_tokens = 1\nmax_query_tokens = 4\n[[reward.sources]]\nkind = \"command\"\n\
+             command = [\"sh\", \"-c\", \"while read l; do echo 1; done\"]\n[generation]\nmax_new_tokens = 4\n\
+             [ppo]\nbatch_size = 4\nmini_batch_size = 2\nppo_epochs = 2\nlearning_rate = 1e-4\nsteps = {steps}\n\
+             [logging]\ndir = {:?}\n[checkpoint]\nevery = 2\noptimizer_state = true\n",
+            policy.to_str().unwrap(),
+            critic.to_str().unwrap(),
+            prompts.to_str().unwrap(),
+            tmp.path().join(run).to_str().unwrap()
+        );
+        RunConfig::from_toml(&text, std::path::Path::new("run.toml"), &[]).unwrap()
+    };
+    let stop = AtomicBool::new(false);
+    let run = |cfg: RunConfig, resume: bool| {
+        let mut r = PpoRun::prepare(cfg, Vec::new(), resume).unwrap();
+        r.run(&stop, &mut |_| {}).unwrap();
+        r
+    };
+    let straight = run(config("straight", 3), false);
+    run(config("resumed", 2), false);
+    let ckpt = tmp.path().join("resumed/checkpoints/step-2/critic");
+    for f in ["model.safetensors", "config.json", "tokenizer.json", "optimizer.safetensors"] {
+        assert!(ckpt.join(f).is_file(), "no critic/{f} in the checkpoint");
+    }
+    let resumed = run(config("resumed", 3), true);
+    let metrics = |run: &str| -> Vec<serde_json::Value> {
+        std::fs::read_to_string(tmp.path().join(run).join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| {
+                let mut v: serde_json::Value = serde_json::from_str(l).unwrap();
+                v.as_object_mut().unwrap().retain(|k, _| !k.starts_with("time/"));
+                v
+            })
+            .collect()
+    };
+    let (a, b) = (metrics("straight"), metrics("resumed"));
+    assert_eq!(a.len(), 3);
+    assert_eq!(a[2]["rltune/critic_learning_rate"], 1e-3);
+    assert_eq!(a, b, "the resumed run's metrics differ");
+    let critic_of = |r: &PpoRun| snapshot(&r.trainer.critic().unwrap().store);
+    let (names, worst) = changed(&critic_of(&straight), &critic_of(&resumed));
+    assert!(names.is_empty(), "the critics differ by {worst}: {names:?}");
+    let (names, _) = changed(&snapshot(&straight.trainer.store), &snapshot(&resumed.trainer.store));
+    assert!(names.is_empty(), "the policies differ: {names:?}");
+}
