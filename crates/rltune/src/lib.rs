@@ -9,7 +9,8 @@
 //! - [`ops`]: differentiable fused ops (softmax, layer norm, RMS norm, log-softmax) with
 //!   hand-written backward passes; candle's own fused kernels drop gradients.
 //! - [`params`]: named parameters loaded from safetensors or initialized in-process.
-//! - [`models`]: GPT-2, the Llama family, BERT and DistilBERT, and TRL's value head.
+//! - [`models`]: GPT-2, the Llama family, BERT and DistilBERT, and TRL's value head (or trlx's
+//!   MLP head).
 //! - [`tokenizer`]: `tokenizer.json` with configurable padding.
 //! - [`generation`]: batched, exact sampling with a KV cache that returns each token's logprob.
 //!

@@ -188,6 +188,11 @@ impl ParamStore {
         self.lock().tensors.contains_key(name)
     }
 
+    /// The shape of the tensor `name`, if the store holds it.
+    pub fn shape_of(&self, name: &str) -> Option<Vec<usize>> {
+        self.lock().tensors.get(name).map(|t| t.dims().to_vec())
+    }
+
     /// All names, sorted.
     pub fn names(&self) -> Vec<String> {
         self.lock().tensors.keys().cloned().collect()

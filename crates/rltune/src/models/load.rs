@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device};
 
-use super::{CausalLm, CausalLmConfig, CausalLmWithValueHead};
+use super::{CausalLm, CausalLmConfig, CausalLmWithValueHead, ValueHeadSpec};
 use crate::error::{Error, Result};
 use crate::io::{read_json, write_bytes_atomic};
 use crate::params::ParamStore;
@@ -206,13 +206,30 @@ pub struct LoadedPolicy {
 
 /// Loads a causal LM with a value head from a directory or hub id.
 ///
-/// A missing value head is initialized (and logged). Weights are converted to `dtype`.
+/// The value head is the one the checkpoint holds (see [`super::ValueHead::load`]); a missing
+/// one is initialized (and logged). Weights are converted to `dtype`.
 pub fn load_policy(model: &str, trainable: bool, dtype: DType, device: &Device) -> Result<LoadedPolicy> {
+    load_policy_with(model, None, trainable, dtype, device)
+}
+
+/// [`load_policy`] with the value head `head` asks for (`None`: the checkpoint's); a checkpoint
+/// holding another kind of head is an error naming `[ppo] value_head`.
+pub fn load_policy_with(
+    model: &str,
+    head: Option<ValueHeadSpec>,
+    trainable: bool,
+    dtype: DType,
+    device: &Device,
+) -> Result<LoadedPolicy> {
     let files = locate(model)?;
     let config_json = read_config_json(&files.config)?;
     let config = CausalLmConfig::from_json(&config_json, &files.config)?;
     let store = ParamStore::load_safetensors(&files.weights, trainable, dtype, device)?;
-    let model = policy_from_store(&store, &config)?;
+    let lm = CausalLm::load(&store.root(), &config)?;
+    let model = match head {
+        Some(spec) => CausalLmWithValueHead::load_with(&store.root(), lm, spec)?,
+        None => CausalLmWithValueHead::load(&store.root(), lm)?,
+    };
     Ok(LoadedPolicy { files, config_json, config, store, model })
 }
 

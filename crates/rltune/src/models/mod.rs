@@ -26,7 +26,7 @@ use std::path::Path;
 use candle_core::Tensor;
 
 pub use layers::KvCache;
-pub use value_head::{CausalLmWithValueHead, ValueHead};
+pub use value_head::{CausalLmWithValueHead, ValueHead, ValueHeadKind, ValueHeadSpec};
 
 use crate::error::{Error, Result};
 use crate::params::Params;

@@ -7,6 +7,7 @@ use std::path::Path;
 
 use super::math::KlPenalty;
 use crate::error::{Error, Result};
+use crate::models::{ValueHeadKind, ValueHeadSpec};
 
 /// PPO hyper-parameters. Defaults are TRL 0.11.4's unless a field says otherwise.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -72,6 +73,15 @@ pub struct PpoConfig {
     /// In `rltune ppo`, reuse the rollout's logprobs and values instead of a second policy forward
     /// pass (trl-textworld's optimization; equal up to float rounding). rltune only; default true.
     pub rollout_cache: bool,
+    /// The value head: `"linear"` (TRL's `Linear(C, 1)`, default) or `"mlp"` (trlx's
+    /// `Linear(C, H) → ReLU → Linear(H, 1)`). With a separate critic, the critic's head. rltune only.
+    pub value_head: ValueHeadKind,
+    /// The MLP head's width H; default: the checkpoint's, else `2·C` (trlx). rltune only.
+    pub value_head_hidden: Option<usize>,
+    /// Feed the value head a detached hidden state, so the value loss trains only the head and
+    /// not the LM under it (with a separate critic: not the critic's backbone). rltune only;
+    /// default false (TRL: the value loss reaches the shared LM).
+    pub detach_value_head: bool,
 }
 
 impl Default for PpoConfig {
@@ -105,6 +115,9 @@ impl Default for PpoConfig {
             missing_eos_penalty: None,
             steps: 20000,
             rollout_cache: true,
+            value_head: ValueHeadKind::Linear,
+            value_head_hidden: None,
+            detach_value_head: false,
         }
     }
 }
@@ -139,12 +152,20 @@ const FIELDS: &[&str] = &[
     "missing_eos_penalty",
     "steps",
     "rollout_cache",
+    "value_head",
+    "value_head_hidden",
+    "detach_value_head",
 ];
 
 impl PpoConfig {
     /// Samples per optimizer step: `mini_batch_size · gradient_accumulation_steps`.
     pub fn backward_batch_size(&self) -> usize {
         self.mini_batch_size * self.gradient_accumulation_steps
+    }
+
+    /// The value head `value_head` and `value_head_hidden` ask for.
+    pub fn value_head_spec(&self) -> ValueHeadSpec {
+        ValueHeadSpec { kind: self.value_head, hidden: self.value_head_hidden }
     }
 
     /// Reads the `[ppo]` table of a TOML file (all fields optional), then validates it.
@@ -228,6 +249,15 @@ impl PpoConfig {
                     return Err(format!("ppo.{name} must be positive when set, got {v}"));
                 }
             }
+        }
+        match (self.value_head, self.value_head_hidden) {
+            (_, Some(0)) => return Err("ppo.value_head_hidden must be at least 1 when set".into()),
+            (ValueHeadKind::Linear, Some(_)) => {
+                return Err("ppo.value_head_hidden is the width of the MLP head; set value_head = \"mlp\" \
+                            or leave value_head_hidden out"
+                    .into())
+            }
+            _ => {}
         }
         if self.use_score_norm && !self.use_score_scaling {
             return Err("ppo.use_score_norm needs use_score_scaling = true".into());

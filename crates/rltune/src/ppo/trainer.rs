@@ -18,6 +18,9 @@
 //! - `whiten_rewards` keeps padding at zero (TRL leaks it into the advantages).
 //! - Position ids come from the attention mask, so left padding does not shift positions.
 //! - No dropout anywhere (TRL's value head applies dropout 0.1 unless configured off).
+//!
+//! Options TRL lacks: an MLP value head (`value_head`), a detached value head
+//! (`detach_value_head`), and a separate critic with its own optimizer ([`super::critic`]).
 
 use std::collections::VecDeque;
 use std::time::Instant;
@@ -27,6 +30,7 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 
 use super::config::PpoConfig;
+use super::critic::Critic;
 use super::kl_control::KlController;
 use super::math::{self, scalar, KlPenalty};
 use super::optim::{Adam, AdamConfig, FusedStep, Grads};
@@ -132,18 +136,18 @@ fn loss_is_finite(stats: &Stats) -> bool {
 /// predict a token outside the batch, and causal attention keeps it out of every other
 /// position's output, so leaving it out changes no number (TRL runs the whole sequence and
 /// drops that output).
-struct Batch {
+pub(super) struct Batch {
     /// `(B, L)` u32: the model's input is `ids[:, :L−1]`, the targets `ids[:, 1:]`.
-    ids: Tensor,
+    pub(super) ids: Tensor,
     /// `(B, L−1)` u32
-    positions: Tensor,
+    pub(super) positions: Tensor,
     /// `(B, 1, L−1, L−1)`
-    bias: Tensor,
+    pub(super) bias: Tensor,
     /// `(B, L−1)` f32
-    mask: Tensor,
+    pub(super) mask: Tensor,
     /// `(B, L−1)` f32: 1 on every response column (the mask before `response_masks`), where
     /// the rollout cache has logprobs.
-    response: Tensor,
+    pub(super) response: Tensor,
 }
 
 /// Per-token rollout quantities of a batch, each `(B, L−1)`.
@@ -167,6 +171,8 @@ pub struct PpoTrainer {
     pub store: ParamStore,
     /// The frozen reference model.
     pub reference: CausalLm,
+    /// A separate critic ([`Self::with_critic`]); `None`: the policy's value head (TRL).
+    pub(super) critic: Option<Critic>,
     optimizer: Adam,
     /// The gradient buffers, kept between steps (`None` until the first, or after an error).
     grads: Option<Grads>,
@@ -225,6 +231,7 @@ impl PpoTrainer {
             policy,
             store,
             reference,
+            critic: None,
             optimizer: Adam::new(vars, adam),
             grads: None,
             kl_ctl,
@@ -371,6 +378,9 @@ impl PpoTrainer {
         let mut stats = self.step_stats(&input, &scores, &kl, &non_score, &rollout, &batch, kl_coef)?;
         average_minibatch_stats(&mut stats, &mb_stats)?;
         stats.insert("ppo/learning_rate".into(), Stat::Scalar(self.optimizer.cfg.lr));
+        if let Some(c) = &self.critic {
+            stats.insert("rltune/critic_learning_rate".into(), Stat::Scalar(c.optimizer.cfg.lr));
+        }
         stats.insert("rltune/skipped_updates".into(), Stat::Scalar(self.skipped_updates as f64));
         let mean_kl = stats.get("objective/kl").and_then(Stat::as_f64).unwrap_or(0.0);
         self.kl_ctl.update(mean_kl, self.config.batch_size);
@@ -392,6 +402,7 @@ impl PpoTrainer {
 
     /// Rejects inputs that would give silent garbage, naming the sample.
     fn check_input(&self, input: &StepInput) -> Result<()> {
+        self.check_value_head()?;
         let b = self.config.batch_size;
         let n = input.queries.len();
         if n != b || input.responses.len() != b || input.scores.len() != b {
@@ -459,7 +470,9 @@ impl PpoTrainer {
                 }
             }
             if let Some(c) = input.rollout {
-                let ok = c.get(i).is_some_and(|c| c.logprobs.len() == r.len() && c.values.len() == r.len());
+                // With a critic the cached values are not read (it computes them): they may be empty.
+                let values_ok = |n: usize| n == r.len() || (n == 0 && self.critic.is_some());
+                let ok = c.get(i).is_some_and(|c| c.logprobs.len() == r.len() && values_ok(c.values.len()));
                 if !ok {
                     return Err(Error::Input(format!(
                         "sample {i}: rollout cache length differs from the response"
@@ -493,7 +506,7 @@ impl PpoTrainer {
     }
 
     /// Right-pads `query ++ response` rows and builds the response mask.
-    fn build_batch(&self, input: &StepInput) -> Result<Batch> {
+    pub(super) fn build_batch(&self, input: &StepInput) -> Result<Batch> {
         let rows: Vec<Vec<u32>> = input
             .queries
             .iter()
@@ -526,7 +539,9 @@ impl PpoTrainer {
     }
 
     /// The policy's next-token logprobs, their entropies and the values, each `(B, L−1)` (every
-    /// position but the last, whose logits predict a token outside the batch).
+    /// position but the last, whose logits predict a token outside the batch). The values come
+    /// from the policy's value head (its input detached with `detach_value_head`), or, with a
+    /// separate critic, from the critic (whose forward runs inside `critic_grads`' scope).
     ///
     /// `select (B, L−1)` limits the LM head to the marked positions (the others read 0 in
     /// logprobs and entropies, and their values are unspecified: the model skips the last
@@ -538,11 +553,20 @@ impl PpoTrainer {
         pos: &Tensor,
         bias: &Tensor,
         select: Option<&Tensor>,
-        keep: bool,
+        critic_grads: Option<&Grads>,
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let hidden = hidden_states(&self.policy.lm, ids, pos, bias, select)?;
-        let (logp, entropy) = self.head_logprobs(&self.policy.lm, &hidden, ids, select, keep)?;
-        let values = self.policy.v_head.forward(&hidden)?;
+        let (logp, entropy) = self.head_logprobs(&self.policy.lm, &hidden, ids, select, true)?;
+        let detach = self.config.detach_value_head;
+        let values = match (&self.critic, critic_grads) {
+            (Some(c), Some(g)) => {
+                let _sinks = g.scope();
+                c.values(ids, pos, bias, select, detach)?
+            }
+            (Some(c), None) => c.values(ids, pos, bias, select, detach)?,
+            (None, _) if detach => self.policy.v_head.forward(&hidden.detach())?,
+            (None, _) => self.policy.v_head.forward(&hidden)?,
+        };
         Ok((logp, entropy, values))
     }
 
@@ -596,11 +620,20 @@ impl PpoTrainer {
         let full = self.config.kl_penalty == KlPenalty::Full;
         let use_cache = input.rollout.is_some() && !full;
         let (mut lp, mut vals, mut rlp, mut flp, mut frlp) = (vec![], vec![], vec![], vec![], vec![]);
+        let mut critic_vals = vec![];
         for start in (0..b).step_by(chunk) {
             let n = chunk.min(b - start);
             let ids = batch.ids.narrow(0, start, n)?;
             let pos = batch.positions.narrow(0, start, n)?;
             let bias = batch.bias.narrow(0, start, n)?;
+            if let Some(c) = &self.critic {
+                // The critic's values, on the response positions only when the cache decides
+                // which positions are compared (the others are masked out everywhere).
+                let response = batch.response.narrow(0, start, n)?;
+                let v = c.values(&ids, &pos, &bias, use_cache.then_some(&response), false)?.detach();
+                // 0 where not computed, as the cached policy logprobs.
+                critic_vals.push(if use_cache { (v * &response)? } else { v });
+            }
             if use_cache {
                 // The cached policy logprobs exist on response columns only (0 elsewhere), so
                 // the reference's are computed there only: the LM head and the last block skip
@@ -615,7 +648,9 @@ impl PpoTrainer {
             let (l, f) = self.next_token_logprobs(&self.policy.lm, &hidden, &ids, full)?;
             lp.push(l);
             flp.extend(f);
-            vals.push(self.policy.v_head.forward(&hidden)?.detach());
+            if self.critic.is_none() {
+                vals.push(self.policy.v_head.forward(&hidden)?.detach());
+            }
             let h = self.reference.forward(&input, &pos, &bias, None)?;
             let (l, f) = self.next_token_logprobs(&self.reference, &h, &ids, full)?;
             rlp.push(l);
@@ -624,8 +659,10 @@ impl PpoTrainer {
         let ref_logprobs = Tensor::cat(&rlp, 0)?;
         let (logprobs, values) = match input.rollout {
             Some(cache) if use_cache => self.cached_rollout(input, cache, ref_logprobs.dims2()?)?,
+            _ if self.critic.is_some() => (Tensor::cat(&lp, 0)?, Tensor::cat(&critic_vals, 0)?),
             _ => (Tensor::cat(&lp, 0)?, Tensor::cat(&vals, 0)?),
         };
+        let values = if use_cache && self.critic.is_some() { Tensor::cat(&critic_vals, 0)? } else { values };
         let full = if full { Some((Tensor::cat(&flp, 0)?, Tensor::cat(&frlp, 0)?)) } else { None };
         Ok(Rollout { logprobs, ref_logprobs, values, full, cached: use_cache })
     }
@@ -668,6 +705,8 @@ impl PpoTrainer {
         let cfg = self.config.clone();
         let mut all = Vec::new();
         let mut grads = self.grads.take().unwrap_or_else(|| Grads::new(self.optimizer.vars()));
+        let mut critic_grads =
+            self.critic.as_mut().map(|c| c.grads.take().unwrap_or_else(|| Grads::new(c.optimizer.vars())));
         for _epoch in 0..cfg.ppo_epochs {
             let perm = match self.forced_permutations.pop_front() {
                 Some(p) => p,
@@ -680,20 +719,29 @@ impl PpoTrainer {
             let mut last_policykl = 0.0;
             for backward in perm.chunks(cfg.backward_batch_size()) {
                 grads.clear();
+                if let Some(g) = critic_grads.as_mut() {
+                    g.clear();
+                }
                 // One minibatch per update and no clipping: each weight whose gradient is one
                 // product is updated inside that product (`Adam::step_fused`, same results).
                 if cfg.gradient_accumulation_steps == 1 && cfg.max_grad_norm.is_none() && !self.record_grads {
                     let placeholder = Adam::new(Vec::new(), self.optimizer.cfg);
                     let mut optimizer = std::mem::replace(&mut self.optimizer, placeholder);
                     let mut stats = None;
+                    let mut ran_backward = false;
                     let ran = optimizer.step_fused(&mut grads, |grads| {
-                        let (s, skip) = self.train_minibatch(batch, data, backward, grads)?;
+                        let (s, skip) =
+                            self.train_minibatch(batch, data, backward, grads, critic_grads.as_mut())?;
                         stats = Some(s);
-                        Ok(skip == Skip::No)
+                        ran_backward = skip == Skip::No;
+                        Ok(ran_backward)
                     });
                     self.optimizer = optimizer;
                     if ran? == FusedStep::NonFinite {
                         self.skip_non_finite_update("gradient");
+                    }
+                    if let (Some(g), true) = (critic_grads.as_mut(), ran_backward) {
+                        self.step_critic(g)?;
                     }
                     if let Some(stats) = stats {
                         if !loss_is_finite(&stats) {
@@ -706,7 +754,8 @@ impl PpoTrainer {
                 }
                 let (mut any, mut non_finite) = (false, false);
                 for mb in backward.chunks(cfg.mini_batch_size) {
-                    let (stats, skip) = self.train_minibatch(batch, data, mb, &mut grads)?;
+                    let (stats, skip) =
+                        self.train_minibatch(batch, data, mb, &mut grads, critic_grads.as_mut())?;
                     last_policykl = stats.get("policy/policykl").and_then(Stat::as_f64).unwrap_or(0.0);
                     any |= skip == Skip::No;
                     non_finite |= skip == Skip::NonFinite;
@@ -737,6 +786,9 @@ impl PpoTrainer {
                     } else {
                         self.skip_non_finite_update("gradient");
                     }
+                    if let Some(g) = critic_grads.as_mut() {
+                        self.step_critic(g)?;
+                    }
                 }
             }
             if cfg.early_stopping && last_policykl > 1.5 * cfg.target_kl {
@@ -745,11 +797,14 @@ impl PpoTrainer {
             }
         }
         self.grads = Some(grads);
+        if let (Some(c), Some(g)) = (self.critic.as_mut(), critic_grads) {
+            c.grads = Some(g);
+        }
         Ok(all)
     }
 
     /// Counts and logs an optimizer update skipped for a non-finite `what` (loss or gradient).
-    fn skip_non_finite_update(&mut self, what: &str) {
+    pub(super) fn skip_non_finite_update(&mut self, what: &str) {
         self.skipped_updates += 1;
         tracing::warn!(
             "update skipped: the {what} is not finite (NaN or infinite), so no weight changed \
@@ -758,7 +813,8 @@ impl PpoTrainer {
         );
     }
 
-    /// Forward, losses and backward of one minibatch; gradients are added to `grads`.
+    /// Forward, losses and backward of one minibatch; gradients are added to `grads` (and,
+    /// with a separate critic, the value loss's to `critic_grads`).
     /// Returns the minibatch stats (TRL `PPOTrainer.loss`) and whether (and why) its backward
     /// was skipped: a non-finite loss runs no backward, so it never reaches a gradient.
     fn train_minibatch(
@@ -767,6 +823,7 @@ impl PpoTrainer {
         data: &TrainData,
         rows: &[usize],
         grads: &mut Grads,
+        critic_grads: Option<&mut Grads>,
     ) -> Result<(Stats, Skip)> {
         let cfg = &self.config;
         let idx =
@@ -779,7 +836,8 @@ impl PpoTrainer {
         let select = if data.response_only { Some(&mask) } else { None };
         // Sinks installed for the forward: the fused GPT-2 blocks write weight gradients into them.
         let _sinks = grads.scope();
-        let (logp, entropy, vpreds) = self.policy_forward(&ids, &pos, &bias, select, true)?;
+        let (logp, entropy, vpreds) =
+            self.policy_forward(&ids, &pos, &bias, select, critic_grads.as_deref())?;
         let l = math::ppo_losses(
             &old_lp,
             &old_v,
@@ -806,8 +864,15 @@ impl PpoTrainer {
                 cfg.ratio_threshold
             );
         } else if finite {
-            let scaled = (&loss / cfg.gradient_accumulation_steps as f64)?;
-            grads.backward(&scaled)?;
+            let gas = cfg.gradient_accumulation_steps as f64;
+            match critic_grads {
+                // Separate models: each loss term steps its own model (see `ppo::critic`).
+                Some(cg) => {
+                    grads.backward(&(&l.pg_loss / gas)?)?;
+                    cg.backward(&((&l.vf_loss * cfg.vf_coef)? / gas)?)?;
+                }
+                None => grads.backward(&(&loss / gas)?)?,
+            }
         }
         let entropy = math::masked_mean(&entropy, &mask)?;
         let logp = logp.detach();
@@ -954,7 +1019,7 @@ fn negative_kl_floor(stats: &Stats, mean_kl: f64) -> f64 {
 /// Hidden states `(B, L−1, C)` of the model's inputs (`ids[:, :L−1]`); with `select (B, L−1)`,
 /// only the marked positions are computed in full (the others are unspecified, see
 /// [`CausalLm::forward_rows`]).
-fn hidden_states(
+pub(super) fn hidden_states(
     lm: &CausalLm,
     ids: &Tensor,
     pos: &Tensor,

@@ -374,6 +374,7 @@ fn ppo_config(dir: &Path, cfg: &AdventureQuickstartConfig) -> RunConfig {
         algorithm: Default::default(),
         rejection: Default::default(),
         ref_model: None,
+        critic: None,
         reward: Default::default(),
         data: Default::default(),
         env: Some(cfg.env_section(Split::Train)),

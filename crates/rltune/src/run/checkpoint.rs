@@ -1,7 +1,9 @@
 //! Checkpoints of a PPO run: `DIR/checkpoints/step-N/`, the policy and value head in Hugging Face
 //! layout (loadable by transformers and TRL), plus `trainer_state.json`; with optimizer state
 //! also `optimizer.safetensors` (Adam's moments), which `--resume` needs. No reference model is
-//! saved: it is the run's `[ref_model]` (or the initial `[model]`).
+//! saved: it is the run's `[ref_model]` (or the initial `[model]`). A run with a `[critic]` also
+//! saves it in `critic/` (`model.safetensors` with its value head, `config.json`, its tokenizer,
+//! and with optimizer state its own `optimizer.safetensors`), and `--resume` loads it from there.
 //!
 //! Every checkpoint is written to a temporary directory and renamed into place, so a crash
 //! (even SIGKILL) leaves the previous checkpoints and at most a `.step-N.tmp-PID` folder, which
@@ -20,7 +22,12 @@ use candle_core::{Device, Tensor};
 use crate::error::{Error, Result};
 use crate::io::{read_json, write_bytes_atomic};
 use crate::models::load::{copy_side_files, save_dir_atomic, ModelFiles};
+use crate::params::ParamStore;
+use crate::ppo::optim::Adam;
 use crate::ppo::{KlController, PpoTrainer, TrainerStreams};
+
+/// The sub-directory of a checkpoint holding the separate critic.
+pub const CRITIC_DIR: &str = "critic";
 
 /// `trainer_state.json`
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -43,32 +50,95 @@ pub struct TrainerState {
     /// Updates skipped so far for a non-finite loss or gradient (`rltune/skipped_updates`).
     #[serde(default)]
     pub skipped_updates: usize,
+    /// The critic's Adam steps, for a run with a separate critic (`critic/`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub critic_adam_steps: Option<u64>,
 }
 
-/// Saves a checkpoint of `trainer` after `step` steps into `dir`.
+/// Where a critic came from: its `config.json` (kept so saving preserves every field) and files.
+#[derive(Debug, Clone)]
+pub struct CriticFiles {
+    /// The raw config.json.
+    pub config_json: serde_json::Value,
+    /// Its files (the tokenizer is copied into checkpoints).
+    pub files: ModelFiles,
+}
+
+/// Writes `store` and `config_json` into `dir` (model.safetensors, config.json, side files), and
+/// Adam's moments into `optimizer.safetensors` when `optimizer` is given.
+fn save_model(
+    dir: &Path,
+    store: &ParamStore,
+    config_json: &serde_json::Value,
+    files: &ModelFiles,
+    optimizer: Option<&Adam>,
+) -> Result<()> {
+    store.save_safetensors(&dir.join("model.safetensors"))?;
+    let cfg = serde_json::to_string_pretty(config_json).map_err(|e| Error::Input(e.to_string()))?;
+    write_bytes_atomic(&dir.join("config.json"), cfg.as_bytes())?;
+    copy_side_files(files, dir)?;
+    if let Some(opt) = optimizer {
+        let mut tensors = HashMap::new();
+        for (i, (name, var)) in store.vars().iter().enumerate() {
+            let (m, v) = opt.moments(i);
+            tensors.insert(format!("m.{name}"), Tensor::from_slice(m, var.shape(), &Device::Cpu)?);
+            tensors.insert(format!("v.{name}"), Tensor::from_slice(v, var.shape(), &Device::Cpu)?);
+        }
+        crate::io::save_safetensors(&dir.join("optimizer.safetensors"), &tensors)?;
+    }
+    Ok(())
+}
+
+/// Adam's first and second moments, one vector per variable.
+type Moments = (Vec<Vec<f32>>, Vec<Vec<f32>>);
+
+/// Adam's moments of `store`'s variables from `dir/optimizer.safetensors`.
+fn load_moments(dir: &Path, store: &ParamStore) -> Result<Moments> {
+    let path = dir.join("optimizer.safetensors");
+    let t = candle_core::safetensors::load(&path, &Device::Cpu)
+        .map_err(|e| Error::weights(&path, e.to_string()))?;
+    let (mut ms, mut vs) = (Vec::new(), Vec::new());
+    for (name, _) in store.vars() {
+        let get = |k: String| -> Result<Vec<f32>> {
+            let x = t.get(&k).ok_or_else(|| Error::weights(&path, format!("missing {k}")))?;
+            Ok(x.flatten_all()?.to_vec1::<f32>()?)
+        };
+        ms.push(get(format!("m.{name}"))?);
+        vs.push(get(format!("v.{name}"))?);
+    }
+    Ok((ms, vs))
+}
+
+/// Saves a checkpoint of `trainer` after `step` steps into `dir`; with a critic (whose
+/// `config.json` and files `critic_files` gives), also `dir/critic/`.
+#[allow(clippy::too_many_arguments)]
 pub fn save_checkpoint(
     dir: &Path,
     trainer: &PpoTrainer,
     config_json: &serde_json::Value,
     files: &ModelFiles,
+    critic_files: Option<&CriticFiles>,
     optimizer_state: bool,
     step: usize,
     skipped_batches: usize,
 ) -> Result<()> {
     save_dir_atomic(dir, |tmp| {
-        trainer.store.save_safetensors(&tmp.join("model.safetensors"))?;
-        let cfg = serde_json::to_string_pretty(config_json).map_err(|e| Error::Input(e.to_string()))?;
-        write_bytes_atomic(&tmp.join("config.json"), cfg.as_bytes())?;
-        copy_side_files(files, tmp)?;
         let opt = trainer.optimizer();
-        if optimizer_state {
-            let mut tensors = HashMap::new();
-            for (i, (name, var)) in trainer.store.vars().iter().enumerate() {
-                let (m, v) = opt.moments(i);
-                tensors.insert(format!("m.{name}"), Tensor::from_slice(m, var.shape(), &Device::Cpu)?);
-                tensors.insert(format!("v.{name}"), Tensor::from_slice(v, var.shape(), &Device::Cpu)?);
+        save_model(tmp, &trainer.store, config_json, files, optimizer_state.then_some(opt))?;
+        let critic = match (trainer.critic(), critic_files) {
+            (Some(c), Some(f)) => Some((c, f)),
+            (None, None) => None,
+            _ => {
+                return Err(Error::Input(
+                    "internal: a critic without its files, or files without a critic".into(),
+                ))
             }
-            crate::io::save_safetensors(&tmp.join("optimizer.safetensors"), &tensors)?;
+        };
+        if let Some((c, f)) = critic {
+            let sub = tmp.join(CRITIC_DIR);
+            std::fs::create_dir_all(&sub).map_err(|e| Error::io(&sub, e))?;
+            let opt = optimizer_state.then_some(c.optimizer());
+            save_model(&sub, &c.store, &f.config_json, &f.files, opt)?;
         }
         let state = TrainerState {
             step,
@@ -78,6 +148,7 @@ pub fn save_checkpoint(
             streams: Some(trainer.streams()),
             skipped_batches,
             skipped_updates: trainer.skipped_updates(),
+            critic_adam_steps: trainer.critic().map(|c| c.optimizer().steps()),
         };
         let text = serde_json::to_string_pretty(&state).map_err(|e| Error::Input(e.to_string()))?;
         write_bytes_atomic(&tmp.join("trainer_state.json"), text.as_bytes())
@@ -140,19 +211,20 @@ pub fn load_trainer_state(dir: &Path, trainer: &mut PpoTrainer) -> Result<Traine
             dir.display()
         )));
     }
-    let path = dir.join("optimizer.safetensors");
-    let t = candle_core::safetensors::load(&path, &Device::Cpu)
-        .map_err(|e| Error::weights(&path, e.to_string()))?;
-    let (mut ms, mut vs) = (Vec::new(), Vec::new());
-    for (name, _) in trainer.store.vars() {
-        let get = |k: String| -> Result<Vec<f32>> {
-            let x = t.get(&k).ok_or_else(|| Error::weights(&path, format!("missing {k}")))?;
-            Ok(x.flatten_all()?.to_vec1::<f32>()?)
-        };
-        ms.push(get(format!("m.{name}"))?);
-        vs.push(get(format!("v.{name}"))?);
-    }
+    let (ms, vs) = load_moments(dir, &trainer.store)?;
     trainer.optimizer_mut().restore(ms, vs, state.adam_steps);
+    if let Some(c) = trainer.critic_mut() {
+        let sub = dir.join(CRITIC_DIR);
+        let steps = state.critic_adam_steps.ok_or_else(|| {
+            Error::Input(format!(
+                "{}: no critic_adam_steps although the run has a [critic]; this checkpoint was \
+                 saved by a run without one: remove [critic] to resume it",
+                dir.join("trainer_state.json").display()
+            ))
+        })?;
+        let (ms, vs) = load_moments(&sub, &c.store)?;
+        c.optimizer_mut().restore(ms, vs, steps);
+    }
     *trainer.kl_controller_mut() = state.kl_controller.clone();
     match &state.streams {
         Some(streams) => trainer.restore_streams(streams),

@@ -1,6 +1,6 @@
-//! The run config: one TOML file with tables `[model]`, `[ref_model]`, `[reward]`, `[data]`,
-//! `[generation]`, `[ppo]`, `[logging]`, `[checkpoint]` and `[runtime]`, plus `--set table.key=value`
-//! overrides. Unknown keys are rejected with the closest valid key.
+//! The run config: one TOML file with tables `[model]`, `[ref_model]`, `[critic]`, `[reward]`,
+//! `[data]`, `[generation]`, `[ppo]`, `[logging]`, `[checkpoint]` and `[runtime]`, plus
+//! `--set table.key=value` overrides. Unknown keys are rejected with the closest valid key.
 //!
 //! To train on text games, `[env]` (as in env configs, `rltune play`), `[agent]` (the prompt) and
 //! `[episodes]` (discounting across turns, shaping, evaluation) replace `[data]` and `[reward]`.
@@ -24,6 +24,25 @@ use crate::rewards::{ClassifierOutput, ScoredText};
 pub struct ModelSection {
     /// Local directory (Hugging Face layout) or hub id.
     pub path: String,
+}
+
+/// `[critic]`: a separate value model (see [`crate::ppo::critic`]).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CriticSection {
+    /// Local directory (Hugging Face layout) or hub id of a causal LM of the policy's
+    /// tokenizer; its value head is loaded, or initialized when absent (`[ppo] value_head`).
+    pub path: String,
+    /// The critic's Adam learning rate; default: `[ppo] learning_rate`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub learning_rate: Option<f64>,
+}
+
+impl CriticSection {
+    /// The critic's learning rate: its own, else the policy's.
+    pub fn learning_rate(&self, ppo: &PpoConfig) -> f64 {
+        self.learning_rate.unwrap_or(ppo.learning_rate)
+    }
 }
 
 /// One reward source in `[[reward.sources]]`.
@@ -236,6 +255,9 @@ pub struct RunConfig {
     /// The reference model; default: a frozen copy of the policy.
     #[serde(default)]
     pub ref_model: Option<ModelSection>,
+    /// A separate critic; default: the policy's own value head (TRL).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub critic: Option<CriticSection>,
     /// Reward sources.
     #[serde(default)]
     pub reward: RewardSection,
@@ -315,6 +337,22 @@ impl RunConfig {
         }
         if self.model.path.is_empty() {
             return Err("[model] path is empty; set it to a model directory or hub id".into());
+        }
+        if let Some(c) = &self.critic {
+            if c.path.is_empty() {
+                return Err("[critic] path is empty; set it to a model directory or hub id (a causal LM \
+                            with the policy's tokenizer), or remove the [critic] table"
+                    .into());
+            }
+            if let Some(lr) = c.learning_rate.filter(|lr| !(lr.is_finite() && *lr > 0.0)) {
+                return Err(format!("[critic] learning_rate must be a positive number, got {lr}"));
+            }
+        }
+        if self.critic.is_some() && (self.env.is_some() || self.algorithm.kind != AlgorithmKind::Ppo) {
+            return Err("[critic] works with PPO on prompts only for now: on text games the turns \
+                        bootstrap from the policy's value head, and rejection sampling has no critic; \
+                        remove the [critic] table"
+                .into());
         }
         if let Some(env) = &self.env {
             env.validate()?;
@@ -474,6 +512,40 @@ command = ["cat"]
         let text = format!("{MINIMAL}[ppo]\ntemperature = 2.0\n");
         let err = RunConfig::from_toml(&text, p, &[]).unwrap_err().to_string();
         assert!(err.contains("[ppo] temperature = 2"), "{err}");
+    }
+
+    #[test]
+    fn critic_table_parses_and_bad_input_names_the_field() {
+        let p = Path::new("run.toml");
+        assert_eq!(RunConfig::from_toml(MINIMAL, p, &[]).unwrap().critic, None);
+        let text = format!("{MINIMAL}[critic]\npath = \"critic-model\"\nlearning_rate = 5e-6\n");
+        let c = RunConfig::from_toml(&text, p, &[]).unwrap();
+        let critic = c.critic.clone().unwrap();
+        assert_eq!((critic.path.as_str(), critic.learning_rate(&c.ppo)), ("critic-model", 5e-6));
+        assert_eq!(RunConfig::from_toml(&c.to_toml().unwrap(), p, &[]).unwrap(), c);
+        // The learning rate defaults to the policy's.
+        let c = RunConfig::from_toml(MINIMAL, p, &["critic.path=m2".into(), "ppo.learning_rate=2e-5".into()])
+            .unwrap();
+        assert_eq!(c.critic.unwrap().learning_rate(&c.ppo), 2e-5);
+        let bad = |extra: &str| {
+            let text = format!("{MINIMAL}[critic]\n{extra}\n");
+            RunConfig::from_toml(&text, p, &[]).unwrap_err().to_string()
+        };
+        let err = bad("learning_rate = 1e-5");
+        assert!(err.contains("run.toml") && err.contains("critic") && err.contains("`path`"), "{err}");
+        let err = bad("path = \"\"");
+        assert!(err.contains("[critic] path is empty"), "{err}");
+        let err = bad("path = \"m\"\nlearning_rate = -1.0");
+        assert!(err.contains("[critic] learning_rate must be a positive number"), "{err}");
+        let err = bad("path = \"m\"\nlearning_rat = 1e-5");
+        assert!(err.contains("did you mean \"learning_rate\""), "{err}");
+        let err = bad("path = \"m\"\nvalue_head = \"mlp\"");
+        assert!(err.contains("\"value_head\""), "{err}");
+        let err = RunConfig::from_toml(MINIMAL, p, &["ppo.value_head=mlp2".into()]).unwrap_err().to_string();
+        assert!(err.contains("mlp2") && err.contains("linear"), "{err}");
+        let err =
+            RunConfig::from_toml(MINIMAL, p, &["ppo.value_head_hidden=8".into()]).unwrap_err().to_string();
+        assert!(err.contains("ppo.value_head_hidden") && err.contains("value_head = \"mlp\""), "{err}");
     }
 
     #[test]

@@ -2,6 +2,7 @@
 
 pub mod checkpoint;
 pub mod config;
+pub mod critic;
 pub mod episodes;
 pub mod ppo_loop;
 

@@ -3,7 +3,8 @@
 //! Each step, top to bottom: take `batch_size` prompts (shuffled each epoch), cut each to a sampled
 //! length (TRL's `LengthSampler`), sample responses with the KV cache (their logprobs and values
 //! come along), score them with the reward sources, call [`PpoTrainer::step_with`], add the `env/*`
-//! stats TRL's `log_stats` adds, log, and checkpoint.
+//! stats TRL's `log_stats` adds, log, and checkpoint. With a `[critic]`, sampling runs the policy
+//! alone and the critic computes the values inside the step.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
@@ -12,14 +13,16 @@ use candle_core::{DType, Device};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 
-use super::checkpoint::{clear_stale_writes, latest_checkpoint, load_trainer_state, save_checkpoint};
+use super::checkpoint::{
+    clear_stale_writes, latest_checkpoint, load_trainer_state, save_checkpoint, CriticFiles,
+};
 use super::config::{AlgorithmKind, RewardSourceConfig, RunConfig};
 use super::episodes::{add_episode_stats, add_eval_stats, EpisodeSource};
 use crate::data::prompts::{load_prompts, LengthSampler, PromptRow};
 use crate::error::{Error, Result};
 use crate::generation::{generate, GenerationConfig, Sample};
 use crate::logging::{RunLogger, SampleRow};
-use crate::models::load::{load_policy, load_reference, LoadedPolicy};
+use crate::models::load::{load_policy_with, load_reference, LoadedPolicy};
 use crate::models::CausalLm;
 use crate::ppo::stats::mean_std;
 use crate::ppo::{PpoTrainer, RolloutCache, Stat, StepInput};
@@ -62,6 +65,7 @@ pub struct PpoRun {
     pub trainer: PpoTrainer,
     policy_files: crate::models::load::ModelFiles,
     config_json: serde_json::Value,
+    critic_files: Option<CriticFiles>,
     tokenizer: Tokenizer,
     source: Source,
     logger: RunLogger,
@@ -131,8 +135,10 @@ impl PpoRun {
             )));
         }
         let policy_src = ckpt.as_ref().map_or(config.model.path.clone(), |(_, p)| p.display().to_string());
+        // Without a critic, `[ppo] value_head` describes the policy's head; with one, the critic's.
+        let head = config.critic.is_none().then(|| config.ppo.value_head_spec());
         let LoadedPolicy { files, config_json, config: lm_cfg, store, model } =
-            load_policy(&policy_src, true, DType::F32, &device)?;
+            load_policy_with(&policy_src, head, true, DType::F32, &device)?;
         let reference = match &config.ref_model {
             Some(r) => load_reference(&r.path, DType::F32, &device)?.1,
             None if ckpt.is_some() => load_reference(&config.model.path, DType::F32, &device)?.1,
@@ -147,6 +153,15 @@ impl PpoRun {
         let tokenizer = Tokenizer::from_file(&tok_path)?;
         tokenizer.check_fits(lm_cfg.vocab_size())?;
         let mut trainer = PpoTrainer::new(config.ppo.clone(), store, model, reference)?;
+        let ckpt_dir = ckpt.as_ref().map(|(_, d)| d.as_path());
+        let critic = super::critic::load_critic(&config, ckpt_dir, &tokenizer, lm_cfg.vocab_size(), &device)?;
+        let critic_files = match critic {
+            Some((critic, files)) => {
+                trainer = trainer.with_critic(critic)?;
+                Some(files)
+            }
+            None => None,
+        };
         let (mut start_step, mut skipped) = (0, 0);
         if let Some((step, dir)) = &ckpt {
             let state = load_trainer_state(dir, &mut trainer)?;
@@ -177,6 +192,7 @@ impl PpoRun {
             trainer,
             policy_files: files,
             config_json,
+            critic_files,
             tokenizer,
             source,
             logger,
@@ -267,7 +283,9 @@ impl PpoRun {
             ..self.config.generation.clone()
         };
         let policy = &self.trainer.policy;
-        let samples = generate(&policy.lm, Some(&policy.v_head), &queries, &gen_cfg, &self.device)?;
+        // With a critic, the step computes the values (the policy's head is not read).
+        let v_head = self.trainer.critic().is_none().then_some(&policy.v_head);
+        let samples = generate(&policy.lm, v_head, &queries, &gen_cfg, &self.device)?;
         let time_gen = t.elapsed().as_secs_f64();
 
         let t = Instant::now();
@@ -424,6 +442,7 @@ impl PpoRun {
             &self.trainer,
             &self.config_json,
             &self.policy_files,
+            self.critic_files.as_ref(),
             self.config.checkpoint.optimizer_state,
             step,
             self.skipped,

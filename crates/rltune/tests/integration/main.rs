@@ -1,6 +1,7 @@
 //! rltune's integration tests: one binary, one module per area.
 
 mod common;
+mod critic;
 mod errors;
 mod faults;
 mod generation;
