@@ -82,10 +82,12 @@ pub fn read_group_rollouts(path: &Path, reward_funcs: Option<&[String]>) -> Resu
                 names = Some(these);
                 first_line = n;
             }
-            Some(prev) if *prev != these => return Err(at(format!(
+            Some(prev) if *prev != these => {
+                return Err(at(format!(
                 "reward functions {these:?} differ from line {first_line}'s {prev:?}; every line needs the \
                      same ones (null for a missing value)"
-            ))),
+            )))
+            }
             Some(_) => {}
         }
         prompts.push(line.prompt_ids);

@@ -333,6 +333,15 @@ impl Core {
         let mut grads = self.grads.take().unwrap_or_else(|| Grads::new(self.optimizer.vars()));
         grads.clear();
         let lr = self.optim.schedule.lr(self.global_step);
+        if self.global_step == self.optim.schedule.total_steps {
+            tracing::warn!(
+                "optimizer step {} is past the schedule's {} steps (max_steps, or num_train_epochs × \
+                 num_iterations when max_steps is unset): the learning rate is now {lr}; set max_steps to \
+                 the run's length",
+                self.global_step + 1,
+                self.optim.schedule.total_steps
+            );
+        }
         let result: Result<(T, f64, f64)> = (|| {
             let (loss, extra) = {
                 let _sinks = grads.scope();
