@@ -83,10 +83,11 @@ pub fn read_group_rollouts(path: &Path, reward_funcs: Option<&[String]>) -> Resu
                 first_line = n;
             }
             Some(prev) if *prev != these => {
-                return Err(at(format!(
-                "reward functions {these:?} differ from line {first_line}'s {prev:?}; every line needs the \
-                     same ones (null for a missing value)"
-            )))
+                let msg = format!(
+                    "reward functions {these:?} differ from line {first_line}'s {prev:?}; every line needs \
+                     the same ones (null for a missing value)"
+                );
+                return Err(at(msg));
             }
             Some(_) => {}
         }
