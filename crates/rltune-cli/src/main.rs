@@ -5,6 +5,7 @@
 
 mod bench;
 mod generate;
+mod grpo_step;
 mod play;
 mod ppo;
 mod ppo_step;
@@ -36,6 +37,10 @@ enum Command {
     Ppo(ppo::Args),
     /// One PPO update from a rollouts file (query, response, score per line).
     PpoStep(ppo_step::Args),
+    /// One GRPO update (TRL 1.16.0) from grouped rollouts (prompt, completion, reward per line).
+    GrpoStep(grpo_step::Args),
+    /// One RLOO update (TRL 1.16.0) from grouped rollouts (prompt, completion, reward per line).
+    RlooStep(grpo_step::Args),
     /// Supervised fine-tuning (behavioural cloning) of a causal LM: JSONL with "text", or
     /// "prompt" and "completion"; produces the reference policy for `ppo`.
     Sft(train::SftArgs),
@@ -68,6 +73,8 @@ fn main() {
         Command::Play(args) => play::run(args),
         Command::Ppo(args) => ppo::run(args),
         Command::PpoStep(args) => ppo_step::run(args),
+        Command::GrpoStep(args) => grpo_step::run_grpo(args),
+        Command::RlooStep(args) => grpo_step::run_rloo(args),
         Command::Bench(BenchCommand::Ppo(args)) => bench::run(args),
     };
     if let Err(err) = result {

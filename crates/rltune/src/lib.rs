@@ -39,6 +39,7 @@ pub mod data;
 pub mod envs;
 pub mod error;
 pub mod generation;
+pub mod grpo;
 pub mod io;
 pub mod logging;
 pub mod models;

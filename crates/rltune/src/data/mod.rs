@@ -1,5 +1,6 @@
-//! Reading user data: rollout files for `ppo-step`, prompt datasets.
+//! Reading user data: rollout files for `ppo-step` and `grpo-step`/`rloo-step`, prompt datasets.
 
+pub mod group_rollouts;
 pub mod prompts;
 pub mod rollouts;
 

@@ -1,0 +1,467 @@
+//! What GRPO and RLOO share: the rollout batch and its checks, the padded layout TRL uses, the
+//! completion logprobs, transformers' AdamW step (decay groups, clipping, schedule) and the
+//! generation-side metrics.
+//!
+//! Batch layout (TRL 1.16's): prompts left-padded to `P`, completions right-padded to `C`, row
+//! `b` is `prompt ++ completion`, `L = P + C`. The model runs on `ids[:, :L−1]`; column `t` of
+//! the `(B, C)` completion arrays is the logprob of completion token `t`, read from position
+//! `P − 1 + t`. Positions are `0..L−1` for every row: TRL's training forward passes no
+//! `position_ids`, so transformers numbers left-padded rows from the first pad (a TRL bug that
+//! parity needs; see `docs/trl-deviations.md`).
+
+use candle_core::{DType, Device, Tensor};
+
+use super::config::OptimArgs;
+use super::math::{nanmean, nanstd};
+use crate::error::{Error, Result};
+use crate::models::layers::causal_bias;
+use crate::models::CausalLm;
+use crate::ops;
+use crate::params::ParamStore;
+use crate::ppo::optim::{Adam, AdamConfig, Grads};
+use crate::ppo::{Stat, Stats};
+use crate::tokenizer::{pad, PaddingSide};
+
+/// The rewards of a batch: one column per reward function, NaN where a function gave none
+/// (TRL's `None`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RewardTable {
+    /// The reward functions' names (TRL logs `rewards/<name>/mean`).
+    pub names: Vec<String>,
+    /// `values[i][f]`: sample `i`'s reward from function `f`, NaN if missing.
+    pub values: Vec<Vec<f64>>,
+}
+
+impl RewardTable {
+    /// One reward function named `reward`, with one value per sample.
+    pub fn single(rewards: &[f32]) -> Self {
+        Self { names: vec!["reward".into()], values: rewards.iter().map(|&r| vec![r as f64]).collect() }
+    }
+}
+
+/// The input of one GRPO or RLOO step: groups of `num_generations` consecutive rows that share
+/// their prompt, in TRL's order.
+#[derive(Debug, Clone, Copy)]
+pub struct GroupBatch<'a> {
+    /// Prompt token ids, one row per completion (repeated within a group).
+    pub prompts: &'a [Vec<u32>],
+    /// Completion token ids.
+    pub completions: &'a [Vec<u32>],
+    /// The rewards.
+    pub rewards: &'a RewardTable,
+    /// Whether each completion was cut at the length limit. `None`: TRL's rule, the last token is
+    /// neither EOS nor the padding id.
+    pub truncated: Option<&'a [bool]>,
+}
+
+/// The padded batch.
+pub(crate) struct Padded {
+    /// `(B, L)` u32
+    pub ids: Tensor,
+    /// `(B, L−1)` u32: `0..L−1` on every row (TRL passes no position ids).
+    pub positions: Tensor,
+    /// `(B, 1, L−1, L−1)`
+    pub bias: Tensor,
+    /// `(B, C)` f32: 1 on completion tokens that enter the loss.
+    pub mask: Tensor,
+    /// Flat indices into `(B·(L−1))` of the positions whose hidden state is read.
+    pub rows: Vec<usize>,
+    /// Padded prompt length `P`.
+    pub p_len: usize,
+    /// Padded completion length `C`.
+    pub c_len: usize,
+    /// Sum of `mask` (loss tokens).
+    pub n_tokens: f64,
+}
+
+/// Policy, reference, optimizer and the counters a run carries.
+pub(crate) struct Core {
+    pub store: ParamStore,
+    pub policy: CausalLm,
+    pub reference: Option<CausalLm>,
+    optimizer: Adam,
+    grads: Option<Grads>,
+    /// Per optimizer variable: whether weight decay applies (transformers' grouping).
+    decay: Vec<bool>,
+    pub optim: OptimArgs,
+    pub temperature: f64,
+    /// Optimizer steps taken.
+    pub global_step: usize,
+    /// `step()` calls completed (TRL's epochs, a batch being one epoch's data).
+    pub calls: usize,
+    /// Prompt and completion tokens seen (`num_tokens`).
+    pub tokens_seen: f64,
+    /// Updates skipped for a non-finite loss or gradient.
+    pub skipped_updates: usize,
+    pub pad_id: u32,
+    pub eos_ids: Vec<u32>,
+    pub device: Device,
+}
+
+/// Whether transformers' `Trainer` decays parameter `name`: not biases, not norm weights
+/// (`get_decay_parameter_names`: names matching `bias`, `layernorm`, `rmsnorm`, `norm`, `_norm`,
+/// and parameters of `nn.LayerNorm` modules — GPT-2's `ln_1`, `ln_2`, `ln_f`).
+pub fn decays(name: &str) -> bool {
+    let n = name.to_lowercase();
+    let segments: Vec<&str> = n.split('.').collect();
+    let module = &segments[..segments.len().saturating_sub(1)];
+    let norm_module = module.iter().any(|s| *s == "norm" || s.ends_with("_norm") || s.starts_with("ln_"));
+    !(n.contains("bias") || n.contains("layernorm") || n.contains("rmsnorm") || norm_module)
+}
+
+impl Core {
+    pub fn new(
+        store: ParamStore,
+        policy: CausalLm,
+        reference: Option<CausalLm>,
+        optim: OptimArgs,
+        temperature: f64,
+    ) -> Result<Self> {
+        if store.device().is_cpu() {
+            crate::cpu::flush_denormals();
+        }
+        if !store.trainable() {
+            return Err(Error::Input("the policy's parameters must be trainable".into()));
+        }
+        let (names, vars): (Vec<String>, Vec<_>) = store.vars().into_iter().unzip();
+        let decay = names.iter().map(|n| decays(n)).collect();
+        let adam = AdamConfig {
+            lr: optim.learning_rate,
+            beta1: optim.betas.0,
+            beta2: optim.betas.1,
+            eps: optim.eps,
+        };
+        let cfg = policy.config();
+        let eos_ids = cfg.eos_token_ids();
+        let pad_id = cfg.pad_token_id().or(eos_ids.first().copied()).unwrap_or(0);
+        let device = store.device().clone();
+        Ok(Self {
+            store,
+            policy,
+            reference,
+            optimizer: Adam::new(vars, adam),
+            grads: None,
+            decay,
+            optim,
+            temperature,
+            global_step: 0,
+            calls: 0,
+            tokens_seen: 0.0,
+            skipped_updates: 0,
+            pad_id,
+            eos_ids,
+            device,
+        })
+    }
+
+    /// Checks a batch against the config and the model, naming the row at fault; returns the
+    /// truncation flags.
+    pub fn check(
+        &self,
+        batch: &GroupBatch,
+        g: usize,
+        max_completion_length: usize,
+        batch_size: Option<usize>,
+        weights: Option<&[f64]>,
+    ) -> Result<Vec<bool>> {
+        let n = batch.prompts.len();
+        let bad = |m: String| Err(Error::Input(m));
+        if n == 0 {
+            return bad("no rollouts: a step needs at least one group of num_generations completions".into());
+        }
+        if batch.completions.len() != n || batch.rewards.values.len() != n {
+            return bad(format!(
+                "{n} prompts, {} completions and {} reward rows; give one of each per completion",
+                batch.completions.len(),
+                batch.rewards.values.len()
+            ));
+        }
+        if !n.is_multiple_of(g) {
+            return bad(format!(
+                "{n} rollouts is not a multiple of num_generations = {g}: each prompt needs exactly {g} \
+                 consecutive completions"
+            ));
+        }
+        if let Some(bs) = batch_size.filter(|&bs| bs != n) {
+            return bad(format!(
+                "{n} rollouts but per_device_train_batch_size is {bs}; one step trains on the whole \
+                 batch: make them equal (or remove per_device_train_batch_size)"
+            ));
+        }
+        let nf = batch.rewards.names.len();
+        if nf == 0 {
+            return bad("no reward function: every rollout needs a reward".into());
+        }
+        if let Some(w) = weights.filter(|w| w.len() != nf) {
+            return bad(format!(
+                "reward_weights has {} weights but there are {nf} reward functions ({}); give one weight each",
+                w.len(),
+                batch.rewards.names.join(", ")
+            ));
+        }
+        let vocab = self.policy.vocab_size();
+        let (mut p_max, mut c_max) = (0, 0);
+        for i in 0..n {
+            let (p, c) = (&batch.prompts[i], &batch.completions[i]);
+            let first = i - i % g;
+            if *p != batch.prompts[first] {
+                return bad(format!(
+                    "row {i}: its prompt differs from row {first}'s, the first of its group (rows {first}..{}); \
+                     consecutive rows with the same prompt form a group of num_generations = {g}",
+                    first + g - 1
+                ));
+            }
+            if p.is_empty() {
+                return bad(format!("row {i}: empty prompt; every prompt needs at least one token"));
+            }
+            if c.is_empty() {
+                return bad(format!(
+                    "row {i}: empty completion; a completion needs at least one token (an immediate stop \
+                     is the EOS token; TRL fails on an empty one)"
+                ));
+            }
+            if c.len() > max_completion_length {
+                return bad(format!(
+                    "row {i}: completion of {} tokens but max_completion_length is {max_completion_length}; \
+                     raise max_completion_length",
+                    c.len()
+                ));
+            }
+            if let Some(&t) = p.iter().chain(c).find(|&&t| t as usize >= vocab) {
+                return bad(format!("row {i}: token id {t} is not below the model's vocab_size {vocab}"));
+            }
+            let row = &batch.rewards.values[i];
+            if row.len() != nf {
+                return bad(format!("row {i}: {} rewards for {nf} reward functions", row.len()));
+            }
+            if let Some(r) = row.iter().find(|r| r.is_infinite()) {
+                return bad(format!("row {i}: reward {r} is infinite; rewards must be finite or missing"));
+            }
+            p_max = p_max.max(p.len());
+            c_max = c_max.max(c.len());
+        }
+        if let Some(max) = self.policy.config().max_positions().filter(|&m| p_max + c_max > m) {
+            return bad(format!(
+                "the longest prompt ({p_max}) plus the longest completion ({c_max}) is {} tokens but the \
+                 model has {max} positions (TRL pads every row to that length); shorten them",
+                p_max + c_max
+            ));
+        }
+        match batch.truncated {
+            Some(t) if t.len() != n => bad(format!("{} truncation flags for {n} rollouts", t.len())),
+            Some(t) => Ok(t.to_vec()),
+            None => Ok(batch
+                .completions
+                .iter()
+                .map(|c| c.last().is_some_and(|t| !self.eos_ids.contains(t) && *t != self.pad_id))
+                .collect()),
+        }
+    }
+
+    /// Pads the batch as TRL does; `in_loss[i]` false drops row `i` from the loss and from
+    /// attention (`mask_truncated_completions`).
+    pub fn pad(&self, prompts: &[Vec<u32>], completions: &[Vec<u32>], in_loss: &[bool]) -> Result<Padded> {
+        let (p_ids, p_mask) = pad(prompts, self.pad_id, PaddingSide::Left);
+        let (c_ids, mut c_mask) = pad(completions, self.pad_id, PaddingSide::Right);
+        for (m, keep) in c_mask.iter_mut().zip(in_loss) {
+            if !keep {
+                m.iter_mut().for_each(|x| *x = 0);
+            }
+        }
+        let (b, p_len, c_len) = (prompts.len(), p_ids[0].len(), c_ids[0].len());
+        let l = p_len + c_len;
+        let ids: Vec<Vec<u32>> = p_ids.iter().zip(&c_ids).map(|(p, c)| [p.as_slice(), c].concat()).collect();
+        let attn: Vec<Vec<u8>> = p_mask
+            .iter()
+            .zip(&c_mask)
+            .map(|(p, c)| p.iter().chain(c).copied().take(l - 1).collect())
+            .collect();
+        let mut rows = Vec::new();
+        let mut mask = vec![0f32; b * c_len];
+        for (i, m) in c_mask.iter().enumerate() {
+            for (t, &x) in m.iter().enumerate() {
+                if x == 1 {
+                    mask[i * c_len + t] = 1.0;
+                    rows.push(i * (l - 1) + p_len - 1 + t);
+                }
+            }
+        }
+        let dt = self.store.dtype();
+        Ok(Padded {
+            ids: Tensor::new(ids, &self.device)?,
+            positions: Tensor::arange(0u32, (l - 1) as u32, &self.device)?.unsqueeze(0)?.repeat((b, 1))?,
+            bias: causal_bias(&attn, l - 1, dt, &self.device)?,
+            n_tokens: mask.iter().map(|&x| x as f64).sum(),
+            mask: Tensor::from_vec(mask, (b, c_len), &self.device)?.to_dtype(dt)?,
+            rows,
+            p_len,
+            c_len,
+        })
+    }
+
+    /// Logprobs of the completion tokens and the entropies, each `(B, C)`, 0 outside the mask;
+    /// logits divided by the temperature. TRL `_get_per_token_logps_and_entropies` (its fused
+    /// LM head scores only labels ≠ −100). `keep`: a backward follows.
+    pub fn logprobs(&self, lm: &CausalLm, batch: &Padded, keep: bool) -> Result<(Tensor, Tensor)> {
+        let l = batch.ids.dim(1)?;
+        let (b, c) = (batch.ids.dim(0)?, batch.c_len);
+        let input = batch.ids.narrow(1, 0, l - 1)?;
+        let hidden = lm.forward_rows(&input, &batch.positions, &batch.bias, &batch.rows)?;
+        let h = hidden.narrow(1, batch.p_len - 1, c)?.reshape((b * c, hidden.dim(2)?))?;
+        let targets = batch.ids.narrow(1, batch.p_len, c)?.flatten_all()?;
+        let select = batch.mask.flatten_all()?;
+        let (logp, entropy) =
+            ops::lm_head_logprobs(&h, lm.lm_head_weight(), &targets, Some(&select), self.temperature, keep)?;
+        Ok((logp.reshape((b, c))?, entropy.reshape((b, c))?.detach()))
+    }
+
+    /// Logprobs `(B, C)` of `lm` with no gradient.
+    pub fn logprobs_no_grad(&self, lm: &CausalLm, batch: &Padded) -> Result<Tensor> {
+        Ok(self.logprobs(lm, batch, false)?.0.detach())
+    }
+
+    /// One transformers `Trainer` optimizer step on the loss that `forward` builds (run with the
+    /// gradient buffers installed): backward, `clip_grad_norm_(max_grad_norm)`, AdamW at the
+    /// schedule's learning rate (decay `p ← p·(1 − lr·wd)` on the decay group first, as torch's
+    /// AdamW), then the schedule advances. Returns what `forward` returned besides the loss, the
+    /// loss, the pre-clip gradient norm and the learning rate used. A non-finite loss or gradient
+    /// changes no weight and is counted in `skipped_updates`.
+    pub fn optimizer_step<T>(
+        &mut self,
+        forward: impl FnOnce(&Self) -> Result<(Tensor, T)>,
+    ) -> Result<(T, f64, f64, f64)> {
+        let mut grads = self.grads.take().unwrap_or_else(|| Grads::new(self.optimizer.vars()));
+        grads.clear();
+        let lr = self.optim.schedule.lr(self.global_step);
+        if self.global_step == self.optim.schedule.total_steps {
+            tracing::warn!(
+                "optimizer step {} is past the schedule's {} steps (max_steps, or num_train_epochs × \
+                 num_iterations when max_steps is unset): the learning rate is now {lr}; set max_steps to \
+                 the run's length",
+                self.global_step + 1,
+                self.optim.schedule.total_steps
+            );
+        }
+        let result: Result<(T, f64, f64)> = (|| {
+            let (loss, extra) = {
+                let _sinks = grads.scope();
+                forward(self)?
+            };
+            let loss_value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            if !loss_value.is_finite() {
+                return Ok((extra, loss_value, f64::NAN));
+            }
+            grads.backward(&loss)?;
+            let norm = if self.optim.max_grad_norm > 0.0 {
+                grads.clip_norm(self.optim.max_grad_norm)?
+            } else {
+                grads.global_norm()?
+            };
+            Ok((extra, loss_value, norm))
+        })();
+        let (extra, loss_value, norm) = result?;
+        if norm.is_finite() {
+            self.optimizer.cfg.lr = lr;
+            let wd = self.optim.weight_decay;
+            if wd != 0.0 {
+                for (i, var) in self.optimizer.vars().iter().enumerate() {
+                    if self.decay[i] && grads.has(i) {
+                        var.set(&(var.as_tensor() * (1.0 - lr * wd))?)?;
+                    }
+                }
+            }
+            self.optimizer.step(&grads)?;
+        } else {
+            self.skipped_updates += 1;
+            tracing::warn!(
+                "update skipped: the loss or gradient is not finite, so no weight changed ({} so far)",
+                self.skipped_updates
+            );
+        }
+        self.grads = Some(grads);
+        self.global_step += 1;
+        Ok((extra, loss_value, norm, lr))
+    }
+}
+
+/// The generation-side metrics TRL logs for every batch: `num_tokens` (running), `completions/*`,
+/// `rewards/<name>/{mean,std}`, `reward` and `reward_std` (the weighted sum over scorable samples).
+/// TRL `_generate` and `_generate_and_score_completions`.
+pub(crate) fn generation_stats(
+    core: &mut Core,
+    batch: &GroupBatch,
+    truncated: &[bool],
+    weights: &[f64],
+) -> Stats {
+    let mut s = Stats::new();
+    let plen: f64 = batch.prompts.iter().map(|p| p.len() as f64).sum();
+    let lens: Vec<f64> = batch.completions.iter().map(|c| c.len() as f64).collect();
+    core.tokens_seen += plen + lens.iter().sum::<f64>();
+    s.insert("num_tokens".into(), Stat::Scalar(core.tokens_seen));
+    let stats3 = |xs: &[f64]| {
+        let xs = if xs.is_empty() { vec![0.0] } else { xs.to_vec() };
+        let mean = xs.iter().sum::<f64>() / xs.len() as f64;
+        (
+            mean,
+            xs.iter().copied().fold(f64::INFINITY, f64::min),
+            xs.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+        )
+    };
+    let (mean, min, max) = stats3(&lens);
+    s.insert("completions/mean_length".into(), Stat::Scalar(mean));
+    s.insert("completions/min_length".into(), Stat::Scalar(min));
+    s.insert("completions/max_length".into(), Stat::Scalar(max));
+    let clipped = truncated.iter().filter(|t| **t).count() as f64 / truncated.len() as f64;
+    s.insert("completions/clipped_ratio".into(), Stat::Scalar(clipped));
+    let term: Vec<f64> = lens.iter().zip(truncated).filter(|(_, t)| !**t).map(|(l, _)| *l).collect();
+    let (mean, min, max) = stats3(&term);
+    s.insert("completions/mean_terminated_length".into(), Stat::Scalar(mean));
+    s.insert("completions/min_terminated_length".into(), Stat::Scalar(min));
+    s.insert("completions/max_terminated_length".into(), Stat::Scalar(max));
+    let table = batch.rewards;
+    for (f, name) in table.names.iter().enumerate() {
+        let col: Vec<f64> = table.values.iter().map(|r| r[f]).collect();
+        s.insert(format!("rewards/{name}/mean"), Stat::Scalar(nanmean(&col)));
+        s.insert(format!("rewards/{name}/std"), Stat::Scalar(nanstd(&col)));
+    }
+    let r = super::math::weighted_rewards(&table.values, weights);
+    s.insert("reward".into(), Stat::Scalar(nanmean(&r)));
+    s.insert("reward_std".into(), Stat::Scalar(nanstd(&r)));
+    s
+}
+
+/// The reward weights: the configured ones, else 1 per function.
+pub(crate) fn weights_or_ones(weights: Option<&[f64]>, n: usize) -> Vec<f64> {
+    weights.map(<[f64]>::to_vec).unwrap_or_else(|| vec![1.0; n])
+}
+
+/// `(B, T)` or `(B, 1)` tensor to rows of f64.
+pub(crate) fn rows(t: &Tensor) -> Result<Vec<Vec<f64>>> {
+    Ok(t.to_dtype(DType::F64)?.to_vec2()?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::decays;
+
+    #[test]
+    fn decay_groups_follow_transformers() {
+        for name in [
+            "transformer.wte.weight",
+            "transformer.h.0.attn.c_attn.weight",
+            "model.layers.0.mlp.up_proj.weight",
+        ] {
+            assert!(decays(name), "{name}");
+        }
+        for name in [
+            "transformer.h.0.attn.c_attn.bias",
+            "transformer.h.1.ln_2.weight",
+            "transformer.ln_f.weight",
+            "model.layers.3.input_layernorm.weight",
+            "model.norm.weight",
+            "model.layers.0.self_attn.q_norm.weight",
+        ] {
+            assert!(!decays(name), "{name}");
+        }
+    }
+}

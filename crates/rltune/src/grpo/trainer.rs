@@ -1,0 +1,219 @@
+//! `GrpoTrainer::step`: TRL 1.16.0's `GRPOTrainer` on one generation batch.
+//!
+//! One call, top to bottom: check the groups → pad (TRL's layout, see [`super::core`]) → old
+//! logprobs (only with `num_iterations > 1`; otherwise the current ones, detached, as TRL) and
+//! the reference's (only with `beta > 0`) → rewards to group-relative advantages → per iteration:
+//! forward, clipped objective + β·k3, the `loss_type` normalization, one AdamW step → the metrics
+//! TRL logs for each optimizer step, under its names.
+//!
+//! Deliberate deviations from TRL 1.16.0: none in the numbers. A non-finite loss or gradient
+//! skips the update (`rltune/skipped_updates`) where TRL would step. rltune computes in f32
+//! (TRL defaults to bf16 autocast); generation is not part of a step.
+
+use candle_core::Tensor;
+
+use super::config::GrpoConfig;
+use super::core::{generation_stats, rows, weights_or_ones, Core, GroupBatch, RewardTable};
+use super::math::{self, nanmax, nanmin, ObjectiveParams};
+use crate::error::{Error, Result};
+use crate::models::CausalLm;
+use crate::params::ParamStore;
+use crate::ppo::{Stat, Stats};
+
+/// TRL's `GRPOTrainer`, one generation batch per [`GrpoTrainer::step`].
+pub struct GrpoTrainer {
+    /// Hyper-parameters.
+    pub config: GrpoConfig,
+    core: Core,
+}
+
+impl GrpoTrainer {
+    /// A trainer over a trainable `store` holding `policy`; `reference` is needed (and only
+    /// used) when `beta > 0`.
+    pub fn new(
+        config: GrpoConfig,
+        store: ParamStore,
+        policy: CausalLm,
+        reference: Option<CausalLm>,
+    ) -> Result<Self> {
+        config.validate().map_err(Error::Input)?;
+        if config.beta != 0.0 && reference.is_none() {
+            return Err(Error::Input(format!(
+                "grpo.beta is {} but no reference model was given; pass one (--ref-model) or set beta = 0",
+                config.beta
+            )));
+        }
+        let reference = if config.beta != 0.0 { reference } else { None };
+        let core = Core::new(store, policy, reference, config.optim_args(), config.temperature)?;
+        Ok(Self { config, core })
+    }
+
+    /// The policy's parameters.
+    pub fn store(&self) -> &ParamStore {
+        &self.core.store
+    }
+
+    /// Optimizer steps taken so far.
+    pub fn global_step(&self) -> usize {
+        self.core.global_step
+    }
+
+    /// One step with a single reward function named `reward`, truncation by TRL's rule.
+    pub fn step(
+        &mut self,
+        prompts: &[Vec<u32>],
+        completions: &[Vec<u32>],
+        rewards: &[f32],
+    ) -> Result<Vec<Stats>> {
+        let table = RewardTable::single(rewards);
+        self.step_with(&GroupBatch { prompts, completions, rewards: &table, truncated: None })
+    }
+
+    /// One GRPO step on a generation batch: `num_iterations` optimizer steps. Returns the
+    /// metrics TRL logs at each (the first also has the generation-side ones).
+    pub fn step_with(&mut self, batch: &GroupBatch) -> Result<Vec<Stats>> {
+        let _awake = self.core.device.is_cpu().then(crate::cpu::keep_pool_awake);
+        let cfg = self.config.clone();
+        let g = cfg.num_generations;
+        let weights = weights_or_ones(cfg.reward_weights.as_deref(), batch.rewards.names.len());
+        let truncated = self.core.check(
+            batch,
+            g,
+            cfg.max_completion_length,
+            cfg.per_device_train_batch_size,
+            cfg.reward_weights.as_deref(),
+        )?;
+        let in_loss: Vec<bool> = truncated.iter().map(|t| !(cfg.mask_truncated_completions && *t)).collect();
+        let padded = self.core.pad(batch.prompts, batch.completions, &in_loss)?;
+
+        // TRL computes old logprobs only when the batch is reused (num_iterations > 1).
+        let old = if cfg.num_iterations > 1 {
+            Some(self.core.logprobs_no_grad(&self.core.policy, &padded)?)
+        } else {
+            None
+        };
+        let reference = match &self.core.reference {
+            Some(r) => Some(self.core.logprobs_no_grad(r, &padded)?),
+            None => None,
+        };
+
+        let adv = math::grpo_advantages(
+            &batch.rewards.values,
+            &weights,
+            g,
+            cfg.scale_rewards,
+            cfg.multi_objective_aggregation,
+        );
+        let mut first = generation_stats(&mut self.core, batch, &truncated, &weights);
+        first.insert("frac_reward_zero_std".into(), Stat::Scalar(adv.frac_zero_std()));
+        let b = batch.prompts.len();
+        let dt = self.core.store.dtype();
+        let adv_t = Tensor::from_vec(
+            adv.advantages.iter().map(|&a| a as f32).collect::<Vec<_>>(),
+            (b, 1),
+            &self.core.device,
+        )?
+        .to_dtype(dt)?;
+        let params = ObjectiveParams {
+            epsilon_low: cfg.epsilon,
+            epsilon_high: cfg.epsilon_high(),
+            delta: cfg.delta,
+            level: cfg.importance_sampling_level,
+            beta: cfg.beta,
+            bias_correction_kl: cfg.use_bias_correction_kl,
+        };
+
+        let mut logs = Vec::new();
+        for k in 0..cfg.num_iterations {
+            let (parts, loss, grad_norm, lr) = self.core.optimizer_step(|core| {
+                let (logp, entropy) = core.logprobs(&core.policy, &padded, true)?;
+                let old = match &old {
+                    Some(o) => o.clone(),
+                    None => logp.detach(),
+                };
+                let obj =
+                    math::grpo_objective(&logp, &old, reference.as_ref(), &adv_t, &padded.mask, &params)?;
+                let loss = math::aggregate_loss(
+                    &obj.per_token_loss,
+                    &padded.mask,
+                    cfg.loss_type,
+                    cfg.max_completion_length,
+                    padded.n_tokens,
+                )?;
+                Ok((loss, (obj, entropy)))
+            })?;
+            let (obj, entropy) = parts;
+            let mut s = if k == 0 { std::mem::take(&mut first) } else { Stats::new() };
+            s.insert("loss".into(), Stat::Scalar(loss));
+            s.insert("grad_norm".into(), Stat::Scalar(grad_norm));
+            s.insert("learning_rate".into(), Stat::Scalar(lr));
+            self.loss_stats(&mut s, &obj, &entropy, &padded.mask, &adv.advantages)?;
+            s.insert(
+                "epoch".into(),
+                Stat::Scalar(self.core.calls as f64 + (k + 1) as f64 / cfg.num_iterations as f64),
+            );
+            s.insert("rltune/skipped_updates".into(), Stat::Scalar(self.core.skipped_updates as f64));
+            logs.push(s);
+        }
+        self.core.calls += 1;
+        Ok(logs)
+    }
+
+    /// `kl`, `entropy` and `clip_ratio/*` as TRL's `_compute_loss` logs them.
+    fn loss_stats(
+        &self,
+        s: &mut Stats,
+        obj: &math::Objective,
+        entropy: &Tensor,
+        mask: &Tensor,
+        adv: &[f64],
+    ) -> Result<()> {
+        let m = rows(mask)?;
+        let n_mask: f64 = m.iter().flatten().sum();
+        // global_masked_mean: Σ x·m / max(1, Σ m); TRL takes any (B, 1) value (sequence-level
+        // ratios, or one-token completions) as one per sequence: the plain mean over rows.
+        let masked_mean = |x: &[Vec<f64>]| -> f64 {
+            if x[0].len() == 1 {
+                x.iter().map(|r| r[0]).sum::<f64>() / x.len() as f64
+            } else {
+                let s: f64 = x.iter().zip(&m).flat_map(|(r, mr)| r.iter().zip(mr).map(|(a, b)| a * b)).sum();
+                s / n_mask.max(1.0)
+            }
+        };
+        // masked_seq_mean: per row Σ x·m / Σ m (NaN for an empty row); (B, 1) values as they are.
+        let seq_mean = |x: &[Vec<f64>]| -> Vec<f64> {
+            x.iter()
+                .zip(&m)
+                .map(|(r, mr)| {
+                    if r.len() == 1 {
+                        r[0]
+                    } else {
+                        r.iter().zip(mr).map(|(a, b)| a * b).sum::<f64>() / mr.iter().sum::<f64>()
+                    }
+                })
+                .collect()
+        };
+        if let Some(kl) = &obj.kl {
+            s.insert("kl".into(), Stat::Scalar(masked_mean(&rows(kl)?)));
+        }
+        s.insert("entropy".into(), Stat::Scalar(masked_mean(&rows(entropy)?)));
+        let ratio = rows(&obj.ratio)?;
+        let (lo, hi) = (1.0 - self.config.epsilon, 1.0 + self.config.epsilon_high());
+        let flag = |f: &dyn Fn(f64, f64) -> bool| -> Vec<Vec<f64>> {
+            ratio
+                .iter()
+                .zip(adv)
+                .map(|(r, &a)| r.iter().map(|&x| f64::from(u8::from(f(x, a)))).collect())
+                .collect()
+        };
+        let low = flag(&|x, a| x < lo && a < 0.0);
+        let high = flag(&|x, a| x > hi && a > 0.0);
+        let region = flag(&|x, a| (x < lo && a < 0.0) || (x > hi && a > 0.0));
+        s.insert("clip_ratio/low_mean".into(), Stat::Scalar(masked_mean(&low)));
+        s.insert("clip_ratio/high_mean".into(), Stat::Scalar(masked_mean(&high)));
+        s.insert("clip_ratio/region_mean".into(), Stat::Scalar(masked_mean(&region)));
+        s.insert("clip_ratio/low_min".into(), Stat::Scalar(nanmin(&seq_mean(&low))));
+        s.insert("clip_ratio/high_max".into(), Stat::Scalar(nanmax(&seq_mean(&high))));
+        Ok(())
+    }
+}
