@@ -562,4 +562,16 @@ command = ["cat"]
         let err = "fp8".parse::<crate::ops::MatmulPrecision>().unwrap_err();
         assert!(err.contains("\"fp8\"") && err.contains("\"bf16\""), "{err}");
     }
+
+    #[test]
+    fn the_adventure_ppo_example_config_loads_with_its_games_and_shaping() {
+        let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/adventure-ppo.toml");
+        let c = RunConfig::load(&p, &[]).unwrap();
+        assert_eq!(c.env.as_ref().map(|e| e.kind), Some(crate::envs::config::EnvKind::Adventure));
+        assert_eq!((c.episodes.shaping.invalid_penalty, c.episodes.game_gamma), (0.1, 0.6));
+        let rs = RunConfig::load(&p, &["algorithm.kind=rejection_sampling".into()]).unwrap();
+        assert_eq!(rs.algorithm.kind, AlgorithmKind::RejectionSampling);
+        let e = RunConfig::load(&p, &["algorithm.kind=dpo".into()]).unwrap_err().to_string();
+        assert!(e.contains("rejection_sampling"), "{e}");
+    }
 }
