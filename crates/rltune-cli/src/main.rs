@@ -9,6 +9,7 @@ mod play;
 mod ppo;
 mod ppo_step;
 mod quickstart;
+mod runtime;
 mod train;
 
 use clap::{Parser, Subcommand};

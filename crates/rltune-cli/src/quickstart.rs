@@ -28,6 +28,8 @@ pub struct Args {
     /// --set sft.max_steps=100 (repeatable; the keys are those of DIR/quickstart.json).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     set: Vec<String>,
+    #[command(flatten)]
+    runtime: crate::runtime::RuntimeArgs,
 }
 
 /// Runs `rltune quickstart`.
@@ -38,10 +40,11 @@ pub fn run(args: Args) -> Result<()> {
         let text = toml::to_string(&cfg).context("cannot serialize the quickstart settings")?;
         cfg = parse_toml(&text, Path::new("quickstart settings"), &args.set)?;
     }
+    let runtime = args.runtime.resolve(Default::default())?;
     let stop = crate::ppo::stop_flag()?;
     let started = std::time::Instant::now();
     let mut bar: Option<(Bar, usize)> = None;
-    let summary = run_quickstart(&args.output, &cfg, &stop, &mut |e| match e {
+    let summary = run_quickstart(&args.output, &cfg, &runtime, &stop, &mut |e| match e {
         Event::Start { stage, total } => {
             eprintln!("[{stage}] started");
             bar = total.map(|t| (Bar::new(stage), t));
