@@ -15,7 +15,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use candle_core::{Device, Tensor};
+use candle_core::Device;
 
 use crate::error::{Error, Result};
 use crate::io::{read_json, write_bytes_atomic};
@@ -64,9 +64,10 @@ pub fn save_checkpoint(
         if optimizer_state {
             let mut tensors = HashMap::new();
             for (i, (name, var)) in trainer.store.vars().iter().enumerate() {
-                let (m, v) = opt.moments(i);
-                tensors.insert(format!("m.{name}"), Tensor::from_slice(m, var.shape(), &Device::Cpu)?);
-                tensors.insert(format!("v.{name}"), Tensor::from_slice(v, var.shape(), &Device::Cpu)?);
+                let (m, v) = opt.moments(i)?;
+                debug_assert_eq!(m.shape(), var.shape());
+                tensors.insert(format!("m.{name}"), m);
+                tensors.insert(format!("v.{name}"), v);
             }
             crate::io::save_safetensors(&tmp.join("optimizer.safetensors"), &tensors)?;
         }
@@ -152,7 +153,7 @@ pub fn load_trainer_state(dir: &Path, trainer: &mut PpoTrainer) -> Result<Traine
         ms.push(get(format!("m.{name}"))?);
         vs.push(get(format!("v.{name}"))?);
     }
-    trainer.optimizer_mut().restore(ms, vs, state.adam_steps);
+    trainer.optimizer_mut().restore(ms, vs, state.adam_steps)?;
     *trainer.kl_controller_mut() = state.kl_controller.clone();
     match &state.streams {
         Some(streams) => trainer.restore_streams(streams),
