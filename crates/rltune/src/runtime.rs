@@ -18,7 +18,7 @@
 //! # Choices
 //!
 //! - `device = "auto"` (default): the first CUDA GPU when this build has the `cuda` feature and
-//!   the machine a GPU, else the CPU. `"cpu"`, `"cuda"` (= `"cuda:0"`) and `"cuda:N"` pick one.
+//!   it opens, else the CPU. `"cpu"`, `"cuda"` (= `"cuda:0"`) and `"cuda:N"` pick one.
 //!   Asking for CUDA from a build without the feature is an error that says how to build it.
 //! - `dtype = "f32"` (default) computes in f32, what TRL computes. `"bf16"` is mixed precision:
 //!   matrix products with bf16 inputs and f32 accumulation, weights and optimizer state in f32.
@@ -300,11 +300,16 @@ fn open_device(choice: DeviceChoice) -> Result<Device> {
     match choice {
         DeviceChoice::Cpu => Ok(Device::Cpu),
         DeviceChoice::Auto => {
-            if cfg!(feature = "cuda") && candle_core::utils::cuda_is_available() {
-                open_cuda(0, choice)
-            } else {
-                Ok(Device::Cpu)
+            // candle's `cuda_is_available()` only says whether the feature is built; whether a
+            // GPU answers is known by opening it (a CUDA build links the driver, so this is an
+            // error without a GPU, not a missing library).
+            if cfg!(feature = "cuda") {
+                match Device::new_cuda(0) {
+                    Ok(d) => return Ok(d),
+                    Err(e) => tracing::info!("device = \"auto\": no usable CUDA GPU ({e}); using the CPU"),
+                }
             }
+            Ok(Device::Cpu)
         }
         DeviceChoice::Cuda(n) => {
             if !cfg!(feature = "cuda") {
