@@ -7,13 +7,13 @@
 use std::time::Instant;
 
 use anyhow::{bail, Result};
-use candle_core::{DType, Device};
 use rand::{Rng, SeedableRng};
 use rltune::generation::{generate, GenerationConfig};
 use rltune::models::gpt2::Gpt2Config;
 use rltune::models::{CausalLm, CausalLmConfig, CausalLmWithValueHead};
 use rltune::params::ParamStore;
 use rltune::ppo::{PpoConfig, PpoTrainer, RolloutCache, Stat, StepInput};
+use rltune::runtime::RuntimeSection;
 
 /// Arguments of `rltune bench ppo`.
 #[derive(clap::Args)]
@@ -32,6 +32,8 @@ pub struct Args {
     /// (compare with `bench/trl_ppo.py --bf16`, TRL under CPU autocast).
     #[arg(long, default_value = "f32")]
     matmul_precision: rltune::ops::MatmulPrecision,
+    #[command(flatten)]
+    runtime: crate::runtime::RuntimeArgs,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -76,10 +78,11 @@ pub fn run(args: Args) -> Result<()> {
         bail!("--iters must be at least 1");
     }
     let p = preset(&args.preset)?;
-    rltune::ops::set_matmul_precision(args.matmul_precision)?;
-    let dev = Device::Cpu;
+    let section = RuntimeSection { matmul_precision: args.matmul_precision, ..RuntimeSection::default() };
+    let runtime = args.runtime.resolve(section)?;
+    let dev = runtime.device().clone();
     let cfg = CausalLmConfig::Gpt2(p.cfg.clone());
-    let store = ParamStore::random(0, true, DType::F32, &dev)?;
+    let store = ParamStore::random(0, true, runtime.dtype(), &dev)?;
     let lm = CausalLm::load(&store.root(), &cfg)?;
     let policy = CausalLmWithValueHead::load(&store.root(), lm)?;
     let reference = CausalLm::load(&store.frozen_copy()?.root(), &cfg)?;
@@ -142,7 +145,8 @@ pub fn run(args: Args) -> Result<()> {
         "impl": "rltune",
         "preset": args.preset,
         "rollout_cache": !args.no_rollout_cache,
-        "matmul_precision": args.matmul_precision.as_str(),
+        "matmul_precision": runtime.matmul_precision().as_str(),
+        "runtime": runtime.to_string(),
         "median_total_s": total,
         "median_generation_s": median(&mut gens),
         "median_step_s": median(&mut steps),

@@ -1,7 +1,6 @@
 //! `rltune generate`: sample from a causal LM.
 
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device};
 use rltune::generation::{generate, GenerationConfig};
 use rltune::models::load::load_policy;
 use rltune::tokenizer::Tokenizer;
@@ -39,12 +38,15 @@ pub struct Args {
     /// Print one JSON object per sample, one per line.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    runtime: crate::runtime::RuntimeArgs,
 }
 
 /// Runs `rltune generate`.
 pub fn run(args: Args) -> Result<()> {
-    let device = Device::Cpu;
-    let policy = load_policy(&args.model, false, DType::F32, &device)
+    let runtime = args.runtime.resolve(Default::default())?;
+    let device = runtime.device();
+    let policy = load_policy(&args.model, false, runtime.dtype(), device)
         .with_context(|| format!("cannot load model {:?}", args.model))?;
     let tokenizer = match &policy.files.tokenizer {
         Some(path) => {
@@ -77,7 +79,7 @@ pub fn run(args: Args) -> Result<()> {
         ..Default::default()
     };
     let prompts = vec![prompt; args.num_samples];
-    let samples = generate(&policy.model.lm, None, &prompts, &cfg, &device)?;
+    let samples = generate(&policy.model.lm, None, &prompts, &cfg, device)?;
     for (i, s) in samples.iter().enumerate() {
         let text = match &tokenizer {
             Some(t) => Some(t.decode(&s.response_ids)?),

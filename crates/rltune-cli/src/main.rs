@@ -10,6 +10,7 @@ mod play;
 mod ppo;
 mod ppo_step;
 mod quickstart;
+mod runtime;
 mod train;
 
 use clap::{Parser, Subcommand};

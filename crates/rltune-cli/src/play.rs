@@ -4,7 +4,6 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device};
 use rltune::envs::config::{agent_generation, EnvConfig, EnvKind};
 use rltune::envs::model_agent::ModelAgent;
 use rltune::envs::play::{play, Agent, PlayReport, RandomAgent};
@@ -40,6 +39,8 @@ pub struct Args {
     /// Override a setting of the env config, e.g. --set env.max_steps=30 (repeatable).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     set: Vec<String>,
+    #[command(flatten)]
+    runtime: crate::runtime::RuntimeArgs,
 }
 
 /// Runs `rltune play`.
@@ -54,12 +55,13 @@ pub fn run(args: Args) -> Result<()> {
         .with_context(|| format!("cannot start the environments of {}", args.env.display()))?;
     let games = if matches!(cfg.env.kind, EnvKind::Textworld) { cfg.env.game_files()?.len() } else { 0 };
     let resets = |i: usize| cfg.env.reset_for(args.seed, i, games);
-    let device = Device::Cpu;
     let started = std::time::Instant::now();
     let (episodes, dropped) = match &args.model {
         None => play(env.as_mut(), &mut RandomAgent::new(args.seed), args.episodes, &resets)?,
         Some(model) => {
-            let policy = load_policy(model, false, DType::F32, &device)
+            let runtime = args.runtime.resolve(Default::default())?;
+            let device = runtime.device();
+            let policy = load_policy(model, false, runtime.dtype(), device)
                 .with_context(|| format!("cannot load the model {model:?}"))?;
             let tok_path = policy.files.tokenizer.clone().with_context(|| {
                 format!("{model}: no tokenizer.json; a model agent needs one to read the game")
@@ -70,7 +72,7 @@ pub fn run(args: Args) -> Result<()> {
                 &tokenizer,
                 cfg.agent.clone(),
                 agent_generation(&cfg, args.seed),
-                &device,
+                device,
             )?);
             play(env.as_mut(), agent.as_mut(), args.episodes, &resets)?
         }

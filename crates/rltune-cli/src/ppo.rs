@@ -11,8 +11,8 @@ use rltune::run::{PpoRun, RunConfig, StepReport};
 #[derive(clap::Args)]
 pub struct Args {
     /// Run config (TOML with [model], [ref_model], [reward], [data], [generation], [ppo],
-    /// [logging], [checkpoint]; or [env], [agent], [episodes] instead of [data] and [reward] to
-    /// play text games); see configs/.
+    /// [logging], [checkpoint], [runtime]; or [env], [agent], [episodes] instead of [data] and
+    /// [reward] to play text games); see configs/.
     #[arg(long)]
     config: PathBuf,
     /// Override a config value, e.g. --set ppo.learning_rate=1e-5 (repeatable).
@@ -21,6 +21,8 @@ pub struct Args {
     /// Continue from the latest checkpoint in the run directory (needs optimizer state).
     #[arg(long)]
     resume: bool,
+    #[command(flatten)]
+    runtime: crate::runtime::RuntimeArgs,
 }
 
 /// Sets a flag on Ctrl-C (the loop finishes its step, checkpoints and exits); a second Ctrl-C
@@ -88,11 +90,13 @@ impl Progress {
 
 /// Runs `rltune ppo`.
 pub fn run(args: Args) -> Result<()> {
-    let config = RunConfig::load(&args.config, &args.set)?;
+    let mut config = RunConfig::load(&args.config, &args.set)?;
+    config.runtime = args.runtime.apply(config.runtime);
+    let runtime = args.runtime.resolve(config.runtime.clone())?;
     let dir = config.logging.dir.clone();
     let steps = config.ppo.steps;
     let stop = stop_flag()?;
-    let mut run = PpoRun::prepare(config, Vec::new(), args.resume)?;
+    let mut run = PpoRun::prepare_on(config, &runtime, Vec::new(), args.resume)?;
     let progress = Progress::new(steps, 0, "ppo");
     let done = run.run(&stop, &mut |r| progress.step(r))?;
     progress.finish();

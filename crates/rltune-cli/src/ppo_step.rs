@@ -3,11 +3,11 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device};
 use rltune::data::rollouts::read_rollouts;
 use rltune::models::load::{load_policy, load_reference, save_dir_atomic};
 use rltune::models::CausalLm;
 use rltune::ppo::{PpoConfig, PpoTrainer};
+use rltune::runtime::RuntimeSection;
 use rltune::tokenizer::Tokenizer;
 
 /// Arguments of `rltune ppo-step`.
@@ -24,23 +24,29 @@ pub struct Args {
     /// {"query": "..", "response": "..", "score": x}.
     #[arg(long)]
     rollouts: PathBuf,
-    /// TOML file whose [ppo] table holds PpoConfig fields (TRL's PPOConfig names).
+    /// TOML file whose [ppo] table holds PpoConfig fields (TRL's PPOConfig names), and an
+    /// optional [runtime] table (device, dtype).
     #[arg(long)]
     config: PathBuf,
     /// Output directory: model.safetensors, config.json, stats.json (and tokenizer.json).
     #[arg(long)]
     output: PathBuf,
+    #[command(flatten)]
+    runtime: crate::runtime::RuntimeArgs,
 }
 
 /// Runs `rltune ppo-step`.
 pub fn run(args: Args) -> Result<()> {
-    let device = Device::Cpu;
     let config = PpoConfig::from_toml_file(&args.config)?;
-    let policy = load_policy(&args.model, true, DType::F32, &device)
+    let text = std::fs::read_to_string(&args.config)
+        .with_context(|| format!("cannot read {}", args.config.display()))?;
+    let runtime = args.runtime.resolve(RuntimeSection::from_toml_table(&text, &args.config)?)?;
+    let (device, dtype) = (runtime.device(), runtime.dtype());
+    let policy = load_policy(&args.model, true, dtype, device)
         .with_context(|| format!("cannot load policy {:?}", args.model))?;
     let reference = match &args.ref_model {
         Some(r) => {
-            load_reference(r, DType::F32, &device).with_context(|| format!("cannot load reference {r:?}"))?.1
+            load_reference(r, dtype, device).with_context(|| format!("cannot load reference {r:?}"))?.1
         }
         None => CausalLm::load(&policy.store.frozen_copy()?.root(), &policy.config)?,
     };

@@ -35,6 +35,8 @@ pub struct Args {
     /// --set sft.max_steps=100 (repeatable; the keys are those of DIR/quickstart.json).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     set: Vec<String>,
+    #[command(flatten)]
+    runtime: crate::runtime::RuntimeArgs,
 }
 
 /// Runs `rltune quickstart`.
@@ -49,10 +51,11 @@ pub fn run(args: Args) -> Result<()> {
         let text = toml::to_string(&cfg).context("cannot serialize the quickstart settings")?;
         cfg = parse_toml(&text, Path::new("quickstart settings"), &args.set)?;
     }
+    let runtime = args.runtime.resolve(Default::default())?;
     let stop = crate::ppo::stop_flag()?;
     let started = std::time::Instant::now();
     let mut bar: Option<(Bar, usize)> = None;
-    let summary = run_quickstart(&output, &cfg, &stop, &mut |e| {
+    let summary = run_quickstart(&output, &cfg, &runtime, &stop, &mut |e| {
         show_event(&mut bar, e);
     })?;
     let tiny = args.preset == "tiny";
@@ -140,7 +143,8 @@ fn run_adventure(args: Args) -> Result<()> {
     let stop = crate::ppo::stop_flag()?;
     let started = std::time::Instant::now();
     let mut bar: Option<(Bar, usize)> = None;
-    let s = run_adventure_quickstart(&output, &cfg, &stop, &mut |e| show_event(&mut bar, e))?;
+    let runtime = args.runtime.resolve(Default::default())?;
+    let s = run_adventure_quickstart(&output, &cfg, &runtime, &stop, &mut |e| show_event(&mut bar, e))?;
     println!();
     println!(
         "policy: GPT-2, {:.2}M parameters, behaviour-cloned on {} demonstrated turns",

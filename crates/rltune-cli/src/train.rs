@@ -8,8 +8,8 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
-use candle_core::{DType, Device};
 use rltune::run::config::parse_toml;
+use rltune::runtime::RuntimeSection;
 use rltune::train::data::{read_reward_records, read_sft_records};
 use rltune::train::reward_model::{self, RewardConfig, RewardModel};
 use rltune::train::sft::{self, SftConfig, SftModel};
@@ -28,12 +28,14 @@ pub struct Common {
     /// Output directory (written atomically: a temp directory renamed at the end).
     #[arg(long)]
     output: PathBuf,
-    /// TOML file with [training] and the trainer's own table.
+    /// TOML file with [training], the trainer's own table and [runtime].
     #[arg(long)]
     config: Option<PathBuf>,
     /// Override a setting, e.g. --set training.learning_rate=1e-4 (repeatable).
     #[arg(long = "set", value_name = "TABLE.KEY=VALUE")]
     set: Vec<String>,
+    #[command(flatten)]
+    runtime: crate::runtime::RuntimeArgs,
 }
 
 /// Arguments of `rltune sft`.
@@ -55,6 +57,7 @@ pub struct RewardArgs {
 struct SftFile {
     training: TrainingArgs,
     sft: SftConfig,
+    runtime: RuntimeSection,
 }
 
 #[derive(Deserialize, Default)]
@@ -62,6 +65,7 @@ struct SftFile {
 struct RewardFile {
     training: TrainingArgs,
     reward: RewardConfig,
+    runtime: RuntimeSection,
 }
 
 /// The settings file (or an empty one) with the overrides applied.
@@ -86,8 +90,9 @@ pub fn run_sft(args: SftArgs) -> Result<()> {
     let file: SftFile = settings(c)?;
     check(file.training.validate(), c)?;
     check(file.sft.validate(), c)?;
+    let runtime = c.runtime.resolve(file.runtime.clone())?;
     let records = read_sft_records(&c.data)?;
-    let model = SftModel::from_pretrained(&c.model, DType::F32, &Device::Cpu)?;
+    let model = SftModel::from_pretrained(&c.model, runtime.dtype(), runtime.device())?;
     let mut cfg = file.sft;
     if let Some(max) = model.lm.config().max_positions() {
         fit_default(&mut cfg.max_length, SftConfig::default().max_length, max, "sft.max_length");
@@ -106,9 +111,15 @@ pub fn run_reward(args: RewardArgs) -> Result<()> {
     let file: RewardFile = settings(c)?;
     check(file.training.validate(), c)?;
     check(file.reward.validate(), c)?;
+    let runtime = c.runtime.resolve(file.runtime.clone())?;
     let records = read_reward_records(&c.data)?;
-    let model =
-        RewardModel::from_pretrained_for(&c.model, &records, file.training.seed, DType::F32, &Device::Cpu)?;
+    let model = RewardModel::from_pretrained_for(
+        &c.model,
+        &records,
+        file.training.seed,
+        runtime.dtype(),
+        runtime.device(),
+    )?;
     let mut cfg = file.reward;
     fit_default(
         &mut cfg.max_length,

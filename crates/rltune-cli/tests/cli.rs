@@ -239,3 +239,66 @@ fn the_binary_reads_parquet_prompt_datasets() {
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("invalid Parquet") && !err.contains("cargo feature"), "{err}");
 }
+
+/// Issue #30: `--device cpu` computes what the default computed (bit for bit on this CPU
+/// build, where `auto` is the CPU).
+#[test]
+fn device_cpu_gives_the_same_samples_as_the_default() {
+    let model = fixture("models/gpt2_value_head");
+    let args =
+        ["--prompt-ids", "1,2,3", "--num-samples", "2", "--max-new-tokens", "6", "--json", "--seed", "4"];
+    let plain = stdout(&generate(model.to_str().unwrap(), &args));
+    for flags in [&["--device", "cpu"][..], &["--device", "auto", "--dtype", "f32"]] {
+        let out = generate(model.to_str().unwrap(), &[&args[..], flags].concat());
+        assert!(out.status.success(), "{flags:?}: {}", stderr(&out));
+        assert_eq!(stdout(&out), plain, "{flags:?}");
+    }
+}
+
+/// Issue #30: asking a build without the `cuda` feature for CUDA fails on every command, before
+/// any work, with the command that builds it.
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn device_cuda_without_the_feature_says_how_to_build_it() {
+    let model = fixture("models/gpt2_value_head");
+    let m = model.to_str().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    let data = dir.path().join("sft.jsonl");
+    std::fs::write(&data, "{\"text\": \"a b\"}\n").unwrap();
+    let data = data.to_str().unwrap();
+    let config = dir.path().join("ppo.toml");
+    std::fs::write(&config, "[ppo]\nbatch_size = 1\nmini_batch_size = 1\n[runtime]\ndevice = \"cuda:1\"\n")
+        .unwrap();
+    let c = config.to_str().unwrap();
+    let commands: Vec<Vec<&str>> = vec![
+        vec!["generate", "--model", m, "--prompt-ids", "1", "--device", "cuda"],
+        vec!["sft", "--model", m, "--data", data, "--output", d, "--device", "cuda:0"],
+        vec!["reward", "--model", m, "--data", data, "--output", d, "--device", "cuda"],
+        vec!["quickstart", "--output", d, "--preset", "tiny", "--device", "cuda"],
+        vec!["bench", "ppo", "--device", "cuda"],
+        vec!["ppo-step", "--model", m, "--rollouts", data, "--config", c, "--output", d],
+    ];
+    for args in commands {
+        let out = common::rltune(&args);
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains("device = \"cuda"), "{args:?}: {err}");
+        assert!(err.contains("cargo build --release --features cuda"), "{args:?}: {err}");
+        assert!(err.contains("tools/cuda/build.sh"), "{args:?}: {err}");
+    }
+    // The config's [runtime] device, and the flag that overrides it.
+    let out = common::rltune(&["ppo-step", "--model", m, "--rollouts", data, "--config", c, "--output", d]);
+    assert!(stderr(&out).contains("device = \"cuda:1\""), "{}", stderr(&out));
+}
+
+#[test]
+fn a_bad_device_or_dtype_names_the_choices() {
+    let model = fixture("models/gpt2_value_head");
+    let out = generate(model.to_str().unwrap(), &["--prompt-ids", "1", "--device", "tpu"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("\"cuda:N\""), "{}", stderr(&out));
+    let out = generate(model.to_str().unwrap(), &["--prompt-ids", "1", "--dtype", "fp16"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("\"bf16\""), "{}", stderr(&out));
+}

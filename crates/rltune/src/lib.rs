@@ -18,17 +18,18 @@
 //! the logprobs PPO compares are those of one deterministic policy.
 //!
 //! ```
-//! use candle_core::{DType, Device};
 //! use rltune::generation::{generate, GenerationConfig};
 //! use rltune::models::{gpt2::Gpt2Config, CausalLm, CausalLmConfig};
 //! use rltune::params::ParamStore;
 //!
 //! # fn main() -> rltune::Result<()> {
 //! let cfg = CausalLmConfig::Gpt2(Gpt2Config::tiny(64, 16, 1, 2, 32));
-//! let store = ParamStore::random(0, false, DType::F32, &Device::Cpu)?;
+//! // Where and in which precision to compute; `Runtime::resolve` reads a config's `[runtime]`.
+//! let rt = rltune::runtime::Runtime::cpu();
+//! let store = ParamStore::random(0, false, rt.dtype(), rt.device())?;
 //! let lm = CausalLm::load(&store.root(), &cfg)?;
 //! let gen = GenerationConfig { max_new_tokens: 5, seed: 1, ..Default::default() };
-//! let out = generate(&lm, None, &[vec![1, 2, 3], vec![4]], &gen, &Device::Cpu)?;
+//! let out = generate(&lm, None, &[vec![1, 2, 3], vec![4]], &gen, rt.device())?;
 //! assert_eq!(out[0].logprobs.len(), out[0].response_ids.len());
 //! # Ok(()) }
 //! ```
@@ -51,6 +52,7 @@ pub mod quickstart;
 pub mod rejection;
 pub mod rewards;
 pub mod run;
+pub mod runtime;
 pub mod tokenizer;
 pub mod train;
 

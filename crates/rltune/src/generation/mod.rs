@@ -102,10 +102,25 @@ pub struct Sample {
     pub values: Option<Vec<f32>>,
 }
 
+/// Where the next token is drawn from the logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SamplingPath {
+    /// [`Self::Device`] for pure sampling on a GPU, else [`Self::Host`].
+    #[default]
+    Auto,
+    /// The logits `(B, V)` are copied to the host each token and sampled exactly (f64 CDF,
+    /// [`sampler::sample_pure`] / [`sampler::log_distribution`]); every option. The CPU's path.
+    Host,
+    /// Sampled where the logits are, with candle ops ([`sampler::sample_on_device`]): only the
+    /// ids and logprobs come back. Pure sampling (temperature, min-length) only.
+    Device,
+}
+
 /// Samples continuations of `prompts` (token ids) in one batch.
 ///
 /// With `v_head`, each sample also carries the values. Prompt ids at or above the model's
-/// vocabulary size are rejected with an error naming the prompt.
+/// vocabulary size are rejected with an error naming the prompt. Sampling takes
+/// [`SamplingPath::Auto`]: exact on the host on a CPU, on the device on a GPU.
 pub fn generate(
     lm: &CausalLm,
     v_head: Option<&ValueHead>,
@@ -113,7 +128,33 @@ pub fn generate(
     cfg: &GenerationConfig,
     device: &Device,
 ) -> Result<Vec<Sample>> {
+    generate_with(lm, v_head, prompts, cfg, device, SamplingPath::Auto)
+}
+
+/// [`generate`] with the sampling path chosen. [`SamplingPath::Device`] with top-k or top-p is
+/// an error.
+pub fn generate_with(
+    lm: &CausalLm,
+    v_head: Option<&ValueHead>,
+    prompts: &[Vec<u32>],
+    cfg: &GenerationConfig,
+    device: &Device,
+    path: SamplingPath,
+) -> Result<Vec<Sample>> {
     cfg.validate()?;
+    let pure = cfg.top_k == 0 && cfg.top_p >= 1.0;
+    let on_device = match path {
+        SamplingPath::Auto => pure && !device.is_cpu(),
+        SamplingPath::Host => false,
+        SamplingPath::Device if pure => true,
+        SamplingPath::Device => {
+            return Err(Error::Input(
+                "sampling on the device supports pure sampling only (temperature, min_new_tokens); \
+                 set top_k = 0 and top_p = 1.0, or sample on the host"
+                    .into(),
+            ))
+        }
+    };
     if cfg.biases_kl() {
         tracing::warn!(
             "top_k / top_p / min_new_tokens are on: sampling no longer follows the policy, which \
@@ -137,6 +178,7 @@ pub fn generate(
         }
     }
     let mut rng = rand::rngs::StdRng::seed_from_u64(cfg.seed);
+    let mut noise = if on_device { Some(sampler::DeviceNoise::new(device, cfg.seed)?) } else { None };
     let mut cache = lm.new_cache();
     let mut samples: Vec<Sample> = prompts
         .iter()
@@ -161,37 +203,26 @@ pub fn generate(
         // The last position's hidden state (B, 1, C), then its logits (B, V), read in place: each
         // row is copied once, by the task that samples it.
         let last = hidden.narrow(1, hidden.dim(1)? - 1, 1)?;
-        let logits =
-            lm.logits(&last)?.squeeze(1)?.to_dtype(DType::F32)?.to_device(&Device::Cpu)?.contiguous()?;
-        let vocab = logits.dim(1)?;
         let values = match v_head {
             Some(h) => Some(h.forward(&last)?.squeeze(1)?.to_dtype(DType::F32)?.to_vec1::<f32>()?),
             None => None,
         };
         let banned: &[u32] = if step < cfg.min_new_tokens { &eos } else { &[] };
         let mut next = vec![pad_id; b];
-        // One uniform per live row, drawn in row order (as a serial loop would), then the rows'
-        // distributions and draws in parallel: the same tokens for a seed on any thread count.
-        let draws: Vec<Option<f64>> = done.iter().map(|&d| (!d).then(|| rng.gen::<f64>())).collect();
-        let sampler_cfg = cfg.sampler();
-        let pure = cfg.top_k == 0 && cfg.top_p >= 1.0;
-        let picked: Vec<Option<(usize, f64)>> =
-            crate::ops::with_f32(&logits, "generation: logits", |logits| {
-                draws
-                    .par_iter()
-                    .zip(logits.par_chunks(vocab.max(1)))
-                    .map(|(u, row)| {
-                        u.map(|u| {
-                            if pure {
-                                return sampler::sample_pure(row, cfg.temperature, banned, u);
-                            }
-                            let logp = sampler::log_distribution(row, &sampler_cfg, banned);
-                            let tok = sampler::sample_at(&logp, u);
-                            (tok, logp[tok])
-                        })
-                    })
+        let picked: Vec<Option<(usize, f64)>> = match noise.as_mut() {
+            Some(noise) => {
+                // Finished rows are sampled too (their tokens are dropped): a fixed (B, V) shape.
+                let logits = lm.logits(&last)?.squeeze(1)?;
+                let (ids, lps) = sampler::sample_on_device(&logits, cfg.temperature, banned, noise)?;
+                ids.into_iter()
+                    .zip(lps)
+                    .zip(&done)
+                    .map(|((id, lp), &d)| (!d).then_some((id as usize, lp as f64)))
                     .collect()
-            })?;
+            }
+            None => sample_on_host(lm, &last, &done, &mut rng, cfg, banned)?,
+        };
+
         for (i, pick) in picked.into_iter().enumerate() {
             let Some((tok, lp)) = pick else { continue };
             let s = &mut samples[i];
@@ -220,6 +251,43 @@ pub fn generate(
         hidden = lm.forward(&input, &positions, &bias, Some(&mut cache))?;
     }
     Ok(samples)
+}
+
+/// One token per live row (`None` for finished rows), sampled exactly on the host from the
+/// last position's logits.
+fn sample_on_host(
+    lm: &CausalLm,
+    last: &Tensor,
+    done: &[bool],
+    rng: &mut rand::rngs::StdRng,
+    cfg: &GenerationConfig,
+    banned: &[u32],
+) -> Result<Vec<Option<(usize, f64)>>> {
+    // The logits (B, V), read in place: each row is copied once, by the task that samples it.
+    let logits = lm.logits(last)?.squeeze(1)?.to_dtype(DType::F32)?.to_device(&Device::Cpu)?.contiguous()?;
+    let vocab = logits.dim(1)?;
+    // One uniform per live row, drawn in row order (as a serial loop would), then the rows'
+    // distributions and draws in parallel: the same tokens for a seed on any thread count.
+    let draws: Vec<Option<f64>> = done.iter().map(|&d| (!d).then(|| rng.gen::<f64>())).collect();
+    let sampler_cfg = cfg.sampler();
+    let pure = cfg.top_k == 0 && cfg.top_p >= 1.0;
+    let picked = crate::ops::with_f32(&logits, "generation: logits", |logits| {
+        draws
+            .par_iter()
+            .zip(logits.par_chunks(vocab.max(1)))
+            .map(|(u, row)| {
+                u.map(|u| {
+                    if pure {
+                        return sampler::sample_pure(row, cfg.temperature, banned, u);
+                    }
+                    let logp = sampler::log_distribution(row, &sampler_cfg, banned);
+                    let tok = sampler::sample_at(&logp, u);
+                    (tok, logp[tok])
+                })
+            })
+            .collect()
+    })?;
+    Ok(picked)
 }
 
 /// Rejects empty prompts and ids outside the vocabulary, naming the prompt.

@@ -137,6 +137,83 @@ pub fn sample_pure(logits: &[f32], temperature: f64, banned: &[u32], u: f64) -> 
     (tok, (row[tok] as f64).ln() - s.ln())
 }
 
+/// Where [`sample_on_device`] gets its uniforms: on a CUDA device, the device's own seeded
+/// generator (cuRAND; `Tensor::rand`), so nothing but the sampled ids and logprobs crosses to
+/// the host; on the CPU (which candle cannot seed), a seeded host stream.
+pub enum DeviceNoise {
+    /// The device's generator, seeded once.
+    Device,
+    /// A host stream (the CPU).
+    Host(Box<rand::rngs::StdRng>),
+}
+
+impl DeviceNoise {
+    /// Seeds the noise of `device` with `seed`.
+    pub fn new(device: &candle_core::Device, seed: u64) -> crate::Result<Self> {
+        use rand::SeedableRng;
+        if device.is_cpu() {
+            return Ok(Self::Host(Box::new(rand::rngs::StdRng::seed_from_u64(seed))));
+        }
+        device.set_seed(seed)?;
+        Ok(Self::Device)
+    }
+
+    /// Uniforms in (0, 1), shape `(b, v)`, on `device`.
+    fn uniform(
+        &mut self,
+        b: usize,
+        v: usize,
+        device: &candle_core::Device,
+    ) -> crate::Result<candle_core::Tensor> {
+        // Away from 0 and 1, where the Gumbel transform is infinite.
+        let (lo, hi) = (1e-20f64, 1.0 - f32::EPSILON as f64);
+        let u = match self {
+            Self::Device => candle_core::Tensor::rand(0f32, 1f32, (b, v), device)?,
+            Self::Host(rng) => {
+                let u: Vec<f32> = (0..b * v).map(|_| rng.gen::<f32>()).collect();
+                candle_core::Tensor::from_vec(u, (b, v), device)?
+            }
+        };
+        Ok(u.clamp(lo, hi)?)
+    }
+}
+
+/// Pure sampling (a temperature, `banned` ids excluded, no top-k / top-p) of one token per row of
+/// `logits` `(B, V)`, computed on their device: `log_softmax(logits / T)`, then the Gumbel-max
+/// trick, `argmax_j(logp_j − log(−log u_j))` with uniforms `u` from `noise`, which draws exactly
+/// from `softmax(logits / T)`. Returns each row's token and its logprob under that distribution:
+/// the only `2·B` numbers that leave the device. The exact CPU sampler ([`sample_pure`]) stays the
+/// CPU's default; this is the path of a GPU, where copying `(B, V)` logits to the host each token
+/// would cost more than the forward pass. Draws differ from the CPU sampler's for the same seed.
+pub fn sample_on_device(
+    logits: &candle_core::Tensor,
+    temperature: f64,
+    banned: &[u32],
+    noise: &mut DeviceNoise,
+) -> crate::Result<(Vec<u32>, Vec<f32>)> {
+    use candle_core::{DType, Tensor, D};
+    let (b, v) = logits.dims2()?;
+    let device = logits.device();
+    let t = if temperature > 0.0 { temperature } else { 1.0 };
+    let mut x = (logits.to_dtype(DType::F32)? / t)?;
+    if !banned.is_empty() {
+        let mut bias = vec![0f32; v];
+        for &id in banned {
+            if let Some(b) = bias.get_mut(id as usize) {
+                *b = f32::NEG_INFINITY;
+            }
+        }
+        x = x.broadcast_add(&Tensor::from_vec(bias, (1, v), device)?)?;
+    }
+    let logp = candle_nn::ops::log_softmax(&x, D::Minus1)?;
+    let gumbel = noise.uniform(b, v, device)?.log()?.neg()?.log()?.neg()?;
+    let ids = (&logp + gumbel)?.argmax_keepdim(D::Minus1)?; // (B, 1) u32
+    let lp = logp.gather(&ids, D::Minus1)?;
+    let ids = ids.squeeze(1)?.to_vec1::<u32>()?;
+    let lp = lp.squeeze(1)?.to_vec1::<f32>()?;
+    Ok((ids, lp))
+}
+
 fn softmax(x: &[f64]) -> Vec<f64> {
     log_softmax(x).into_iter().map(f64::exp).collect()
 }
@@ -185,6 +262,48 @@ mod tests {
         // A tiny top_p still keeps the best token.
         let lp = log_distribution(&logits, &SamplerConfig { top_p: 1e-6, ..Default::default() }, &[]);
         assert_eq!(lp[0], 0.0);
+    }
+
+    /// Issue #30: the device sampler (here on the CPU, through the same candle ops a GPU runs)
+    /// draws from softmax(logits / T), never a banned id, returns each token's logprob under that
+    /// distribution, and repeats itself for a seed.
+    #[test]
+    fn device_sampling_draws_from_the_tempered_softmax() {
+        use candle_core::{Device, Tensor};
+        let row = [1.0f32, 0.0, -1.0, 2.0, 0.5, 1.5];
+        let (t, banned) = (0.7, [5u32]);
+        let logp = log_distribution(&row, &SamplerConfig { temperature: t, ..Default::default() }, &banned);
+        let b = 4000;
+        let logits = Tensor::from_vec(row.repeat(b), (b, row.len()), &Device::Cpu).unwrap();
+        let mut noise = DeviceNoise::new(&Device::Cpu, 7).unwrap();
+        let mut counts = [0usize; 6];
+        let rounds = 25;
+        for _ in 0..rounds {
+            let (ids, lps) = sample_on_device(&logits, t, &banned, &mut noise).unwrap();
+            assert_eq!((ids.len(), lps.len()), (b, b));
+            for (&id, &lp) in ids.iter().zip(&lps) {
+                assert!(!banned.contains(&id), "sampled a banned id");
+                assert!(
+                    (lp as f64 - logp[id as usize]).abs() < 1e-5,
+                    "logprob {lp} vs {}",
+                    logp[id as usize]
+                );
+                counts[id as usize] += 1;
+            }
+        }
+        let n = (b * rounds) as f64;
+        for (i, c) in counts.iter().enumerate() {
+            let p = logp[i].exp();
+            let freq = *c as f64 / n;
+            let se = (p * (1.0 - p) / n).sqrt();
+            assert!((freq - p).abs() <= 5.0 * se, "token {i}: freq {freq} vs p {p}");
+        }
+        let draw = |seed| {
+            let mut noise = DeviceNoise::new(&Device::Cpu, seed).unwrap();
+            sample_on_device(&logits.narrow(0, 0, 64).unwrap(), 1.0, &[], &mut noise).unwrap().0
+        };
+        assert_eq!(draw(3), draw(3));
+        assert_ne!(draw(3), draw(4));
     }
 
     #[test]

@@ -139,7 +139,7 @@ impl Core {
             store,
             policy,
             reference,
-            optimizer: Adam::new(vars, adam),
+            optimizer: Adam::new(vars, adam)?,
             grads: None,
             decay,
             optim,

@@ -163,7 +163,7 @@ impl Attention {
             // Training and scoring: one fused op (no per-head copies in the graph).
             return self.c_proj.forward(&ops::self_attention(&qkv, bias, self.n_head, self.scale)?);
         };
-        if qkv.device().is_cpu() && qkv.dtype() == DType::F32 && bias.dtype() == DType::F32 {
+        if crate::ops::cpu_kernels(qkv.device()) && qkv.dtype() == DType::F32 && bias.dtype() == DType::F32 {
             // Generation: keys and values appended in place, no concatenation or head copies.
             let y = ops::cached_self_attention(&qkv, bias, cache.block_mut(layer)?, self.n_head, self.scale)?;
             return self.c_proj.forward(&y);

@@ -333,7 +333,7 @@ impl CustomOp2 for GeluTanhBwd {
 
 /// GELU with the tanh approximation (transformers' `gelu_new`), differentiable.
 pub fn gelu_tanh(x: &Tensor) -> CResult<Tensor> {
-    if x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64) {
+    if super::cpu_kernels(x.device()) && matches!(x.dtype(), DType::F32 | DType::F64) {
         x.contiguous()?.apply_op1(GeluTanh)
     } else {
         x.gelu()

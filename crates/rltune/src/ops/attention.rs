@@ -494,7 +494,7 @@ impl CustomOp2 for SelfAttentionBwd {
 /// On the CPU (f32, f64) one fused op; elsewhere (and for a key length other than `T`, as with
 /// a KV cache) use [`self_attention_composed`], which gives the same results.
 pub fn self_attention(qkv: &Tensor, bias: &Tensor, n_head: usize, scale: f64) -> CResult<Tensor> {
-    if qkv.device().is_cpu() && qkv.dtype() == bias.dtype() {
+    if super::cpu_kernels(qkv.device()) && qkv.dtype() == bias.dtype() {
         let op = SelfAttention { n_head, scale, probs: Mutex::new(None) };
         qkv.contiguous()?.apply_op2(&bias.contiguous()?, op)
     } else {
@@ -658,7 +658,7 @@ pub fn cached_self_attention(
     n_head: usize,
     scale: f64,
 ) -> CResult<Tensor> {
-    if !qkv.device().is_cpu() || qkv.dtype() != DType::F32 || bias.dtype() != DType::F32 {
+    if !super::cpu_kernels(qkv.device()) || qkv.dtype() != DType::F32 || bias.dtype() != DType::F32 {
         candle_core::bail!("cached self-attention runs on f32 CPU tensors");
     }
     let op = CachedSelfAttention { cache: Mutex::new(cache), n_head, scale: scale as f32 };

@@ -86,7 +86,7 @@ pub fn embedding(table: &Tensor, ids: &Tensor) -> CResult<Tensor> {
     let mut dims = ids.dims().to_vec();
     dims.push(table.dim(1)?);
     let flat = ids.flatten_all()?.to_dtype(DType::U32)?;
-    let rows = if table.device().is_cpu() && matches!(table.dtype(), DType::F32 | DType::F64) {
+    let rows = if super::cpu_kernels(table.device()) && matches!(table.dtype(), DType::F32 | DType::F64) {
         // Inside a gradient scope, the looked-up rows are held in the table's sink, so that an
         // optimizer fused into a tied LM head's product leaves them for this op's backward.
         if let Some(sink) = grad_sink::sink_of(table).filter(|_| table.dtype() == DType::F32) {

@@ -276,7 +276,8 @@ impl CustomOp1 for ColumnSum {
 /// Whether the custom ops handle these operands (CPU, f32 or f64, one dtype).
 fn fast_path(ts: &[&Tensor]) -> bool {
     let dt = ts[0].dtype();
-    ts.iter().all(|t| t.device().is_cpu() && t.dtype() == dt) && matches!(dt, DType::F32 | DType::F64)
+    ts.iter().all(|t| super::cpu_kernels(t.device()) && t.dtype() == dt)
+        && matches!(dt, DType::F32 | DType::F64)
 }
 
 /// `(…, in)` as `(rows, in)`, and the output shape `(…, out)`.

@@ -463,8 +463,8 @@ pub fn lm_head_logprobs(
         candle_core::bail!("lm-head: {} targets for {n} rows", targets.elem_count());
     }
     let dt = hidden.dtype();
-    let fused = hidden.device().is_cpu()
-        && weight.device().is_cpu()
+    let fused = super::cpu_kernels(hidden.device())
+        && super::cpu_kernels(weight.device())
         && weight.dtype() == dt
         && matches!(dt, DType::F32 | DType::F64);
     if !fused {

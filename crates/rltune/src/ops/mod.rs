@@ -65,7 +65,7 @@ pub(crate) use softmax::exp_row_f32;
 pub use activation::{gelu_tanh, gelu_tanh_composed};
 pub use attention::{cached_self_attention, self_attention, self_attention_composed, KvBlock};
 pub use embedding::embedding;
-pub use gemm::{matmul_precision, set_matmul_precision, MatmulPrecision};
+pub use gemm::{check_matmul_precision, matmul_precision, set_matmul_precision, MatmulPrecision};
 pub use linear::{linear, linear_composed, linear_in_out, linear_in_out_composed, matmul};
 pub use lm_head::lm_head_logprobs;
 pub use norm::{layer_norm, layer_norm_composed, rms_norm, rms_norm_composed};
@@ -149,9 +149,37 @@ pub(crate) fn with_f32<R>(t: &Tensor, what: &str, f: impl FnOnce(&[f32]) -> R) -
     }
 }
 
+thread_local! {
+    static COMPOSED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// While alive, every op of this module called on this thread takes its composed candle path
+/// (the one CUDA tensors take), and new [`crate::ppo::Grads`] / [`crate::ppo::Adam`] use no
+/// gradient buffers and keep their moments as tensors: the GPU's code path, run on the CPU.
+/// For tests that compare it with the fused CPU kernels (issue #30); see [`composed_scope`].
+#[doc(hidden)]
+pub struct ComposedScope(bool);
+
+impl Drop for ComposedScope {
+    fn drop(&mut self) {
+        COMPOSED.with(|c| c.set(self.0));
+    }
+}
+
+/// Starts a [`ComposedScope`] on this thread.
+#[doc(hidden)]
+pub fn composed_scope() -> ComposedScope {
+    ComposedScope(COMPOSED.with(|c| c.replace(true)))
+}
+
+/// Whether tensors on `device` run the fused CPU kernels: the CPU, outside a [`ComposedScope`].
+pub(crate) fn cpu_kernels(device: &candle_core::Device) -> bool {
+    device.is_cpu() && !COMPOSED.with(|c| c.get())
+}
+
 /// Whether `t` is an f32 tensor on the CPU (what the fused f32 kernels take).
 pub(crate) fn f32_cpu(t: &Tensor) -> bool {
-    t.dtype() == DType::F32 && t.device().is_cpu()
+    t.dtype() == DType::F32 && cpu_kernels(t.device())
 }
 
 /// Rows per rayon task: small rows are batched so a task does real work.

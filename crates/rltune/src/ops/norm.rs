@@ -256,7 +256,7 @@ pub(crate) fn layer_norm_bwd_parts(
 
 /// Layer norm over the last dimension with weight and bias (torch's `nn.LayerNorm`), differentiable.
 pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> CResult<Tensor> {
-    if x.device().is_cpu() {
+    if super::cpu_kernels(x.device()) {
         x.contiguous()?.apply_op3(&w.contiguous()?, &b.contiguous()?, LayerNorm { eps })
     } else {
         layer_norm_composed(x, w, b, eps)
@@ -414,7 +414,7 @@ impl CustomOp3 for RmsNormBwd {
 
 /// RMS norm over the last dimension (Llama's `LlamaRMSNorm`), differentiable.
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> CResult<Tensor> {
-    if x.device().is_cpu() {
+    if super::cpu_kernels(x.device()) {
         x.contiguous()?.apply_op2(&w.contiguous()?, RmsNorm { eps })
     } else {
         rms_norm_composed(x, w, eps)

@@ -202,7 +202,7 @@ impl CustomOp2 for SoftmaxBwd {
 
 /// Softmax over the last dimension, differentiable.
 pub fn softmax_last_dim(x: &Tensor) -> CResult<Tensor> {
-    if x.device().is_cpu() {
+    if super::cpu_kernels(x.device()) {
         x.contiguous()?.apply_op1(Softmax)
     } else {
         softmax_composed(x)
@@ -320,7 +320,7 @@ pub fn scaled_masked_softmax(scores: &Tensor, bias: &Tensor, scale: f64) -> CRes
         }
         _ => false,
     };
-    if scores.device().is_cpu() && fits && scores.dtype() == bias.dtype() {
+    if super::cpu_kernels(scores.device()) && fits && scores.dtype() == bias.dtype() {
         scores.contiguous()?.apply_op2(&bias.contiguous()?, ScaledMaskedSoftmax { scale })
     } else {
         scaled_masked_softmax_composed(scores, bias, scale)
@@ -393,7 +393,7 @@ impl CustomOp2 for LogSoftmaxBwd {
 
 /// Log-softmax over the last dimension, differentiable.
 pub fn log_softmax_last_dim(x: &Tensor) -> CResult<Tensor> {
-    if x.device().is_cpu() {
+    if super::cpu_kernels(x.device()) {
         x.contiguous()?.apply_op1(LogSoftmax)
     } else {
         log_softmax_composed(x)
@@ -550,7 +550,7 @@ impl CustomOp3 for LogprobsOfBwd {
 /// `g · (onehot − softmax)` row by row. Targets are u32 (or i64, u8) ids below V.
 pub fn logprobs_of(logits: &Tensor, targets: &Tensor) -> CResult<Tensor> {
     let ok_dtype = matches!(logits.dtype(), DType::F32 | DType::F64);
-    if logits.device().is_cpu() && ok_dtype && logits.rank() == targets.rank() + 1 {
+    if super::cpu_kernels(logits.device()) && ok_dtype && logits.rank() == targets.rank() + 1 {
         logits.contiguous()?.apply_op2(&targets.contiguous()?, LogprobsOf)
     } else {
         logprobs_of_composed(logits, targets)
@@ -618,7 +618,7 @@ impl CustomOp1 for Entropy {
 /// each row (no `(…, V)` temporaries).
 pub fn entropy_from_logits(logits: &Tensor) -> CResult<Tensor> {
     let ok_dtype = matches!(logits.dtype(), DType::F32 | DType::F64);
-    if logits.device().is_cpu() && ok_dtype && logits.rank() > 0 {
+    if super::cpu_kernels(logits.device()) && ok_dtype && logits.rank() > 0 {
         logits.contiguous()?.apply_op1(Entropy)
     } else {
         entropy_from_logits_composed(logits)

@@ -57,7 +57,7 @@ impl Critic {
         }
         let vars = store.vars().into_iter().map(|(_, v)| v).collect();
         let optimizer = Adam::new(vars, AdamConfig { lr: learning_rate, ..Default::default() });
-        Ok(Self { model, store, optimizer, grads: None })
+        Ok(Self { model, store, optimizer: optimizer?, grads: None })
     }
 
     /// The critic's optimizer (its moments go into checkpoints).

@@ -5,6 +5,10 @@
 //! `p ← p − (lr/(1−β₁ᵗ)) · m / (√v/√(1−β₂ᵗ) + ε)` — torch's `_single_tensor_adam` order of
 //! operations, so results agree to float rounding. f32 parameters on the CPU are updated in place
 //! (a candle in-place op) from their gradient buffers, with no copy of either.
+//!
+//! Variables on another device (CUDA) keep their moments as f32 tensors on that device and are
+//! updated with candle's element-wise ops ([`Adam::with_device_moments`] takes that path on the
+//! CPU too, for tests): nothing crosses to the host during a step.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -41,7 +45,8 @@ impl Grads {
         let sinks: Vec<Option<Arc<GradSink>>> = vars
             .iter()
             .map(|v| {
-                let buffered = v.device().is_cpu() && v.dtype() == DType::F32 && v.is_contiguous();
+                let buffered =
+                    crate::ops::cpu_kernels(v.device()) && v.dtype() == DType::F32 && v.is_contiguous();
                 buffered.then(|| Arc::new(GradSink::new(v.elem_count())))
             })
             .collect();
@@ -193,22 +198,58 @@ impl Default for AdamConfig {
     }
 }
 
-/// Adam over a fixed list of variables, with its moments kept as plain vectors.
+/// Adam's first and second moments of one variable.
+enum Moments {
+    /// Plain vectors, updated in place by the fused CPU kernels.
+    Host { m: Vec<f32>, v: Vec<f32> },
+    /// f32 tensors of the variable's shape on its device, updated with candle ops.
+    Device { m: Tensor, v: Tensor },
+}
+
+impl Moments {
+    fn host(n: usize) -> Self {
+        Self::Host { m: zeroed(n), v: zeroed(n) }
+    }
+
+    fn device(var: &Var) -> Result<Self> {
+        let zeros = || Tensor::zeros(var.shape(), DType::F32, var.device());
+        Ok(Self::Device { m: zeros()?, v: zeros()? })
+    }
+}
+
+/// Adam over a fixed list of variables, with its moments kept as plain vectors on the CPU and as
+/// tensors on the variables' device elsewhere.
 pub struct Adam {
     vars: Vec<Var>,
-    m: Vec<Vec<f32>>,
-    v: Vec<Vec<f32>>,
+    moments: Vec<Moments>,
     step: u64,
     /// Hyper-parameters (the learning rate may be changed between steps).
     pub cfg: AdamConfig,
 }
 
 impl Adam {
-    /// A fresh optimizer over `vars`.
-    pub fn new(vars: Vec<Var>, cfg: AdamConfig) -> Self {
-        let m = vars.iter().map(|v| zeroed(v.elem_count())).collect();
-        let v = vars.iter().map(|v| zeroed(v.elem_count())).collect();
-        Self { vars, m, v, step: 0, cfg }
+    /// A fresh optimizer over `vars`: moments as vectors for CPU variables, as tensors on the
+    /// device for the others (and inside an `ops::ComposedScope`).
+    pub fn new(vars: Vec<Var>, cfg: AdamConfig) -> Result<Self> {
+        let moments = vars
+            .iter()
+            .map(|v| {
+                if crate::ops::cpu_kernels(v.device()) {
+                    Ok(Moments::host(v.elem_count()))
+                } else {
+                    Moments::device(v)
+                }
+            })
+            .collect::<Result<_>>()?;
+        Ok(Self { vars, moments, step: 0, cfg })
+    }
+
+    /// A fresh optimizer that keeps every moment as a tensor on its variable's device and
+    /// updates with candle's element-wise ops: what a GPU runs, here on any device (the CPU's
+    /// fused and in-place paths are not used; see the module docs).
+    pub fn with_device_moments(vars: Vec<Var>, cfg: AdamConfig) -> Result<Self> {
+        let moments = vars.iter().map(Moments::device).collect::<Result<_>>()?;
+        Ok(Self { vars, moments, step: 0, cfg })
     }
 
     /// Number of steps taken.
@@ -221,16 +262,50 @@ impl Adam {
         &self.vars
     }
 
-    /// First and second moments of variable `i` (for checkpoints).
-    pub fn moments(&self, i: usize) -> (&[f32], &[f32]) {
-        (&self.m[i], &self.v[i])
+    /// First and second moments of variable `i` as f32 CPU tensors of its shape (copies, for
+    /// checkpoints).
+    pub fn moments(&self, i: usize) -> Result<(Tensor, Tensor)> {
+        let shape = self.vars[i].shape();
+        let cpu = candle_core::Device::Cpu;
+        Ok(match &self.moments[i] {
+            Moments::Host { m, v } => {
+                (Tensor::from_slice(m, shape, &cpu)?, Tensor::from_slice(v, shape, &cpu)?)
+            }
+            Moments::Device { m, v } => (m.to_device(&cpu)?, v.to_device(&cpu)?),
+        })
     }
 
-    /// Restores moments and the step count (from a checkpoint).
-    pub fn restore(&mut self, m: Vec<Vec<f32>>, v: Vec<Vec<f32>>, step: u64) {
-        self.m = m;
-        self.v = v;
+    /// Restores moments (flattened, one pair per variable) and the step count (from a
+    /// checkpoint); sizes are checked.
+    pub fn restore(&mut self, m: Vec<Vec<f32>>, v: Vec<Vec<f32>>, step: u64) -> Result<()> {
+        if m.len() != self.vars.len() || v.len() != self.vars.len() {
+            return Err(Error::Input(format!(
+                "optimizer state for {} / {} variables given to an optimizer over {}",
+                m.len(),
+                v.len(),
+                self.vars.len()
+            )));
+        }
+        for (i, (m, v)) in m.into_iter().zip(v).enumerate() {
+            let var = &self.vars[i];
+            if m.len() != var.elem_count() || v.len() != var.elem_count() {
+                return Err(Error::Input(format!(
+                    "optimizer state of variable {i}: {} / {} values for a parameter of {}",
+                    m.len(),
+                    v.len(),
+                    var.elem_count()
+                )));
+            }
+            self.moments[i] = match self.moments[i] {
+                Moments::Host { .. } => Moments::Host { m, v },
+                Moments::Device { .. } => Moments::Device {
+                    m: Tensor::from_vec(m, var.shape(), var.device())?,
+                    v: Tensor::from_vec(v, var.shape(), var.device())?,
+                },
+            };
+        }
         self.step = step;
+        Ok(())
     }
 
     /// One update from `grads` (built over the same variables); variables without a gradient
@@ -275,7 +350,7 @@ impl Adam {
         let non_finite = Arc::new(AtomicBool::new(false));
         for (i, sink) in grads.sinks.iter().enumerate() {
             let Some(sink) = sink.as_ref().filter(|_| grads.single_write[i]) else { continue };
-            let (m, v) = (&mut self.m[i], &mut self.v[i]);
+            let Moments::Host { m, v } = &mut self.moments[i] else { continue };
             let update = FusedAdam {
                 m: RawVec(m.as_mut_ptr()),
                 v: RawVec(v.as_mut_ptr()),
@@ -330,7 +405,19 @@ impl Adam {
     /// Updates every variable with a gradient in `grads` (a fused update leaves none).
     fn apply(&mut self, grads: &Grads, k: AdamConsts) -> Result<()> {
         for (i, var) in self.vars.iter().enumerate() {
-            let (m, v) = (&mut self.m[i], &mut self.v[i]);
+            let (m, v) = match &mut self.moments[i] {
+                Moments::Host { m, v } => (m, v),
+                Moments::Device { m, v } => {
+                    let g = match (&grads.sinks[i], &grads.tensors[i]) {
+                        (Some(_), _) => grads.get(i)?,
+                        (None, g) => g.clone(),
+                    };
+                    if let Some(g) = g {
+                        k.update_tensors(var, &g, m, v)?;
+                    }
+                    continue;
+                }
+            };
             if let Some(sink) = &grads.sinks[i] {
                 let s = sink.state();
                 if s.filled {
@@ -444,6 +531,24 @@ impl AdamConsts {
             .for_each(|(((p, m), v), g)| self.update_rows(p, g, m, v));
     }
 
+    /// The same update with candle ops on `var`'s device (torch's order of operations; the
+    /// divisions by constants are multiplications by their inverse, so results agree with
+    /// [`Self::update`] to float rounding, not bit for bit).
+    fn update_tensors(&self, var: &Var, g: &Tensor, m: &mut Tensor, v: &mut Tensor) -> Result<()> {
+        let AdamConsts { step_size, b1, b2, eps, bc2s } = *self;
+        let (one, f) = (1f32, |x: f32| x as f64);
+        let g = g.to_dtype(DType::F32)?;
+        // m + (g − m)(1 − β₁): torch's `lerp_`.
+        *m = (&*m + ((&g - &*m)? * f(one - b1))?)?;
+        // v·β₂ + (1 − β₂)·g·g: `mul_(β₂).addcmul_(g, g, 1 − β₂)`.
+        *v = ((&*v * f(b2))? + ((&g * f(one - b2))? * &g)?)?;
+        let denom = ((v.sqrt()? / f(bc2s))? + f(eps))?;
+        let p = var.as_tensor().to_dtype(DType::F32)?;
+        let p = (p - ((&*m * f(step_size))? / denom)?)?;
+        var.set(&p.to_dtype(var.dtype())?)?;
+        Ok(())
+    }
+
     /// The update of one range on this thread.
     fn update_rows(&self, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
         let AdamConsts { step_size, b1, b2, eps, bc2s } = *self;
@@ -553,7 +658,7 @@ mod tests {
     fn adam_first_step_moves_each_weight_by_lr() {
         // With bias correction, step 1 moves every weight by lr·sign(g) (up to ε).
         let var = Var::from_tensor(&Tensor::new(&[1f32, -2.0, 3.0], &Device::Cpu).unwrap()).unwrap();
-        let mut adam = Adam::new(vec![var.clone()], AdamConfig { lr: 0.1, ..Default::default() });
+        let mut adam = Adam::new(vec![var.clone()], AdamConfig { lr: 0.1, ..Default::default() }).unwrap();
         adam.step(&grads_of(&var, Tensor::new(&[0.5f32, -3.0, 1e-3], &Device::Cpu).unwrap())).unwrap();
         let p = var.as_tensor().to_vec1::<f32>().unwrap();
         for (got, want) in p.iter().zip([0.9f32, -1.9, 2.9]) {
@@ -576,7 +681,8 @@ mod tests {
             Var::from_tensor(&Tensor::from_vec(init, (90, 100), &dev).unwrap().to_dtype(DType::F64).unwrap())
                 .unwrap();
         let cfg = AdamConfig { lr: 0.01, ..Default::default() };
-        let (mut oa, mut ob) = (Adam::new(vec![a.clone()], cfg), Adam::new(vec![b.clone()], cfg));
+        let (mut oa, mut ob) =
+            (Adam::new(vec![a.clone()], cfg).unwrap(), Adam::new(vec![b.clone()], cfg).unwrap());
         let (mut ga, mut gb) = (Grads::new(std::slice::from_ref(&a)), Grads::new(std::slice::from_ref(&b)));
         for s in 0..3 {
             let g: Vec<f32> = (0..9000).map(|i| ((i * (s + 2)) as f32 * 0.11).cos()).collect();
@@ -591,7 +697,64 @@ mod tests {
         let pa = a.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap();
         let pb = b.as_tensor().to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
         assert_eq!(pa, pb);
-        assert_eq!(oa.moments(0), ob.moments(0));
+        let flat = |(m, v): (Tensor, Tensor)| {
+            (
+                m.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                v.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            )
+        };
+        assert_eq!(flat(oa.moments(0).unwrap()), flat(ob.moments(0).unwrap()));
+    }
+
+    /// Issue #30: the GPU's update (moments as device tensors, candle ops) against the fused CPU
+    /// one, on the CPU: the same weights and moments to float rounding, three steps in, and the
+    /// moments survive a checkpoint round trip.
+    #[test]
+    fn device_moments_update_like_the_fused_cpu_path() {
+        let init = |seed: u64| crate::ops::testutil::randn(&[37, 19], seed).to_dtype(DType::F32).unwrap();
+        let vars = |_| vec![Var::from_tensor(&init(1)).unwrap(), Var::from_tensor(&init(2)).unwrap()];
+        let (va, vb): (Vec<Var>, Vec<Var>) = (vars(0), vars(1));
+        let cfg = AdamConfig { lr: 0.01, ..Default::default() };
+        let mut oa = Adam::new(va.clone(), cfg).unwrap();
+        let mut ob = Adam::with_device_moments(vb.clone(), cfg).unwrap();
+        assert!(
+            matches!(oa.moments[0], Moments::Host { .. }) && matches!(ob.moments[0], Moments::Device { .. })
+        );
+        let (mut ga, mut gb) = (Grads::new(&va), Grads::new(&vb));
+        for step in 0..3u64 {
+            ga.clear();
+            gb.clear();
+            for i in 0..2 {
+                let g = (crate::ops::testutil::randn(&[37, 19], 10 * step + i as u64)
+                    .to_dtype(DType::F32)
+                    .unwrap()
+                    * 0.1)
+                    .unwrap();
+                ga.add(i, &g).unwrap();
+                gb.add(i, &g).unwrap();
+            }
+            oa.step(&ga).unwrap();
+            ob.step(&gb).unwrap();
+        }
+        let max_diff = |a: &Tensor, b: &Tensor| {
+            (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
+        };
+        for i in 0..2 {
+            let d = max_diff(va[i].as_tensor(), vb[i].as_tensor());
+            assert!(d < 1e-6, "weights of variable {i}: max diff {d}");
+            let moved = max_diff(va[i].as_tensor(), &init(i as u64 + 1));
+            assert!(moved > 1e-3, "the update moved the weights ({moved})");
+            let ((ma, sa), (mb, sb)) = (oa.moments(i).unwrap(), ob.moments(i).unwrap());
+            assert!(max_diff(&ma, &mb) < 1e-6 && max_diff(&sa, &sb) < 1e-6, "moments of variable {i}");
+        }
+        let flat = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let (m, v): (Vec<_>, Vec<_>) =
+            (0..2).map(|i| ob.moments(i).unwrap()).map(|(m, v)| (flat(m), flat(v))).unzip();
+        let mut restored = Adam::with_device_moments(vb.clone(), cfg).unwrap();
+        restored.restore(m.clone(), v, 3).unwrap();
+        assert_eq!((flat(restored.moments(1).unwrap().0), restored.steps()), (m[1].clone(), 3));
+        let err = restored.restore(vec![vec![0.0; 3]; 2], vec![vec![0.0; 3]; 2], 1).unwrap_err().to_string();
+        assert!(err.contains("variable 0") && err.contains("703"), "{err}");
     }
 
     #[test]
@@ -706,7 +869,7 @@ mod tests {
     fn unfused_and_fused_steps(in_scope: bool, check: impl Fn(usize, &Grads)) -> (Adam, Vec<Var>, Grads) {
         let cfg = AdamConfig { lr: 1e-2, ..AdamConfig::default() };
         let (va, vb) = (fused_model_vars(), fused_model_vars());
-        let (mut oa, mut ob) = (Adam::new(va.clone(), cfg), Adam::new(vb.clone(), cfg));
+        let (mut oa, mut ob) = (Adam::new(va.clone(), cfg).unwrap(), Adam::new(vb.clone(), cfg).unwrap());
         let (mut ga, mut gb) = (Grads::new(&va), Grads::new(&vb));
         for step in 0..3 {
             ga.clear();
@@ -771,8 +934,14 @@ mod tests {
         let (mut ob, vb, mut gb) = unfused_and_fused_steps(false, |_, _| {});
         let flat = |v: &Var| v.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         let before: Vec<Vec<f32>> = vb.iter().map(flat).collect();
-        let moments: Vec<(Vec<f32>, Vec<f32>)> =
-            (0..vb.len()).map(|i| (ob.moments(i).0.to_vec(), ob.moments(i).1.to_vec())).collect();
+        let host = |o: &Adam, i: usize| {
+            let (m, v) = o.moments(i).unwrap();
+            (
+                m.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                v.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            )
+        };
+        let moments: Vec<(Vec<f32>, Vec<f32>)> = (0..vb.len()).map(|i| host(&ob, i)).collect();
         gb.clear();
         let ran = ob
             .step_fused(&mut gb, |g| {
@@ -784,11 +953,7 @@ mod tests {
         assert_eq!(ob.steps(), 3, "no Adam step counted");
         for (i, v) in vb.iter().enumerate() {
             assert_eq!(flat(v), before[i], "variable {i} changed");
-            assert_eq!(
-                (ob.moments(i).0.to_vec(), ob.moments(i).1.to_vec()),
-                moments[i],
-                "moments {i} changed"
-            );
+            assert_eq!(host(&ob, i), moments[i], "moments {i} changed");
         }
         assert!(
             !all_finite(&[1f32, f32::NAN]) && !all_finite(&[f32::NEG_INFINITY]) && all_finite(&[0f32; 100])
@@ -811,7 +976,7 @@ mod tests {
     #[test]
     fn a_second_gradient_after_a_fused_update_is_an_error() {
         let vars = fused_model_vars();
-        let mut opt = Adam::new(vars.clone(), AdamConfig::default());
+        let mut opt = Adam::new(vars.clone(), AdamConfig::default()).unwrap();
         let mut grads = Grads::new(&vars);
         grads.backward(&fused_model_loss(&vars, false)).unwrap();
         opt.step(&grads).unwrap();

@@ -232,7 +232,7 @@ impl PpoTrainer {
             store,
             reference,
             critic: None,
-            optimizer: Adam::new(vars, adam),
+            optimizer: Adam::new(vars, adam)?,
             grads: None,
             kl_ctl,
             running: RunningMoments::new(),
@@ -725,7 +725,7 @@ impl PpoTrainer {
                 // One minibatch per update and no clipping: each weight whose gradient is one
                 // product is updated inside that product (`Adam::step_fused`, same results).
                 if cfg.gradient_accumulation_steps == 1 && cfg.max_grad_norm.is_none() && !self.record_grads {
-                    let placeholder = Adam::new(Vec::new(), self.optimizer.cfg);
+                    let placeholder = Adam::new(Vec::new(), self.optimizer.cfg)?;
                     let mut optimizer = std::mem::replace(&mut self.optimizer, placeholder);
                     let mut stats = None;
                     let mut ran_backward = false;

@@ -14,7 +14,6 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
-use candle_core::{DType, Device};
 use serde::{Deserialize, Serialize};
 
 use super::bpe::{train_bpe, EOS_TOKEN};
@@ -36,6 +35,7 @@ use crate::ppo::PpoConfig;
 use crate::run::config::{CheckpointSection, EpisodesSection, LoggingSection, ModelSection, RunConfig};
 use crate::run::episodes::evaluate;
 use crate::run::{self, PpoRun, StepReport};
+use crate::runtime::Runtime;
 use crate::tokenizer::Tokenizer;
 use crate::train::data::SftRecord;
 use crate::train::sft::{self, SftConfig, SftModel};
@@ -234,6 +234,7 @@ impl AdventureSummary {
 pub fn run_adventure_quickstart(
     dir: &Path,
     cfg: &AdventureQuickstartConfig,
+    runtime: &Runtime,
     stop: &AtomicBool,
     on: &mut dyn FnMut(Event),
 ) -> Result<AdventureSummary> {
@@ -295,7 +296,7 @@ pub fn run_adventure_quickstart(
         on(Event::Cached { stage: "bc", path: bc_dir.clone() });
     } else {
         let t = Instant::now();
-        let model = new_policy(cfg, &tokenizer)?;
+        let model = new_policy(cfg, &tokenizer, runtime)?;
         let records: Vec<SftRecord> = demos
             .iter()
             .map(|d| SftRecord::PromptCompletion {
@@ -314,7 +315,8 @@ pub fn run_adventure_quickstart(
     }
 
     // 4. PPO on training games, KL to the BC policy.
-    let run_config = ppo_config(dir, cfg);
+    let mut run_config = ppo_config(dir, cfg);
+    run_config.runtime = runtime.section();
     write_file(&dir.join("ppo.toml"), run_config.to_toml()?.as_bytes())?;
     let final_ckpt = run_config.logging.dir.join("checkpoints").join(format!("step-{}", cfg.ppo.steps));
     if final_ckpt.join("model.safetensors").is_file() {
@@ -351,15 +353,16 @@ pub fn run_adventure_quickstart(
     let random = PlayReport::of(&eps, dropped, started.elapsed().as_secs_f64());
     let generation = run_config.generation.clone();
     let eval_model = |path: &Path| -> Result<PlayReport> {
-        let policy = load_policy(&path.to_string_lossy(), false, DType::F32, &Device::Cpu)?;
+        let (dtype, device) = (runtime.dtype(), runtime.device());
+        let policy = load_policy(&path.to_string_lossy(), false, dtype, device)?;
         let n = cfg.eval_episodes;
-        evaluate(&heldout, &policy.model, &tokenizer, &cfg.agent, &generation, n, eval_seed, &Device::Cpu)
+        evaluate(&heldout, &policy.model, &tokenizer, &cfg.agent, &generation, n, eval_seed, device)
     };
     let bc = eval_model(&bc_dir)?;
     let ppo = eval_model(&final_ckpt)?;
     timed("eval", on, t);
 
-    let policy = load_policy(&bc_dir.to_string_lossy(), false, DType::F32, &Device::Cpu)?;
+    let policy = load_policy(&bc_dir.to_string_lossy(), false, runtime.dtype(), runtime.device())?;
     let summary = AdventureSummary {
         config: cfg.clone(),
         policy_parameters: count_parameters(&policy.store, |n| !n.starts_with("v_head"))?,
@@ -402,7 +405,7 @@ fn ppo_config(dir: &Path, cfg: &AdventureQuickstartConfig) -> RunConfig {
 }
 
 /// A fresh GPT-2 over the BPE vocabulary with `cfg.context` positions, EOS = id 0.
-fn new_policy(cfg: &AdventureQuickstartConfig, tokenizer: &Tokenizer) -> Result<SftModel> {
+fn new_policy(cfg: &AdventureQuickstartConfig, tokenizer: &Tokenizer, runtime: &Runtime) -> Result<SftModel> {
     let mut g = Gpt2Config::tiny(
         tokenizer.vocab_size(),
         cfg.policy_dim,
@@ -418,7 +421,7 @@ fn new_policy(cfg: &AdventureQuickstartConfig, tokenizer: &Tokenizer) -> Result<
     let mut json = serde_json::to_value(&g).map_err(json_err)?;
     json["model_type"] = "gpt2".into();
     json["architectures"] = serde_json::json!(["GPT2LMHeadModel"]);
-    let store = ParamStore::random(cfg.seed ^ 0xad7, true, DType::F32, &Device::Cpu)?;
+    let store = ParamStore::random(cfg.seed ^ 0xad7, true, runtime.dtype(), runtime.device())?;
     SftModel::new(store, json, tokenizer.clone())
 }
 

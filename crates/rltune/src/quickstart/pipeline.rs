@@ -22,7 +22,6 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
-use candle_core::{DType, Device};
 use serde::{Deserialize, Serialize};
 
 use super::bpe::{train_bpe, EOS_TOKEN};
@@ -38,6 +37,7 @@ use crate::ppo::stats::mean_std;
 use crate::ppo::PpoConfig;
 use crate::rewards::{ClassifierOutput, ClassifierReward, ClassifierRewardConfig, RewardInput, RewardSource};
 use crate::run::{self, PpoRun, RunConfig, StepReport};
+use crate::runtime::Runtime;
 use crate::tokenizer::Tokenizer;
 use crate::train::data::{Label, RewardRecord, SftRecord};
 use crate::train::reward_model::{self, RewardConfig, RewardModel};
@@ -314,9 +314,12 @@ impl Summary {
 
 /// Runs (or resumes) the quickstart in `dir`. `stop` (Ctrl-C) ends the PPO stage after its
 /// current step with a checkpoint, and the pipeline returns an error saying how to resume.
+///
+/// Every stage computes on `runtime` (the PPO stage's `ppo.toml` records its `[runtime]`).
 pub fn run_quickstart(
     dir: &Path,
     cfg: &QuickstartConfig,
+    runtime: &Runtime,
     stop: &AtomicBool,
     on: &mut dyn FnMut(Event),
 ) -> Result<Summary> {
@@ -375,7 +378,7 @@ pub fn run_quickstart(
         on(Event::Cached { stage: "sft", path: sft_dir.clone() });
     } else {
         let t = Instant::now();
-        let model = new_policy(cfg, &tokenizer)?;
+        let model = new_policy(cfg, &tokenizer, runtime)?;
         let records: Vec<SftRecord> = train.iter().map(|(text, _)| SftRecord::Text(text.clone())).collect();
         let total =
             cfg.sft.total_steps(records.len() - (records.len() as f64 * cfg.sft.eval_fraction) as usize);
@@ -394,7 +397,7 @@ pub fn run_quickstart(
         on(Event::Cached { stage: "classifier", path: cls_dir.clone() });
     } else {
         let t = Instant::now();
-        let model = new_classifier(cfg, &tokenizer)?;
+        let model = new_classifier(cfg, &tokenizer, runtime)?;
         let records = classifier_records(train, cfg.seed);
         let n_train = records.len() - (records.len() as f64 * cfg.classifier.eval_fraction) as usize;
         on(Event::Start { stage: "classifier", total: Some(cfg.classifier.total_steps(n_train)) });
@@ -421,7 +424,7 @@ pub fn run_quickstart(
         }
         write_file(&prompts_path, text.as_bytes())?;
     }
-    let run_config = ppo_config(dir, cfg)?;
+    let run_config = ppo_config(dir, cfg, runtime)?;
     let ppo_toml = dir.join("ppo.toml");
     write_file(&ppo_toml, run_config.to_toml()?.as_bytes())?;
     let final_ckpt = run_config.logging.dir.join("checkpoints").join(format!("step-{}", cfg.ppo.steps));
@@ -430,7 +433,7 @@ pub fn run_quickstart(
     } else {
         let t = Instant::now();
         let resume = run::checkpoint::latest_checkpoint(&run_config.logging.dir)?.is_some();
-        let mut ppo = PpoRun::prepare(run_config.clone(), Vec::new(), resume)?;
+        let mut ppo = PpoRun::prepare_on(run_config.clone(), runtime, Vec::new(), resume)?;
         on(Event::Start { stage: "ppo", total: Some(cfg.ppo.steps) });
         let done = ppo.run(stop, &mut |r: &StepReport| {
             let message = if r.skipped {
@@ -455,14 +458,14 @@ pub fn run_quickstart(
     on(Event::Start { stage: "eval", total: None });
     let prompts = eval_prompts(held_out, &tokenizer, cfg)?;
     let sft_dir_s = sft_dir.to_string_lossy().into_owned();
-    let before = evaluate_policy(&sft_dir_s, &cls_dir, &prompts, &tokenizer, cfg)?;
-    let after = evaluate_policy(&final_ckpt.to_string_lossy(), &cls_dir, &prompts, &tokenizer, cfg)?;
+    let before = evaluate_policy(&sft_dir_s, &cls_dir, &prompts, &tokenizer, cfg, runtime)?;
+    let after = evaluate_policy(&final_ckpt.to_string_lossy(), &cls_dir, &prompts, &tokenizer, cfg, runtime)?;
     timed("eval", on, t);
 
-    let policy = load_policy(&sft_dir_s, false, DType::F32, &Device::Cpu)?;
+    let policy = load_policy(&sft_dir_s, false, runtime.dtype(), runtime.device())?;
     let policy_parameters = count_parameters(&policy.store, |n| !n.starts_with("v_head"))?;
     let classifier =
-        RewardModel::from_pretrained(&cls_dir.to_string_lossy(), None, 0, DType::F32, &Device::Cpu)?;
+        RewardModel::from_pretrained(&cls_dir.to_string_lossy(), None, 0, runtime.dtype(), runtime.device())?;
     let classifier_parameters = count_parameters(&classifier.store, |_| true)?;
     let previous = read_previous_summary(&dir.join("summary.json"));
     let summary = Summary {
@@ -540,7 +543,7 @@ fn read_reviews(path: &Path) -> Result<Vec<(String, String)>> {
 }
 
 /// A fresh GPT-2 over the BPE vocabulary, EOS = id 0.
-fn new_policy(cfg: &QuickstartConfig, tokenizer: &Tokenizer) -> Result<SftModel> {
+fn new_policy(cfg: &QuickstartConfig, tokenizer: &Tokenizer, runtime: &Runtime) -> Result<SftModel> {
     let mut g = Gpt2Config::tiny(
         tokenizer.vocab_size(),
         cfg.policy_dim,
@@ -556,13 +559,13 @@ fn new_policy(cfg: &QuickstartConfig, tokenizer: &Tokenizer) -> Result<SftModel>
     let mut json = serde_json::to_value(&g).map_err(json_err)?;
     json["model_type"] = "gpt2".into();
     json["architectures"] = serde_json::json!(["GPT2LMHeadModel"]);
-    let store = ParamStore::random(cfg.seed ^ 0x5f7, true, DType::F32, &Device::Cpu)?;
+    let store = ParamStore::random(cfg.seed ^ 0x5f7, true, runtime.dtype(), runtime.device())?;
     SftModel::new(store, json, tokenizer.clone())
 }
 
 /// A fresh DistilBERT classifier (NEGATIVE, POSITIVE) over the same BPE vocabulary; its
 /// tokenizer wraps texts as `[CLS] … [SEP]`.
-fn new_classifier(cfg: &QuickstartConfig, tokenizer: &Tokenizer) -> Result<RewardModel> {
+fn new_classifier(cfg: &QuickstartConfig, tokenizer: &Tokenizer, runtime: &Runtime) -> Result<RewardModel> {
     let mut d =
         DistilBertConfig::tiny(tokenizer.vocab_size(), cfg.classifier_dim, cfg.classifier_layers, 2, 2);
     d.max_position_embeddings = cfg.max_length + 2;
@@ -572,7 +575,7 @@ fn new_classifier(cfg: &QuickstartConfig, tokenizer: &Tokenizer) -> Result<Rewar
     json["pad_token_id"] = 0.into();
     let labels: Vec<String> = LABELS.iter().map(|s| s.to_string()).collect();
     let json = reward_model::with_labels(json, &labels)?;
-    let store = ParamStore::random(cfg.seed ^ 0xc1a55, true, DType::F32, &Device::Cpu)?;
+    let store = ParamStore::random(cfg.seed ^ 0xc1a55, true, runtime.dtype(), runtime.device())?;
     RewardModel::new(store, json, classifier_tokenizer(tokenizer)?)
 }
 
@@ -616,7 +619,7 @@ fn classifier_tokenizer(tokenizer: &Tokenizer) -> Result<Tokenizer> {
 }
 
 /// `rltune ppo`'s config for the PPO stage.
-fn ppo_config(dir: &Path, cfg: &QuickstartConfig) -> Result<RunConfig> {
+fn ppo_config(dir: &Path, cfg: &QuickstartConfig, runtime: &Runtime) -> Result<RunConfig> {
     let abs = |p: PathBuf| p.to_string_lossy().into_owned();
     let text = format!(
         r#"
@@ -659,6 +662,7 @@ optimizer_state = true
     );
     let mut config = RunConfig::from_toml(&text, &dir.join("ppo.toml"), &[])?;
     config.ppo = cfg.ppo.clone();
+    config.runtime = runtime.section();
     config.validate().map_err(|m| Error::Input(format!("quickstart ppo: {m}")))?;
     Ok(config)
 }
@@ -688,15 +692,16 @@ fn evaluate_policy(
     prompts: &[Vec<u32>],
     tokenizer: &Tokenizer,
     cfg: &QuickstartConfig,
+    runtime: &Runtime,
 ) -> Result<PolicyEval> {
-    let device = Device::Cpu;
-    let policy = load_policy(model, false, DType::F32, &device)?;
+    let device = runtime.device();
+    let policy = load_policy(model, false, runtime.dtype(), device)?;
     let gen = GenerationConfig {
         max_new_tokens: cfg.response_tokens,
         seed: cfg.seed ^ 0xe7a1,
         ..GenerationConfig::default()
     };
-    let samples = generate(&policy.model.lm, None, prompts, &gen, &device)?;
+    let samples = generate(&policy.model.lm, None, prompts, &gen, device)?;
     let texts: Vec<(String, String)> = samples
         .iter()
         .map(|s| Ok((tokenizer.decode(&s.query_ids)?, tokenizer.decode(&s.response_ids)?)))
@@ -705,7 +710,7 @@ fn evaluate_policy(
     let classifier = classifier.to_string_lossy();
     let score = |output| -> Result<Vec<f32>> {
         let c = ClassifierRewardConfig { output, batch_size: 64, ..ClassifierRewardConfig::default() };
-        ClassifierReward::from_pretrained(&classifier, c, DType::F32, &device)?.score(&inputs)
+        ClassifierReward::from_pretrained(&classifier, c, runtime.dtype(), device)?.score(&inputs)
     };
     let logits: Vec<f64> = score(ClassifierOutput::Logit)?.into_iter().map(f64::from).collect();
     let probs = score(ClassifierOutput::Probability)?;

@@ -17,7 +17,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use candle_core::{Device, Tensor};
+use candle_core::Device;
 
 use crate::error::{Error, Result};
 use crate::io::{read_json, write_bytes_atomic};
@@ -80,9 +80,10 @@ fn save_model(
     if let Some(opt) = optimizer {
         let mut tensors = HashMap::new();
         for (i, (name, var)) in store.vars().iter().enumerate() {
-            let (m, v) = opt.moments(i);
-            tensors.insert(format!("m.{name}"), Tensor::from_slice(m, var.shape(), &Device::Cpu)?);
-            tensors.insert(format!("v.{name}"), Tensor::from_slice(v, var.shape(), &Device::Cpu)?);
+            let (m, v) = opt.moments(i)?;
+            debug_assert_eq!(m.shape(), var.shape());
+            tensors.insert(format!("m.{name}"), m);
+            tensors.insert(format!("v.{name}"), v);
         }
         crate::io::save_safetensors(&dir.join("optimizer.safetensors"), &tensors)?;
     }
@@ -212,7 +213,7 @@ pub fn load_trainer_state(dir: &Path, trainer: &mut PpoTrainer) -> Result<Traine
         )));
     }
     let (ms, vs) = load_moments(dir, &trainer.store)?;
-    trainer.optimizer_mut().restore(ms, vs, state.adam_steps);
+    trainer.optimizer_mut().restore(ms, vs, state.adam_steps)?;
     if let Some(c) = trainer.critic_mut() {
         let sub = dir.join(CRITIC_DIR);
         let steps = state.critic_adam_steps.ok_or_else(|| {
@@ -223,7 +224,7 @@ pub fn load_trainer_state(dir: &Path, trainer: &mut PpoTrainer) -> Result<Traine
             ))
         })?;
         let (ms, vs) = load_moments(&sub, &c.store)?;
-        c.optimizer_mut().restore(ms, vs, steps);
+        c.optimizer_mut().restore(ms, vs, steps)?;
     }
     *trainer.kl_controller_mut() = state.kl_controller.clone();
     match &state.streams {

@@ -157,14 +157,7 @@ impl Default for CheckpointSection {
     }
 }
 
-/// `[runtime]`: how the computation runs (not what it computes).
-#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct RuntimeSection {
-    /// `"f32"` (default) or `"bf16"`: matrix products on AMX tiles with bf16 inputs and f32
-    /// accumulation (see [`crate::ops::MatmulPrecision`]).
-    pub matmul_precision: crate::ops::MatmulPrecision,
-}
+pub use crate::runtime::RuntimeSection;
 
 /// `[episodes]`: how turns of text games become PPO transitions (with `[env]`).
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -285,7 +278,7 @@ pub struct RunConfig {
     /// Checkpointing.
     #[serde(default)]
     pub checkpoint: CheckpointSection,
-    /// Numerics of the CPU kernels.
+    /// Device and precision (see [`crate::runtime`]).
     #[serde(default)]
     pub runtime: RuntimeSection,
 }
@@ -573,5 +566,25 @@ command = ["cat"]
         assert_eq!(rs.algorithm.kind, AlgorithmKind::RejectionSampling);
         let e = RunConfig::load(&p, &["algorithm.kind=dpo".into()]).unwrap_err().to_string();
         assert!(e.contains("rejection_sampling"), "{e}");
+    }
+
+    #[test]
+    fn runtime_is_auto_f32_unless_set_and_names_bad_values() {
+        use crate::runtime::{DeviceChoice, Precision};
+        let p = Path::new("run.toml");
+        let c = RunConfig::from_toml(MINIMAL, p, &[]).unwrap();
+        assert_eq!((c.runtime.device, c.runtime.dtype), (DeviceChoice::Auto, Precision::F32));
+        let set = ["runtime.device=cuda:1".into(), "runtime.dtype=bf16".into()];
+        let c = RunConfig::from_toml(MINIMAL, p, &set).unwrap();
+        assert_eq!((c.runtime.device, c.runtime.dtype), (DeviceChoice::Cuda(1), Precision::Bf16));
+        assert_eq!(RunConfig::from_toml(&c.to_toml().unwrap(), p, &[]).unwrap(), c);
+        let text = format!("{MINIMAL}[runtime]\ndevice = \"cpu\"\n");
+        assert_eq!(RunConfig::from_toml(&text, p, &[]).unwrap().runtime.device, DeviceChoice::Cpu);
+        let err = RunConfig::from_toml(MINIMAL, p, &["runtime.device=tpu".into()]).unwrap_err().to_string();
+        assert!(err.contains("run.toml") && err.contains("\"tpu\"") && err.contains("\"cuda:N\""), "{err}");
+        let err = RunConfig::from_toml(MINIMAL, p, &["runtime.dtype=f16".into()]).unwrap_err().to_string();
+        assert!(err.contains("\"f16\"") && err.contains("\"bf16\""), "{err}");
+        let err = RunConfig::from_toml(MINIMAL, p, &["runtime.devices=cpu".into()]).unwrap_err().to_string();
+        assert!(err.contains("did you mean \"device\""), "{err}");
     }
 }

@@ -21,6 +21,7 @@ pub fn load_critic(
     ckpt: Option<&Path>,
     policy_tokenizer: &Tokenizer,
     policy_vocab_size: usize,
+    dtype: DType,
     device: &Device,
 ) -> Result<Option<(Critic, CriticFiles)>> {
     let saved = ckpt.map(|d| d.join(CRITIC_DIR)).filter(|d| d.is_dir());
@@ -47,7 +48,7 @@ pub fn load_critic(
     };
     let spec = Some(config.ppo.value_head_spec());
     let LoadedPolicy { files, config_json, config: cfg, store, model } =
-        load_policy_with(&src, spec, true, DType::F32, device)
+        load_policy_with(&src, spec, true, dtype, device)
             .map_err(|e| Error::Input(format!("[critic] path = {:?}: {e}", section.path)))?;
     if cfg.vocab_size() != policy_vocab_size {
         return Err(Error::Input(format!(

@@ -9,7 +9,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
-use candle_core::{DType, Device};
+use candle_core::Device;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 
@@ -29,6 +29,7 @@ use crate::ppo::{PpoTrainer, RolloutCache, Stat, StepInput};
 use crate::rewards::{
     ClassifierReward, ClassifierRewardConfig, CommandReward, RewardInput, RewardSource, WeightedSum,
 };
+use crate::runtime::Runtime;
 use crate::tokenizer::Tokenizer;
 
 mod rejection;
@@ -78,7 +79,7 @@ pub struct PpoRun {
 pub fn build_rewards(
     cfg: &RunConfig,
     extra: Vec<(f32, Box<dyn RewardSource>)>,
-    device: &Device,
+    runtime: &Runtime,
 ) -> Result<Box<dyn RewardSource>> {
     let mut parts: Vec<(f32, Box<dyn RewardSource>)> = Vec::new();
     for s in &cfg.reward.sources {
@@ -92,7 +93,7 @@ pub fn build_rewards(
                 };
                 parts.push((
                     *weight,
-                    Box::new(ClassifierReward::from_pretrained(model, c, DType::F32, device)?),
+                    Box::new(ClassifierReward::from_pretrained(model, c, runtime.dtype(), runtime.device())?),
                 ));
             }
             RewardSourceConfig::Command { command, timeout_s, weight } => {
@@ -111,18 +112,29 @@ pub fn build_rewards(
 impl PpoRun {
     /// Loads models, data and rewards; with `resume`, continues from the latest checkpoint in the
     /// run directory (which must hold optimizer state).
+    ///
+    /// The device and precision come from `config.runtime`, resolved here once (see
+    /// [`Self::prepare_on`] to pass a resolved [`Runtime`]).
     pub fn prepare(
         config: RunConfig,
         extra_rewards: Vec<(f32, Box<dyn RewardSource>)>,
         resume: bool,
     ) -> Result<Self> {
-        let device = Device::Cpu;
-        crate::ops::set_matmul_precision(config.runtime.matmul_precision).map_err(|e| {
-            Error::Input(format!(
-                "[runtime] matmul_precision = {:?}: {e}",
-                config.runtime.matmul_precision.as_str()
-            ))
-        })?;
+        let runtime = Runtime::resolve(&config.runtime)?;
+        Self::prepare_on(config, &runtime, extra_rewards, resume)
+    }
+
+    /// [`Self::prepare`] on a resolved runtime (whose process-wide settings it installs:
+    /// [`Runtime::install`]); `config.runtime` is only recorded in the run directory.
+    pub fn prepare_on(
+        config: RunConfig,
+        runtime: &Runtime,
+        extra_rewards: Vec<(f32, Box<dyn RewardSource>)>,
+        resume: bool,
+    ) -> Result<Self> {
+        runtime.install()?;
+        tracing::info!("runtime: {runtime}");
+        let (device, dtype) = (runtime.device().clone(), runtime.dtype());
         if resume {
             clear_stale_writes(&config.logging.dir)?;
         }
@@ -138,10 +150,10 @@ impl PpoRun {
         // Without a critic, `[ppo] value_head` describes the policy's head; with one, the critic's.
         let head = config.critic.is_none().then(|| config.ppo.value_head_spec());
         let LoadedPolicy { files, config_json, config: lm_cfg, store, model } =
-            load_policy_with(&policy_src, head, true, DType::F32, &device)?;
+            load_policy_with(&policy_src, head, true, dtype, &device)?;
         let reference = match &config.ref_model {
-            Some(r) => load_reference(&r.path, DType::F32, &device)?.1,
-            None if ckpt.is_some() => load_reference(&config.model.path, DType::F32, &device)?.1,
+            Some(r) => load_reference(&r.path, dtype, &device)?.1,
+            None if ckpt.is_some() => load_reference(&config.model.path, dtype, &device)?.1,
             None => CausalLm::load(&store.frozen_copy()?.root(), &lm_cfg)?,
         };
         let tok_path = files.tokenizer.clone().ok_or_else(|| {
@@ -154,7 +166,8 @@ impl PpoRun {
         tokenizer.check_fits(lm_cfg.vocab_size())?;
         let mut trainer = PpoTrainer::new(config.ppo.clone(), store, model, reference)?;
         let ckpt_dir = ckpt.as_ref().map(|(_, d)| d.as_path());
-        let critic = super::critic::load_critic(&config, ckpt_dir, &tokenizer, lm_cfg.vocab_size(), &device)?;
+        let critic =
+            super::critic::load_critic(&config, ckpt_dir, &tokenizer, lm_cfg.vocab_size(), dtype, &device)?;
         let critic_files = match critic {
             Some((critic, files)) => {
                 trainer = trainer.with_critic(critic)?;
@@ -179,7 +192,7 @@ impl PpoRun {
             }
             None => Source::Prompts {
                 prompts: load_encoded_prompts(&config, &tokenizer)?,
-                reward: build_rewards(&config, extra_rewards, &device)?,
+                reward: build_rewards(&config, extra_rewards, runtime)?,
             },
         };
         // Lines logged after the checkpoint (a run killed between two checkpoints) are dropped:

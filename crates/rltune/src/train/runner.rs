@@ -282,7 +282,7 @@ struct Optimizer {
 }
 
 impl Optimizer {
-    fn new(store: &ParamStore, args: &TrainingArgs, total: usize) -> Self {
+    fn new(store: &ParamStore, args: &TrainingArgs, total: usize) -> Result<Self> {
         let vars: Vec<Var> = store.vars().into_iter().map(|(_, v)| v).collect();
         let cfg = AdamConfig {
             lr: args.learning_rate,
@@ -297,7 +297,7 @@ impl Optimizer {
             total_steps: total,
         };
         let max_grad_norm = if args.max_grad_norm > 0.0 { args.max_grad_norm } else { f64::INFINITY };
-        Self { grads: Grads::new(&vars), adam: Adam::new(vars, cfg), schedule, max_grad_norm }
+        Ok(Self { grads: Grads::new(&vars), adam: Adam::new(vars, cfg)?, schedule, max_grad_norm })
     }
 
     /// One update of step `step` (from 0); returns (lr, gradient norm before clipping).
@@ -329,7 +329,7 @@ pub(crate) fn run<O: Objective>(
     let eval: Vec<&O::Example> = eval_idx.iter().map(|&i| &examples[i]).collect();
     let eval_bs = args.eval_batch_size.unwrap_or(args.batch_size);
     let total = args.total_steps(train_idx.len());
-    let mut opt = Optimizer::new(store, args, total);
+    let mut opt = Optimizer::new(store, args, total)?;
     tracing::info!(
         "training on {} examples ({} held out for eval): {total} optimizer steps of {} examples, {} warm-up",
         train_idx.len(),

@@ -11,10 +11,11 @@
 //!
 //! ```no_run
 //! # fn main() -> rltune::Result<()> {
-//! use candle_core::{DType, Device};
+//! use rltune::runtime::{Runtime, RuntimeSection};
 //! use rltune::train::{data::read_sft_records, sft, TrainingArgs};
 //!
-//! let model = sft::SftModel::from_pretrained("gpt2", DType::F32, &Device::Cpu)?;
+//! let rt = Runtime::resolve(&RuntimeSection::default())?; // CUDA when present, else the CPU
+//! let model = sft::SftModel::from_pretrained("gpt2", rt.dtype(), rt.device())?;
 //! let records = read_sft_records("train.jsonl".as_ref())?;
 //! let summary = sft::train_sft(&model, &records, &sft::SftConfig::default(),
 //!     &TrainingArgs::default(), &mut |p| println!("step {}/{} loss {:.3}", p.step, p.total_steps, p.loss))?;

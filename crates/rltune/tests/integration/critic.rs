@@ -412,7 +412,8 @@ fn run_critic_loading_checks_the_tokenizer_and_the_checkpoint() {
         RunConfig::from_toml(&text, std::path::Path::new("run.toml"), &[]).unwrap()
     };
     let load = |cfg: &RunConfig, ckpt: Option<&std::path::Path>| {
-        load_critic(cfg, ckpt, &policy_tok, 50, &Device::Cpu).map(|c| c.map(|(c, _)| c.optimizer().cfg.lr))
+        load_critic(cfg, ckpt, &policy_tok, 50, DType::F32, &Device::Cpu)
+            .map(|c| c.map(|(c, _)| c.optimizer().cfg.lr))
     };
     let good = save("good", 50, &words);
     assert_eq!(load(&config(&good), None).unwrap(), Some(1e-4));

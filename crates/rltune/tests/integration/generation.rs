@@ -1,18 +1,32 @@
 //! Generation: rollout logprobs equal a recomputation, EOS handling, seeding.
 
 use candle_core::{DType, Device, Tensor};
-use rltune::generation::{generate, GenerationConfig};
+use rltune::generation::{generate, generate_with, GenerationConfig, SamplingPath};
 use rltune::models::layers::{causal_bias, position_ids_from_mask};
 
 use crate::common::tiny_gpt2;
 
+/// Also through the GPU's sampling path (issue #30: on the device, only ids and logprobs come
+/// back), run here on the CPU.
 #[test]
 fn rollout_logprobs_and_values_equal_recomputation_alone() {
+    for path in [SamplingPath::Host, SamplingPath::Device] {
+        rollout_equals_recomputation(path);
+    }
+}
+
+fn rollout_equals_recomputation(path: SamplingPath) {
     let (_, model) = tiny_gpt2(5, false, DType::F32);
     let dev = Device::Cpu;
     let prompts = vec![vec![1u32, 2, 3, 4, 5], vec![6], vec![7, 8, 9]];
     let cfg = GenerationConfig { max_new_tokens: 12, temperature: 0.8, seed: 3, ..Default::default() };
-    let samples = generate(&model.lm, Some(&model.v_head), &prompts, &cfg, &dev).unwrap();
+    let samples = generate_with(&model.lm, Some(&model.v_head), &prompts, &cfg, &dev, path).unwrap();
+    if path == SamplingPath::Host {
+        let auto = generate(&model.lm, Some(&model.v_head), &prompts, &cfg, &dev).unwrap();
+        assert_eq!(auto, samples, "the CPU samples on the host by default");
+    }
+    let vocab = model.lm.vocab_size() as u32;
+    assert!(samples.iter().all(|s| !s.response_ids.is_empty() && s.response_ids.iter().all(|&t| t < vocab)));
     let mut worst = (0f64, 0f64);
     for s in &samples {
         let seq: Vec<u32> = s.query_ids.iter().chain(&s.response_ids).copied().collect();
@@ -37,7 +51,10 @@ fn rollout_logprobs_and_values_equal_recomputation_alone() {
             worst.1 = worst.1.max((values[q + i - 1] - v).abs() as f64);
         }
     }
-    println!("rollout vs recomputed: logprob max diff {:.2e}, value max diff {:.2e}", worst.0, worst.1);
+    println!(
+        "{path:?}: rollout vs recomputed: logprob max diff {:.2e}, value max diff {:.2e}",
+        worst.0, worst.1
+    );
     assert!(worst.0 < 1e-5 && worst.1 < 1e-5, "{worst:?}");
 }
 

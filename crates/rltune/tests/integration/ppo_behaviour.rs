@@ -663,3 +663,37 @@ fn bootstrap_zero_is_the_plain_step_and_a_value_raises_the_returns() {
     let e = t.step_with(bad).unwrap_err().to_string();
     assert!(e.contains("sample 0") && e.contains("bootstrap"), "{e}");
 }
+
+/// Issue #30: the PPO step a GPU runs (every op through candle's composed ops, no gradient
+/// buffers, no fused Adam, moments as tensors), run on the CPU, against the fused CPU kernels:
+/// two steps (so Adam's moments matter) give the same weights and stats to float rounding.
+#[test]
+fn two_steps_through_the_composed_ops_match_the_fused_cpu_kernels() {
+    let (queries, responses, scores) = synthetic(8, 21);
+    let config = PpoConfig { batch_size: 8, mini_batch_size: 4, learning_rate: 1e-3, ..PpoConfig::default() };
+    let run = |composed: bool| {
+        let _scope = composed.then(rltune::ops::composed_scope);
+        let mut t = trainer(13, config.clone());
+        let mut stats = Vec::new();
+        for _ in 0..2 {
+            stats.push(t.step(&queries, &responses, &scores).unwrap());
+        }
+        (weights(&t), stats)
+    };
+    let (fused, fused_stats) = run(false);
+    let (composed, composed_stats) = run(true);
+    let before = weights(&trainer(13, config.clone()));
+    let diff = weights_diff(&fused, &composed);
+    let moved = weights_diff(&fused, &before);
+    println!("composed vs fused: weights max diff {diff:.2e} (the steps moved them {moved:.2e})");
+    assert!(moved > 1e-3, "the steps trained ({moved})");
+    assert!(diff < 1e-5, "weights differ by {diff}");
+    for (f, c) in fused_stats.iter().zip(&composed_stats) {
+        for key in
+            ["ppo/loss/total", "ppo/loss/value", "ppo/policy/approxkl", "objective/kl", "ppo/val/vpred"]
+        {
+            let (a, b) = (scalar(f, key), scalar(c, key));
+            assert!((a - b).abs() <= 1e-4 * (1.0 + a.abs()), "{key}: fused {a} vs composed {b}");
+        }
+    }
+}

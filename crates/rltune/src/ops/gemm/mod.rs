@@ -130,6 +130,14 @@ static BF16: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(
 /// rounding (about 3 significant digits per input), so runs are not bit-comparable with f32.
 /// CUDA tensors are not affected.
 pub fn set_matmul_precision(p: MatmulPrecision) -> crate::Result<()> {
+    check_matmul_precision(p)?;
+    BF16.store(p == MatmulPrecision::Bf16, std::sync::atomic::Ordering::Relaxed);
+    Ok(())
+}
+
+/// Whether this machine can run products at precision `p` (bf16 needs AMX-BF16), without
+/// setting it; the error names what is missing.
+pub fn check_matmul_precision(p: MatmulPrecision) -> crate::Result<()> {
     if p == MatmulPrecision::Bf16 && !super::amx::available() {
         return Err(crate::Error::Unsupported(
             "matmul precision bf16 needs Intel AMX-BF16 (Xeon Sapphire Rapids or newer) on Linux \
@@ -137,7 +145,6 @@ pub fn set_matmul_precision(p: MatmulPrecision) -> crate::Result<()> {
                 .into(),
         ));
     }
-    BF16.store(p == MatmulPrecision::Bf16, std::sync::atomic::Ordering::Relaxed);
     Ok(())
 }
 

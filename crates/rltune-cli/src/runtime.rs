@@ -1,0 +1,33 @@
+//! `--device` and `--dtype`, shared by every command: they override the config's `[runtime]`
+//! table (where the command has one) and resolve to the one [`Runtime`] the command passes down.
+
+use anyhow::{Context, Result};
+use rltune::runtime::{DeviceChoice, Precision, Runtime, RuntimeSection};
+
+/// The runtime flags of a command.
+#[derive(clap::Args, Clone, Debug, Default)]
+pub struct RuntimeArgs {
+    /// Where to compute: auto (a CUDA GPU when this build has the `cuda` feature and the machine
+    /// a GPU, else the CPU), cpu, cuda or cuda:N. Overrides [runtime] device.
+    #[arg(long, value_name = "DEVICE")]
+    pub device: Option<DeviceChoice>,
+    /// f32, or bf16 (bf16 matrix products, f32 weights; on the CPU it needs AMX). Overrides
+    /// [runtime] dtype.
+    #[arg(long, value_name = "DTYPE")]
+    pub dtype: Option<Precision>,
+}
+
+impl RuntimeArgs {
+    /// `section` with these flags in place of its values.
+    pub fn apply(&self, section: RuntimeSection) -> RuntimeSection {
+        section.with_overrides(self.device, self.dtype)
+    }
+
+    /// Resolves `section` with the flags applied, and installs its process-wide settings.
+    pub fn resolve(&self, section: RuntimeSection) -> Result<Runtime> {
+        let runtime = Runtime::resolve(&self.apply(section)).context("cannot set up the runtime")?;
+        runtime.install()?;
+        tracing::debug!("runtime: {runtime}");
+        Ok(runtime)
+    }
+}

@@ -1,0 +1,428 @@
+//! The runtime: where rltune computes (CPU or a CUDA GPU) and in which precision.
+//!
+//! A [`Runtime`] is resolved once, from a config's `[runtime]` table ([`RuntimeSection`]) and the
+//! command line's `--device` / `--dtype`, and then passed down explicitly: models, generation,
+//! the trainers and classifier rewards take its [`Runtime::device`] and [`Runtime::dtype`], as
+//! candle's `VarBuilder` takes a `&Device` and a `DType`. Nothing below it picks a device.
+//!
+//! ```
+//! use rltune::runtime::{DeviceChoice, Precision, Runtime, RuntimeSection};
+//!
+//! let section = RuntimeSection { device: DeviceChoice::Cpu, ..RuntimeSection::default() };
+//! let rt = Runtime::resolve(&section)?;
+//! assert!(rt.device().is_cpu());
+//! assert_eq!(rt.dtype(), candle_core::DType::F32);
+//! # Ok::<(), rltune::Error>(())
+//! ```
+//!
+//! # Choices
+//!
+//! - `device = "auto"` (default): the first CUDA GPU when this build has the `cuda` feature and
+//!   it opens, else the CPU. `"cpu"`, `"cuda"` (= `"cuda:0"`) and `"cuda:N"` pick one.
+//!   Asking for CUDA from a build without the feature is an error that says how to build it.
+//! - `dtype = "f32"` (default) computes in f32, what TRL computes. `"bf16"` is mixed precision:
+//!   matrix products with bf16 inputs and f32 accumulation, weights and optimizer state in f32.
+//!   On the CPU that is [`MatmulPrecision::Bf16`] (Intel AMX tiles; an error on CPUs without
+//!   AMX), so `dtype = "bf16"` and `matmul_precision = "bf16"` mean the same there. On CUDA it is
+//!   not implemented yet and is rejected (issue #30).
+//! - `matmul_precision` (CPU only, kept from before `dtype` existed): `"bf16"` is the same as
+//!   `dtype = "bf16"` on the CPU, and an error on CUDA.
+//!
+//! The parameters' dtype ([`Runtime::dtype`]) is f32 in every case: the bf16 of the CPU is a
+//! property of its matrix products, not of the stored weights.
+
+use std::fmt;
+use std::str::FromStr;
+
+use candle_core::{DType, Device};
+
+use crate::error::{Error, Result};
+use crate::ops::MatmulPrecision;
+
+/// Where to compute, as written in `[runtime] device` or `--device`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DeviceChoice {
+    /// The first CUDA GPU when the build and the machine have one, else the CPU.
+    #[default]
+    Auto,
+    /// The CPU (rltune's fused x86 kernels).
+    Cpu,
+    /// CUDA GPU number `N` (`"cuda"` is `"cuda:0"`).
+    Cuda(usize),
+}
+
+impl fmt::Display for DeviceChoice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Auto => f.write_str("auto"),
+            Self::Cpu => f.write_str("cpu"),
+            Self::Cuda(0) => f.write_str("cuda"),
+            Self::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+impl FromStr for DeviceChoice {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        let bad = || {
+            format!("unknown device {s:?}: expected \"auto\", \"cpu\", \"cuda\" or \"cuda:N\" (N = 0, 1, …)")
+        };
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(Self::Auto),
+            "cpu" => Ok(Self::Cpu),
+            "cuda" => Ok(Self::Cuda(0)),
+            other => match other.strip_prefix("cuda:") {
+                Some(n) => n.parse().map(Self::Cuda).map_err(|_| bad()),
+                None => Err(bad()),
+            },
+        }
+    }
+}
+
+/// The compute precision, as written in `[runtime] dtype` or `--dtype`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Precision {
+    /// f32 everywhere (the default; what TRL computes).
+    #[default]
+    F32,
+    /// bf16 matrix products with f32 accumulation; f32 weights and optimizer state.
+    Bf16,
+}
+
+impl fmt::Display for Precision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::F32 => "f32",
+            Self::Bf16 => "bf16",
+        })
+    }
+}
+
+impl FromStr for Precision {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "f32" | "float32" => Ok(Self::F32),
+            "bf16" | "bfloat16" => Ok(Self::Bf16),
+            _ => Err(format!("unknown dtype {s:?}: expected \"f32\" or \"bf16\"")),
+        }
+    }
+}
+
+/// Serializes a [`FromStr`] + [`fmt::Display`] value as its string.
+macro_rules! serde_as_string {
+    ($t:ty) => {
+        impl serde::Serialize for $t {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+                s.collect_str(self)
+            }
+        }
+        impl<'de> serde::Deserialize<'de> for $t {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+                let s = String::deserialize(d)?;
+                s.parse().map_err(serde::de::Error::custom)
+            }
+        }
+    };
+}
+serde_as_string!(DeviceChoice);
+serde_as_string!(Precision);
+
+/// `[runtime]`: how the computation runs (not what it computes). Every field has a default, so
+/// the table may be left out.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RuntimeSection {
+    /// `"auto"` (default: CUDA when built with it and a GPU is present, else CPU), `"cpu"`,
+    /// `"cuda"` or `"cuda:N"`.
+    pub device: DeviceChoice,
+    /// `"f32"` (default) or `"bf16"` (mixed precision; see the module docs).
+    pub dtype: Precision,
+    /// CPU only: `"f32"` (default) or `"bf16"`, matrix products on AMX tiles with bf16 inputs
+    /// and f32 accumulation (see [`crate::ops::MatmulPrecision`]); `dtype = "bf16"` implies it.
+    pub matmul_precision: MatmulPrecision,
+}
+
+impl RuntimeSection {
+    /// This section with the command line's `--device` / `--dtype` (where given) in place of its
+    /// own values.
+    pub fn with_overrides(mut self, device: Option<DeviceChoice>, dtype: Option<Precision>) -> Self {
+        if let Some(d) = device {
+            self.device = d;
+        }
+        if let Some(d) = dtype {
+            self.dtype = d;
+        }
+        self
+    }
+
+    /// The `[runtime]` table of TOML `text` (default when absent); other tables are ignored.
+    /// `path` names the source in errors.
+    pub fn from_toml_table(text: &str, path: &std::path::Path) -> Result<Self> {
+        let doc: toml::Table = toml::from_str(text).map_err(|e| Error::config(path, e.to_string()))?;
+        match doc.get("runtime") {
+            None => Ok(Self::default()),
+            Some(toml::Value::Table(t)) => {
+                toml::Value::Table(t.clone()).try_into().map_err(|e: toml::de::Error| {
+                    Error::config(
+                        path,
+                        format!("[runtime]: {}", crate::run::config::suggest_unknown_key(&e.to_string())),
+                    )
+                })
+            }
+            Some(_) => Err(Error::config(path, "[runtime] must be a table")),
+        }
+    }
+}
+
+/// Where and in which precision to compute: resolved once ([`Runtime::resolve`]) and passed
+/// down. Cheap to clone (a CUDA [`Device`] is a shared handle).
+#[derive(Debug, Clone)]
+pub struct Runtime {
+    device: Device,
+    choice: DeviceChoice,
+    precision: Precision,
+    matmul_precision: MatmulPrecision,
+}
+
+impl Runtime {
+    /// The CPU in f32: what every test and example without a config uses.
+    pub fn cpu() -> Self {
+        Self {
+            device: Device::Cpu,
+            choice: DeviceChoice::Cpu,
+            precision: Precision::F32,
+            matmul_precision: MatmulPrecision::F32,
+        }
+    }
+
+    /// Resolves a `[runtime]` section: opens the device (`auto` becomes CUDA or CPU) and checks
+    /// that the precision is available there. Errors name the field and the fix. Changes no
+    /// process-wide setting; see [`Self::install`].
+    pub fn resolve(section: &RuntimeSection) -> Result<Self> {
+        let device = open_device(section.device)?;
+        let bf16 = section.dtype == Precision::Bf16 || section.matmul_precision == MatmulPrecision::Bf16;
+        let matmul_precision = if device.is_cpu() && bf16 {
+            crate::ops::check_matmul_precision(MatmulPrecision::Bf16).map_err(|e| {
+                Error::Unsupported(format!(
+                    "[runtime] {} (or --dtype bf16): {e}",
+                    if section.dtype == Precision::Bf16 {
+                        "dtype = \"bf16\""
+                    } else {
+                        "matmul_precision = \"bf16\""
+                    }
+                ))
+            })?;
+            MatmulPrecision::Bf16
+        } else if bf16 {
+            return Err(Error::Unsupported(format!(
+                "[runtime] dtype = \"bf16\" / matmul_precision = \"bf16\" on {}: bf16 mixed precision \
+                 on CUDA is not implemented yet (issue #30); use dtype = \"f32\" (--dtype f32) on the \
+                 GPU, or device = \"cpu\" for the CPU's AMX bf16",
+                describe(&device)
+            )));
+        } else {
+            MatmulPrecision::F32
+        };
+        Ok(Self { device, choice: section.device, precision: section.dtype, matmul_precision })
+    }
+
+    /// The device every tensor of the run lives on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The dtype of parameters and activations (f32; see the module docs for bf16).
+    pub fn dtype(&self) -> DType {
+        DType::F32
+    }
+
+    /// The compute precision asked for.
+    pub fn precision(&self) -> Precision {
+        self.precision
+    }
+
+    /// How the CPU kernels run matrix products (bf16 only on the CPU).
+    pub fn matmul_precision(&self) -> MatmulPrecision {
+        self.matmul_precision
+    }
+
+    /// Whether this runtime computes on the CPU.
+    pub fn is_cpu(&self) -> bool {
+        self.device.is_cpu()
+    }
+
+    /// The section that resolves to this runtime again (the device as chosen, e.g. `auto`).
+    pub fn section(&self) -> RuntimeSection {
+        RuntimeSection { device: self.choice, dtype: self.precision, matmul_precision: self.matmul_precision }
+    }
+
+    /// Makes the process-wide settings this runtime implies: the CPU kernels' matrix-product
+    /// precision ([`crate::ops::set_matmul_precision`]). Called by whoever runs the work (the
+    /// `rltune` commands, [`crate::run::PpoRun::prepare`]), never by a model or trainer.
+    pub fn install(&self) -> Result<()> {
+        if self.device.is_cpu() {
+            crate::ops::set_matmul_precision(self.matmul_precision)?;
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Display for Runtime {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}, {}", describe(&self.device), self.precision)?;
+        if self.device.is_cpu() && self.matmul_precision == MatmulPrecision::Bf16 {
+            f.write_str(" (AMX bf16 matrix products)")?;
+        }
+        Ok(())
+    }
+}
+
+fn describe(device: &Device) -> String {
+    match device.location() {
+        candle_core::DeviceLocation::Cpu => "cpu".into(),
+        candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
+        candle_core::DeviceLocation::Metal { gpu_id } => format!("metal:{gpu_id}"),
+    }
+}
+
+/// How to get a CUDA build: the text of the error for a build without the `cuda` feature.
+pub const CUDA_BUILD_HINT: &str = "this rltune was built without CUDA support; build it with \
+     `cargo build --release --features cuda` (needs nvcc; on a machine without the CUDA toolkit, \
+     tools/cuda/build.sh installs it from PyPI and builds: see the README, \"Building with CUDA\"), \
+     or use device = \"cpu\" / --device cpu";
+
+/// Opens the device of `choice`.
+fn open_device(choice: DeviceChoice) -> Result<Device> {
+    match choice {
+        DeviceChoice::Cpu => Ok(Device::Cpu),
+        DeviceChoice::Auto => {
+            // candle's `cuda_is_available()` only says whether the feature is built; whether a
+            // GPU answers is known by opening it (a CUDA build links the driver, so this is an
+            // error without a GPU, not a missing library).
+            if cfg!(feature = "cuda") {
+                match Device::new_cuda(0) {
+                    Ok(d) => return Ok(d),
+                    Err(e) => tracing::info!("device = \"auto\": no usable CUDA GPU ({e}); using the CPU"),
+                }
+            }
+            Ok(Device::Cpu)
+        }
+        DeviceChoice::Cuda(n) => {
+            if !cfg!(feature = "cuda") {
+                return Err(Error::Unsupported(format!(
+                    "[runtime] device = \"{choice}\" (or --device {choice}): {CUDA_BUILD_HINT}"
+                )));
+            }
+            open_cuda(n, choice)
+        }
+    }
+}
+
+fn open_cuda(n: usize, choice: DeviceChoice) -> Result<Device> {
+    Device::new_cuda(n).map_err(|e| {
+        Error::Unsupported(format!(
+            "[runtime] device = \"{choice}\": cannot open CUDA device {n} ({e}); check `nvidia-smi` \
+             and the driver (CUDA 13 needs driver 580 or newer), or use device = \"cpu\""
+        ))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_and_dtype_parse_and_print_round_trip() {
+        for (s, d) in [
+            ("auto", DeviceChoice::Auto),
+            ("cpu", DeviceChoice::Cpu),
+            ("cuda", DeviceChoice::Cuda(0)),
+            ("cuda:0", DeviceChoice::Cuda(0)),
+            ("CUDA:3", DeviceChoice::Cuda(3)),
+        ] {
+            assert_eq!(s.parse::<DeviceChoice>().unwrap(), d, "{s}");
+            assert_eq!(d.to_string().parse::<DeviceChoice>().unwrap(), d);
+        }
+        for bad in ["tpu", "cuda:", "cuda:x", "cuda:-1", ""] {
+            let e = bad.parse::<DeviceChoice>().unwrap_err();
+            assert!(e.contains("\"auto\"") && e.contains("\"cuda:N\""), "{e}");
+        }
+        assert_eq!("bf16".parse::<Precision>().unwrap(), Precision::Bf16);
+        assert_eq!("f32".parse::<Precision>().unwrap(), Precision::F32);
+        let e = "fp16".parse::<Precision>().unwrap_err();
+        assert!(e.contains("\"fp16\"") && e.contains("\"bf16\""), "{e}");
+    }
+
+    #[test]
+    fn the_cpu_resolves_to_f32_and_overrides_win() {
+        let s = RuntimeSection { device: DeviceChoice::Cpu, ..RuntimeSection::default() };
+        let rt = Runtime::resolve(&s).unwrap();
+        assert!(rt.is_cpu());
+        assert_eq!((rt.dtype(), rt.matmul_precision()), (DType::F32, MatmulPrecision::F32));
+        assert_eq!(rt.to_string(), "cpu, f32");
+        assert_eq!(rt.section(), s);
+        let o = RuntimeSection::default().with_overrides(Some(DeviceChoice::Cuda(1)), Some(Precision::Bf16));
+        assert_eq!((o.device, o.dtype), (DeviceChoice::Cuda(1), Precision::Bf16));
+        assert_eq!(RuntimeSection::default().with_overrides(None, None), RuntimeSection::default());
+    }
+
+    #[test]
+    fn auto_is_the_cpu_without_the_cuda_feature() {
+        let rt = Runtime::resolve(&RuntimeSection::default()).unwrap();
+        if !cfg!(feature = "cuda") {
+            assert!(rt.is_cpu());
+        }
+        assert_eq!(rt.section().device, DeviceChoice::Auto);
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    #[test]
+    fn cuda_without_the_feature_says_how_to_build_it() {
+        for d in [DeviceChoice::Cuda(0), DeviceChoice::Cuda(2)] {
+            let s = RuntimeSection { device: d, ..RuntimeSection::default() };
+            let e = Runtime::resolve(&s).unwrap_err().to_string();
+            assert!(e.contains(&format!("device = \"{d}\"")), "{e}");
+            assert!(e.contains("cargo build --release --features cuda"), "{e}");
+            assert!(e.contains("tools/cuda/build.sh"), "{e}");
+        }
+    }
+
+    #[test]
+    fn bf16_on_the_cpu_is_amx_or_a_clear_error() {
+        for s in [
+            RuntimeSection { device: DeviceChoice::Cpu, dtype: Precision::Bf16, ..RuntimeSection::default() },
+            RuntimeSection {
+                device: DeviceChoice::Cpu,
+                matmul_precision: MatmulPrecision::Bf16,
+                ..RuntimeSection::default()
+            },
+        ] {
+            match Runtime::resolve(&s) {
+                Ok(rt) => {
+                    assert_eq!((rt.dtype(), rt.matmul_precision()), (DType::F32, MatmulPrecision::Bf16))
+                }
+                Err(e) => {
+                    let e = e.to_string();
+                    assert!(e.contains("[runtime]") && e.contains("AMX") && e.contains("f32"), "{e}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_runtime_table_is_read_alone_and_names_bad_keys() {
+        let p = std::path::Path::new("c.toml");
+        let s = RuntimeSection::from_toml_table("[ppo]\nbatch_size = 2\n[runtime]\ndevice = \"cpu\"\n", p)
+            .unwrap();
+        assert_eq!(s.device, DeviceChoice::Cpu);
+        assert_eq!(RuntimeSection::from_toml_table("[ppo]\n", p).unwrap(), RuntimeSection::default());
+        let e = RuntimeSection::from_toml_table("[runtime]\ndevise = \"cpu\"\n", p).unwrap_err().to_string();
+        assert!(e.contains("c.toml") && e.contains("did you mean \"device\""), "{e}");
+        let e = RuntimeSection::from_toml_table("[runtime]\ndevice = \"tpu\"\n", p).unwrap_err().to_string();
+        assert!(e.contains("\"tpu\"") && e.contains("\"cuda:N\""), "{e}");
+    }
+}
