@@ -317,6 +317,19 @@ pub(crate) fn run<O: Objective>(
     args: &TrainingArgs,
     progress: &mut dyn FnMut(&TrainProgress),
 ) -> Result<TrainSummary> {
+    run_with(obj, store, examples, args, progress, true)
+}
+
+/// [`run`], announcing the plan in the log only with `announce` (a trainer that calls this
+/// every step, such as rejection sampling, passes false).
+pub(crate) fn run_with<O: Objective>(
+    obj: &O,
+    store: &ParamStore,
+    examples: &[O::Example],
+    args: &TrainingArgs,
+    progress: &mut dyn FnMut(&TrainProgress),
+    announce: bool,
+) -> Result<TrainSummary> {
     args.validate().map_err(Error::Input)?;
     if !store.trainable() {
         return Err(Error::Input("the model's parameters must be trainable (load them trainable)".into()));
@@ -330,13 +343,15 @@ pub(crate) fn run<O: Objective>(
     let eval_bs = args.eval_batch_size.unwrap_or(args.batch_size);
     let total = args.total_steps(train_idx.len());
     let mut opt = Optimizer::new(store, args, total)?;
-    tracing::info!(
-        "training on {} examples ({} held out for eval): {total} optimizer steps of {} examples, {} warm-up",
-        train_idx.len(),
-        eval.len(),
-        args.examples_per_step(),
-        opt.schedule.warmup_steps
-    );
+    if announce {
+        tracing::info!(
+            "training on {} examples ({} held out for eval): {total} optimizer steps of {} examples, {} warm-up",
+            train_idx.len(),
+            eval.len(),
+            args.examples_per_step(),
+            opt.schedule.warmup_steps
+        );
+    }
     let mut rng = rand::rngs::StdRng::seed_from_u64(args.seed.wrapping_add(1));
     let (mut step, mut epoch, mut last_loss, mut loss_sum, mut last_eval) = (0, 0, f64::NAN, 0.0, None);
     while step < total {

@@ -289,7 +289,7 @@ pub fn train_sft(
 }
 
 /// Fine-tunes `model` on examples tokenized already (e.g. the kept (prompt, action) pairs of
-/// rejection sampling, with the loss on the action's tokens).
+/// rejection sampling, with the loss on the action's tokens), without announcing it in the log.
 pub fn train_sft_examples(
     model: &SftModel,
     examples: &[SftExample],
@@ -299,7 +299,7 @@ pub fn train_sft_examples(
     if examples.is_empty() {
         return Err(Error::Input("no SFT example to train on".into()));
     }
-    runner::run(&SftObjective::new(model), &model.store, examples, args, progress)
+    runner::run_with(&SftObjective::new(model), &model.store, examples, args, progress, false)
 }
 
 /// Mean next-token loss, perplexity and token accuracy of `model` on `examples`.
