@@ -126,7 +126,9 @@ impl Default for AdventureQuickstartConfig {
             bc,
             ppo,
             episodes,
-            eval_episodes: 200,
+            // 200 episodes give a standard error of ~3.3 points (BC measured 31.0% or 37.5% with
+            // two batchings of the same games); 500 give ~2.1 (BC 32.6%, PPO 41.4%).
+            eval_episodes: 500,
         }
     }
 }
