@@ -16,9 +16,10 @@ use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
-use super::bpe::{train_bpe, EOS_TOKEN};
+use super::bpe::train_bpe;
 use super::pipeline::{
-    check_same_config, count_parameters, json_err, to_json, train_progress, write_file, Check, Event,
+    check_same_config, count_parameters, json_err, metric_lines, new_gpt2, to_json, train_progress,
+    write_file, Check, Event,
 };
 use crate::envs::adventure::{train_seed, Adventure, AdventureConfig};
 use crate::envs::config::{EnvKind, EnvSection, Split};
@@ -28,9 +29,7 @@ use crate::envs::rollout::Shaping;
 use crate::envs::Reset;
 use crate::error::{Error, Result};
 use crate::generation::GenerationConfig;
-use crate::models::gpt2::Gpt2Config;
 use crate::models::load::load_policy;
-use crate::params::ParamStore;
 use crate::ppo::PpoConfig;
 use crate::run::config::{CheckpointSection, EpisodesSection, LoggingSection, ModelSection, RunConfig};
 use crate::run::episodes::evaluate;
@@ -38,7 +37,7 @@ use crate::run::{self, PpoRun, StepReport};
 use crate::runtime::Runtime;
 use crate::tokenizer::Tokenizer;
 use crate::train::data::SftRecord;
-use crate::train::sft::{self, SftConfig, SftModel};
+use crate::train::sft::{self, SftConfig};
 use crate::train::{ScheduleKind, TrainingArgs};
 
 /// The settings of the adventure quickstart (`DIR/quickstart.json`; `--set key=value`).
@@ -298,7 +297,8 @@ pub fn run_adventure_quickstart(
         on(Event::Cached { stage: "bc", path: bc_dir.clone() });
     } else {
         let t = Instant::now();
-        let model = new_policy(cfg, &tokenizer, runtime)?;
+        let shape = (cfg.policy_dim, cfg.policy_layers, cfg.policy_heads, cfg.context);
+        let model = new_gpt2(&tokenizer, shape, cfg.seed ^ 0xad7, runtime)?;
         let records: Vec<SftRecord> = demos
             .iter()
             .map(|d| SftRecord::PromptCompletion {
@@ -406,27 +406,6 @@ fn ppo_config(dir: &Path, cfg: &AdventureQuickstartConfig) -> RunConfig {
     }
 }
 
-/// A fresh GPT-2 over the BPE vocabulary with `cfg.context` positions, EOS = id 0.
-fn new_policy(cfg: &AdventureQuickstartConfig, tokenizer: &Tokenizer, runtime: &Runtime) -> Result<SftModel> {
-    let mut g = Gpt2Config::tiny(
-        tokenizer.vocab_size(),
-        cfg.policy_dim,
-        cfg.policy_layers,
-        cfg.policy_heads,
-        cfg.context,
-    );
-    let eos = tokenizer
-        .token_to_id(EOS_TOKEN)
-        .ok_or_else(|| Error::Tokenizer(format!("the quickstart tokenizer has no {EOS_TOKEN}")))?;
-    g.eos_token_id = Some(eos);
-    g.bos_token_id = Some(eos);
-    let mut json = serde_json::to_value(&g).map_err(json_err)?;
-    json["model_type"] = "gpt2".into();
-    json["architectures"] = serde_json::json!(["GPT2LMHeadModel"]);
-    let store = ParamStore::random(cfg.seed ^ 0xad7, true, runtime.dtype(), runtime.device())?;
-    SftModel::new(store, json, tokenizer.clone())
-}
-
 /// Prompts cut from the left to `max_tokens` tokens, as the agent's prompts are (SFT would cut
 /// the completion off the end instead).
 fn fit_prompts(records: Vec<SftRecord>, tokenizer: &Tokenizer, max_tokens: usize) -> Result<Vec<SftRecord>> {
@@ -466,13 +445,11 @@ fn read_demonstrations(path: &PathBuf) -> Result<Vec<Demonstration>> {
 
 /// `(step, env/win_rate, objective/kl)` per line of metrics.jsonl.
 fn read_curve(path: &Path) -> Result<Vec<(usize, f64, f64)>> {
-    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-    let mut out = Vec::new();
-    for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
-        let v: serde_json::Value = serde_json::from_str(line)
-            .map_err(|e| Error::Input(format!("{} line {}: {e}", path.display(), i + 1)))?;
-        let f = |k: &str| v.get(k).and_then(serde_json::Value::as_f64).unwrap_or(f64::NAN);
-        out.push((i + 1, f("env/win_rate"), f("objective/kl")));
-    }
-    Ok(out)
+    Ok(metric_lines(path)?
+        .into_iter()
+        .map(|(step, v)| {
+            let f = |k: &str| v.get(k).and_then(serde_json::Value::as_f64).unwrap_or(f64::NAN);
+            (step, f("env/win_rate"), f("objective/kl"))
+        })
+        .collect())
 }

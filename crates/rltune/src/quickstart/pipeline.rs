@@ -544,13 +544,20 @@ fn read_reviews(path: &Path) -> Result<Vec<(String, String)>> {
 
 /// A fresh GPT-2 over the BPE vocabulary, EOS = id 0.
 fn new_policy(cfg: &QuickstartConfig, tokenizer: &Tokenizer, runtime: &Runtime) -> Result<SftModel> {
-    let mut g = Gpt2Config::tiny(
-        tokenizer.vocab_size(),
-        cfg.policy_dim,
-        cfg.policy_layers,
-        cfg.policy_heads,
-        cfg.max_length.max(cfg.query_tokens.1 + cfg.response_tokens),
-    );
+    let positions = cfg.max_length.max(cfg.query_tokens.1 + cfg.response_tokens);
+    let shape = (cfg.policy_dim, cfg.policy_layers, cfg.policy_heads, positions);
+    new_gpt2(tokenizer, shape, cfg.seed ^ 0x5f7, runtime)
+}
+
+/// A fresh GPT-2 of `(width, layers, heads, positions)` over a quickstart tokenizer, with EOS
+/// (id 0) as its BOS and EOS, initialized from `seed`.
+pub(crate) fn new_gpt2(
+    tokenizer: &Tokenizer,
+    (dim, layers, heads, positions): (usize, usize, usize, usize),
+    seed: u64,
+    runtime: &Runtime,
+) -> Result<SftModel> {
+    let mut g = Gpt2Config::tiny(tokenizer.vocab_size(), dim, layers, heads, positions);
     let eos = tokenizer
         .token_to_id(EOS_TOKEN)
         .ok_or_else(|| Error::Tokenizer(format!("the quickstart tokenizer has no {EOS_TOKEN}")))?;
@@ -559,7 +566,7 @@ fn new_policy(cfg: &QuickstartConfig, tokenizer: &Tokenizer, runtime: &Runtime) 
     let mut json = serde_json::to_value(&g).map_err(json_err)?;
     json["model_type"] = "gpt2".into();
     json["architectures"] = serde_json::json!(["GPT2LMHeadModel"]);
-    let store = ParamStore::random(cfg.seed ^ 0x5f7, true, runtime.dtype(), runtime.device())?;
+    let store = ParamStore::random(seed, true, runtime.dtype(), runtime.device())?;
     SftModel::new(store, json, tokenizer.clone())
 }
 
@@ -733,20 +740,30 @@ fn read_previous_summary(path: &Path) -> Option<Summary> {
 
 /// The curve points of metrics.jsonl.
 fn read_curve(path: &Path) -> Result<Vec<CurvePoint>> {
+    Ok(metric_lines(path)?
+        .into_iter()
+        .map(|(step, v)| {
+            let f = |k: &str| v.get(k).and_then(serde_json::Value::as_f64).unwrap_or(f64::NAN);
+            CurvePoint {
+                step,
+                reward_mean: f("env/reward_mean"),
+                reward_std: f("env/reward_std"),
+                kl: f("objective/kl"),
+                kl_coef: f("objective/kl_coef"),
+            }
+        })
+        .collect())
+}
+
+/// Each line of a run's metrics.jsonl with its step (the line's `step`, else its line number).
+pub(crate) fn metric_lines(path: &Path) -> Result<Vec<(usize, serde_json::Value)>> {
     let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
     let mut out = Vec::new();
     for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
         let v: serde_json::Value = serde_json::from_str(line)
             .map_err(|e| Error::Input(format!("{} line {}: {e}", path.display(), i + 1)))?;
-        let f = |k: &str| v.get(k).and_then(serde_json::Value::as_f64).unwrap_or(f64::NAN);
         let step = v.get("step").and_then(serde_json::Value::as_u64).unwrap_or(i as u64 + 1) as usize;
-        out.push(CurvePoint {
-            step,
-            reward_mean: f("env/reward_mean"),
-            reward_std: f("env/reward_std"),
-            kl: f("objective/kl"),
-            kl_coef: f("objective/kl_coef"),
-        });
+        out.push((step, v));
     }
     Ok(out)
 }
