@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
-use rltune::envs::config::{agent_generation, EnvConfig, EnvKind};
+use rltune::envs::config::{agent_generation, EnvConfig};
 use rltune::envs::model_agent::ModelAgent;
 use rltune::envs::play::{play, Agent, PlayReport, RandomAgent};
 use rltune::models::load::load_policy;
@@ -53,7 +53,7 @@ pub fn run(args: Args) -> Result<()> {
         .env
         .build()
         .with_context(|| format!("cannot start the environments of {}", args.env.display()))?;
-    let games = if matches!(cfg.env.kind, EnvKind::Textworld) { cfg.env.game_files()?.len() } else { 0 };
+    let games = cfg.env.game_count()?;
     let resets = |i: usize| cfg.env.reset_for(args.seed, i, games);
     let started = std::time::Instant::now();
     let (episodes, dropped) = match &args.model {

@@ -184,6 +184,12 @@ impl EnvSection {
         Ok(out)
     }
 
+    /// The number of TextWorld game files the episodes cycle through (0 for the other kinds,
+    /// whose resets name no game file).
+    pub fn game_count(&self) -> Result<usize> {
+        Ok(if self.kind == EnvKind::Textworld { self.game_files()?.len() } else { 0 })
+    }
+
     /// Starts the environments.
     pub fn build(&self) -> Result<Box<dyn TextEnv>> {
         let n = self.num_envs;

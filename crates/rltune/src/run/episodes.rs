@@ -17,7 +17,7 @@ use rand::seq::index::sample;
 use rand::SeedableRng;
 
 use super::config::{EpisodesSection, RunConfig};
-use crate::envs::config::{EnvKind, EnvSection, Split};
+use crate::envs::config::{EnvSection, Split};
 use crate::envs::model_agent::ModelAgent;
 use crate::envs::play::{play, Episode, PlayReport, PromptTemplate};
 use crate::envs::rollout::{collect_episodes, RolloutConfig, Transition};
@@ -67,11 +67,12 @@ pub struct EpisodeSource {
 impl EpisodeSource {
     /// Starts the training environments of `cfg` (which must have `[env]`).
     pub fn new(cfg: &RunConfig) -> Result<Self> {
-        let section = cfg
+        let mut section = cfg
             .env
             .clone()
             .ok_or_else(|| Error::Input("internal: EpisodeSource needs an [env] table".into()))?;
-        let games = game_count(&section)?;
+        section.split = Split::Train;
+        let games = section.game_count()?;
         let env = section.build()?;
         let rollout = RolloutConfig {
             template: cfg.agent.clone(),
@@ -169,13 +170,7 @@ impl EpisodeSource {
     /// run's seed, the step, the round and the environment.
     fn train_reset(&self, step: usize, round: usize, e: usize) -> Reset {
         let i = mix(self.seed, step as u64, round as u64, e as u64);
-        match self.section.kind {
-            EnvKind::Adventure => Reset { seed: Some(crate::envs::adventure::train_seed(i)), game: None },
-            EnvKind::Letters => Reset { seed: Some(i), game: None },
-            EnvKind::Command | EnvKind::Textworld => {
-                Reset { seed: None, game: (self.games > 0).then(|| (i % self.games as u64) as usize) }
-            }
-        }
+        self.section.reset_for(0, i as usize, self.games)
     }
 
     /// Whether evaluation is due after `step` steps.
@@ -230,21 +225,13 @@ pub fn evaluate(
     seed: u64,
     device: &Device,
 ) -> Result<PlayReport> {
-    let games = game_count(section)?;
+    let games = section.game_count()?;
     let mut env = section.build()?;
     let gen = GenerationConfig { seed, ..generation.clone() };
     let mut agent = ModelAgent::new(&policy.lm, tokenizer, template.clone(), gen, device)?;
     let t = Instant::now();
     let (done, dropped) = play(env.as_mut(), &mut agent, episodes, &|i| section.reset_for(seed, i, games))?;
     Ok(PlayReport::of(&done, dropped, t.elapsed().as_secs_f64()))
-}
-
-/// The number of game files (0 for generated families).
-fn game_count(section: &EnvSection) -> Result<usize> {
-    Ok(match section.kind {
-        EnvKind::Textworld | EnvKind::Command if !section.games.is_empty() => section.game_files()?.len(),
-        _ => 0,
-    })
 }
 
 /// A 64-bit hash of four numbers (splitmix64 steps).
