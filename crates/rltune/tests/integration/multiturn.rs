@@ -251,24 +251,7 @@ fn multi_turn_ppo_learns_the_letter_toy() {
         let turns = collect(&trainer.policy, 16, 2, 100 + it);
         assert_eq!(turns.len(), batch);
         curve.push(mean(&turns));
-        let queries: Vec<Vec<u32>> = turns.iter().map(|t| t.query_ids.clone()).collect();
-        let responses: Vec<Vec<u32>> = turns.iter().map(|t| t.response_ids.clone()).collect();
-        let scores: Vec<f32> = turns.iter().map(|t| t.reward).collect();
-        let bootstrap: Vec<f32> = turns.iter().map(|t| t.bootstrap).collect();
-        let caches: Vec<RolloutCache> = turns
-            .iter()
-            .map(|t| RolloutCache { logprobs: t.logprobs.clone(), values: t.values.clone() })
-            .collect();
-        trainer
-            .step_with(StepInput {
-                queries: &queries,
-                responses: &responses,
-                scores: &scores,
-                response_masks: None,
-                rollout: Some(&caches),
-                bootstrap: Some(&bootstrap),
-            })
-            .unwrap();
+        step_on(&mut trainer, &turns, true);
     }
     let first: f64 = curve[..5].iter().sum::<f64>() / 5.0;
     let last: f64 = curve[curve.len() - 5..].iter().sum::<f64>() / 5.0;

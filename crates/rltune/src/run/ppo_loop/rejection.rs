@@ -220,22 +220,16 @@ impl PpoRun {
         let queries: Vec<Vec<u32>> = candidates.iter().map(|c| c.query.clone()).collect();
         let logprobs: Vec<&[f32]> = candidates.iter().map(|c| c.logprobs.as_slice()).collect();
         add_env_stats(&mut stats, &logprobs, &raw, &queries, time_rollout, 0.0, self.skipped);
-        let n_kept = kept.iter().filter(|&&k| k).count();
-        let mean = |v: &mut dyn Iterator<Item = f64>| {
-            let (s, n) = v.fold((0.0, 0usize), |(s, n), x| (s + x, n + 1));
-            s / n.max(1) as f64
-        };
-        let kept_scores = &mut scores.iter().zip(&kept).filter(|(_, &k)| k).map(|(&s, _)| s);
-        let threshold =
-            scores.iter().zip(&kept).filter(|(_, &k)| k).map(|(&s, _)| s).fold(f64::INFINITY, f64::min);
+        let kept_scores: Vec<f64> = scores.iter().zip(&kept).filter(|(_, &k)| k).map(|(&s, _)| s).collect();
+        let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
         for (k, v) in [
             ("rejection/candidates", candidates.len() as f64),
-            ("rejection/kept", n_kept as f64),
-            ("rejection/score_mean", mean(&mut scores.iter().copied())),
-            ("rejection/kept_score_mean", mean(kept_scores)),
-            ("rejection/threshold", threshold),
+            ("rejection/kept", kept_scores.len() as f64),
+            ("rejection/score_mean", mean(&scores)),
+            ("rejection/kept_score_mean", mean(&kept_scores)),
+            ("rejection/threshold", kept_scores.iter().copied().fold(f64::INFINITY, f64::min)),
             ("rejection/sft_loss", sft.as_ref().map_or(f64::NAN, |s| s.mean_train_loss)),
-            ("objective/kl", mean(&mut kls.iter().copied())),
+            ("objective/kl", mean(&kls)),
             ("time/rejection/reference", time_ref),
             ("time/rejection/sft", time_sft),
         ] {
