@@ -86,8 +86,12 @@ pub struct Transition {
     pub action: String,
     /// The shaped reward.
     pub reward: f32,
-    /// `game_gamma · V(next state)`, or 0 after the episode terminated.
+    /// `game_gamma · V(next state)` under the policy's value head, or 0 after the episode
+    /// terminated.
     pub bootstrap: f32,
+    /// The prompt of the next state, whose value `bootstrap` reads; empty after the episode
+    /// terminated. A separate critic recomputes the bootstrap from it ([`rebootstrap`]).
+    pub next_query_ids: Vec<u32>,
 }
 
 /// Where an action ends in a response: the number of tokens up to and including the one whose
@@ -179,13 +183,14 @@ pub fn collect_episodes(
         let samples = generate(&policy.lm, Some(&policy.v_head), &prompts, &gen, device)?;
         time_generation += t.elapsed();
         // V(prompt): the value of the state before the first sampled token.
-        let bootstrap = |k: usize| {
+        let bootstrap = |t: &mut Transition, k: usize| {
             let v = samples[k].values.as_ref().and_then(|v| v.first().copied()).unwrap_or(0.0);
-            (cfg.game_gamma * f64::from(v)) as f32
+            t.bootstrap = (cfg.game_gamma * f64::from(v)) as f32;
+            t.next_query_ids.clone_from(&samples[k].query_ids);
         };
         for (k, &e) in finals.iter().enumerate() {
             if let (Some(i), Some(_)) = (waiting[e].take(), truncated[e].take()) {
-                out[e][i].bootstrap = bootstrap(active.len() + k);
+                bootstrap(&mut out[e][i], active.len() + k);
             }
         }
         if active.is_empty() {
@@ -196,7 +201,7 @@ pub fn collect_episodes(
         for (k, &e) in active.iter().enumerate() {
             // The episode's previous transition bootstraps from this state's value.
             if let Some(i) = waiting[e].take() {
-                out[e][i].bootstrap = bootstrap(k);
+                bootstrap(&mut out[e][i], k);
             }
             let (s, _) = live[e]
                 .as_ref()
@@ -241,6 +246,7 @@ pub fn collect_episodes(
                     action: action.clone(),
                     reward: cfg.shaping.reward(action, &after) as f32,
                     bootstrap: 0.0,
+                    next_query_ids: Vec::new(),
                 });
                 // Terminated: no bootstrap. Going on or truncated: the next state's value.
                 if !after.terminated {
@@ -274,6 +280,36 @@ pub fn collect_episodes(
         time_generation,
         time_env,
     })
+}
+
+/// Recomputes every bootstrap as `game_gamma · V(next_query_ids)` under `values` (a separate
+/// critic's: [`crate::ppo::PpoTrainer::values`]), in one batched call; a transition whose
+/// episode terminated keeps 0.
+///
+/// `values(queries, responses)` returns the value of the state before each response token;
+/// the first is the state after the whole query. The response is one `filler` token, which a
+/// causal model's first value does not read.
+pub fn rebootstrap(
+    turns: &mut [Transition],
+    game_gamma: f64,
+    filler: u32,
+    values: impl FnOnce(&[Vec<u32>], &[Vec<u32>]) -> Result<Vec<Vec<f32>>>,
+) -> Result<()> {
+    let open: Vec<usize> = (0..turns.len()).filter(|&i| !turns[i].next_query_ids.is_empty()).collect();
+    if open.is_empty() {
+        return Ok(());
+    }
+    let queries: Vec<Vec<u32>> = open.iter().map(|&i| turns[i].next_query_ids.clone()).collect();
+    let v = values(&queries, &vec![vec![filler]; open.len()])?;
+    if v.len() != open.len() {
+        return Err(Error::Input(format!("rebootstrap: {} values for {} states", v.len(), open.len())));
+    }
+    for (&i, row) in open.iter().zip(&v) {
+        let first =
+            row.first().copied().ok_or_else(|| Error::Input("rebootstrap: an empty value row".into()))?;
+        turns[i].bootstrap = (game_gamma * f64::from(first)) as f32;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -341,10 +341,9 @@ impl RunConfig {
                 return Err(format!("[critic] learning_rate must be a positive number, got {lr}"));
             }
         }
-        if self.critic.is_some() && (self.env.is_some() || self.algorithm.kind != AlgorithmKind::Ppo) {
-            return Err("[critic] works with PPO on prompts only for now: on text games the turns \
-                        bootstrap from the policy's value head, and rejection sampling has no critic; \
-                        remove the [critic] table"
+        if self.critic.is_some() && self.algorithm.kind != AlgorithmKind::Ppo {
+            return Err("[critic] works with PPO only (rejection sampling learns no values); remove \
+                        the [critic] table or set [algorithm] kind = \"ppo\""
                 .into());
         }
         if let Some(env) = &self.env {
@@ -534,6 +533,11 @@ command = ["cat"]
         assert!(err.contains("did you mean \"learning_rate\""), "{err}");
         let err = bad("path = \"m\"\nvalue_head = \"mlp\"");
         assert!(err.contains("\"value_head\""), "{err}");
+        let err = bad("path = \"m\"\n[algorithm]\nkind = \"rejection_sampling\"");
+        assert!(err.contains("[critic] works with PPO only"), "{err}");
+        // With text games the critic gives the turns' bootstraps (issue #29).
+        let games = "[model]\npath = \"m\"\n[env]\nkind = \"letters\"\n[critic]\npath = \"c\"\n";
+        assert!(RunConfig::from_toml(games, p, &[]).unwrap().critic.is_some());
         let err = RunConfig::from_toml(MINIMAL, p, &["ppo.value_head=mlp2".into()]).unwrap_err().to_string();
         assert!(err.contains("mlp2") && err.contains("linear"), "{err}");
         let err =

@@ -4,7 +4,8 @@
 //! length (TRL's `LengthSampler`), sample responses with the KV cache (their logprobs and values
 //! come along), score them with the reward sources, call [`PpoTrainer::step_with`], add the `env/*`
 //! stats TRL's `log_stats` adds, log, and checkpoint. With a `[critic]`, sampling runs the policy
-//! alone and the critic computes the values inside the step.
+//! alone and the critic computes the values inside the step; on text games it also gives each
+//! turn's bootstrap, the value of the next state.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
@@ -19,6 +20,7 @@ use super::checkpoint::{
 use super::config::{AlgorithmKind, RewardSourceConfig, RunConfig};
 use super::episodes::{add_episode_stats, add_eval_stats, EpisodeSource};
 use crate::data::prompts::{load_prompts, LengthSampler, PromptRow};
+use crate::envs::rollout::rebootstrap;
 use crate::error::{Error, Result};
 use crate::generation::{generate, GenerationConfig, Sample};
 use crate::logging::{RunLogger, SampleRow};
@@ -398,7 +400,13 @@ impl PpoRun {
         };
         let b = self.config.ppo.batch_size;
         let t = Instant::now();
-        let batch = games.collect(step, &self.trainer.policy, &self.tokenizer, b, &self.device)?;
+        let mut batch = games.collect(step, &self.trainer.policy, &self.tokenizer, b, &self.device)?;
+        if self.trainer.critic().is_some() {
+            // The turns bootstrap from the critic's value of the next state, not the policy head's.
+            let trainer = &self.trainer;
+            let gamma = self.config.episodes.game_gamma;
+            rebootstrap(&mut batch.transitions, gamma, trainer.pad_id(), |q, r| trainer.values(q, r))?;
+        }
         let time_rollout = t.elapsed().as_secs_f64();
         let turns = &batch.transitions;
         let queries: Vec<Vec<u32>> = turns.iter().map(|t| t.query_ids.clone()).collect();

@@ -443,6 +443,16 @@ fn run_critic_loading_checks_the_tokenizer_and_the_checkpoint() {
 /// metrics of a straight 3-step run.
 #[test]
 fn a_run_with_a_critic_checkpoints_it_and_resumes_exactly() {
+    critic_run_resumes_exactly(false);
+}
+
+/// The same on text games (`[env]`, the letter toy): the turns bootstrap from the critic.
+#[test]
+fn a_run_on_text_games_with_a_critic_checkpoints_it_and_resumes_exactly() {
+    critic_run_resumes_exactly(true);
+}
+
+fn critic_run_resumes_exactly(games: bool) {
     use rltune::run::{PpoRun, RunConfig};
     use std::sync::atomic::AtomicBool;
     let tmp = tempfile::tempdir().unwrap();
@@ -461,15 +471,22 @@ fn a_run_with_a_critic_checkpoints_it_and_resumes_exactly() {
         (0..12).map(|i| format!("{{\"text\": \"w{} w{} w{}\"}}", i, (i * 7) % 48, (i * 5) % 48)).collect();
     std::fs::write(&prompts, lines.join("\n")).unwrap();
     let config = |run: &str, steps: usize| {
+        let source = if games {
+            "[env]\nkind = \"letters\"\nnum_envs = 2\nturns = 2\n[agent]\nmemory_turns = 1\n".to_string()
+        } else {
+            format!(
+                "[data]\nsource = {:?}\nmin_query_tokens = 1\nmax_query_tokens = 4\n[[reward.sources]]\n\
+                 kind = \"command\"\ncommand = [\"sh\", \"-c\", \"while read l; do echo 1; done\"]\n",
+                prompts.to_str().unwrap()
+            )
+        };
         let text = format!(
-            "[model]\npath = {:?}\n[critic]\npath = {:?}\nlearning_rate = 1e-3\n[data]\nsource = {:?}\n\
-             min_query_tokens = 1\nmax_query_tokens = 4\n[[reward.sources]]\nkind = \"command\"\n\
-             command = [\"sh\", \"-c\", \"while read l; do echo 1; done\"]\n[generation]\nmax_new_tokens = 4\n\
+            "[model]\npath = {:?}\n[critic]\npath = {:?}\nlearning_rate = 1e-3\n{source}\
+             [generation]\nmax_new_tokens = 4\n\
              [ppo]\nbatch_size = 4\nmini_batch_size = 2\nppo_epochs = 2\nlearning_rate = 1e-4\nsteps = {steps}\n\
              [logging]\ndir = {:?}\n[checkpoint]\nevery = 2\noptimizer_state = true\n",
             policy.to_str().unwrap(),
             critic.to_str().unwrap(),
-            prompts.to_str().unwrap(),
             tmp.path().join(run).to_str().unwrap()
         );
         RunConfig::from_toml(&text, std::path::Path::new("run.toml"), &[]).unwrap()
