@@ -3,12 +3,16 @@
 //! One iteration = batched generation (pure sampling, never stopping at EOS, so every response
 //! has exactly 24 tokens) + `PpoTrainer::step` on random scores. Models are randomly initialized
 //! GPT-2s; the reward model is not part of the timed work.
+//!
+//! `rltune bench grpo`: one `GrpoTrainer` step on fixed random completions, as
+//! `bench/trl_grpo.py` times TRL 1.16.0's `GRPOTrainer` (generation is not part of it).
 
 use std::time::Instant;
 
 use anyhow::{bail, Result};
 use rand::{Rng, SeedableRng};
 use rltune::generation::{generate, GenerationConfig};
+use rltune::grpo::{GroupBatch, GrpoConfig, GrpoTrainer, RewardTable};
 use rltune::models::gpt2::Gpt2Config;
 use rltune::models::{CausalLm, CausalLmConfig, CausalLmWithValueHead};
 use rltune::params::ParamStore;
@@ -166,4 +170,98 @@ pub fn run(args: Args) -> Result<()> {
 
 fn rayon_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// Arguments of `rltune bench grpo`.
+#[derive(clap::Args)]
+pub struct GrpoArgs {
+    /// `small`: the `ppo` preset's GPT-2 (4 layers, d=256, vocab 8192); 64 completions a step,
+    /// 8 prompts × `num_generations` 8, 8 prompt + 24 completion tokens.
+    #[arg(long, default_value = "small")]
+    preset: String,
+    /// Timed steps (after one warm-up).
+    #[arg(long, default_value_t = 5)]
+    iters: usize,
+    /// `[grpo] beta`: 0 (TRL's default) loads no reference model; > 0 adds its forward.
+    #[arg(long, default_value_t = 0.0)]
+    beta: f64,
+    #[command(flatten)]
+    runtime: crate::runtime::RuntimeArgs,
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Runs `rltune bench grpo`: TRL 1.16.0's defaults but for the batch geometry (see
+/// bench/trl_grpo.py for the workload, which both sides share).
+pub fn run_grpo(args: GrpoArgs) -> Result<()> {
+    const GENERATIONS: usize = 8;
+    if args.iters == 0 {
+        bail!("--iters must be at least 1");
+    }
+    let p = preset(&args.preset)?;
+    if args.preset != "small" {
+        bail!("bench grpo has only the small preset (bench/trl_grpo.py's)");
+    }
+    let runtime = args.runtime.resolve(RuntimeSection::default())?;
+    let dev = runtime.device().clone();
+    let cfg = CausalLmConfig::Gpt2(p.cfg.clone());
+    let store = ParamStore::random(0, true, runtime.dtype(), &dev)?;
+    let lm = CausalLm::load(&store.root(), &cfg)?;
+    let reference =
+        (args.beta != 0.0).then(|| CausalLm::load(&store.frozen_copy()?.root(), &cfg)).transpose()?;
+    let grpo = GrpoConfig {
+        per_device_train_batch_size: Some(p.batch),
+        num_generations: GENERATIONS,
+        max_completion_length: RESPONSE_LEN,
+        learning_rate: 1e-5,
+        beta: args.beta,
+        ..GrpoConfig::default()
+    };
+    let mut trainer = GrpoTrainer::new(grpo, store, lm, reference)?;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+    let eos = p.cfg.eos_token_id.unwrap_or(0);
+    let mut ids = |n: usize| -> Vec<u32> { (0..n).map(|_| rng.gen_range(0..eos)).collect() };
+    let mut steps = Vec::new();
+    for it in 0..=args.iters {
+        let prompts: Vec<Vec<u32>> = (0..p.batch / GENERATIONS)
+            .flat_map(|_| std::iter::repeat_n(ids(QUERY_LEN), GENERATIONS))
+            .collect();
+        let completions: Vec<Vec<u32>> = (0..p.batch).map(|_| ids(RESPONSE_LEN)).collect();
+        let rewards: Vec<f32> = (0..p.batch).map(|k| ((k * 7919) % 13) as f32 / 6.0 - 1.0).collect();
+        let table = RewardTable::single(&rewards);
+        let t = Instant::now();
+        trainer.step_with(&GroupBatch {
+            prompts: &prompts,
+            completions: &completions,
+            rewards: &table,
+            truncated: None,
+        })?;
+        let secs = t.elapsed().as_secs_f64();
+        if !args.json {
+            eprintln!("{} {it}: step {secs:.3}s", if it == 0 { "warm-up" } else { "step" });
+        }
+        if it > 0 {
+            steps.push(secs);
+        }
+    }
+    let all = steps.clone();
+    let step = median(&mut steps);
+    let out = serde_json::json!({
+        "impl": "rltune",
+        "preset": args.preset,
+        "beta": args.beta,
+        "runtime": runtime.to_string(),
+        "median_step_s": step,
+        "steps_s": all,
+        "tokens_per_s": (p.batch * RESPONSE_LEN) as f64 / step,
+        "peak_rss_mib": peak_rss_mib(),
+        "threads": rayon_threads(),
+    });
+    if args.json {
+        println!("{out}");
+    } else {
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    }
+    Ok(())
 }

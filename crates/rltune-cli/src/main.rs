@@ -60,6 +60,8 @@ enum Command {
 enum BenchCommand {
     /// One PPO iteration (generation + step) on a random GPT-2, as bench/trl_ppo.py runs TRL.
     Ppo(bench::Args),
+    /// One GRPO step on fixed random completions, as bench/trl_grpo.py runs TRL 1.16.0.
+    Grpo(bench::GrpoArgs),
 }
 
 fn main() {
@@ -77,6 +79,7 @@ fn main() {
         Command::GrpoStep(args) => grpo_step::run_grpo(args),
         Command::RlooStep(args) => grpo_step::run_rloo(args),
         Command::Bench(BenchCommand::Ppo(args)) => bench::run(args),
+        Command::Bench(BenchCommand::Grpo(args)) => bench::run_grpo(args),
     };
     if let Err(err) = result {
         eprintln!("error: {err}");
