@@ -19,8 +19,10 @@ Workload (the Rust side, ``rltune bench grpo``, does identical work):
 * GRPOConfig: TRL 1.16.0 defaults (``loss_type="dapo"``, ``beta=0``: no reference model,
   ``num_iterations=1``: no old-logprob forward, ``max_grad_norm=1``, AdamW, linear schedule)
   except the batch geometry above, ``max_completion_length=24``, ``learning_rate=1e-5``
-  (any value takes the same time), ``logging_steps=1``. ``--beta 0.04`` adds the reference
-  model's forward and the k3 term.
+  (any value takes the same time), ``logging_steps=1``, and ``gradient_checkpointing=False``:
+  TRL 1.16.0 turns it on by default, which recomputes every layer's forward in the backward
+  (rltune keeps the activations); ``--gradient-checkpointing`` times TRL's default.
+  ``--beta 0.04`` adds the reference model's forward and the k3 term.
 * One timed step = ``on_step_begin`` to ``on_step_end`` of transformers' loop: TRL's
   ``_generate_and_score_completions`` with the patched generator (rewards, advantages,
   metrics), ``compute_loss`` forward, backward, gradient clipping, ``optimizer.step``,
@@ -94,6 +96,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--beta", type=float, default=0.0, help="KL coefficient (0: no reference model)")
+    ap.add_argument("--gradient-checkpointing", action="store_true", help="TRL 1.16.0's default")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -129,6 +132,7 @@ def main():
             save_strategy="no", logging_steps=1, seed=0, shuffle_dataset=False,
             per_device_train_batch_size=B, num_generations=G, max_completion_length=COMPLETION_LEN,
             learning_rate=1e-5, beta=args.beta, max_steps=steps,
+            gradient_checkpointing=args.gradient_checkpointing,
         )
         dataset = Dataset.from_dict({"prompt": [f"p{i}" for i in range(n_prompts * steps)]})
         trainer = GRPOTrainer(
@@ -148,6 +152,7 @@ def main():
         "impl": "trl",
         "preset": args.preset,
         "beta": args.beta,
+        "gradient_checkpointing": args.gradient_checkpointing,
         "median_step_s": statistics.median(times),
         "steps_s": times,
         "tokens_per_s": B * COMPLETION_LEN / statistics.median(times),
