@@ -26,21 +26,24 @@ use std::collections::VecDeque;
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor, D};
-use rand::seq::SliceRandom;
 use rand::SeedableRng;
 
 use super::config::PpoConfig;
 use super::critic::Critic;
 use super::kl_control::KlController;
-use super::math::{self, scalar, KlPenalty};
-use super::optim::{Adam, AdamConfig, FusedStep, Grads};
-use super::stats::{mean_std, Stat, Stats};
+use super::math::{self, KlPenalty};
+use super::optim::{Adam, AdamConfig, Grads};
+use super::stats::{Stat, Stats};
 use crate::error::{Error, Result};
 use crate::models::layers::causal_bias;
 use crate::models::{CausalLm, CausalLmWithValueHead};
 use crate::ops;
 use crate::params::ParamStore;
 use crate::tokenizer::{pad, PaddingSide};
+
+mod optimize;
+
+use optimize::{average_minibatch_stats, negative_kl_guard, TrainData};
 
 /// What the rollout already computed for one sample: reused instead of a second policy forward.
 #[derive(Debug, Clone, PartialEq)]
@@ -112,22 +115,6 @@ impl RunningMoments {
         self.var = new_var;
         self.count = tot;
     }
-}
-
-/// Why a minibatch ran no backward.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Skip {
-    /// It ran one.
-    No,
-    /// Its mean ratio exceeded `ratio_threshold`.
-    Ratio,
-    /// Its loss was NaN or infinite.
-    NonFinite,
-}
-
-/// Whether a minibatch's `loss/total` is finite (a skipped one reports 0).
-fn loss_is_finite(stats: &Stats) -> bool {
-    stats.get("loss/total").and_then(Stat::as_f64).is_none_or(f64::is_finite)
 }
 
 /// The padded batch and the tensors every minibatch slices from.
@@ -686,334 +673,6 @@ impl PpoTrainer {
             Tensor::from_vec(v, (b, w), &self.device)?.to_dtype(dt)?,
         ))
     }
-}
-
-/// Rollout tensors the optimization reads, each `(B, L−1)`.
-struct TrainData<'a> {
-    old_logprobs: &'a Tensor,
-    values: &'a Tensor,
-    advantages: &'a Tensor,
-    returns: &'a Tensor,
-    /// Compute the policy's LM head on response positions only: the old logprobs came from the
-    /// rollout cache and are 0 elsewhere, so nothing outside the responses is compared.
-    response_only: bool,
-}
-
-impl PpoTrainer {
-    /// PPO epochs over shuffled minibatches; returns each minibatch's stats.
-    fn optimize(&mut self, batch: &Batch, data: &TrainData) -> Result<Vec<Stats>> {
-        let cfg = self.config.clone();
-        let mut all = Vec::new();
-        let mut grads = self.grads.take().unwrap_or_else(|| Grads::new(self.optimizer.vars()));
-        let mut critic_grads =
-            self.critic.as_mut().map(|c| c.grads.take().unwrap_or_else(|| Grads::new(c.optimizer.vars())));
-        for _epoch in 0..cfg.ppo_epochs {
-            let perm = match self.forced_permutations.pop_front() {
-                Some(p) => p,
-                None => {
-                    let mut p: Vec<usize> = (0..cfg.batch_size).collect();
-                    p.shuffle(&mut self.rng);
-                    p
-                }
-            };
-            let mut last_policykl = 0.0;
-            for backward in perm.chunks(cfg.backward_batch_size()) {
-                grads.clear();
-                if let Some(g) = critic_grads.as_mut() {
-                    g.clear();
-                }
-                // One minibatch per update and no clipping: each weight whose gradient is one
-                // product is updated inside that product (`Adam::step_fused`, same results).
-                if cfg.gradient_accumulation_steps == 1 && cfg.max_grad_norm.is_none() && !self.record_grads {
-                    let placeholder = Adam::new(Vec::new(), self.optimizer.cfg)?;
-                    let mut optimizer = std::mem::replace(&mut self.optimizer, placeholder);
-                    let mut stats = None;
-                    let mut ran_backward = false;
-                    let ran = optimizer.step_fused(&mut grads, |grads| {
-                        let (s, skip) =
-                            self.train_minibatch(batch, data, backward, grads, critic_grads.as_mut())?;
-                        stats = Some(s);
-                        ran_backward = skip == Skip::No;
-                        Ok(ran_backward)
-                    });
-                    self.optimizer = optimizer;
-                    if ran? == FusedStep::NonFinite {
-                        self.skip_non_finite_update("gradient");
-                    }
-                    if let (Some(g), true) = (critic_grads.as_mut(), ran_backward) {
-                        self.step_critic(g)?;
-                    }
-                    if let Some(stats) = stats {
-                        if !loss_is_finite(&stats) {
-                            self.skip_non_finite_update("loss");
-                        }
-                        last_policykl = stats.get("policy/policykl").and_then(Stat::as_f64).unwrap_or(0.0);
-                        all.push(stats);
-                    }
-                    continue;
-                }
-                let (mut any, mut non_finite) = (false, false);
-                for mb in backward.chunks(cfg.mini_batch_size) {
-                    let (stats, skip) =
-                        self.train_minibatch(batch, data, mb, &mut grads, critic_grads.as_mut())?;
-                    last_policykl = stats.get("policy/policykl").and_then(Stat::as_f64).unwrap_or(0.0);
-                    any |= skip == Skip::No;
-                    non_finite |= skip == Skip::NonFinite;
-                    all.push(stats);
-                }
-                if non_finite {
-                    // Part of the accumulated gradient is missing: no update at all.
-                    self.skip_non_finite_update("loss");
-                    continue;
-                }
-                if any && self.record_grads {
-                    self.record_grads = false;
-                    let mut named = Vec::new();
-                    for (i, n) in self.var_names.iter().enumerate() {
-                        if let Some(g) = grads.get(i)? {
-                            named.push((n.clone(), g));
-                        }
-                    }
-                    self.recorded_grads = Some(named);
-                }
-                if any {
-                    let norm = match cfg.max_grad_norm {
-                        Some(max) => grads.clip_norm(max)?,
-                        None => grads.global_norm()?,
-                    };
-                    if norm.is_finite() {
-                        self.optimizer.step(&grads)?;
-                    } else {
-                        self.skip_non_finite_update("gradient");
-                    }
-                    if let Some(g) = critic_grads.as_mut() {
-                        self.step_critic(g)?;
-                    }
-                }
-            }
-            if cfg.early_stopping && last_policykl > 1.5 * cfg.target_kl {
-                tracing::info!("early stopping: policy KL {last_policykl:.4} > 1.5 × target_kl");
-                break;
-            }
-        }
-        self.grads = Some(grads);
-        if let (Some(c), Some(g)) = (self.critic.as_mut(), critic_grads) {
-            c.grads = Some(g);
-        }
-        Ok(all)
-    }
-
-    /// Counts and logs an optimizer update skipped for a non-finite `what` (loss or gradient).
-    pub(super) fn skip_non_finite_update(&mut self, what: &str) {
-        self.skipped_updates += 1;
-        tracing::warn!(
-            "update skipped: the {what} is not finite (NaN or infinite), so no weight changed \
-             ({} updates skipped so far; see rltune/skipped_updates)",
-            self.skipped_updates
-        );
-    }
-
-    /// Forward, losses and backward of one minibatch; gradients are added to `grads` (and,
-    /// with a separate critic, the value loss's to `critic_grads`).
-    /// Returns the minibatch stats (TRL `PPOTrainer.loss`) and whether (and why) its backward
-    /// was skipped: a non-finite loss runs no backward, so it never reaches a gradient.
-    fn train_minibatch(
-        &self,
-        batch: &Batch,
-        data: &TrainData,
-        rows: &[usize],
-        grads: &mut Grads,
-        critic_grads: Option<&mut Grads>,
-    ) -> Result<(Stats, Skip)> {
-        let cfg = &self.config;
-        let idx =
-            Tensor::from_vec(rows.iter().map(|&r| r as u32).collect::<Vec<_>>(), rows.len(), &self.device)?;
-        let sel = |t: &Tensor| t.index_select(&idx, 0);
-        let (ids, pos, bias, mask) =
-            (sel(&batch.ids)?, sel(&batch.positions)?, sel(&batch.bias)?, sel(&batch.mask)?);
-        let (old_lp, old_v, adv, ret) =
-            (sel(data.old_logprobs)?, sel(data.values)?, sel(data.advantages)?, sel(data.returns)?);
-        let select = if data.response_only { Some(&mask) } else { None };
-        // Sinks installed for the forward: the fused GPT-2 blocks write weight gradients into them.
-        let _sinks = grads.scope();
-        let (logp, entropy, vpreds) =
-            self.policy_forward(&ids, &pos, &bias, select, critic_grads.as_deref())?;
-        let l = math::ppo_losses(
-            &old_lp,
-            &old_v,
-            &logp,
-            &vpreds,
-            &mask,
-            &adv,
-            &ret,
-            cfg.cliprange,
-            cfg.cliprange_value,
-        )?;
-        let avg_ratio = scalar(&math::masked_mean(&l.ratio, &mask)?)?;
-        let skipped = avg_ratio > cfg.ratio_threshold;
-        let loss = (&l.pg_loss + (&l.vf_loss * cfg.vf_coef)?)?;
-        let finite = scalar(&loss)?.is_finite();
-        let skip = match (skipped, finite) {
-            (true, _) => Skip::Ratio,
-            (false, false) => Skip::NonFinite,
-            (false, true) => Skip::No,
-        };
-        if skipped {
-            tracing::warn!(
-                "minibatch skipped: mean ratio {avg_ratio:.2} > ratio_threshold {}; the policy moved too far",
-                cfg.ratio_threshold
-            );
-        } else if finite {
-            let gas = cfg.gradient_accumulation_steps as f64;
-            match critic_grads {
-                // Separate models: each loss term steps its own model (see `ppo::critic`).
-                Some(cg) => {
-                    grads.backward(&(&l.pg_loss / gas)?)?;
-                    cg.backward(&((&l.vf_loss * cfg.vf_coef)? / gas)?)?;
-                }
-                None => grads.backward(&(&loss / gas)?)?,
-            }
-        }
-        let entropy = math::masked_mean(&entropy, &mask)?;
-        let logp = logp.detach();
-        let d = (&logp - &old_lp)?;
-        let vpreds = vpreds.detach();
-        let mut s = Stats::new();
-        let zero = |x: f64| if skipped { 0.0 } else { x };
-        let sc = |t: &Tensor| scalar(t);
-        s.insert("loss/policy".into(), Stat::Scalar(zero(sc(&l.pg_loss)?)));
-        s.insert("loss/value".into(), Stat::Scalar(zero(sc(&l.vf_loss)?)));
-        s.insert("loss/total".into(), Stat::Scalar(zero(sc(&loss)?)));
-        s.insert("policy/entropy".into(), Stat::Scalar(sc(&entropy)?));
-        s.insert("policy/approxkl".into(), Stat::Scalar(sc(&(math::masked_mean(&d.sqr()?, &mask)? * 0.5)?)?));
-        s.insert("policy/policykl".into(), Stat::Scalar(sc(&math::masked_mean(&d.neg()?, &mask)?)?));
-        s.insert("policy/clipfrac".into(), Stat::Scalar(l.pg_clipfrac));
-        s.insert("policy/advantages".into(), Stat::Array(flat(&adv)?));
-        s.insert("policy/advantages_mean".into(), Stat::Scalar(sc(&math::masked_mean(&adv, &mask)?)?));
-        s.insert("policy/ratio".into(), Stat::Array(flat(&l.ratio)?));
-        s.insert("returns/mean".into(), Stat::Scalar(sc(&math::masked_mean(&ret, &mask)?)?));
-        s.insert("val/vpred".into(), Stat::Scalar(sc(&math::masked_mean(&vpreds, &mask)?)?));
-        let err = math::masked_mean(&(&vpreds - &ret)?.sqr()?, &mask)?;
-        s.insert("val/error".into(), Stat::Scalar(sc(&err)?));
-        s.insert("val/clipfrac".into(), Stat::Scalar(l.vf_clipfrac));
-        s.insert("val/mean".into(), Stat::Scalar(sc(&math::masked_mean(&old_v, &mask)?)?));
-        // One response token has no unbiased variance (TRL divides by zero and reports NaN):
-        // such a minibatch leaves both variances out of the step's averages.
-        if scalar(&mask.sum_all()?)? >= 2.0 {
-            s.insert("returns/var".into(), Stat::Scalar(sc(&math::masked_var(&ret, &mask, true)?)?));
-            s.insert("val/var".into(), Stat::Scalar(sc(&math::masked_var(&old_v, &mask, true)?)?));
-        }
-        Ok((s, skip))
-    }
-
-    /// The step-level stats of TRL `record_step_stats`.
-    #[allow(clippy::too_many_arguments)]
-    fn step_stats(
-        &self,
-        input: &StepInput,
-        scores: &[f32],
-        kl: &Tensor,
-        non_score: &Tensor,
-        rollout: &Rollout,
-        batch: &Batch,
-        kl_coef: f64,
-    ) -> Result<Stats> {
-        let mask = &batch.mask;
-        let kl_dist = (kl * mask)?.sum(1)?;
-        let kl_list: Vec<f64> = kl_dist.to_dtype(DType::F64)?.to_vec1()?;
-        let nll: Vec<f64> = (rollout.logprobs.neg()? * mask)?.sum(1)?.to_dtype(DType::F64)?.to_vec1()?;
-        let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
-        let mut s = Stats::new();
-        s.insert("objective/kl".into(), Stat::Scalar(mean(&kl_list)));
-        s.insert("objective/kl_dist".into(), Stat::Array(kl_list));
-        s.insert("objective/logprobs".into(), Stat::Matrix(matrix(&rollout.logprobs)?));
-        s.insert("objective/ref_logprobs".into(), Stat::Matrix(matrix(&rollout.ref_logprobs)?));
-        s.insert("objective/kl_coef".into(), Stat::Scalar(kl_coef));
-        s.insert("objective/entropy".into(), Stat::Scalar(mean(&nll)));
-        s.insert(
-            "ppo/mean_non_score_reward".into(),
-            Stat::Scalar(scalar(&math::masked_mean(non_score, mask)?)?),
-        );
-        let sc: Vec<f64> = scores.iter().map(|&x| x as f64).collect();
-        let (m, sd) = mean_std(&sc);
-        s.insert("ppo/mean_scores".into(), Stat::Scalar(m));
-        s.insert("ppo/std_scores".into(), Stat::Scalar(sd));
-        for (name, rows) in [("queries", input.queries), ("responses", input.responses)] {
-            let lens: Vec<f64> = rows.iter().map(|r| r.len() as f64).collect();
-            let (m, sd) = mean_std(&lens);
-            s.insert(format!("tokens/{name}_len_mean"), Stat::Scalar(m));
-            s.insert(format!("tokens/{name}_len_std"), Stat::Scalar(sd));
-            s.insert(format!("tokens/{name}_dist"), Stat::Array(lens));
-        }
-        Ok(s)
-    }
-}
-
-/// `ppo/*` = the mean over minibatches of each minibatch stat; the per-token arrays
-/// (`policy/advantages`, `policy/ratio`) are concatenated. Then `ppo/val/var_explained`.
-fn average_minibatch_stats(stats: &mut Stats, mbs: &[Stats]) -> Result<()> {
-    // Every key any minibatch has, with the first value seen (for its kind); a scalar is
-    // averaged over the minibatches that have it (a one-token minibatch has no variances).
-    let mut kinds: std::collections::BTreeMap<&String, &Stat> = std::collections::BTreeMap::new();
-    for mb in mbs {
-        for (k, v) in mb.iter() {
-            kinds.entry(k).or_insert(v);
-        }
-    }
-    for (key, kind) in kinds {
-        let value = match kind {
-            Stat::Scalar(_) => {
-                let xs: Vec<f64> = mbs.iter().filter_map(|s| s.get(key).and_then(Stat::as_f64)).collect();
-                Stat::Scalar(xs.iter().sum::<f64>() / xs.len() as f64)
-            }
-            _ => Stat::Array(
-                mbs.iter()
-                    .filter_map(|s| match s.get(key) {
-                        Some(Stat::Array(a)) => Some(a.clone()),
-                        _ => None,
-                    })
-                    .flatten()
-                    .collect(),
-            ),
-        };
-        stats.insert(format!("ppo/{key}"), value);
-    }
-    let get = |k: &str| stats.get(k).and_then(Stat::as_f64).unwrap_or(f64::NAN);
-    let ve = 1.0 - get("ppo/val/error") / get("ppo/returns/var");
-    stats.insert("ppo/val/var_explained".into(), Stat::Scalar(ve));
-    Ok(())
-}
-
-/// Warns, in the log and the stats, when the KL estimate is negative beyond sampling noise.
-///
-/// On responses sampled from the current policy, every sequence's k1 estimate has expectation
-/// KL ≥ 0, but a batch mean is noisy (a few dozen sequences read −0.01 often). The guard fires
-/// when `objective/kl` is below three standard errors of that mean (and below −1e-4, float
-/// noise of a rollout-cached logprob vs its recomputation): then the responses were not sampled
-/// as the policy now samples. TRL 0.11 warns only below −1.
-fn negative_kl_guard(stats: &mut Stats, mean_kl: f64) {
-    if mean_kl < negative_kl_floor(stats, mean_kl) {
-        let msg = format!(
-            "objective/kl is negative ({mean_kl:.4}) beyond sampling noise: the responses were likely not \
-             sampled from the policy as it is now (top-k, top-p, min-length or a different temperature, or \
-             responses from elsewhere); PPO can exploit a negative KL estimate"
-        );
-        tracing::warn!("{msg}");
-        stats.insert("warnings/negative_kl".into(), Stat::Text(msg));
-    }
-}
-
-/// The threshold of [`negative_kl_guard`]: `−max(1e-4, 3 · standard error)` of the per-sequence
-/// KL estimates in `objective/kl_dist`.
-fn negative_kl_floor(stats: &Stats, mean_kl: f64) -> f64 {
-    let se = match stats.get("objective/kl_dist") {
-        Some(Stat::Array(d)) if d.len() > 1 => {
-            let var = d.iter().map(|x| (x - mean_kl).powi(2)).sum::<f64>() / (d.len() - 1) as f64;
-            (var / d.len() as f64).sqrt()
-        }
-        _ => 0.0,
-    };
-    -(3.0 * se).max(1e-4)
 }
 
 /// Hidden states `(B, L−1, C)` of the model's inputs (`ids[:, :L−1]`); with `select (B, L−1)`,
