@@ -126,7 +126,7 @@ pub fn select_top(scores: &[f64], k: usize) -> Vec<usize> {
 }
 
 /// The logprob of each response token given the query and the tokens before it, under `lm`
-/// at `temperature`; no gradient. One sequence per forward pass.
+/// at `temperature`; no gradient. One sequence per forward pass (see [`batch_response_logprobs`]).
 pub fn response_logprobs(
     lm: &CausalLm,
     query: &[u32],
@@ -134,26 +134,82 @@ pub fn response_logprobs(
     temperature: f64,
     device: &Device,
 ) -> Result<Vec<f32>> {
-    if query.is_empty() || response.is_empty() {
-        return Err(Error::Input("response_logprobs: an empty query or response".into()));
+    let mut out = batch_response_logprobs(lm, &[(query, response)], temperature, device)?;
+    out.pop().ok_or_else(|| Error::Input("response_logprobs: no result".into()))
+}
+
+/// [`response_logprobs`] of several (query, response) pairs in one forward pass: the rows
+/// `query ++ response` right-padded to one length `L` (positions `0..L−1` are then every real
+/// token's own; padding is masked out of attention and never read), `(B, L−1, V)` logits.
+pub fn batch_response_logprobs(
+    lm: &CausalLm,
+    pairs: &[(&[u32], &[u32])],
+    temperature: f64,
+    device: &Device,
+) -> Result<Vec<Vec<f32>>> {
+    if let Some(i) = pairs.iter().position(|(q, r)| q.is_empty() || r.is_empty()) {
+        return Err(Error::Input(format!("response_logprobs: pair {i} has an empty query or response")));
     }
-    let ids: Vec<u32> = query.iter().chain(response).copied().collect();
-    let l = ids.len() - 1;
-    let input = Tensor::new(&ids[..l], device)?.unsqueeze(0)?;
-    let pos = Tensor::arange(0u32, l as u32, device)?.unsqueeze(0)?;
-    let bias = causal_bias(&[vec![1u8; l]], l, lm.lm_head_weight().dtype(), device)?;
+    let Some(l) = pairs.iter().map(|(q, r)| q.len() + r.len() - 1).max() else { return Ok(Vec::new()) };
+    let b = pairs.len();
+    let (mut ids, mut targets, mut mask) = (vec![0u32; b * l], vec![0u32; b * l], vec![vec![0u8; l]; b]);
+    for (i, (q, r)) in pairs.iter().enumerate() {
+        let row: Vec<u32> = q.iter().chain(r.iter()).copied().collect();
+        let n = row.len() - 1;
+        ids[i * l..i * l + n].copy_from_slice(&row[..n]);
+        targets[i * l..i * l + n].copy_from_slice(&row[1..]);
+        mask[i][..n].fill(1);
+    }
+    let input = Tensor::from_vec(ids, (b, l), device)?;
+    let pos = Tensor::arange(0u32, l as u32, device)?.unsqueeze(0)?.repeat((b, 1))?;
+    let bias = causal_bias(&mask, l, lm.lm_head_weight().dtype(), device)?;
     let hidden = lm.forward(&input, &pos, &bias, None)?;
-    let q = query.len();
-    let logits = lm.logits(&hidden.narrow(1, q - 1, response.len())?)?.detach();
+    let logits = lm.logits(&hidden)?.detach();
     let logits = if temperature != 1.0 { (logits / temperature)? } else { logits };
-    let logp = crate::ops::log_softmax_last_dim(&logits.squeeze(0)?)?;
-    let targets = Tensor::new(response, device)?.unsqueeze(D::Minus1)?;
-    Ok(logp.gather(&targets, D::Minus1)?.squeeze(D::Minus1)?.to_dtype(candle_core::DType::F32)?.to_vec1()?)
+    let logp = crate::ops::log_softmax_last_dim(&logits)?;
+    let targets = Tensor::from_vec(targets, (b, l), device)?.unsqueeze(D::Minus1)?;
+    // (B, L): the logprob of each next token.
+    let all: Vec<Vec<f32>> =
+        logp.gather(&targets, D::Minus1)?.squeeze(D::Minus1)?.to_dtype(candle_core::DType::F32)?.to_vec2()?;
+    Ok(all
+        .into_iter()
+        .zip(pairs)
+        .map(|(row, (q, r))| row[q.len() - 1..q.len() - 1 + r.len()].to_vec())
+        .collect())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The batched reference forward (right-padded rows of different lengths) gives each pair
+    /// the logprobs of its own unpadded forward, at temperature 1 and 0.7.
+    #[test]
+    fn batched_response_logprobs_equal_one_pair_at_a_time() {
+        use crate::models::{gpt2::Gpt2Config, CausalLmConfig};
+        let cfg = CausalLmConfig::Gpt2(Gpt2Config::tiny(23, 16, 2, 2, 32));
+        let store =
+            crate::params::ParamStore::random(7, false, candle_core::DType::F32, &Device::Cpu).unwrap();
+        let lm = CausalLm::load(&store.root(), &cfg).unwrap();
+        let rows: Vec<(Vec<u32>, Vec<u32>)> = vec![
+            (vec![3, 9, 1], vec![4, 4, 17, 2, 8]),
+            (vec![12], vec![5]),
+            (vec![1, 2, 3, 4, 5, 6, 7], vec![22, 0]),
+        ];
+        let pairs: Vec<(&[u32], &[u32])> = rows.iter().map(|(q, r)| (&q[..], &r[..])).collect();
+        for temperature in [1.0, 0.7] {
+            let batch = batch_response_logprobs(&lm, &pairs, temperature, &Device::Cpu).unwrap();
+            let mut worst = 0f32;
+            for ((q, r), got) in pairs.iter().zip(&batch) {
+                let one = response_logprobs(&lm, q, r, temperature, &Device::Cpu).unwrap();
+                assert_eq!(one.len(), r.len());
+                worst = one.iter().zip(got).map(|(a, b)| (a - b).abs()).fold(worst, f32::max);
+            }
+            assert!(worst < 1e-5, "temperature {temperature}: max diff {worst}");
+        }
+        let err = batch_response_logprobs(&lm, &[(&[1][..], &[][..])], 1.0, &Device::Cpu).unwrap_err();
+        assert!(err.to_string().contains("pair 0 has an empty"), "{err}");
+    }
 
     #[test]
     fn returns_to_go_discount_later_rewards() {

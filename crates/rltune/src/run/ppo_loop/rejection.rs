@@ -8,7 +8,7 @@ use crate::error::{Error, Result};
 use crate::generation::{generate, GenerationConfig};
 use crate::logging::SampleRow;
 use crate::ppo::{Stat, Stats};
-use crate::rejection::{response_logprobs, returns_to_go, select_top, Per};
+use crate::rejection::{batch_response_logprobs, returns_to_go, select_top, Per};
 use crate::rewards::RewardInput;
 use crate::run::episodes::add_episode_stats;
 use crate::train::sft::{train_sft_examples, SftExample, SftModel};
@@ -149,16 +149,18 @@ impl PpoRun {
         let rs = self.config.rejection.clone();
         let t = Instant::now();
         // The KL to the reference over each response: Σ_t log π(a_t) − log π_ref(a_t).
-        let mut kls = Vec::with_capacity(candidates.len());
-        for c in &candidates {
-            if c.response.is_empty() {
-                kls.push(0.0);
-                continue;
-            }
-            let reference = &self.trainer.reference;
+        // Batched by `[ppo] mini_batch_size` pairs; an empty response has KL 0.
+        let mut kls = vec![0.0; candidates.len()];
+        let live: Vec<usize> =
+            (0..candidates.len()).filter(|&i| !candidates[i].response.is_empty()).collect();
+        for chunk in live.chunks(self.config.ppo.mini_batch_size.max(1)) {
+            let pairs: Vec<(&[u32], &[u32])> =
+                chunk.iter().map(|&i| (&candidates[i].query[..], &candidates[i].response[..])).collect();
             let temperature = self.config.generation.temperature;
-            let r = response_logprobs(reference, &c.query, &c.response, temperature, &self.device)?;
-            kls.push(c.logprobs.iter().zip(&r).map(|(&p, &q)| f64::from(p - q)).sum::<f64>());
+            let refs = batch_response_logprobs(&self.trainer.reference, &pairs, temperature, &self.device)?;
+            for (&i, r) in chunk.iter().zip(&refs) {
+                kls[i] = candidates[i].logprobs.iter().zip(r).map(|(&p, &q)| f64::from(p - q)).sum::<f64>();
+            }
         }
         let time_ref = t.elapsed().as_secs_f64();
         let scores: Vec<f64> = candidates.iter().zip(&kls).map(|(c, k)| c.score - rs.kl_coef * k).collect();
