@@ -49,13 +49,60 @@ pub enum DpoLossType {
 }
 
 /// `loss_type`: one name or a list (TRL's `__post_init__` makes a string a list of one).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(untagged)]
 pub enum LossTypes {
     /// One loss.
     One(DpoLossType),
     /// Several, combined with `loss_weights`.
     Many(Vec<DpoLossType>),
+}
+
+/// TRL's names of the losses, as `loss_type` spells them.
+const LOSS_NAMES: &[(&str, DpoLossType)] = &[
+    ("sigmoid", DpoLossType::Sigmoid),
+    ("hinge", DpoLossType::Hinge),
+    ("ipo", DpoLossType::Ipo),
+    ("exo_pair", DpoLossType::ExoPair),
+    ("nca_pair", DpoLossType::NcaPair),
+    ("robust", DpoLossType::Robust),
+    ("bco_pair", DpoLossType::BcoPair),
+    ("sppo_hard", DpoLossType::SppoHard),
+    ("aot", DpoLossType::Aot),
+    ("aot_unpaired", DpoLossType::AotUnpaired),
+    ("apo_zero", DpoLossType::ApoZero),
+    ("apo_down", DpoLossType::ApoDown),
+    ("discopop", DpoLossType::Discopop),
+    ("sft", DpoLossType::Sft),
+    ("sigmoid_norm", DpoLossType::SigmoidNorm),
+];
+
+impl<'de> Deserialize<'de> for LossTypes {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            One(String),
+            Many(Vec<String>),
+        }
+        let one = |name: &str| {
+            LOSS_NAMES.iter().find(|(n, _)| *n == name).map(|(_, t)| *t).ok_or_else(|| {
+                let names: Vec<&str> = LOSS_NAMES.iter().map(|(n, _)| *n).collect();
+                serde::de::Error::custom(format!(
+                    "loss_type {name:?} is not one of TRL's losses: {}",
+                    names.join(", ")
+                ))
+            })
+        };
+        match Raw::deserialize(d)
+            .map_err(|_| serde::de::Error::custom("loss_type must be a loss name or a list of names"))?
+        {
+            Raw::One(name) => Ok(Self::One(one(&name)?)),
+            Raw::Many(names) => {
+                names.iter().map(|n| one(n)).collect::<std::result::Result<_, _>>().map(Self::Many)
+            }
+        }
+    }
 }
 
 impl LossTypes {
@@ -480,6 +527,10 @@ mod tests {
         let cases = [
             ("betta = 0.2", "did you mean \"beta\""),
             ("loss_type = \"aot\"", "not implemented"),
+            (
+                "loss_type = [\"sigmoid\", \"sigmod\"]",
+                "\"sigmod\" is not one of TRL's losses: sigmoid, hinge",
+            ),
             ("loss_type = [\"sigmoid\"]\nloss_weights = [1.0, 2.0]", "dpo.loss_weights"),
             ("loss_type = \"exo_pair\"", "dpo.label_smoothing"),
             ("use_weighting = true", "dpo.use_weighting"),
