@@ -4,6 +4,7 @@
 //! a user types can make it panic.
 
 mod bench;
+mod dpo;
 mod generate;
 mod grpo_step;
 mod play;
@@ -42,6 +43,9 @@ enum Command {
     GrpoStep(grpo_step::Args),
     /// One RLOO update (TRL 1.16.0) from grouped rollouts (prompt, completion, reward per line).
     RlooStep(grpo_step::Args),
+    /// DPO (TRL 1.16.0's DPOTrainer) on preference pairs: JSONL with "prompt", "chosen" and
+    /// "rejected" (or their tokenized "_ids" forms).
+    Dpo(dpo::Args),
     /// Supervised fine-tuning (behavioural cloning) of a causal LM: JSONL with "text", or
     /// "prompt" and "completion"; produces the reference policy for `ppo`.
     Sft(train::SftArgs),
@@ -71,6 +75,7 @@ fn main() {
     let result = match cli.command {
         Command::Quickstart(args) => quickstart::run(args),
         Command::Sft(args) => train::run_sft(args),
+        Command::Dpo(args) => dpo::run(args),
         Command::Reward(args) => train::run_reward(args),
         Command::Generate(args) => generate::run(args),
         Command::Play(args) => play::run(args),

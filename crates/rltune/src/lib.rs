@@ -37,6 +37,7 @@
 
 pub mod cpu;
 pub mod data;
+pub mod dpo;
 pub mod envs;
 pub mod error;
 pub mod generation;

@@ -469,31 +469,48 @@ impl Common<'_> {
         } else {
             (self.num_train_epochs * self.num_iterations as f64).ceil().max(1.0) as usize
         };
-        // transformers `TrainingArguments.get_warmup_steps`: an integer ≥ 1, or a ratio.
-        let warmup = if self.warmup_steps >= 1.0 {
-            self.warmup_steps as usize
-        } else {
-            (total as f64 * self.warmup_steps).ceil() as usize
-        };
-        let (kind, warmup) = match self.lr_scheduler_type {
-            SchedulerType::Linear => (ScheduleKind::Linear, warmup),
-            SchedulerType::Cosine => (ScheduleKind::Cosine, warmup),
-            SchedulerType::Constant => (ScheduleKind::Constant, 0),
-            SchedulerType::ConstantWithWarmup => (ScheduleKind::Constant, warmup),
-        };
-        OptimArgs {
-            learning_rate: self.learning_rate,
-            betas: (self.adam.0, self.adam.1),
-            eps: self.adam.2,
-            weight_decay: self.weight_decay,
-            max_grad_norm: self.max_grad_norm,
-            schedule: LrSchedule {
-                kind,
-                base_lr: self.learning_rate,
-                warmup_steps: warmup,
-                total_steps: total,
-            },
-        }
+        resolve_optim(
+            self.learning_rate,
+            self.adam,
+            self.weight_decay,
+            self.max_grad_norm,
+            self.lr_scheduler_type,
+            self.warmup_steps,
+            total,
+        )
+    }
+}
+
+/// The optimizer and schedule of a run of `total` optimizer steps, from transformers'
+/// `TrainingArguments` fields.
+pub(crate) fn resolve_optim(
+    learning_rate: f64,
+    adam: (f64, f64, f64),
+    weight_decay: f64,
+    max_grad_norm: f64,
+    lr_scheduler_type: SchedulerType,
+    warmup_steps: f64,
+    total: usize,
+) -> OptimArgs {
+    // transformers `TrainingArguments.get_warmup_steps`: an integer ≥ 1, or a ratio.
+    let warmup = if warmup_steps >= 1.0 {
+        warmup_steps as usize
+    } else {
+        (total as f64 * warmup_steps).ceil() as usize
+    };
+    let (kind, warmup) = match lr_scheduler_type {
+        SchedulerType::Linear => (ScheduleKind::Linear, warmup),
+        SchedulerType::Cosine => (ScheduleKind::Cosine, warmup),
+        SchedulerType::Constant => (ScheduleKind::Constant, 0),
+        SchedulerType::ConstantWithWarmup => (ScheduleKind::Constant, warmup),
+    };
+    OptimArgs {
+        learning_rate,
+        betas: (adam.0, adam.1),
+        eps: adam.2,
+        weight_decay,
+        max_grad_norm,
+        schedule: LrSchedule { kind, base_lr: learning_rate, warmup_steps: warmup, total_steps: total },
     }
 }
 
@@ -640,6 +657,18 @@ fn parse_table<T: serde::de::DeserializeOwned>(
     name: &str,
     own: &[&str],
 ) -> Result<T> {
+    let fields: Vec<&str> = SHARED_FIELDS.iter().chain(own).copied().collect();
+    parse_table_with(text, path, name, &fields)
+}
+
+/// Reads table `[name]` of TOML text into `T` (an absent table gives `T`'s defaults); an unknown
+/// key is reported with the closest of `fields`.
+pub(crate) fn parse_table_with<T: serde::de::DeserializeOwned>(
+    text: &str,
+    path: &Path,
+    name: &str,
+    fields: &[&str],
+) -> Result<T> {
     let doc: toml::Table = toml::from_str(text).map_err(|e| Error::config(path, e.to_string()))?;
     let table = match doc.get(name) {
         Some(toml::Value::Table(t)) => t.clone(),
@@ -648,9 +677,8 @@ fn parse_table<T: serde::de::DeserializeOwned>(
     };
     toml::Value::Table(table).try_into().map_err(|e: toml::de::Error| {
         let msg = e.to_string();
-        let fields: Vec<&str> = SHARED_FIELDS.iter().chain(own).copied().collect();
         let hint = msg.split("unknown field `").nth(1).and_then(|rest| rest.split('`').next()).map(|bad| {
-            match closest(bad, &fields) {
+            match closest(bad, fields) {
                 Some(best) => format!("unknown key {bad:?}; did you mean {best:?}?"),
                 None => format!(
                     "unknown key {bad:?}; rltune reads these TRL fields: {} (others change nothing in one \

@@ -330,36 +330,60 @@ impl Core {
         &mut self,
         forward: impl FnOnce(&Self) -> Result<(Tensor, T)>,
     ) -> Result<(T, f64, f64, f64)> {
+        let mut forward = Some(forward);
+        let (mut extras, loss, norm, lr) = self.optimizer_step_accum(1, |core, _| match forward.take() {
+            Some(f) => f(core),
+            None => Err(Error::Input("optimizer_step: one micro-batch only".into())),
+        })?;
+        let extra = extras.pop().ok_or_else(|| Error::Input("optimizer_step: no micro-batch ran".into()))?;
+        Ok((extra, loss, norm, lr))
+    }
+
+    /// [`Self::optimizer_step`] over `micro_batches` forward/backward passes whose gradients are
+    /// summed (transformers' gradient accumulation: each `forward(core, k)` returns its part of the
+    /// loss, already divided by the number of micro-batches). Returns each pass's extra, the summed
+    /// loss, the pre-clip gradient norm and the learning rate. The passes stop at the first
+    /// non-finite loss, and the update is skipped.
+    pub fn optimizer_step_accum<T>(
+        &mut self,
+        micro_batches: usize,
+        mut forward: impl FnMut(&Self, usize) -> Result<(Tensor, T)>,
+    ) -> Result<(Vec<T>, f64, f64, f64)> {
         let mut grads = self.grads.take().unwrap_or_else(|| Grads::new(self.optimizer.vars()));
         grads.clear();
         let lr = self.optim.schedule.lr(self.global_step);
         if self.global_step == self.optim.schedule.total_steps {
             tracing::warn!(
-                "optimizer step {} is past the schedule's {} steps (max_steps, or num_train_epochs × \
-                 num_iterations when max_steps is unset): the learning rate is now {lr}; set max_steps to \
-                 the run's length",
+                "optimizer step {} is past the schedule's {} steps (max_steps, or the steps that \
+                 num_train_epochs gives when max_steps is unset): the learning rate is now {lr}; set \
+                 max_steps to the run's length",
                 self.global_step + 1,
                 self.optim.schedule.total_steps
             );
         }
-        let result: Result<(T, f64, f64)> = (|| {
-            let (loss, extra) = {
-                let _sinks = grads.scope();
-                forward(self)?
-            };
-            let loss_value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-            if !loss_value.is_finite() {
-                return Ok((extra, loss_value, f64::NAN));
+        let result: Result<(Vec<T>, f64, f64)> = (|| {
+            let (mut extras, mut loss_sum) = (Vec::with_capacity(micro_batches), 0f64);
+            for k in 0..micro_batches {
+                let (loss, extra) = {
+                    let _sinks = grads.scope();
+                    forward(self, k)?
+                };
+                extras.push(extra);
+                let loss_value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+                loss_sum += loss_value;
+                if !loss_value.is_finite() {
+                    return Ok((extras, loss_sum, f64::NAN));
+                }
+                grads.backward(&loss)?;
             }
-            grads.backward(&loss)?;
             let norm = if self.optim.max_grad_norm > 0.0 {
                 grads.clip_norm(self.optim.max_grad_norm)?
             } else {
                 grads.global_norm()?
             };
-            Ok((extra, loss_value, norm))
+            Ok((extras, loss_sum, norm))
         })();
-        let (extra, loss_value, norm) = result?;
+        let (extras, loss_value, norm) = result?;
         if norm.is_finite() {
             self.optimizer.cfg.lr = lr;
             let wd = self.optim.weight_decay;
@@ -380,7 +404,7 @@ impl Core {
         }
         self.grads = Some(grads);
         self.global_step += 1;
-        Ok((extra, loss_value, norm, lr))
+        Ok((extras, loss_value, norm, lr))
     }
 }
 

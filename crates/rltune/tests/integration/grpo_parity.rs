@@ -82,15 +82,38 @@ fn run_variant(name: &str) -> (f64, f64) {
     for (k, (ours, want)) in logs.iter().zip(theirs).enumerate() {
         ds = ds.max(compare_logs(name, k, ours, want.as_object().unwrap()));
     }
-    let want = candle_core::safetensors::load(dir.join("weights.safetensors"), &Device::Cpu).unwrap();
+    let lr_sum: f64 = logs.iter().filter_map(|s| s.get("learning_rate").and_then(Stat::as_f64)).sum();
+    let (dw, dk) = compare_weights(
+        name,
+        store_after,
+        &dir.join("weights.safetensors"),
+        &fixture("grpo/init/model.safetensors"),
+        lr_sum,
+    );
+    println!(
+        "TRL {trl_trainer} {name}: metrics max diff {ds:.2e}, weights max diff {dw:.2e} \
+         (attention key bias, zero gradient: {dk:.2e})"
+    );
+    (ds, dw)
+}
+
+/// Compares the weights after training with the fixture's, within [`WEIGHT_TOL_PER_LR`] times
+/// the summed learning rates; returns (worst diff, worst diff on the attention key bias).
+pub fn compare_weights(
+    name: &str,
+    store_after: std::collections::BTreeMap<String, Tensor>,
+    want_path: &Path,
+    init_path: &Path,
+    lr_sum: f64,
+) -> (f64, f64) {
+    let want = candle_core::safetensors::load(want_path, &Device::Cpu).unwrap();
     let ours: HashMap<String, Tensor> = store_after.into_iter().collect();
     assert_eq!(ours.len(), want.len(), "{name}: tensor count");
     // The key bias of attention gets an exactly-zero gradient (adding `q·b_k` to every score of
     // a row leaves the softmax unchanged), so both sides' updates there are AdamW normalizing
     // float noise: up to the learning rate, of any sign. Only their size is checked: at most the
     // sum of the step sizes. Every other entry must match.
-    let init = candle_core::safetensors::load(fixture("grpo/init/model.safetensors"), &Device::Cpu).unwrap();
-    let lr_sum: f64 = logs.iter().filter_map(|s| s.get("learning_rate").and_then(Stat::as_f64)).sum();
+    let init = candle_core::safetensors::load(init_path, &Device::Cpu).unwrap();
     let (mut dw, mut dk) = (0f64, 0f64);
     for (tensor, w) in &want {
         let got = &ours[tensor];
@@ -121,15 +144,11 @@ fn run_variant(name: &str) -> (f64, f64) {
         assert!(d < WEIGHT_TOL_PER_LR * lr_sum, "{name}: {tensor}: weights max diff {d}");
         dw = dw.max(d);
     }
-    println!(
-        "TRL {trl_trainer} {name}: metrics max diff {ds:.2e}, weights max diff {dw:.2e} \
-         (attention key bias, zero gradient: {dk:.2e})"
-    );
-    (ds, dw)
+    (dw, dk)
 }
 
 /// Every metric TRL logged must be ours, within [`STAT_TOL`] (TRL logs a NaN metric as null).
-fn compare_logs(
+pub fn compare_logs(
     name: &str,
     k: usize,
     ours: &Stats,

@@ -2,6 +2,7 @@
 
 mod common;
 mod critic;
+mod dpo_parity;
 mod errors;
 mod faults;
 mod generation;

@@ -1,0 +1,368 @@
+//! Preference data for DPO: reading `{"prompt", "chosen", "rejected"}` JSON lines (or the
+//! tokenized `prompt_ids`, `chosen_ids`, `rejected_ids`), tokenizing them as TRL 1.16.0's
+//! `DPOTrainer._prepare_dataset` does, and the checks that name the line at fault.
+//!
+//! TRL's preparation of a text row: append the tokenizer's EOS token (as text) to `chosen` and
+//! `rejected` unless they end with it; tokenize `prompt`, `prompt + chosen` and
+//! `prompt + rejected` (with the tokenizer's special tokens); the completion starts where the
+//! prompt's tokens stop being a prefix of both (`common_prefix_length`). Rows whose prompt alone
+//! fills `max_length` are dropped under `keep_start` truncation (no completion token would be
+//! left). Tokenized rows are taken as they are: no EOS is added.
+
+use std::path::Path;
+
+use serde_json::Value;
+
+use super::config::{DpoConfig, TruncationMode};
+use crate::error::{Error, Result};
+use crate::tokenizer::Tokenizer;
+
+/// One preference row as written in the file.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PreferenceText {
+    /// Text, tokenized by the trainer.
+    Text {
+        /// The prompt.
+        prompt: String,
+        /// The preferred completion.
+        chosen: String,
+        /// The other completion.
+        rejected: String,
+    },
+    /// Token ids, used as they are.
+    Ids {
+        /// Prompt ids.
+        prompt: Vec<u32>,
+        /// Chosen completion ids.
+        chosen: Vec<u32>,
+        /// Rejected completion ids.
+        rejected: Vec<u32>,
+    },
+}
+
+/// A row of a preference file: the pair, its line and optional precomputed reference logprobs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PreferenceRecord {
+    /// 1-based line in the file.
+    pub line: usize,
+    /// The pair.
+    pub pair: PreferenceText,
+    /// `(ref_chosen_logps, ref_rejected_logps)`, TRL's precomputed columns.
+    pub ref_logps: Option<(f64, f64)>,
+}
+
+/// A tokenized preference pair, ready for a step (untruncated: the step truncates, as TRL's
+/// collator does).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PreferencePair {
+    /// Prompt ids.
+    pub prompt_ids: Vec<u32>,
+    /// Chosen completion ids.
+    pub chosen_ids: Vec<u32>,
+    /// Rejected completion ids.
+    pub rejected_ids: Vec<u32>,
+    /// The reference's summed logprobs of (chosen, rejected), when precomputed.
+    pub ref_logps: Option<(f64, f64)>,
+    /// Where the pair comes from, for messages (e.g. `data.jsonl line 7`, or `row 3`).
+    pub origin: String,
+}
+
+/// Reads a preference file of JSON lines; every problem names the file, line and field.
+pub fn read_preference_records(path: &Path) -> Result<Vec<PreferenceRecord>> {
+    let text = crate::data::read_utf8(path)?;
+    let mut out = Vec::new();
+    for (i, raw) in text.lines().enumerate() {
+        if raw.trim().is_empty() {
+            continue;
+        }
+        let line = i + 1;
+        let at = |msg: String| Error::Input(format!("{} line {line}: {msg}", path.display()));
+        let value: Value = serde_json::from_str(raw).map_err(|e| {
+            if e.is_syntax() && (raw.contains("NaN") || raw.contains("Infinity")) {
+                return at("a value is NaN or Infinity, which JSON cannot hold; ref_chosen_logps and \
+                           ref_rejected_logps must be finite numbers (drop them to recompute them)"
+                    .into());
+            }
+            at(format!("{e}; expected {EXPECTED}"))
+        })?;
+        let obj = value.as_object().ok_or_else(|| at(format!("not a JSON object; expected {EXPECTED}")))?;
+        let record = parse_record(obj, line).map_err(at)?;
+        out.push(record);
+    }
+    if out.is_empty() {
+        return Err(Error::Input(format!(
+            "{}: no preference pairs (the file has no non-empty line)",
+            path.display()
+        )));
+    }
+    if out.iter().any(|r| matches!(r.pair, PreferenceText::Text { .. }))
+        && out.iter().any(|r| matches!(r.pair, PreferenceText::Ids { .. }))
+    {
+        return Err(Error::Input(format!(
+            "{}: mixes text rows (\"prompt\") and tokenized rows (\"prompt_ids\"); use one kind per file",
+            path.display()
+        )));
+    }
+    Ok(out)
+}
+
+const EXPECTED: &str = "{\"prompt\": \"..\", \"chosen\": \"..\", \"rejected\": \"..\"} or {\"prompt_ids\": [..], \
+                        \"chosen_ids\": [..], \"rejected_ids\": [..]}, optionally with \"ref_chosen_logps\" and \
+                        \"ref_rejected_logps\"";
+
+fn parse_record(
+    obj: &serde_json::Map<String, Value>,
+    line: usize,
+) -> std::result::Result<PreferenceRecord, String> {
+    let text = obj.contains_key("prompt") || obj.contains_key("chosen") || obj.contains_key("rejected");
+    let ids =
+        obj.contains_key("prompt_ids") || obj.contains_key("chosen_ids") || obj.contains_key("rejected_ids");
+    let pair = match (text, ids) {
+        (true, true) => {
+            return Err(
+                "give either \"prompt\"/\"chosen\"/\"rejected\" or their \"_ids\" forms, not both".into()
+            )
+        }
+        (false, false) => return Err(format!("no preference fields; expected {EXPECTED}")),
+        (true, false) => {
+            let s = |f: &str| -> std::result::Result<String, String> {
+                match obj.get(f) {
+                    None => Err(format!(
+                        "missing field \"{f}\" (rows need \"prompt\", \"chosen\" and \"rejected\")"
+                    )),
+                    Some(Value::String(s)) => Ok(s.clone()),
+                    Some(other) => Err(format!("field \"{f}\" is {}, not a string", short(other))),
+                }
+            };
+            PreferenceText::Text { prompt: s("prompt")?, chosen: s("chosen")?, rejected: s("rejected")? }
+        }
+        (false, true) => {
+            let v = |f: &str| -> std::result::Result<Vec<u32>, String> {
+                let arr = match obj.get(f) {
+                    None => return Err(format!("missing field \"{f}\" (tokenized rows need \"prompt_ids\", \"chosen_ids\" and \"rejected_ids\")")),
+                    Some(Value::Array(a)) => a,
+                    Some(other) => return Err(format!("field \"{f}\" is {}, not an array of token ids", short(other))),
+                };
+                arr.iter()
+                    .map(|x| x.as_u64().and_then(|t| u32::try_from(t).ok()))
+                    .collect::<Option<Vec<u32>>>()
+                    .ok_or_else(|| format!("field \"{f}\" holds something other than non-negative token ids"))
+            };
+            PreferenceText::Ids {
+                prompt: v("prompt_ids")?,
+                chosen: v("chosen_ids")?,
+                rejected: v("rejected_ids")?,
+            }
+        }
+    };
+    let num = |f: &str| -> std::result::Result<Option<f64>, String> {
+        match obj.get(f) {
+            None => Ok(None),
+            Some(Value::Number(n)) => n
+                .as_f64()
+                .filter(|x| x.is_finite())
+                .map(Some)
+                .ok_or_else(|| format!("field \"{f}\" is not a finite number")),
+            Some(other) => Err(format!("field \"{f}\" is {}, not a finite number", short(other))),
+        }
+    };
+    let ref_logps = match (num("ref_chosen_logps")?, num("ref_rejected_logps")?) {
+        (Some(c), Some(r)) => Some((c, r)),
+        (None, None) => None,
+        (Some(_), None) => {
+            return Err("\"ref_chosen_logps\" without \"ref_rejected_logps\"; give both or neither".into())
+        }
+        (None, Some(_)) => {
+            return Err("\"ref_rejected_logps\" without \"ref_chosen_logps\"; give both or neither".into())
+        }
+    };
+    let (chosen_empty, rejected_empty) = match &pair {
+        PreferenceText::Text { chosen, rejected, .. } => (chosen.is_empty(), rejected.is_empty()),
+        PreferenceText::Ids { chosen, rejected, .. } => (chosen.is_empty(), rejected.is_empty()),
+    };
+    for (empty, f) in [(chosen_empty, "chosen"), (rejected_empty, "rejected")] {
+        if empty {
+            return Err(format!(
+                "\"{f}\" is empty; each completion needs at least one token (an empty preferred or rejected answer \
+                 is almost always a data bug: fix or drop the row)"
+            ));
+        }
+    }
+    Ok(PreferenceRecord { line, pair, ref_logps })
+}
+
+fn short(v: &Value) -> String {
+    let s = v.to_string();
+    if s.len() > 60 {
+        format!("a {}-byte value", s.len())
+    } else {
+        s
+    }
+}
+
+/// The pairs a run trains on, and what preparing them found.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PreparedPairs {
+    /// The pairs kept.
+    pub pairs: Vec<PreferencePair>,
+    /// Origins of the rows dropped because their prompt fills `max_length` (TRL drops them too).
+    pub dropped: Vec<String>,
+    /// Origins of the pairs whose chosen and rejected sequences are identical after truncation:
+    /// TRL trains on them, but they give no gradient and lower `rewards/accuracies`.
+    pub identical: Vec<String>,
+}
+
+/// Tokenizes `records` as TRL does (see the module docs), drops the rows TRL drops and reports
+/// identical pairs. `eos` is the token appended to text completions (the model's EOS).
+pub fn prepare_pairs(
+    records: &[PreferenceRecord],
+    tokenizer: Option<&Tokenizer>,
+    eos: Option<u32>,
+    cfg: &DpoConfig,
+    source: &Path,
+) -> Result<PreparedPairs> {
+    let mut out = PreparedPairs { pairs: Vec::new(), dropped: Vec::new(), identical: Vec::new() };
+    for rec in records {
+        let origin = format!("{} line {}", source.display(), rec.line);
+        let (prompt_ids, chosen_ids, rejected_ids) = match &rec.pair {
+            PreferenceText::Ids { prompt, chosen, rejected } => {
+                (prompt.clone(), chosen.clone(), rejected.clone())
+            }
+            PreferenceText::Text { prompt, chosen, rejected } => {
+                let tok = tokenizer.ok_or_else(|| {
+                    Error::Input(format!(
+                        "{origin}: a text row needs a tokenizer, but the model has no tokenizer.json; add one, or give \
+                         tokenized rows (\"prompt_ids\", \"chosen_ids\", \"rejected_ids\")"
+                    ))
+                })?;
+                tokenize_text(tok, eos, prompt, chosen, rejected)
+                    .map_err(|e| Error::Input(format!("{origin}: {e}")))?
+            }
+        };
+        let pair = PreferencePair { prompt_ids, chosen_ids, rejected_ids, ref_logps: rec.ref_logps, origin };
+        if cfg.truncation_mode == TruncationMode::KeepStart
+            && cfg.max_len().is_some_and(|m| pair.prompt_ids.len() >= m)
+        {
+            out.dropped.push(pair.origin);
+            continue;
+        }
+        if truncated_sequences_equal(&pair, cfg) {
+            out.identical.push(pair.origin.clone());
+        }
+        out.pairs.push(pair);
+    }
+    Ok(out)
+}
+
+/// TRL `_prepare_dataset`'s `add_eos` and `tokenize_fn` for a non-conversational row.
+fn tokenize_text(
+    tok: &Tokenizer,
+    eos: Option<u32>,
+    prompt: &str,
+    chosen: &str,
+    rejected: &str,
+) -> Result<(Vec<u32>, Vec<u32>, Vec<u32>)> {
+    let eos_text = match eos {
+        Some(id) => Some(tok.inner().id_to_token(id).ok_or_else(|| {
+            Error::Tokenizer(format!("the model's eos_token_id {id} is not in the tokenizer's vocabulary"))
+        })?),
+        None => None,
+    };
+    let with_eos = |s: &str| match &eos_text {
+        Some(e) if !s.ends_with(e.as_str()) => format!("{s}{e}"),
+        _ => s.to_string(),
+    };
+    let (chosen, rejected) = (with_eos(chosen), with_eos(rejected));
+    let p = tok.encode_with(prompt, true)?;
+    let pc = tok.encode_with(&format!("{prompt}{chosen}"), true)?;
+    let pr = tok.encode_with(&format!("{prompt}{rejected}"), true)?;
+    let common = |a: &[u32], b: &[u32]| a.iter().zip(b).take_while(|(x, y)| x == y).count();
+    let n = common(&p, &pc).min(common(&p, &pr));
+    Ok((p[..n].to_vec(), pc[n..].to_vec(), pr[n..].to_vec()))
+}
+
+/// Whether the pair's chosen and rejected sequences are the same after the collator's truncation.
+fn truncated_sequences_equal(pair: &PreferencePair, cfg: &DpoConfig) -> bool {
+    let c = super::trainer::truncate(&pair.prompt_ids, &pair.chosen_ids, cfg);
+    let r = super::trainer::truncate(&pair.prompt_ids, &pair.rejected_ids, cfg);
+    c == r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(text: &str) -> (tempfile::TempDir, std::path::PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("prefs.jsonl");
+        std::fs::write(&p, text).unwrap();
+        (dir, p)
+    }
+
+    #[test]
+    fn reads_text_and_ids_rows() {
+        let (_d, p) = write(
+            "{\"prompt\": \"a\", \"chosen\": \"b\", \"rejected\": \"c\", \"id\": 4}\n\n\
+             {\"prompt\": \"x\", \"chosen\": \"y\", \"rejected\": \"z\", \"ref_chosen_logps\": -1.5, \"ref_rejected_logps\": -2}\n",
+        );
+        let r = read_preference_records(&p).unwrap();
+        assert_eq!((r.len(), r[1].line, r[1].ref_logps), (2, 3, Some((-1.5, -2.0))));
+        let (_d, p) = write("{\"prompt_ids\": [1, 2], \"chosen_ids\": [3], \"rejected_ids\": [4, 0]}\n");
+        let r = read_preference_records(&p).unwrap();
+        assert_eq!(
+            r[0].pair,
+            PreferenceText::Ids { prompt: vec![1, 2], chosen: vec![3], rejected: vec![4, 0] }
+        );
+    }
+
+    /// Missing fields, wrong types, empty completions, NaN reference logprobs: the error names the
+    /// file, the line and the field.
+    #[test]
+    fn bad_rows_name_file_line_and_field() {
+        let good = "{\"prompt\": \"a\", \"chosen\": \"b\", \"rejected\": \"c\"}";
+        let cases = [
+            ("{\"prompt\": \"a\", \"chosen\": \"b\"}", "missing field \"rejected\""),
+            ("{\"prompt\": \"a\", \"chosen\": 3, \"rejected\": \"c\"}", "field \"chosen\" is 3"),
+            ("{\"prompt\": \"a\", \"chosen\": \"\", \"rejected\": \"c\"}", "\"chosen\" is empty"),
+            ("{\"prompt_ids\": [1], \"chosen_ids\": [2], \"rejected_ids\": []}", "\"rejected\" is empty"),
+            ("{\"prompt_ids\": [1], \"chosen_ids\": [-2], \"rejected_ids\": [3]}", "field \"chosen_ids\""),
+            ("{\"prompt\": \"a\", \"chosen\": \"b\", \"rejected\": \"c\", \"ref_chosen_logps\": NaN, \"ref_rejected_logps\": 1}", "NaN"),
+            ("{\"prompt\": \"a\", \"chosen\": \"b\", \"rejected\": \"c\", \"ref_chosen_logps\": null, \"ref_rejected_logps\": 1}", "\"ref_chosen_logps\""),
+            ("{\"prompt\": \"a\", \"chosen\": \"b\", \"rejected\": \"c\", \"ref_chosen_logps\": 1}", "without \"ref_rejected_logps\""),
+            ("{\"chosen\": \"b\", \"rejected\": \"c\"}", "missing field \"prompt\""),
+            ("[1, 2]", "not a JSON object"),
+        ];
+        for (line, want) in cases {
+            let (_d, p) = write(&format!("{good}\n{line}\n"));
+            let err = read_preference_records(&p).unwrap_err().to_string();
+            assert!(err.contains("prefs.jsonl line 2") && err.contains(want), "{line}: {err}");
+        }
+        let (_d, p) =
+            write(&format!("{good}\n{{\"prompt_ids\": [1], \"chosen_ids\": [2], \"rejected_ids\": [3]}}\n"));
+        assert!(read_preference_records(&p).unwrap_err().to_string().contains("mixes"));
+    }
+
+    #[test]
+    fn prompts_that_fill_max_length_are_dropped_and_identical_pairs_reported() {
+        let rec = |line, prompt: Vec<u32>, chosen: Vec<u32>, rejected: Vec<u32>| PreferenceRecord {
+            line,
+            pair: PreferenceText::Ids { prompt, chosen, rejected },
+            ref_logps: None,
+        };
+        let records = vec![
+            rec(1, vec![1, 2, 3, 4], vec![5], vec![6]),
+            rec(2, vec![1], vec![5, 5], vec![5, 5]),
+            // Equal only after truncation to 4 tokens.
+            rec(3, vec![1, 2], vec![7, 8, 9], vec![7, 8, 1]),
+            rec(4, vec![1, 2], vec![7], vec![8]),
+        ];
+        let cfg = DpoConfig { max_length: super::super::config::MaxLength::Tokens(4), ..Default::default() };
+        let p = prepare_pairs(&records, None, None, &cfg, Path::new("d.jsonl")).unwrap();
+        assert_eq!(p.dropped, vec!["d.jsonl line 1"]);
+        assert_eq!(p.identical, vec!["d.jsonl line 2", "d.jsonl line 3"]);
+        assert_eq!(p.pairs.len(), 3);
+        // keep_end keeps every row.
+        let cfg = DpoConfig { truncation_mode: TruncationMode::KeepEnd, ..cfg };
+        assert_eq!(prepare_pairs(&records, None, None, &cfg, Path::new("d.jsonl")).unwrap().pairs.len(), 4);
+    }
+}
