@@ -160,10 +160,15 @@ pub fn run(args: Args) -> Result<()> {
         "peak_rss_mib": peak_rss_mib(),
         "threads": rayon_threads(),
     });
-    if args.json {
+    print_result(&out, args.json)
+}
+
+/// Prints a benchmark's result: one JSON line with `--json`, else indented.
+fn print_result(out: &serde_json::Value, json: bool) -> Result<()> {
+    if json {
         println!("{out}");
     } else {
-        println!("{}", serde_json::to_string_pretty(&out)?);
+        println!("{}", serde_json::to_string_pretty(out)?);
     }
     Ok(())
 }
@@ -258,10 +263,5 @@ pub fn run_grpo(args: GrpoArgs) -> Result<()> {
         "peak_rss_mib": peak_rss_mib(),
         "threads": rayon_threads(),
     });
-    if args.json {
-        println!("{out}");
-    } else {
-        println!("{}", serde_json::to_string_pretty(&out)?);
-    }
-    Ok(())
+    print_result(&out, args.json)
 }
