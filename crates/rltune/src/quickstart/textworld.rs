@@ -77,11 +77,17 @@ impl TextworldGames {
                 "quickstart textworld: game.{which} names no games; make a game set with {MAKE_GAMES}"
             )));
         }
-        self.section(games, 1, 1, Split::Train).game_files().map_err(|e| {
-            Error::Input(format!(
-                "quickstart textworld: game.{which}: {e}; make a game set with {MAKE_GAMES}"
-            ))
-        })
+        let mut files = Vec::new();
+        for pattern in games {
+            let found = self.section(std::slice::from_ref(pattern), 1, 1, Split::Train).game_files();
+            files.extend(found.map_err(|_| {
+                Error::Input(format!(
+                    "quickstart textworld: game.{which}: {:?} names no file; make a game set with {MAKE_GAMES}",
+                    absolute(pattern)
+                ))
+            })?);
+        }
+        Ok(files)
     }
 }
 
