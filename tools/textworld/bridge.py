@@ -249,6 +249,7 @@ class Bridge:
         self.max_steps = None
         self.extra_infos = []
         self.env_infos = None
+        self.walkthrough = False
 
     # -- methods ----------------------------------------------------------------------------
 
@@ -262,10 +263,11 @@ class Bridge:
             "version": textworld.__version__,
             "jericho_version": jericho.__version__,
             "max_action_chars": MAX_ACTION_CHARS,
+            "walkthrough": True,
         }
 
     def init(self, params):
-        check_keys(params, ["num_envs", "games", "max_steps", "request_infos"])
+        check_keys(params, ["num_envs", "games", "max_steps", "request_infos", "walkthrough"])
         num_envs = require_int(params, "num_envs", 1, MAX_ENVS)
         max_steps = require_int(params, "max_steps", 1, 2**31 - 1)
         games = params.get("games")
@@ -274,7 +276,12 @@ class Bridge:
         extra = params.get("request_infos", [])
         if not isinstance(extra, list) or not all(isinstance(n, str) for n in extra):
             raise ProtocolError("invalid_params", f"'request_infos' must be a list of names, got {extra!r}")
+        walkthrough = params.get("walkthrough", False)
+        if not isinstance(walkthrough, bool):
+            raise ProtocolError("invalid_params", f"'walkthrough' must be true or false, got {walkthrough!r}")
         basics, extras = set(BASE_INFOS), []
+        if walkthrough:
+            basics.add("policy_commands")
         for name in extra:
             if name.startswith("extra.") and len(name) > len("extra."):
                 extras.append(name[len("extra."):])
@@ -302,7 +309,9 @@ class Bridge:
                 raise ProtocolError("game_error", f"could not start {paths[game]}: {exception_line(e)}")
         self.slots, self.games, self.max_steps = slots, paths, max_steps
         self.extra_infos, self.env_infos = list(dict.fromkeys(extra)), env_infos
-        return {"num_envs": num_envs, "max_steps": max_steps, "games": paths, "request_infos": self.extra_infos}
+        self.walkthrough = walkthrough
+        return {"num_envs": num_envs, "max_steps": max_steps, "games": paths, "request_infos": self.extra_infos,
+                "walkthrough": walkthrough}
 
     def reset(self, params):
         self.require_init()
@@ -388,7 +397,7 @@ class Bridge:
         terminated = won or lost
         extra = {name: obs if name == "feedback" else to_json_value(infos.get(name)) for name in self.extra_infos}
         description = infos.get("description") if "description" in self.extra_infos else None
-        return {
+        result = {
             "env": slot.index,
             "game": slot.game,
             "observation": clean_observation(obs, strip_banner=strip_banner),
@@ -406,6 +415,11 @@ class Bridge:
             "description": None if description is None else str(description).strip(),
             "infos": extra,
         }
+        if self.walkthrough:
+            # TextWorld's plan from this state; [] once the game is over or cannot be won.
+            plan = [] if terminated else (infos.get("policy_commands") or [])
+            result["walkthrough"] = [str(c) for c in plan]
+        return result
 
     # -- helpers ----------------------------------------------------------------------------
 

@@ -133,9 +133,9 @@ def run_in(args, check, g, cwd):
 
     # -- handshake and init ---------------------------------------------------------------------
     hello = b.result("hello", {"protocol": 1})
-    check("hello answers protocol 1, textworld 1.7.x",
-          hello.get("protocol") == 1 and hello.get("name") == "textworld" and str(hello.get("version")).startswith("1.7"),
-          hello)
+    check("hello answers protocol 1, textworld 1.7.x, walkthroughs available",
+          hello.get("protocol") == 1 and hello.get("name") == "textworld" and str(hello.get("version")).startswith("1.7")
+          and hello.get("walkthrough") is True, hello)
     print(f"      startup to first response: {time.perf_counter() - t0:.2f} s")
     r = b.call("hello", {"protocol": 2})
     check("hello with another protocol is invalid_params", r.get("error", {}).get("kind") == "invalid_params", r)
@@ -293,6 +293,8 @@ def run_in(args, check, g, cwd):
     r = b.call("reset", {"envs": [1], "seeds": [0]})
     check("seed 0 is invalid_params", r.get("error", {}).get("kind") == "invalid_params", r)
 
+    walkthroughs(b, check, g, max_steps)
+
     # -- malformed requests -------------------------------------------------------------------
     b.send_raw(b"{this is not json\n")
     r = b.receive()
@@ -318,10 +320,11 @@ def run_in(args, check, g, cwd):
     check("reset with a game index out of range: invalid_params", r.get("error", {}).get("kind") == "invalid_params", r)
 
     # -- timing: mean time per step request --------------------------------------------------
-    for label, infos in [("default infos", []), ("+description", ["description"])]:
+    for label, infos, walk in [("default infos", [], False), ("+description", ["description"], False),
+                               ("+walkthrough", [], True)]:
         for n_envs in (1, 8):
             b.result("init", {"num_envs": n_envs, "games": [g[COIN], g[CUSTOM], g[TREASURE]], "max_steps": 20,
-                              "request_infos": infos})
+                              "request_infos": infos, "walkthrough": walk})
             last = {x["env"]: x for x in b.result("reset")["results"]}
             n_req, spent, k = 200 if n_envs == 1 else 50, 0.0, 0
             for k in range(n_req):
@@ -372,6 +375,51 @@ def run_in(args, check, g, cwd):
     err = b3.stderr_text()
     check("print(), fd-1 writes and child processes inside the bridge reach stderr, not the protocol stream",
           not b3.stray and all(s in err for s in ("stray print", "stray fd write", "stray child")), (b3.stray, err[-300:]))
+
+
+def walkthroughs(b, check, g, max_steps):
+    """init's walkthrough flag: a plan in every result that wins from any state, detours included."""
+    r = b.call("init", {"num_envs": 1, "games": [g[COIN]], "max_steps": 5, "walkthrough": "yes"})
+    check("init with a non-boolean walkthrough is invalid_params",
+          r.get("error", {}).get("kind") == "invalid_params" and "walkthrough" in r["error"]["message"], r)
+    init = b.result("init", {"num_envs": 1, "games": [g[COIN], g[CUSTOM], g[TREASURE]], "max_steps": max_steps,
+                             "walkthrough": True})
+    check("init echoes walkthrough: true", init.get("walkthrough") is True, init)
+    first = b.result("reset", {"envs": [0], "games": [0]})["results"][0]
+    plan = first.get("walkthrough")
+    check("with walkthrough, results have the documented members plus walkthrough",
+          set(first) == RESULT_KEYS | {"walkthrough"} and isinstance(plan, list) and plan and
+          all(isinstance(c, str) for c in plan), first)
+    # Following the plan: each step's walkthrough is the rest of the plan; [] once won.
+    rests, r = [], first
+    for cmd in plan:
+        r = step1(b, 0, cmd)
+        rests.append(r.get("walkthrough"))
+    check("coin collector: each step's walkthrough is the rest of the plan, [] after the win",
+          r["won"] and rests == [plan[k + 1:] for k in range(len(plan))], (plan, rests))
+
+    # A detour: the plan's first move, then an exit off the plan; the walkthrough walks back.
+    first = b.result("reset", {"envs": [0], "games": [1]})["results"][0]
+    r = step1(b, 0, first["walkthrough"][0])
+    off = [c for c in r["admissible_commands"] if c.startswith("go ") and c != r["walkthrough"][0]]
+    r = step1(b, 0, off[0]) if off else r
+    back = r["walkthrough"]
+    r2 = step1(b, 0, "quit")
+    check("a refused action keeps the walkthrough", r2["walkthrough"] == back, (back, r2["walkthrough"]))
+    for _ in range(max_steps):
+        if r2["terminated"] or r2["truncated"] or not r2["walkthrough"]:
+            break
+        r2 = step1(b, 0, r2["walkthrough"][0])
+    check(f"custom: after a detour ({off[:1]}), following the walkthrough wins",
+          bool(off) and back[:1] == first["walkthrough"][:1] and r2["won"] and r2["walkthrough"] == [],
+          (off, back, r2))
+    print(f"      walkthrough from the start of {CUSTOM}: {first['walkthrough']}; after {off[:1]}: {back}")
+
+    # Losing empties it.
+    b.result("reset", {"envs": [0], "games": [2]})
+    step1(b, 0, "go east")
+    r = step1(b, 0, "take sock")
+    check("treasure hunter: after a loss the walkthrough is []", r["lost"] and r["walkthrough"] == [], r)
 
 
 def main():

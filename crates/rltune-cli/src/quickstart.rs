@@ -7,7 +7,8 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 use rltune::quickstart::{
-    run_adventure_quickstart, run_quickstart, AdventureQuickstartConfig, Event, QuickstartConfig, Summary,
+    run_agent_quickstart, run_quickstart, AdventureQuickstartConfig, AgentGames, AgentQuickstartConfig,
+    Event, QuickstartConfig, Summary, TextworldQuickstartConfig,
 };
 use rltune::run::config::parse_toml;
 
@@ -16,12 +17,14 @@ use crate::train::Bar;
 /// Arguments of `rltune quickstart`.
 #[derive(clap::Args)]
 pub struct Args {
-    /// `sentiment` (PPO toward positive reviews with a classifier reward) or `adventure` (an LM
-    /// agent for text adventures: walkthrough demonstrations, behavioural cloning, PPO on games).
-    #[arg(long, default_value = "sentiment", value_parser = ["sentiment", "adventure"])]
+    /// `sentiment` (PPO toward positive reviews with a classifier reward), `adventure` (an LM
+    /// agent for the generated text adventures: walkthrough demonstrations, behavioural cloning,
+    /// PPO on games) or `textworld` (the same on TextWorld games; needs tools/textworld/install.sh
+    /// and tools/textworld/make_game_set.sh coin 64 64).
+    #[arg(long, default_value = "sentiment", value_parser = ["sentiment", "adventure", "textworld"])]
     task: String,
     /// Where every stage writes (cached stages are skipped on a rerun); default
-    /// runs/quickstart, or runs/quickstart-adventure for the adventure task.
+    /// runs/quickstart, or runs/quickstart-TASK for the agent tasks.
     #[arg(long)]
     output: Option<PathBuf>,
     /// Seed of every stage.
@@ -41,8 +44,16 @@ pub struct Args {
 
 /// Runs `rltune quickstart`.
 pub fn run(args: Args) -> Result<()> {
-    if args.task == "adventure" {
-        return run_adventure(args);
+    match args.task.as_str() {
+        "adventure" => {
+            let (d, t) = (AdventureQuickstartConfig::default(), AdventureQuickstartConfig::tiny());
+            return run_agent(args, d, t);
+        }
+        "textworld" => {
+            let (d, t) = (TextworldQuickstartConfig::default(), TextworldQuickstartConfig::tiny());
+            return run_agent(args, d, t);
+        }
+        _ => {}
     }
     let output = args.output.clone().unwrap_or_else(|| PathBuf::from("runs/quickstart"));
     let mut cfg = if args.preset == "tiny" { QuickstartConfig::tiny() } else { QuickstartConfig::default() };
@@ -130,11 +141,16 @@ fn show_event(bar: &mut Option<(Bar, usize)>, e: Event) {
     }
 }
 
-/// `rltune quickstart --task adventure`.
-fn run_adventure(args: Args) -> Result<()> {
-    let output = args.output.clone().unwrap_or_else(|| PathBuf::from("runs/quickstart-adventure"));
+/// `rltune quickstart --task adventure|textworld`, from the task's default and tiny presets.
+fn run_agent<G: AgentGames>(
+    args: Args,
+    default: AgentQuickstartConfig<G>,
+    tiny_preset: AgentQuickstartConfig<G>,
+) -> Result<()> {
+    let output =
+        args.output.clone().unwrap_or_else(|| PathBuf::from(format!("runs/quickstart-{}", args.task)));
     let tiny = args.preset == "tiny";
-    let mut cfg = if tiny { AdventureQuickstartConfig::tiny() } else { AdventureQuickstartConfig::default() };
+    let mut cfg = if tiny { tiny_preset } else { default };
     cfg.seed = args.seed;
     if !args.set.is_empty() {
         let text = toml::to_string(&cfg).context("cannot serialize the quickstart settings")?;
@@ -144,7 +160,7 @@ fn run_adventure(args: Args) -> Result<()> {
     let started = std::time::Instant::now();
     let mut bar: Option<(Bar, usize)> = None;
     let runtime = args.runtime.resolve(Default::default())?;
-    let s = run_adventure_quickstart(&output, &cfg, &runtime, &stop, &mut |e| show_event(&mut bar, e))?;
+    let s = run_agent_quickstart(&output, &cfg, &runtime, &stop, &mut |e| show_event(&mut bar, e))?;
     println!();
     println!(
         "policy: GPT-2, {:.2}M parameters, behaviour-cloned on {} demonstrated turns",
@@ -153,13 +169,20 @@ fn run_adventure(args: Args) -> Result<()> {
     );
     println!("held-out games ({} episodes each, {} moves at most):", s.random.episodes, cfg.max_steps);
     for (name, r) in [("random agent", &s.random), ("BC policy", &s.bc), ("PPO policy", &s.ppo)] {
+        // The binomial standard error of the win rate, episodes taken as independent.
+        let se = (r.win_rate * (1.0 - r.win_rate) / r.episodes.max(1) as f64).sqrt();
         println!(
-            "  {name:<13} win rate {:5.1}%, normalized score {:.3}, mean moves {:4.1}, invalid actions {:4.1}%",
+            "  {name:<13} win rate {:5.1}% ± {:.1}, normalized score {:.3}, mean moves {:4.1}, invalid actions {:4.1}%",
             100.0 * r.win_rate,
+            100.0 * se,
             r.mean_normalized_score,
             r.mean_steps,
             100.0 * r.invalid_action_rate
         );
+    }
+    if !s.stage_seconds.is_empty() {
+        let stages: Vec<String> = s.stage_seconds.iter().map(|(n, t)| format!("{n} {t:.0} s")).collect();
+        println!("stages run: {}", stages.join(", "));
     }
     let failed = report_checks(s.checks(), tiny);
     println!(

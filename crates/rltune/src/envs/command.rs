@@ -7,6 +7,10 @@
 //! the end of its stderr; with `restarts > 0` it is restarted instead (hello and init again)
 //! and the episodes that were in flight are dropped: their environments get a per-env error
 //! saying so, and [`CommandEnv::dropped_episodes`] counts them.
+//!
+//! When `init` asks for walkthroughs (`"walkthrough": true`, `docs/env-protocol.md`), each
+//! result's `walkthrough` member is kept per environment and served by
+//! [`TextEnv::walkthrough`], so [`super::demos`] can demonstrate on the program's games.
 
 use std::time::{Duration, Instant};
 
@@ -47,6 +51,8 @@ pub struct CommandEnv {
     stray_lines: usize,
     restarts_done: usize,
     dropped: usize,
+    /// Per env: the walkthrough of its last result (`None` when the program sent none).
+    walkthroughs: Vec<Option<Vec<String>>>,
 }
 
 impl std::fmt::Debug for CommandEnv {
@@ -75,6 +81,7 @@ impl CommandEnv {
             stray_lines: 0,
             restarts_done: 0,
             dropped: 0,
+            walkthroughs: Vec::new(),
         };
         env.start().map_err(|f| env.failure_error("start", f))?;
         Ok(env)
@@ -93,6 +100,7 @@ impl CommandEnv {
         let mut init = self.cfg.init.clone();
         init.insert("num_envs".into(), self.cfg.num_envs.into());
         self.request("init", Value::Object(init))?;
+        self.walkthroughs = vec![None; self.cfg.num_envs];
         Ok(())
     }
 
@@ -172,8 +180,22 @@ impl CommandEnv {
     /// program and drops the listed environments' episodes (a per-env error each).
     fn batched(&mut self, method: &str, params: Value, envs: &[usize]) -> Result<Vec<Result<EnvStep>>> {
         match self.request(method, params) {
-            Ok(result) => parse_results(method, &result, envs)
-                .map_err(|m| self.failure_error(method, Failure::Answer(m))),
+            Ok(result) => {
+                let parsed = parse_results(method, &result, envs)
+                    .map_err(|m| self.failure_error(method, Failure::Answer(m)))?;
+                Ok(envs
+                    .iter()
+                    .zip(parsed)
+                    .map(|(&e, r)| {
+                        let (step, walkthrough) = match r {
+                            Ok((step, w)) => (Ok(step), w),
+                            Err(err) => (Err(err), None),
+                        };
+                        self.walkthroughs[e] = walkthrough;
+                        step
+                    })
+                    .collect())
+            }
             Err(Failure::Transport(msg)) if self.restarts_done < self.cfg.restarts => {
                 self.restarts_done += 1;
                 let (status, stderr) = self.process.ending(Duration::from_millis(200));
@@ -189,6 +211,7 @@ impl CommandEnv {
                 self.start().map_err(|f| self.failure_error("restart", f))?;
                 // Every environment lost its episode; the ones in this request are reported.
                 self.dropped += self.cfg.num_envs;
+                self.walkthroughs = vec![None; self.cfg.num_envs];
                 Ok(envs
                     .iter()
                     .map(|e| {
@@ -222,6 +245,12 @@ impl TextEnv for CommandEnv {
         let list: Vec<Value> = actions.iter().map(|(e, a)| json!({"env": e, "action": a})).collect();
         self.batched("step", json!({ "actions": list }), &envs)
     }
+
+    /// The `walkthrough` member of `env`'s last result (`None` when the program sent none, or
+    /// an empty list once nothing is left to win).
+    fn walkthrough(&self, env: usize) -> Option<Vec<String>> {
+        self.walkthroughs.get(env).cloned().flatten()
+    }
 }
 
 impl Drop for CommandEnv {
@@ -241,12 +270,15 @@ fn error_text(err: &Value) -> String {
     }
 }
 
+/// A per-env result and its walkthrough, when it has one.
+type Parsed = (EnvStep, Option<Vec<String>>);
+
 /// The per-env entries of a reset or step result, in the order of `envs`.
 fn parse_results(
     method: &str,
     result: &Value,
     envs: &[usize],
-) -> std::result::Result<Vec<Result<EnvStep>>, String> {
+) -> std::result::Result<Vec<Result<Parsed>>, String> {
     let list = result
         .get("results")
         .and_then(Value::as_array)
@@ -266,29 +298,39 @@ fn parse_results(
         .collect())
 }
 
-/// One per-env result; absent or `null` members take their defaults.
-fn parse_step(v: &Value) -> std::result::Result<EnvStep, String> {
+/// A list of strings member: `None` when absent or `null`.
+fn strings(
+    o: &serde_json::Map<String, Value>,
+    key: &str,
+) -> std::result::Result<Option<Vec<String>>, String> {
+    match o.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|c| c.as_str().map(str::to_string))
+            .collect::<Option<_>>()
+            .map(Some)
+            .ok_or_else(|| format!("has a non-string entry in \"{key}\"")),
+        Some(_) => Err(format!("has \"{key}\" that is not a list")),
+    }
+}
+
+/// One per-env result and its walkthrough; absent or `null` members take their defaults.
+fn parse_step(v: &Value) -> std::result::Result<Parsed, String> {
     let o = v.as_object().ok_or("is not an object")?;
     let text = |k: &str| o.get(k).and_then(Value::as_str).unwrap_or_default().to_string();
     let num = |k: &str| o.get(k).and_then(Value::as_f64).unwrap_or(0.0);
     let flag = |k: &str| o.get(k).and_then(Value::as_bool).unwrap_or(false);
     let observation = o.get("observation").and_then(Value::as_str).ok_or("has no \"observation\" string")?;
-    let admissible_commands = match o.get("admissible_commands") {
-        None | Some(Value::Null) => Vec::new(),
-        Some(Value::Array(a)) => a
-            .iter()
-            .map(|c| c.as_str().map(str::to_string))
-            .collect::<Option<_>>()
-            .ok_or("has a non-string admissible command")?,
-        Some(_) => return Err("has \"admissible_commands\" that is not a list".into()),
-    };
+    let admissible_commands = strings(o, "admissible_commands")?.unwrap_or_default();
+    let walkthrough = strings(o, "walkthrough")?;
     let mut infos = o.get("infos").and_then(Value::as_object).cloned().unwrap_or_default();
     for k in ["game", "description", "sanitized_action", "sent", "note"] {
         if let Some(x) = o.get(k).filter(|x| !x.is_null()) {
             infos.insert(k.into(), x.clone());
         }
     }
-    Ok(EnvStep {
+    let step = EnvStep {
         observation: observation.to_string(),
         reward: num("reward"),
         terminated: flag("terminated"),
@@ -303,7 +345,8 @@ fn parse_step(v: &Value) -> std::result::Result<EnvStep, String> {
         inventory: text("inventory"),
         invalid: flag("invalid"),
         infos,
-    })
+    };
+    Ok((step, walkthrough))
 }
 
 #[cfg(test)]
@@ -351,6 +394,26 @@ mod tests {
             (1.0, true, true, vec!["go east".to_string()])
         );
         assert_eq!(env.stray_lines(), 8, "two stray lines before each of 4 answers");
+    }
+
+    #[test]
+    fn walkthroughs_are_kept_per_env_from_the_last_result() {
+        let script = fake(
+            r#"case "$l" in *'"reset"'*) echo "{\"id\":$id,\"result\":{\"results\":[{\"observation\":\"start\",\"walkthrough\":[\"go east\",\"take coin\"]}]}}"; continue;; esac"#,
+        );
+        let mut env = CommandEnv::spawn(cfg(script, 0)).unwrap();
+        assert_eq!(env.walkthrough(0), None, "no result yet");
+        env.reset(&[0], &[Reset::default()]).unwrap();
+        assert_eq!(env.walkthrough(0), Some(vec!["go east".to_string(), "take coin".to_string()]));
+        env.step(&[(0, "go east".into())]).unwrap();
+        assert_eq!(env.walkthrough(0), None, "the step's result has no walkthrough member");
+        assert_eq!(env.walkthrough(5), None, "an env that does not exist has none");
+        let bad = fake(
+            r#"case "$l" in *'"reset"'*) echo "{\"id\":$id,\"result\":{\"results\":[{\"observation\":\"o\",\"walkthrough\":[1]}]}}"; continue;; esac"#,
+        );
+        let mut env = CommandEnv::spawn(cfg(bad, 0)).unwrap();
+        let err = env.reset(&[0], &[Reset::default()]).unwrap_err().to_string();
+        assert!(err.contains("non-string entry in \"walkthrough\""), "{err}");
     }
 
     #[test]

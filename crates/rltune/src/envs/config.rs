@@ -192,14 +192,26 @@ impl EnvSection {
 
     /// Starts the environments.
     pub fn build(&self) -> Result<Box<dyn TextEnv>> {
+        self.build_with(false)
+    }
+
+    /// Starts the environments; with `walkthroughs`, a `command` or `textworld` program is
+    /// asked for a walkthrough in every result (`init`'s `walkthrough: true`), which
+    /// [`TextEnv::walkthrough`] then serves, for demonstrations. The generated families always
+    /// know theirs.
+    pub fn build_with(&self, walkthroughs: bool) -> Result<Box<dyn TextEnv>> {
         let n = self.num_envs;
+        let mut init = serde_json::Map::new();
+        if walkthroughs {
+            init.insert("walkthrough".into(), true.into());
+        }
         Ok(match self.kind {
             EnvKind::Letters => Box::new(Letters::new(n, self.turns)),
             EnvKind::Adventure => {
                 let cfg = AdventureConfig { max_steps: self.max_steps, ..self.adventure.clone() };
                 Box::new(Adventure::new(n, cfg)?)
             }
-            EnvKind::Command => Box::new(self.command_env(self.command.clone(), serde_json::Map::new())?),
+            EnvKind::Command => Box::new(self.command_env(self.command.clone(), init)?),
             EnvKind::Textworld => {
                 let games: Vec<String> =
                     self.game_files()?.iter().map(|g| g.to_string_lossy().into_owned()).collect();
@@ -208,7 +220,6 @@ impl EnvSection {
                     None => default_bridge()?,
                 };
                 let command = vec![self.python.clone(), bridge.to_string_lossy().into_owned()];
-                let mut init = serde_json::Map::new();
                 init.insert("games".into(), games.into());
                 init.insert("max_steps".into(), self.max_steps.into());
                 Box::new(self.command_env(command, init)?)

@@ -1,12 +1,17 @@
 //! The offline quickstart: a synthetic review corpus, a BPE tokenizer, SFT, a sentiment reward
 //! model and PPO toward positive reviews, end to end on 2 CPU cores (see [`pipeline`]); and
-//! an LM agent for text adventures: walkthrough demonstrations, behavioural cloning, then PPO
-//! on the games (see [`adventure`]).
+//! an LM agent for text games: walkthrough demonstrations, behavioural cloning, then PPO on the
+//! games (see [`agent`]), on the Rust-native adventures ([`adventure`]) or on TextWorld games
+//! ([`textworld`]).
 
 pub mod adventure;
+pub mod agent;
 pub mod bpe;
 pub mod corpus;
 pub mod pipeline;
+pub mod textworld;
 
 pub use adventure::{run_adventure_quickstart, AdventureQuickstartConfig, AdventureSummary};
+pub use agent::{run_agent_quickstart, AgentGames, AgentQuickstartConfig, AgentSummary};
 pub use pipeline::{run_quickstart, Check, CurvePoint, Event, PolicyEval, QuickstartConfig, Summary};
+pub use textworld::{run_textworld_quickstart, TextworldGames, TextworldQuickstartConfig, TextworldSummary};

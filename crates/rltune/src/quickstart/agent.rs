@@ -1,0 +1,415 @@
+//! The LM-agent quickstart, for any game family with walkthroughs: `rltune quickstart --task
+//! adventure` ([`super::adventure`], the Rust-native family) and `--task textworld`
+//! ([`super::textworld`], tw-make games through the bridge).
+//!
+//! The stages, each cached in the output directory:
+//! 1. **demos**: walkthrough demonstrations on training games ([`crate::envs::demos`], with
+//!    noise so they show recoveries too);
+//! 2. **tokenizer**: a byte-level BPE trained on them;
+//! 3. **bc**: behavioural cloning, SFT of a fresh GPT-2 on (prompt, action) with the loss on
+//!    the action's tokens;
+//! 4. **ppo**: `rltune ppo` with `[env]` on training games, KL to the BC policy;
+//! 5. **eval**: the random agent, the BC policy and the PPO policy on the same held-out games
+//!    with the same step cap.
+//!
+//! A family is an [`AgentGames`]: it says which environments make the training and the held-out
+//! games, and how demonstrations are played.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+
+use super::bpe::train_bpe;
+use super::pipeline::{
+    check_same_config, count_parameters, json_err, metric_lines, new_gpt2, to_json, train_progress,
+    write_file, Check, Event,
+};
+use crate::envs::config::{EnvSection, Split};
+use crate::envs::demos::{demonstrations, Demonstration};
+use crate::envs::play::{play, PlayReport, PromptTemplate, RandomAgent};
+use crate::envs::{Reset, TextEnv};
+use crate::error::{Error, Result};
+use crate::generation::GenerationConfig;
+use crate::models::load::load_policy;
+use crate::ppo::PpoConfig;
+use crate::run::config::{CheckpointSection, EpisodesSection, LoggingSection, ModelSection, RunConfig};
+use crate::run::episodes::evaluate;
+use crate::run::{self, PpoRun, StepReport};
+use crate::runtime::Runtime;
+use crate::tokenizer::Tokenizer;
+use crate::train::data::SftRecord;
+use crate::train::sft::{self, SftConfig};
+use crate::train::TrainingArgs;
+
+/// A game family the agent quickstart can train on.
+pub trait AgentGames: Clone + std::fmt::Debug + PartialEq + Serialize + serde::de::DeserializeOwned {
+    /// Checks that the games can be played (files exist, interpreters are installed); the
+    /// message says how to fix it.
+    fn check(&self) -> Result<()> {
+        Ok(())
+    }
+
+    /// The `[env]` of a split: `num_envs` games at once, `max_steps` moves each.
+    fn env_section(&self, split: Split, num_envs: usize, max_steps: usize) -> EnvSection;
+
+    /// The environment demonstrations are played in (one env that knows its walkthroughs), and
+    /// the resets of the `episodes` demonstration episodes for the quickstart's `seed`.
+    fn demo_env(
+        &self,
+        seed: u64,
+        episodes: usize,
+        max_steps: usize,
+    ) -> Result<(Box<dyn TextEnv>, Vec<Reset>)>;
+
+    /// The held-out game files that PPO's periodic evaluation plays (`[episodes] eval_games`),
+    /// for families whose splits are files rather than seeds.
+    fn eval_games(&self) -> Vec<String> {
+        Vec::new()
+    }
+}
+
+/// The settings of an agent quickstart (`DIR/quickstart.json`; `--set key=value`); `G` is the
+/// game family.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[serde(bound(deserialize = "G: serde::de::DeserializeOwned"))]
+pub struct AgentQuickstartConfig<G> {
+    /// Seed of every stage.
+    pub seed: u64,
+    /// The game family.
+    pub game: G,
+    /// Episodes played on training games for demonstrations.
+    pub demo_games: usize,
+    /// Probability that a demonstration plays a random command instead of the expert's.
+    pub demo_noise: f64,
+    /// BPE vocabulary size.
+    pub vocab_size: usize,
+    /// Policy: GPT-2 width.
+    pub policy_dim: usize,
+    /// Policy layers.
+    pub policy_layers: usize,
+    /// Policy attention heads.
+    pub policy_heads: usize,
+    /// Policy context, in tokens (prompts are fitted to it).
+    pub context: usize,
+    /// The prompt.
+    pub agent: PromptTemplate,
+    /// Tokens sampled per action.
+    pub max_new_tokens: usize,
+    /// Moves per episode before it is truncated (training and evaluation).
+    pub max_steps: usize,
+    /// Games played at once.
+    pub num_envs: usize,
+    /// Behavioural cloning.
+    pub bc: TrainingArgs,
+    /// PPO (`steps` is the number of PPO steps).
+    pub ppo: PpoConfig,
+    /// Discounting, shaping and evaluation during PPO.
+    pub episodes: EpisodesSection,
+    /// Held-out episodes per agent in the final comparison.
+    pub eval_episodes: usize,
+}
+
+impl<G: AgentGames> AgentQuickstartConfig<G> {
+    fn env_section(&self, split: Split) -> EnvSection {
+        self.game.env_section(split, self.num_envs, self.max_steps)
+    }
+}
+
+/// An agent quickstart's results (`summary.json`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(bound(deserialize = "G: serde::de::DeserializeOwned"))]
+pub struct AgentSummary<G> {
+    /// The configuration that produced them.
+    pub config: AgentQuickstartConfig<G>,
+    /// Policy parameters (value head excluded).
+    pub policy_parameters: usize,
+    /// Demonstrated turns.
+    pub demonstrations: usize,
+    /// The random agent on the held-out games.
+    pub random: PlayReport,
+    /// The BC policy on the same games.
+    pub bc: PlayReport,
+    /// The PPO policy on the same games.
+    pub ppo: PlayReport,
+    /// Per PPO step: `(step, env/win_rate, objective/kl)`.
+    pub ppo_curve: Vec<(usize, f64, f64)>,
+    /// Wall time per stage in seconds (stages run this time).
+    pub stage_seconds: Vec<(String, f64)>,
+}
+
+/// The least rise of the held-out win rate over the BC policy that passes (points of
+/// percentage, on `eval_episodes` games).
+pub const MIN_WIN_RISE: f64 = 0.05;
+
+/// How far below 0 a step's `objective/kl` may go: the k1 estimate over a batch of 64 short
+/// actions is noisy (measured down to −0.018 while the policy stays close to the BC policy).
+pub const KL_NOISE: f64 = 0.05;
+
+impl<G> AgentSummary<G> {
+    /// The acceptance criteria: the PPO policy wins more held-out games than the BC policy (by
+    /// [`MIN_WIN_RISE`]) and than the random agent; `objective/kl` stays within [−[`KL_NOISE`],
+    /// 10].
+    pub fn checks(&self) -> Vec<Check> {
+        let (r, b, p) = (self.random.win_rate, self.bc.win_rate, self.ppo.win_rate);
+        let kl: Vec<f64> = self.ppo_curve.iter().map(|c| c.2).filter(|k| k.is_finite()).collect();
+        let kl_max = kl.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let kl_min = kl.iter().copied().fold(f64::INFINITY, f64::min);
+        vec![
+            Check {
+                what: format!(
+                    "held-out win rate: PPO {:.1}% vs BC {:.1}%; needed ≥ BC + {:.0} points",
+                    100.0 * p,
+                    100.0 * b,
+                    100.0 * MIN_WIN_RISE
+                ),
+                ok: p >= b + MIN_WIN_RISE,
+            },
+            Check {
+                what: format!(
+                    "held-out win rate: PPO {:.1}% vs random {:.1}%; needed above",
+                    100.0 * p,
+                    100.0 * r
+                ),
+                ok: p > r,
+            },
+            Check {
+                what: format!(
+                    "objective/kl within [{kl_min:.4}, {kl_max:.3}]; needed within [-{KL_NOISE}, 10]"
+                ),
+                ok: !kl.is_empty() && kl_min >= -KL_NOISE && kl_max <= 10.0,
+            },
+        ]
+    }
+}
+
+/// Runs (or resumes) an agent quickstart in `dir`.
+pub fn run_agent_quickstart<G: AgentGames>(
+    dir: &Path,
+    cfg: &AgentQuickstartConfig<G>,
+    runtime: &Runtime,
+    stop: &AtomicBool,
+    on: &mut dyn FnMut(Event),
+) -> Result<AgentSummary<G>> {
+    cfg.game.check()?;
+    cfg.bc.validate().map_err(|m| Error::Input(format!("quickstart bc: {m}")))?;
+    cfg.ppo.validate().map_err(|m| Error::Input(format!("quickstart ppo: {m}")))?;
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    let config_path = dir.join("quickstart.json");
+    check_same_config(&config_path, cfg)?;
+    write_file(&config_path, to_json(cfg)?.as_bytes())?;
+    let mut seconds = Vec::new();
+    let mut timed = |stage: &'static str, on: &mut dyn FnMut(Event), t: Instant| {
+        let s = t.elapsed().as_secs_f64();
+        on(Event::Done { stage, seconds: s });
+        seconds.push((stage.to_string(), s));
+    };
+
+    // 1. Demonstrations.
+    let demos_path = dir.join("data").join("demonstrations.jsonl");
+    if demos_path.is_file() {
+        on(Event::Cached { stage: "demos", path: demos_path.clone() });
+    } else {
+        let t = Instant::now();
+        on(Event::Start { stage: "demos", total: None });
+        let (mut env, resets) = cfg.game.demo_env(cfg.seed, cfg.demo_games, cfg.max_steps)?;
+        let demos =
+            demonstrations(env.as_mut(), &cfg.agent, &resets, cfg.max_steps, cfg.demo_noise, cfg.seed)?;
+        drop(env);
+        let mut text = String::new();
+        for d in &demos {
+            text.push_str(&serde_json::to_string(d).map_err(json_err)?);
+            text.push('\n');
+        }
+        write_file(&demos_path, text.as_bytes())?;
+        timed("demos", on, t);
+    }
+    let demos = read_demonstrations(&demos_path)?;
+
+    // 2. Tokenizer.
+    let tok_path = dir.join("tokenizer").join("tokenizer.json");
+    if tok_path.is_file() {
+        on(Event::Cached { stage: "tokenizer", path: tok_path.clone() });
+    } else {
+        let t = Instant::now();
+        on(Event::Start { stage: "tokenizer", total: None });
+        let texts = demos.iter().map(|d| format!("{} {}\n", d.prompt, d.action));
+        let tok = train_bpe(texts.collect::<Vec<_>>().into_iter(), cfg.vocab_size, &[])?;
+        crate::train::save_tokenizer(&tok, &tok_path)?;
+        timed("tokenizer", on, t);
+    }
+    let tokenizer = Tokenizer::from_file(&tok_path)?;
+
+    // 3. Behavioural cloning.
+    let bc_dir = dir.join("bc");
+    if bc_dir.join("model.safetensors").is_file() {
+        on(Event::Cached { stage: "bc", path: bc_dir.clone() });
+    } else {
+        let t = Instant::now();
+        let shape = (cfg.policy_dim, cfg.policy_layers, cfg.policy_heads, cfg.context);
+        let model = new_gpt2(&tokenizer, shape, cfg.seed ^ 0xad7, runtime)?;
+        let records: Vec<SftRecord> = demos
+            .iter()
+            .map(|d| SftRecord::PromptCompletion {
+                prompt: d.prompt.clone(),
+                completion: format!(" {}\n", d.action),
+            })
+            .collect();
+        let total =
+            cfg.bc.total_steps(records.len() - (records.len() as f64 * cfg.bc.eval_fraction) as usize);
+        on(Event::Start { stage: "bc", total: Some(total) });
+        let sft_cfg = SftConfig { max_length: cfg.context, completion_only_loss: true, add_eos: true };
+        let records = fit_prompts(records, &tokenizer, cfg.context - cfg.max_new_tokens)?;
+        sft::train_sft(&model, &records, &sft_cfg, &cfg.bc, &mut train_progress("bc", on))?;
+        model.save(&bc_dir)?;
+        timed("bc", on, t);
+    }
+
+    // 4. PPO on training games, KL to the BC policy.
+    let mut run_config = ppo_config(dir, cfg);
+    run_config.runtime = runtime.section();
+    write_file(&dir.join("ppo.toml"), run_config.to_toml()?.as_bytes())?;
+    let final_ckpt = run_config.logging.dir.join("checkpoints").join(format!("step-{}", cfg.ppo.steps));
+    if final_ckpt.join("model.safetensors").is_file() {
+        on(Event::Cached { stage: "ppo", path: run_config.logging.dir.clone() });
+    } else {
+        let t = Instant::now();
+        let resume = run::checkpoint::latest_checkpoint(&run_config.logging.dir)?.is_some();
+        let mut ppo = PpoRun::prepare(run_config.clone(), Vec::new(), resume)?;
+        on(Event::Start { stage: "ppo", total: Some(cfg.ppo.steps) });
+        let done = ppo.run(stop, &mut |r: &StepReport| {
+            let wins = r.win_rate.map(|w| format!("  wins {:.0}%", 100.0 * w)).unwrap_or_default();
+            let message = format!("reward {:.3}  kl {:.3}{wins}", r.reward_mean, r.kl);
+            on(Event::Progress { stage: "ppo", done: r.step, message });
+        })?;
+        if done < cfg.ppo.steps {
+            return Err(Error::Input(format!(
+                "PPO stopped after step {done} of {}; run the quickstart again to resume",
+                cfg.ppo.steps
+            )));
+        }
+        timed("ppo", on, t);
+    }
+
+    // 5. Random, BC and PPO on the same held-out games.
+    let t = Instant::now();
+    on(Event::Start { stage: "eval", total: None });
+    let heldout = cfg.env_section(Split::Heldout);
+    let eval_seed = cfg.seed ^ 0xe7a1;
+    let games = heldout.game_count()?;
+    let mut env = heldout.build()?;
+    let started = Instant::now();
+    let (eps, dropped) = play(env.as_mut(), &mut RandomAgent::new(eval_seed), cfg.eval_episodes, &|i| {
+        heldout.reset_for(eval_seed, i, games)
+    })?;
+    drop(env);
+    let random = PlayReport::of(&eps, dropped, started.elapsed().as_secs_f64());
+    let generation = run_config.generation.clone();
+    let eval_model = |path: &Path| -> Result<PlayReport> {
+        let (dtype, device) = (runtime.dtype(), runtime.device());
+        let policy = load_policy(&path.to_string_lossy(), false, dtype, device)?;
+        let n = cfg.eval_episodes;
+        evaluate(&heldout, &policy.model, &tokenizer, &cfg.agent, &generation, n, eval_seed, device)
+    };
+    let bc = eval_model(&bc_dir)?;
+    let ppo = eval_model(&final_ckpt)?;
+    timed("eval", on, t);
+
+    let policy = load_policy(&bc_dir.to_string_lossy(), false, runtime.dtype(), runtime.device())?;
+    let summary = AgentSummary {
+        config: cfg.clone(),
+        policy_parameters: count_parameters(&policy.store, |n| !n.starts_with("v_head"))?,
+        demonstrations: demos.len(),
+        random,
+        bc,
+        ppo,
+        ppo_curve: read_curve(&run_config.logging.dir.join("metrics.jsonl"))?,
+        stage_seconds: seconds,
+    };
+    write_file(&dir.join("summary.json"), to_json(&summary)?.as_bytes())?;
+    Ok(summary)
+}
+
+/// The PPO run: training seeds, the quickstart's prompt, KL to the BC policy (the default
+/// reference: a frozen copy of the starting policy).
+fn ppo_config<G: AgentGames>(dir: &Path, cfg: &AgentQuickstartConfig<G>) -> RunConfig {
+    let generation = GenerationConfig {
+        max_new_tokens: cfg.max_new_tokens,
+        seed: cfg.seed ^ 0x9e4,
+        ..GenerationConfig::default()
+    };
+    RunConfig {
+        model: ModelSection { path: dir.join("bc").to_string_lossy().into_owned() },
+        algorithm: Default::default(),
+        rejection: Default::default(),
+        ref_model: None,
+        critic: None,
+        reward: Default::default(),
+        data: Default::default(),
+        env: Some(cfg.env_section(Split::Train)),
+        agent: cfg.agent.clone(),
+        episodes: EpisodesSection {
+            eval_games: if cfg.episodes.eval_games.is_empty() {
+                cfg.game.eval_games()
+            } else {
+                cfg.episodes.eval_games.clone()
+            },
+            ..cfg.episodes.clone()
+        },
+        generation,
+        ppo: cfg.ppo.clone(),
+        logging: LoggingSection { dir: dir.join("ppo"), samples_per_step: 4, report_every: 10 },
+        checkpoint: CheckpointSection { every: 10, optimizer_state: true },
+        runtime: Default::default(),
+    }
+}
+
+/// Prompts cut from the left to `max_tokens` tokens, as the agent's prompts are (SFT would cut
+/// the completion off the end instead).
+fn fit_prompts(records: Vec<SftRecord>, tokenizer: &Tokenizer, max_tokens: usize) -> Result<Vec<SftRecord>> {
+    records
+        .into_iter()
+        .map(|r| match r {
+            SftRecord::PromptCompletion { prompt, completion } => {
+                let ids = tokenizer.encode(&prompt)?;
+                let prompt = if ids.len() > max_tokens {
+                    tokenizer.decode(&ids[ids.len() - max_tokens..])?
+                } else {
+                    prompt
+                };
+                Ok(SftRecord::PromptCompletion { prompt, completion })
+            }
+            other => Ok(other),
+        })
+        .collect()
+}
+
+fn read_demonstrations(path: &PathBuf) -> Result<Vec<Demonstration>> {
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, l)| {
+            serde_json::from_str(l).map_err(|e| {
+                Error::Input(format!(
+                    "{} line {}: {e}; delete the file to regenerate it",
+                    path.display(),
+                    i + 1
+                ))
+            })
+        })
+        .collect()
+}
+
+/// `(step, env/win_rate, objective/kl)` per line of metrics.jsonl.
+fn read_curve(path: &Path) -> Result<Vec<(usize, f64, f64)>> {
+    Ok(metric_lines(path)?
+        .into_iter()
+        .map(|(step, v)| {
+            let f = |k: &str| v.get(k).and_then(serde_json::Value::as_f64).unwrap_or(f64::NAN);
+            (step, f("env/win_rate"), f("objective/kl"))
+        })
+        .collect())
+}

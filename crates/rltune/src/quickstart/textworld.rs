@@ -1,0 +1,217 @@
+//! `rltune quickstart --task textworld`: an LM agent learns to play real TextWorld games (made
+//! by `tw-make`, played through `tools/textworld/bridge.py`): the [`super::agent`] pipeline with
+//! demonstrations from TextWorld's own walkthroughs (`policy_commands`, detours included), PPO
+//! on the training games, and the random agent, the BC policy and the PPO policy on the
+//! held-out games.
+//!
+//! It needs TextWorld (`tools/textworld/install.sh`) and a game set
+//! (`tools/textworld/make_game_set.sh coin 64 64`): training and held-out games of one family
+//! with distinct `tw-make` seeds.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
+
+use serde::{Deserialize, Serialize};
+
+use super::agent::{run_agent_quickstart, AgentGames, AgentQuickstartConfig, AgentSummary};
+use super::pipeline::Event;
+use crate::envs::config::{EnvKind, EnvSection, Split};
+use crate::envs::{Reset, TextEnv};
+use crate::error::{Error, Result};
+use crate::ppo::PpoConfig;
+use crate::run::config::EpisodesSection;
+use crate::runtime::Runtime;
+use crate::train::TrainingArgs;
+
+/// The TextWorld games of the quickstart: training and held-out files of one family.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TextworldGames {
+    /// The Python interpreter that has `textworld` (`tools/textworld/install.sh` makes
+    /// `.venv-textworld`); relative paths are relative to the working directory.
+    pub python: String,
+    /// Training games: `.z8` files or glob patterns on the file name.
+    pub train: Vec<String>,
+    /// Held-out games, none of them a training game.
+    pub heldout: Vec<String>,
+}
+
+impl Default for TextworldGames {
+    fn default() -> Self {
+        let dir = "target/textworld-games/coin";
+        Self {
+            python: ".venv-textworld/bin/python".into(),
+            train: vec![format!("{dir}/train/*.z8")],
+            heldout: vec![format!("{dir}/heldout/*.z8")],
+        }
+    }
+}
+
+/// How to make the default game set.
+const MAKE_GAMES: &str = "tools/textworld/make_game_set.sh coin 64 64";
+
+/// `p` made absolute against the working directory (the PPO stage's `ppo.toml` must not depend
+/// on where it is rerun from).
+fn absolute(p: &str) -> String {
+    std::path::absolute(p).map(|a| a.to_string_lossy().into_owned()).unwrap_or_else(|_| p.to_string())
+}
+
+impl TextworldGames {
+    fn section(&self, games: &[String], num_envs: usize, max_steps: usize, split: Split) -> EnvSection {
+        let python = if self.python.contains('/') { absolute(&self.python) } else { self.python.clone() };
+        EnvSection {
+            kind: EnvKind::Textworld,
+            num_envs,
+            max_steps,
+            split,
+            games: games.iter().map(|g| absolute(g)).collect(),
+            python,
+            ..EnvSection::default()
+        }
+    }
+
+    /// The files of one split, each pattern naming at least one.
+    fn files(&self, which: &str, games: &[String]) -> Result<Vec<PathBuf>> {
+        if games.is_empty() {
+            return Err(Error::Input(format!(
+                "quickstart textworld: game.{which} names no games; make a game set with {MAKE_GAMES}"
+            )));
+        }
+        let mut files = Vec::new();
+        for pattern in games {
+            let found = self.section(std::slice::from_ref(pattern), 1, 1, Split::Train).game_files();
+            files.extend(found.map_err(|_| {
+                Error::Input(format!(
+                    "quickstart textworld: game.{which}: {:?} names no file; make a game set with {MAKE_GAMES}",
+                    absolute(pattern)
+                ))
+            })?);
+        }
+        Ok(files)
+    }
+}
+
+impl AgentGames for TextworldGames {
+    /// The interpreter exists and the two splits name games, none of them in both.
+    fn check(&self) -> Result<()> {
+        if self.python.contains('/') && !Path::new(&self.python).is_file() {
+            return Err(Error::Input(format!(
+                "quickstart textworld: game.python = {:?} does not exist; install TextWorld with \
+                 tools/textworld/install.sh (it makes .venv-textworld), or point to a Python that has \
+                 textworld 1.7 with --set game.python=/path/to/bin/python",
+                self.python
+            )));
+        }
+        let train = self.files("train", &self.train)?;
+        let heldout = self.files("heldout", &self.heldout)?;
+        let canon = |p: &PathBuf| p.canonicalize().unwrap_or_else(|_| p.clone());
+        let train: std::collections::HashSet<PathBuf> = train.iter().map(canon).collect();
+        if let Some(both) = heldout.iter().find(|p| train.contains(&canon(p))) {
+            return Err(Error::Input(format!(
+                "quickstart textworld: {} is both a training and a held-out game; the splits must be disjoint",
+                both.display()
+            )));
+        }
+        Ok(())
+    }
+
+    fn env_section(&self, split: Split, num_envs: usize, max_steps: usize) -> EnvSection {
+        let games = match split {
+            Split::Train => &self.train,
+            Split::Heldout => &self.heldout,
+        };
+        self.section(games, num_envs, max_steps, split)
+    }
+
+    /// One bridge env with walkthroughs; episode i plays training game i mod (number of games).
+    fn demo_env(
+        &self,
+        _seed: u64,
+        episodes: usize,
+        max_steps: usize,
+    ) -> Result<(Box<dyn TextEnv>, Vec<Reset>)> {
+        let section = self.env_section(Split::Train, 1, max_steps);
+        let count = section.game_count()?;
+        let env = section.build_with(true)?;
+        let resets = (0..episodes).map(|i| Reset { seed: None, game: Some(i % count) }).collect();
+        Ok((env, resets))
+    }
+
+    fn eval_games(&self) -> Vec<String> {
+        self.heldout.iter().map(|g| absolute(g)).collect()
+    }
+}
+
+/// The settings of the TextWorld quickstart (`DIR/quickstart.json`; `--set key=value`).
+pub type TextworldQuickstartConfig = AgentQuickstartConfig<TextworldGames>;
+
+/// The TextWorld quickstart's results (`summary.json`).
+pub type TextworldSummary = AgentSummary<TextworldGames>;
+
+impl Default for AgentQuickstartConfig<TextworldGames> {
+    /// The adventure quickstart's model and budgets on the default game set (64 training and 64
+    /// held-out coin-collector games, levels 5 to 15).
+    fn default() -> Self {
+        let d = AgentQuickstartConfig::<crate::envs::adventure::AdventureConfig>::default();
+        Self {
+            seed: d.seed,
+            game: TextworldGames::default(),
+            // 10 noisy episodes per training game.
+            demo_games: 640,
+            demo_noise: d.demo_noise,
+            vocab_size: d.vocab_size,
+            policy_dim: d.policy_dim,
+            policy_layers: d.policy_layers,
+            policy_heads: d.policy_heads,
+            // The objective spells out the route (up to 700 characters at level 15): with two
+            // memory turns the median prompt is 323 tokens of the 1024-token BPE, the 90th
+            // percentile 397; 448 keeps the memory in all but the longest.
+            context: 448,
+            agent: d.agent,
+            max_new_tokens: d.max_new_tokens,
+            max_steps: d.max_steps,
+            // A round of 8 episodes of 5 to 20 turns fills a batch of 64 turns with few left over.
+            num_envs: 8,
+            bc: d.bc,
+            ppo: d.ppo,
+            // Quests take up to 15 moves and pay only at the coin: 0.6 (the fork's) would leave
+            // the first move 0.6^14 = 8e-4 of it, 0.9 leaves 0.23.
+            episodes: EpisodesSection { game_gamma: 0.9, ..d.episodes },
+            // 4 episodes per held-out game.
+            eval_episodes: 256,
+        }
+    }
+}
+
+impl AgentQuickstartConfig<TextworldGames> {
+    /// A run of seconds for tests: every stage, too small to learn anything.
+    pub fn tiny() -> Self {
+        let d = Self::default();
+        Self {
+            demo_games: 6,
+            vocab_size: 300,
+            policy_dim: 32,
+            policy_layers: 1,
+            policy_heads: 2,
+            context: 160,
+            max_steps: 4,
+            num_envs: 2,
+            bc: TrainingArgs { max_steps: Some(4), batch_size: 8, ..d.bc },
+            ppo: PpoConfig { steps: 2, batch_size: 8, mini_batch_size: 4, ppo_epochs: 1, ..d.ppo },
+            episodes: EpisodesSection { eval_every: 2, eval_episodes: 2, ..d.episodes },
+            eval_episodes: 4,
+            ..d
+        }
+    }
+}
+
+/// Runs (or resumes) the TextWorld quickstart in `dir`.
+pub fn run_textworld_quickstart(
+    dir: &Path,
+    cfg: &TextworldQuickstartConfig,
+    runtime: &Runtime,
+    stop: &AtomicBool,
+    on: &mut dyn FnMut(Event),
+) -> Result<TextworldSummary> {
+    run_agent_quickstart(dir, cfg, runtime, stop, on)
+}

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Generate a training set and a held-out set of TextWorld games of one family, with distinct
+# tw-make seeds, for `rltune quickstart --task textworld`.
+#
+#   tools/textworld/make_game_set.sh FAMILY N_TRAIN N_HELDOUT [OUT_DIR] [VENV_DIR]
+#
+# FAMILY is one of
+#   coin      tw-coin_collector --level L, L = 5 + i mod 11 (5..15): a chain of L rooms, the
+#             coin at the far end; the objective spells out the route (1 point)
+#   custom    custom --world-size 3 --nb-objects 5 --quest-length 3 (1 point)
+#   treasure  tw-treasure_hunter --level L, L = 1 + i mod 10: fetch one object among
+#             distractors; taking a wrong one loses (1 point)
+# where i counts the games of a split from 0. Training games use seeds 1..N_TRAIN, held-out
+# games seeds 1000001..1000000+N_HELDOUT, so the two sets never share a seed; the script also
+# fails if a held-out story file is byte-identical to a training one.
+#
+# OUT_DIR defaults to target/textworld-games/FAMILY; the games go to OUT_DIR/train/ and
+# OUT_DIR/heldout/ (each a .z8 with the .json the bridge needs beside it). VENV_DIR defaults to
+# .venv-textworld (tools/textworld/install.sh). Deterministic (PYTHONHASHSEED is fixed), and
+# resumable: games already made are kept. tw-make takes 3 to 9 s per game.
+set -euo pipefail
+
+usage="usage: make_game_set.sh FAMILY N_TRAIN N_HELDOUT [OUT_DIR] [VENV_DIR] (FAMILY: coin, custom, treasure)"
+if [ $# -lt 3 ]; then
+    echo "$usage" >&2
+    exit 2
+fi
+family="$1" n_train="$2" n_heldout="$3"
+repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+out="${4:-$repo_root/target/textworld-games/$family}"
+venv="${5:-$repo_root/.venv-textworld}"
+tw_make="$venv/bin/tw-make"
+for n in "$n_train" "$n_heldout"; do
+    if ! [[ "$n" =~ ^[0-9]+$ ]] || [ "$n" -lt 1 ] || [ "$n" -gt 999999 ]; then
+        echo "make_game_set.sh: N_TRAIN and N_HELDOUT must be integers in 1..999999, got '$n'" >&2
+        exit 2
+    fi
+done
+case "$family" in
+    coin|custom|treasure) ;;
+    *) echo "make_game_set.sh: unknown FAMILY '$family'; $usage" >&2; exit 2 ;;
+esac
+if [ ! -x "$tw_make" ]; then
+    echo "make_game_set.sh: $tw_make not found; run tools/textworld/install.sh first" >&2
+    exit 1
+fi
+export PYTHONHASHSEED=0
+
+# make_split SPLIT COUNT FIRST_SEED
+make_split() {
+    local split="$1" count="$2" first="$3" i seed name args
+    mkdir -p "$out/$split"
+    for ((i = 0; i < count; i++)); do
+        seed=$((first + i))
+        case "$family" in
+            coin) level=$((5 + i % 11)); name="coin_l${level}_s$seed"
+                  args=(tw-coin_collector --level "$level") ;;
+            custom) name="custom_w3_o5_q3_s$seed"
+                    args=(custom --world-size 3 --nb-objects 5 --quest-length 3) ;;
+            treasure) level=$((1 + i % 10)); name="treasure_l${level}_s$seed"
+                      args=(tw-treasure_hunter --level "$level") ;;
+        esac
+        if [ -s "$out/$split/$name.z8" ] && [ -s "$out/$split/$name.json" ]; then
+            continue
+        fi
+        "$tw_make" "${args[@]}" --seed "$seed" --format z8 --force --silent --output "$out/$split/$name.z8"
+        echo "make_game_set.sh: $out/$split/$name.z8"
+    done
+}
+
+start=$(date +%s)
+make_split train "$n_train" 1
+make_split heldout "$n_heldout" 1000001
+hashes() { (cd "$out/$1" && sha256sum -- *.z8 | awk '{print $1}' | sort -u); }
+shared="$(comm -12 <(hashes train) <(hashes heldout))"
+if [ -n "$shared" ]; then
+    echo "make_game_set.sh: held-out games byte-identical to training games (sha256):" >&2
+    echo "$shared" >&2
+    exit 1
+fi
+echo "make_game_set.sh: $n_train training and $n_heldout held-out $family games in $out ($(( $(date +%s) - start ))s)"
