@@ -1,11 +1,12 @@
-//! `rltune ppo --config FILE.toml`: the PPO training loop with progress and Ctrl-C handling.
+//! `rltune ppo --config FILE.toml`: the training loop (PPO, rejection sampling, GRPO or RLOO, by
+//! `[algorithm] kind`) with progress and Ctrl-C handling.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use rltune::run::{PpoRun, RunConfig, StepReport};
+use rltune::run::{GroupRun, PpoRun, RunConfig, StepReport};
 
 /// Arguments of `rltune ppo`.
 #[derive(clap::Args)]
@@ -69,7 +70,9 @@ impl Progress {
             "batch skipped (non-finite reward)".to_string()
         } else {
             let wins = r.win_rate.map(|w| format!("  wins {:.0}%", 100.0 * w)).unwrap_or_default();
-            format!("reward {:.3}  kl {:.3}{wins}", r.reward_mean, r.kl)
+            // GRPO with beta = 0 has no KL.
+            let kl = if r.kl.is_nan() { String::new() } else { format!("  kl {:.3}", r.kl) };
+            format!("reward {:.3}{kl}{wins}", r.reward_mean)
         };
         match &self.bar {
             Some(bar) => {
@@ -94,12 +97,23 @@ pub fn run(args: Args) -> Result<()> {
     config.runtime = args.runtime.apply(config.runtime);
     let runtime = args.runtime.resolve(config.runtime.clone())?;
     let dir = config.logging.dir.clone();
-    let steps = config.ppo.steps;
     let stop = stop_flag()?;
-    let mut run = PpoRun::prepare_on(config, &runtime, Vec::new(), args.resume)?;
-    let progress = Progress::new(steps, 0, "ppo");
-    let done = run.run(&stop, &mut |r| progress.step(r))?;
-    progress.finish();
+    let done = if config.algorithm.kind.is_group() {
+        // GRPO / RLOO: the same command, config and run directory layout.
+        let what = config.algorithm.kind.name();
+        let mut run = GroupRun::prepare_on(config, &runtime, Vec::new(), args.resume)?;
+        let progress = Progress::new(run.shape().steps, run.start_step(), what);
+        let done = run.run(&stop, &mut |r| progress.step(r))?;
+        progress.finish();
+        done
+    } else {
+        let steps = config.ppo.steps;
+        let mut run = PpoRun::prepare_on(config, &runtime, Vec::new(), args.resume)?;
+        let progress = Progress::new(steps, 0, "ppo");
+        let done = run.run(&stop, &mut |r| progress.step(r))?;
+        progress.finish();
+        done
+    };
     eprintln!("{done} steps; metrics: {0}/metrics.jsonl, report: {0}/report.html", dir.display());
     Ok(())
 }

@@ -154,6 +154,16 @@ impl Core {
         })
     }
 
+    /// The optimizer (its moments are checkpointed).
+    pub fn optimizer(&self) -> &Adam {
+        &self.optimizer
+    }
+
+    /// The optimizer, to restore its moments.
+    pub fn optimizer_mut(&mut self) -> &mut Adam {
+        &mut self.optimizer
+    }
+
     /// Checks a batch against the config and the model, naming the row at fault; returns the
     /// truncation flags.
     pub fn check(

@@ -52,6 +52,21 @@ impl RlooTrainer {
         &self.core.store
     }
 
+    /// The policy.
+    pub fn policy(&self) -> &CausalLm {
+        &self.core.policy
+    }
+
+    /// What a run carries between steps (optimizer, counters), for checkpoints.
+    pub(crate) fn core(&self) -> &Core {
+        &self.core
+    }
+
+    /// [`Self::core`], to restore a checkpoint.
+    pub(crate) fn core_mut(&mut self) -> &mut Core {
+        &mut self.core
+    }
+
     /// One step with a single reward function named `reward`, truncation by TRL's rule.
     pub fn step(
         &mut self,

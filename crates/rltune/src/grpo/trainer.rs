@@ -53,6 +53,21 @@ impl GrpoTrainer {
         &self.core.store
     }
 
+    /// The policy.
+    pub fn policy(&self) -> &CausalLm {
+        &self.core.policy
+    }
+
+    /// What a run carries between steps (optimizer, counters), for checkpoints.
+    pub(crate) fn core(&self) -> &Core {
+        &self.core
+    }
+
+    /// [`Self::core`], to restore a checkpoint.
+    pub(crate) fn core_mut(&mut self) -> &mut Core {
+        &mut self.core
+    }
+
     /// Optimizer steps taken so far.
     pub fn global_step(&self) -> usize {
         self.core.global_step

@@ -223,7 +223,7 @@ pub const REPORT_SAMPLE_STEPS: usize = 20;
 /// What the report draws of a metrics row: the scalars of its plots and cards, the reward
 /// distribution, the warnings. (A full row holds ~80 scalars and every `*_dist`: about 9 KB.)
 fn report_row(mut row: MetricRow) -> MetricRow {
-    const SCALARS: [&str; 9] = [
+    const SCALARS: [&str; 12] = [
         "env/reward_mean",
         "env/reward_std",
         "ppo/mean_scores",
@@ -233,9 +233,16 @@ fn report_row(mut row: MetricRow) -> MetricRow {
         "rltune/logprobs_mean",
         "rltune/ref_logprobs_mean",
         "rltune/skipped_batches",
+        "reward",
+        "reward_std",
+        "kl",
     ];
     row.scalars.retain(|k, _| {
-        SCALARS.contains(&k.as_str()) || k.starts_with("time/") || report::EPISODE_KEYS.contains(&k.as_str())
+        let k = k.as_str();
+        SCALARS.contains(&k)
+            || k.starts_with("time/")
+            || report::EPISODE_KEYS.contains(&k)
+            || report::GROUP_KEYS.contains(&k)
     });
     row.arrays.retain(|k, _| k == "env/reward_dist");
     row

@@ -67,9 +67,17 @@ pub fn render_report(title: &str, rows: &[MetricRow], samples: &[(usize, Vec<Sam
     if rows.iter().any(|r| EPISODE_KEYS.iter().any(|k| r.get(k).is_some())) {
         html.push_str(&episodes_figure(rows));
     }
-    html.push_str(&heatmap_figure(rows));
+    // GRPO/RLOO runs log TRL's names: no reward histogram, no rollout logprobs.
+    let group = rows.iter().any(|r| GROUP_KEYS.iter().any(|k| r.get(k).is_some()));
+    if !group {
+        html.push_str(&heatmap_figure(rows));
+    }
     html.push_str(&kl_figure(rows));
-    html.push_str(&logprobs_figure(rows));
+    if group {
+        html.push_str(&group_figure(rows));
+    } else {
+        html.push_str(&logprobs_figure(rows));
+    }
     html.push_str(&time_figure(rows));
     html.push_str(&samples_section(samples));
     html.push_str("</main>\n</body>\n</html>\n");
@@ -94,8 +102,15 @@ fn first_value(rows: &[MetricRow], key: &str) -> Option<f64> {
     rows.iter().find_map(|r| r.get(key))
 }
 
-const REWARD_MEAN: [&str; 2] = ["env/reward_mean", "ppo/mean_scores"];
-const REWARD_STD: [&str; 2] = ["env/reward_std", "ppo/std_scores"];
+/// The mean reward of a batch: PPO's, TRL v0.11's older name, GRPO/RLOO's.
+const REWARD_MEAN: [&str; 3] = ["env/reward_mean", "ppo/mean_scores", "reward"];
+/// The standard deviations beside each of [`REWARD_MEAN`].
+const REWARD_STD: [&str; 3] = ["env/reward_std", "ppo/std_scores", "reward_std"];
+/// The KL of PPO (`objective/kl`) and of GRPO/RLOO (`kl`).
+const KL: [&str; 2] = ["objective/kl", "kl"];
+/// GRPO/RLOO's completion and clipping metrics (TRL's names), drawn in their own figure.
+pub const GROUP_KEYS: [&str; 4] =
+    ["completions/mean_length", "clip_ratio/region_mean", "frac_reward_zero_std", "entropy"];
 
 fn header(title: &str, rows: &[MetricRow]) -> String {
     let mut h = String::new();
@@ -104,7 +119,7 @@ fn header(title: &str, rows: &[MetricRow]) -> String {
         (Some(a), Some(b)) => format!("steps {}–{}", a.step, b.step),
         _ => "no steps logged yet".into(),
     };
-    let _ = writeln!(h, "<p class=\"sub\">PPO run report · {span}</p>\n<div class=\"summary\">");
+    let _ = writeln!(h, "<p class=\"sub\">Run report · {span}</p>\n<div class=\"summary\">");
     let fmt = |v: Option<f64>| v.map_or("–".to_string(), plots::fmt_num);
     let reward = first_logged(rows, &REWARD_MEAN).unwrap_or(REWARD_MEAN[0]);
     let step_time = rows.iter().filter_map(|r| r.get("time/ppo/total")).collect::<Vec<_>>();
@@ -112,7 +127,7 @@ fn header(title: &str, rows: &[MetricRow]) -> String {
         ("last step", rows.last().map_or("–".to_string(), |r| r.step.to_string())),
         ("first reward mean", fmt(first_value(rows, reward))),
         ("last reward mean", fmt(last_value(rows, reward))),
-        ("final KL", fmt(last_value(rows, "objective/kl"))),
+        ("final KL", fmt(first_logged(rows, &KL).and_then(|k| last_value(rows, k)))),
         ("final KL coef", fmt(last_value(rows, "objective/kl_coef"))),
         (
             "mean PPO step time (s)",
@@ -191,7 +206,7 @@ fn series(rows: &[MetricRow], key: &str, color: usize) -> Series {
 fn reward_figure(rows: &[MetricRow]) -> String {
     let plot = require(rows, &REWARD_MEAN).and_then(|_| {
         let mean_key = first_logged(rows, &REWARD_MEAN).unwrap_or(REWARD_MEAN[0]);
-        let std_key = if mean_key == REWARD_MEAN[0] { REWARD_STD[0] } else { REWARD_STD[1] };
+        let std_key = REWARD_STD[REWARD_MEAN.iter().position(|k| *k == mean_key).unwrap_or(0)];
         let band = rows
             .iter()
             .filter_map(|r| {
@@ -207,8 +222,9 @@ fn reward_figure(rows: &[MetricRow]) -> String {
         };
         plots::line_svg(&[panel])
     });
-    let desc = "Mean reward of each batch (<code>env/reward_mean</code>), the band ± one standard deviation \
-                (<code>env/reward_std</code>).";
+    let desc =
+        "Mean reward of each batch (<code>env/reward_mean</code>; GRPO/RLOO: <code>reward</code>), the \
+                band ± one standard deviation (<code>env/reward_std</code>; <code>reward_std</code>).";
     figure("plot-reward", "Reward", desc, plot, &[])
 }
 
@@ -265,8 +281,9 @@ fn heatmap_figure(rows: &[MetricRow]) -> String {
 }
 
 fn kl_figure(rows: &[MetricRow]) -> String {
-    let keys = ["objective/kl", "objective/kl_coef"];
-    let plot = require(rows, &keys).and_then(|_| {
+    let group = first_logged(rows, &KL) == Some(KL[1]);
+    let keys: &[&str] = if group { &KL[1..] } else { &["objective/kl", "objective/kl_coef"] };
+    let plot = require(rows, keys).and_then(|_| {
         let panels: Vec<Panel> = keys
             .iter()
             .enumerate()
@@ -281,8 +298,36 @@ fn kl_figure(rows: &[MetricRow]) -> String {
         plots::line_svg(&panels)
     });
     let desc = "KL divergence of the policy from the reference over a response (<code>objective/kl</code>, \
-                healthy between 0 and 10) and the coefficient of the KL penalty (<code>objective/kl_coef</code>).";
+                healthy between 0 and 10) and the coefficient of the KL penalty (<code>objective/kl_coef</code>); \
+                GRPO/RLOO: the per-token KL (<code>kl</code>, logged when beta > 0).";
     figure("plot-kl", "KL and KL coefficient", desc, plot, &[])
+}
+
+/// GRPO/RLOO runs: completion length, clipping, groups without signal, entropy.
+fn group_figure(rows: &[MetricRow]) -> String {
+    let panels: Vec<Panel> = GROUP_KEYS
+        .iter()
+        .enumerate()
+        .filter(|(_, k)| rows.iter().any(|r| r.get(k).is_some()))
+        .map(|(i, k)| Panel {
+            title: k.to_string(),
+            y_desc: if i == 0 {
+                "tokens".into()
+            } else if i == 3 {
+                "nats".into()
+            } else {
+                "fraction".into()
+            },
+            series: vec![series(rows, k, i)],
+            band: Vec::new(),
+        })
+        .collect();
+    let plot = plots::line_svg(&panels).map_err(|e| format!("GRPO/RLOO metrics: {e}."));
+    let desc = "Mean completion length in tokens (<code>completions/mean_length</code>), the fraction of \
+                tokens whose ratio was clipped (<code>clip_ratio/region_mean</code>), the fraction of groups \
+                whose rewards are all equal and so teach nothing (<code>frac_reward_zero_std</code>), and the \
+                policy's mean entropy (<code>entropy</code>).";
+    figure("plot-group", "Completions, clipping, groups without signal, entropy", desc, plot, &[])
 }
 
 fn logprobs_figure(rows: &[MetricRow]) -> String {
@@ -394,5 +439,29 @@ mod tests {
             assert!(fig.contains("Not plotted") && !fig.contains("<svg"), "{id}: {fig}");
         }
         assert!(html.contains("No samples were logged"));
+    }
+
+    #[test]
+    fn grpo_runs_plot_trl_names() {
+        let rows: Vec<MetricRow> = (1..=3)
+            .map(|step| {
+                let mut r = MetricRow { step, ..Default::default() };
+                for (k, v) in [("reward", 0.1), ("reward_std", 0.3), ("kl", 0.01)] {
+                    r.scalars.insert(k.into(), v * step as f64);
+                }
+                for k in GROUP_KEYS {
+                    r.scalars.insert(k.into(), step as f64);
+                }
+                r
+            })
+            .collect();
+        let html = render_report("r", &rows, &[]);
+        for id in ["plot-reward", "plot-kl", "plot-group"] {
+            let at = html.find(&format!("id=\"{id}\"")).unwrap_or_else(|| panic!("{id}"));
+            let fig = &html[at..at + html[at..].find("</figure>").unwrap()];
+            assert!(fig.contains("<svg") && !fig.contains("Not plotted"), "{id}: {fig}");
+        }
+        assert!(!html.contains("plot-reward-heatmap") && !html.contains("plot-logprobs"));
+        assert!(html.contains("completions/mean_length"));
     }
 }

@@ -344,6 +344,8 @@ fn ppo_config<G: AgentGames>(dir: &Path, cfg: &AgentQuickstartConfig<G>) -> RunC
         model: ModelSection { path: dir.join("bc").to_string_lossy().into_owned() },
         algorithm: Default::default(),
         rejection: Default::default(),
+        grpo: Default::default(),
+        rloo: Default::default(),
         ref_model: None,
         critic: None,
         reward: Default::default(),

@@ -11,6 +11,8 @@
 //!   a script where people rate samples by hand is one (`examples/rewards/rate_by_hand.py`).
 //! - [`FnReward`]: a Rust closure, e.g. a task metric such as [`token_f1`] against a gold answer
 //!   in the prompt row's metadata ([`token_f1_reward`]).
+//! - [`exact_match_reward`]: a verifiable reward, 1 when the completion's answer equals the gold
+//!   answer in a dataset column, else 0, missing (NaN) when the row has none.
 //! - [`WeightedSum`]: several sources combined with weights.
 //!
 //! ```
@@ -35,10 +37,12 @@
 
 pub mod classifier;
 pub mod command;
+pub mod exact_match;
 pub mod function;
 
 pub use classifier::{ClassifierOutput, ClassifierReward, ClassifierRewardConfig, ScoredText};
 pub use command::CommandReward;
+pub use exact_match::{exact_match_reward, extract_answer, Extract};
 pub use function::{normalize_answer, token_f1, token_f1_reward, FnReward};
 
 use crate::error::{Error, Result};

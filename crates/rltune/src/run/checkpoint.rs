@@ -1,4 +1,4 @@
-//! Checkpoints of a PPO run: `DIR/checkpoints/step-N/`, the policy and value head in Hugging Face
+//! Checkpoints of a PPO, GRPO or RLOO run: `DIR/checkpoints/step-N/`, the policy and value head in Hugging Face
 //! layout (loadable by transformers and TRL), plus `trainer_state.json`; with optimizer state
 //! also `optimizer.safetensors` (Adam's moments), which `--resume` needs. No reference model is
 //! saved: it is the run's `[ref_model]` (or the initial `[model]`). A run with a `[critic]` also
@@ -25,6 +25,7 @@ use crate::models::load::{copy_side_files, save_dir_atomic, ModelFiles};
 use crate::params::ParamStore;
 use crate::ppo::optim::Adam;
 use crate::ppo::{KlController, PpoTrainer, TrainerStreams};
+use crate::run::config::AlgorithmKind;
 
 /// The sub-directory of a checkpoint holding the separate critic.
 pub const CRITIC_DIR: &str = "critic";
@@ -236,5 +237,107 @@ pub fn load_trainer_state(dir: &Path, trainer: &mut PpoTrainer) -> Result<Traine
         ),
     }
     trainer.set_skipped_updates(state.skipped_updates);
+    Ok(state)
+}
+
+/// `trainer_state.json` of a GRPO or RLOO run: what the loop carries between steps besides the
+/// weights and Adam's moments (the prompt order and sampling seeds are replayed from the step).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GroupTrainerState {
+    /// `"grpo"` or `"rloo"`.
+    pub algorithm: AlgorithmKind,
+    /// Steps of the loop done (generation batches).
+    pub step: usize,
+    /// Adam steps taken.
+    pub adam_steps: u64,
+    /// Whether `optimizer.safetensors` is present.
+    pub optimizer_state: bool,
+    /// Optimizer steps taken (the learning-rate schedule's position).
+    pub global_step: usize,
+    /// Batches trained on.
+    pub calls: usize,
+    /// Prompt and completion tokens seen (`num_tokens`).
+    pub num_tokens: f64,
+    /// Updates skipped for a non-finite loss or gradient (`rltune/skipped_updates`).
+    pub skipped_updates: usize,
+}
+
+/// The GRPO/RLOO trainer's state: its optimizer and counters.
+pub(crate) fn group_state(
+    core: &crate::grpo::core::Core,
+    algorithm: AlgorithmKind,
+    step: usize,
+    optimizer_state: bool,
+) -> GroupTrainerState {
+    GroupTrainerState {
+        algorithm,
+        step,
+        adam_steps: core.optimizer().steps(),
+        optimizer_state,
+        global_step: core.global_step,
+        calls: core.calls,
+        num_tokens: core.tokens_seen,
+        skipped_updates: core.skipped_updates,
+    }
+}
+
+/// Saves a checkpoint of a GRPO/RLOO run into `dir`: the policy in Hugging Face layout,
+/// `trainer_state.json`, and with `state.optimizer_state` Adam's moments.
+pub(crate) fn save_group_checkpoint(
+    dir: &Path,
+    core: &crate::grpo::core::Core,
+    config_json: &serde_json::Value,
+    files: &ModelFiles,
+    state: &GroupTrainerState,
+) -> Result<()> {
+    save_dir_atomic(dir, |tmp| {
+        save_model(tmp, &core.store, config_json, files, state.optimizer_state.then_some(core.optimizer()))?;
+        let text = serde_json::to_string_pretty(state).map_err(|e| Error::Input(e.to_string()))?;
+        write_bytes_atomic(&tmp.join("trainer_state.json"), text.as_bytes())
+    })
+}
+
+/// Restores a GRPO/RLOO trainer's optimizer and counters from a checkpoint (the weights were
+/// loaded from it already). Fails, naming the fix, for a checkpoint without optimizer state
+/// or of another trainer.
+pub(crate) fn load_group_state(
+    dir: &Path,
+    core: &mut crate::grpo::core::Core,
+    algorithm: AlgorithmKind,
+) -> Result<GroupTrainerState> {
+    let path = dir.join("trainer_state.json");
+    let value: serde_json::Value = read_json(&path)?;
+    let state: GroupTrainerState = serde_json::from_value(value.clone()).map_err(|e| {
+        let by = if value.get("kl_controller").is_some() { "a PPO run" } else { "another trainer" };
+        Error::Input(format!(
+            "{}: not a GRPO/RLOO checkpoint ({e}); it was written by {by}: resume it with its own \
+             [algorithm] kind, or start a new run with this checkpoint as [model]",
+            path.display()
+        ))
+    })?;
+    if state.algorithm != algorithm {
+        return Err(Error::Input(format!(
+            "{}: written by a {} run but [algorithm] kind = \"{}\"; resume with kind = \"{}\", or start \
+             a new run with this checkpoint as [model]",
+            path.display(),
+            state.algorithm.name(),
+            algorithm.name(),
+            state.algorithm.name()
+        )));
+    }
+    if !state.optimizer_state {
+        return Err(Error::Input(format!(
+            "{}: saved without optimizer state, so the run cannot resume exactly; set \
+             [checkpoint] optimizer_state = true (or start a new run from this directory as [model])",
+            dir.display()
+        )));
+    }
+    let (ms, vs) = load_moments(dir, &core.store)?;
+    core.optimizer_mut().restore(ms, vs, state.adam_steps)?;
+    core.global_step = state.global_step;
+    core.calls = state.calls;
+    core.tokens_seen = state.num_tokens;
+    core.skipped_updates = state.skipped_updates;
     Ok(state)
 }

@@ -5,7 +5,9 @@
 //! To train on text games, `[env]` (as in env configs, `rltune play`), `[agent]` (the prompt) and
 //! `[episodes]` (discounting across turns, shaping, evaluation) replace `[data]` and `[reward]`.
 //! `[algorithm] kind = "rejection_sampling"` with a `[rejection]` table trains by rejection
-//! sampling instead of PPO (on games or prompts; [`crate::rejection`]).
+//! sampling instead of PPO (on games or prompts; [`crate::rejection`]); `kind = "grpo"` or
+//! `"rloo"` with a `[grpo]` / `[rloo]` table (TRL 1.16.0's names) trains by GRPO or RLOO on
+//! prompts ([`super::group_config`], [`super::group_loop`]).
 
 use std::path::{Path, PathBuf};
 
@@ -14,9 +16,10 @@ use crate::envs::play::PromptTemplate;
 use crate::envs::rollout::Shaping;
 use crate::error::{Error, Result};
 use crate::generation::GenerationConfig;
+use crate::grpo::{GrpoConfig, RlooConfig};
 use crate::ppo::PpoConfig;
 use crate::rejection::RejectionConfig;
-use crate::rewards::{ClassifierOutput, ScoredText};
+use crate::rewards::{ClassifierOutput, Extract, ScoredText};
 
 /// `[model]` / `[ref_model]`: where a model comes from.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -68,6 +71,9 @@ pub enum RewardSourceConfig {
         /// Weight in the sum of sources.
         #[serde(default = "one")]
         weight: f32,
+        /// The name in GRPO/RLOO metrics (`rewards/<name>/mean`); default: the kind.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        name: Option<String>,
     },
     /// An external command speaking JSON lines on stdin/stdout.
     Command {
@@ -79,7 +85,53 @@ pub enum RewardSourceConfig {
         /// Weight in the sum of sources.
         #[serde(default = "one")]
         weight: f32,
+        /// The name in GRPO/RLOO metrics (`rewards/<name>/mean`); default: the kind.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        name: Option<String>,
     },
+    /// 1 when the completion's answer equals the gold answer in the row's `column`, else 0;
+    /// missing (NaN) when the row has no such column ([`crate::rewards::exact_match`]).
+    #[serde(rename = "exact_match")]
+    ExactMatch {
+        /// The dataset column holding the gold answer.
+        #[serde(default = "default_answer_column")]
+        column: String,
+        /// How the answer is read from the completion: "first_line" or "last_number".
+        #[serde(default)]
+        extract: Extract,
+        /// Weight in the sum of sources.
+        #[serde(default = "one")]
+        weight: f32,
+        /// The name in GRPO/RLOO metrics (`rewards/<name>/mean`); default: the kind.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        name: Option<String>,
+    },
+}
+
+impl RewardSourceConfig {
+    /// The name in GRPO/RLOO metrics: `name`, else the kind (`classifier`, `command`,
+    /// `exact_match`).
+    pub fn metric_name(&self) -> String {
+        let (name, kind) = match self {
+            Self::Classifier { name, .. } => (name, "classifier"),
+            Self::Command { name, .. } => (name, "command"),
+            Self::ExactMatch { name, .. } => (name, "exact_match"),
+        };
+        name.clone().unwrap_or_else(|| kind.to_string())
+    }
+
+    /// The weight in the sum of sources.
+    pub fn weight(&self) -> f32 {
+        match self {
+            Self::Classifier { weight, .. }
+            | Self::Command { weight, .. }
+            | Self::ExactMatch { weight, .. } => *weight,
+        }
+    }
+}
+
+fn default_answer_column() -> String {
+    "answer".into()
 }
 
 fn default_label() -> String {
@@ -223,6 +275,27 @@ pub enum AlgorithmKind {
     Ppo,
     /// Sample, keep the best, fine-tune on them (`[rejection]`; [`crate::rejection`]).
     RejectionSampling,
+    /// TRL's GRPO (`[grpo]`; [`crate::grpo::GrpoTrainer`], the loop in [`super::group_loop`]).
+    Grpo,
+    /// TRL's RLOO (`[rloo]`; [`crate::grpo::RlooTrainer`]).
+    Rloo,
+}
+
+impl AlgorithmKind {
+    /// GRPO or RLOO: groups of completions per prompt, no value model.
+    pub fn is_group(self) -> bool {
+        matches!(self, Self::Grpo | Self::Rloo)
+    }
+
+    /// The name in configs (`"ppo"`, `"rejection_sampling"`, `"grpo"`, `"rloo"`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Ppo => "ppo",
+            Self::RejectionSampling => "rejection_sampling",
+            Self::Grpo => "grpo",
+            Self::Rloo => "rloo",
+        }
+    }
 }
 
 /// `[algorithm]`
@@ -245,6 +318,12 @@ pub struct RunConfig {
     /// Rejection sampling's settings (with `[algorithm] kind = "rejection_sampling"`).
     #[serde(default)]
     pub rejection: RejectionConfig,
+    /// GRPO's settings, TRL 1.16.0's `GRPOConfig` names (with `[algorithm] kind = "grpo"`).
+    #[serde(default)]
+    pub grpo: GrpoConfig,
+    /// RLOO's settings, TRL 1.16.0's `RLOOConfig` names (with `[algorithm] kind = "rloo"`).
+    #[serde(default)]
+    pub rloo: RlooConfig,
     /// The reference model; default: a frozen copy of the policy.
     #[serde(default)]
     pub ref_model: Option<ModelSection>,
@@ -303,11 +382,16 @@ impl RunConfig {
     ///
     /// `[ppo] temperature`, when absent, is `[generation] temperature`: the training logprobs
     /// must come from the distribution the responses were sampled from.
+    ///
+    /// With `[algorithm] kind = "grpo"` or `"rloo"`, the sampling keys of `[grpo]` / `[rloo]`
+    /// and of `[generation]` follow each other the same way (see [`super::group_config`]).
     pub fn from_toml(text: &str, path: &Path, overrides: &[String]) -> Result<Self> {
         let mut cfg: Self = parse_toml(text, path, overrides)?;
-        if !sets_ppo_temperature(text, overrides) {
+        if !sets_key(text, overrides, "ppo", "temperature") {
             cfg.ppo.temperature = cfg.generation.temperature;
         }
+        cfg.check_tables(text, overrides).map_err(|m| Error::config(path, m))?;
+        cfg.follow_generation(text, overrides);
         cfg.validate().map_err(|m| Error::config(path, m))?;
         Ok(cfg)
     }
@@ -315,6 +399,10 @@ impl RunConfig {
     /// Checks the sections; messages name the field.
     pub fn validate(&self) -> std::result::Result<(), String> {
         self.ppo.validate()?;
+        self.validate_reward_names()?;
+        if self.algorithm.kind.is_group() {
+            return self.validate_group();
+        }
         if self.algorithm.kind == AlgorithmKind::RejectionSampling {
             self.rejection.validate()?;
         }
@@ -379,19 +467,39 @@ impl RunConfig {
         Ok(())
     }
 
-    /// The resolved config as TOML (saved in the run directory).
+    /// The resolved config as TOML (saved in the run directory), without the tables of the
+    /// other trainers (so it loads again: see [`Self::check_tables`]).
     pub fn to_toml(&self) -> Result<String> {
-        toml::to_string_pretty(self).map_err(|e| Error::Input(format!("cannot serialize the config: {e}")))
+        let err = |e: &dyn std::fmt::Display| Error::Input(format!("cannot serialize the config: {e}"));
+        let mut doc = toml::Table::try_from(self).map_err(|e| err(&e))?;
+        for table in self.unused_tables() {
+            doc.remove(*table);
+        }
+        if self.algorithm.kind.is_group() {
+            if let Some(toml::Value::Table(data)) = doc.get_mut("data") {
+                data.remove("min_query_tokens");
+                data.remove("max_query_tokens");
+            }
+        }
+        toml::to_string_pretty(&doc).map_err(|e| err(&e))
     }
 }
 
-/// Whether `[ppo] temperature` is given in `text` or by an override.
-fn sets_ppo_temperature(text: &str, overrides: &[String]) -> bool {
+/// Whether `[table] key` is given in `text` or by an override (`table.key=…`).
+pub(super) fn sets_key(text: &str, overrides: &[String], table: &str, key: &str) -> bool {
     let in_text = toml::from_str::<toml::Table>(text)
         .ok()
-        .and_then(|t| t.get("ppo").and_then(|p| p.as_table()).map(|p| p.contains_key("temperature")))
+        .and_then(|t| t.get(table).and_then(|p| p.as_table()).map(|p| p.contains_key(key)))
         .unwrap_or(false);
-    in_text || overrides.iter().any(|o| o.split('=').next().is_some_and(|k| k.trim() == "ppo.temperature"))
+    let dotted = format!("{table}.{key}");
+    in_text || overrides.iter().any(|o| o.split('=').next().is_some_and(|k| k.trim() == dotted))
+}
+
+/// Whether `[table]` is given in `text` or by an override (`table.…=…`).
+pub(super) fn sets_table(text: &str, overrides: &[String], table: &str) -> bool {
+    let in_text = toml::from_str::<toml::Table>(text).ok().is_some_and(|t| t.contains_key(table));
+    let prefix = format!("{table}.");
+    in_text || overrides.iter().any(|o| o.trim_start().starts_with(&prefix))
 }
 
 /// Deserializes TOML `text` after applying `overrides` (`table.key=value`; the value is parsed as

@@ -29,7 +29,8 @@ use crate::models::CausalLm;
 use crate::ppo::stats::mean_std;
 use crate::ppo::{PpoTrainer, RolloutCache, Stat, StepInput};
 use crate::rewards::{
-    ClassifierReward, ClassifierRewardConfig, CommandReward, RewardInput, RewardSource, WeightedSum,
+    exact_match_reward, ClassifierReward, ClassifierRewardConfig, CommandReward, RewardInput, RewardSource,
+    WeightedSum,
 };
 use crate::runtime::Runtime;
 use crate::tokenizer::Tokenizer;
@@ -83,10 +84,20 @@ pub fn build_rewards(
     extra: Vec<(f32, Box<dyn RewardSource>)>,
     runtime: &Runtime,
 ) -> Result<Box<dyn RewardSource>> {
+    Ok(Box::new(build_reward_sum(cfg, extra, runtime)?))
+}
+
+/// [`build_rewards`] as the [`WeightedSum`] itself, whose parts can be scored one by one
+/// (GRPO and RLOO log each): the `[reward]` sources in order, then `extra`.
+pub fn build_reward_sum(
+    cfg: &RunConfig,
+    extra: Vec<(f32, Box<dyn RewardSource>)>,
+    runtime: &Runtime,
+) -> Result<WeightedSum> {
     let mut parts: Vec<(f32, Box<dyn RewardSource>)> = Vec::new();
     for s in &cfg.reward.sources {
         match s {
-            RewardSourceConfig::Classifier { model, label, output, text, batch_size, weight } => {
+            RewardSourceConfig::Classifier { model, label, output, text, batch_size, weight, .. } => {
                 let c = ClassifierRewardConfig {
                     label: label.clone(),
                     output: *output,
@@ -98,17 +109,21 @@ pub fn build_rewards(
                     Box::new(ClassifierReward::from_pretrained(model, c, runtime.dtype(), runtime.device())?),
                 ));
             }
-            RewardSourceConfig::Command { command, timeout_s, weight } => {
+            RewardSourceConfig::Command { command, timeout_s, weight, .. } => {
                 let timeout = std::time::Duration::from_secs_f64(*timeout_s);
                 parts.push((
                     *weight,
                     Box::new(CommandReward::spawn(command.clone())?.with_timeout(Some(timeout))),
                 ));
             }
+            RewardSourceConfig::ExactMatch { column, extract, weight, .. } => {
+                let name = s.metric_name();
+                parts.push((*weight, Box::new(exact_match_reward(&name, column, *extract))));
+            }
         }
     }
     parts.extend(extra);
-    Ok(Box::new(WeightedSum::new(parts)?))
+    WeightedSum::new(parts)
 }
 
 impl PpoRun {
@@ -134,6 +149,12 @@ impl PpoRun {
         extra_rewards: Vec<(f32, Box<dyn RewardSource>)>,
         resume: bool,
     ) -> Result<Self> {
+        if config.algorithm.kind.is_group() {
+            return Err(Error::Input(format!(
+                "[algorithm] kind = \"{}\" runs in GroupRun (rltune::run::GroupRun), not PpoRun",
+                config.algorithm.kind.name()
+            )));
+        }
         runtime.install()?;
         tracing::info!("runtime: {runtime}");
         let (device, dtype) = (runtime.device().clone(), runtime.dtype());
@@ -238,6 +259,9 @@ impl PpoRun {
                 (AlgorithmKind::RejectionSampling, _) => self.rejection_step(step, &batch)?,
                 (AlgorithmKind::Ppo, true) => self.game_step(step)?,
                 (AlgorithmKind::Ppo, false) => self.one_step(step, &batch)?,
+                (AlgorithmKind::Grpo | AlgorithmKind::Rloo, _) => {
+                    return Err(Error::Input("internal: a GRPO/RLOO config in the PPO loop".into()))
+                }
             };
             step += 1;
             progress(&StepReport { step, ..report });
@@ -484,13 +508,20 @@ impl PpoRun {
 }
 
 /// The prompts of `[data]`, encoded; empty ones are left out.
-fn load_encoded_prompts(config: &RunConfig, tokenizer: &Tokenizer) -> Result<Vec<(Vec<u32>, PromptRow)>> {
+pub(super) fn encode_prompts(
+    config: &RunConfig,
+    tokenizer: &Tokenizer,
+) -> Result<Vec<(Vec<u32>, PromptRow)>> {
     let rows = load_prompts(&config.data.source, &config.data.text_column, None)?;
-    let prompts = rows
-        .into_iter()
+    rows.into_iter()
         .map(|r| Ok((tokenizer.encode(&r.text)?, r)))
         .filter(|r: &Result<(Vec<u32>, PromptRow)>| r.as_ref().map_or(true, |(ids, _)| !ids.is_empty()))
-        .collect::<Result<Vec<_>>>()?;
+        .collect()
+}
+
+/// [`encode_prompts`], at least `[ppo] batch_size` of them.
+fn load_encoded_prompts(config: &RunConfig, tokenizer: &Tokenizer) -> Result<Vec<(Vec<u32>, PromptRow)>> {
+    let prompts = encode_prompts(config, tokenizer)?;
     if prompts.len() < config.ppo.batch_size {
         return Err(Error::Input(format!(
             "{}: {} usable prompts but [ppo] batch_size is {}",

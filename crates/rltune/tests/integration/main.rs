@@ -7,6 +7,7 @@ mod errors;
 mod faults;
 mod generation;
 mod gpt2;
+mod group_loop;
 mod grpo_parity;
 mod layout;
 mod multiturn;

@@ -1,0 +1,416 @@
+//! The run config with `[algorithm] kind = "grpo"` or `"rloo"`: the `[grpo]` / `[rloo]` table
+//! (TRL 1.16.0's `GRPOConfig` / `RLOOConfig` names) and how it meets the loop's other tables.
+//!
+//! - **Sampling keys follow `[generation]`**, as `[ppo] temperature` does: `temperature`,
+//!   `max_completion_length` (= `[generation] max_new_tokens`), `top_p` and `top_k`. A key set
+//!   on one side only is copied to the other; set on both sides with different values, it is an
+//!   error naming both keys. `min_p` must stay unset and `repetition_penalty` 1.0 (the sampler
+//!   has neither).
+//! - **Batch**: `per_device_train_batch_size` (TRL's default 8) completions per step, that is
+//!   `per_device_train_batch_size / num_generations` prompts with `num_generations` completions
+//!   each (TRL with `steps_per_generation = 1` and one process). It must be a multiple of
+//!   `num_generations`.
+//! - **Length**: `max_steps` optimizer steps; each step of the loop samples one batch and makes
+//!   `num_iterations` optimizer steps on it, so the loop runs `max_steps / num_iterations` steps
+//!   (`max_steps` must be a multiple). With `max_steps ≤ 0`, TRL's rule:
+//!   `ceil(num_train_epochs · ⌊prompts / prompts per step⌋ · num_iterations)`.
+//! - **Rewards**: the `[[reward.sources]]`, each one reward function with its `weight` (TRL's
+//!   `reward_weights`) and its `name` in the metrics; `reward_weights` and `reward_funcs` must
+//!   stay unset here.
+//! - **Prompts are used whole** (TRL's GRPO does not cut them): `[data] min_query_tokens` and
+//!   `max_query_tokens` must not be set.
+//! - **PPO-only tables are errors**: `[ppo]`, `[critic]` and `[rejection]` (and `[grpo]` with
+//!   `kind = "rloo"`, or the reverse) would be ignored, so a file or `--set` that has them is
+//!   refused, naming the table. `[env]` is refused too: GRPO and RLOO train on prompts.
+//!   The seed of the prompt order is `[grpo] seed`; sampling's is `[generation] seed`.
+
+use super::config::{sets_key, sets_table, AlgorithmKind, RunConfig};
+
+/// The loop's sizes, resolved from `[grpo]` / `[rloo]` and the number of prompts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GroupShape {
+    /// Completions per prompt.
+    pub num_generations: usize,
+    /// Prompts per step.
+    pub prompts_per_step: usize,
+    /// Steps of the loop (generation batches).
+    pub steps: usize,
+    /// Optimizer steps per generation batch.
+    pub num_iterations: usize,
+    /// Optimizer steps per epoch of the prompts (for TRL's `epoch`).
+    pub steps_per_epoch: usize,
+}
+
+/// Runs `$body` with `$c` bound to the active table (`&$self.grpo` or `&$self.rloo`, with
+/// `$m` mutability) and `$t` to its name; both have TRL's shared field names.
+macro_rules! with_table {
+    ($self:expr, $c:ident, $t:ident, $body:block) => {
+        match $self.algorithm.kind {
+            AlgorithmKind::Rloo => {
+                let $c = &$self.rloo;
+                let $t = "rloo";
+                $body
+            }
+            _ => {
+                let $c = &$self.grpo;
+                let $t = "grpo";
+                $body
+            }
+        }
+    };
+    (mut $self:expr, $c:ident, $t:ident, $body:block) => {
+        match $self.algorithm.kind {
+            AlgorithmKind::Rloo => {
+                let $c = &mut $self.rloo;
+                let $t = "rloo";
+                $body
+            }
+            _ => {
+                let $c = &mut $self.grpo;
+                let $t = "grpo";
+                $body
+            }
+        }
+    };
+}
+
+/// TRL's default `per_device_train_batch_size`.
+const TRL_BATCH_SIZE: usize = 8;
+
+impl RunConfig {
+    /// The tables the active trainer does not read (left out of [`Self::to_toml`]).
+    pub(super) fn unused_tables(&self) -> &'static [&'static str] {
+        match self.algorithm.kind {
+            AlgorithmKind::Ppo | AlgorithmKind::RejectionSampling => &["grpo", "rloo"],
+            AlgorithmKind::Grpo => &["ppo", "rejection", "rloo"],
+            AlgorithmKind::Rloo => &["ppo", "rejection", "grpo"],
+        }
+    }
+
+    /// Refuses tables (in the file or `--set`) that the active trainer would ignore.
+    pub(super) fn check_tables(&self, text: &str, overrides: &[String]) -> Result<(), String> {
+        let kind = self.algorithm.kind.name();
+        for table in self.unused_tables() {
+            if sets_table(text, overrides, table) {
+                let why = if self.algorithm.kind.is_group() {
+                    format!("the {kind} settings are in [{kind}] (TRL's names)")
+                } else {
+                    format!("[{table}] is read with [algorithm] kind = \"{table}\"")
+                };
+                return Err(format!(
+                    "[{table}] is set but [algorithm] kind = \"{kind}\", which does not read it ({why}); \
+                     remove [{table}] or change [algorithm] kind"
+                ));
+            }
+        }
+        if self.algorithm.kind.is_group() {
+            for key in ["min_query_tokens", "max_query_tokens"] {
+                if sets_key(text, overrides, "data", key) {
+                    return Err(format!(
+                        "[data] {key} is set but [algorithm] kind = \"{kind}\" uses each prompt whole \
+                         (as TRL's trainer); remove it"
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Copies each sampling key set on one side only (`[grpo]`/`[rloo]` or `[generation]`) to
+    /// the other; keys set on neither side take `[generation]`'s defaults.
+    pub(super) fn follow_generation(&mut self, text: &str, overrides: &[String]) {
+        if !self.algorithm.kind.is_group() {
+            return;
+        }
+        let gen_sets = |k: &str| sets_key(text, overrides, "generation", k);
+        let gen = &mut self.generation;
+        with_table!(mut self, c, t, {
+            let sets = |k: &str| sets_key(text, overrides, t, k);
+            if !sets("temperature") {
+                c.temperature = gen.temperature;
+            } else if !gen_sets("temperature") {
+                gen.temperature = c.temperature;
+            }
+            if !sets("max_completion_length") {
+                c.max_completion_length = gen.max_new_tokens;
+            } else if !gen_sets("max_new_tokens") {
+                gen.max_new_tokens = c.max_completion_length;
+            }
+            if !sets("top_p") {
+                c.top_p = gen.top_p;
+            } else if !gen_sets("top_p") {
+                gen.top_p = c.top_p;
+            }
+            if !sets("top_k") {
+                c.top_k = gen.top_k;
+            } else if !gen_sets("top_k") {
+                gen.top_k = c.top_k;
+            }
+        });
+    }
+
+    /// Names of the reward sources in the metrics must differ.
+    pub(super) fn validate_reward_names(&self) -> Result<(), String> {
+        let names: Vec<String> = self.reward.sources.iter().map(|s| s.metric_name()).collect();
+        for (i, n) in names.iter().enumerate() {
+            if n.is_empty() || n.contains(char::is_whitespace) {
+                return Err(format!(
+                    "[[reward.sources]] {}: name {n:?} must be a non-empty word (it names the metrics \
+                     rewards/<name>/mean and /std)",
+                    i + 1
+                ));
+            }
+            if let Some(j) = names[..i].iter().position(|m| m == n) {
+                return Err(format!(
+                    "[[reward.sources]] {} and {} are both named {n:?} in the metrics; give one a \
+                     name = \"...\"",
+                    j + 1,
+                    i + 1
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The checks of a GRPO / RLOO run; messages name the field.
+    pub(super) fn validate_group(&self) -> Result<(), String> {
+        let kind = self.algorithm.kind.name();
+        self.generation.validate().map_err(|e| e.to_string())?;
+        if self.model.path.is_empty() {
+            return Err("[model] path is empty; set it to a model directory or hub id".into());
+        }
+        if self.env.is_some() {
+            return Err(format!(
+                "[env] is set but [algorithm] kind = \"{kind}\" trains on prompts ([data]) only for now; \
+                 remove [env] or use kind = \"ppo\""
+            ));
+        }
+        if self.critic.is_some() {
+            return Err(format!(
+                "[critic] is set but [algorithm] kind = \"{kind}\" has no value model (advantages \
+                 compare the completions of a prompt); remove [critic]"
+            ));
+        }
+        if self.data.source.is_empty() {
+            return Err("[data] source is empty; set it to a JSONL/CSV/Parquet file or hub dataset".into());
+        }
+        if self.reward.sources.is_empty() {
+            return Err("[reward] has no sources; add a [[reward.sources]] table (kind = \
+                        \"exact_match\", \"classifier\" or \"command\")"
+                .into());
+        }
+        let gen = &self.generation;
+        with_table!(self, c, t, {
+            c.validate()?;
+            let pairs: [(&str, String, &str, String); 4] = [
+                ("temperature", c.temperature.to_string(), "temperature", gen.temperature.to_string()),
+                (
+                    "max_completion_length",
+                    c.max_completion_length.to_string(),
+                    "max_new_tokens",
+                    gen.max_new_tokens.to_string(),
+                ),
+                ("top_p", c.top_p.to_string(), "top_p", gen.top_p.to_string()),
+                ("top_k", c.top_k.to_string(), "top_k", gen.top_k.to_string()),
+            ];
+            for (key, a, gen_key, b) in pairs {
+                if a != b {
+                    return Err(format!(
+                        "[{t}] {key} = {a} but [generation] {gen_key} = {b}: completions are sampled with \
+                         [generation] and scored with [{t}], so the two must agree; leave one out (it \
+                         follows the other) or set both to the same value"
+                    ));
+                }
+            }
+            if c.min_p.is_some() {
+                return Err(format!("[{t}] min_p is set; rltune's sampler has no min-p: remove it"));
+            }
+            if c.repetition_penalty != 1.0 {
+                return Err(format!(
+                    "[{t}] repetition_penalty = {}; rltune's sampler has none: leave it at 1.0",
+                    c.repetition_penalty
+                ));
+            }
+            if c.reward_weights.is_some() || c.reward_funcs.is_some() {
+                return Err(format!(
+                    "[{t}] reward_weights / reward_funcs are set; in a run the reward functions are the \
+                     [[reward.sources]], each with its weight = ... and name = ...: remove them from [{t}]"
+                ));
+            }
+            let bs = c.per_device_train_batch_size.unwrap_or(TRL_BATCH_SIZE);
+            if bs == 0 || !bs.is_multiple_of(c.num_generations) {
+                return Err(format!(
+                    "[{t}] per_device_train_batch_size = {bs} is not a positive multiple of num_generations \
+                     = {}: a step samples num_generations completions for each of \
+                     per_device_train_batch_size / num_generations prompts",
+                    c.num_generations
+                ));
+            }
+            if let Some(g) = c.generation_batch_size.filter(|&g| g != bs) {
+                return Err(format!(
+                    "[{t}] generation_batch_size = {g} but per_device_train_batch_size = {bs}; rltune \
+                     samples one batch per step: remove generation_batch_size"
+                ));
+            }
+            if c.max_steps > 0 && !(c.max_steps as usize).is_multiple_of(c.num_iterations) {
+                return Err(format!(
+                    "[{t}] max_steps = {} is not a multiple of num_iterations = {}: each batch gives \
+                     num_iterations optimizer steps",
+                    c.max_steps, c.num_iterations
+                ));
+            }
+            Ok(())
+        })
+    }
+
+    /// The loop's sizes for `n_prompts` prompts; an error when they make no step.
+    pub fn group_shape(&self, n_prompts: usize) -> Result<GroupShape, String> {
+        with_table!(self, c, t, {
+            let bs = c.per_device_train_batch_size.unwrap_or(TRL_BATCH_SIZE);
+            let prompts_per_step = bs / c.num_generations.max(1);
+            let per_epoch = n_prompts / prompts_per_step.max(1);
+            if per_epoch == 0 {
+                return Err(format!(
+                    "{n_prompts} prompts but a step takes {prompts_per_step} ([{t}] per_device_train_batch_size \
+                     {bs} / num_generations {}); add prompts or lower the batch",
+                    c.num_generations
+                ));
+            }
+            let mu = c.num_iterations;
+            let optimizer_steps = if c.max_steps > 0 {
+                c.max_steps as usize
+            } else {
+                // transformers: max_steps = ceil(num_train_epochs · num_update_steps_per_epoch).
+                (c.num_train_epochs * (per_epoch * mu) as f64).ceil() as usize
+            };
+            let steps = optimizer_steps.div_ceil(mu);
+            if steps == 0 {
+                return Err(format!("[{t}] max_steps / num_train_epochs give no step; raise them"));
+            }
+            Ok(GroupShape {
+                num_generations: c.num_generations,
+                prompts_per_step,
+                steps,
+                num_iterations: mu,
+                steps_per_epoch: per_epoch * mu,
+            })
+        })
+    }
+
+    /// The completions per step (`per_device_train_batch_size`, TRL's default 8).
+    pub fn group_batch_size(&self) -> usize {
+        with_table!(self, c, _t, { c.per_device_train_batch_size.unwrap_or(TRL_BATCH_SIZE) })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+
+    const GRPO: &str = r#"
+[model]
+path = "m"
+[algorithm]
+kind = "grpo"
+[data]
+source = "prompts.jsonl"
+[[reward.sources]]
+kind = "exact_match"
+column = "answer"
+"#;
+
+    fn load(text: &str, set: &[&str]) -> Result<RunConfig, String> {
+        let set: Vec<String> = set.iter().map(|s| s.to_string()).collect();
+        RunConfig::from_toml(text, Path::new("run.toml"), &set).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn sampling_keys_follow_generation_either_way_and_a_mismatch_names_both() {
+        let c = load(GRPO, &[]).unwrap();
+        assert_eq!((c.grpo.max_completion_length, c.grpo.temperature), (20, 1.0));
+        let c = load(GRPO, &["generation.max_new_tokens=6", "generation.temperature=0.7"]).unwrap();
+        assert_eq!((c.grpo.max_completion_length, c.grpo.temperature), (6, 0.7));
+        let c = load(GRPO, &["grpo.max_completion_length=9", "grpo.top_k=5"]).unwrap();
+        assert_eq!((c.generation.max_new_tokens, c.generation.top_k), (9, 5));
+        let c = load(GRPO, &["grpo.temperature=0.9", "generation.temperature=0.9"]).unwrap();
+        assert_eq!(c.generation.temperature, 0.9);
+        let err = load(GRPO, &["grpo.temperature=0.9", "generation.temperature=0.8"]).unwrap_err();
+        assert!(
+            err.contains("[grpo] temperature = 0.9") && err.contains("[generation] temperature = 0.8"),
+            "{err}"
+        );
+        let err = load(GRPO, &["grpo.max_completion_length=9", "generation.max_new_tokens=8"]).unwrap_err();
+        assert!(
+            err.contains("[grpo] max_completion_length") && err.contains("[generation] max_new_tokens"),
+            "{err}"
+        );
+        // RLOO: the same, under [rloo].
+        let rloo = GRPO.replace("kind = \"grpo\"", "kind = \"rloo\"");
+        let c = load(&rloo, &["generation.max_new_tokens=6"]).unwrap();
+        assert_eq!(c.rloo.max_completion_length, 6);
+        let err = load(&rloo, &["rloo.top_p=0.5", "generation.top_p=0.9"]).unwrap_err();
+        assert!(err.contains("[rloo] top_p") && err.contains("[generation] top_p"), "{err}");
+    }
+
+    #[test]
+    fn tables_of_other_trainers_and_loop_fields_are_errors_naming_the_field() {
+        let err = load(GRPO, &["ppo.learning_rate=1e-5"]).unwrap_err();
+        assert!(err.contains("[ppo] is set but [algorithm] kind = \"grpo\""), "{err}");
+        let err = load(&format!("{GRPO}[rloo]\nbeta = 0.1\n"), &[]).unwrap_err();
+        assert!(err.contains("[rloo] is set"), "{err}");
+        let err = load(GRPO, &["data.max_query_tokens=9"]).unwrap_err();
+        assert!(err.contains("[data] max_query_tokens") && err.contains("whole"), "{err}");
+        let err = load(GRPO, &["critic.path=c"]).unwrap_err();
+        assert!(err.contains("[critic]") && err.contains("no value model"), "{err}");
+        let err = load(GRPO, &["grpo.per_device_train_batch_size=12"]).unwrap_err();
+        assert!(
+            err.contains("per_device_train_batch_size = 12") && err.contains("num_generations = 8"),
+            "{err}"
+        );
+        let err = load(GRPO, &["grpo.reward_weights=[1.0]"]).unwrap_err();
+        assert!(err.contains("reward_weights") && err.contains("weight = "), "{err}");
+        let err = load(GRPO, &["grpo.max_steps=5", "grpo.num_iterations=2"]).unwrap_err();
+        assert!(err.contains("max_steps = 5") && err.contains("num_iterations = 2"), "{err}");
+        let err = load(GRPO, &["grpo.min_p=0.1"]).unwrap_err();
+        assert!(err.contains("[grpo] min_p"), "{err}");
+        let err = load(GRPO, &["grpo.epsilon_hgh=0.3"]).unwrap_err();
+        assert!(err.contains("did you mean \"epsilon_high\""), "{err}");
+        let err = load(GRPO, &["grpo.loss_type=sapo"]).unwrap_err();
+        assert!(err.contains("grpo.loss_type") && err.contains("not implemented"), "{err}");
+        // A [grpo] table in a PPO run would be ignored.
+        let ppo = GRPO.replace("kind = \"grpo\"", "kind = \"ppo\"");
+        let err = load(&ppo, &["grpo.beta=0.1"]).unwrap_err();
+        assert!(err.contains("[grpo] is set but [algorithm] kind = \"ppo\""), "{err}");
+        let two = format!("{GRPO}[[reward.sources]]\nkind = \"exact_match\"\ncolumn = \"gold\"\n");
+        let err = load(&two, &[]).unwrap_err();
+        assert!(err.contains("both named \"exact_match\"") && err.contains("name = "), "{err}");
+        let named =
+            format!("{GRPO}[[reward.sources]]\nkind = \"exact_match\"\ncolumn = \"gold\"\nname = \"gold\"\n");
+        load(&named, &[]).unwrap();
+    }
+
+    #[test]
+    fn resolved_config_saves_and_loads_again() {
+        let c = load(GRPO, &["grpo.num_generations=4", "generation.max_new_tokens=6"]).unwrap();
+        let text = c.to_toml().unwrap();
+        assert!(!text.contains("[ppo]") && !text.contains("min_query_tokens"), "{text}");
+        assert_eq!(load(&text, &[]).unwrap(), c);
+        let ppo = load(&GRPO.replace("kind = \"grpo\"", "kind = \"ppo\""), &[]).unwrap();
+        assert!(!ppo.to_toml().unwrap().contains("[grpo]"));
+    }
+
+    #[test]
+    fn shape_follows_trl_batch_and_length_rules() {
+        let c = load(GRPO, &["grpo.num_generations=4", "grpo.per_device_train_batch_size=16"]).unwrap();
+        // No max_steps: ceil(3 epochs · ⌊10 / 4⌋ batches) = 6 steps.
+        let s = c.group_shape(10).unwrap();
+        assert_eq!((s.prompts_per_step, s.steps, s.steps_per_epoch), (4, 6, 2));
+        let c = load(GRPO, &["grpo.max_steps=12", "grpo.num_iterations=3"]).unwrap();
+        let s = c.group_shape(10).unwrap();
+        assert_eq!((s.prompts_per_step, s.steps, s.num_iterations), (1, 4, 3));
+        let err = load(GRPO, &["grpo.per_device_train_batch_size=64"]).unwrap().group_shape(7).unwrap_err();
+        assert!(err.contains("7 prompts") && err.contains("takes 8"), "{err}");
+    }
+}

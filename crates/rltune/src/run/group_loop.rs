@@ -1,0 +1,459 @@
+//! The GRPO and RLOO loop of `rltune ppo` with `[algorithm] kind = "grpo"` or `"rloo"`.
+//!
+//! Each step, top to bottom: take `prompts_per_step` prompts (a new permutation each epoch, the
+//! last incomplete batch of an epoch dropped, as TRL's `RepeatSampler`), repeat each
+//! `num_generations` times (TRL's row order), sample the completions with the KV cache, mark
+//! those that did not end in EOS as truncated, score them with every reward source (one column
+//! each; NaN is a missing reward), call [`GrpoTrainer::step_with`] /
+//! [`RlooTrainer::step_with`] (`num_iterations` optimizer steps), log TRL's metrics, checkpoint.
+//!
+//! The sampler's logprobs are not passed on: with `num_iterations = 1` TRL takes the old
+//! logprobs to be the current ones, detached, and with more it recomputes them, as the
+//! trainers here do. See [`super::group_config`] for the config and `docs/algorithms.md`.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use candle_core::Device;
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+
+use super::checkpoint::{
+    clear_stale_writes, group_state, latest_checkpoint, load_group_state, save_group_checkpoint,
+};
+use super::config::{AlgorithmKind, RunConfig};
+use super::group_config::GroupShape;
+use super::ppo_loop::{build_reward_sum, encode_prompts, StepReport};
+use crate::data::prompts::PromptRow;
+use crate::error::{Error, Result};
+use crate::generation::{generate, GenerationConfig};
+use crate::grpo::core::Core;
+use crate::grpo::math::weighted_rewards;
+use crate::grpo::{GroupBatch, GrpoTrainer, RewardTable, RlooTrainer};
+use crate::logging::{RunLogger, SampleRow};
+use crate::models::load::{load_reference, locate, read_config_json, ModelFiles};
+use crate::models::{CausalLm, CausalLmConfig};
+use crate::params::ParamStore;
+use crate::ppo::{Stat, Stats};
+use crate::rewards::{RewardInput, RewardSource, WeightedSum};
+use crate::runtime::Runtime;
+use crate::tokenizer::Tokenizer;
+
+/// The trainer of a GRPO or RLOO run.
+pub enum GroupTrainer {
+    /// `[algorithm] kind = "grpo"`.
+    Grpo(GrpoTrainer),
+    /// `[algorithm] kind = "rloo"`.
+    Rloo(RlooTrainer),
+}
+
+impl GroupTrainer {
+    /// The policy's parameters.
+    pub fn store(&self) -> &ParamStore {
+        match self {
+            Self::Grpo(t) => t.store(),
+            Self::Rloo(t) => t.store(),
+        }
+    }
+
+    /// The policy.
+    pub fn policy(&self) -> &CausalLm {
+        match self {
+            Self::Grpo(t) => t.policy(),
+            Self::Rloo(t) => t.policy(),
+        }
+    }
+
+    fn step_with(&mut self, batch: &GroupBatch) -> Result<Vec<Stats>> {
+        match self {
+            Self::Grpo(t) => t.step_with(batch),
+            Self::Rloo(t) => t.step_with(batch),
+        }
+    }
+
+    fn core(&self) -> &Core {
+        match self {
+            Self::Grpo(t) => t.core(),
+            Self::Rloo(t) => t.core(),
+        }
+    }
+
+    fn core_mut(&mut self) -> &mut Core {
+        match self {
+            Self::Grpo(t) => t.core_mut(),
+            Self::Rloo(t) => t.core_mut(),
+        }
+    }
+}
+
+/// A prepared GRPO or RLOO run.
+pub struct GroupRun {
+    config: RunConfig,
+    /// The trainer (policy, reference, optimizer).
+    pub trainer: GroupTrainer,
+    shape: GroupShape,
+    policy_files: ModelFiles,
+    config_json: serde_json::Value,
+    tokenizer: Tokenizer,
+    prompts: Vec<(Vec<u32>, PromptRow)>,
+    reward: WeightedSum,
+    reward_names: Vec<String>,
+    eos_ids: Vec<u32>,
+    logger: RunLogger,
+    start_step: usize,
+    device: Device,
+}
+
+/// A causal LM's files, raw and parsed config, parameters and model.
+struct LoadedLm {
+    files: ModelFiles,
+    config_json: serde_json::Value,
+    config: CausalLmConfig,
+    store: ParamStore,
+    lm: CausalLm,
+}
+
+fn load_lm(model: &str, runtime: &Runtime) -> Result<LoadedLm> {
+    let files = locate(model)?;
+    let config_json = read_config_json(&files.config)?;
+    let config = CausalLmConfig::from_json(&config_json, &files.config)?;
+    let store = ParamStore::load_safetensors(&files.weights, true, runtime.dtype(), runtime.device())?;
+    let lm = CausalLm::load(&store.root(), &config)?;
+    Ok(LoadedLm { files, config_json, config, store, lm })
+}
+
+impl GroupRun {
+    /// Loads the policy, data and rewards on the runtime of `config.runtime`; with `resume`,
+    /// continues from the latest checkpoint in the run directory (which must hold optimizer
+    /// state). `extra_rewards` (from code) follow the `[reward]` sources, named by their
+    /// [`RewardSource::name`].
+    pub fn prepare(
+        config: RunConfig,
+        extra_rewards: Vec<(f32, Box<dyn RewardSource>)>,
+        resume: bool,
+    ) -> Result<Self> {
+        let runtime = Runtime::resolve(&config.runtime)?;
+        Self::prepare_on(config, &runtime, extra_rewards, resume)
+    }
+
+    /// [`Self::prepare`] on a resolved runtime (whose process-wide settings it installs).
+    pub fn prepare_on(
+        config: RunConfig,
+        runtime: &Runtime,
+        extra_rewards: Vec<(f32, Box<dyn RewardSource>)>,
+        resume: bool,
+    ) -> Result<Self> {
+        let kind = config.algorithm.kind;
+        if !kind.is_group() {
+            return Err(Error::Input(format!(
+                "internal: a GRPO/RLOO run with [algorithm] kind = \"{}\"",
+                kind.name()
+            )));
+        }
+        config.validate().map_err(Error::Input)?;
+        runtime.install()?;
+        tracing::info!("runtime: {runtime}");
+        if resume {
+            clear_stale_writes(&config.logging.dir)?;
+        }
+        let ckpt = if resume { latest_checkpoint(&config.logging.dir)? } else { None };
+        if resume && ckpt.is_none() {
+            return Err(Error::Input(format!(
+                "--resume: no checkpoint under {dir}/checkpoints; run without --resume to start",
+                dir = config.logging.dir.display()
+            )));
+        }
+        let src = ckpt.as_ref().map_or(config.model.path.clone(), |(_, p)| p.display().to_string());
+        let policy = load_lm(&src, runtime)?;
+        let tok_path = policy.files.tokenizer.clone().ok_or_else(|| {
+            Error::Tokenizer(format!(
+                "{}: no tokenizer.json; `rltune ppo` needs one to encode prompts",
+                policy.files.dir.display()
+            ))
+        })?;
+        let tokenizer = Tokenizer::from_file(&tok_path)?;
+        tokenizer.check_fits(policy.config.vocab_size())?;
+        let prompts = encode_prompts(&config, &tokenizer)?;
+        let shape = config.group_shape(prompts.len()).map_err(Error::Input)?;
+
+        let mut reward_names: Vec<String> = config.reward.sources.iter().map(|s| s.metric_name()).collect();
+        reward_names.extend(extra_rewards.iter().map(|(_, r)| r.name().to_string()));
+        if let Some(i) = (1..reward_names.len()).find(|&i| reward_names[..i].contains(&reward_names[i])) {
+            return Err(Error::Input(format!(
+                "two reward functions are named {:?}; the metrics rewards/<name>/mean need distinct names",
+                reward_names[i]
+            )));
+        }
+        let reward = build_reward_sum(&config, extra_rewards, runtime)?;
+        let weights: Vec<f64> = reward.parts().map(|(w, _)| f64::from(w)).collect();
+        let optimizer_steps = (shape.steps * shape.num_iterations) as i64;
+        let bs = Some(config.group_batch_size());
+        let beta = match kind {
+            AlgorithmKind::Rloo => config.rloo.beta,
+            _ => config.grpo.beta,
+        };
+        let reference = if beta == 0.0 {
+            None
+        } else {
+            let (dtype, device) = (runtime.dtype(), runtime.device());
+            Some(match &config.ref_model {
+                Some(r) => load_reference(&r.path, dtype, device)?.1,
+                None if ckpt.is_some() => load_reference(&config.model.path, dtype, device)?.1,
+                None => CausalLm::load(&policy.store.frozen_copy()?.root(), &policy.config)?,
+            })
+        };
+        let (store, lm) = (policy.store.clone(), policy.lm.clone());
+        let mut trainer = match kind {
+            AlgorithmKind::Rloo => {
+                let c = crate::grpo::RlooConfig {
+                    max_steps: optimizer_steps,
+                    per_device_train_batch_size: bs,
+                    reward_weights: Some(weights),
+                    ..config.rloo.clone()
+                };
+                GroupTrainer::Rloo(RlooTrainer::new(c, store, lm, reference)?)
+            }
+            _ => {
+                let c = crate::grpo::GrpoConfig {
+                    max_steps: optimizer_steps,
+                    per_device_train_batch_size: bs,
+                    reward_weights: Some(weights),
+                    ..config.grpo.clone()
+                };
+                GroupTrainer::Grpo(GrpoTrainer::new(c, store, lm, reference)?)
+            }
+        };
+        let mut start_step = 0;
+        if let Some((step, dir)) = &ckpt {
+            load_group_state(dir, trainer.core_mut(), kind)?;
+            start_step = *step;
+        }
+        let eos_ids = if config.generation.eos_token_ids.is_empty() {
+            policy.config.eos_token_ids()
+        } else {
+            config.generation.eos_token_ids.clone()
+        };
+        let logger = RunLogger::create(&config.logging.dir, ckpt.as_ref().map(|(step, _)| *step))?;
+        let resolved = config.to_toml()?;
+        crate::io::write_bytes_atomic(&config.logging.dir.join("config.toml"), resolved.as_bytes())?;
+        Ok(Self {
+            config,
+            trainer,
+            shape,
+            policy_files: policy.files,
+            config_json: policy.config_json,
+            tokenizer,
+            prompts,
+            reward,
+            reward_names,
+            eos_ids,
+            logger,
+            start_step,
+            device: runtime.device().clone(),
+        })
+    }
+
+    /// The loop's sizes.
+    pub fn shape(&self) -> GroupShape {
+        self.shape
+    }
+
+    /// Steps done before this run started (from a checkpoint).
+    pub fn start_step(&self) -> usize {
+        self.start_step
+    }
+
+    fn seed(&self) -> u64 {
+        match self.config.algorithm.kind {
+            AlgorithmKind::Rloo => self.config.rloo.seed,
+            _ => self.config.grpo.seed,
+        }
+    }
+
+    /// Runs the remaining steps. `stop` (set by Ctrl-C) ends the run after the current step with
+    /// a checkpoint. Returns the number of steps done in total.
+    pub fn run(&mut self, stop: &AtomicBool, progress: &mut dyn FnMut(&StepReport)) -> Result<usize> {
+        let total = self.shape.steps;
+        let mut rng = rand::rngs::StdRng::seed_from_u64(self.seed() ^ 0x5eed);
+        let mut order: Vec<usize> = Vec::new();
+        // Replay the prompt order of the steps already done.
+        for _ in 0..self.start_step {
+            self.next_prompts(&mut order, &mut rng);
+        }
+        let mut step = self.start_step;
+        while step < total {
+            let batch = self.next_prompts(&mut order, &mut rng);
+            let report = self.one_step(step, &batch)?;
+            step += 1;
+            progress(&StepReport { step, ..report });
+            let stopping = stop.load(Ordering::SeqCst);
+            let every = self.config.checkpoint.every;
+            if stopping || step == total || (every > 0 && step.is_multiple_of(every)) {
+                self.checkpoint(step)?;
+            }
+            if stopping || step == total || step.is_multiple_of(self.config.logging.report_every.max(1)) {
+                self.logger.write_report()?;
+            }
+            if stopping {
+                tracing::info!("stopped after step {step}; checkpoint written");
+                break;
+            }
+        }
+        Ok(step)
+    }
+
+    /// The next `prompts_per_step` prompt indices: a new permutation each epoch, whose last
+    /// incomplete batch is dropped (TRL's `RepeatSampler` with `drop_last`).
+    fn next_prompts(&self, order: &mut Vec<usize>, rng: &mut rand::rngs::StdRng) -> Vec<usize> {
+        let k = self.shape.prompts_per_step;
+        if order.len() < k {
+            *order = (0..self.prompts.len()).collect();
+            order.shuffle(rng);
+            order.reverse();
+        }
+        (0..k).filter_map(|_| order.pop()).collect()
+    }
+
+    fn one_step(&mut self, step: usize, batch: &[usize]) -> Result<StepReport> {
+        let g = self.shape.num_generations;
+        // (B·G) rows: each prompt repeated G times, consecutively.
+        let rows: Vec<usize> = batch.iter().flat_map(|&i| std::iter::repeat_n(i, g)).collect();
+        let queries: Vec<Vec<u32>> = rows.iter().map(|&i| self.prompts[i].0.clone()).collect();
+        let t = Instant::now();
+        let gen_cfg = GenerationConfig {
+            seed: self.config.generation.seed.wrapping_add(step as u64),
+            ..self.config.generation.clone()
+        };
+        let samples = generate(self.trainer.policy(), None, &queries, &gen_cfg, &self.device)?;
+        let time_gen = t.elapsed().as_secs_f64();
+
+        let t = Instant::now();
+        let texts: Vec<(String, String)> = samples
+            .iter()
+            .map(|s| Ok((self.tokenizer.decode(&s.query_ids)?, self.tokenizer.decode(&s.response_ids)?)))
+            .collect::<Result<_>>()?;
+        let inputs: Vec<RewardInput> = samples
+            .iter()
+            .zip(&texts)
+            .zip(&rows)
+            .map(|((s, (q, r)), &i)| RewardInput {
+                query: q,
+                response: r,
+                query_ids: &s.query_ids,
+                response_ids: &s.response_ids,
+                meta: &self.prompts[i].1.meta,
+            })
+            .collect();
+        // [part][sample] → values[sample][part]; NaN stays: a missing reward.
+        let parts = self.reward.score_parts(&inputs)?;
+        let values: Vec<Vec<f64>> =
+            (0..inputs.len()).map(|i| parts.iter().map(|p| f64::from(p[i])).collect()).collect();
+        let time_reward = t.elapsed().as_secs_f64();
+        let table = RewardTable { names: self.reward_names.clone(), values };
+
+        let t = Instant::now();
+        let completions: Vec<Vec<u32>> = samples.iter().map(|s| s.response_ids.clone()).collect();
+        // Truncated: no EOS within max_new_tokens.
+        let truncated: Vec<bool> =
+            completions.iter().map(|c| !c.last().is_some_and(|t| self.eos_ids.contains(t))).collect();
+        let logs = self.trainer.step_with(&GroupBatch {
+            prompts: &queries,
+            completions: &completions,
+            rewards: &table,
+            truncated: Some(&truncated),
+        })?;
+        let mut stats = merge_iterations(logs);
+        let core = self.trainer.core();
+        // TRL's epoch: optimizer steps over the optimizer steps of one pass over the prompts.
+        let epoch = core.global_step as f64 / self.shape.steps_per_epoch as f64;
+        stats.insert("epoch".into(), Stat::Scalar(epoch));
+        let kind = self.config.algorithm.kind.name();
+        stats.insert(format!("time/{kind}/step"), Stat::Scalar(t.elapsed().as_secs_f64()));
+        stats.insert("time/rollout/generation".into(), Stat::Scalar(time_gen));
+        stats.insert("time/rollout/reward".into(), Stat::Scalar(time_reward));
+
+        let weights: Vec<f64> = self.reward.parts().map(|(w, _)| f64::from(w)).collect();
+        let total = weighted_rewards(&table.values, &weights);
+        let shown: Vec<SampleRow> = texts
+            .iter()
+            .zip(&total)
+            .take(self.config.logging.samples_per_step)
+            .map(|((q, r), &reward)| SampleRow {
+                query: q.clone(),
+                response: r.clone(),
+                reward: reward as f32,
+            })
+            .collect();
+        self.logger.log_step(step + 1, &stats, &shown)?;
+        let get = |k: &str| stats.get(k).and_then(Stat::as_f64).unwrap_or(f64::NAN);
+        Ok(StepReport {
+            step,
+            total: self.shape.steps,
+            reward_mean: get("reward"),
+            kl: get("kl"),
+            skipped: false,
+            win_rate: None,
+        })
+    }
+
+    fn checkpoint(&self, step: usize) -> Result<()> {
+        let dir = self.config.logging.dir.join("checkpoints").join(format!("step-{step}"));
+        let kind = self.config.algorithm.kind;
+        let state = group_state(self.trainer.core(), kind, step, self.config.checkpoint.optimizer_state);
+        save_group_checkpoint(&dir, self.trainer.core(), &self.config_json, &self.policy_files, &state)
+            .map_err(|e| {
+                Error::Input(format!(
+                    "checkpoint {} could not be written ({e}); nothing of it was kept (a full disk?). \
+                     Free some room, then continue with --resume",
+                    dir.display()
+                ))
+            })
+    }
+}
+
+/// One metrics line from the `num_iterations` optimizer steps of a batch, as TRL logs them with
+/// `logging_steps = num_iterations`: the mean of each metric over the steps that logged it
+/// (TRL's `_metrics` lists), but the last `grad_norm`, `learning_rate`, `num_tokens` and
+/// `rltune/skipped_updates`.
+fn merge_iterations(mut logs: Vec<Stats>) -> Stats {
+    if logs.len() <= 1 {
+        return logs.pop().unwrap_or_default();
+    }
+    let last_only = ["grad_norm", "learning_rate", "num_tokens", "rltune/skipped_updates"];
+    let mut out = Stats::new();
+    let keys: std::collections::BTreeSet<String> = logs.iter().flat_map(|s| s.keys().cloned()).collect();
+    for k in keys {
+        let vals: Vec<f64> = logs.iter().filter_map(|s| s.get(&k).and_then(Stat::as_f64)).collect();
+        let stat = if vals.is_empty() {
+            // Not a number (a message): the last one.
+            logs.iter().rev().find_map(|s| s.get(&k).cloned()).unwrap_or(Stat::Scalar(f64::NAN))
+        } else if last_only.contains(&k.as_str()) {
+            Stat::Scalar(vals[vals.len() - 1])
+        } else {
+            Stat::Scalar(vals.iter().sum::<f64>() / vals.len() as f64)
+        };
+        out.insert(k, stat);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn iterations_merge_as_trl_logs_them() {
+        let s = |loss: f64, lr: f64| {
+            let mut s = Stats::new();
+            s.insert("loss".into(), Stat::Scalar(loss));
+            s.insert("learning_rate".into(), Stat::Scalar(lr));
+            s
+        };
+        let mut first = s(1.0, 0.1);
+        first.insert("reward".into(), Stat::Scalar(0.5));
+        let m = merge_iterations(vec![first, s(3.0, 0.2)]);
+        let get = |k: &str| m.get(k).and_then(Stat::as_f64).unwrap();
+        assert_eq!((get("loss"), get("learning_rate"), get("reward")), (2.0, 0.2, 0.5));
+        assert_eq!(merge_iterations(vec![s(1.0, 0.1)]), s(1.0, 0.1));
+    }
+}

@@ -1,0 +1,192 @@
+//! `rltune ppo` with `[algorithm] kind = "grpo"` / `"rloo"` (issue #31 item 1), through
+//! `GroupRun` on a tiny random GPT-2 (V = 50, EOS = 49) and a word tokenizer: the loop learns a
+//! toy reward with fixed seeds, logs TRL's metric names (one `rewards/<name>/*` pair per reward
+//! function, a missing reward leaving its function out for that sample), and a resumed run ends
+//! with the weights and metrics of a straight one.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
+
+use candle_core::{DType, Device};
+use rltune::models::gpt2::Gpt2Config;
+use rltune::models::load::save_pretrained;
+use rltune::models::{CausalLm, CausalLmConfig};
+use rltune::params::ParamStore;
+use rltune::rewards::{FnReward, RewardInput, RewardSource};
+use rltune::run::{GroupRun, RunConfig};
+
+/// A tiny GPT-2 policy with a word tokenizer (`w0`…`w47`, `<unk>`, `<eos>` = 49) in `dir`.
+fn save_policy(dir: &Path) {
+    let cfg = Gpt2Config::tiny(50, 16, 2, 4, 64);
+    let store = ParamStore::random(7, true, DType::F32, &Device::Cpu).unwrap();
+    // Creates the weights in the store.
+    CausalLm::load(&store.root(), &CausalLmConfig::Gpt2(cfg.clone())).unwrap();
+    let mut json = serde_json::to_value(&cfg).unwrap();
+    json["model_type"] = "gpt2".into();
+    save_pretrained(dir, &store, &json).unwrap();
+    let words: Vec<String> = (0..48).map(|i| format!("w{i}")).collect();
+    let words: Vec<&str> = words.iter().map(String::as_str).collect();
+    crate::common::word_tokenizer(&words, false).inner().save(dir.join("tokenizer.json"), false).unwrap();
+}
+
+/// 16 prompts of 3 words; the even rows have an `answer` column (`w7`), the odd ones none.
+fn save_prompts(path: &Path) {
+    let lines: Vec<String> = (0..16)
+        .map(|i| {
+            let text = format!("w{} w{} w{}", i, (i * 7) % 40, (i * 5) % 40);
+            if i % 2 == 0 {
+                format!("{{\"text\": \"{text}\", \"answer\": \"w7\"}}")
+            } else {
+                format!("{{\"text\": \"{text}\"}}")
+            }
+        })
+        .collect();
+    std::fs::write(path, lines.join("\n")).unwrap();
+}
+
+/// The fraction of a response's words that are `w7`: a dense toy reward.
+fn count_w7() -> Box<dyn RewardSource> {
+    Box::new(FnReward::new("count_w7", |s: &RewardInput| {
+        let words: Vec<&str> = s.response.split_whitespace().collect();
+        Ok(words.iter().filter(|w| **w == "w7").count() as f32 / words.len().max(1) as f32)
+    }))
+}
+
+struct Setup {
+    _tmp: tempfile::TempDir,
+    root: PathBuf,
+}
+
+fn setup() -> Setup {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().to_path_buf();
+    save_policy(&root.join("policy"));
+    save_prompts(&root.join("prompts.jsonl"));
+    Setup { _tmp: tmp, root }
+}
+
+/// A GRPO or RLOO run config over the tiny policy: 4 prompts × 4 completions per step.
+fn config(s: &Setup, kind: &str, run: &str, steps: usize, extra: &str) -> RunConfig {
+    let text = format!(
+        "[model]\npath = {:?}\n[algorithm]\nkind = \"{kind}\"\n[data]\nsource = {:?}\n\
+         [[reward.sources]]\nkind = \"exact_match\"\ncolumn = \"answer\"\nweight = 0.5\n\
+         [generation]\nmax_new_tokens = 4\nseed = 11\n\
+         [{kind}]\nnum_generations = 4\nper_device_train_batch_size = 16\nlearning_rate = 1e-2\n\
+         max_steps = {steps}\nbeta = 0.02\nlr_scheduler_type = \"constant\"\n{extra}\
+         [logging]\ndir = {:?}\n[checkpoint]\nevery = 2\noptimizer_state = true\n",
+        s.root.join("policy").to_str().unwrap(),
+        s.root.join("prompts.jsonl").to_str().unwrap(),
+        s.root.join(run).to_str().unwrap()
+    );
+    RunConfig::from_toml(&text, Path::new("run.toml"), &[]).unwrap()
+}
+
+fn run(cfg: RunConfig, resume: bool) -> GroupRun {
+    let mut r = GroupRun::prepare(cfg, vec![(1.0, count_w7())], resume).unwrap();
+    r.run(&AtomicBool::new(false), &mut |_| {}).unwrap();
+    r
+}
+
+fn metrics(s: &Setup, run: &str) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(s.root.join(run).join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let mut v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v.as_object_mut().unwrap().retain(|k, _| !k.starts_with("time/"));
+            v
+        })
+        .collect()
+}
+
+fn mean(xs: &[f64]) -> f64 {
+    xs.iter().sum::<f64>() / xs.len() as f64
+}
+
+/// The toy reward rises: the mean of `rewards/count_w7/mean` over the last 5 of 30 steps is
+/// above the first 5's by `margin`; every TRL metric is logged, and the exact-match column is
+/// the mean over the rows that have an answer only.
+fn learns(kind: &str, margin: f64) {
+    let s = setup();
+    run(config(&s, kind, kind, 30, ""), false);
+    let m = metrics(&s, kind);
+    assert_eq!(m.len(), 30);
+    let keys = [
+        "reward",
+        "reward_std",
+        "frac_reward_zero_std",
+        "kl",
+        "entropy",
+        "clip_ratio/region_mean",
+        "clip_ratio/low_mean",
+        "clip_ratio/high_max",
+        "completions/mean_length",
+        "completions/clipped_ratio",
+        "completions/mean_terminated_length",
+        "rewards/count_w7/mean",
+        "rewards/count_w7/std",
+        "rewards/exact_match/mean",
+        "rewards/exact_match/std",
+        "num_tokens",
+        "loss",
+        "grad_norm",
+        "learning_rate",
+        "epoch",
+    ];
+    for k in keys {
+        assert!(m[0].get(k).is_some(), "{kind}: no {k} in {}", m[0]);
+    }
+    let get = |i: usize, k: &str| m[i][k].as_f64().unwrap_or(f64::NAN);
+    let r: Vec<f64> = (0..30).map(|i| get(i, "rewards/count_w7/mean")).collect();
+    let (first, last) = (mean(&r[..5]), mean(&r[25..]));
+    eprintln!("{kind}: count_w7 {first:.3} → {last:.3}; kl at the end {:.4}", get(29, "kl"));
+    assert!(last > first + margin, "{kind}: the toy reward did not rise: {first:.3} → {last:.3} ({r:?})");
+    // Half the rows have no answer: the exact-match reward is missing there, which leaves it out
+    // (its mean is over the rows that have one; null in a step that drew none) but trains on
+    // every step.
+    assert!(
+        m.iter().all(|l| l["reward"].as_f64().is_some() && l["loss"].as_f64().is_some()),
+        "a step was skipped"
+    );
+    let scored = m.iter().filter(|l| l["rewards/exact_match/mean"].as_f64().is_some()).count();
+    assert!(scored >= 20, "{scored} of 30 steps have an exact-match mean");
+    // Epochs: 30 steps × 4 prompts over 16 prompts.
+    assert!((get(29, "epoch") - 7.5).abs() < 1e-9, "epoch {}", get(29, "epoch"));
+}
+
+#[test]
+fn grpo_loop_learns_a_toy_reward_and_logs_trl_metrics() {
+    learns("grpo", 0.5);
+}
+
+#[test]
+fn rloo_loop_learns_a_toy_reward_and_logs_trl_metrics() {
+    learns("rloo", 0.5);
+}
+
+/// A run resumed from its step-2 checkpoint ends with the weights and metrics of a straight
+/// 4-step run (GRPO with two iterations per batch, so the LR schedule and Adam's state count).
+#[test]
+fn a_grpo_run_resumes_exactly() {
+    let s = setup();
+    let extra = "num_iterations = 2\n";
+    let straight = run(config(&s, "grpo", "straight", 8, extra), false);
+    run(config(&s, "grpo", "resumed", 4, extra), false);
+    assert!(s.root.join("resumed/checkpoints/step-2/optimizer.safetensors").is_file());
+    let resumed = run(config(&s, "grpo", "resumed", 8, extra), true);
+    assert_eq!(resumed.start_step(), 2);
+    let (a, b) = (metrics(&s, "straight"), metrics(&s, "resumed"));
+    assert_eq!(a.len(), 4);
+    assert_eq!(a, b, "the resumed run's metrics differ");
+    let snap = |r: &GroupRun| r.trainer.store().snapshot().unwrap();
+    for ((name, x), (_, y)) in snap(&straight).iter().zip(snap(&resumed).iter()) {
+        let d = crate::common::max_diff(x, y);
+        assert_eq!(d, 0.0, "{name} differs by {d}");
+    }
+    // An RLOO config cannot resume it.
+    let err = GroupRun::prepare(config(&s, "rloo", "resumed", 8, ""), vec![(1.0, count_w7())], true)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("written by a grpo run") && err.contains("kind = \"grpo\""), "{err}");
+}
