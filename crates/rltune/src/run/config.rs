@@ -430,8 +430,8 @@ impl RunConfig {
             }
         }
         if self.critic.is_some() && self.algorithm.kind != AlgorithmKind::Ppo {
-            return Err("[critic] works with PPO only (rejection sampling learns no values); remove \
-                        the [critic] table or set [algorithm] kind = \"ppo\""
+            return Err("[critic] works with PPO only (rejection sampling, GRPO and RLOO learn no \
+                        values); remove the [critic] table or set [algorithm] kind = \"ppo\""
                 .into());
         }
         if let Some(env) = &self.env {
