@@ -7,19 +7,26 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 use rltune::quickstart::{
-    run_adventure_quickstart, run_quickstart, AdventureQuickstartConfig, Event, QuickstartConfig, Summary,
+    run_adventure_quickstart, run_arithmetic_quickstart, run_quickstart, AdventureQuickstartConfig,
+    ArithmeticQuickstartConfig, Event, QuickstartConfig, Summary,
 };
 use rltune::run::config::parse_toml;
+use rltune::run::config::AlgorithmKind;
 
 use crate::train::Bar;
 
 /// Arguments of `rltune quickstart`.
 #[derive(clap::Args)]
 pub struct Args {
-    /// `sentiment` (PPO toward positive reviews with a classifier reward) or `adventure` (an LM
-    /// agent for text adventures: walkthrough demonstrations, behavioural cloning, PPO on games).
-    #[arg(long, default_value = "sentiment", value_parser = ["sentiment", "adventure"])]
+    /// `sentiment` (PPO toward positive reviews with a classifier reward), `adventure` (an LM
+    /// agent for text adventures: walkthrough demonstrations, behavioural cloning, PPO on games)
+    /// or `arithmetic` (two-digit sums: SFT, then GRPO or RLOO with an exact-match reward).
+    #[arg(long, default_value = "sentiment", value_parser = ["sentiment", "adventure", "arithmetic"])]
     task: String,
+    /// With --task arithmetic: `grpo` or `rloo` (both train from the same SFT policy when run in
+    /// the same --output directory).
+    #[arg(long, value_parser = ["grpo", "rloo"])]
+    algorithm: Option<String>,
     /// Where every stage writes (cached stages are skipped on a rerun); default
     /// runs/quickstart, or runs/quickstart-adventure for the adventure task.
     #[arg(long)]
@@ -41,8 +48,14 @@ pub struct Args {
 
 /// Runs `rltune quickstart`.
 pub fn run(args: Args) -> Result<()> {
+    if args.algorithm.is_some() && args.task != "arithmetic" {
+        anyhow::bail!("--algorithm is for --task arithmetic (the {} task trains with PPO)", args.task);
+    }
     if args.task == "adventure" {
         return run_adventure(args);
+    }
+    if args.task == "arithmetic" {
+        return run_arithmetic(args);
     }
     let output = args.output.clone().unwrap_or_else(|| PathBuf::from("runs/quickstart"));
     let mut cfg = if args.preset == "tiny" { QuickstartConfig::tiny() } else { QuickstartConfig::default() };
@@ -189,4 +202,60 @@ fn report_checks(checks: Vec<rltune::quickstart::Check>, tiny: bool) -> usize {
         println!("{verdict} {}", c.what);
     }
     checks.iter().filter(|c| !c.ok).count()
+}
+
+/// `rltune quickstart --task arithmetic`.
+fn run_arithmetic(args: Args) -> Result<()> {
+    let output = args.output.clone().unwrap_or_else(|| PathBuf::from("runs/quickstart-arithmetic"));
+    let tiny = args.preset == "tiny";
+    let mut cfg =
+        if tiny { ArithmeticQuickstartConfig::tiny() } else { ArithmeticQuickstartConfig::default() };
+    cfg.seed = args.seed;
+    if let Some(a) = &args.algorithm {
+        cfg.algorithm = if a == "rloo" { AlgorithmKind::Rloo } else { AlgorithmKind::Grpo };
+    }
+    if !args.set.is_empty() {
+        let text = toml::to_string(&cfg).context("cannot serialize the quickstart settings")?;
+        cfg = parse_toml(&text, Path::new("quickstart settings"), &args.set)?;
+    }
+    let stop = crate::ppo::stop_flag()?;
+    let started = std::time::Instant::now();
+    let mut bar: Option<(Bar, usize)> = None;
+    let runtime = args.runtime.resolve(Default::default())?;
+    let s = run_arithmetic_quickstart(&output, &cfg, &runtime, &stop, &mut |e| show_event(&mut bar, e))?;
+    let alg = cfg.algorithm.name();
+    println!();
+    let (sft_steps, val) = s.sft_checks.last().copied().unwrap_or((0, f64::NAN));
+    println!(
+        "policy: GPT-2, {:.2}M parameters, SFT on {} problems for {sft_steps} steps (stopped at \
+         {:.1}% greedy validation accuracy; target {:.0}%); {} held out",
+        s.policy_parameters as f64 / 1e6,
+        s.train_problems,
+        100.0 * val,
+        100.0 * cfg.sft_target_accuracy,
+        s.sft.n
+    );
+    for (name, a) in [("SFT policy", &s.sft), (&*format!("{} policy", alg.to_uppercase()), &s.rl)] {
+        println!(
+            "  {name:<12} held-out accuracy: greedy {:5.1}%, sampled (T = 1) {:5.1}%   {}",
+            100.0 * a.greedy,
+            100.0 * a.sampled,
+            a.samples.iter().take(3).cloned().collect::<Vec<_>>().join("  ")
+        );
+    }
+    let failed = report_checks(s.checks(), tiny);
+    println!(
+        "wall time {:.0} s; report: {}",
+        started.elapsed().as_secs_f64(),
+        output.join(alg).join("report.html").display()
+    );
+    println!(
+        "summary: {}; rerun {alg} alone: rltune ppo --config {}",
+        output.join(format!("summary-{alg}.json")).display(),
+        output.join(format!("{alg}.toml")).display()
+    );
+    if failed > 0 && !tiny {
+        anyhow::bail!("{failed} acceptance check(s) failed (see FAIL above)");
+    }
+    Ok(())
 }
