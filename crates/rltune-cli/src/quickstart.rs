@@ -7,10 +7,12 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 use rltune::quickstart::{
-    run_agent_quickstart, run_quickstart, AdventureQuickstartConfig, AgentGames, AgentQuickstartConfig,
-    Event, QuickstartConfig, Summary, TextworldQuickstartConfig,
+    run_agent_quickstart, run_arithmetic_quickstart, run_quickstart, AdventureQuickstartConfig, AgentGames,
+    AgentQuickstartConfig, ArithmeticQuickstartConfig, Event, QuickstartConfig, Summary,
+    TextworldQuickstartConfig,
 };
 use rltune::run::config::parse_toml;
+use rltune::run::config::AlgorithmKind;
 
 use crate::train::Bar;
 
@@ -19,10 +21,15 @@ use crate::train::Bar;
 pub struct Args {
     /// `sentiment` (PPO toward positive reviews with a classifier reward), `adventure` (an LM
     /// agent for the generated text adventures: walkthrough demonstrations, behavioural cloning,
-    /// PPO on games) or `textworld` (the same on TextWorld games; needs tools/textworld/install.sh
-    /// and tools/textworld/make_game_set.sh coin 64 64).
-    #[arg(long, default_value = "sentiment", value_parser = ["sentiment", "adventure", "textworld"])]
+    /// PPO on games), `textworld` (the same on TextWorld games; needs tools/textworld/install.sh
+    /// and tools/textworld/make_game_set.sh coin 64 64) or `arithmetic` (two-digit sums: SFT, then
+    /// GRPO or RLOO with an exact-match reward).
+    #[arg(long, default_value = "sentiment", value_parser = ["sentiment", "adventure", "textworld", "arithmetic"])]
     task: String,
+    /// With --task arithmetic: `grpo` or `rloo` (both train from the same SFT policy when run in
+    /// the same --output directory).
+    #[arg(long, value_parser = ["grpo", "rloo"])]
+    algorithm: Option<String>,
     /// Where every stage writes (cached stages are skipped on a rerun); default
     /// runs/quickstart, or runs/quickstart-TASK for the agent tasks.
     #[arg(long)]
@@ -44,6 +51,9 @@ pub struct Args {
 
 /// Runs `rltune quickstart`.
 pub fn run(args: Args) -> Result<()> {
+    if args.algorithm.is_some() && args.task != "arithmetic" {
+        anyhow::bail!("--algorithm is for --task arithmetic (the {} task trains with PPO)", args.task);
+    }
     match args.task.as_str() {
         "adventure" => {
             let (d, t) = (AdventureQuickstartConfig::default(), AdventureQuickstartConfig::tiny());
@@ -53,6 +63,7 @@ pub fn run(args: Args) -> Result<()> {
             let (d, t) = (TextworldQuickstartConfig::default(), TextworldQuickstartConfig::tiny());
             return run_agent(args, d, t);
         }
+        "arithmetic" => return run_arithmetic(args),
         _ => {}
     }
     let output = args.output.clone().unwrap_or_else(|| PathBuf::from("runs/quickstart"));
@@ -212,4 +223,60 @@ fn report_checks(checks: Vec<rltune::quickstart::Check>, tiny: bool) -> usize {
         println!("{verdict} {}", c.what);
     }
     checks.iter().filter(|c| !c.ok).count()
+}
+
+/// `rltune quickstart --task arithmetic`.
+fn run_arithmetic(args: Args) -> Result<()> {
+    let output = args.output.clone().unwrap_or_else(|| PathBuf::from("runs/quickstart-arithmetic"));
+    let tiny = args.preset == "tiny";
+    let mut cfg =
+        if tiny { ArithmeticQuickstartConfig::tiny() } else { ArithmeticQuickstartConfig::default() };
+    cfg.seed = args.seed;
+    if let Some(a) = &args.algorithm {
+        cfg.algorithm = if a == "rloo" { AlgorithmKind::Rloo } else { AlgorithmKind::Grpo };
+    }
+    if !args.set.is_empty() {
+        let text = toml::to_string(&cfg).context("cannot serialize the quickstart settings")?;
+        cfg = parse_toml(&text, Path::new("quickstart settings"), &args.set)?;
+    }
+    let stop = crate::ppo::stop_flag()?;
+    let started = std::time::Instant::now();
+    let mut bar: Option<(Bar, usize)> = None;
+    let runtime = args.runtime.resolve(Default::default())?;
+    let s = run_arithmetic_quickstart(&output, &cfg, &runtime, &stop, &mut |e| show_event(&mut bar, e))?;
+    let alg = cfg.algorithm.name();
+    println!();
+    let (sft_steps, val) = s.sft_checks.last().copied().unwrap_or((0, f64::NAN));
+    println!(
+        "policy: GPT-2, {:.2}M parameters, SFT on {} problems for {sft_steps} steps (stopped at \
+         {:.1}% greedy validation accuracy; target {:.0}%); {} held out",
+        s.policy_parameters as f64 / 1e6,
+        s.train_problems,
+        100.0 * val,
+        100.0 * cfg.sft_target_accuracy,
+        s.sft.n
+    );
+    for (name, a) in [("SFT policy", &s.sft), (&*format!("{} policy", alg.to_uppercase()), &s.rl)] {
+        println!(
+            "  {name:<12} held-out accuracy: greedy {:5.1}%, sampled (T = 1) {:5.1}%   {}",
+            100.0 * a.greedy,
+            100.0 * a.sampled,
+            a.samples.iter().take(3).cloned().collect::<Vec<_>>().join("  ")
+        );
+    }
+    let failed = report_checks(s.checks(), tiny);
+    println!(
+        "wall time {:.0} s; report: {}",
+        started.elapsed().as_secs_f64(),
+        output.join(alg).join("report.html").display()
+    );
+    println!(
+        "summary: {}; rerun {alg} alone: rltune ppo --config {}",
+        output.join(format!("summary-{alg}.json")).display(),
+        output.join(format!("{alg}.toml")).display()
+    );
+    if failed > 0 && !tiny {
+        anyhow::bail!("{failed} acceptance check(s) failed (see FAIL above)");
+    }
+    Ok(())
 }

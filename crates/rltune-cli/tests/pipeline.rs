@@ -784,3 +784,66 @@ fn rejection_sampling_learns_the_letter_toy_and_distils_the_best_of_n() {
         assert!(m["rejection/kept_score_mean"].as_f64() >= m["rejection/score_mean"].as_f64(), "{m}");
     }
 }
+
+/// `quickstart --task arithmetic --preset tiny`: data, tokenizer, SFT, GRPO and evaluation run;
+/// `--algorithm rloo` in the same directory reuses the SFT policy; the RL stage's config reruns
+/// with `rltune ppo` (GRPO in the training loop), and resumes.
+#[test]
+fn arithmetic_quickstart_runs_grpo_and_rloo_from_one_sft_policy() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("qa");
+    let out = ok(rltune(&["quickstart", "--task", "arithmetic", "--preset", "tiny", "--output", s(&dir)]));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("held-out accuracy: greedy") && stdout.contains("GRPO policy"), "{stdout}");
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("summary-grpo.json")).unwrap()).unwrap();
+    assert_eq!(summary["curve"].as_array().unwrap().len(), 2);
+    assert_eq!(summary["sft"]["n"], 32);
+    let grpo = metrics(&dir.join("grpo"));
+    for key in
+        ["reward", "reward_std", "kl", "entropy", "completions/mean_length", "rewards/exact_match/mean"]
+    {
+        assert!(grpo[0][key].is_number(), "{key} missing in {}", grpo[0]);
+    }
+    let report = std::fs::read_to_string(dir.join("grpo/report.html")).unwrap();
+    assert!(report.contains("plot-group") && report.contains("completions/mean_length"), "no GRPO figure");
+
+    let out = ok(rltune(&[
+        "quickstart",
+        "--task",
+        "arithmetic",
+        "--preset",
+        "tiny",
+        "--algorithm",
+        "rloo",
+        "--output",
+        s(&dir),
+    ]));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("[sft] cached") && err.contains("[rloo] started"), "{err}");
+    assert!(dir.join("summary-rloo.json").is_file() && dir.join("rloo/checkpoints/step-2").is_dir());
+
+    // The GRPO stage as an ordinary `rltune ppo` run, resumed to 4 steps.
+    let run = tmp.path().join("again");
+    let cfg = dir.join("grpo.toml");
+    let set = |steps: &str| {
+        vec![
+            "--set".to_string(),
+            format!("logging.dir={:?}", s(&run)),
+            "--set".into(),
+            format!("grpo.max_steps={steps}"),
+        ]
+    };
+    let mut args: Vec<String> = vec!["ppo".into(), "--config".into(), s(&cfg).into()];
+    ok(run_ppo(&[args.clone(), set("2")].concat()));
+    args.push("--resume".into());
+    ok(run_ppo(&[args, set("4")].concat()));
+    let lines = metrics(&run);
+    assert_eq!(lines.iter().map(|m| m["step"].as_u64().unwrap()).collect::<Vec<_>>(), [1, 2, 3, 4]);
+    assert!(run.join("checkpoints/step-4/optimizer.safetensors").is_file());
+    let err = fails(rltune(&["ppo", "--config", s(&cfg), "--set", "ppo.steps=3"]));
+    assert!(err.contains("[ppo] is set but [algorithm] kind = \"grpo\""), "{err}");
+    let err =
+        fails(rltune(&["quickstart", "--task", "sentiment", "--algorithm", "rloo", "--output", s(&dir)]));
+    assert!(err.contains("--algorithm is for --task arithmetic"), "{err}");
+}

@@ -31,7 +31,7 @@ pub struct GenerationConfig {
     pub max_new_tokens: usize,
     /// Sampling temperature (logits are divided by it).
     pub temperature: f64,
-    /// Keep only the k most likely tokens; 0 (default) disables.
+    /// Keep only the k most likely tokens; 0 (default) disables; 1 is greedy decoding.
     pub top_k: usize,
     /// Nucleus sampling threshold; 1.0 (default) disables.
     pub top_p: f64,
@@ -155,7 +155,8 @@ pub fn generate_with(
             ))
         }
     };
-    if cfg.biases_kl() {
+    // Greedy decoding (top_k = 1) is for evaluation, where no KL is estimated.
+    if cfg.biases_kl() && cfg.top_k != 1 {
         tracing::warn!(
             "top_k / top_p / min_new_tokens are on: sampling no longer follows the policy, which \
              biases PPO's KL estimate (it can turn negative and PPO will exploit it)"

@@ -2,10 +2,12 @@
 //! model and PPO toward positive reviews, end to end on 2 CPU cores (see [`pipeline`]); and
 //! an LM agent for text games: walkthrough demonstrations, behavioural cloning, then PPO on the
 //! games (see [`agent`]), on the Rust-native adventures ([`adventure`]) or on TextWorld games
-//! ([`textworld`]).
+//! ([`textworld`]); and a verifiable-reward task, two-digit arithmetic: SFT of a tiny GPT-2, then
+//! GRPO or RLOO with an exact-match reward (see [`arithmetic`]).
 
 pub mod adventure;
 pub mod agent;
+pub mod arithmetic;
 pub mod bpe;
 pub mod corpus;
 pub mod pipeline;
@@ -13,5 +15,6 @@ pub mod textworld;
 
 pub use adventure::{run_adventure_quickstart, AdventureQuickstartConfig, AdventureSummary};
 pub use agent::{run_agent_quickstart, AgentGames, AgentQuickstartConfig, AgentSummary};
+pub use arithmetic::{run_arithmetic_quickstart, ArithmeticQuickstartConfig, ArithmeticSummary};
 pub use pipeline::{run_quickstart, Check, CurvePoint, Event, PolicyEval, QuickstartConfig, Summary};
 pub use textworld::{run_textworld_quickstart, TextworldGames, TextworldQuickstartConfig, TextworldSummary};
