@@ -7,6 +7,7 @@ pub mod episodes;
 pub mod group_config;
 pub mod group_loop;
 pub mod ppo_loop;
+pub mod reward_config;
 
 pub use config::RunConfig;
 pub use group_loop::{GroupRun, GroupTrainer};
