@@ -15,7 +15,7 @@
 //! A family is an [`AgentGames`]: it says which environments make the training and the held-out
 //! games, and how demonstrations are played.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
@@ -23,8 +23,8 @@ use serde::{Deserialize, Serialize};
 
 use super::bpe::train_bpe;
 use super::pipeline::{
-    check_same_config, count_parameters, json_err, metric_lines, new_gpt2, to_json, train_progress,
-    write_file, Check, Event,
+    check_same_config, count_parameters, json_err, metric_pairs, new_gpt2, read_stage_jsonl, to_json,
+    train_progress, write_file, Check, Event,
 };
 use crate::envs::config::{EnvSection, Split};
 use crate::envs::demos::{demonstrations, Demonstration};
@@ -226,7 +226,7 @@ pub fn run_agent_quickstart<G: AgentGames>(
         write_file(&demos_path, text.as_bytes())?;
         timed("demos", on, t);
     }
-    let demos = read_demonstrations(&demos_path)?;
+    let demos: Vec<Demonstration> = read_stage_jsonl(&demos_path)?;
 
     // 2. Tokenizer.
     let tok_path = dir.join("tokenizer").join("tokenizer.json");
@@ -325,7 +325,11 @@ pub fn run_agent_quickstart<G: AgentGames>(
         random,
         bc,
         ppo,
-        ppo_curve: read_curve(&run_config.logging.dir.join("metrics.jsonl"))?,
+        ppo_curve: metric_pairs(
+            &run_config.logging.dir.join("metrics.jsonl"),
+            "env/win_rate",
+            "objective/kl",
+        )?,
         stage_seconds: seconds,
     };
     write_file(&dir.join("summary.json"), to_json(&summary)?.as_bytes())?;
@@ -386,32 +390,4 @@ fn fit_prompts(records: Vec<SftRecord>, tokenizer: &Tokenizer, max_tokens: usize
             other => Ok(other),
         })
         .collect()
-}
-
-fn read_demonstrations(path: &PathBuf) -> Result<Vec<Demonstration>> {
-    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-    text.lines()
-        .enumerate()
-        .filter(|(_, l)| !l.trim().is_empty())
-        .map(|(i, l)| {
-            serde_json::from_str(l).map_err(|e| {
-                Error::Input(format!(
-                    "{} line {}: {e}; delete the file to regenerate it",
-                    path.display(),
-                    i + 1
-                ))
-            })
-        })
-        .collect()
-}
-
-/// `(step, env/win_rate, objective/kl)` per line of metrics.jsonl.
-fn read_curve(path: &Path) -> Result<Vec<(usize, f64, f64)>> {
-    Ok(metric_lines(path)?
-        .into_iter()
-        .map(|(step, v)| {
-            let f = |k: &str| v.get(k).and_then(serde_json::Value::as_f64).unwrap_or(f64::NAN);
-            (step, f("env/win_rate"), f("objective/kl"))
-        })
-        .collect())
 }

@@ -30,7 +30,7 @@ use serde::{Deserialize, Serialize};
 
 use super::bpe::train_bpe;
 use super::pipeline::{
-    count_parameters, json_err, metric_lines, new_gpt2, to_json, train_progress, write_file,
+    count_parameters, json_err, metric_pairs, new_gpt2, read_stage_jsonl, to_json, train_progress, write_file,
 };
 use super::{Check, Event};
 use crate::error::{Error, Result};
@@ -331,9 +331,9 @@ pub fn run_arithmetic_quickstart(
         write_problems(&train_path, &all[h + v..])?;
         timed("data", on, t);
     }
-    let train = read_problems(&train_path)?;
-    let heldout = read_problems(&heldout_path)?;
-    let validation = read_problems(&validation_path)?;
+    let train: Vec<Problem> = read_stage_jsonl(&train_path)?;
+    let heldout: Vec<Problem> = read_stage_jsonl(&heldout_path)?;
+    let validation: Vec<Problem> = read_stage_jsonl(&validation_path)?;
 
     // 2. Tokenizer: one token per character.
     let tok_path = dir.join("tokenizer").join("tokenizer.json");
@@ -426,7 +426,7 @@ pub fn run_arithmetic_quickstart(
         sft_checks,
         sft: sft_acc,
         rl: rl_acc,
-        curve: read_curve(&run_dir.join("metrics.jsonl"))?,
+        curve: metric_pairs(&run_dir.join("metrics.jsonl"), "reward", "kl")?,
         stage_seconds: seconds,
     };
     write_file(&dir.join(format!("summary-{stage}.json")), to_json(&summary)?.as_bytes())?;
@@ -633,34 +633,6 @@ fn write_problems(path: &Path, problems: &[Problem]) -> Result<()> {
         text.push('\n');
     }
     write_file(path, text.as_bytes())
-}
-
-fn read_problems(path: &Path) -> Result<Vec<Problem>> {
-    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-    text.lines()
-        .enumerate()
-        .filter(|(_, l)| !l.trim().is_empty())
-        .map(|(i, l)| {
-            serde_json::from_str(l).map_err(|e| {
-                Error::Input(format!(
-                    "{} line {}: {e}; delete the file to regenerate it",
-                    path.display(),
-                    i + 1
-                ))
-            })
-        })
-        .collect()
-}
-
-/// `(step, reward, kl)` per line of metrics.jsonl.
-fn read_curve(path: &Path) -> Result<Vec<(usize, f64, f64)>> {
-    Ok(metric_lines(path)?
-        .into_iter()
-        .map(|(step, v)| {
-            let f = |k: &str| v.get(k).and_then(serde_json::Value::as_f64).unwrap_or(f64::NAN);
-            (step, f("reward"), f("kl"))
-        })
-        .collect())
 }
 
 #[cfg(test)]

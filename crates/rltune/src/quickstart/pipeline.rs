@@ -768,6 +768,36 @@ pub(crate) fn metric_lines(path: &Path) -> Result<Vec<(usize, serde_json::Value)
     Ok(out)
 }
 
+/// The rows of a JSON-lines file that a stage wrote (blank lines skipped); a bad line is an error
+/// naming it, with the fix (delete the file so the stage writes it again).
+pub(crate) fn read_stage_jsonl<T: serde::de::DeserializeOwned>(path: &Path) -> Result<Vec<T>> {
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, l)| {
+            serde_json::from_str(l).map_err(|e| {
+                Error::Input(format!(
+                    "{} line {}: {e}; delete the file to regenerate it",
+                    path.display(),
+                    i + 1
+                ))
+            })
+        })
+        .collect()
+}
+
+/// `(step, v[a], v[b])` per line of a metrics.jsonl (NaN where a key is missing).
+pub(crate) fn metric_pairs(path: &Path, a: &str, b: &str) -> Result<Vec<(usize, f64, f64)>> {
+    Ok(metric_lines(path)?
+        .into_iter()
+        .map(|(step, v)| {
+            let f = |k: &str| v.get(k).and_then(serde_json::Value::as_f64).unwrap_or(f64::NAN);
+            (step, f(a), f(b))
+        })
+        .collect())
+}
+
 /// A progress callback for the supervised trainers.
 pub(crate) fn train_progress<'a>(
     stage: &'static str,
