@@ -7,8 +7,8 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
 use rltune::data::group_rollouts::{read_group_rollouts, GroupRollouts};
 use rltune::grpo::{GroupBatch, GrpoConfig, GrpoTrainer, RlooConfig, RlooTrainer};
-use rltune::models::load::{locate, read_config_json, save_dir_atomic, ModelFiles};
-use rltune::models::{CausalLm, CausalLmConfig};
+use rltune::models::load::{load_lm, save_dir_atomic, LoadedLm as Loaded};
+use rltune::models::CausalLm;
 use rltune::params::ParamStore;
 use rltune::ppo::{Stat, Stats};
 
@@ -35,21 +35,8 @@ pub struct Args {
 }
 
 /// A causal LM, its files and raw config.
-struct Loaded {
-    files: ModelFiles,
-    config_json: serde_json::Value,
-    config: CausalLmConfig,
-    store: ParamStore,
-    lm: CausalLm,
-}
-
 fn load(model: &str, trainable: bool) -> Result<Loaded> {
-    let files = locate(model)?;
-    let config_json = read_config_json(&files.config)?;
-    let config = CausalLmConfig::from_json(&config_json, &files.config)?;
-    let store = ParamStore::load_safetensors(&files.weights, trainable, DType::F32, &Device::Cpu)?;
-    let lm = CausalLm::load(&store.root(), &config)?;
-    Ok(Loaded { files, config_json, config, store, lm })
+    Ok(load_lm(model, trainable, DType::F32, &Device::Cpu)?)
 }
 
 /// The policy, the reference (when given) and the rollouts with every truncation flag resolved:

@@ -308,10 +308,30 @@ pub fn copy_side_files(files: &ModelFiles, dir: &Path) -> Result<()> {
 
 /// Loads a frozen causal LM (no value head) from a directory or hub id: a reference model.
 pub fn load_reference(model: &str, dtype: DType, device: &Device) -> Result<(ModelFiles, CausalLm)> {
+    let LoadedLm { files, lm, .. } = load_lm(model, false, dtype, device)?;
+    Ok((files, lm))
+}
+
+/// A causal LM without a value head, with what it was loaded from ([`load_lm`]).
+pub struct LoadedLm {
+    /// Where it came from.
+    pub files: ModelFiles,
+    /// Its config.json as read.
+    pub config_json: serde_json::Value,
+    /// The parsed config.
+    pub config: CausalLmConfig,
+    /// Its parameters (trainable or frozen as asked).
+    pub store: ParamStore,
+    /// The model.
+    pub lm: CausalLm,
+}
+
+/// Loads the causal LM `model` (a directory or hub id) on `device` in `dtype`.
+pub fn load_lm(model: &str, trainable: bool, dtype: DType, device: &Device) -> Result<LoadedLm> {
     let files = locate(model)?;
     let config_json = read_config_json(&files.config)?;
     let config = CausalLmConfig::from_json(&config_json, &files.config)?;
-    let store = ParamStore::load_safetensors(&files.weights, false, dtype, device)?;
+    let store = ParamStore::load_safetensors(&files.weights, trainable, dtype, device)?;
     let lm = CausalLm::load(&store.root(), &config)?;
-    Ok((files, lm))
+    Ok(LoadedLm { files, config_json, config, store, lm })
 }

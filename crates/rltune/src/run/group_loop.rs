@@ -31,8 +31,8 @@ use crate::grpo::core::Core;
 use crate::grpo::math::weighted_rewards;
 use crate::grpo::{GroupBatch, GrpoTrainer, RewardTable, RlooTrainer};
 use crate::logging::{RunLogger, SampleRow};
-use crate::models::load::{load_reference, locate, read_config_json, ModelFiles};
-use crate::models::{CausalLm, CausalLmConfig};
+use crate::models::load::{load_lm, load_reference, ModelFiles};
+use crate::models::CausalLm;
 use crate::params::ParamStore;
 use crate::ppo::{Stat, Stats};
 use crate::rewards::{RewardInput, RewardSource, WeightedSum};
@@ -104,24 +104,6 @@ pub struct GroupRun {
     device: Device,
 }
 
-/// A causal LM's files, raw and parsed config, parameters and model.
-struct LoadedLm {
-    files: ModelFiles,
-    config_json: serde_json::Value,
-    config: CausalLmConfig,
-    store: ParamStore,
-    lm: CausalLm,
-}
-
-fn load_lm(model: &str, runtime: &Runtime) -> Result<LoadedLm> {
-    let files = locate(model)?;
-    let config_json = read_config_json(&files.config)?;
-    let config = CausalLmConfig::from_json(&config_json, &files.config)?;
-    let store = ParamStore::load_safetensors(&files.weights, true, runtime.dtype(), runtime.device())?;
-    let lm = CausalLm::load(&store.root(), &config)?;
-    Ok(LoadedLm { files, config_json, config, store, lm })
-}
-
 impl GroupRun {
     /// Loads the policy, data and rewards on the runtime of `config.runtime`; with `resume`,
     /// continues from the latest checkpoint in the run directory (which must hold optimizer
@@ -164,7 +146,7 @@ impl GroupRun {
             )));
         }
         let src = ckpt.as_ref().map_or(config.model.path.clone(), |(_, p)| p.display().to_string());
-        let policy = load_lm(&src, runtime)?;
+        let policy = load_lm(&src, true, runtime.dtype(), runtime.device())?;
         let tok_path = policy.files.tokenizer.clone().ok_or_else(|| {
             Error::Tokenizer(format!(
                 "{}: no tokenizer.json; `rltune ppo` needs one to encode prompts",
