@@ -32,11 +32,13 @@ pub struct Args {
     /// Output directory: model.safetensors, config.json, stats.json.
     #[arg(long)]
     output: PathBuf,
+    #[command(flatten)]
+    runtime: crate::runtime::RuntimeArgs,
 }
 
 /// A causal LM, its files and raw config.
-fn load(model: &str, trainable: bool) -> Result<Loaded> {
-    Ok(load_lm(model, trainable, DType::F32, &Device::Cpu)?)
+fn load(model: &str, trainable: bool, device: &Device) -> Result<Loaded> {
+    Ok(load_lm(model, trainable, DType::F32, device)?)
 }
 
 /// The policy, the reference (when given) and the rollouts with every truncation flag resolved:
@@ -45,9 +47,12 @@ fn inputs(
     args: &Args,
     reward_funcs: Option<&[String]>,
 ) -> Result<(Loaded, Option<CausalLm>, GroupRollouts, Vec<bool>)> {
-    let policy = load(&args.model, true).with_context(|| format!("cannot load policy {:?}", args.model))?;
+    let runtime = args.runtime.resolve(Default::default())?;
+    let device = runtime.device();
+    let policy =
+        load(&args.model, true, device).with_context(|| format!("cannot load policy {:?}", args.model))?;
     let reference = match &args.ref_model {
-        Some(r) => Some(load(r, false).with_context(|| format!("cannot load reference {r:?}"))?.lm),
+        Some(r) => Some(load(r, false, device).with_context(|| format!("cannot load reference {r:?}"))?.lm),
         None => None,
     };
     let rollouts = read_group_rollouts(&args.rollouts, reward_funcs)?;

@@ -12,6 +12,7 @@ mod ppo;
 mod ppo_step;
 mod quickstart;
 mod runtime;
+mod selftest;
 mod train;
 
 use clap::{Parser, Subcommand};
@@ -55,6 +56,9 @@ enum Command {
     /// Play episodes of a text environment (TextWorld, generated adventures, the letter toy,
     /// any program speaking docs/env-protocol.md) with a model or a random agent.
     Play(play::Args),
+    /// Check that this build computes what the references compute, on the device it is given:
+    /// models, the sampler, PPO, GRPO, RLOO and DPO against their golden fixtures.
+    Selftest(selftest::Args),
     /// Benchmarks (see bench/README.md).
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -83,6 +87,7 @@ fn main() {
         Command::PpoStep(args) => ppo_step::run(args),
         Command::GrpoStep(args) => grpo_step::run_grpo(args),
         Command::RlooStep(args) => grpo_step::run_rloo(args),
+        Command::Selftest(args) => selftest::run(args),
         Command::Bench(BenchCommand::Ppo(args)) => bench::run(args),
         Command::Bench(BenchCommand::Grpo(args)) => bench::run_grpo(args),
     };

@@ -1,0 +1,478 @@
+//! `rltune selftest`: checks that this build computes what the references compute, on the device
+//! it is asked to use. It is how a CUDA build is verified on a GPU machine (`tools/cuda/verify.sh`
+//! runs it first), and what a user runs after building rltune for new hardware.
+//!
+//! Every check compares with a golden fixture recorded from the reference implementation
+//! (`tools/fixtures/`: transformers 4.46.3, TRL 0.11.4 and 1.16.0), or with an exact distribution,
+//! and prints one JSON object per line:
+//!
+//! ```text
+//! {"name":"ppo/trl-0.11.4","pass":true,"max_abs_diff":1.1e-5,"tolerance":2e-5,"device":"cuda:0",...}
+//! ```
+//!
+//! | check | what | tolerance |
+//! |---|---|---|
+//! | `models/<fixture>` | hidden states, logits (and values) of each causal-LM fixture against transformers | 1e-4 |
+//! | `sampler/chi-square` | the device sampler's draws against softmax(logits / T) | p = 0.001 |
+//! | `sampler/logprobs` | logprobs reported by KV-cached generation against a full forward | 1e-4 |
+//! | `ppo/trl-0.11.4` | two `PPOTrainer.step`s: stats and weights | stats 1e-5, weights 2e-5 |
+//! | `grpo/<variant>`, `rloo/<variant>` | `grpo-step` / `rloo-step` against TRL 1.16.0: weights and metrics | 1e-5 |
+//! | `dpo/hinge` | `dpo` against TRL 1.16.0: weights and metrics | 1e-5 |
+//!
+//! The tolerances are those of the CPU test suite, which runs these fixtures too; a GPU's
+//! cuBLAS sums in another order than the CPU kernels, which moves f32 results by about 1e-6.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use rltune::generation::sampler::{log_distribution, sample_on_device, DeviceNoise, SamplerConfig};
+use rltune::generation::{generate, GenerationConfig};
+use rltune::models::layers::{causal_bias, position_ids_from_mask};
+use rltune::models::load::load_policy;
+use rltune::models::CausalLm;
+use rltune::ppo::{PpoConfig, PpoTrainer, Stat};
+use serde_json::{json, Value};
+
+use crate::runtime::RuntimeArgs;
+
+/// Arguments of `rltune selftest`.
+#[derive(clap::Args)]
+pub struct Args {
+    /// The golden fixtures (the repository's `tools/fixtures`).
+    #[arg(long, default_value = "tools/fixtures")]
+    fixtures: PathBuf,
+    /// Run only the checks whose name starts with one of these (comma-separated), e.g.
+    /// `models,ppo`.
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
+    /// Also write the results, one JSON object per line, to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    #[command(flatten)]
+    runtime: RuntimeArgs,
+}
+
+/// One check's result.
+struct Outcome {
+    max_abs_diff: f64,
+    tolerance: f64,
+    extra: Value,
+}
+
+impl Outcome {
+    fn new(max_abs_diff: f64, tolerance: f64) -> Self {
+        Self { max_abs_diff, tolerance, extra: json!({}) }
+    }
+
+    fn pass(&self) -> bool {
+        self.max_abs_diff.is_finite() && self.max_abs_diff <= self.tolerance
+    }
+}
+
+/// One named check, run when selected.
+type Check<'a> = Box<dyn Fn() -> Result<Outcome> + 'a>;
+
+/// The fixtures of causal LMs compared with transformers' outputs.
+const MODEL_FIXTURES: [&str; 5] = ["gpt2", "gpt2_value_head", "llama", "mistral", "qwen2"];
+/// `tools/fixtures/grpo` variants that one `grpo-step` / `rloo-step` reproduces, and whether
+/// they take the reference model.
+const GROUP_VARIANTS: [(&str, &str, bool); 3] =
+    [("grpo-step", "default", false), ("grpo-step", "kl", true), ("rloo-step", "rloo_default", true)];
+
+/// Runs the checks; exits with an error when one fails.
+pub fn run(args: Args) -> Result<()> {
+    let runtime = args.runtime.resolve(Default::default())?;
+    let device = runtime.device().clone();
+    let fx = &args.fixtures;
+    if !fx.join("ppo/expected.json").is_file() {
+        bail!(
+            "{}: no golden fixtures there; run from the repository root or pass --fixtures DIR \
+             (the repository's tools/fixtures)",
+            fx.display()
+        );
+    }
+    let wanted = |name: &str| args.only.is_empty() || args.only.iter().any(|p| name.starts_with(p.as_str()));
+    let mut checks: Vec<(String, Check<'_>)> = Vec::new();
+    for name in MODEL_FIXTURES {
+        let dev = device.clone();
+        checks.push((
+            format!("models/{name}"),
+            Box::new(move || model_fixture(&fx.join("models").join(name), &dev)),
+        ));
+    }
+    let dev = device.clone();
+    checks.push(("sampler/chi-square".into(), Box::new(move || sampler_chi_square(&dev))));
+    let dev = device.clone();
+    checks.push(("sampler/logprobs".into(), Box::new(move || sampler_logprobs(fx, &dev))));
+    let dev = device.clone();
+    checks.push(("ppo/trl-0.11.4".into(), Box::new(move || ppo_fixture(fx, &dev))));
+    let device_arg = device_flag(&device);
+    for (cmd, variant, reference) in GROUP_VARIANTS {
+        let algo = if cmd == "rloo-step" { "rloo" } else { "grpo" };
+        let d = device_arg.clone();
+        checks.push((
+            format!("{algo}/{variant}"),
+            Box::new(move || group_step(fx, cmd, variant, reference, &d)),
+        ));
+    }
+    let d = device_arg.clone();
+    checks.push(("dpo/hinge".into(), Box::new(move || dpo_fixture(fx, &d))));
+
+    let mut lines = Vec::new();
+    let mut failed = Vec::new();
+    for (name, check) in checks.iter().filter(|(n, _)| wanted(n)) {
+        let start = Instant::now();
+        let mut line = match check() {
+            Ok(o) => {
+                let mut v = json!({
+                    "name": name, "pass": o.pass(), "max_abs_diff": o.max_abs_diff,
+                    "tolerance": o.tolerance,
+                });
+                if let (Some(v), Some(extra)) = (v.as_object_mut(), o.extra.as_object()) {
+                    v.extend(extra.clone());
+                }
+                v
+            }
+            Err(e) => json!({"name": name, "pass": false, "error": format!("{e:#}")}),
+        };
+        line["device"] = json!(device_flag(&device));
+        line["seconds"] = json!((start.elapsed().as_secs_f64() * 1000.0).round() / 1000.0);
+        if line["pass"] != json!(true) {
+            failed.push(name.clone());
+        }
+        println!("{line}");
+        lines.push(line.to_string());
+    }
+    if lines.is_empty() {
+        bail!("--only {:?} matches no check", args.only.join(","));
+    }
+    if let Some(path) = &args.json {
+        rltune::io::write_bytes_atomic(path, (lines.join("\n") + "\n").as_bytes())
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    if !failed.is_empty() {
+        bail!("{} of {} checks failed: {}", failed.len(), lines.len(), failed.join(", "));
+    }
+    eprintln!("selftest: {} checks passed on {}", lines.len(), device_flag(&device));
+    Ok(())
+}
+
+/// The `--device` value that names `device`.
+fn device_flag(device: &Device) -> String {
+    match device.location() {
+        candle_core::DeviceLocation::Cpu => "cpu".into(),
+        candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
+        candle_core::DeviceLocation::Metal { gpu_id } => format!("metal:{gpu_id}"),
+    }
+}
+
+/// Largest absolute difference of two tensors of one shape, wherever they live.
+fn max_diff(a: &Tensor, b: &Tensor) -> Result<f64> {
+    let a = a.to_device(&Device::Cpu)?.to_dtype(DType::F64)?;
+    let b = b.to_device(&Device::Cpu)?.to_dtype(DType::F64)?;
+    if a.dims() != b.dims() {
+        bail!("shapes differ: {:?} vs {:?}", a.dims(), b.dims());
+    }
+    Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()?)
+}
+
+/// A transformers fixture (`make_model_fixtures.py`) through our model on `device`: hidden
+/// states, logits and values at the unmasked positions.
+fn model_fixture(dir: &Path, device: &Device) -> Result<Outcome> {
+    let loaded = load_policy(dir.to_str().context("fixture path is not UTF-8")?, false, DType::F32, device)?;
+    let exp = candle_core::safetensors::load(dir.join("expected.safetensors"), &Device::Cpu)?;
+    let get =
+        |k: &str| exp.get(k).with_context(|| format!("{}: no {k} in expected.safetensors", dir.display()));
+    let mask: Vec<Vec<u8>> = get("attention_mask")?
+        .to_dtype(DType::U32)?
+        .to_vec2::<u32>()?
+        .into_iter()
+        .map(|r| r.into_iter().map(|x| x as u8).collect())
+        .collect();
+    let ids = get("input_ids")?.to_dtype(DType::U32)?.to_device(device)?;
+    let t = ids.dim(1)?;
+    let lm = &loaded.model.lm;
+    let hidden = lm.forward(
+        &ids,
+        &position_ids_from_mask(&mask, device)?,
+        &causal_bias(&mask, t, DType::F32, device)?,
+        None,
+    )?;
+    let logits = lm.logits(&hidden)?;
+    let values = loaded.model.v_head.forward(&hidden)?;
+    let mut worst = 0f64;
+    for (b, row) in mask.iter().enumerate() {
+        for (j, _) in row.iter().enumerate().filter(|(_, &m)| m != 0) {
+            let at = |x: &Tensor| -> Result<Tensor> { Ok(x.get(b)?.get(j)?) };
+            worst = worst.max(max_diff(&at(&hidden)?, &at(get("hidden")?)?)?);
+            worst = worst.max(max_diff(&at(&logits)?, &at(get("logits")?)?)?);
+            if let Some(v) = exp.get("values") {
+                worst = worst.max(max_diff(&at(&values)?, &at(v)?)?);
+            }
+        }
+    }
+    Ok(Outcome::new(worst, 1e-4))
+}
+
+/// The device sampler against the exact tempered softmax: Pearson's chi-square over 100,000
+/// draws of six tokens (one banned), and each draw's logprob against the exact one.
+fn sampler_chi_square(device: &Device) -> Result<Outcome> {
+    let row = [1.0f32, 0.0, -1.0, 2.0, 0.5, 1.5];
+    let (t, banned) = (0.7, [5u32]);
+    let logp = log_distribution(&row, &SamplerConfig { temperature: t, ..Default::default() }, &banned);
+    let b = 4000;
+    let logits = Tensor::from_vec(row.repeat(b), (b, row.len()), device)?;
+    let mut noise = DeviceNoise::new(device, 7)?;
+    let mut counts = [0usize; 6];
+    let mut worst_lp = 0f64;
+    for _ in 0..25 {
+        let (ids, lps) = sample_on_device(&logits, t, &banned, &mut noise)?;
+        for (&id, &lp) in ids.iter().zip(&lps) {
+            if banned.contains(&id) {
+                bail!("sampled the banned id {id}");
+            }
+            worst_lp = worst_lp.max((lp as f64 - logp[id as usize]).abs());
+            counts[id as usize] += 1;
+        }
+    }
+    let n: usize = counts.iter().sum();
+    let chi2: f64 = (0..5)
+        .map(|i| {
+            let e = logp[i].exp() * n as f64;
+            (counts[i] as f64 - e).powi(2) / e
+        })
+        .sum();
+    // The 0.999 quantile of chi-square with 4 degrees of freedom (five allowed tokens).
+    const CRITICAL: f64 = 18.467;
+    let mut o = Outcome::new(worst_lp, 1e-5);
+    o.extra = json!({"chi_square": chi2, "chi_square_critical_p001": CRITICAL, "draws": n, "counts": counts});
+    if chi2 > CRITICAL {
+        o.max_abs_diff = f64::INFINITY;
+    }
+    Ok(o)
+}
+
+/// Logprobs that KV-cached generation reports against a full forward over prompt + response.
+fn sampler_logprobs(fx: &Path, device: &Device) -> Result<Outcome> {
+    let dir = fx.join("ppo/init");
+    let policy = load_policy(dir.to_str().context("fixture path is not UTF-8")?, false, DType::F32, device)?;
+    let lm: &CausalLm = &policy.model.lm;
+    let prompts: Vec<Vec<u32>> = vec![vec![5, 9, 2, 7], vec![11, 3], vec![4, 4, 8, 1, 6, 2]];
+    let cfg = GenerationConfig { max_new_tokens: 12, seed: 3, ..Default::default() };
+    let samples = generate(lm, None, &prompts, &cfg, device)?;
+    let mut worst = 0f64;
+    for s in &samples {
+        let ids: Vec<u32> = s.query_ids.iter().chain(&s.response_ids).copied().collect();
+        let n = ids.len();
+        let mask = vec![vec![1u8; n]];
+        let input = Tensor::new(ids.as_slice(), device)?.unsqueeze(0)?;
+        let hidden = lm.forward(
+            &input,
+            &position_ids_from_mask(&mask, device)?,
+            &causal_bias(&mask, n, DType::F32, device)?,
+            None,
+        )?;
+        let logits = lm.logits(&hidden)?.squeeze(0)?.to_device(&Device::Cpu)?.to_vec2::<f32>()?;
+        let q = s.query_ids.len();
+        for (k, (&tok, &lp)) in s.response_ids.iter().zip(&s.logprobs).enumerate() {
+            let row = &logits[q + k - 1];
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+            let lse = max + row.iter().map(|&x| (x as f64 - max).exp()).sum::<f64>().ln();
+            worst = worst.max((row[tok as usize] as f64 - lse - lp as f64).abs());
+        }
+    }
+    Ok(Outcome::new(worst, 1e-4))
+}
+
+/// TRL 0.11.4's two `PPOTrainer.step`s (`make_ppo_fixture.py`): every stat and the weights.
+fn ppo_fixture(fx: &Path, device: &Device) -> Result<Outcome> {
+    let read = |f: &str| -> Result<Value> {
+        let p = fx.join("ppo").join(f);
+        Ok(serde_json::from_str(
+            &std::fs::read_to_string(&p).with_context(|| format!("cannot read {}", p.display()))?,
+        )?)
+    };
+    let policy = load_policy(
+        fx.join("ppo/init").to_str().context("fixture path is not UTF-8")?,
+        true,
+        DType::F32,
+        device,
+    )?;
+    let ref_store = policy.store.frozen_copy()?;
+    let reference = CausalLm::load(&ref_store.root(), &policy.config)?;
+    let config = PpoConfig {
+        batch_size: 4,
+        mini_batch_size: 2,
+        ppo_epochs: 2,
+        learning_rate: 1e-3,
+        ..Default::default()
+    };
+    let mut trainer = PpoTrainer::new(config, policy.store, policy.model, reference)?;
+    let expected = read("expected.json")?;
+    let (mut stats_worst, mut weights_worst) = (0f64, 0f64);
+    let steps = expected["steps"].as_array().context("ppo/expected.json: no steps")?;
+    for (k, step) in steps.iter().enumerate() {
+        let ids = |key: &str| -> Result<Vec<Vec<u32>>> { Ok(serde_json::from_value(step[key].clone())?) };
+        let perms: Vec<Vec<usize>> = serde_json::from_value(step["permutations"].clone())?;
+        trainer.force_permutations(perms);
+        let scores: Vec<f32> = serde_json::from_value(step["scores"].clone())?;
+        let stats = trainer.step(&ids("queries")?, &ids("responses")?, &scores)?;
+        let theirs = read(&format!("step{}_stats.json", k + 1))?;
+        for (key, want) in theirs["stats"].as_object().context("no stats")? {
+            if key.starts_with("time/") {
+                continue;
+            }
+            let got: Vec<f64> = match stats.get(key) {
+                Some(Stat::Scalar(v)) => vec![*v],
+                Some(Stat::Array(a)) => a.clone(),
+                Some(Stat::Matrix(m)) => m.concat(),
+                _ => bail!("stat {key} is missing"),
+            };
+            let want: Vec<f64> = flatten_numbers(want);
+            if got.len() != want.len() {
+                bail!("stat {key}: {} values, TRL has {}", got.len(), want.len());
+            }
+            for (g, w) in got.iter().zip(&want) {
+                stats_worst = stats_worst.max((g - w).abs());
+            }
+        }
+        let want = candle_core::safetensors::load(
+            fx.join(format!("ppo/step{}_weights.safetensors", k + 1)),
+            &Device::Cpu,
+        )?;
+        let ours: std::collections::HashMap<String, Tensor> = trainer.store.snapshot()?.into_iter().collect();
+        for (name, w) in &want {
+            let o = ours.get(name).with_context(|| format!("no tensor {name}"))?;
+            weights_worst = weights_worst.max(max_diff(o, w)?);
+        }
+    }
+    // Both tolerances must hold: report the weights' difference in units of their tolerance.
+    let (stat_tol, weight_tol) = (1e-5, 2e-5);
+    let mut o = Outcome::new(weights_worst, weight_tol);
+    o.extra = json!({"stats_max_abs_diff": stats_worst, "stats_tolerance": stat_tol});
+    if stats_worst > stat_tol {
+        o.max_abs_diff = f64::INFINITY;
+    }
+    Ok(o)
+}
+
+fn flatten_numbers(v: &Value) -> Vec<f64> {
+    match v {
+        Value::Array(a) => a.iter().flat_map(flatten_numbers).collect(),
+        v => vec![v.as_f64().unwrap_or(f64::NAN)],
+    }
+}
+
+/// Runs this binary with `args`; its stderr becomes the error when it fails.
+fn rltune(args: &[&str]) -> Result<()> {
+    let exe = std::env::current_exe().context("cannot find the rltune binary")?;
+    let out = Command::new(exe).args(args).output().context("cannot run rltune")?;
+    if !out.status.success() {
+        bail!("rltune {} failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(())
+}
+
+/// A fresh output directory for one check under the system's temporary folder.
+fn scratch(name: &str) -> Result<PathBuf> {
+    let dir = std::env::temp_dir().join(format!("rltune-selftest-{}-{name}", std::process::id()));
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir)?;
+    }
+    Ok(dir)
+}
+
+/// The output directory's weights and first logged metrics against TRL's. The attention key
+/// bias has an exactly-zero gradient, so AdamW turns float noise into its update on both sides:
+/// it is left out, as in the CPU tests (`tests/integration/grpo_parity.rs`).
+fn compare_run(weights: &Path, metrics: &Value, variant_dir: &Path) -> Result<Outcome> {
+    let want = candle_core::safetensors::load(variant_dir.join("weights.safetensors"), &Device::Cpu)?;
+    let got = candle_core::safetensors::load(weights, &Device::Cpu)?;
+    let part = |n: &str, t: &Tensor| -> Result<Tensor> {
+        if !n.ends_with("attn.c_attn.bias") {
+            return Ok(t.clone());
+        }
+        let c = t.dim(0)? / 3;
+        Ok(Tensor::cat(&[t.narrow(0, 0, c)?, t.narrow(0, 2 * c, c)?], 0)?)
+    };
+    let mut dw = 0f64;
+    for (n, w) in &want {
+        let g = got.get(n).with_context(|| format!("{}: no tensor {n}", weights.display()))?;
+        dw = dw.max(max_diff(&part(n, g)?, &part(n, w)?)?);
+    }
+    let expected: Value = serde_json::from_str(&std::fs::read_to_string(variant_dir.join("expected.json"))?)?;
+    let mut ds = 0f64;
+    for (k, v) in expected["logs"][0].as_object().context("expected.json: no logs")? {
+        let ours = metrics[k].as_f64().with_context(|| format!("metric {k} is missing"))?;
+        ds = ds.max((ours - v.as_f64().unwrap_or(f64::NAN)).abs());
+    }
+    let mut o = Outcome::new(dw, 1e-5);
+    o.extra = json!({"metrics_max_abs_diff": ds, "metrics_tolerance": 1e-5});
+    if ds.is_nan() || ds > 1e-5 {
+        o.max_abs_diff = f64::INFINITY;
+    }
+    Ok(o)
+}
+
+/// `rltune grpo-step` / `rloo-step` on a TRL 1.16.0 fixture variant.
+fn group_step(fx: &Path, cmd: &str, variant: &str, reference: bool, device: &str) -> Result<Outcome> {
+    let out = scratch(variant)?;
+    let path = |p: PathBuf| p.to_string_lossy().into_owned();
+    let (init, refm, rollouts) =
+        (path(fx.join("grpo/init")), path(fx.join("grpo/ref")), path(fx.join("grpo/rollouts.jsonl")));
+    let config = path(fx.join("grpo").join(variant).join("config.toml"));
+    let out_s = path(out.clone());
+    let mut args = vec![
+        cmd,
+        "--model",
+        &init,
+        "--rollouts",
+        &rollouts,
+        "--config",
+        &config,
+        "--output",
+        &out_s,
+        "--device",
+        device,
+    ];
+    if reference {
+        args.extend(["--ref-model", &refm]);
+    }
+    rltune(&args)?;
+    let stats: Value = serde_json::from_str(&std::fs::read_to_string(out.join("stats.json"))?)?;
+    let o = compare_run(&out.join("model.safetensors"), &stats, &fx.join("grpo").join(variant));
+    std::fs::remove_dir_all(&out).ok();
+    o
+}
+
+/// `rltune dpo` on TRL 1.16.0's `hinge` fixture: one step over one batch of every row.
+fn dpo_fixture(fx: &Path, device: &str) -> Result<Outcome> {
+    let out = scratch("dpo")?;
+    let path = |p: PathBuf| p.to_string_lossy().into_owned();
+    let (init, refm, data) =
+        (path(fx.join("dpo/init")), path(fx.join("dpo/ref")), path(fx.join("dpo/rows.jsonl")));
+    let (config, out_s) = (path(fx.join("dpo/hinge/config.toml")), path(out.clone()));
+    rltune(&[
+        "dpo",
+        "--model",
+        &init,
+        "--ref-model",
+        &refm,
+        "--data",
+        &data,
+        "--config",
+        &config,
+        "--output",
+        &out_s,
+        "--device",
+        device,
+    ])?;
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl"))?;
+    let first: Value = serde_json::from_str(metrics.lines().next().context("metrics.jsonl is empty")?)?;
+    let o = compare_run(&out.join("model.safetensors"), &first, &fx.join("dpo/hinge"));
+    std::fs::remove_dir_all(&out).ok();
+    o
+}
