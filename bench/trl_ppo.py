@@ -54,7 +54,10 @@ Details (the Rust side, ``rltune-cli bench ppo``, is meant to do identical work)
   of total (generation + step wall time), generation, step, and TRL's own
   ``time/ppo/optimize_step`` and ``time/ppo/forward_pass`` stats;
   tokens_per_s = B*24 / median_total; peak RSS (ru_maxrss, MiB).
-* CPU only, ``torch.set_num_threads(--threads)`` (default 2).
+* ``--device cpu`` (default): ``torch.set_num_threads(--threads)`` (default 2), and CUDA is hidden
+  from torch (``CUDA_VISIBLE_DEVICES=""``) so that accelerate keeps TRL on the CPU.
+  ``--device cuda``: accelerate puts the models on the GPU; each timed region ends with
+  ``torch.cuda.synchronize()``, and ``peak_gpu_mib`` is ``torch.cuda.max_memory_allocated``.
 * ``--bf16``: generation and step each run under ``torch.autocast("cpu", dtype=torch.bfloat16)``
   (linear/matmul/SDPA in bf16 through oneDNN, on AMX where the CPU has it; weights and Adam
   stay f32). The counterpart of ``rltune bench ppo --matmul-precision bf16``.
@@ -77,7 +80,10 @@ import warnings
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+# Hide CUDA from torch (and so from accelerate) unless --device cuda was asked for.
+_argv = " ".join(sys.argv[1:]).replace("=", " ").split()
+if "cuda" not in (_argv[_argv.index("--device") + 1] if "--device" in _argv[:-1] else "cpu"):
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
@@ -177,11 +183,13 @@ def main():
     ap.add_argument(
         "--bf16",
         action="store_true",
-        help="run generation and step under torch.autocast('cpu', dtype=torch.bfloat16) "
-        "(matmuls in bf16 on AMX via oneDNN; compare with rltune --matmul-precision bf16)",
+        help="run generation and step under torch.autocast(device, dtype=torch.bfloat16) "
+        "(on the CPU: matmuls in bf16 on AMX via oneDNN; compare with rltune --dtype bf16)",
     )
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda (accelerate's GPU)")
     args = ap.parse_args()
 
+    cuda = args.device.startswith("cuda")
     torch.set_num_threads(args.threads)
     trainer, tokenizer, p, n_params, n_vhead = build(args.preset)
     B = p["batch_size"]
@@ -214,13 +222,19 @@ def main():
         queries = [q[i] for i in range(B)]
         scores = list(torch.randn(B, generator=data_gen).unbind(0))
 
-        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16)
+        autocast = torch.autocast("cuda" if cuda else "cpu", dtype=torch.bfloat16, enabled=args.bf16)
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        if cuda:
+            queries = [x.to(trainer.accelerator.device) for x in queries]
+        sync()
         t0 = time.perf_counter()
         with autocast:
             responses = trainer.generate(queries, return_prompt=False, batch_size=B, **gen_kwargs)
+        sync()
         t1 = time.perf_counter()
         with autocast:
             stats = trainer.step(queries, responses, scores)
+        sync()
         t2 = time.perf_counter()
 
         lens = {int(r.shape[0]) for r in responses}
@@ -260,7 +274,11 @@ def main():
         "trl": trl.__version__,
         "threads": torch.get_num_threads(),
         "matmul_precision": "bf16" if args.bf16 else "f32",
+        "device": str(trainer.accelerator.device),
     }
+    if cuda:
+        out["peak_gpu_mib"] = torch.cuda.max_memory_allocated() / 2**20
+        out["gpu"] = torch.cuda.get_device_name()
     if args.json:
         print(json.dumps(out))
     else:

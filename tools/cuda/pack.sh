@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Fills the folder a GPU verification run carries (default .gpu/, git-ignored), on a machine
+# without a GPU: the CUDA release binary (stripped, xz-compressed), the TRL wheels the
+# benchmarks need that the GPU machine lacks, and the commit. tools/cuda/verify.sh runs there
+# from the repository root; the fixtures it reads are tracked files and travel with the tree.
+#
+#   tools/cuda/pack.sh                 # CUDA build (tools/cuda/build.sh; ~25 min cold) + wheels
+#   tools/cuda/pack.sh --cpu           # the CPU release build instead: rehearses the packing
+#   tools/cuda/pack.sh --no-wheels     # the binary only
+#   tools/cuda/pack.sh --out DIR       # another folder
+#
+# Then, on the GPU machine (the device tool carries .gpu; 64 MiB at most in all):
+#   tools/cuda/verify.sh --out "$OUT"
+#
+# The binary: one `rltune` holds every check (`rltune selftest` compares the models, the
+# sampler, PPO, GRPO, RLOO and DPO with their golden fixtures on the device), so no test
+# binaries travel. The wheels (Python 3.12, manylinux x86-64):
+#   wheels/trl011: TRL 0.11.4 with the transformers 4.46.3 it was tested with (the machine's
+#     transformers 5 breaks it), and what they need that the machine's image lacks;
+#   wheels/trl116: TRL 1.16.0 (for the GRPO benchmark) and its missing needs, on the machine's
+#     own transformers.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+OUT_DIR=".gpu" CPU=0 WHEELS=1
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --cpu) CPU=1 ;;
+    --no-wheels) WHEELS=0 ;;
+    --out) OUT_DIR="$2"; shift ;;
+    -h | --help) sed -n '2,21p' "$0"; exit 0 ;;
+    *) echo "pack.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+LIMIT_MIB=60 # the device tool carries 64 MiB per call, the working tree's own files included
+
+mkdir -p "$OUT_DIR"
+if [ "$CPU" = 1 ]; then
+  cargo build --release -p rltune-cli
+  BIN=target/release/rltune
+else
+  # A target folder of its own, so that the CPU and CUDA release builds do not replace each other.
+  CARGO_TARGET_DIR="$PWD/target/cuda" tools/cuda/build.sh
+  BIN=target/cuda/release/rltune
+fi
+strip -o "$OUT_DIR/rltune" "$BIN"
+xz -T0 -6 -f "$OUT_DIR/rltune" # -> rltune.xz, the uncompressed copy removed
+{ git rev-parse --short HEAD; git diff --quiet HEAD -- crates Cargo.lock Cargo.toml || echo "+ uncommitted changes"; } \
+  | paste -sd' ' >"$OUT_DIR/COMMIT"
+echo "$([ "$CPU" = 1 ] && echo cpu || echo cuda)" >"$OUT_DIR/FEATURES"
+
+if [ "$WHEELS" = 1 ]; then
+  download() { # download DIR SPEC...
+    local dir="$OUT_DIR/wheels/$1"; shift
+    mkdir -p "$dir"
+    python3 -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
+      --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
+      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any \
+      -d "$dir" "$@"
+  }
+  # transformers 4.46.3 and tokenizers 0.20.3 want huggingface_hub < 1.0 (the machine has 1.x);
+  # tyro is TRL 0.11's config parser; datasets 3.1 with its pinned dill and multiprocess.
+  download trl011 trl==0.11.4 transformers==4.46.3 tokenizers==0.20.3 huggingface_hub==0.26.5 \
+    tyro==0.9.2 docstring-parser==0.16 shtab==1.7.1 typeguard==4.4.1 datasets==3.1.0 dill==0.3.8 \
+    multiprocess==0.70.16
+  download trl116 trl==1.16.0 datasets==4.7.0 dill==0.4.0 multiprocess==0.70.18
+fi
+
+echo "pack.sh: $OUT_DIR"
+du -ab "$OUT_DIR" | sort -k2 | awk '{printf "  %8.2f MiB  %s\n", $1 / 1048576, $2}'
+total=$(du -sb "$OUT_DIR" | cut -f1)
+tree=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+echo "pack.sh: $OUT_DIR $((total / 1048576)) MiB + tracked files $((tree / 1048576)) MiB (limit ${LIMIT_MIB} MiB)"
+if [ $(((total + tree) / 1048576)) -ge "$LIMIT_MIB" ]; then
+  echo "pack.sh: too large to carry: leave out the wheels (--no-wheels) or check what grew" >&2
+  exit 1
+fi
