@@ -9,7 +9,7 @@
 #   tools/cuda/pack.sh --no-wheels     # the binary only
 #   tools/cuda/pack.sh --out DIR       # another folder
 #
-# Then, on the GPU machine (the device tool carries .gpu; 64 MiB at most in all):
+# Then, on the GPU machine (a runner that carries .gpu; 64 MiB at most in all):
 #   tools/cuda/verify.sh --out "$OUT"
 #
 # The binary: one `rltune` holds every check (`rltune selftest` compares the models, the
@@ -33,7 +33,7 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-LIMIT_MIB=60 # the device tool carries 64 MiB per call, the working tree's own files included
+LIMIT_MIB=60 # a remote runner carries 64 MiB per call, the working tree's own files included
 
 mkdir -p "$OUT_DIR"
 if [ "$CPU" = 1 ]; then

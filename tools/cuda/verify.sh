@@ -8,7 +8,7 @@
 #                          "tolerance", ...}}, "bench": {NAME: {"rltune_s", "trl_s", "ratio", ...}},
 #                          "skipped": {NAME: why}}
 #   OUT/verify.log        every step's output, one after the other
-#   OUT/logs.tar.gz       one log per step (at the end; the device tool returns 8 files at most)
+#   OUT/logs.tar.gz       one log per step (at the end; a remote runner may return few files)
 #
 # It exits 1 when a check fails, 2 when it cannot start. A run cut short still leaves the report
 # of the steps it reached.
