@@ -10,6 +10,7 @@
 //! options exist, but they make the sampled distribution differ from the policy, which biases the
 //! KL estimate (TRL's documented cause of negative KL); turning them on logs a warning.
 
+pub mod admissible;
 pub mod sampler;
 
 use candle_core::{DType, Device, Tensor};

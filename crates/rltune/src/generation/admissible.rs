@@ -1,0 +1,387 @@
+//! Sampling constrained to a game's admissible commands (issue #39, `[agent] actions =
+//! "admissible"`): the policy can only write one of the commands it is offered.
+//!
+//! Each command is tokenized as it appears after the prompt (leading space, then the action's
+//! end token), and the commands' token sequences form a trie ([`ActionTrie`]). At every step
+//! the next token is drawn from the policy's distribution **restricted to the trie's children**
+//! of the current node: `softmax(logits / T)` renormalized over the allowed tokens, so the
+//! sampled command is always admissible and each token's logprob is taken under that
+//! constrained distribution (GLAM's and TWOSOME's per-token decomposition of the action
+//! softmax). The sample keeps each position's allowed set, so that a training forward pass can
+//! take the same log-softmax over the same tokens and PPO's first ratio is exactly 1.
+//!
+//! A set that allows every token samples exactly what free sampling samples, bit for bit (the
+//! same arithmetic, [`sampler::sample_pure`]); a node with one child gives logprob 0.
+//!
+//! ```
+//! use rltune::generation::admissible::ActionTrie;
+//!
+//! // "go north" = [7, 3], "go south" = [7, 4], each followed by the end token 1.
+//! let trie = ActionTrie::new(&[vec![7, 3, 1], vec![7, 4, 1]])?;
+//! assert_eq!(trie.allowed(ActionTrie::ROOT), &[7]);
+//! let after_go = trie.step(ActionTrie::ROOT, 7).unwrap();
+//! assert_eq!(trie.allowed(after_go), &[3, 4]);
+//! # Ok::<(), rltune::Error>(())
+//! ```
+
+use candle_core::{DType, Device, Tensor};
+use rand::{Rng, SeedableRng};
+
+use super::sampler;
+use crate::error::{Error, Result};
+use crate::models::layers::{causal_bias, position_ids_from_mask};
+use crate::models::CausalLm;
+
+/// The token trie of a list of commands, each a token sequence ending in its end token.
+#[derive(Debug, Clone)]
+pub struct ActionTrie {
+    nodes: Vec<Node>,
+    n_actions: usize,
+}
+
+#[derive(Debug, Clone, Default)]
+struct Node {
+    /// Allowed next tokens, sorted, and the node each leads to.
+    tokens: Vec<u32>,
+    next: Vec<usize>,
+    /// The command that ends here (a leaf).
+    action: Option<usize>,
+}
+
+impl ActionTrie {
+    /// The node before any token.
+    pub const ROOT: usize = 0;
+
+    /// The trie of `actions` (each its tokens, the end token included). An empty list, an empty
+    /// command, two commands with the same tokens, or a command that continues past another's
+    /// end is an error naming them.
+    pub fn new(actions: &[Vec<u32>]) -> Result<Self> {
+        if actions.is_empty() {
+            return Err(Error::Input(
+                "the admissible command list is empty: the game offers no action".into(),
+            ));
+        }
+        let mut nodes = vec![Node::default()];
+        for (i, tokens) in actions.iter().enumerate() {
+            if tokens.is_empty() {
+                return Err(Error::Input(format!("admissible command {i} has no tokens")));
+            }
+            let mut at = Self::ROOT;
+            for &tok in tokens {
+                if let Some(other) = nodes[at].action {
+                    return Err(Error::Input(format!(
+                        "admissible command {i} continues past the end token of command {other}: \
+                         the end token must not occur inside a command"
+                    )));
+                }
+                at = match nodes[at].tokens.binary_search(&tok) {
+                    Ok(k) => nodes[at].next[k],
+                    Err(k) => {
+                        let new = nodes.len();
+                        nodes.push(Node::default());
+                        nodes[at].tokens.insert(k, tok);
+                        nodes[at].next.insert(k, new);
+                        new
+                    }
+                };
+            }
+            if let Some(other) = nodes[at].action {
+                return Err(Error::Input(format!(
+                    "admissible commands {other} and {i} have the same tokens: remove the duplicate"
+                )));
+            }
+            if !nodes[at].tokens.is_empty() {
+                return Err(Error::Input(format!(
+                    "another admissible command continues past the end token of command {i}: \
+                     the end token must not occur inside a command"
+                )));
+            }
+            nodes[at].action = Some(i);
+        }
+        Ok(Self { nodes, n_actions: actions.len() })
+    }
+
+    /// The number of commands.
+    pub fn len(&self) -> usize {
+        self.n_actions
+    }
+
+    /// Never true: a trie holds at least one command.
+    pub fn is_empty(&self) -> bool {
+        self.n_actions == 0
+    }
+
+    /// The tokens allowed after `node` (sorted; empty at a leaf).
+    pub fn allowed(&self, node: usize) -> &[u32] {
+        &self.nodes[node].tokens
+    }
+
+    /// The node after `tok` at `node`, when `tok` is allowed there.
+    pub fn step(&self, node: usize, tok: u32) -> Option<usize> {
+        let n = &self.nodes[node];
+        n.tokens.binary_search(&tok).ok().map(|k| n.next[k])
+    }
+
+    /// The command that ends at `node`, if it is a leaf.
+    pub fn action(&self, node: usize) -> Option<usize> {
+        self.nodes[node].action
+    }
+}
+
+/// One constrained draw from `logits` (one row, the whole vocabulary) with the uniform `u`:
+/// the token and its logprob under `softmax(logits / T)` renormalized over `allowed` (sorted,
+/// non-empty). With every token allowed it is [`sampler::sample_pure`] itself.
+pub fn sample_allowed(logits: &[f32], temperature: f64, allowed: &[u32], u: f64) -> (u32, f64) {
+    if allowed.len() == logits.len() {
+        let (tok, lp) = sampler::sample_pure(logits, temperature, &[], u);
+        return (tok as u32, lp);
+    }
+    let row: Vec<f32> =
+        allowed.iter().map(|&t| logits.get(t as usize).copied().unwrap_or(f32::NEG_INFINITY)).collect();
+    let (k, lp) = sampler::sample_pure(&row, temperature, &[], u);
+    (allowed[k], lp)
+}
+
+/// The logprob of `tok` under `softmax(logits / T)` renormalized over `allowed`, in f64: what a
+/// training forward pass compares a constrained sample's logprob with.
+pub fn allowed_logprob(logits: &[f32], temperature: f64, allowed: &[u32], tok: u32) -> f64 {
+    let t = if temperature > 0.0 { temperature } else { 1.0 };
+    let xs: Vec<f64> = allowed.iter().map(|&a| logits[a as usize] as f64 / t).collect();
+    let max = xs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let lse = max + xs.iter().map(|x| (x - max).exp()).sum::<f64>().ln();
+    logits[tok as usize] as f64 / t - lse
+}
+
+/// A command sampled under the trie's constraint.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ActionSample {
+    /// The prompt.
+    pub query_ids: Vec<u32>,
+    /// The command's tokens (its end token last).
+    pub response_ids: Vec<u32>,
+    /// Each token's logprob under the constrained distribution it was drawn from.
+    pub logprobs: Vec<f32>,
+    /// The tokens allowed at each response position (what a training forward renormalizes over).
+    pub allowed: Vec<Vec<u32>>,
+    /// Which command: its index in the list the trie was built from.
+    pub action: usize,
+}
+
+/// Samples one admissible command per prompt (`tries[i]` for `prompts[i]`), in one left-padded
+/// batch with a KV cache, exactly on the host. One uniform per live row per step, drawn in row
+/// order from `seed`'s stream, so a seed gives the same commands on any thread count.
+pub fn generate_admissible(
+    lm: &CausalLm,
+    prompts: &[Vec<u32>],
+    tries: &[ActionTrie],
+    temperature: f64,
+    seed: u64,
+    device: &Device,
+) -> Result<Vec<ActionSample>> {
+    if prompts.len() != tries.len() {
+        return Err(Error::Input(format!("{} prompts but {} admissible lists", prompts.len(), tries.len())));
+    }
+    if prompts.iter().any(Vec::is_empty) {
+        return Err(Error::Input("an empty prompt: every turn's prompt needs at least one token".into()));
+    }
+    let vocab = lm.vocab_size();
+    for (i, trie) in tries.iter().enumerate() {
+        if let Some(bad) = trie.nodes.iter().flat_map(|n| &n.tokens).find(|&&t| t as usize >= vocab) {
+            return Err(Error::Input(format!(
+                "admissible list {i}: token id {bad} is not below the model's vocab_size {vocab}: \
+                 the commands were tokenized with another tokenizer"
+            )));
+        }
+    }
+    let pad = lm.config().pad_token_id().unwrap_or(0);
+    let b = prompts.len();
+    let width = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    let mut mask: Vec<Vec<u8>> =
+        prompts.iter().map(|p| [vec![0u8; width - p.len()], vec![1u8; p.len()]].concat()).collect();
+    let ids: Vec<u32> = prompts
+        .iter()
+        .flat_map(|p| std::iter::repeat_n(pad, width - p.len()).chain(p.iter().copied()))
+        .collect();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut cache = lm.new_cache();
+    let input = Tensor::from_vec(ids, (b, width), device)?;
+    let mut hidden = lm.forward(
+        &input,
+        &position_ids_from_mask(&mask, device)?,
+        &causal_bias(&mask, width, DType::F32, device)?,
+        Some(&mut cache),
+    )?;
+    let mut node = vec![ActionTrie::ROOT; b];
+    let mut out: Vec<ActionSample> = prompts
+        .iter()
+        .map(|p| ActionSample {
+            query_ids: p.clone(),
+            response_ids: vec![],
+            logprobs: vec![],
+            allowed: vec![],
+            action: 0,
+        })
+        .collect();
+    let mut next_pos: Vec<u32> = prompts.iter().map(|p| p.len() as u32).collect();
+    loop {
+        let last = hidden.narrow(1, hidden.dim(1)? - 1, 1)?;
+        let logits =
+            lm.logits(&last)?.squeeze(1)?.to_dtype(DType::F32)?.to_device(&Device::Cpu)?.to_vec2::<f32>()?;
+        let mut next = vec![pad; b];
+        for i in 0..b {
+            let allowed = tries[i].allowed(node[i]);
+            if allowed.is_empty() {
+                continue; // this row's command is complete
+            }
+            let u: f64 = rng.gen();
+            let (tok, lp) = sample_allowed(&logits[i], temperature, allowed, u);
+            out[i].allowed.push(allowed.to_vec());
+            out[i].response_ids.push(tok);
+            out[i].logprobs.push(lp as f32);
+            node[i] = tries[i].step(node[i], tok).ok_or_else(|| {
+                Error::Input(format!("row {i}: sampled token {tok} is not in its allowed set"))
+            })?;
+            if let Some(a) = tries[i].action(node[i]) {
+                out[i].action = a;
+            }
+            next[i] = tok;
+        }
+        let live: Vec<bool> = (0..b).map(|i| !tries[i].allowed(node[i]).is_empty()).collect();
+        if !live.iter().any(|&l| l) {
+            return Ok(out);
+        }
+        // Finished rows feed padding that nothing attends to.
+        for (i, m) in mask.iter_mut().enumerate() {
+            m.push(u8::from(live[i]));
+        }
+        let pos = next_pos.clone();
+        next_pos.iter_mut().zip(&live).for_each(|(p, &l)| *p += u32::from(l));
+        let input = Tensor::from_vec(next, (b, 1), device)?;
+        let positions = Tensor::from_vec(pos, (b, 1), device)?;
+        hidden =
+            lm.forward(&input, &positions, &causal_bias(&mask, 1, DType::F32, device)?, Some(&mut cache))?;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::models::{gpt2::Gpt2Config, CausalLmConfig};
+    use crate::params::ParamStore;
+
+    fn tiny_lm() -> CausalLm {
+        let cfg = CausalLmConfig::Gpt2(Gpt2Config::tiny(40, 16, 2, 2, 32));
+        let store = ParamStore::random(3, false, DType::F32, &Device::Cpu).unwrap();
+        CausalLm::load(&store.root(), &cfg).unwrap()
+    }
+
+    /// Log-probability of each whole command under the constrained policy, by full forwards.
+    fn exact_action_logprobs(
+        lm: &CausalLm,
+        prompt: &[u32],
+        actions: &[Vec<u32>],
+        trie: &ActionTrie,
+    ) -> Vec<f64> {
+        actions
+            .iter()
+            .map(|a| {
+                let ids: Vec<u32> = prompt.iter().chain(a).copied().collect();
+                let n = ids.len();
+                let mask = vec![vec![1u8; n]];
+                let dev = Device::Cpu;
+                let input = Tensor::new(ids.as_slice(), &dev).unwrap().unsqueeze(0).unwrap();
+                let h = lm
+                    .forward(
+                        &input,
+                        &position_ids_from_mask(&mask, &dev).unwrap(),
+                        &causal_bias(&mask, n, DType::F32, &dev).unwrap(),
+                        None,
+                    )
+                    .unwrap();
+                let logits = lm.logits(&h).unwrap().squeeze(0).unwrap().to_vec2::<f32>().unwrap();
+                let mut node = ActionTrie::ROOT;
+                let mut total = 0.0;
+                for (k, &tok) in a.iter().enumerate() {
+                    total += allowed_logprob(&logits[prompt.len() + k - 1], 1.0, trie.allowed(node), tok);
+                    node = trie.step(node, tok).unwrap();
+                }
+                total
+            })
+            .collect()
+    }
+
+    #[test]
+    fn bad_lists_are_named() {
+        let err = |a: &[Vec<u32>]| ActionTrie::new(a).unwrap_err().to_string();
+        assert!(err(&[]).contains("empty"));
+        assert!(err(&[vec![1, 2, 9], vec![]]).contains("command 1 has no tokens"));
+        assert!(err(&[vec![1, 2, 9], vec![1, 2, 9]]).contains("commands 0 and 1 have the same tokens"));
+        assert!(err(&[vec![1, 9], vec![1, 9, 3, 9]]).contains("continues past the end token of command 0"));
+        assert!(err(&[vec![1, 9, 3, 9], vec![1, 9]]).contains("continues past the end token of command 1"));
+    }
+
+    /// The sampled commands' frequencies match the constrained distribution (Pearson's
+    /// chi-square below its 0.999 quantile), every command is admissible, and each sample's
+    /// logprobs sum to its command's exact constrained logprob.
+    #[test]
+    fn commands_follow_the_constrained_distribution() {
+        let lm = tiny_lm();
+        let (end, prompt) = (39u32, vec![5u32, 9, 2]);
+        let actions =
+            vec![vec![7, 3, end], vec![7, 4, end], vec![7, 4, 11, end], vec![12, end], vec![13, 14, 15, end]];
+        let trie = ActionTrie::new(&actions).unwrap();
+        let exact = exact_action_logprobs(&lm, &prompt, &actions, &trie);
+        let total: f64 = exact.iter().map(|l| l.exp()).sum();
+        assert!((total - 1.0).abs() < 1e-9, "the constrained action probabilities sum to {total}");
+        let n_rows = 500;
+        let mut counts = vec![0usize; actions.len()];
+        for seed in 0..8 {
+            let prompts = vec![prompt.clone(); n_rows];
+            let tries = vec![trie.clone(); n_rows];
+            for s in generate_admissible(&lm, &prompts, &tries, 1.0, seed, &Device::Cpu).unwrap() {
+                assert_eq!(s.response_ids, actions[s.action], "an admissible command");
+                let lp: f64 = s.logprobs.iter().map(|&l| l as f64).sum();
+                assert!((lp - exact[s.action]).abs() < 1e-5, "logprob {lp} vs exact {}", exact[s.action]);
+                counts[s.action] += 1;
+            }
+        }
+        let n: usize = counts.iter().sum();
+        let chi2: f64 = counts
+            .iter()
+            .zip(&exact)
+            .map(|(&c, l)| (c as f64 - l.exp() * n as f64).powi(2) / (l.exp() * n as f64))
+            .sum();
+        // The 0.999 quantile of chi-square with 4 degrees of freedom.
+        assert!(
+            chi2 < 18.467,
+            "chi-square {chi2} (counts {counts:?}, p {:?})",
+            exact.iter().map(|l| l.exp()).collect::<Vec<_>>()
+        );
+    }
+
+    #[test]
+    fn one_command_has_logprob_zero_and_a_full_mask_is_free_sampling() {
+        let lm = tiny_lm();
+        let trie = ActionTrie::new(&[vec![3, 8, 39]]).unwrap();
+        let s = &generate_admissible(&lm, &[vec![1, 2]], &[trie], 0.7, 4, &Device::Cpu).unwrap()[0];
+        assert_eq!(s.response_ids, vec![3, 8, 39]);
+        assert!(s.logprobs.iter().all(|&l| l == 0.0), "{:?}", s.logprobs);
+        // Every token allowed: the same token and the same logprob bits as free sampling.
+        let row: Vec<f32> = (0..40).map(|i| ((i * 37 % 11) as f32 - 5.0) / 3.0).collect();
+        let all: Vec<u32> = (0..40).collect();
+        for u in [0.0, 0.13, 0.5, 0.77, 0.999_999] {
+            let (tok, lp) = sample_allowed(&row, 0.8, &all, u);
+            let (free_tok, free_lp) = sampler::sample_pure(&row, 0.8, &[], u);
+            assert_eq!((tok as usize, lp.to_bits()), (free_tok, free_lp.to_bits()));
+        }
+    }
+
+    #[test]
+    fn tokens_outside_the_vocabulary_are_named() {
+        let lm = tiny_lm();
+        let trie = ActionTrie::new(&[vec![3, 99]]).unwrap();
+        let err =
+            generate_admissible(&lm, &[vec![1]], &[trie], 1.0, 0, &Device::Cpu).unwrap_err().to_string();
+        assert!(err.contains("token id 99") && err.contains("another tokenizer"), "{err}");
+    }
+}
