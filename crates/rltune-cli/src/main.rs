@@ -4,6 +4,7 @@
 //! a user types can make it panic.
 
 mod bench;
+mod convert;
 mod dpo;
 mod generate;
 mod grpo_step;
@@ -55,6 +56,8 @@ enum Command {
     /// Play episodes of a text environment (TextWorld, generated adventures, the letter toy,
     /// any program speaking docs/env-protocol.md) with a model or a random agent.
     Play(play::Args),
+    /// Convert a GGUF file (llama, qwen2) to a Hugging Face directory that transformers loads.
+    Convert(convert::Args),
     /// Benchmarks (see bench/README.md).
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -79,6 +82,7 @@ fn main() {
         Command::Reward(args) => train::run_reward(args),
         Command::Generate(args) => generate::run(args),
         Command::Play(args) => play::run(args),
+        Command::Convert(args) => convert::run(args),
         Command::Ppo(args) => ppo::run(args),
         Command::PpoStep(args) => ppo_step::run(args),
         Command::GrpoStep(args) => grpo_step::run_grpo(args),
