@@ -55,3 +55,24 @@ fn chat_template_is_read_from_tokenizer_config() {
     let e = ChatTemplate::for_model_dir(dir.path()).unwrap_err().to_string();
     assert!(e.contains("tokenizer_config.json") && e.contains("chat_template"), "{e}");
 }
+
+/// TRL's conversational prompts: `{"prompt": [messages]}` rows are rendered with the chat template
+/// (with the generation prompt) before tokenizing; text rows are tokenized as before.
+#[test]
+fn conversational_prompt_rows_are_rendered_with_the_chat_template() {
+    use rltune::models::chat_template::encode_prompt;
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("prompts.jsonl");
+    let rows = "{\"prompt\": [{\"role\": \"user\", \"content\": \"hello world\"}]}\n{\"prompt\": \"world\"}\n";
+    std::fs::write(&p, rows).unwrap();
+    let rows = rltune::data::prompts::load_prompts(p.to_str().unwrap(), "prompt", None).unwrap();
+    assert_eq!(rows[0].text, "hello world");
+    let tok = crate::common::word_tokenizer(&["hello", "world", "user", "assistant"], false);
+    let src = "{% for m in messages %}{{ m.role }} {{ m.content }} {% endfor %}\
+               {% if add_generation_prompt %}assistant{% endif %}";
+    let t = ChatTemplate::new(src, Default::default(), "t").unwrap();
+    assert_eq!(encode_prompt(&rows[0], "prompt", &tok, Some(&t)).unwrap(), vec![2, 0, 1, 3]);
+    assert_eq!(encode_prompt(&rows[1], "prompt", &tok, Some(&t)).unwrap(), vec![1]);
+    let e = encode_prompt(&rows[0], "prompt", &tok, None).unwrap_err().to_string();
+    assert!(e.contains("chat template"), "{e}");
+}
