@@ -63,7 +63,8 @@ fn conversational_prompt_rows_are_rendered_with_the_chat_template() {
     use rltune::models::chat_template::encode_prompt;
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("prompts.jsonl");
-    let rows = "{\"prompt\": [{\"role\": \"user\", \"content\": \"hello world\"}]}\n{\"prompt\": \"world\"}\n";
+    let rows =
+        "{\"prompt\": [{\"role\": \"user\", \"content\": \"hello world\"}]}\n{\"prompt\": \"world\"}\n";
     std::fs::write(&p, rows).unwrap();
     let rows = rltune::data::prompts::load_prompts(p.to_str().unwrap(), "prompt", None).unwrap();
     assert_eq!(rows[0].text, "hello world");
