@@ -8,12 +8,16 @@ use rltune::tokenizer::Tokenizer;
 /// Arguments of `rltune generate`.
 #[derive(clap::Args)]
 pub struct Args {
-    /// Model directory (Hugging Face layout) or hub id.
+    /// Model directory (Hugging Face layout), GGUF file or hub id.
     #[arg(long)]
     model: String,
     /// Prompt text (needs tokenizer.json in the model directory).
     #[arg(long, conflicts_with = "prompt_ids", required_unless_present = "prompt_ids")]
     prompt: Option<String>,
+    /// Render --prompt as a user message through the model's chat template (with the
+    /// assistant's generation prompt), as transformers' apply_chat_template.
+    #[arg(long, requires = "prompt")]
+    chat: bool,
     /// Prompt as comma-separated token ids, e.g. 1,2,3.
     #[arg(long, value_delimiter = ',')]
     prompt_ids: Option<Vec<u32>>,
@@ -58,6 +62,23 @@ pub fn run(args: Args) -> Result<()> {
     };
     let prompt = match (&args.prompt, &args.prompt_ids) {
         (_, Some(ids)) => ids.clone(),
+        (Some(text), None) if args.chat => {
+            let template = rltune::models::chat_template::ChatTemplate::for_model_dir(&policy.files.dir)?
+                .with_context(|| {
+                    format!(
+                        "--chat: {} has no chat_template in tokenizer_config.json",
+                        policy.files.dir.display()
+                    )
+                })?;
+            let rendered = template.render(&rltune::models::chat_template::user_message(text), true)?;
+            match &tokenizer {
+                Some(t) => t.encode_with(&rendered, false)?,
+                None => bail!(
+                    "{} has no tokenizer.json, so --chat cannot tokenize the prompt",
+                    policy.files.dir.display()
+                ),
+            }
+        }
         (Some(text), None) => match &tokenizer {
             Some(t) => t.encode(text)?,
             None => bail!(

@@ -4,6 +4,7 @@
 //! a user types can make it panic.
 
 mod bench;
+mod convert;
 mod dpo;
 mod generate;
 mod grpo_step;
@@ -59,6 +60,8 @@ enum Command {
     /// Check that this build computes what the references compute, on the device it is given:
     /// models, the sampler, PPO, GRPO, RLOO and DPO against their golden fixtures.
     Selftest(selftest::Args),
+    /// Convert a GGUF file (llama, qwen2) to a Hugging Face directory that transformers loads.
+    Convert(convert::Args),
     /// Benchmarks (see bench/README.md).
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -83,6 +86,7 @@ fn main() {
         Command::Reward(args) => train::run_reward(args),
         Command::Generate(args) => generate::run(args),
         Command::Play(args) => play::run(args),
+        Command::Convert(args) => convert::run(args),
         Command::Ppo(args) => ppo::run(args),
         Command::PpoStep(args) => ppo_step::run(args),
         Command::GrpoStep(args) => grpo_step::run_grpo(args),

@@ -139,6 +139,13 @@ fn to_prompt(row: serde_json::Value, text_column: &str, at: &dyn Fn() -> String)
     })?;
     let text = match obj.get(text_column) {
         Some(serde_json::Value::String(s)) => s.clone(),
+        // A conversation (TRL's conversational format): rendered with the model's chat template
+        // when encoded (`crate::models::chat_template::encode_prompt`); `text` is its last message.
+        Some(serde_json::Value::Array(msgs)) if crate::models::chat_template::is_conversation(msgs) => {
+            let last =
+                msgs.last().and_then(|m| m.get("content")).and_then(|c| c.as_str()).unwrap_or_default();
+            return Ok(PromptRow { text: last.to_string(), meta: row });
+        }
         Some(other) => {
             return Err(Error::Input(format!(
                 "{}: column {text_column:?} is {}, not a string",

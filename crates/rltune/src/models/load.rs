@@ -108,9 +108,13 @@ pub fn local_files(dir: &Path) -> Result<ModelFiles> {
     })
 }
 
-/// The files of `model`: a local directory, or a hub id (cache first, then the network).
+/// The files of `model`: a local directory, a `.gguf` file ([`super::gguf::model_files`]), or a
+/// hub id (cache first, then the network).
 pub fn locate(model: &str) -> Result<ModelFiles> {
     let path = Path::new(model);
+    if path.is_file() && super::gguf::is_gguf(path) {
+        return super::gguf::model_files(path);
+    }
     if path.exists() {
         return local_files(path);
     }

@@ -10,12 +10,18 @@
 //! |---|---|---|
 //! | `gpt2` (gpt2, distilgpt2) | [`gpt2::Gpt2`] | policy, reference |
 //! | `llama`, `qwen2`, `mistral` | [`llama::Llama`] | policy, reference |
+//! | `gpt_neo` | [`gpt_neo::GptNeo`] | policy, reference |
+//! | `gpt_neox` (Pythia) | [`gpt_neox::GptNeoX`] | policy, reference |
 //! | `bert` | [`bert`] | reward model (sequence classification), embeddings |
 //! | `distilbert` | [`distilbert`] | reward model (sequence classification) |
 
 pub mod bert;
+pub mod chat_template;
 pub mod distilbert;
+pub mod gguf;
 pub mod gpt2;
+pub mod gpt_neo;
+pub mod gpt_neox;
 pub mod layers;
 pub mod llama;
 pub mod load;
@@ -32,7 +38,7 @@ use crate::error::{Error, Result};
 use crate::params::Params;
 
 /// Causal LM `model_type`s rltune implements.
-pub const CAUSAL_LM_TYPES: &[&str] = &["gpt2", "llama", "qwen2", "mistral"];
+pub const CAUSAL_LM_TYPES: &[&str] = &["gpt2", "llama", "qwen2", "mistral", "gpt_neo", "gpt_neox"];
 
 /// The config of a causal LM, by architecture.
 #[derive(Debug, Clone)]
@@ -41,6 +47,10 @@ pub enum CausalLmConfig {
     Gpt2(gpt2::Gpt2Config),
     /// `llama`, `qwen2`, `mistral`
     Llama(llama::LlamaConfig),
+    /// `gpt_neo`
+    GptNeo(gpt_neo::GptNeoConfig),
+    /// `gpt_neox`
+    GptNeoX(gpt_neox::GptNeoXConfig),
 }
 
 impl CausalLmConfig {
@@ -67,6 +77,16 @@ impl CausalLmConfig {
                 c.validate().map_err(invalid)?;
                 Ok(Self::Llama(c))
             }
+            "gpt_neo" => {
+                let c: gpt_neo::GptNeoConfig = parse_config(value).map_err(|(e, f)| bad(e, f))?;
+                c.validate().map_err(invalid)?;
+                Ok(Self::GptNeo(c))
+            }
+            "gpt_neox" => {
+                let c: gpt_neox::GptNeoXConfig = parse_config(value).map_err(|(e, f)| bad(e, f))?;
+                c.validate().map_err(invalid)?;
+                Ok(Self::GptNeoX(c))
+            }
             other => Err(Error::UnsupportedModel {
                 path: path.to_path_buf(),
                 model_type: other.to_string(),
@@ -80,6 +100,8 @@ impl CausalLmConfig {
         match self {
             Self::Gpt2(c) => c.vocab_size,
             Self::Llama(c) => c.vocab_size,
+            Self::GptNeo(c) => c.vocab_size,
+            Self::GptNeoX(c) => c.vocab_size,
         }
     }
 
@@ -94,6 +116,8 @@ impl CausalLmConfig {
                 }
                 _ => Vec::new(),
             },
+            Self::GptNeo(c) => c.eos_token_id.into_iter().collect(),
+            Self::GptNeoX(c) => c.eos_token_id.into_iter().collect(),
         }
     }
 
@@ -102,6 +126,8 @@ impl CausalLmConfig {
         match self {
             Self::Gpt2(c) => c.pad_token_id,
             Self::Llama(c) => c.pad_token_id,
+            Self::GptNeo(c) => c.pad_token_id,
+            Self::GptNeoX(c) => c.pad_token_id,
         }
     }
 
@@ -110,6 +136,8 @@ impl CausalLmConfig {
         match self {
             Self::Gpt2(c) => Some(c.n_positions),
             Self::Llama(c) => Some(c.max_positions()),
+            Self::GptNeo(c) => Some(c.max_position_embeddings),
+            Self::GptNeoX(c) => Some(c.max_position_embeddings),
         }
     }
 }
@@ -138,6 +166,8 @@ fn parse_config<T: serde::de::DeserializeOwned>(
 enum Arch {
     Gpt2(gpt2::Gpt2),
     Llama(llama::Llama),
+    GptNeo(gpt_neo::GptNeo),
+    GptNeoX(gpt_neox::GptNeoX),
 }
 
 /// A causal language model of any supported architecture.
@@ -156,6 +186,12 @@ impl CausalLm {
             CausalLmConfig::Gpt2(c) => (Arch::Gpt2(gpt2::Gpt2::load(p, c)?), c.n_layer, c.n_embd),
             CausalLmConfig::Llama(c) => {
                 (Arch::Llama(llama::Llama::load(p, c)?), c.num_hidden_layers, c.hidden_size)
+            }
+            CausalLmConfig::GptNeo(c) => {
+                (Arch::GptNeo(gpt_neo::GptNeo::load(p, c)?), c.num_layers, c.hidden_size)
+            }
+            CausalLmConfig::GptNeoX(c) => {
+                (Arch::GptNeoX(gpt_neox::GptNeoX::load(p, c)?), c.num_hidden_layers, c.hidden_size)
             }
         };
         Ok(Self { arch, cfg: cfg.clone(), n_layers, hidden_size })
@@ -199,6 +235,8 @@ impl CausalLm {
         match &self.arch {
             Arch::Gpt2(m) => m.forward(input_ids, position_ids, bias, cache),
             Arch::Llama(m) => m.forward(input_ids, position_ids, bias, cache),
+            Arch::GptNeo(m) => m.forward(input_ids, position_ids, bias, cache),
+            Arch::GptNeoX(m) => m.forward(input_ids, position_ids, bias, cache),
         }
     }
 
@@ -216,6 +254,8 @@ impl CausalLm {
         match &self.arch {
             Arch::Gpt2(m) => m.forward_rows(input_ids, position_ids, bias, rows),
             Arch::Llama(m) => m.forward(input_ids, position_ids, bias, None),
+            Arch::GptNeo(m) => m.forward(input_ids, position_ids, bias, None),
+            Arch::GptNeoX(m) => m.forward(input_ids, position_ids, bias, None),
         }
     }
 
@@ -224,6 +264,8 @@ impl CausalLm {
         match &self.arch {
             Arch::Gpt2(m) => m.lm_head_weight(),
             Arch::Llama(m) => m.lm_head_weight(),
+            Arch::GptNeo(m) => m.lm_head_weight(),
+            Arch::GptNeoX(m) => m.lm_head_weight(),
         }
     }
 
@@ -233,6 +275,8 @@ impl CausalLm {
         match &self.arch {
             Arch::Gpt2(m) => m.weight_matrices(),
             Arch::Llama(m) => m.weight_matrices(),
+            Arch::GptNeo(m) => m.weight_matrices(),
+            Arch::GptNeoX(m) => m.weight_matrices(),
         }
     }
 
@@ -241,6 +285,8 @@ impl CausalLm {
         match &self.arch {
             Arch::Gpt2(m) => m.logits(hidden),
             Arch::Llama(m) => m.logits(hidden),
+            Arch::GptNeo(m) => m.logits(hidden),
+            Arch::GptNeoX(m) => m.logits(hidden),
         }
     }
 }

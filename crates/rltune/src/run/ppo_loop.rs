@@ -513,8 +513,12 @@ pub(super) fn encode_prompts(
     tokenizer: &Tokenizer,
 ) -> Result<Vec<(Vec<u32>, PromptRow)>> {
     let rows = load_prompts(&config.data.source, &config.data.text_column, None)?;
+    let column = &config.data.text_column;
+    let template = crate::models::chat_template::template_if_needed(&rows, column, &config.model.path)?;
     rows.into_iter()
-        .map(|r| Ok((tokenizer.encode(&r.text)?, r)))
+        .map(|r| {
+            Ok((crate::models::chat_template::encode_prompt(&r, column, tokenizer, template.as_ref())?, r))
+        })
         .filter(|r: &Result<(Vec<u32>, PromptRow)>| r.as_ref().map_or(true, |(ids, _)| !ids.is_empty()))
         .collect()
 }

@@ -114,10 +114,13 @@ fn llama_config_missing_hidden_size_takes_the_default_and_the_mismatch_says_so()
 #[test]
 fn unknown_model_type_lists_the_supported_ones() {
     let dir = gpt2_with_config(&gpt2_config_edited(|c| {
-        c.insert("model_type".into(), "gpt_neox".into());
+        c.insert("model_type".into(), "falcon".into());
     }));
     let err = load_err(dir.path());
-    assert_contains_all(&err, &["config.json", "\"gpt_neox\"", "supported: gpt2, llama, qwen2, mistral"]);
+    assert_contains_all(
+        &err,
+        &["config.json", "\"falcon\"", "supported: gpt2, llama, qwen2, mistral, gpt_neo, gpt_neox"],
+    );
 }
 
 #[test]

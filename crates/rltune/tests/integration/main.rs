@@ -1,16 +1,19 @@
 //! rltune's integration tests: one binary, one module per area.
 
+mod chat_templates;
 mod common;
 mod critic;
 mod dpo_parity;
 mod errors;
 mod faults;
 mod generation;
+mod gguf;
 mod gpt2;
 mod group_loop;
 mod grpo_parity;
 mod layout;
 mod multiturn;
+mod neo;
 mod ppo_behaviour;
 mod ppo_parity;
 mod textworld;

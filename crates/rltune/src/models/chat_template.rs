@@ -1,0 +1,395 @@
+//! Jinja chat templates, rendered as transformers' `apply_chat_template` does.
+//!
+//! A model's chat template is the `chat_template` of its `tokenizer_config.json` (or
+//! `tokenizer.chat_template` in a GGUF, which [`super::gguf`] copies there). transformers renders it
+//! with Jinja2 (`utils/chat_template_utils.py`, `_compile_jinja_template`) in an environment with
+//! `trim_blocks` and `lstrip_blocks`, the `loopcontrols` extension, a `tojson` filter that keeps
+//! non-ASCII text (`json.dumps(x, ensure_ascii=False)`), and the globals `raise_exception` and
+//! `strftime_now`; the context holds `messages`, `add_generation_prompt`, the special tokens
+//! (`bos_token`, `eos_token`, …) and any extra variables. Here the same environment is built with
+//! `minijinja`, and `minijinja-contrib`'s Python compatibility layer provides the string, dict and
+//! list methods templates call (`.strip()`, `.split()`, `.items()`, `.startswith()` …).
+//!
+//! Known differences from Jinja2: `tojson` writes object keys sorted (serde_json's map), where
+//! Python keeps insertion order; it only matters for templates that serialize tool schemas.
+//! `strftime_now` formats the current UTC time (Python uses local time) and knows `%d %b %B %m %Y
+//! %y %H %M %S %j %%`.
+
+use std::path::Path;
+
+use minijinja::{Environment, Error as JinjaError, ErrorKind, Value};
+use serde_json::json;
+
+use crate::error::{Error, Result};
+
+/// A compiled chat template and the special tokens it can refer to.
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    /// `bos_token`, `eos_token`, `unk_token`, `pad_token` as strings, when known.
+    special: serde_json::Map<String, serde_json::Value>,
+    /// Where the template came from, for errors.
+    source: String,
+}
+
+impl std::fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatTemplate").field("source", &self.source).field("special", &self.special).finish()
+    }
+}
+
+/// A special token in tokenizer_config.json: a string, or an `AddedToken` dict with `content`.
+fn token_string(v: &serde_json::Value) -> Option<String> {
+    match v {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Object(o) => o.get("content").and_then(|c| c.as_str()).map(str::to_string),
+        _ => None,
+    }
+}
+
+impl ChatTemplate {
+    /// Compiles `template`; `special` maps `bos_token` etc. to their strings; `source` names the
+    /// file in errors.
+    pub fn new(
+        template: &str,
+        special: serde_json::Map<String, serde_json::Value>,
+        source: &str,
+    ) -> Result<Self> {
+        let mut env = Environment::new();
+        let syntax = minijinja::syntax::SyntaxConfig::builder()
+            .trim_blocks(true)
+            .lstrip_blocks(true)
+            .build()
+            .map_err(|e| Error::Input(format!("{source}: chat template syntax config: {e}")))?;
+        env.set_syntax(syntax);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", |msg: String| -> std::result::Result<Value, JinjaError> {
+            Err(JinjaError::new(ErrorKind::InvalidOperation, format!("raise_exception: {msg}")))
+        });
+        env.add_function("strftime_now", |fmt: String| -> String { strftime_now(&fmt) });
+        env.add_filter("tojson", tojson);
+        env.add_template_owned("chat", template.to_string())
+            .map_err(|e| Error::Input(format!("{source}: the chat template does not compile: {e:#}")))?;
+        Ok(Self { env, special, source: source.to_string() })
+    }
+
+    /// The chat template of a `tokenizer_config.json`, with its special tokens; `None` when it
+    /// has none. A list of named templates (`[{"name": …, "template": …}]`) gives the `default` one.
+    pub fn from_tokenizer_config(path: &Path) -> Result<Option<Self>> {
+        let v: serde_json::Value = crate::io::read_json(path)?;
+        let template = match v.get("chat_template") {
+            None | Some(serde_json::Value::Null) => return Ok(None),
+            Some(serde_json::Value::String(s)) => s.clone(),
+            Some(serde_json::Value::Array(list)) => {
+                let named = |n: &str| {
+                    list.iter()
+                        .find(|t| t.get("name").and_then(|x| x.as_str()) == Some(n))
+                        .and_then(|t| t.get("template"))
+                        .and_then(|t| t.as_str())
+                };
+                named("default")
+                    .ok_or_else(|| {
+                        Error::config(
+                            path,
+                            "chat_template is a list without a \"default\" entry; name one \"default\"",
+                        )
+                    })?
+                    .to_string()
+            }
+            Some(_) => return Err(Error::config(path, "chat_template must be a string (a Jinja template)")),
+        };
+        let mut special = serde_json::Map::new();
+        for name in ["bos_token", "eos_token", "unk_token", "pad_token"] {
+            if let Some(t) = v.get(name).and_then(token_string) {
+                special.insert(name.into(), t.into());
+            }
+        }
+        Self::new(&template, special, &path.display().to_string()).map(Some)
+    }
+
+    /// The chat template beside a model: `tokenizer_config.json` in `dir`.
+    pub fn for_model_dir(dir: &Path) -> Result<Option<Self>> {
+        let p = dir.join("tokenizer_config.json");
+        if !p.exists() {
+            return Ok(None);
+        }
+        Self::from_tokenizer_config(&p)
+    }
+
+    /// Renders `messages` (a JSON list of `{"role", "content", …}`), as
+    /// `apply_chat_template(messages, tokenize=False, add_generation_prompt=…)`.
+    pub fn render(&self, messages: &serde_json::Value, add_generation_prompt: bool) -> Result<String> {
+        self.render_with(messages, add_generation_prompt, &serde_json::Map::new())
+    }
+
+    /// [`Self::render`] with extra template variables (transformers' `**kwargs`, e.g. `tools`).
+    pub fn render_with(
+        &self,
+        messages: &serde_json::Value,
+        add_generation_prompt: bool,
+        extra: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String> {
+        if !messages.as_array().is_some_and(|m| m.iter().all(|x| x.get("role").is_some())) {
+            return Err(Error::Input(format!(
+                "a conversation must be a list of {{\"role\": …, \"content\": …}} messages, got {}",
+                truncate(&messages.to_string(), 120)
+            )));
+        }
+        let mut ctx = self.special.clone();
+        for (k, v) in extra {
+            ctx.insert(k.clone(), v.clone());
+        }
+        ctx.insert("messages".into(), messages.clone());
+        ctx.insert("add_generation_prompt".into(), add_generation_prompt.into());
+        let tmpl = self.env.get_template("chat").map_err(|e| Error::Input(e.to_string()))?;
+        tmpl.render(Value::from(minijinja::value::Serde(&ctx)))
+            .map_err(|e| Error::Input(format!("{}: rendering the chat template failed: {e:#}", self.source)))
+    }
+}
+
+fn truncate(s: &str, n: usize) -> String {
+    if s.chars().count() <= n {
+        s.to_string()
+    } else {
+        format!("{}…", s.chars().take(n).collect::<String>())
+    }
+}
+
+/// transformers' `tojson`: `json.dumps(x, ensure_ascii=False, indent=indent)` (`", "` and `": "`
+/// separators; with an indent, one item per line).
+fn tojson(value: Value, kwargs: minijinja::value::Kwargs) -> std::result::Result<Value, JinjaError> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    let _: Option<bool> = kwargs.get("ensure_ascii")?;
+    let _: Option<bool> = kwargs.get("sort_keys")?;
+    kwargs.assert_all_used()?;
+    let v = serde_json::to_value(&value)
+        .map_err(|e| JinjaError::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    let mut out = String::new();
+    write_py_json(&v, indent, 0, &mut out);
+    Ok(Value::from_safe_string(out))
+}
+
+fn write_py_json(v: &serde_json::Value, indent: Option<usize>, depth: usize, out: &mut String) {
+    let newline = |out: &mut String, d: usize| {
+        if let Some(n) = indent {
+            out.push('\n');
+            out.push_str(&" ".repeat(n * d));
+        }
+    };
+    let sep = if indent.is_some() { "," } else { ", " };
+    match v {
+        serde_json::Value::Array(a) if !a.is_empty() => {
+            out.push('[');
+            for (i, x) in a.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(sep);
+                }
+                newline(out, depth + 1);
+                write_py_json(x, indent, depth + 1, out);
+            }
+            newline(out, depth);
+            out.push(']');
+        }
+        serde_json::Value::Object(o) if !o.is_empty() => {
+            out.push('{');
+            for (i, (k, x)) in o.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(sep);
+                }
+                newline(out, depth + 1);
+                out.push_str(&serde_json::Value::String(k.clone()).to_string());
+                out.push_str(": ");
+                write_py_json(x, indent, depth + 1, out);
+            }
+            newline(out, depth);
+            out.push('}');
+        }
+        other => out.push_str(&other.to_string()),
+    }
+}
+
+/// `strftime_now(fmt)` on the current UTC time.
+fn strftime_now(fmt: &str) -> String {
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    strftime(fmt, secs)
+}
+
+/// Formats `secs` since the epoch (UTC) with the common strftime codes.
+fn strftime(fmt: &str, secs: u64) -> String {
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    let days = (secs / 86400) as i64;
+    let rem = secs % 86400;
+    // Howard Hinnant's civil_from_days.
+    let z = days + 719468;
+    let era = z.div_euclid(146097);
+    let doe = z - era * 146097;
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    let leap = (y % 4 == 0 && y % 100 != 0) || y % 400 == 0;
+    let cum = [0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334];
+    let jday = cum[(m - 1) as usize] + d + i64::from(leap && m > 2);
+    let month = MONTHS[(m - 1) as usize];
+    let mut out = String::new();
+    let mut chars = fmt.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('d') => out.push_str(&format!("{d:02}")),
+            Some('b') => out.push_str(&month[..3]),
+            Some('B') => out.push_str(month),
+            Some('m') => out.push_str(&format!("{m:02}")),
+            Some('Y') => out.push_str(&y.to_string()),
+            Some('y') => out.push_str(&format!("{:02}", y % 100)),
+            Some('H') => out.push_str(&format!("{:02}", rem / 3600)),
+            Some('M') => out.push_str(&format!("{:02}", rem / 60 % 60)),
+            Some('S') => out.push_str(&format!("{:02}", rem % 60)),
+            Some('j') => out.push_str(&format!("{jday:03}")),
+            Some('%') => out.push('%'),
+            Some(other) => {
+                out.push('%');
+                out.push(other);
+            }
+            None => out.push('%'),
+        }
+    }
+    out
+}
+
+/// A prompt row's `prompt` as text: a string as is, a conversation (a list of messages) through
+/// the chat template with `add_generation_prompt` (TRL's `maybe_apply_chat_template`).
+pub fn prompt_text(prompt: &serde_json::Value, template: Option<&ChatTemplate>) -> Result<String> {
+    match prompt {
+        serde_json::Value::String(s) => Ok(s.clone()),
+        serde_json::Value::Array(_) => match template {
+            Some(t) => t.render(prompt, true),
+            None => Err(Error::Input(
+                "the prompt is a conversation (a list of messages) but the model has no chat template \
+                 (tokenizer_config.json has no chat_template); give plain-text prompts, or a model with one"
+                    .into(),
+            )),
+        },
+        other => Err(Error::Input(format!(
+            "a prompt must be a string or a list of messages, got {}",
+            truncate(&other.to_string(), 80)
+        ))),
+    }
+}
+
+/// Whether `msgs` is a conversation: a non-empty list of objects with a string `role`.
+pub fn is_conversation(msgs: &[serde_json::Value]) -> bool {
+    !msgs.is_empty() && msgs.iter().all(|m| m.get("role").is_some_and(|r| r.is_string()))
+}
+
+/// The chat template of the model `model` (a directory, GGUF file or hub id) when some row's
+/// `column` is a conversation; `None` when every prompt is text.
+pub fn template_if_needed(
+    rows: &[crate::data::prompts::PromptRow],
+    column: &str,
+    model: &str,
+) -> Result<Option<ChatTemplate>> {
+    if !rows.iter().any(|r| r.meta.get(column).is_some_and(|v| v.is_array())) {
+        return Ok(None);
+    }
+    let files = super::load::locate(model)?;
+    ChatTemplate::for_model_dir(&files.dir)
+}
+
+/// A prompt row's token ids: a conversation rendered with `template` (with the generation prompt)
+/// and tokenized without adding special tokens (the template writes them), as TRL's GRPO and RLOO
+/// trainers do; a text prompt tokenized as usual.
+pub fn encode_prompt(
+    row: &crate::data::prompts::PromptRow,
+    column: &str,
+    tokenizer: &crate::tokenizer::Tokenizer,
+    template: Option<&ChatTemplate>,
+) -> Result<Vec<u32>> {
+    match row.meta.get(column) {
+        Some(conv @ serde_json::Value::Array(_)) => {
+            tokenizer.encode_with(&prompt_text(conv, template)?, false)
+        }
+        _ => tokenizer.encode(&row.text),
+    }
+}
+
+/// `{"role": "user", "content": text}` as a one-message conversation.
+pub fn user_message(text: &str) -> serde_json::Value {
+    json!([{"role": "user", "content": text}])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tmpl(src: &str) -> ChatTemplate {
+        let mut special = serde_json::Map::new();
+        special.insert("bos_token".into(), "<s>".into());
+        special.insert("eos_token".into(), "</s>".into());
+        ChatTemplate::new(src, special, "test").unwrap()
+    }
+
+    #[test]
+    fn blocks_trim_and_python_methods_work() {
+        let t = tmpl("{% for m in messages %}\n  {{ m['content'].strip() }}{% if not loop.last %}|{% endif %}\n{% endfor %}{{ eos_token }}");
+        let msgs = json!([{"role": "user", "content": "  a "}, {"role": "assistant", "content": "b"}]);
+        // Jinja2 (trim_blocks, lstrip_blocks) gives the same: '  a|  b</s>' (the indent precedes a
+        // variable tag, which lstrip_blocks leaves alone; the newlines follow block tags).
+        assert_eq!(t.render(&msgs, false).unwrap(), "  a|  b</s>");
+    }
+
+    #[test]
+    fn raise_exception_is_an_error_with_its_message() {
+        let t = tmpl("{% if messages[0]['role'] != 'user' %}{{ raise_exception('roles must alternate') }}{% endif %}ok");
+        let e = t.render(&json!([{"role": "assistant", "content": "x"}]), false).unwrap_err().to_string();
+        assert!(e.contains("roles must alternate"), "{e}");
+        let e =
+            ChatTemplate::new("{{ x", Default::default(), "tokenizer_config.json").unwrap_err().to_string();
+        assert!(e.contains("tokenizer_config.json") && e.contains("does not compile"), "{e}");
+    }
+
+    #[test]
+    fn tojson_writes_python_separators_and_keeps_unicode() {
+        let t = tmpl("{{ messages[0] | tojson }}");
+        assert_eq!(
+            t.render(&json!([{"role": "user", "content": "é"}]), false).unwrap(),
+            r#"{"content": "é", "role": "user"}"#
+        );
+    }
+
+    #[test]
+    fn strftime_formats_a_known_date() {
+        // Python: datetime.fromtimestamp(1722006309, timezone.utc).strftime(...)
+        assert_eq!(
+            strftime("%d %b %Y %H:%M:%S %j %B %m %y %%", 1_722_006_309),
+            "26 Jul 2024 15:05:09 208 July 07 24 %"
+        );
+    }
+
+    #[test]
+    fn prompts_are_text_or_conversations() {
+        let t = tmpl("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}");
+        assert_eq!(prompt_text(&json!("plain"), Some(&t)).unwrap(), "plain");
+        assert_eq!(prompt_text(&user_message("hi"), Some(&t)).unwrap(), "[user]hi[assistant]");
+        assert!(prompt_text(&user_message("hi"), None).unwrap_err().to_string().contains("chat template"));
+        assert!(prompt_text(&json!(3), Some(&t)).is_err());
+        assert!(t.render(&json!([{"content": "no role"}]), true).unwrap_err().to_string().contains("role"));
+    }
+}
