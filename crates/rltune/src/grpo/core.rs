@@ -135,9 +135,6 @@ impl Core {
         optim: OptimArgs,
         temperature: f64,
     ) -> Result<Self> {
-        if store.device().is_cpu() {
-            crate::cpu::flush_denormals();
-        }
         if !store.trainable() {
             return Err(Error::Input("the policy's parameters must be trainable".into()));
         }
