@@ -3,11 +3,13 @@
 # HEAD_REV (default: HEAD), runs the quickstart tasks with `--preset tiny` for each, and compares
 # every weights file (`*.safetensors`) and every `metrics.jsonl` by sha256.
 #
-#   tools/check_identical.sh BASE_REV [HEAD_REV] [--full] [--keep]
+#   tools/check_identical.sh BASE_REV [HEAD_REV] [--full] [--dev] [--keep]
 #
 # Variants: sentiment, --task adventure, --task arithmetic (GRPO, then --algorithm rloo in the
 # same directory, which trains RLOO from the same SFT policy), all `--preset tiny --seed 0`.
 # --full adds the README's sentiment quickstart (`--preset default --seed 0`, minutes of run).
+# --dev builds the dev profile instead of release (both sides alike; much faster to build where
+# the dev dependencies are built already, e.g. CHECK_TARGET=target).
 #
 # metrics.jsonl holds wall-clock timings (`time/*` and keys ending in `_time`), which differ
 # between any two runs, even of one binary: they are removed from every line before hashing (line
@@ -18,13 +20,14 @@
 # Exit status: 0 when everything matches, 1 on a difference, 2 on a usage or build error.
 set -euo pipefail
 
-usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 
-full=0 keep=0 revs=()
+full=0 keep=0 profile=release revs=()
 for a in "$@"; do
   case "$a" in
     --full) full=1 ;;
     --keep) keep=1 ;;
+    --dev) profile=dev ;;
     -h|--help) usage ;;
     -*) echo "unknown option $a" >&2; usage ;;
     *) revs+=("$a") ;;
@@ -49,16 +52,18 @@ trap cleanup EXIT
 # Builds REV into $work/bin-SIDE/rltune; a binary built before for the same commit is reused
 # ($CARGO_TARGET_DIR/identical-bins/SHA).
 build() {
-  local side=$1 rev=$2 cached=$CARGO_TARGET_DIR/identical-bins/$2/rltune
+  local side=$1 rev=$2 cached=$CARGO_TARGET_DIR/identical-bins/$profile-$2/rltune
   mkdir -p "$work/bin-$side"
   if [ -x "$cached" ]; then
     echo "reusing the build of $side ($(git -C "$root" log -1 --format='%h %s' "$rev"))" >&2
   else
     git -C "$root" worktree add --detach "$work/src-$side" "$rev" >/dev/null 2>&1
     echo "building $side ($(git -C "$root" log -1 --format='%h %s' "$rev"))" >&2
-    (cd "$work/src-$side" && cargo build --release --quiet -p rltune-cli) || { echo "build of $rev failed" >&2; exit 2; }
+    (cd "$work/src-$side" && cargo build --profile "$profile" --quiet -p rltune-cli) || { echo "build of $rev failed" >&2; exit 2; }
     mkdir -p "$(dirname "$cached")"
-    cp "$CARGO_TARGET_DIR/release/rltune" "$cached"
+    local out=release
+    [ "$profile" = dev ] && out=debug
+    cp "$CARGO_TARGET_DIR/$out/rltune" "$cached"
   fi
   cp "$cached" "$work/bin-$side/rltune"
 }
@@ -120,6 +125,6 @@ for v in "${variants[@]}"; do
     printf '%-15s %-58s %-16s %-16s %s\n' "$v" "${f#./}" "$a" "$b" "$same"
   done
 done
-echo "base $(git -C "$root" rev-parse --short "$base"), head $(git -C "$root" rev-parse --short "$head"):" \
+echo "base $(git -C "$root" rev-parse --short "$base"), head $(git -C "$root" rev-parse --short "$head"), $profile builds:" \
   "$([ $status = 0 ] && echo 'identical' || echo 'DIFFERENT')"
 exit $status
