@@ -18,7 +18,8 @@ pub struct Args {
     /// Policy directory (Hugging Face layout, GPT-2 or Llama family).
     #[arg(long)]
     model: String,
-    /// Reference model directory, needed when beta > 0 (RLOO's default beta is 0.05).
+    /// Reference model directory, used when beta > 0 (RLOO's default beta is 0.05); default: a
+    /// frozen copy of --model, as TRL does.
     #[arg(long)]
     ref_model: Option<String>,
     /// JSON lines: {"prompt_ids": [..], "completion_ids": [..], "reward": x} (x a number or null),

@@ -76,10 +76,30 @@ enum BenchCommand {
 }
 
 fn main() {
-    rltune::cpu::default_thread_setup();
+    // The process-wide settings, first (see rltune::cpu): the library's constructors make none.
+    let settings = rltune::cpu::ProcessSettings {
+        spin_wait: std::env::var_os("RLTUNE_SPIN_WAIT").is_none_or(|v| v != "0"),
+        ..Default::default()
+    };
+    let installed = settings.install();
     init_tracing();
     let cli = Cli::parse();
-    let result = match cli.command {
+    let result = match installed {
+        Err(e) => Err(anyhow::Error::new(e).context("cannot set up the process")),
+        Ok(()) => run(cli.command),
+    };
+    if let Err(err) = result {
+        eprintln!("error: {err}");
+        for cause in err.chain().skip(1) {
+            eprintln!("  caused by: {cause}");
+        }
+        std::process::exit(1);
+    }
+}
+
+/// Runs one command.
+fn run(command: Command) -> anyhow::Result<()> {
+    match command {
         Command::Quickstart(args) => quickstart::run(args),
         Command::Sft(args) => train::run_sft(args),
         Command::Dpo(args) => dpo::run(args),
@@ -94,13 +114,6 @@ fn main() {
         Command::Selftest(args) => selftest::run(args),
         Command::Bench(BenchCommand::Ppo(args)) => bench::run(args),
         Command::Bench(BenchCommand::Grpo(args)) => bench::run_grpo(args),
-    };
-    if let Err(err) = result {
-        eprintln!("error: {err}");
-        for cause in err.chain().skip(1) {
-            eprintln!("  caused by: {cause}");
-        }
-        std::process::exit(1);
     }
 }
 

@@ -107,6 +107,60 @@ fn rloo_step_reproduces_trl_default() {
     check_against_fixture(&out, "rloo_default");
 }
 
+/// Runs `CMD --model init --ref-model REF ...` with `REF` an explicit directory.
+fn step_with_ref(cmd: &str, config: &Path, reference: &Path, out: &Path) -> Output {
+    let init = fixture("grpo/init");
+    let rollouts = fixture("grpo/rollouts.jsonl");
+    rltune(&[
+        cmd,
+        "--model",
+        init.to_str().unwrap(),
+        "--ref-model",
+        reference.to_str().unwrap(),
+        "--rollouts",
+        rollouts.to_str().unwrap(),
+        "--config",
+        config.to_str().unwrap(),
+        "--output",
+        out.to_str().unwrap(),
+    ])
+}
+
+/// Issue #37, item 6: `rloo-step` with TRL's default `beta = 0.05` and no `--ref-model` exited
+/// with "no reference model was given". TRL 1.16.0's RLOOTrainer (and GRPOTrainer with
+/// `beta > 0`) then uses a frozen copy of the initial policy, as `ppo-step` does: the step must
+/// succeed and write exactly what passing the policy itself as `--ref-model` writes.
+#[test]
+fn rloo_and_grpo_step_without_ref_model_use_a_frozen_copy_of_the_policy() {
+    let dir = tempfile::tempdir().unwrap();
+    for (cmd, config) in
+        [("rloo-step", "grpo/rloo_default/config.toml"), ("grpo-step", "grpo/kl/config.toml")]
+    {
+        let config = fixture(config);
+        let implicit = dir.path().join(format!("{cmd}-implicit"));
+        let o = step(cmd, &fixture("grpo/rollouts.jsonl"), &config, false, &implicit);
+        assert!(o.status.success(), "{cmd} without --ref-model: {}", stderr(&o));
+        let explicit = dir.path().join(format!("{cmd}-explicit"));
+        let o = step_with_ref(cmd, &config, &fixture("grpo/init"), &explicit);
+        assert!(o.status.success(), "{cmd} --ref-model init: {}", stderr(&o));
+        let a = std::fs::read(implicit.join("model.safetensors")).unwrap();
+        let b = std::fs::read(explicit.join("model.safetensors")).unwrap();
+        assert!(a == b, "{cmd}: the weights differ between the frozen copy and --ref-model init");
+        // The metrics too, but for the wall-clock ones.
+        let read = |d: &Path| -> serde_json::Value {
+            let mut v: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(d.join("stats.json")).unwrap()).unwrap();
+            v.as_object_mut().unwrap().retain(|k, _| !k.contains("time"));
+            v
+        };
+        let stats = read(&implicit);
+        assert_eq!(stats, read(&explicit), "{cmd}: stats.json");
+        // Against a reference identical to the policy, the KL is 0 at the first step.
+        let kl = stats["kl"].as_f64().unwrap_or_else(|| panic!("{cmd}: stats.json lacks kl: {stats}"));
+        assert!(kl.abs() < 1e-6, "{cmd}: kl {kl} against a copy of the policy");
+    }
+}
+
 /// Writes `rows` of (prompt, completion, reward) and a `[grpo]` table; runs grpo-step.
 fn run_rows(rows: &[(Vec<u32>, Vec<u32>, &str)], toml: &str) -> (Output, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
@@ -159,9 +213,6 @@ fn bad_groups_and_rows_are_named() {
     let rows = vec![(vec![1, 2], vec![3, 0], "1.0"), (vec![1, 2], vec![4, 0], "0.0")];
     let (o, _d) = run_rows(&rows, &format!("{G2}num_iterations = 2\n"));
     fails_with(&o, &["num_iterations is 2", "set num_iterations = 1"]);
-    // beta > 0 needs a reference.
-    let (o, _d) = run_rows(&rows, &format!("{G2}beta = 0.1\n"));
-    fails_with(&o, &["beta is 0.1", "--ref-model"]);
 }
 
 /// TRL's documented behaviour: a group whose rewards are all equal has zero advantages, and a

@@ -1,4 +1,30 @@
-//! CPU setup: thread pools and floating-point mode.
+//! CPU setup: thread pools and floating-point mode, made by one explicit call.
+//!
+//! No constructor of rltune changes the process. Whoever runs the work (the `rltune` binary,
+//! a test, a library user's `main`) makes the process-wide settings once, explicitly:
+//!
+//! ```
+//! // At the start of `main`, before any candle op and before other threads start:
+//! rltune::cpu::ProcessSettings::default().install()?;
+//! # Ok::<(), rltune::Error>(())
+//! ```
+//!
+//! [`ProcessSettings::install`] sets, each switchable by its field:
+//!
+//! | setting | field | scope |
+//! |---|---|---|
+//! | `CANDLE_NUM_THREADS=1` unless set (candle's element-wise pool runs inline) | `inline_elementwise` | environment, read once by candle |
+//! | glibc's mmap and trim thresholds ([`tune_allocator`]) | `tune_allocator` | allocator |
+//! | the caller becomes a thread of rayon's global pool | `join_global_pool` | the global pool, if not built yet |
+//! | FTZ/DAZ on the caller and every thread of the global pool ([`flush_denormals`]) | `flush_denormals` | those threads' MXCSR |
+//! | spin-waiting of the pool during generation and steps ([`keep_pool_awake`]) | `spin_wait` | process |
+//! | the CPU matrix products' precision ([`crate::ops::set_matmul_precision`]) | `matmul_precision` | process |
+//!
+//! [`crate::runtime::Runtime::install`] makes the share that follows from a resolved runtime
+//! (FTZ/DAZ on the CPU, the matmul precision), so a run's config can choose bf16 after `main`
+//! has installed the rest. Results depend on FTZ/DAZ at the level of denormals (~1e-38), so runs
+//! and tests that compare numbers bit for bit make the same calls. The global allocator
+//! ([`HugePages`]) is a choice of the binary (`#[global_allocator]`), not of this call.
 //!
 //! # Thread pools
 //!
@@ -65,7 +91,8 @@
 //! 1.453–1.470 s instead of 1.489–1.519 s (3 alternating pairs; generation 0.148 → 0.135 s). The
 //! cost is a core that spins during the caller's serial stretches. [`crate::generation::generate`],
 //! [`crate::ppo::PpoTrainer::step`] and the SFT / reward-model training loops hold one; set
-//! `RLTUNE_SPIN_WAIT=0` to switch it off (read once per process).
+//! `ProcessSettings::spin_wait` to false to switch it off (the `rltune` binary does so for
+//! `RLTUNE_SPIN_WAIT=0`).
 //!
 //! # Denormals
 //!
@@ -75,11 +102,73 @@
 //! thread of rayon's global pool (where candle's matmuls and rltune's fused ops run). Values below
 //! ~1.2e-38 become 0, which changes no result that matters for training.
 
+/// The process-wide settings of rltune's CPU kernels, made by [`Self::install`] (see the module
+/// docs for what each one does and why). [`Default`] is what the `rltune` binary installs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProcessSettings {
+    /// Sets `CANDLE_NUM_THREADS=1` unless the environment has it (default true).
+    pub inline_elementwise: bool,
+    /// Tunes glibc's allocator with [`tune_allocator`] (default true).
+    pub tune_allocator: bool,
+    /// Makes the calling thread a thread of rayon's global pool, unless the pool exists
+    /// (default true).
+    pub join_global_pool: bool,
+    /// Sets FTZ/DAZ on the calling thread and rayon's global pool (default true).
+    pub flush_denormals: bool,
+    /// Lets [`keep_pool_awake`] spin the pool's threads (default true).
+    pub spin_wait: bool,
+    /// How the CPU kernels run f32 matrix products (default f32).
+    pub matmul_precision: crate::ops::MatmulPrecision,
+}
+
+impl Default for ProcessSettings {
+    fn default() -> Self {
+        Self {
+            inline_elementwise: true,
+            tune_allocator: true,
+            join_global_pool: true,
+            flush_denormals: true,
+            spin_wait: true,
+            matmul_precision: crate::ops::MatmulPrecision::F32,
+        }
+    }
+}
+
+impl ProcessSettings {
+    /// Makes these settings for the whole process. Call it at the start of `main`, before any
+    /// candle op and before spawning threads: it may change the process environment
+    /// (`CANDLE_NUM_THREADS`), which is not safe while other threads read it. Calling it again
+    /// later is safe and changes only FTZ/DAZ, spin-waiting and the matmul precision (the
+    /// environment variable is set by then, and the global pool exists). The one error is a
+    /// bf16 matmul precision on a CPU without AMX-BF16.
+    pub fn install(&self) -> crate::Result<()> {
+        crate::ops::check_matmul_precision(self.matmul_precision)?;
+        if self.inline_elementwise && std::env::var_os("CANDLE_NUM_THREADS").is_none() {
+            std::env::set_var("CANDLE_NUM_THREADS", "1");
+        }
+        if self.tune_allocator {
+            tune_allocator();
+        }
+        if self.join_global_pool {
+            // Fails only when the global pool already exists, which then stays as it is.
+            let _ = rayon::ThreadPoolBuilder::new().use_current_thread().build_global();
+        }
+        if self.flush_denormals {
+            flush_denormals();
+        }
+        SPIN_WAIT.store(self.spin_wait, std::sync::atomic::Ordering::Relaxed);
+        crate::ops::set_matmul_precision(self.matmul_precision)
+    }
+}
+
+/// Whether [`keep_pool_awake`] spins (set by [`ProcessSettings::install`]; on until then).
+static SPIN_WAIT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
 /// Makes candle's element-wise pool single-threaded unless `CANDLE_NUM_THREADS` is set, tunes
 /// the allocator ([`tune_allocator`]) and makes the calling thread a thread of rayon's global
 /// pool (unless that pool already exists); see the module docs. Call it at the start of `main`,
 /// before any candle op and before spawning threads: it changes the process environment, which
-/// is not safe while other threads read it.
+/// is not safe while other threads read it. [`ProcessSettings::install`] does this and the rest.
 pub fn default_thread_setup() {
     if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
         std::env::set_var("CANDLE_NUM_THREADS", "1");
@@ -230,8 +319,8 @@ static AWAKE: std::sync::Mutex<(usize, Option<std::sync::Arc<Spinners>>)> = std:
 /// returned guard is dropped (see the module docs). The one left out is the caller when it is a
 /// thread of the pool, else the pool's first thread (the caller then needs a core of its own for
 /// its serial work). Guards nest, counted per process: the threads of the pool the first guard was
-/// created in spin from then to the drop of the last. A no-op with `RLTUNE_SPIN_WAIT=0`, and in a
-/// pool of one thread.
+/// created in spin from then to the drop of the last. A no-op where [`ProcessSettings::spin_wait`]
+/// was installed false, and in a pool of one thread.
 ///
 /// Each spinner is a broadcast job that runs the pool's other jobs until it is told to stop.
 /// Such a job can also start inside another job's wait, and there it holds up that job until it
@@ -245,8 +334,7 @@ static AWAKE: std::sync::Mutex<(usize, Option<std::sync::Arc<Spinners>>)> = std:
 /// hung once in four runs without it).
 pub fn keep_pool_awake() -> KeepAwake {
     use std::sync::atomic::Ordering::SeqCst;
-    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let enabled = *ENABLED.get_or_init(|| std::env::var_os("RLTUNE_SPIN_WAIT").is_none_or(|v| v != "0"));
+    let enabled = SPIN_WAIT.load(std::sync::atomic::Ordering::Relaxed);
     if !enabled || rayon::current_num_threads() < 2 {
         return KeepAwake { active: false };
     }

@@ -186,6 +186,7 @@ mod tests {
     /// the logprobs of its own unpadded forward, at temperature 1 and 0.7.
     #[test]
     fn batched_response_logprobs_equal_one_pair_at_a_time() {
+        crate::runtime::Runtime::cpu().install().expect("the CPU runtime installs");
         use crate::models::{gpt2::Gpt2Config, CausalLmConfig};
         let cfg = CausalLmConfig::Gpt2(Gpt2Config::tiny(23, 16, 2, 2, 32));
         let store =
@@ -213,6 +214,7 @@ mod tests {
 
     #[test]
     fn returns_to_go_discount_later_rewards() {
+        crate::runtime::Runtime::cpu().install().expect("the CPU runtime installs");
         let g = returns_to_go(&[0.0, 1.0, 2.0], 0.5);
         assert_eq!(g, vec![0.0 + 0.5 * (1.0 + 0.5 * 2.0), 1.0 + 0.5 * 2.0, 2.0]);
         assert!(returns_to_go(&[], 0.9).is_empty());
@@ -220,6 +222,7 @@ mod tests {
 
     #[test]
     fn the_top_scores_are_kept_in_order_ties_to_the_earlier_and_never_nan() {
+        crate::runtime::Runtime::cpu().install().expect("the CPU runtime installs");
         assert_eq!(select_top(&[0.1, 0.9, f64::NAN, 0.5, 0.9], 2), vec![1, 4]);
         assert_eq!(select_top(&[0.1, 0.9, f64::NAN, 0.5, 0.9], 3), vec![1, 3, 4]);
         assert_eq!(select_top(&[f64::NAN, 1.0], 2), vec![1]);

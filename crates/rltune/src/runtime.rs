@@ -260,11 +260,16 @@ impl Runtime {
         RuntimeSection { device: self.choice, dtype: self.precision, matmul_precision: self.matmul_precision }
     }
 
-    /// Makes the process-wide settings this runtime implies: the CPU kernels' matrix-product
-    /// precision ([`crate::ops::set_matmul_precision`]). Called by whoever runs the work (the
-    /// `rltune` commands, [`crate::run::PpoRun::prepare`]), never by a model or trainer.
+    /// Makes the process-wide settings this runtime implies, on the CPU: FTZ/DAZ on the calling
+    /// thread and rayon's global pool ([`crate::cpu::flush_denormals`]: denormal floats are
+    /// 7–12× slower in a backward pass) and the kernels' matrix-product precision
+    /// ([`crate::ops::set_matmul_precision`]). A CUDA runtime changes nothing. The one call a
+    /// library user makes before training (after [`crate::cpu::ProcessSettings::install`] at
+    /// the start of `main`, for the thread pools); the `rltune` commands make it once the
+    /// runtime is resolved. No model, trainer or run constructor makes it.
     pub fn install(&self) -> Result<()> {
         if self.device.is_cpu() {
+            crate::cpu::flush_denormals();
             crate::ops::set_matmul_precision(self.matmul_precision)?;
         }
         Ok(())

@@ -109,6 +109,24 @@ pub fn decays(name: &str) -> bool {
     !(n.contains("bias") || n.contains("layernorm") || n.contains("rmsnorm") || norm_module)
 }
 
+/// The reference a GRPO/RLOO step uses: none when `beta == 0` (TRL loads none), else `reference`
+/// or, without one, a frozen copy of the policy's weights in `store` as they are now, as TRL
+/// 1.16.0 does when no `ref_model` is given (`create_model_from_path` on the policy's path).
+pub(crate) fn reference_or_frozen_policy(
+    beta: f64,
+    reference: Option<CausalLm>,
+    store: &ParamStore,
+    policy: &CausalLm,
+) -> Result<Option<CausalLm>> {
+    if beta == 0.0 {
+        return Ok(None);
+    }
+    match reference {
+        Some(r) => Ok(Some(r)),
+        None => Ok(Some(CausalLm::load(&store.frozen_copy()?.root(), policy.config())?)),
+    }
+}
+
 impl Core {
     pub fn new(
         store: ParamStore,
@@ -117,9 +135,6 @@ impl Core {
         optim: OptimArgs,
         temperature: f64,
     ) -> Result<Self> {
-        if store.device().is_cpu() {
-            crate::cpu::flush_denormals();
-        }
         if !store.trainable() {
             return Err(Error::Input("the policy's parameters must be trainable".into()));
         }

@@ -11,7 +11,9 @@
 use candle_core::{Tensor, D};
 
 use super::config::RlooConfig;
-use super::core::{generation_stats, rows, weights_or_ones, Core, GroupBatch, RewardTable};
+use super::core::{
+    generation_stats, reference_or_frozen_policy, rows, weights_or_ones, Core, GroupBatch, RewardTable,
+};
 use super::math::{self, nanmax, nanmean, nanmin};
 use crate::error::{Error, Result};
 use crate::models::CausalLm;
@@ -26,8 +28,9 @@ pub struct RlooTrainer {
 }
 
 impl RlooTrainer {
-    /// A trainer over a trainable `store` holding `policy`; `reference` is needed (and only
-    /// used) when `beta > 0` (TRL's default 0.05).
+    /// A trainer over a trainable `store` holding `policy`. The reference is only used when
+    /// `beta > 0` (TRL's default 0.05); without one, it is a frozen copy of `store` as it is
+    /// now (the initial policy), as TRL 1.16.0's `RLOOTrainer` does.
     pub fn new(
         config: RlooConfig,
         store: ParamStore,
@@ -35,14 +38,7 @@ impl RlooTrainer {
         reference: Option<CausalLm>,
     ) -> Result<Self> {
         config.validate().map_err(Error::Input)?;
-        if config.beta != 0.0 && reference.is_none() {
-            return Err(Error::Input(format!(
-                "rloo.beta is {} (TRL's default is 0.05) but no reference model was given; pass one \
-                 (--ref-model) or set beta = 0",
-                config.beta
-            )));
-        }
-        let reference = if config.beta != 0.0 { reference } else { None };
+        let reference = reference_or_frozen_policy(config.beta, reference, &store, &policy)?;
         let core = Core::new(store, policy, reference, config.optim_args(), config.temperature)?;
         Ok(Self { config, core })
     }

@@ -356,11 +356,11 @@ fn wall_time() -> f64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
 }
 
-/// The host name, reduced to characters safe in a file name; `localhost` if unknown.
+/// The kernel's host name (as TensorBoard's writer, `socket.gethostname()`), reduced to characters
+/// safe in a file name; `localhost` if unknown. Read from the system, not the environment.
 fn hostname() -> String {
-    let raw = std::env::var("HOSTNAME")
+    let raw = std::fs::read_to_string("/proc/sys/kernel/hostname")
         .ok()
-        .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok())
         .or_else(|| std::fs::read_to_string("/etc/hostname").ok())
         .unwrap_or_default();
     let clean: String =

@@ -191,9 +191,6 @@ impl PpoTrainer {
         reference: CausalLm,
     ) -> Result<Self> {
         config.validate().map_err(Error::Input)?;
-        if store.device().is_cpu() {
-            crate::cpu::flush_denormals();
-        }
         if !store.trainable() {
             return Err(Error::Input("the policy's parameters must be trainable".into()));
         }

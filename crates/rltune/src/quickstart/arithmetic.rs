@@ -641,6 +641,7 @@ mod tests {
 
     #[test]
     fn problems_are_every_two_digit_sum_and_difference_with_exact_answers() {
+        crate::runtime::Runtime::cpu().install().expect("the CPU runtime installs");
         let p = problems(0);
         assert_eq!(p.len(), 16_200);
         assert_eq!(p, problems(0));
@@ -663,6 +664,7 @@ mod tests {
     /// `configs/arithmetic-{grpo,rloo}.toml` are the quickstart's RL stages (seed 0).
     #[test]
     fn the_example_configs_are_the_quickstart_rl_stages() {
+        crate::runtime::Runtime::cpu().install().expect("the CPU runtime installs");
         let runtime = Runtime::resolve(&Default::default()).unwrap();
         for kind in [AlgorithmKind::Grpo, AlgorithmKind::Rloo] {
             let name = format!("../../configs/arithmetic-{}.toml", kind.name());
@@ -692,6 +694,7 @@ mod tests {
 
     #[test]
     fn acceptance_needs_ten_points_beyond_noise_and_a_bounded_kl() {
+        crate::runtime::Runtime::cpu().install().expect("the CPU runtime installs");
         let ok = summary(0.30, 0.45, &[0.0, 0.02, 0.05]);
         assert!(ok.checks().iter().all(|c| c.ok), "{:?}", ok.checks());
         let flat = summary(0.30, 0.35, &[0.0, 0.02]);

@@ -850,6 +850,7 @@ mod tests {
     /// measured against itself.
     #[test]
     fn acceptance_passes_seed_3_and_fails_a_policy_that_did_not_learn() {
+        crate::runtime::Runtime::cpu().install().expect("the CPU runtime installs");
         let seed3 = summary(eval(0.866, 3.358, 0.609), eval(3.879, 1.246, 0.969));
         assert!(seed3.checks().iter().all(|c| c.ok), "{:?}", seed3.checks());
         let sft = eval(0.866, 3.358, 0.609);

@@ -118,7 +118,8 @@ impl GroupRun {
         Self::prepare_on(config, &runtime, extra_rewards, resume)
     }
 
-    /// [`Self::prepare`] on a resolved runtime (whose process-wide settings it installs).
+    /// [`Self::prepare`] on a resolved runtime. Changes no process-wide setting: the caller
+    /// makes [`Runtime::install`].
     pub fn prepare_on(
         config: RunConfig,
         runtime: &Runtime,
@@ -133,7 +134,6 @@ impl GroupRun {
             )));
         }
         config.validate().map_err(Error::Input)?;
-        runtime.install()?;
         tracing::info!("runtime: {runtime}");
         if resume {
             clear_stale_writes(&config.logging.dir)?;
@@ -425,6 +425,7 @@ mod tests {
 
     #[test]
     fn iterations_merge_as_trl_logs_them() {
+        crate::runtime::Runtime::cpu().install().expect("the CPU runtime installs");
         let s = |loss: f64, lr: f64| {
             let mut s = Stats::new();
             s.insert("loss".into(), Stat::Scalar(loss));

@@ -141,8 +141,8 @@ impl PpoRun {
         Self::prepare_on(config, &runtime, extra_rewards, resume)
     }
 
-    /// [`Self::prepare`] on a resolved runtime (whose process-wide settings it installs:
-    /// [`Runtime::install`]); `config.runtime` is only recorded in the run directory.
+    /// [`Self::prepare`] on a resolved runtime; `config.runtime` is only recorded in the run
+    /// directory. Changes no process-wide setting: the caller makes [`Runtime::install`].
     pub fn prepare_on(
         config: RunConfig,
         runtime: &Runtime,
@@ -155,7 +155,6 @@ impl PpoRun {
                 config.algorithm.kind.name()
             )));
         }
-        runtime.install()?;
         tracing::info!("runtime: {runtime}");
         let (device, dtype) = (runtime.device().clone(), runtime.dtype());
         if resume {

@@ -334,9 +334,6 @@ pub(crate) fn run_with<O: Objective>(
     if !store.trainable() {
         return Err(Error::Input("the model's parameters must be trainable (load them trainable)".into()));
     }
-    if store.device().is_cpu() {
-        crate::cpu::flush_denormals();
-    }
     let _awake = store.device().is_cpu().then(crate::cpu::keep_pool_awake);
     let (train_idx, eval_idx) = split_eval(examples.len(), args.eval_fraction, args.seed)?;
     let eval: Vec<&O::Example> = eval_idx.iter().map(|&i| &examples[i]).collect();

@@ -7,6 +7,14 @@ use rltune::models::{gpt2::Gpt2Config, CausalLm, CausalLmConfig, CausalLmWithVal
 use rltune::params::ParamStore;
 use rltune::tokenizer::Tokenizer;
 
+/// The process-wide settings the `rltune` binary makes once the runtime is resolved (FTZ/DAZ
+/// on this thread and rayon's pool, f32 matrix products): no library constructor makes them, so
+/// a test that trains or compares numbers with a golden fixture calls this first, on its own
+/// thread (FTZ/DAZ is per thread).
+pub fn install() {
+    rltune::runtime::Runtime::cpu().install().expect("the CPU runtime installs");
+}
+
 /// `tools/fixtures/<rel>` in the repository.
 pub fn fixture(rel: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tools/fixtures").join(rel)

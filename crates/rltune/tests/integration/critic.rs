@@ -116,6 +116,7 @@ fn two_steps(t: &mut PpoTrainer) -> (Vec<BTreeMap<String, u64>>, BTreeMap<String
 
 #[test]
 fn explicit_linear_attached_head_is_the_default_bit_for_bit() {
+    crate::common::install();
     let d = PpoConfig::default();
     assert_eq!(
         (d.value_head, d.value_head_hidden, d.detach_value_head),
@@ -148,6 +149,7 @@ fn one_step_weights(detach: bool, vf_coef: f64) -> BTreeMap<String, Tensor> {
 
 #[test]
 fn a_detached_head_keeps_the_value_loss_out_of_the_lm() {
+    crate::common::install();
     let head = |names: &[String]| names.iter().all(|n| n.starts_with("v_head."));
     // Detached: the value loss's weight changes only the head.
     let (names, worst) = changed(&one_step_weights(true, 0.0), &one_step_weights(true, 10.0));
@@ -160,6 +162,7 @@ fn a_detached_head_keeps_the_value_loss_out_of_the_lm() {
 
 #[test]
 fn mlp_head_gradients_match_finite_differences() {
+    crate::common::install();
     let store = ParamStore::random(5, true, DType::F64, &Device::Cpu).unwrap();
     let head =
         ValueHead::load_with(&store.root(), 8, ValueHeadSpec { kind: ValueHeadKind::Mlp, hidden: Some(6) })
@@ -183,6 +186,7 @@ fn mlp_head_gradients_match_finite_differences() {
 
 #[test]
 fn mlp_head_round_trips_through_a_checkpoint_and_a_mismatch_names_the_setting() {
+    crate::common::install();
     let (store, model) = tiny_with_head(3, 50, MLP);
     assert_eq!(model.v_head.mlp_width(), Some(32), "trlx's width: 2 × n_embd");
     let tmp = tempfile::tempdir().unwrap();
@@ -232,6 +236,7 @@ fn fixed_return_config(value_head: ValueHeadKind) -> PpoConfig {
 
 #[test]
 fn a_separate_critic_learns_a_fixed_return_task() {
+    crate::common::install();
     let mut t = critic_trainer(fixed_return_config(ValueHeadKind::Linear), 3e-3);
     let before = snapshot(&t.critic().unwrap().store);
     let errors = fixed_return_errors(&mut t, 12);
@@ -255,6 +260,7 @@ fn a_separate_critic_learns_a_fixed_return_task() {
 
 #[test]
 fn an_mlp_head_learns_a_fixed_return_task() {
+    crate::common::install();
     let (store, policy) = tiny_with_head(1, 50, MLP);
     let mut t = trainer_from(
         PpoConfig { learning_rate: 1e-3, ..fixed_return_config(ValueHeadKind::Mlp) },
@@ -268,6 +274,7 @@ fn an_mlp_head_learns_a_fixed_return_task() {
 
 #[test]
 fn the_value_loss_never_reaches_the_policy_and_the_critic_has_its_own_lr() {
+    crate::common::install();
     let config = PpoConfig { ppo_epochs: 1, mini_batch_size: 8, learning_rate: 1e-5, ..small_config() };
     let (q, r) = batch(8, 5);
     let scores: Vec<f32> = q.iter().map(|q| fixed_score(q)).collect();
@@ -303,6 +310,7 @@ fn the_value_loss_never_reaches_the_policy_and_the_critic_has_its_own_lr() {
 
 #[test]
 fn critic_values_with_the_rollout_cache_equal_recomputation() {
+    crate::common::install();
     let config = PpoConfig { ppo_epochs: 1, ..small_config() };
     let (q, _) = batch(8, 9);
     let gen = GenerationConfig { max_new_tokens: 6, seed: 4, ..Default::default() };
@@ -333,6 +341,7 @@ fn critic_values_with_the_rollout_cache_equal_recomputation() {
 
 #[test]
 fn a_critic_of_another_vocabulary_is_refused_naming_the_table() {
+    crate::common::install();
     let (store, policy) = tiny_gpt2(1, true, DType::F32);
     let (cstore, cmodel) = tiny_with_head(2, 40, ValueHeadSpec::default());
     let critic = Critic::new(cstore, cmodel, 1e-3).unwrap();
@@ -347,6 +356,7 @@ fn a_critic_of_another_vocabulary_is_refused_naming_the_table() {
 /// exactly as the trainer that saved it.
 #[test]
 fn a_checkpoint_restores_the_critic_and_its_optimizer() {
+    crate::common::install();
     use rltune::run::checkpoint::{load_trainer_state, save_checkpoint, CriticFiles, CRITIC_DIR};
     let config = PpoConfig { ppo_epochs: 1, ..small_config() };
     let mut t = critic_trainer(config.clone(), 3e-3);
@@ -388,6 +398,7 @@ fn a_checkpoint_restores_the_critic_and_its_optimizer() {
 /// checkpoint that does not match the config's `[critic]`, are errors naming the table.
 #[test]
 fn run_critic_loading_checks_the_tokenizer_and_the_checkpoint() {
+    crate::common::install();
     use rltune::run::critic::load_critic;
     use rltune::run::RunConfig;
     let tmp = tempfile::tempdir().unwrap();
@@ -443,12 +454,14 @@ fn run_critic_loading_checks_the_tokenizer_and_the_checkpoint() {
 /// metrics of a straight 3-step run.
 #[test]
 fn a_run_with_a_critic_checkpoints_it_and_resumes_exactly() {
+    crate::common::install();
     critic_run_resumes_exactly(false);
 }
 
 /// The same on text games (`[env]`, the letter toy): the turns bootstrap from the critic.
 #[test]
 fn a_run_on_text_games_with_a_critic_checkpoints_it_and_resumes_exactly() {
+    crate::common::install();
     critic_run_resumes_exactly(true);
 }
 

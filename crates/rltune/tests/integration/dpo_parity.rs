@@ -99,51 +99,61 @@ fn run_variant(name: &str) -> (f64, f64) {
 
 #[test]
 fn dpo_default_sigmoid_two_steps_reproduces_trl() {
+    crate::common::install();
     run_variant("default");
 }
 
 #[test]
 fn dpo_ipo_reproduces_trl() {
+    crate::common::install();
     run_variant("ipo");
 }
 
 #[test]
 fn dpo_hinge_with_weight_decay_reproduces_trl() {
+    crate::common::install();
     run_variant("hinge");
 }
 
 #[test]
 fn dpo_robust_label_smoothing_reproduces_trl() {
+    crate::common::install();
     run_variant("robust");
 }
 
 #[test]
 fn dpo_precomputed_reference_reproduces_trl() {
+    crate::common::install();
     run_variant("precompute");
 }
 
 #[test]
 fn dpo_truncation_and_gradient_accumulation_reproduce_trl() {
+    crate::common::install();
     run_variant("truncate_accumulate");
 }
 
 #[test]
 fn dpo_keep_end_truncation_reproduces_trl() {
+    crate::common::install();
     run_variant("keep_end");
 }
 
 #[test]
 fn dpo_mpo_weighted_losses_reproduce_trl() {
+    crate::common::install();
     run_variant("mpo");
 }
 
 #[test]
 fn dpo_other_losses_reproduce_trl() {
+    crate::common::install();
     run_variant("other_losses");
 }
 
 #[test]
 fn dpo_f_divergences_reproduce_trl() {
+    crate::common::install();
     for name in ["js_divergence", "alpha_divergence", "forward_kl"] {
         run_variant(name);
     }

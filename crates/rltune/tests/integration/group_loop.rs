@@ -156,11 +156,13 @@ fn learns(kind: &str, margin: f64) {
 
 #[test]
 fn grpo_loop_learns_a_toy_reward_and_logs_trl_metrics() {
+    crate::common::install();
     learns("grpo", 0.5);
 }
 
 #[test]
 fn rloo_loop_learns_a_toy_reward_and_logs_trl_metrics() {
+    crate::common::install();
     learns("rloo", 0.5);
 }
 
@@ -168,6 +170,7 @@ fn rloo_loop_learns_a_toy_reward_and_logs_trl_metrics() {
 /// 4-step run (GRPO with two iterations per batch, so the LR schedule and Adam's state count).
 #[test]
 fn a_grpo_run_resumes_exactly() {
+    crate::common::install();
     let s = setup();
     let extra = "num_iterations = 2\n";
     let straight = run(config(&s, "grpo", "straight", 8, extra), false);

@@ -174,50 +174,60 @@ pub fn compare_logs(
 
 #[test]
 fn grpo_default_reproduces_trl() {
+    crate::common::install();
     run_variant("default");
 }
 
 #[test]
 fn grpo_kl_with_reference_reproduces_trl() {
+    crate::common::install();
     run_variant("kl");
 }
 
 #[test]
 fn grpo_loss_type_grpo_reproduces_trl() {
+    crate::common::install();
     run_variant("loss_grpo");
 }
 
 #[test]
 fn grpo_epsilon_high_two_iterations_reproduces_trl() {
+    crate::common::install();
     run_variant("epsilon_high");
 }
 
 #[test]
 fn grpo_scale_rewards_batch_with_weight_decay_reproduces_trl() {
+    crate::common::install();
     run_variant("scale_batch");
 }
 
 #[test]
 fn grpo_temperature_reproduces_trl() {
+    crate::common::install();
     run_variant("temperature");
 }
 
 #[test]
 fn grpo_gspo_masked_truncation_bnpo_reproduces_trl() {
+    crate::common::install();
     run_variant("gspo_masked");
 }
 
 #[test]
 fn grpo_multi_reward_with_missing_values_dr_grpo_reproduces_trl() {
+    crate::common::install();
     run_variant("multi_reward");
 }
 
 #[test]
 fn rloo_default_reproduces_trl() {
+    crate::common::install();
     run_variant("rloo_default");
 }
 
 #[test]
 fn rloo_normalized_clipped_two_iterations_reproduces_trl() {
+    crate::common::install();
     run_variant("rloo_normalized");
 }

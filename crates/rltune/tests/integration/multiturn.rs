@@ -123,6 +123,7 @@ fn scalar(stats: &Stats, key: &str) -> f64 {
 /// the multi-turn step is the plain step, bit for bit.
 #[test]
 fn one_turn_episodes_step_exactly_as_the_plain_step() {
+    crate::common::install();
     let cfg = PpoConfig { batch_size: 4, mini_batch_size: 2, seed: 1, ..PpoConfig::default() };
     let (store, model, reference) = policy(21);
     let got = collect_fixed(&model, &[1.0], 4, 3);
@@ -148,6 +149,7 @@ fn one_turn_episodes_step_exactly_as_the_plain_step() {
 /// penalty is off), γ = 1, λ = 0.95, over the rollout's values.
 #[test]
 fn two_turn_returns_equal_a_hand_computation() {
+    crate::common::install();
     let cfg = PpoConfig {
         batch_size: 8,
         mini_batch_size: 8,
@@ -199,6 +201,7 @@ fn two_turn_returns_equal_a_hand_computation() {
 /// cut after the token that ends the action, with logprobs and values cut alike.
 #[test]
 fn turns_bootstrap_from_the_next_turns_value_and_actions_end_at_their_stop() {
+    crate::common::install();
     let (_, model, _) = policy(3);
     let tok = tokenizer();
     let turns = collect(&model, 2, 3, 7);
@@ -236,6 +239,7 @@ fn turns_bootstrap_from_the_next_turns_value_and_actions_end_at_their_stop() {
 /// (measured 0.14 over the first 5 iterations, 0.80 over the last 5: four "ee" tokens a turn).
 #[test]
 fn multi_turn_ppo_learns_the_letter_toy() {
+    crate::common::install();
     let (store, model, reference) = policy(11);
     let batch = 32;
     let cfg = PpoConfig {
@@ -275,6 +279,7 @@ fn critic_trainer(cfg: PpoConfig, seed: u64, critic_seed: u64, critic_lr: f64) -
 /// gives its own values, as one-at-a-time calls compute them; terminated turns keep 0.
 #[test]
 fn a_critic_bootstraps_each_turn_from_its_value_of_the_next_state() {
+    crate::common::install();
     let cfg = PpoConfig { batch_size: 6, mini_batch_size: 2, ..PpoConfig::default() };
     let (_, model, _) = policy(3);
     let turns = collect(&model, 2, 3, 7);
@@ -312,6 +317,7 @@ fn a_critic_bootstraps_each_turn_from_its_value_of_the_next_state() {
 /// 0.0004, 0.0002 over the last 3).
 #[test]
 fn a_separate_critic_learns_the_values_of_a_multi_turn_game() {
+    crate::common::install();
     let cfg = PpoConfig {
         batch_size: 32,
         mini_batch_size: 8,

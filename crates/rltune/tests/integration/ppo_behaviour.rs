@@ -115,6 +115,7 @@ fn mean(xs: &[f64]) -> f64 {
 
 #[test]
 fn ppo_learns_to_emit_target_tokens() {
+    crate::common::install();
     let cfg =
         PpoConfig { batch_size: 16, mini_batch_size: 8, learning_rate: 1e-3, seed: 1, ..Default::default() };
     let mut t = trainer(11, cfg);
@@ -163,6 +164,7 @@ fn ppo_learns_to_emit_target_tokens() {
 
 #[test]
 fn rollout_cache_equals_recomputation() {
+    crate::common::install();
     let cfg = PpoConfig { batch_size: 8, mini_batch_size: 4, learning_rate: 1e-3, ..Default::default() };
     let (mut cached, mut recomputed) = (trainer(3, cfg.clone()), trainer(3, cfg));
     assert_eq!(weights_diff(&weights(&cached), &weights(&recomputed)), 0.0);
@@ -256,6 +258,7 @@ fn train_with_estimator(kind: KlPenalty, steps: u64) -> Vec<StepRecord> {
 
 #[test]
 fn k3_and_full_kl_are_never_negative() {
+    crate::common::install();
     for kind in [KlPenalty::K3, KlPenalty::Full] {
         for (step, (queries, resp, stats)) in train_with_estimator(kind, 4).iter().enumerate() {
             let kl = scalar(stats, "objective/kl");
@@ -295,6 +298,7 @@ fn k3_and_full_kl_are_never_negative() {
 
 #[test]
 fn training_temperature_matches_sampling_temperature() {
+    crate::common::install();
     let queries = prompts(8, 12);
     let base = PpoConfig { batch_size: 8, mini_batch_size: 4, ..Default::default() };
     let mut hot = trainer(13, PpoConfig { temperature: 0.7, ..base.clone() });
@@ -312,6 +316,7 @@ fn training_temperature_matches_sampling_temperature() {
 
 #[test]
 fn missing_eos_penalty_lowers_scores_of_unfinished_responses() {
+    crate::common::install();
     let cfg =
         PpoConfig { batch_size: 8, mini_batch_size: 4, missing_eos_penalty: Some(2.0), ..Default::default() };
     let mut t = trainer(15, cfg);
@@ -335,6 +340,7 @@ fn missing_eos_penalty_lowers_scores_of_unfinished_responses() {
 
 #[test]
 fn max_grad_norm_clips_every_update() {
+    crate::common::install();
     // 2 epochs × 2 minibatches = 4 Adam updates per step, 8 over two steps.
     let base = PpoConfig {
         batch_size: 8,
@@ -369,6 +375,7 @@ fn max_grad_norm_clips_every_update() {
 
 #[test]
 fn ratio_threshold_skips_the_update_entirely() {
+    crate::common::install();
     let cfg = PpoConfig { batch_size: 8, mini_batch_size: 4, learning_rate: 1e-3, ..Default::default() };
     let mut t = trainer(19, cfg);
     let (queries, resp, scores) = synthetic(8, 20);
@@ -393,6 +400,7 @@ fn ratio_threshold_skips_the_update_entirely() {
 /// and on the clipped one: every update is skipped, counted and the weights stay.
 #[test]
 fn a_non_finite_loss_skips_the_update_and_is_counted() {
+    crate::common::install();
     for max_grad_norm in [None, Some(1.0)] {
         let cfg = PpoConfig { batch_size: 8, mini_batch_size: 4, max_grad_norm, ..Default::default() };
         let mut t = trainer(31, cfg);
@@ -414,6 +422,7 @@ fn a_non_finite_loss_skips_the_update_and_is_counted() {
 
 #[test]
 fn score_scaling_and_norm_use_running_moments() {
+    crate::common::install();
     let (queries, resp, s1) = synthetic(8, 22);
     let s2: Vec<f32> = s1.iter().enumerate().map(|(i, s)| 3.0 * s + i as f32).collect();
     let all: Vec<f64> = s1.iter().chain(&s2).map(|&s| s as f64).collect();
@@ -452,6 +461,7 @@ fn score_scaling_and_norm_use_running_moments() {
 
 #[test]
 fn whiten_rewards_ignores_padding_after_the_response() {
+    crate::common::install();
     // Batch `a` has no padding: every query has 3 tokens and every response 4. Batch `b` appends
     // 5 tokens to each response but masks them out with `response_masks`: the model is causal, so
     // everything at the real tokens is unchanged, and the extra columns act as padding. TRL's
@@ -500,6 +510,7 @@ fn whiten_rewards_ignores_padding_after_the_response() {
 
 #[test]
 fn minibatch_order_follows_the_seed() {
+    crate::common::install();
     // TRL draws minibatch orders from numpy's global RNG; rltune from a StdRng seeded by
     // `ppo.seed`, so a run is reproducible and another seed gives another order.
     let base = PpoConfig { batch_size: 8, mini_batch_size: 2, learning_rate: 1e-3, ..Default::default() };
@@ -518,6 +529,7 @@ fn minibatch_order_follows_the_seed() {
 
 #[test]
 fn bad_input_is_rejected_naming_the_sample() {
+    crate::common::install();
     let cfg = PpoConfig { batch_size: 4, mini_batch_size: 2, ..Default::default() };
     let mut t = trainer(26, cfg);
     let (q, r, s) = synthetic(4, 27);
@@ -579,6 +591,7 @@ fn bad_input_is_rejected_naming_the_sample() {
 /// succeeds, and that minibatch's variances are left out of the step's averages.
 #[test]
 fn one_token_minibatch_does_not_abort_the_step_half_done() {
+    crate::common::install();
     let cfg = PpoConfig { batch_size: 4, mini_batch_size: 1, ..Default::default() };
     let mut t = trainer(32, cfg);
     let queries = prompts(4, 33);
@@ -601,6 +614,7 @@ fn one_token_minibatch_does_not_abort_the_step_half_done() {
 
 #[test]
 fn stats_have_every_trl_key() {
+    crate::common::install();
     let expected: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(fixture("ppo/expected.json")).unwrap()).unwrap();
     let cfg = PpoConfig { batch_size: 8, mini_batch_size: 4, ..Default::default() };
@@ -627,6 +641,7 @@ fn stats_have_every_trl_key() {
 /// bootstrap raises the returns by γ·value at the last token and changes the update.
 #[test]
 fn bootstrap_zero_is_the_plain_step_and_a_value_raises_the_returns() {
+    crate::common::install();
     let cfg = PpoConfig { batch_size: 8, mini_batch_size: 4, ..Default::default() };
     let (queries, resp, scores) = synthetic(8, 41);
     let run = |bootstrap: Option<&[f32]>| {
@@ -669,6 +684,7 @@ fn bootstrap_zero_is_the_plain_step_and_a_value_raises_the_returns() {
 /// two steps (so Adam's moments matter) give the same weights and stats to float rounding.
 #[test]
 fn two_steps_through_the_composed_ops_match_the_fused_cpu_kernels() {
+    crate::common::install();
     let (queries, responses, scores) = synthetic(8, 21);
     let config = PpoConfig { batch_size: 8, mini_batch_size: 4, learning_rate: 1e-3, ..PpoConfig::default() };
     let run = |composed: bool| {

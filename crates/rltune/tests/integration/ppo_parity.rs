@@ -93,6 +93,7 @@ fn compare_weights(trainer: &PpoTrainer, file: &str) -> f64 {
 
 #[test]
 fn two_steps_reproduce_trl() {
+    crate::common::install();
     let expected = json("ppo/expected.json");
     let mut trainer = trainer();
     for (k, step) in expected["steps"].as_array().unwrap().iter().enumerate() {

@@ -56,6 +56,7 @@ fn pattern_rate(model: &SftModel, seed: u64) -> (f64, usize) {
 
 #[test]
 fn sft_learns_a_repetitive_corpus_then_saves_and_reloads() {
+    crate::common::install();
     let model = tiny_sft_model(0, DType::F32);
     let (rate_before, _) = pattern_rate(&model, 1);
     let args = TrainingArgs {
@@ -129,6 +130,7 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
 /// per-micro-batch mean instead of a token-weighted one moves weights by ~1e-3 here.
 #[test]
 fn sft_gradient_accumulation_1x8_equals_8x1() {
+    crate::common::install();
     let records: Vec<SftRecord> = (0..8)
         .map(|i| {
             SftRecord::Text((0..2 + i).map(|j| COLORS[(3 * i + j * j) % 8]).collect::<Vec<_>>().join(" "))
@@ -169,6 +171,7 @@ fn sft_gradient_accumulation_1x8_equals_8x1() {
 /// that let prompt targets in would fail.
 #[test]
 fn completion_only_loss_counts_only_completion_tokens() {
+    crate::common::install();
     let model = tiny_sft_model(11, DType::F64);
     let records = vec![
         SftRecord::PromptCompletion {
@@ -218,6 +221,7 @@ fn manual_nll(model: &SftModel, examples: &[sft::SftExample]) -> f64 {
 
 #[test]
 fn sft_trains_a_llama_model() {
+    crate::common::install();
     let cfg = LlamaConfig::tiny(COLORS.len() + 2, 16, 1, 2, 1);
     let json = serde_json::to_value(&cfg).unwrap();
     let store = ParamStore::random(1, true, DType::F32, &Device::Cpu).unwrap();
@@ -273,6 +277,7 @@ fn rm_args() -> TrainingArgs {
 
 #[test]
 fn reward_model_cross_entropy_separates_labelled_texts() {
+    crate::common::install();
     let vocab = 4 + rm_words().len();
     let model = tiny_rm(
         serde_json::to_value(BertConfig::tiny(vocab, 16, 1, 2, 2)).unwrap(),
@@ -335,6 +340,7 @@ fn check_rm_reload(model: &RewardModel, records: &[RewardRecord]) {
 
 #[test]
 fn reward_model_bradley_terry_prefers_chosen() {
+    crate::common::install();
     let vocab = 4 + rm_words().len();
     let json = serde_json::to_value(DistilBertConfig::tiny(vocab, 16, 1, 2, 1)).unwrap();
     let model = tiny_rm(json, "distilbert", &["LABEL_0"]);

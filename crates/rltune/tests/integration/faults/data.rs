@@ -25,6 +25,7 @@ fn prompts_err(path: &Path) -> String {
 
 #[test]
 fn bad_prompt_datasets_name_the_file_and_row() {
+    crate::common::install();
     let tmp = tempfile::tempdir().unwrap();
     let cases: Vec<(&str, &str, Vec<u8>, Vec<&str>)> = vec![
         (
@@ -101,6 +102,7 @@ fn bad_prompt_datasets_name_the_file_and_row() {
 
 #[test]
 fn a_10_mb_prompt_loads_whole() {
+    crate::common::install();
     let tmp = tempfile::tempdir().unwrap();
     let big = ten_mb();
     let p = write(tmp.path(), "p.jsonl", format!("{{\"text\": \"short\"}}\n{{\"text\": \"{big}\"}}\n"));
@@ -111,6 +113,7 @@ fn a_10_mb_prompt_loads_whole() {
 
 #[test]
 fn bad_sft_and_reward_datasets_name_the_file_and_line() {
+    crate::common::install();
     let tmp = tempfile::tempdir().unwrap();
     type Reader = fn(&Path) -> rltune::Result<usize>;
     let sft: Reader = |p| read_sft_records(p).map(|v| v.len());
@@ -208,6 +211,7 @@ fn bad_sft_and_reward_datasets_name_the_file_and_line() {
 
 #[test]
 fn a_10_mb_sft_line_loads_whole() {
+    crate::common::install();
     let tmp = tempfile::tempdir().unwrap();
     let p = write(tmp.path(), "s.txt", format!("short\n{}\n", ten_mb()));
     let recs = read_sft_records(&p).unwrap();

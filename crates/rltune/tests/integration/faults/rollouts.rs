@@ -17,6 +17,7 @@ const GOOD: &str = r#"{"query_ids": [1, 2], "response_ids": [3], "score": 0.5}"#
 
 #[test]
 fn bad_rollout_lines_are_refused_naming_the_line() {
+    crate::common::install();
     let tmp = tempfile::tempdir().unwrap();
     let p = tmp.path().join("rollouts.jsonl");
     let cases: [(&str, &[u8], &[&str]); 11] = [
@@ -75,6 +76,7 @@ fn bad_rollout_lines_are_refused_naming_the_line() {
 /// Regression: a text that merely contains "NaN" or "Infinity" was refused as a non-finite score.
 #[test]
 fn rollout_text_that_mentions_nan_is_not_a_nan_score() {
+    crate::common::install();
     let tmp = tempfile::tempdir().unwrap();
     let p = tmp.path().join("rollouts.jsonl");
     let line = r#"{"query": "Is NaN a number?", "response": "Infinity is not NaN.", "score": 1.0}"#;
@@ -87,6 +89,7 @@ fn rollout_text_that_mentions_nan_is_not_a_nan_score() {
 
 #[test]
 fn bad_step_inputs_are_refused_naming_the_sample() {
+    crate::common::install();
     let (store, policy) = tiny_gpt2(28, true, DType::F32);
     let ref_store = store.frozen_copy().unwrap();
     let reference = CausalLm::load(&ref_store.root(), policy.lm.config()).unwrap();
@@ -144,6 +147,7 @@ fn trainer_of_one() -> PpoTrainer {
 /// table of 64 rows").
 #[test]
 fn step_longer_than_the_context_names_the_sample_and_the_limit() {
+    crate::common::install();
     let err = err_msg(trainer_of_one().step(&[vec![1; 60]], &[vec![2; 10]], &[1.0]), "a 70-token sample");
     assert_contains_all(&err, &["sample 0", "70 tokens", "64 positions"]);
 }
