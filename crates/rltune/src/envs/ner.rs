@@ -86,7 +86,7 @@ impl NerData {
         tags.insert(0, "O".into());
         let (mut train, mut heldout) = (Vec::new(), Vec::new());
         for (i, s) in all.into_iter().enumerate() {
-            if (i + 1) % heldout_every == 0 {
+            if (i + 1).is_multiple_of(heldout_every) {
                 heldout.push(s);
             } else {
                 train.push(s);

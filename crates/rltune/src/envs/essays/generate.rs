@@ -409,7 +409,7 @@ const FILLERS: [&str; 4] =
 
 /// Whether the pair (opener `i`, core `j`) is held out.
 fn heldout_pair(i: usize, j: usize) -> bool {
-    (i + j) % 3 == 0
+    (i + j).is_multiple_of(3)
 }
 
 /// What the slots of one essay are filled with.

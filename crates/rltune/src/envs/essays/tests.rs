@@ -79,8 +79,11 @@ fn dense_rewards_telescope_to_the_final_score() {
         let mut k = seed as usize;
         while !last.done() {
             // a deterministic mix of right and wrong labels
-            let action =
-                if k % 3 == 0 { rng_labels[k % 15].clone() } else { env.walkthrough(0).unwrap()[0].clone() };
+            let action = if k.is_multiple_of(3) {
+                rng_labels[k % 15].clone()
+            } else {
+                env.walkthrough(0).unwrap()[0].clone()
+            };
             last = env.step(&[(0, action)]).unwrap().remove(0).unwrap();
             total += last.reward;
             k += 1;
