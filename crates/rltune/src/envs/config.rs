@@ -4,7 +4,7 @@
 //!
 //! ```toml
 //! [env]
-//! kind = "textworld"                     # "adventure" | "letters" | "command" | "textworld"
+//! kind = "textworld"                     # "adventure" | "letters" | "command" | "textworld" | "essays" | "ner"
 //! games = ["target/textworld-games/*.z8"] # TextWorld game files (globs)
 //! python = ".venv-textworld/bin/python"   # the interpreter with `textworld` installed
 //! max_steps = 20
@@ -16,7 +16,9 @@ use std::time::Duration;
 
 use super::adventure::{Adventure, AdventureConfig};
 use super::command::{CommandEnv, CommandEnvConfig};
+use super::essays::{Essays, EssaysConfig};
 use super::letters::Letters;
+use super::ner::{Ner, NerConfig};
 use super::play::PromptTemplate;
 use super::{Reset, TextEnv};
 use crate::error::{Error, Result};
@@ -35,6 +37,10 @@ pub enum EnvKind {
     Command,
     /// TextWorld games through `tools/textworld/bridge.py`.
     Textworld,
+    /// Labelling generated essays' discourse elements ([`super::essays`]).
+    Essays,
+    /// BIO tagging of a CoNLL-style file ([`super::ner`]).
+    Ner,
 }
 
 /// Which seeds a generated family plays.
@@ -76,6 +82,10 @@ pub struct EnvSection {
     pub turns: usize,
     /// `adventure`: the family's settings.
     pub adventure: AdventureConfig,
+    /// `essays`: the environment's settings.
+    pub essays: EssaysConfig,
+    /// `ner`: the data file and its split.
+    pub ner: NerConfig,
 }
 
 impl Default for EnvSection {
@@ -93,6 +103,8 @@ impl Default for EnvSection {
             restarts: 2,
             turns: 4,
             adventure: AdventureConfig::default(),
+            essays: EssaysConfig::default(),
+            ner: NerConfig::default(),
         }
     }
 }
@@ -135,6 +147,7 @@ impl EnvSection {
     /// a program looked up on PATH) relative to `base`, the config file's folder.
     pub fn resolve_paths(&mut self, base: &Path) {
         self.games = self.games.iter().map(|g| resolve(base, g)).collect();
+        self.ner.file = resolve(base, &self.ner.file);
         if self.python.contains('/') {
             self.python = resolve(base, &self.python);
         }
@@ -211,6 +224,8 @@ impl EnvSection {
                 let cfg = AdventureConfig { max_steps: self.max_steps, ..self.adventure.clone() };
                 Box::new(Adventure::new(n, cfg)?)
             }
+            EnvKind::Essays => Box::new(Essays::new(n, self.essays.clone(), self.max_steps)?),
+            EnvKind::Ner => Box::new(Ner::from_config(n, &self.ner, Path::new("."), self.max_steps)?),
             EnvKind::Command => Box::new(self.command_env(self.command.clone(), init)?),
             EnvKind::Textworld => {
                 let games: Vec<String> =
@@ -247,7 +262,7 @@ impl EnvSection {
     pub fn reset_for(&self, seed: u64, i: usize, game_count: usize) -> Reset {
         let k = seed.wrapping_add(i as u64);
         match self.kind {
-            EnvKind::Adventure => Reset {
+            EnvKind::Adventure | EnvKind::Essays | EnvKind::Ner => Reset {
                 seed: Some(match self.split {
                     Split::Train => super::adventure::train_seed(k),
                     Split::Heldout => super::adventure::heldout_seed(k),

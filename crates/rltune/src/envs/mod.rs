@@ -10,6 +10,9 @@
 //! - [`letters::Letters`]: the textworld fork's toy, 0.1 reward per letter "e" in the action;
 //! - [`adventure`]: a procedurally generated family of text adventures (rooms, doors, keys,
 //!   objects, a quest of k steps, admissible commands, a walkthrough), Rust-native and seeded;
+//! - [`essays`]: labelling generated essays' discourse elements, scored by the Feedback Prize
+//!   F-score (RL on a task's own metric);
+//! - [`ner::Ner`]: BIO tagging of a CoNLL-style file (WNUT-2016), scored by entity-level F1;
 //! - [`command::CommandEnv`]: any program speaking the JSON-lines protocol of
 //!   `docs/env-protocol.md`, such as the TextWorld bridge `tools/textworld/bridge.py`.
 //!
@@ -29,8 +32,10 @@ pub mod adventure;
 pub mod command;
 pub mod config;
 pub mod demos;
+pub mod essays;
 pub mod letters;
 pub mod model_agent;
+pub mod ner;
 pub mod play;
 pub mod rollout;
 

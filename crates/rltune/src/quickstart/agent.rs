@@ -15,7 +15,7 @@
 //! A family is an [`AgentGames`]: it says which environments make the training and the held-out
 //! games, and how demonstrations are played.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
@@ -193,6 +193,83 @@ pub fn run_agent_quickstart<G: AgentGames>(
     stop: &AtomicBool,
     on: &mut dyn FnMut(Event),
 ) -> Result<AgentSummary<G>> {
+    let TrainedAgent { tokenizer, bc_dir, ppo_dir: final_ckpt, run_config, demonstrations, mut seconds } =
+        train_agent(dir, cfg, runtime, stop, on)?;
+    let mut timed = |stage: &'static str, on: &mut dyn FnMut(Event), t: Instant| {
+        let s = t.elapsed().as_secs_f64();
+        on(Event::Done { stage, seconds: s });
+        seconds.push((stage.to_string(), s));
+    };
+
+    // 5. Random, BC and PPO on the same held-out games.
+    let t = Instant::now();
+    on(Event::Start { stage: "eval", total: None });
+    let heldout = cfg.env_section(Split::Heldout);
+    let eval_seed = cfg.seed ^ 0xe7a1;
+    let games = heldout.game_count()?;
+    let mut env = heldout.build()?;
+    let started = Instant::now();
+    let (eps, dropped) = play(env.as_mut(), &mut RandomAgent::new(eval_seed), cfg.eval_episodes, &|i| {
+        heldout.reset_for(eval_seed, i, games)
+    })?;
+    drop(env);
+    let random = PlayReport::of(&eps, dropped, started.elapsed().as_secs_f64());
+    let generation = run_config.generation.clone();
+    let eval_model = |path: &Path| -> Result<PlayReport> {
+        let (dtype, device) = (runtime.dtype(), runtime.device());
+        let policy = load_policy(&path.to_string_lossy(), false, dtype, device)?;
+        let n = cfg.eval_episodes;
+        evaluate(&heldout, &policy.model, &tokenizer, &cfg.agent, &generation, n, eval_seed, device)
+    };
+    let bc = eval_model(&bc_dir)?;
+    let ppo = eval_model(&final_ckpt)?;
+    timed("eval", on, t);
+
+    let policy = load_policy(&bc_dir.to_string_lossy(), false, runtime.dtype(), runtime.device())?;
+    let summary = AgentSummary {
+        config: cfg.clone(),
+        policy_parameters: count_parameters(&policy.store, |n| !n.starts_with("v_head"))?,
+        demonstrations,
+        random,
+        bc,
+        ppo,
+        ppo_curve: metric_pairs(
+            &run_config.logging.dir.join("metrics.jsonl"),
+            "env/win_rate",
+            "objective/kl",
+        )?,
+        stage_seconds: seconds,
+    };
+    write_file(&dir.join("summary.json"), to_json(&summary)?.as_bytes())?;
+    Ok(summary)
+}
+
+/// What [`train_agent`] leaves in the output directory.
+#[derive(Debug)]
+pub struct TrainedAgent {
+    /// The tokenizer of both policies.
+    pub tokenizer: Tokenizer,
+    /// The behaviour-cloned policy.
+    pub bc_dir: PathBuf,
+    /// The PPO policy (the last checkpoint).
+    pub ppo_dir: PathBuf,
+    /// The PPO run's config (`DIR/ppo.toml`).
+    pub run_config: RunConfig,
+    /// Demonstrated turns.
+    pub demonstrations: usize,
+    /// Wall time per stage run this time, in seconds.
+    pub seconds: Vec<(String, f64)>,
+}
+
+/// Stages 1–4 of an agent quickstart (demonstrations, tokenizer, BC, PPO), each cached in
+/// `dir`; the evaluation is the caller's.
+pub fn train_agent<G: AgentGames>(
+    dir: &Path,
+    cfg: &AgentQuickstartConfig<G>,
+    runtime: &Runtime,
+    stop: &AtomicBool,
+    on: &mut dyn FnMut(Event),
+) -> Result<TrainedAgent> {
     cfg.game.check()?;
     cfg.bc.validate().map_err(|m| Error::Input(format!("quickstart bc: {m}")))?;
     cfg.ppo.validate().map_err(|m| Error::Input(format!("quickstart ppo: {m}")))?;
@@ -293,47 +370,14 @@ pub fn run_agent_quickstart<G: AgentGames>(
         timed("ppo", on, t);
     }
 
-    // 5. Random, BC and PPO on the same held-out games.
-    let t = Instant::now();
-    on(Event::Start { stage: "eval", total: None });
-    let heldout = cfg.env_section(Split::Heldout);
-    let eval_seed = cfg.seed ^ 0xe7a1;
-    let games = heldout.game_count()?;
-    let mut env = heldout.build()?;
-    let started = Instant::now();
-    let (eps, dropped) = play(env.as_mut(), &mut RandomAgent::new(eval_seed), cfg.eval_episodes, &|i| {
-        heldout.reset_for(eval_seed, i, games)
-    })?;
-    drop(env);
-    let random = PlayReport::of(&eps, dropped, started.elapsed().as_secs_f64());
-    let generation = run_config.generation.clone();
-    let eval_model = |path: &Path| -> Result<PlayReport> {
-        let (dtype, device) = (runtime.dtype(), runtime.device());
-        let policy = load_policy(&path.to_string_lossy(), false, dtype, device)?;
-        let n = cfg.eval_episodes;
-        evaluate(&heldout, &policy.model, &tokenizer, &cfg.agent, &generation, n, eval_seed, device)
-    };
-    let bc = eval_model(&bc_dir)?;
-    let ppo = eval_model(&final_ckpt)?;
-    timed("eval", on, t);
-
-    let policy = load_policy(&bc_dir.to_string_lossy(), false, runtime.dtype(), runtime.device())?;
-    let summary = AgentSummary {
-        config: cfg.clone(),
-        policy_parameters: count_parameters(&policy.store, |n| !n.starts_with("v_head"))?,
+    Ok(TrainedAgent {
+        tokenizer,
+        bc_dir,
+        ppo_dir: final_ckpt,
+        run_config,
         demonstrations: demos.len(),
-        random,
-        bc,
-        ppo,
-        ppo_curve: metric_pairs(
-            &run_config.logging.dir.join("metrics.jsonl"),
-            "env/win_rate",
-            "objective/kl",
-        )?,
-        stage_seconds: seconds,
-    };
-    write_file(&dir.join("summary.json"), to_json(&summary)?.as_bytes())?;
-    Ok(summary)
+        seconds,
+    })
 }
 
 /// The PPO run: training seeds, the quickstart's prompt, KL to the BC policy (the default
@@ -374,7 +418,11 @@ fn ppo_config<G: AgentGames>(dir: &Path, cfg: &AgentQuickstartConfig<G>) -> RunC
 
 /// Prompts cut from the left to `max_tokens` tokens, as the agent's prompts are (SFT would cut
 /// the completion off the end instead).
-fn fit_prompts(records: Vec<SftRecord>, tokenizer: &Tokenizer, max_tokens: usize) -> Result<Vec<SftRecord>> {
+pub(crate) fn fit_prompts(
+    records: Vec<SftRecord>,
+    tokenizer: &Tokenizer,
+    max_tokens: usize,
+) -> Result<Vec<SftRecord>> {
     records
         .into_iter()
         .map(|r| match r {

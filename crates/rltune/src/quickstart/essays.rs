@@ -1,0 +1,368 @@
+//! `rltune quickstart --task essays`: RL on a task's own metric. An LM agent labels the
+//! discourse elements of generated essays ([`crate::envs::essays`]) one segment per turn, and is
+//! scored by the Feedback Prize F-score.
+//!
+//! The stages ([`super::agent::train_agent`], each cached in the output directory):
+//! 1. **demos**: the gold labels of training essays as demonstrations (the environment's
+//!    walkthrough is the gold labelling; `demo_noise` plays a random label now and then, so the
+//!    demonstrations also show states after a mistake);
+//! 2. **tokenizer**, 3. **bc**: behavioural cloning, cross-entropy on the gold label's tokens;
+//! 4. **ppo**: PPO on training essays from the BC policy with the KL to it, the reward the
+//!    essay's F-score (the quickstart turns on the environment's dense reward, whose
+//!    undiscounted return is the same F-score, and sets `game_gamma = 1`);
+//! 5. **eval**: the random agent, the keyword heuristic, the BC policy (sampled as in training,
+//!    and greedy) and the PPO policy on the same held-out essays (sentence combinations
+//!    training never shows). Each is scored per essay (mean ± standard error; the reward's
+//!    rule) and over the set with the competition's macro F1.
+//!
+//! Acceptance: the PPO policy's mean held-out F-score beats the BC policy's (both sampled, as
+//! trained) by more than two standard errors of the difference, √(SE²_BC + SE²_PPO), and
+//! `objective/kl` stays within [−0.05, 10].
+
+use std::path::Path;
+use std::sync::atomic::AtomicBool;
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+
+use super::agent::{train_agent, AgentGames, AgentQuickstartConfig, TrainedAgent, KL_NOISE};
+use super::pipeline::{count_parameters, metric_pairs, to_json, write_file, Check, Event};
+use crate::envs::adventure::{is_heldout, train_seed};
+use crate::envs::config::{EnvKind, EnvSection, Split};
+use crate::envs::essays::generate::generate;
+use crate::envs::essays::heuristic::HeuristicAgent;
+use crate::envs::essays::{Essays, EssaysConfig, Label, CLASSES, NONE};
+use crate::envs::model_agent::ModelAgent;
+use crate::envs::play::{play, Agent, Episode, PromptTemplate, RandomAgent};
+use crate::envs::{Reset, TextEnv};
+use crate::error::Result;
+use crate::generation::GenerationConfig;
+use crate::models::load::load_policy;
+use crate::ppo::PpoConfig;
+use crate::rewards::metrics::feedback::{feedback_score, Span};
+use crate::rewards::metrics::mean_se;
+use crate::run::config::EpisodesSection;
+use crate::runtime::Runtime;
+use crate::train::{ScheduleKind, TrainingArgs};
+
+/// The settings of the essays quickstart (`DIR/quickstart.json`; `--set key=value`).
+pub type EssaysQuickstartConfig = AgentQuickstartConfig<EssaysConfig>;
+
+impl AgentGames for EssaysConfig {
+    fn env_section(&self, split: Split, num_envs: usize, max_steps: usize) -> EnvSection {
+        EnvSection {
+            kind: EnvKind::Essays,
+            num_envs,
+            max_steps,
+            split,
+            essays: self.clone(),
+            ..EnvSection::default()
+        }
+    }
+
+    /// Training essays `train_seed(seed · 1000003 + i)`, i < `episodes`.
+    fn demo_env(
+        &self,
+        seed: u64,
+        episodes: usize,
+        max_steps: usize,
+    ) -> Result<(Box<dyn TextEnv>, Vec<Reset>)> {
+        let env = Essays::new(1, self.clone(), max_steps)?;
+        let resets = (0..episodes as u64)
+            .map(|i| Reset {
+                seed: Some(train_seed(seed.wrapping_mul(1_000_003).wrapping_add(i))),
+                game: None,
+            })
+            .collect();
+        Ok((Box::new(env), resets))
+    }
+}
+
+impl Default for AgentQuickstartConfig<EssaysConfig> {
+    fn default() -> Self {
+        let bc = TrainingArgs {
+            learning_rate: 2e-3,
+            max_steps: Some(300),
+            batch_size: 32,
+            lr_scheduler_type: ScheduleKind::Cosine,
+            warmup_ratio: 0.05,
+            eval_fraction: 0.02,
+            seed: 1,
+            ..TrainingArgs::default()
+        };
+        let ppo = PpoConfig {
+            steps: 30,
+            batch_size: 128,
+            mini_batch_size: 32,
+            ppo_epochs: 4,
+            learning_rate: 1e-4,
+            init_kl_coef: 0.05,
+            seed: 3,
+            ..PpoConfig::default()
+        };
+        // Every turn counts the same toward the essay's score: no discount between turns.
+        let episodes = EpisodesSection { game_gamma: 1.0, eval_every: 0, ..EpisodesSection::default() };
+        Self {
+            seed: 0,
+            game: EssaysConfig { dense_reward: true, ..EssaysConfig::default() },
+            demo_games: 1000,
+            demo_noise: 0.1,
+            vocab_size: 1024,
+            policy_dim: 128,
+            policy_layers: 4,
+            policy_heads: 4,
+            context: 192,
+            agent: PromptTemplate {
+                memory_turns: 0,
+                show_admissible: false,
+                show_inventory: false,
+                instruction: "Label:\n>".into(),
+            },
+            max_new_tokens: 6,
+            max_steps: 64,
+            num_envs: 8,
+            bc,
+            ppo,
+            episodes,
+            eval_episodes: 200,
+        }
+    }
+}
+
+impl AgentQuickstartConfig<EssaysConfig> {
+    /// A run of seconds for tests: every stage, too small to learn anything.
+    pub fn tiny() -> Self {
+        let d = Self::default();
+        Self {
+            demo_games: 10,
+            vocab_size: 300,
+            policy_dim: 32,
+            policy_layers: 1,
+            policy_heads: 2,
+            context: 160,
+            num_envs: 2,
+            bc: TrainingArgs { max_steps: Some(4), batch_size: 8, ..d.bc },
+            ppo: PpoConfig { steps: 2, batch_size: 16, mini_batch_size: 8, ppo_epochs: 1, ..d.ppo },
+            eval_episodes: 6,
+            ..d
+        }
+    }
+}
+
+/// One agent's held-out scores.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EssayEval {
+    /// Essays scored.
+    pub essays: usize,
+    /// Mean per-essay F-score (the reward's rule).
+    pub mean: f64,
+    /// Its standard error.
+    pub se: f64,
+    /// The competition's macro F1 over all the essays.
+    pub macro_f1: f64,
+    /// Per class: (name, competition F1 over the essays).
+    pub per_class: Vec<(String, f64)>,
+    /// Essays labelled perfectly.
+    pub perfect: f64,
+    /// Labels that were not a valid command.
+    pub invalid_rate: f64,
+    /// Every essay's score, in order (for paired comparisons).
+    pub scores: Vec<f64>,
+}
+
+impl EssayEval {
+    /// The scores of finished episodes (their essays are regenerated from their seeds).
+    pub fn of(episodes: &[Episode]) -> Self {
+        let scores: Vec<f64> = episodes.iter().map(|e| e.score).collect();
+        let (mean, se) = mean_se(&scores);
+        let pairs: Vec<(Vec<Span>, Vec<Span>)> = episodes
+            .iter()
+            .map(|e| {
+                let seed = e.seed.unwrap_or(0);
+                let essay = generate(seed, is_heldout(seed));
+                let labels: Vec<Label> = e
+                    .turns
+                    .iter()
+                    .map(|t| Label::parse(&t.action).unwrap_or(Label { class: NONE, begin: false }))
+                    .collect();
+                (essay.spans(&labels), essay.gold_spans())
+            })
+            .collect();
+        let ds = feedback_score(&pairs);
+        let turns: usize = episodes.iter().map(|e| e.steps).sum();
+        let invalid: usize = episodes.iter().map(|e| e.invalid_actions).sum();
+        Self {
+            essays: episodes.len(),
+            mean,
+            se,
+            macro_f1: ds.macro_f1,
+            per_class: ds.per_class.iter().map(|(c, _, f)| (CLASSES[*c].to_string(), *f)).collect(),
+            perfect: scores.iter().filter(|&&s| s >= 1.0).count() as f64 / scores.len().max(1) as f64,
+            invalid_rate: invalid as f64 / turns.max(1) as f64,
+            scores,
+        }
+    }
+}
+
+/// The essays quickstart's results (`summary-essays.json`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EssaysSummary {
+    /// The configuration that produced them.
+    pub config: EssaysQuickstartConfig,
+    /// Policy parameters (value head excluded).
+    pub policy_parameters: usize,
+    /// Demonstrated turns.
+    pub demonstrations: usize,
+    /// Held-out scores per agent: random, heuristic, BC (sampled), BC (greedy), PPO (sampled).
+    pub agents: Vec<(String, EssayEval)>,
+    /// Per PPO step: `(step, env/episode_return_mean, objective/kl)`.
+    pub ppo_curve: Vec<(usize, f64, f64)>,
+    /// Wall time per stage in seconds (stages run this time).
+    pub stage_seconds: Vec<(String, f64)>,
+}
+
+/// The names of the agents in [`EssaysSummary::agents`].
+pub const AGENTS: [&str; 5] = ["random", "heuristic", "BC", "BC (greedy)", "PPO"];
+
+impl EssaysSummary {
+    /// The scores of the agent `name`.
+    pub fn agent(&self, name: &str) -> Option<&EssayEval> {
+        self.agents.iter().find(|(n, _)| n == name).map(|(_, e)| e)
+    }
+
+    /// The acceptance criteria (module docs).
+    pub fn checks(&self) -> Vec<Check> {
+        let nan = EssayEval::of(&[]);
+        let bc = self.agent("BC").unwrap_or(&nan);
+        let ppo = self.agent("PPO").unwrap_or(&nan);
+        let se = (bc.se.powi(2) + ppo.se.powi(2)).sqrt();
+        let kl: Vec<f64> = self.ppo_curve.iter().map(|c| c.2).filter(|k| k.is_finite()).collect();
+        let kl_max = kl.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let kl_min = kl.iter().copied().fold(f64::INFINITY, f64::min);
+        vec![
+            Check {
+                what: format!(
+                    "held-out F-score: PPO {:.3} vs BC {:.3}, difference {:+.3}; needed > 2 SE = {:.3}",
+                    ppo.mean,
+                    bc.mean,
+                    ppo.mean - bc.mean,
+                    2.0 * se
+                ),
+                ok: ppo.mean - bc.mean > 2.0 * se,
+            },
+            Check {
+                what: format!(
+                    "objective/kl within [{kl_min:.4}, {kl_max:.3}]; needed within [-{KL_NOISE}, 10]"
+                ),
+                ok: !kl.is_empty() && kl_min >= -KL_NOISE && kl_max <= 10.0,
+            },
+        ]
+    }
+}
+
+/// Plays `n` held-out essays with `agent` (episode i: held-out essay `eval_seed + i`).
+fn eval_agent(section: &EnvSection, agent: &mut dyn Agent, n: usize, eval_seed: u64) -> Result<EssayEval> {
+    let mut env = section.build()?;
+    let (episodes, _) = play(env.as_mut(), agent, n, &|i| section.reset_for(eval_seed, i, 0))?;
+    Ok(EssayEval::of(&episodes))
+}
+
+/// Runs (or resumes) the essays quickstart in `dir`.
+pub fn run_essays_quickstart(
+    dir: &Path,
+    cfg: &EssaysQuickstartConfig,
+    runtime: &Runtime,
+    stop: &AtomicBool,
+    on: &mut dyn FnMut(Event),
+) -> Result<EssaysSummary> {
+    let TrainedAgent { tokenizer, bc_dir, ppo_dir, run_config, demonstrations, mut seconds } =
+        train_agent(dir, cfg, runtime, stop, on)?;
+
+    let t = Instant::now();
+    on(Event::Start { stage: "eval", total: None });
+    let heldout = cfg.game.env_section(Split::Heldout, cfg.num_envs, cfg.max_steps);
+    let eval_seed = cfg.seed ^ 0xe7a1;
+    let n = cfg.eval_episodes;
+    let mut agents = vec![
+        (AGENTS[0].to_string(), eval_agent(&heldout, &mut RandomAgent::new(eval_seed), n, eval_seed)?),
+        (AGENTS[1].to_string(), eval_agent(&heldout, &mut HeuristicAgent, n, eval_seed)?),
+    ];
+    let sampled = GenerationConfig { seed: eval_seed, ..run_config.generation.clone() };
+    let greedy = GenerationConfig { top_k: 1, ..sampled.clone() };
+    let (dtype, device) = (runtime.dtype(), runtime.device());
+    for (name, path, generation) in
+        [(AGENTS[2], &bc_dir, &sampled), (AGENTS[3], &bc_dir, &greedy), (AGENTS[4], &ppo_dir, &sampled)]
+    {
+        let policy = load_policy(&path.to_string_lossy(), false, dtype, device)?;
+        let mut agent =
+            ModelAgent::new(&policy.model.lm, &tokenizer, cfg.agent.clone(), generation.clone(), device)?;
+        agents.push((name.to_string(), eval_agent(&heldout, &mut agent, n, eval_seed)?));
+    }
+    let s = t.elapsed().as_secs_f64();
+    on(Event::Done { stage: "eval", seconds: s });
+    seconds.push(("eval".into(), s));
+
+    let policy = load_policy(&bc_dir.to_string_lossy(), false, dtype, device)?;
+    let summary = EssaysSummary {
+        config: cfg.clone(),
+        policy_parameters: count_parameters(&policy.store, |n| !n.starts_with("v_head"))?,
+        demonstrations,
+        agents,
+        ppo_curve: metric_pairs(
+            &run_config.logging.dir.join("metrics.jsonl"),
+            "env/episode_return_mean",
+            "objective/kl",
+        )?,
+        stage_seconds: seconds,
+    };
+    write_file(&dir.join("summary-essays.json"), to_json(&summary)?.as_bytes())?;
+    Ok(summary)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn eval(mean: f64, se: f64) -> EssayEval {
+        EssayEval { mean, se, ..EssayEval::of(&[]) }
+    }
+
+    #[test]
+    fn acceptance_needs_two_standard_errors_of_the_difference() {
+        let mut s = EssaysSummary {
+            config: EssaysQuickstartConfig::tiny(),
+            policy_parameters: 0,
+            demonstrations: 0,
+            agents: vec![("BC".into(), eval(0.70, 0.02)), ("PPO".into(), eval(0.75, 0.02))],
+            ppo_curve: vec![(1, 0.5, 0.0), (2, 0.6, 0.3)],
+            stage_seconds: vec![],
+        };
+        // 2 SE of the difference = 2 · √(0.02² + 0.02²) = 0.0566 > 0.05: fails.
+        assert!(!s.checks()[0].ok, "{}", s.checks()[0].what);
+        s.agents[1].1.mean = 0.76;
+        assert!(s.checks()[0].ok && s.checks()[1].ok);
+        s.ppo_curve.push((3, 0.6, 12.0));
+        assert!(!s.checks()[1].ok);
+    }
+
+    #[test]
+    fn scores_come_from_the_labels_played() {
+        use crate::envs::adventure::heldout_seed;
+        use crate::envs::play::Turn;
+        let seed = heldout_seed(3);
+        let essay = generate(seed, true);
+        let gold = essay.gold_labels();
+        let mut ep = Episode::start(0, &Reset { seed: Some(seed), game: None }, &Default::default());
+        for (k, l) in gold.iter().enumerate() {
+            // the last label wrong
+            let action = if k + 1 == gold.len() { "none".to_string() } else { l.command() };
+            ep.turns.push(Turn { observation: String::new(), action, reward: 0.0, invalid: false });
+            ep.steps += 1;
+        }
+        ep.score =
+            essay.score(&ep.turns.iter().map(|t| Label::parse(&t.action).unwrap()).collect::<Vec<_>>());
+        let e = EssayEval::of(&[ep]);
+        assert!(e.macro_f1 > 0.5 && e.macro_f1 <= 1.0 && e.mean == e.scores[0]);
+        assert_eq!(e.perfect, if e.mean >= 1.0 { 1.0 } else { 0.0 });
+    }
+}
