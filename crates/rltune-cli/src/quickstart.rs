@@ -195,20 +195,39 @@ fn run_agent<G: AgentGames>(
             100.0 * r.invalid_action_rate
         );
     }
-    if !s.stage_seconds.is_empty() {
-        let stages: Vec<String> = s.stage_seconds.iter().map(|(n, t)| format!("{n} {t:.0} s")).collect();
+    print_stages(&s.stage_seconds);
+    finish(s.checks(), tiny, started, &output, "ppo", "summary.json")
+}
+
+/// The stages this run executed (cached ones are skipped) and their wall times.
+fn print_stages(stage_seconds: &[(String, f64)]) {
+    if !stage_seconds.is_empty() {
+        let stages: Vec<String> = stage_seconds.iter().map(|(n, t)| format!("{n} {t:.0} s")).collect();
         println!("stages run: {}", stages.join(", "));
     }
-    let failed = report_checks(s.checks(), tiny);
+}
+
+/// The end of a quickstart: the checks' verdicts, where the report and summary are, how to
+/// rerun the RL stage (`DIR/STAGE.toml`) alone; an error when a check failed (not with tiny).
+fn finish(
+    checks: Vec<rltune::quickstart::Check>,
+    tiny: bool,
+    started: std::time::Instant,
+    output: &std::path::Path,
+    stage: &str,
+    summary: &str,
+) -> Result<()> {
+    let failed = report_checks(checks, tiny);
     println!(
         "wall time {:.0} s; report: {}",
         started.elapsed().as_secs_f64(),
-        output.join("ppo/report.html").display()
+        output.join(stage).join("report.html").display()
     );
     println!(
-        "summary: {}; rerun PPO alone: rltune ppo --config {}",
-        output.join("summary.json").display(),
-        output.join("ppo.toml").display()
+        "summary: {}; rerun {} alone: rltune ppo --config {}",
+        output.join(summary).display(),
+        stage.to_uppercase(),
+        output.join(format!("{stage}.toml")).display()
     );
     if failed > 0 && !tiny {
         anyhow::bail!("{failed} acceptance check(s) failed (see FAIL above)");
@@ -268,21 +287,7 @@ fn run_arithmetic(args: Args) -> Result<()> {
             a.samples.iter().take(3).cloned().collect::<Vec<_>>().join("  ")
         );
     }
-    let failed = report_checks(s.checks(), tiny);
-    println!(
-        "wall time {:.0} s; report: {}",
-        started.elapsed().as_secs_f64(),
-        output.join(alg).join("report.html").display()
-    );
-    println!(
-        "summary: {}; rerun {alg} alone: rltune ppo --config {}",
-        output.join(format!("summary-{alg}.json")).display(),
-        output.join(format!("{alg}.toml")).display()
-    );
-    if failed > 0 && !tiny {
-        anyhow::bail!("{failed} acceptance check(s) failed (see FAIL above)");
-    }
-    Ok(())
+    finish(s.checks(), tiny, started, &output, alg, &format!("summary-{alg}.json"))
 }
 
 /// `rltune quickstart --task essays`.
@@ -319,25 +324,8 @@ fn run_essays(args: Args) -> Result<()> {
             100.0 * e.invalid_rate
         );
     }
-    if !s.stage_seconds.is_empty() {
-        let stages: Vec<String> = s.stage_seconds.iter().map(|(n, t)| format!("{n} {t:.0} s")).collect();
-        println!("stages run: {}", stages.join(", "));
-    }
-    let failed = report_checks(s.checks(), tiny);
-    println!(
-        "wall time {:.0} s; report: {}",
-        started.elapsed().as_secs_f64(),
-        output.join("ppo/report.html").display()
-    );
-    println!(
-        "summary: {}; rerun PPO alone: rltune ppo --config {}",
-        output.join("summary-essays.json").display(),
-        output.join("ppo.toml").display()
-    );
-    if failed > 0 && !tiny {
-        anyhow::bail!("{failed} acceptance check(s) failed (see FAIL above)");
-    }
-    Ok(())
+    print_stages(&s.stage_seconds);
+    finish(s.checks(), tiny, started, &output, "ppo", "summary-essays.json")
 }
 
 /// `rltune quickstart --task wnut`.
@@ -374,10 +362,7 @@ fn run_wnut(args: Args) -> Result<()> {
             100.0 * e.invalid_rate
         );
     }
-    if !s.stage_seconds.is_empty() {
-        let stages: Vec<String> = s.stage_seconds.iter().map(|(n, t)| format!("{n} {t:.0} s")).collect();
-        println!("stages run: {}", stages.join(", "));
-    }
+    print_stages(&s.stage_seconds);
     // Informational: the issue asks for the numbers, not for a threshold.
     for c in s.checks() {
         println!("{} {} (informational)", if c.ok { "PASS" } else { "NOT MET" }, c.what);
