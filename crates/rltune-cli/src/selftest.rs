@@ -12,7 +12,7 @@
 //!
 //! | check | what | tolerance |
 //! |---|---|---|
-//! | `models/<fixture>` | hidden states, logits (and values) of each causal-LM fixture against transformers | 1e-4 |
+//! | `models/<fixture>` | hidden states, logits (and values) of each causal-LM fixture (gpt2, llama, mistral, qwen2, gpt_neo, gpt_neox) against transformers | 1e-4 |
 //! | `sampler/chi-square` | the device sampler's draws against softmax(logits / T) | p = 0.001 |
 //! | `sampler/logprobs` | logprobs reported by KV-cached generation against a full forward | 1e-4 |
 //! | `ppo/trl-0.11.4` | two `PPOTrainer.step`s: stats and weights | stats 1e-5, weights 2e-5 |
@@ -76,7 +76,8 @@ impl Outcome {
 type Check<'a> = Box<dyn Fn() -> Result<Outcome> + 'a>;
 
 /// The fixtures of causal LMs compared with transformers' outputs.
-const MODEL_FIXTURES: [&str; 5] = ["gpt2", "gpt2_value_head", "llama", "mistral", "qwen2"];
+const MODEL_FIXTURES: [&str; 8] =
+    ["gpt2", "gpt2_value_head", "llama", "mistral", "qwen2", "gpt_neo", "gpt_neox", "gpt_neox_sequential"];
 /// `tools/fixtures/grpo` variants that one `grpo-step` / `rloo-step` reproduces, and whether
 /// they take the reference model.
 const GROUP_VARIANTS: [(&str, &str, bool); 3] =
