@@ -34,7 +34,7 @@ while [ $# -gt 0 ]; do
     --bin) BIN="$2"; shift ;;
     --pack) PACK="$2"; shift ;;
     --budget) BUDGET="$2"; shift ;;
-    -h | --help) sed -n '2,25p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,22p' "$0"; exit 0 ;;
     *) echo "verify.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
