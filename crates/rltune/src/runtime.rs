@@ -297,7 +297,7 @@ fn describe(device: &Device) -> String {
 /// How to get a CUDA build: the text of the error for a build without the `cuda` feature.
 pub const CUDA_BUILD_HINT: &str = "this rltune was built without CUDA support; build it with \
      `cargo build --release --features cuda` (needs nvcc; on a machine without the CUDA toolkit, \
-     tools/cuda/build.sh installs it from PyPI and builds: see the README, \"Building with CUDA\"), \
+     tools/cuda/build.sh installs it from PyPI and builds: see docs/gpu.md, \"Building with CUDA\"), \
      or use device = \"cpu\" / --device cpu";
 
 /// Opens the device of `choice`.
