@@ -73,10 +73,7 @@ pub fn run(args: Args) -> Result<()> {
     let output = args.output.clone().unwrap_or_else(|| PathBuf::from("runs/quickstart"));
     let mut cfg = if args.preset == "tiny" { QuickstartConfig::tiny() } else { QuickstartConfig::default() };
     cfg.seed = args.seed;
-    if !args.set.is_empty() {
-        let text = toml::to_string(&cfg).context("cannot serialize the quickstart settings")?;
-        cfg = parse_toml(&text, Path::new("quickstart settings"), &args.set)?;
-    }
+    cfg = with_overrides(cfg, &args.set)?;
     let runtime = args.runtime.resolve(Default::default())?;
     let stop = crate::ppo::stop_flag()?;
     let started = std::time::Instant::now();
@@ -167,10 +164,7 @@ fn run_agent<G: AgentGames>(
     let tiny = args.preset == "tiny";
     let mut cfg = if tiny { tiny_preset } else { default };
     cfg.seed = args.seed;
-    if !args.set.is_empty() {
-        let text = toml::to_string(&cfg).context("cannot serialize the quickstart settings")?;
-        cfg = parse_toml(&text, Path::new("quickstart settings"), &args.set)?;
-    }
+    cfg = with_overrides(cfg, &args.set)?;
     let stop = crate::ppo::stop_flag()?;
     let started = std::time::Instant::now();
     let mut bar: Option<(Bar, usize)> = None;
@@ -197,6 +191,19 @@ fn run_agent<G: AgentGames>(
     }
     print_stages(&s.stage_seconds);
     finish(s.checks(), tiny, started, &output, "ppo", "summary.json")
+}
+
+/// A preset with the `--set key=value` overrides applied (through its TOML form, so a key is
+/// checked and named as in a config file); unchanged without overrides.
+fn with_overrides<T>(cfg: T, set: &[String]) -> Result<T>
+where
+    T: serde::Serialize + serde::de::DeserializeOwned,
+{
+    if set.is_empty() {
+        return Ok(cfg);
+    }
+    let text = toml::to_string(&cfg).context("cannot serialize the quickstart settings")?;
+    Ok(parse_toml(&text, Path::new("quickstart settings"), set)?)
 }
 
 /// The stages this run executed (cached ones are skipped) and their wall times.
@@ -258,10 +265,7 @@ fn run_arithmetic(args: Args) -> Result<()> {
     if let Some(a) = &args.algorithm {
         cfg.algorithm = if a == "rloo" { AlgorithmKind::Rloo } else { AlgorithmKind::Grpo };
     }
-    if !args.set.is_empty() {
-        let text = toml::to_string(&cfg).context("cannot serialize the quickstart settings")?;
-        cfg = parse_toml(&text, Path::new("quickstart settings"), &args.set)?;
-    }
+    cfg = with_overrides(cfg, &args.set)?;
     let stop = crate::ppo::stop_flag()?;
     let started = std::time::Instant::now();
     let mut bar: Option<(Bar, usize)> = None;
@@ -297,10 +301,7 @@ fn run_essays(args: Args) -> Result<()> {
     let tiny = args.preset == "tiny";
     let mut cfg = if tiny { EssaysQuickstartConfig::tiny() } else { EssaysQuickstartConfig::default() };
     cfg.seed = args.seed;
-    if !args.set.is_empty() {
-        let text = toml::to_string(&cfg).context("cannot serialize the quickstart settings")?;
-        cfg = parse_toml(&text, Path::new("quickstart settings"), &args.set)?;
-    }
+    cfg = with_overrides(cfg, &args.set)?;
     let stop = crate::ppo::stop_flag()?;
     let started = std::time::Instant::now();
     let mut bar: Option<(Bar, usize)> = None;
@@ -335,10 +336,7 @@ fn run_wnut(args: Args) -> Result<()> {
     let tiny = args.preset == "tiny";
     let mut cfg = if tiny { WnutQuickstartConfig::tiny() } else { WnutQuickstartConfig::default() };
     cfg.seed = args.seed;
-    if !args.set.is_empty() {
-        let text = toml::to_string(&cfg).context("cannot serialize the quickstart settings")?;
-        cfg = parse_toml(&text, Path::new("quickstart settings"), &args.set)?;
-    }
+    cfg = with_overrides(cfg, &args.set)?;
     let stop = crate::ppo::stop_flag()?;
     let started = std::time::Instant::now();
     let mut bar: Option<(Bar, usize)> = None;
