@@ -62,10 +62,27 @@ pub enum Error {
     #[error("{0}")]
     Hub(String),
 
+    /// The optimizer's state or gradients do not fit its variables (a checkpoint written for
+    /// another model, or gradients built over other variables).
+    #[error(transparent)]
+    Optimizer(rltune_kernels::Error),
+
     /// What was asked needs hardware or a build feature that this machine or build lacks; the
     /// message names it and the alternative.
     #[error("{0}")]
     Unsupported(String),
+}
+
+impl From<rltune_kernels::Error> for Error {
+    fn from(e: rltune_kernels::Error) -> Self {
+        match e {
+            rltune_kernels::Error::Candle(e) => Error::Candle(e),
+            rltune_kernels::Error::Unsupported(msg) => Error::Unsupported(msg),
+            e @ (rltune_kernels::Error::StateMismatch(_) | rltune_kernels::Error::GradsMismatch(_)) => {
+                Error::Optimizer(e)
+            }
+        }
+    }
 }
 
 /// Shorthand for `std::result::Result<T, rltune::Error>`.

@@ -35,7 +35,6 @@
 //! ```
 #![deny(missing_docs)]
 
-pub mod cpu;
 pub mod data;
 pub mod dpo;
 pub mod envs;
@@ -45,7 +44,6 @@ pub mod grpo;
 pub mod io;
 pub mod logging;
 pub mod models;
-pub mod ops;
 pub mod params;
 pub mod ppo;
 pub mod process;
@@ -58,3 +56,12 @@ pub mod tokenizer;
 pub mod train;
 
 pub use error::{Error, Result};
+/// The kernels: fused differentiable ops, the SGEMM, the gradient buffers and the fused Adam
+/// update (the `rltune-kernels` crate).
+pub use rltune_kernels as ops;
+/// Process-wide CPU settings (`rltune_kernels::cpu`): what [`cpu::ProcessSettings::install`]
+/// sets, and the helpers it calls.
+pub use rltune_kernels::cpu;
+/// torch-exact Adam over persistent gradient buffers, and gradient clipping
+/// (`rltune_kernels::optim`).
+pub use rltune_kernels::optim;

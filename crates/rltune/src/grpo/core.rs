@@ -17,8 +17,8 @@ use crate::error::{Error, Result};
 use crate::models::layers::causal_bias;
 use crate::models::CausalLm;
 use crate::ops;
+use crate::optim::{Adam, AdamConfig, Grads};
 use crate::params::ParamStore;
-use crate::ppo::optim::{Adam, AdamConfig, Grads};
 use crate::ppo::{Stat, Stats};
 use crate::tokenizer::{pad, PaddingSide};
 

@@ -381,8 +381,8 @@ mod tests {
 
     use super::*;
     use crate::models::layers::{causal_bias, position_ids_from_mask};
+    use crate::optim::Grads;
     use crate::params::ParamStore;
-    use crate::ppo::optim::Grads;
 
     /// Ids, positions and bias for two rows, the second right-padded by two.
     fn inputs(dev: &Device) -> (Tensor, Tensor, Tensor) {

@@ -27,10 +27,10 @@
 
 use candle_core::Tensor;
 
-use super::optim::{Adam, AdamConfig, Grads};
 use super::trainer::{hidden_states, PpoTrainer, StepInput};
 use crate::error::{Error, Result};
 use crate::models::CausalLmWithValueHead;
+use crate::optim::{Adam, AdamConfig, Grads};
 use crate::params::ParamStore;
 
 /// A value model on its own backbone, with its own parameters and optimizer.
@@ -206,7 +206,7 @@ impl PpoTrainer {
             None => grads.global_norm()?,
         };
         if norm.is_finite() {
-            c.optimizer.step(grads)
+            Ok(c.optimizer.step(grads)?)
         } else {
             self.skip_non_finite_update("critic's gradient");
             Ok(())

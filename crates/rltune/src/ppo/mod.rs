@@ -3,7 +3,6 @@
 //! - [`config`]: `PpoConfig`, TRL's names and defaults.
 //! - [`math`]: the math as pure functions (masked statistics, KL penalties, GAE, losses).
 //! - [`kl_control`]: fixed and adaptive KL controllers.
-//! - [`optim`]: torch-exact Adam and gradient clipping.
 //! - [`trainer`]: the trainer and its `step`.
 //! - [`critic`]: an optional separate critic (value model) with its own optimizer.
 //! - [`stats`]: the stats map under TRL's key names.
@@ -12,7 +11,6 @@ pub mod config;
 pub mod critic;
 pub mod kl_control;
 pub mod math;
-pub mod optim;
 pub mod stats;
 pub mod trainer;
 

@@ -32,12 +32,12 @@ use super::config::PpoConfig;
 use super::critic::Critic;
 use super::kl_control::KlController;
 use super::math::{self, KlPenalty};
-use super::optim::{Adam, AdamConfig, Grads};
 use super::stats::{Stat, Stats};
 use crate::error::{Error, Result};
 use crate::models::layers::causal_bias;
 use crate::models::{CausalLm, CausalLmWithValueHead};
 use crate::ops;
+use crate::optim::{Adam, AdamConfig, Grads};
 use crate::params::ParamStore;
 use crate::tokenizer::{pad, PaddingSide};
 

@@ -22,8 +22,8 @@ use candle_core::Device;
 use crate::error::{Error, Result};
 use crate::io::{read_json, write_bytes_atomic};
 use crate::models::load::{copy_side_files, save_dir_atomic, ModelFiles};
+use crate::optim::Adam;
 use crate::params::ParamStore;
-use crate::ppo::optim::Adam;
 use crate::ppo::{KlController, PpoTrainer, TrainerStreams};
 use crate::run::config::AlgorithmKind;
 

@@ -25,8 +25,8 @@ use serde::{Deserialize, Serialize};
 use super::data::split_eval;
 use super::schedule::{warmup_steps, LrSchedule, ScheduleKind};
 use crate::error::{Error, Result};
+use crate::optim::{Adam, AdamConfig, Grads};
 use crate::params::ParamStore;
-use crate::ppo::optim::{Adam, AdamConfig, Grads};
 
 /// Optimization settings shared by SFT and reward-model training (the `[training]` table).
 ///

@@ -7,8 +7,8 @@ use rand::seq::SliceRandom;
 
 use super::{flat, matrix, Batch, PpoTrainer, Rollout, StepInput};
 use crate::error::Result;
+use crate::optim::{Adam, FusedStep, Grads};
 use crate::ppo::math::{self, scalar};
-use crate::ppo::optim::{Adam, FusedStep, Grads};
 use crate::ppo::stats::{mean_std, Stat, Stats};
 
 /// Why a minibatch ran no backward.
@@ -68,7 +68,7 @@ impl PpoTrainer {
                     let mut optimizer = std::mem::replace(&mut self.optimizer, placeholder);
                     let mut stats = None;
                     let mut ran_backward = false;
-                    let ran = optimizer.step_fused(&mut grads, |grads| {
+                    let ran: Result<FusedStep> = optimizer.step_fused(&mut grads, |grads| {
                         let (s, skip) =
                             self.train_minibatch(batch, data, backward, grads, critic_grads.as_mut())?;
                         stats = Some(s);

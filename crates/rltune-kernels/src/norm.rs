@@ -430,7 +430,7 @@ pub fn rms_norm_composed(x: &Tensor, w: &Tensor, eps: f64) -> CResult<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::testutil::{check, fd_check, max_diff, randn};
+    use crate::testutil::{check, fd_check, max_diff, randn};
     use candle_core::DType;
 
     #[test]

@@ -1,4 +1,24 @@
-//! Differentiable building blocks with hand-written backward passes.
+//! rltune's kernels: differentiable building blocks with hand-written backward passes, the
+//! SGEMM under them, the CPU process settings they run under ([`cpu`]), and the gradient buffers
+//! with their fused Adam update ([`optim`]).
+//!
+//! ```
+//! use candle_core::{Device, Tensor, Var};
+//!
+//! # fn main() -> candle_core::Result<()> {
+//! let logits = Var::from_vec(vec![1f32, 2.0, 3.0, 0.5, 0.5, 0.5], (1, 2, 3), &Device::Cpu)?;
+//! let targets = Tensor::from_vec(vec![2u32, 0], (1, 2), &Device::Cpu)?;
+//! // log p(target) per position, without materializing the log-softmax for the backward.
+//! let lp = rltune_kernels::logprobs_of(logits.as_tensor(), &targets)?;
+//! let grads = lp.sum_all()?.backward()?;
+//! assert!(grads.get(logits.as_tensor()).is_some()); // candle's fused ops would drop it
+//! # Ok(()) }
+//! ```
+//!
+//! This crate knows nothing of models, tokenizers or training: the `rltune` crate builds them on
+//! it (as `rltune::ops`).
+//!
+//! # The ops
 //!
 //! candle's own fused kernels (`softmax_last_dim`, `layer_norm`, `rms_norm`) build no backward
 //! graph: `backward()` succeeds and the gradients behind them are silently missing. The composed
@@ -21,7 +41,7 @@
 //! | [`layer_norm`], [`rms_norm`] | mean, sub, sqr, mean, add, sqrt, div, mul, add |
 //! | [`embedding()`] | `index_select` (its backward: a table-sized zero fill and add, twice) |
 //! | [`linear()`], [`linear_in_out`], [`matmul`] | candle's matmul (AVX2 only), broadcast add of the bias, `contiguous()` copies of transposed operands in the backward |
-//! | `block::gpt2_block` (crate-internal; used by the GPT-2 model) | the ten graph nodes of a GPT-2 block, when every trained weight has a gradient sink |
+//! | [`block::gpt2_block`] (used by the GPT-2 model) | the ten graph nodes of a GPT-2 block, when every trained weight has a gradient sink |
 //!
 //! f32 kernels use a vectorizable `exp` (within 2 ulp of libm's) and are compiled three times,
 //! for baseline x86-64, AVX2 + FMA and AVX-512, the widest the CPU has running.
@@ -43,7 +63,7 @@ macro_rules! by_dtype {
         match $s.dtype() {
             candle_core::DType::F32 => $($f).+::<f32>($($arg),*),
             candle_core::DType::F64 => $($f).+::<f64>($($arg),*),
-            dt => Err($crate::ops::unsupported($op, dt)),
+            dt => Err($crate::unsupported($op, dt)),
         }
     };
 }
@@ -51,16 +71,26 @@ macro_rules! by_dtype {
 mod activation;
 mod amx;
 mod attention;
-pub(crate) mod block;
+pub mod block;
 mod embedding;
-pub(crate) mod gemm;
-pub(crate) mod grad_sink;
+pub mod gemm;
+mod grad_sink;
 mod linear;
 mod lm_head;
 mod norm;
 pub(crate) mod simd;
 mod softmax;
-pub(crate) use softmax::exp_row_f32;
+pub use softmax::exp_row_f32;
+
+pub mod cpu;
+pub mod error;
+mod mask;
+pub mod optim;
+
+pub use error::{Error, Result};
+pub use grad_sink::SinkScope;
+pub use mask::{causal_bias, padding_bias, MASK_MIN};
+pub use optim::{Adam, AdamConfig, Grads};
 
 pub use activation::{gelu_tanh, gelu_tanh_composed};
 pub use attention::{cached_self_attention, self_attention, self_attention_composed, KvBlock};
@@ -141,7 +171,7 @@ fn add_par(a: &[f32], b: &[f32]) -> Vec<f32> {
 
 /// Runs `f` on the values of a contiguous f32 CPU tensor, read in place; `what` names the
 /// caller in the error for any other tensor.
-pub(crate) fn with_f32<R>(t: &Tensor, what: &str, f: impl FnOnce(&[f32]) -> R) -> CResult<R> {
+pub fn with_f32<R>(t: &Tensor, what: &str, f: impl FnOnce(&[f32]) -> R) -> CResult<R> {
     let (s, l) = t.storage_and_layout();
     match (&*s, l.contiguous_offsets()) {
         (candle_core::Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) => Ok(f(&v[a..b])),
@@ -154,7 +184,7 @@ thread_local! {
 }
 
 /// While alive, every op of this module called on this thread takes its composed candle path
-/// (the one CUDA tensors take), and new [`crate::ppo::Grads`] / [`crate::ppo::Adam`] use no
+/// (the one CUDA tensors take), and new [`Grads`] / [`Adam`] use no
 /// gradient buffers and keep their moments as tensors: the GPU's code path, run on the CPU.
 /// For tests that compare it with the fused CPU kernels (issue #30); see [`composed_scope`].
 #[doc(hidden)]
@@ -173,7 +203,7 @@ pub fn composed_scope() -> ComposedScope {
 }
 
 /// Whether tensors on `device` run the fused CPU kernels: the CPU, outside a [`ComposedScope`].
-pub(crate) fn cpu_kernels(device: &candle_core::Device) -> bool {
+pub fn cpu_kernels(device: &candle_core::Device) -> bool {
     device.is_cpu() && !COMPOSED.with(|c| c.get())
 }
 

@@ -17,8 +17,8 @@ use candle_core::{CpuStorage, DType, InplaceOp1, Layout, Tensor, Var};
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
-use crate::ops::grad_sink::{FusedUpdate, GradSink, SinkMap, SinkScope};
-use crate::ops::simd::simd_kernel;
+use crate::grad_sink::{FusedUpdate, GradSink, SinkMap, SinkScope};
+use crate::simd::simd_kernel;
 
 /// The gradients of a list of variables, summed over the backward passes of one update (torch's
 /// `param.grad` between `zero_grad()` and `step()`).
@@ -45,8 +45,7 @@ impl Grads {
         let sinks: Vec<Option<Arc<GradSink>>> = vars
             .iter()
             .map(|v| {
-                let buffered =
-                    crate::ops::cpu_kernels(v.device()) && v.dtype() == DType::F32 && v.is_contiguous();
+                let buffered = crate::cpu_kernels(v.device()) && v.dtype() == DType::F32 && v.is_contiguous();
                 buffered.then(|| Arc::new(GradSink::new(v.elem_count())))
             })
             .collect();
@@ -68,7 +67,7 @@ impl Grads {
     /// Installs these gradients' sinks on this thread until the guard drops. A forward run inside
     /// it may use ops that write weight gradients only into sinks (`ops::block`); the backward
     /// ([`Self::backward`]) installs them again itself.
-    pub(crate) fn scope(&self) -> SinkScope {
+    pub fn scope(&self) -> SinkScope {
         SinkScope::install(Arc::clone(&self.map))
     }
 
@@ -234,7 +233,7 @@ impl Adam {
         let moments = vars
             .iter()
             .map(|v| {
-                if crate::ops::cpu_kernels(v.device()) {
+                if crate::cpu_kernels(v.device()) {
                     Ok(Moments::host(v.elem_count()))
                 } else {
                     Moments::device(v)
@@ -279,7 +278,7 @@ impl Adam {
     /// checkpoint); sizes are checked.
     pub fn restore(&mut self, m: Vec<Vec<f32>>, v: Vec<Vec<f32>>, step: u64) -> Result<()> {
         if m.len() != self.vars.len() || v.len() != self.vars.len() {
-            return Err(Error::Input(format!(
+            return Err(Error::StateMismatch(format!(
                 "optimizer state for {} / {} variables given to an optimizer over {}",
                 m.len(),
                 v.len(),
@@ -289,7 +288,7 @@ impl Adam {
         for (i, (m, v)) in m.into_iter().zip(v).enumerate() {
             let var = &self.vars[i];
             if m.len() != var.elem_count() || v.len() != var.elem_count() {
-                return Err(Error::Input(format!(
+                return Err(Error::StateMismatch(format!(
                     "optimizer state of variable {i}: {} / {} values for a parameter of {}",
                     m.len(),
                     v.len(),
@@ -339,11 +338,13 @@ impl Adam {
     /// A non-finite gradient never reaches the weights: a fused block holding one is not
     /// applied (its weights and moments stay), and the update of the other variables is then
     /// skipped ([`FusedStep::NonFinite`]). Blocks fused before it was met keep their update.
-    pub fn step_fused(
+    ///
+    /// `E` is the caller's error type: `backward`'s errors come back as they are.
+    pub fn step_fused<E: From<Error>>(
         &mut self,
         grads: &mut Grads,
-        backward: impl FnOnce(&mut Grads) -> Result<bool>,
-    ) -> Result<FusedStep> {
+        backward: impl FnOnce(&mut Grads) -> std::result::Result<bool, E>,
+    ) -> std::result::Result<FusedStep, E> {
         self.check(grads)?;
         let k = self.consts(self.step + 1);
         let armed = Armed(grads.sinks.iter().flatten().cloned().collect());
@@ -378,7 +379,7 @@ impl Adam {
         let same =
             |a: &[Var], b: &[Var]| a.iter().zip(b).all(|(x, y)| x.as_tensor().id() == y.as_tensor().id());
         if grads.vars.len() != self.vars.len() || !same(&grads.vars, &self.vars) {
-            return Err(Error::Input(format!(
+            return Err(Error::GradsMismatch(format!(
                 "gradients for {} variables given to an optimizer over {} other ones (build Grads from Adam::vars)",
                 grads.vars.len(),
                 self.vars.len()
@@ -643,8 +644,8 @@ impl InplaceOp1 for AdamInplace<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops;
-    use crate::ops::grad_sink::SinkState;
+    use crate as ops;
+    use crate::grad_sink::SinkState;
     use candle_core::Device;
 
     /// Gradients holding `g` for the single variable `var`.
@@ -711,7 +712,7 @@ mod tests {
     /// moments survive a checkpoint round trip.
     #[test]
     fn device_moments_update_like_the_fused_cpu_path() {
-        let init = |seed: u64| crate::ops::testutil::randn(&[37, 19], seed).to_dtype(DType::F32).unwrap();
+        let init = |seed: u64| crate::testutil::randn(&[37, 19], seed).to_dtype(DType::F32).unwrap();
         let vars = |_| vec![Var::from_tensor(&init(1)).unwrap(), Var::from_tensor(&init(2)).unwrap()];
         let (va, vb): (Vec<Var>, Vec<Var>) = (vars(0), vars(1));
         let cfg = AdamConfig { lr: 0.01, ..Default::default() };
@@ -725,11 +726,10 @@ mod tests {
             ga.clear();
             gb.clear();
             for i in 0..2 {
-                let g = (crate::ops::testutil::randn(&[37, 19], 10 * step + i as u64)
-                    .to_dtype(DType::F32)
-                    .unwrap()
-                    * 0.1)
-                    .unwrap();
+                let g =
+                    (crate::testutil::randn(&[37, 19], 10 * step + i as u64).to_dtype(DType::F32).unwrap()
+                        * 0.1)
+                        .unwrap();
                 ga.add(i, &g).unwrap();
                 gb.add(i, &g).unwrap();
             }
@@ -786,7 +786,7 @@ mod tests {
     fn buffered_gradients_equal_candle_gradients() {
         let dev = Device::Cpu;
         let r = |shape: &[usize], seed| {
-            let t = crate::ops::testutil::randn(shape, seed).to_dtype(DType::F32).unwrap();
+            let t = crate::testutil::randn(shape, seed).to_dtype(DType::F32).unwrap();
             Var::from_tensor(&t).unwrap()
         };
         let (wte, w1, b1, w2, lnw, lnb, vh) =
@@ -822,7 +822,7 @@ mod tests {
             for (i, var) in vars.iter().enumerate() {
                 let want = (s1.get(var).unwrap() + s2.get(var).unwrap()).unwrap();
                 let got = grads.get(i).unwrap().unwrap();
-                let d = crate::ops::testutil::max_diff(&got, &want);
+                let d = crate::testutil::max_diff(&got, &want);
                 assert!(d < 1e-5, "variable {i}: max diff {d}");
             }
         }
@@ -856,7 +856,7 @@ mod tests {
             .iter()
             .enumerate()
             .map(|(i, s)| {
-                let t = crate::ops::testutil::randn(s, 20 + i as u64).to_dtype(DType::F32).unwrap();
+                let t = crate::testutil::randn(s, 20 + i as u64).to_dtype(DType::F32).unwrap();
                 Var::from_tensor(&t).unwrap()
             })
             .collect()
@@ -884,7 +884,7 @@ mod tests {
                         fused_model_loss(&vb, false)
                     };
                     g.backward(&loss)?;
-                    Ok(true)
+                    Ok::<_, Error>(true)
                 })
                 .unwrap();
             assert_eq!(ran, FusedStep::Updated);
@@ -922,7 +922,7 @@ mod tests {
         // A skipped backward changes nothing.
         let before = vb[1].flatten_all().unwrap().to_vec1::<f32>().unwrap();
         gb.clear();
-        assert_eq!(ob.step_fused(&mut gb, |_| Ok(false)).unwrap(), FusedStep::Skipped);
+        assert_eq!(ob.step_fused(&mut gb, |_| Ok::<_, Error>(false)).unwrap(), FusedStep::Skipped);
         assert_eq!(ob.steps(), 3);
         assert_eq!(vb[1].flatten_all().unwrap().to_vec1::<f32>().unwrap(), before);
     }
@@ -946,7 +946,7 @@ mod tests {
         let ran = ob
             .step_fused(&mut gb, |g| {
                 g.backward(&(fused_model_loss(&vb, false) * f64::INFINITY)?)?;
-                Ok(true)
+                Ok::<_, Error>(true)
             })
             .unwrap();
         assert_eq!(ran, FusedStep::NonFinite);
@@ -985,7 +985,7 @@ mod tests {
         let err = opt
             .step_fused(&mut grads, |g| {
                 g.backward(&fused_model_loss(&vars, true))?;
-                Ok(true)
+                Ok::<_, Error>(true)
             })
             .unwrap_err()
             .to_string();

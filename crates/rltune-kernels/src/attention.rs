@@ -488,7 +488,7 @@ impl CustomOp2 for SelfAttentionBwd {
 
 /// Causal self-attention from GPT-2's fused projection: `qkv (B, T, 3C)` holds `q`, `k`, `v`
 /// side by side (heads of `C / n_head` columns each), `bias (B|1, 1|H, T|1, T)` is the additive
-/// mask of [`crate::models::layers::causal_bias`]; returns `softmax(q·kᵀ·scale + bias)·v` with
+/// mask of [`crate::causal_bias`]; returns `softmax(q·kᵀ·scale + bias)·v` with
 /// the heads merged, `(B, T, C)`. Differentiable in `qkv` (the mask gets no gradient).
 ///
 /// On the CPU (f32, f64) one fused op; elsewhere (and for a key length other than `T`, as with
@@ -681,14 +681,14 @@ pub fn self_attention_composed(qkv: &Tensor, bias: &Tensor, n_head: usize, scale
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::testutil::{check, fd_check, max_diff, randn};
+    use crate::testutil::{check, fd_check, max_diff, randn};
     use candle_core::Device;
 
     /// Prefill of 3 positions (one sequence left-padded), then two decoding steps through the
     /// cache: every output equals the full-sequence attention at that position.
     #[test]
     fn cached_attention_equals_full_attention() {
-        use crate::models::layers::causal_bias;
+        use crate::mask::causal_bias;
         let (b, s, h, c) = (2, 5, 3, 12);
         let qkv = randn(&[b, s, 3 * c], 4).to_dtype(DType::F32).unwrap();
         let mask = vec![vec![0, 1, 1, 1, 1], vec![1, 1, 1, 1, 1]];
@@ -722,7 +722,7 @@ mod tests {
 
     fn causal(mask: &[Vec<u8>], dtype: DType) -> Tensor {
         let t = mask[0].len();
-        crate::models::layers::causal_bias(mask, t, dtype, &Device::Cpu).unwrap()
+        crate::causal_bias(mask, t, dtype, &Device::Cpu).unwrap()
     }
 
     #[test]

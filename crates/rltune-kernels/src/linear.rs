@@ -355,7 +355,7 @@ pub fn linear_in_out_composed(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::testutil::{check, fd_check, max_diff, randn};
+    use crate::testutil::{check, fd_check, max_diff, randn};
     use candle_core::Device;
 
     #[test]

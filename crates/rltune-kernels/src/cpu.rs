@@ -5,8 +5,8 @@
 //!
 //! ```
 //! // At the start of `main`, before any candle op and before other threads start:
-//! rltune::cpu::ProcessSettings::default().install()?;
-//! # Ok::<(), rltune::Error>(())
+//! rltune_kernels::cpu::ProcessSettings::default().install()?;
+//! # Ok::<(), rltune_kernels::Error>(())
 //! ```
 //!
 //! [`ProcessSettings::install`] sets, each switchable by its field:
@@ -18,9 +18,9 @@
 //! | the caller becomes a thread of rayon's global pool | `join_global_pool` | the global pool, if not built yet |
 //! | FTZ/DAZ on the caller and every thread of the global pool ([`flush_denormals`]) | `flush_denormals` | those threads' MXCSR |
 //! | spin-waiting of the pool during generation and steps ([`keep_pool_awake`]) | `spin_wait` | process |
-//! | the CPU matrix products' precision ([`crate::ops::set_matmul_precision`]) | `matmul_precision` | process |
+//! | the CPU matrix products' precision ([`crate::set_matmul_precision`]) | `matmul_precision` | process |
 //!
-//! [`crate::runtime::Runtime::install`] makes the share that follows from a resolved runtime
+//! `rltune::runtime::Runtime::install` makes the share that follows from a resolved runtime
 //! (FTZ/DAZ on the CPU, the matmul precision), so a run's config can choose bf16 after `main`
 //! has installed the rest. Results depend on FTZ/DAZ at the level of denormals (~1e-38), so runs
 //! and tests that compare numbers bit for bit make the same calls. The global allocator
@@ -77,7 +77,7 @@
 //! own `GLIBC_TUNABLES=glibc.malloc.hugetlb=1`, which advises all of its heap, 8.09 s), `small`
 //! (21 MiB of weights) 1.152 / 1.152 s, and peak RSS stayed the same; the start of a run costs
 //! more (see [`HugePages`]; `RLTUNE_HUGE_PAGES=0` switches it off). Library users opt in with
-//! `#[global_allocator] static A: rltune::cpu::HugePages = rltune::cpu::HugePages;`.
+//! `#[global_allocator] static A: rltune_kernels::cpu::HugePages = rltune_kernels::cpu::HugePages;`.
 //!
 //! # Keeping the pool awake
 //!
@@ -89,8 +89,8 @@
 //! the pool's other threads looking for work without sleeping while it lives, as OpenMP's spin
 //! wait does for torch: `rltune bench ppo --preset small` on a 2-vCPU Xeon ran an iteration in
 //! 1.453–1.470 s instead of 1.489–1.519 s (3 alternating pairs; generation 0.148 → 0.135 s). The
-//! cost is a core that spins during the caller's serial stretches. [`crate::generation::generate`],
-//! [`crate::ppo::PpoTrainer::step`] and the SFT / reward-model training loops hold one; set
+//! cost is a core that spins during the caller's serial stretches. `rltune::generation::generate`,
+//! `rltune::ppo::PpoTrainer::step` and the SFT / reward-model training loops hold one; set
 //! `ProcessSettings::spin_wait` to false to switch it off (the `rltune` binary does so for
 //! `RLTUNE_SPIN_WAIT=0`).
 //!
@@ -118,7 +118,7 @@ pub struct ProcessSettings {
     /// Lets [`keep_pool_awake`] spin the pool's threads (default true).
     pub spin_wait: bool,
     /// How the CPU kernels run f32 matrix products (default f32).
-    pub matmul_precision: crate::ops::MatmulPrecision,
+    pub matmul_precision: crate::MatmulPrecision,
 }
 
 impl Default for ProcessSettings {
@@ -129,7 +129,7 @@ impl Default for ProcessSettings {
             join_global_pool: true,
             flush_denormals: true,
             spin_wait: true,
-            matmul_precision: crate::ops::MatmulPrecision::F32,
+            matmul_precision: crate::MatmulPrecision::F32,
         }
     }
 }
@@ -141,8 +141,8 @@ impl ProcessSettings {
     /// later is safe and changes only FTZ/DAZ, spin-waiting and the matmul precision (the
     /// environment variable is set by then, and the global pool exists). The one error is a
     /// bf16 matmul precision on a CPU without AMX-BF16.
-    pub fn install(&self) -> crate::Result<()> {
-        crate::ops::check_matmul_precision(self.matmul_precision)?;
+    pub fn install(&self) -> crate::error::Result<()> {
+        crate::check_matmul_precision(self.matmul_precision)?;
         if self.inline_elementwise && std::env::var_os("CANDLE_NUM_THREADS").is_none() {
             std::env::set_var("CANDLE_NUM_THREADS", "1");
         }
@@ -157,7 +157,7 @@ impl ProcessSettings {
             flush_denormals();
         }
         SPIN_WAIT.store(self.spin_wait, std::sync::atomic::Ordering::Relaxed);
-        crate::ops::set_matmul_precision(self.matmul_precision)
+        crate::set_matmul_precision(self.matmul_precision)
     }
 }
 

@@ -40,9 +40,9 @@ mod x86;
 
 use rayon::prelude::*;
 
-pub(crate) use prepack::pack_scope;
 #[cfg(target_arch = "x86_64")]
 use prepack::prepacked;
+pub use prepack::{pack_scope, PackScope};
 
 /// Depth of one packed block.
 const KC: usize = 256;
@@ -129,7 +129,7 @@ static BF16: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(
 /// or OS has no AMX-BF16, naming what is missing; it changes results at the level of bf16
 /// rounding (about 3 significant digits per input), so runs are not bit-comparable with f32.
 /// CUDA tensors are not affected.
-pub fn set_matmul_precision(p: MatmulPrecision) -> crate::Result<()> {
+pub fn set_matmul_precision(p: MatmulPrecision) -> crate::error::Result<()> {
     check_matmul_precision(p)?;
     BF16.store(p == MatmulPrecision::Bf16, std::sync::atomic::Ordering::Relaxed);
     Ok(())
@@ -137,9 +137,9 @@ pub fn set_matmul_precision(p: MatmulPrecision) -> crate::Result<()> {
 
 /// Whether this machine can run products at precision `p` (bf16 needs AMX-BF16), without
 /// setting it; the error names what is missing.
-pub fn check_matmul_precision(p: MatmulPrecision) -> crate::Result<()> {
+pub fn check_matmul_precision(p: MatmulPrecision) -> crate::error::Result<()> {
     if p == MatmulPrecision::Bf16 && !super::amx::available() {
-        return Err(crate::Error::Unsupported(
+        return Err(crate::error::Error::Unsupported(
             "matmul precision bf16 needs Intel AMX-BF16 (Xeon Sapphire Rapids or newer) on Linux \
              5.16 or newer, and this machine has none; use f32 (the default)"
                 .into(),
@@ -204,7 +204,7 @@ fn isa() -> Option<Isa> {
 }
 
 /// Whether [`sgemm`] has a vector kernel on this CPU (AVX-512F, or AVX2 with FMA).
-pub(crate) fn fast_available() -> bool {
+pub fn fast_available() -> bool {
     isa().is_some()
 }
 

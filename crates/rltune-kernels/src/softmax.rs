@@ -77,7 +77,7 @@ fn exp_sub<T: Elem>(x: &mut [T], m: T) {
 }
 
 /// [`exp_row_inplace`] for f32 rows (the sampler's fast path).
-pub(crate) fn exp_row_f32(x: &mut [f32], temperature: f32) {
+pub fn exp_row_f32(x: &mut [f32], temperature: f32) {
     exp_row_inplace(x, temperature)
 }
 
@@ -311,7 +311,7 @@ impl CustomOp2 for ScaledMaskedSoftmax {
 /// Attention probabilities `softmax(scores · scale + bias)` over the last dimension.
 ///
 /// `scores (B, H, T, S)`, `bias (B|1, H|1, T|1, S)` (an additive mask, see
-/// [`crate::models::layers::causal_bias`]). Differentiable in `scores`; the bias gets no
+/// [`crate::causal_bias`]). Differentiable in `scores`; the bias gets no
 /// gradient (masks are constants).
 pub fn scaled_masked_softmax(scores: &Tensor, bias: &Tensor, scale: f64) -> CResult<Tensor> {
     let fits = match (scores.dims(), bias.dims()) {
@@ -635,7 +635,7 @@ pub fn entropy_from_logits_composed(logits: &Tensor) -> CResult<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::testutil::{check, fd_check, max_diff, randn};
+    use crate::testutil::{check, fd_check, max_diff, randn};
     use candle_core::Device;
 
     #[test]

@@ -13,7 +13,7 @@
 //! norm add theirs. The first write after [`GradSink::clear`] overwrites, later ones add, so
 //! nothing is zero-filled (a tied weight gets the LM head's product first, then the embedding's
 //! rows). Gradients that reach a parameter through other ops still arrive in candle's store; the
-//! owner adds them with [`GradSink::add`] (`ppo::optim::Grads` does).
+//! owner adds them with [`GradSink::add`] (`optim::Grads` does).
 //!
 //! A sink can also be *armed* with an optimizer update ([`FusedUpdate`]): the first product
 //! written to it ([`gemm_into_sink`]) is then never stored, and each block of it updates the
@@ -234,13 +234,13 @@ thread_local! {
 
 /// While alive, the ops on this thread write the gradients of the parameters in its map into
 /// their sinks (see the module docs); dropping it restores the previous scope.
-pub(crate) struct SinkScope {
+pub struct SinkScope {
     prev: Option<Arc<SinkMap>>,
 }
 
 impl SinkScope {
     /// Installs `map` on this thread.
-    pub fn install(map: Arc<SinkMap>) -> Self {
+    pub(crate) fn install(map: Arc<SinkMap>) -> Self {
         Self { prev: ACTIVE.with(|a| a.borrow_mut().replace(map)) }
     }
 }

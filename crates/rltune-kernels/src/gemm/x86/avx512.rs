@@ -2,7 +2,7 @@
 //! B.
 
 use super::*;
-use crate::ops::simd::avx512::transpose16;
+use crate::simd::avx512::transpose16;
 use std::arch::x86_64::*;
 
 /// The AVX-512F kernel: 14 rows × 2 vectors of 16 lanes.

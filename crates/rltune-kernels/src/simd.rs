@@ -74,7 +74,7 @@ macro_rules! simd_kernel {
                 unsafe fn avx2<$t: $bound>($($arg: $ty),*) $(-> $ret)? {
                     imp::<$t>($($arg),*)
                 }
-                if $crate::ops::simd::has_avx512() {
+                if $crate::simd::has_avx512() {
                     // SAFETY: this CPU has the features `avx512` was compiled for.
                     return unsafe { avx512::<$t>($($arg),*) };
                 }

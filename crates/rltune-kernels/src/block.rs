@@ -38,7 +38,7 @@ use super::{f32_cpu, layer_norm, linear_in_out, lock, with_f32, CResult};
 
 /// A GPT-2 block's parameters (Conv1D weights are `(in, out)`) and geometry.
 #[derive(Debug, Clone)]
-pub(crate) struct Gpt2BlockParams {
+pub struct Gpt2BlockParams {
     /// `ln_1` weight and bias `(C)`.
     pub ln_1: (Tensor, Tensor),
     /// `attn.c_attn` `(C, 3C)`, `(3C)`.
@@ -82,14 +82,14 @@ impl Gpt2BlockParams {
 /// Rows of `(B·T)` whose outputs are needed: the others skip the attention output's projection
 /// and the MLP (their keys and values are still computed for the rows that attend to them).
 #[derive(Debug, Clone)]
-pub(crate) struct Rows {
+pub struct Rows {
     idx: Tensor,
     list: Arc<Vec<usize>>,
 }
 
 impl Rows {
     /// The rows `list` (ascending, each below `B·T`) on `device`.
-    pub(crate) fn new(list: Vec<usize>, device: &candle_core::Device) -> CResult<Self> {
+    pub fn new(list: Vec<usize>, device: &candle_core::Device) -> CResult<Self> {
         let idx = Tensor::from_vec(list.iter().map(|&r| r as u32).collect::<Vec<_>>(), list.len(), device)?;
         Ok(Self { idx, list: Arc::new(list) })
     }
@@ -194,7 +194,7 @@ fn forward(
 ///
 /// With `rows`, only those rows of `(B·T)` get the block's output; the others hold `x`
 /// unchanged and must not be read (their gradient passes straight through).
-pub(crate) fn gpt2_block(
+pub fn gpt2_block(
     x: &Tensor,
     bias: &Tensor,
     p: &Gpt2BlockParams,

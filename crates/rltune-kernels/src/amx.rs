@@ -51,8 +51,8 @@ mod imp {
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
 mod imp {
     use super::MatRef;
-    use crate::ops::gemm::{with_buffer, SendPtr};
-    use crate::ops::simd::avx512::transpose16;
+    use crate::gemm::{with_buffer, SendPtr};
+    use crate::simd::avx512::transpose16;
     use rayon::prelude::*;
     use std::arch::asm;
     use std::arch::x86_64::*;

@@ -104,8 +104,8 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::ops::grad_sink::{GradSink, SinkScope};
-    use crate::ops::testutil::{max_diff, randn};
+    use crate::grad_sink::{GradSink, SinkScope};
+    use crate::testutil::{max_diff, randn};
     use candle_core::{Device, Var};
 
     fn ids() -> Tensor {
@@ -141,7 +141,7 @@ mod tests {
 
     #[test]
     fn finite_differences() {
-        crate::ops::testutil::fd_check(&[&[6, 4]], |t| embedding(&t[0], &ids()).unwrap());
+        crate::testutil::fd_check(&[&[6, 4]], |t| embedding(&t[0], &ids()).unwrap());
     }
 
     #[test]

@@ -74,13 +74,13 @@ thread_local! {
 /// allocated between generations (~475 MiB for GPT-2 small, 21 MiB for the `small` preset): a
 /// fresh allocation is first touched page by page, which made packing 6–18× slower (a 768 ×
 /// 3072 weight in 16 ms instead of 0.9, GPT-2's `wte` in 305 ms instead of 17, in a VM).
-pub(crate) struct PackScope {
+pub struct PackScope {
     _pins: Vec<candle_core::Tensor>,
     prev: Option<Packed>,
 }
 
 /// Opens a [`PackScope`] for `matrices` (f32 CPU tensors; others are ignored).
-pub(crate) fn pack_scope(matrices: &[candle_core::Tensor]) -> PackScope {
+pub fn pack_scope(matrices: &[candle_core::Tensor]) -> PackScope {
     let starts = matrices
         .iter()
         .filter_map(|t| match &*t.storage_and_layout().0 {

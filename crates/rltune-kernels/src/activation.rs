@@ -507,7 +507,7 @@ pub fn gelu_tanh_composed(x: &Tensor) -> CResult<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::testutil::{check, check_tol, fd_check, max_diff, randn};
+    use crate::testutil::{check, check_tol, fd_check, max_diff, randn};
 
     #[test]
     fn gelu_matches_composed() {
@@ -538,7 +538,7 @@ mod tests {
             let (x, w, b) =
                 (mat(m, k, 1, false), mat(k, n, 2, false), mat(1, n, 3, false).flatten_all().unwrap());
             let (u, g) = linear_in_out_gelu(&x, &w, &b, false).unwrap();
-            let u0 = crate::ops::linear_in_out(&x, &w, Some(&b)).unwrap();
+            let u0 = crate::linear_in_out(&x, &w, Some(&b)).unwrap();
             let g0 = gelu_tanh(&u0).unwrap();
             let tol = if exact { 0.0 } else { 1e-6 };
             assert!(max_diff(&u, &u0) == 0.0, "{m}×{k}×{n}: u differs");
@@ -552,7 +552,7 @@ mod tests {
             let dz = mat(m, k, 4, false);
             let w_t = mat(k, n, 5, true); // Wᵀ as a view of a `(n, k)` weight, as in the block.
             let du = gelu_bwd_of_product(&dz, &w_t, &dgelu).unwrap();
-            let du0 = gelu_tanh_bwd(&u, &crate::ops::linear::gemm_no_bwd(&dz, &w_t).unwrap()).unwrap();
+            let du0 = gelu_tanh_bwd(&u, &crate::linear::gemm_no_bwd(&dz, &w_t).unwrap()).unwrap();
             let scale = du0.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
             let rel = max_diff(&du, &du0) / f64::from(scale);
             assert!(rel <= tol, "{m}×{k}×{n}: du differs by {rel} of its largest value");
