@@ -1,18 +1,18 @@
 //! `rltune quickstart`: the offline RLHF pipeline (corpus → BPE → SFT → classifier → PPO →
-//! report) on an embedded synthetic task; see `rltune::quickstart`.
+//! report) on an embedded synthetic task; see `rltune_cli::tasks`.
 
 use std::path::PathBuf;
 
 use std::path::Path;
 
 use anyhow::{Context, Result};
-use rltune::quickstart::{
+use rltune::run::config::parse_toml;
+use rltune::run::config::AlgorithmKind;
+use rltune_cli::tasks::{
     run_agent_quickstart, run_arithmetic_quickstart, run_quickstart, AdventureQuickstartConfig, AgentGames,
     AgentQuickstartConfig, ArithmeticQuickstartConfig, Event, QuickstartConfig, Summary,
     TextworldQuickstartConfig,
 };
-use rltune::run::config::parse_toml;
-use rltune::run::config::AlgorithmKind;
 
 use crate::train::Bar;
 
@@ -217,7 +217,7 @@ fn print_stages(stage_seconds: &[(String, f64)]) {
 /// The end of a quickstart: the checks' verdicts, where the report and summary are, how to
 /// rerun the RL stage (`DIR/STAGE.toml`) alone; an error when a check failed (not with tiny).
 fn finish(
-    checks: Vec<rltune::quickstart::Check>,
+    checks: Vec<rltune_cli::tasks::Check>,
     tiny: bool,
     started: std::time::Instant,
     output: &std::path::Path,
@@ -243,7 +243,7 @@ fn finish(
 }
 
 /// Prints each check's verdict; returns the number that failed.
-fn report_checks(checks: Vec<rltune::quickstart::Check>, tiny: bool) -> usize {
+fn report_checks(checks: Vec<rltune_cli::tasks::Check>, tiny: bool) -> usize {
     for c in &checks {
         let verdict = match (c.ok, tiny) {
             (true, _) => "PASS",
@@ -296,7 +296,7 @@ fn run_arithmetic(args: Args) -> Result<()> {
 
 /// `rltune quickstart --task essays`.
 fn run_essays(args: Args) -> Result<()> {
-    use rltune::quickstart::{run_essays_quickstart, EssaysQuickstartConfig};
+    use rltune_cli::tasks::{run_essays_quickstart, EssaysQuickstartConfig};
     let output = args.output.clone().unwrap_or_else(|| PathBuf::from("runs/quickstart-essays"));
     let tiny = args.preset == "tiny";
     let mut cfg = if tiny { EssaysQuickstartConfig::tiny() } else { EssaysQuickstartConfig::default() };
@@ -331,7 +331,7 @@ fn run_essays(args: Args) -> Result<()> {
 
 /// `rltune quickstart --task wnut`.
 fn run_wnut(args: Args) -> Result<()> {
-    use rltune::quickstart::{run_wnut_quickstart, WnutQuickstartConfig};
+    use rltune_cli::tasks::{run_wnut_quickstart, WnutQuickstartConfig};
     let output = args.output.clone().unwrap_or_else(|| PathBuf::from("runs/quickstart-wnut"));
     let tiny = args.preset == "tiny";
     let mut cfg = if tiny { WnutQuickstartConfig::tiny() } else { WnutQuickstartConfig::default() };

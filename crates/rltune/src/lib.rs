@@ -47,7 +47,6 @@ pub mod models;
 pub mod params;
 pub mod ppo;
 pub mod process;
-pub mod quickstart;
 pub mod rejection;
 pub mod rewards;
 pub mod run;

@@ -57,6 +57,14 @@ impl Tokenizer {
         Self { inner: bounded_cache(inner), path: PathBuf::from("<in memory>") }
     }
 
+    /// Writes the tokenizer to `path` as `tokenizer.json`, atomically (a temporary file, then a
+    /// rename).
+    pub fn save(&self, path: &Path) -> Result<()> {
+        crate::io::write_atomic(path, |tmp| {
+            self.inner.save(tmp, true).map_err(|e| Error::Tokenizer(format!("{}: {e}", tmp.display())))
+        })
+    }
+
     /// The wrapped `tokenizers::Tokenizer`.
     pub fn inner(&self) -> &tokenizers::Tokenizer {
         &self.inner

@@ -20,15 +20,3 @@ pub mod sft;
 
 pub use runner::{EvalResult, TrainProgress, TrainSummary, TrainingArgs};
 pub use schedule::{LrSchedule, ScheduleKind};
-
-use std::path::Path;
-
-use crate::error::{Error, Result};
-use crate::tokenizer::Tokenizer;
-
-/// Writes `tokenizer` to `path` as tokenizer.json (atomically).
-pub(crate) fn save_tokenizer(tokenizer: &Tokenizer, path: &Path) -> Result<()> {
-    crate::io::write_atomic(path, |tmp| {
-        tokenizer.inner().save(tmp, true).map_err(|e| Error::Tokenizer(format!("{}: {e}", tmp.display())))
-    })
-}

@@ -27,7 +27,6 @@ use serde::{Deserialize, Serialize};
 
 use super::data::{Label, RewardRecord};
 use super::runner::{self, BatchLoss, EvalResult, Objective, TrainProgress, TrainSummary, TrainingArgs};
-use super::save_tokenizer;
 use crate::error::{Error, Result};
 use crate::models::bert::{SequenceClassifier, SequenceClassifierConfig};
 use crate::models::load::{locate, read_config_json, save_pretrained};
@@ -231,7 +230,7 @@ impl RewardModel {
     /// `AutoModelForSequenceClassification` load.
     pub fn save(&self, dir: &Path) -> Result<()> {
         save_pretrained(dir, &self.store, &self.config_json)?;
-        save_tokenizer(&self.tokenizer, &dir.join("tokenizer.json"))
+        self.tokenizer.save(&dir.join("tokenizer.json"))
     }
 }
 

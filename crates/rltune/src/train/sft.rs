@@ -31,7 +31,6 @@ use serde::{Deserialize, Serialize};
 
 use super::data::SftRecord;
 use super::runner::{self, BatchLoss, EvalResult, Objective, TrainProgress, TrainSummary, TrainingArgs};
-use super::save_tokenizer;
 use crate::error::{Error, Result};
 use crate::models::layers::{causal_bias, position_ids_from_mask};
 use crate::models::load::{locate, read_config_json, save_pretrained};
@@ -200,7 +199,7 @@ impl SftModel {
     /// (which adds a fresh value head) and with transformers.
     pub fn save(&self, dir: &Path) -> Result<()> {
         save_pretrained(dir, &self.store, &self.config_json)?;
-        save_tokenizer(&self.tokenizer, &dir.join("tokenizer.json"))?;
+        self.tokenizer.save(&dir.join("tokenizer.json"))?;
         if let Some(src) = &self.generation_config {
             let dst = dir.join("generation_config.json");
             std::fs::copy(src, &dst).map_err(|e| Error::io(&dst, e))?;

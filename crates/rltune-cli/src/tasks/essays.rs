@@ -1,5 +1,5 @@
 //! `rltune quickstart --task essays`: RL on a task's own metric. An LM agent labels the
-//! discourse elements of generated essays ([`crate::envs::essays`]) one segment per turn, and is
+//! discourse elements of generated essays ([`rltune::envs::essays`]) one segment per turn, and is
 //! scored by the Feedback Prize F-score.
 //!
 //! The stages ([`super::agent::train_agent`], each cached in the output directory):
@@ -27,23 +27,23 @@ use serde::{Deserialize, Serialize};
 
 use super::agent::{train_agent, AgentGames, AgentQuickstartConfig, TrainedAgent, KL_NOISE};
 use super::pipeline::{count_parameters, metric_pairs, to_json, write_file, Check, Event};
-use crate::envs::adventure::{is_heldout, train_seed};
-use crate::envs::config::{EnvKind, EnvSection, Split};
-use crate::envs::essays::generate::generate;
-use crate::envs::essays::heuristic::HeuristicAgent;
-use crate::envs::essays::{Essays, EssaysConfig, Label, CLASSES, NONE};
-use crate::envs::model_agent::ModelAgent;
-use crate::envs::play::{play, Agent, Episode, PromptTemplate, RandomAgent};
-use crate::envs::{Reset, TextEnv};
-use crate::error::Result;
-use crate::generation::GenerationConfig;
-use crate::models::load::load_policy;
-use crate::ppo::PpoConfig;
-use crate::rewards::metrics::feedback::{feedback_score, Span};
-use crate::rewards::metrics::mean_se;
-use crate::run::config::EpisodesSection;
-use crate::runtime::Runtime;
-use crate::train::{ScheduleKind, TrainingArgs};
+use rltune::envs::adventure::{is_heldout, train_seed};
+use rltune::envs::config::{EnvKind, EnvSection, Split};
+use rltune::envs::essays::generate::generate;
+use rltune::envs::essays::heuristic::HeuristicAgent;
+use rltune::envs::essays::{Essays, EssaysConfig, Label, CLASSES, NONE};
+use rltune::envs::model_agent::ModelAgent;
+use rltune::envs::play::{play, Agent, Episode, PromptTemplate, RandomAgent};
+use rltune::envs::{Reset, TextEnv};
+use rltune::error::Result;
+use rltune::generation::GenerationConfig;
+use rltune::models::load::load_policy;
+use rltune::ppo::PpoConfig;
+use rltune::rewards::metrics::feedback::{feedback_score, Span};
+use rltune::rewards::metrics::mean_se;
+use rltune::run::config::EpisodesSection;
+use rltune::runtime::Runtime;
+use rltune::train::{ScheduleKind, TrainingArgs};
 
 /// The settings of the essays quickstart (`DIR/quickstart.json`; `--set key=value`).
 pub type EssaysQuickstartConfig = AgentQuickstartConfig<EssaysConfig>;
@@ -347,8 +347,8 @@ mod tests {
 
     #[test]
     fn scores_come_from_the_labels_played() {
-        use crate::envs::adventure::heldout_seed;
-        use crate::envs::play::Turn;
+        use rltune::envs::adventure::heldout_seed;
+        use rltune::envs::play::Turn;
         let seed = heldout_seed(3);
         let essay = generate(seed, true);
         let gold = essay.gold_labels();

@@ -26,23 +26,25 @@ use serde::{Deserialize, Serialize};
 
 use super::bpe::{train_bpe, EOS_TOKEN};
 use super::corpus::generate_corpus;
-use crate::data::prompts::LengthSampler;
-use crate::error::{Error, Result};
-use crate::generation::{generate, GenerationConfig};
-use crate::models::distilbert::DistilBertConfig;
-use crate::models::gpt2::Gpt2Config;
-use crate::models::load::load_policy;
-use crate::params::ParamStore;
-use crate::ppo::stats::mean_std;
-use crate::ppo::PpoConfig;
-use crate::rewards::{ClassifierOutput, ClassifierReward, ClassifierRewardConfig, RewardInput, RewardSource};
-use crate::run::{self, PpoRun, RunConfig, StepReport};
-use crate::runtime::Runtime;
-use crate::tokenizer::Tokenizer;
-use crate::train::data::{Label, RewardRecord, SftRecord};
-use crate::train::reward_model::{self, RewardConfig, RewardModel};
-use crate::train::sft::{self, SftConfig, SftModel};
-use crate::train::{ScheduleKind, TrainProgress, TrainingArgs};
+use rltune::data::prompts::LengthSampler;
+use rltune::error::{Error, Result};
+use rltune::generation::{generate, GenerationConfig};
+use rltune::models::distilbert::DistilBertConfig;
+use rltune::models::gpt2::Gpt2Config;
+use rltune::models::load::load_policy;
+use rltune::params::ParamStore;
+use rltune::ppo::stats::mean_std;
+use rltune::ppo::PpoConfig;
+use rltune::rewards::{
+    ClassifierOutput, ClassifierReward, ClassifierRewardConfig, RewardInput, RewardSource,
+};
+use rltune::run::{self, PpoRun, RunConfig, StepReport};
+use rltune::runtime::Runtime;
+use rltune::tokenizer::Tokenizer;
+use rltune::train::data::{Label, RewardRecord, SftRecord};
+use rltune::train::reward_model::{self, RewardConfig, RewardModel};
+use rltune::train::sft::{self, SftConfig, SftModel};
+use rltune::train::{ScheduleKind, TrainProgress, TrainingArgs};
 
 /// The classifier's special tokens, reserved in the shared BPE vocabulary after EOS.
 const CLS: &str = "[CLS]";
@@ -329,7 +331,7 @@ pub fn run_quickstart(
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     let config_path = dir.join("quickstart.json");
     check_same_config(&config_path, cfg)?;
-    crate::io::write_bytes_atomic(&config_path, to_json(cfg)?.as_bytes())?;
+    rltune::io::write_bytes_atomic(&config_path, to_json(cfg)?.as_bytes())?;
     let mut seconds = Vec::new();
     let mut timed = |stage: &'static str, on: &mut dyn FnMut(Event), t: Instant| {
         let s = t.elapsed().as_secs_f64();
@@ -366,7 +368,7 @@ pub fn run_quickstart(
         let t = Instant::now();
         on(Event::Start { stage: "tokenizer", total: None });
         let tok = train_bpe(train.iter().map(|(text, _)| text.as_str()), cfg.vocab_size, &[CLS, SEP])?;
-        crate::train::save_tokenizer(&tok, &tok_path)?;
+        tok.save(&tok_path)?;
         timed("tokenizer", on, t);
     }
     let tokenizer = Tokenizer::from_file(&tok_path)?;
@@ -515,7 +517,7 @@ pub(crate) fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
     if let Some(parent) = path.parent() {
         std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
     }
-    crate::io::write_bytes_atomic(path, bytes)
+    rltune::io::write_bytes_atomic(path, bytes)
 }
 
 /// `(text, label)` per line of `reviews.jsonl`.
@@ -850,7 +852,7 @@ mod tests {
     /// measured against itself.
     #[test]
     fn acceptance_passes_seed_3_and_fails_a_policy_that_did_not_learn() {
-        crate::runtime::Runtime::cpu().install().expect("the CPU runtime installs");
+        rltune::runtime::Runtime::cpu().install().expect("the CPU runtime installs");
         let seed3 = summary(eval(0.866, 3.358, 0.609), eval(3.879, 1.246, 0.969));
         assert!(seed3.checks().iter().all(|c| c.ok), "{:?}", seed3.checks());
         let sft = eval(0.866, 3.358, 0.609);

@@ -3,7 +3,7 @@
 //! ([`super::textworld`], tw-make games through the bridge).
 //!
 //! The stages, each cached in the output directory:
-//! 1. **demos**: walkthrough demonstrations on training games ([`crate::envs::demos`], with
+//! 1. **demos**: walkthrough demonstrations on training games ([`rltune::envs::demos`], with
 //!    noise so they show recoveries too);
 //! 2. **tokenizer**: a byte-level BPE trained on them;
 //! 3. **bc**: behavioural cloning, SFT of a fresh GPT-2 on (prompt, action) with the loss on
@@ -26,22 +26,22 @@ use super::pipeline::{
     check_same_config, count_parameters, json_err, metric_pairs, new_gpt2, read_stage_jsonl, to_json,
     train_progress, write_file, Check, Event,
 };
-use crate::envs::config::{EnvSection, Split};
-use crate::envs::demos::{demonstrations, Demonstration};
-use crate::envs::play::{play, PlayReport, PromptTemplate, RandomAgent};
-use crate::envs::{Reset, TextEnv};
-use crate::error::{Error, Result};
-use crate::generation::GenerationConfig;
-use crate::models::load::load_policy;
-use crate::ppo::PpoConfig;
-use crate::run::config::{CheckpointSection, EpisodesSection, LoggingSection, ModelSection, RunConfig};
-use crate::run::episodes::evaluate;
-use crate::run::{self, PpoRun, StepReport};
-use crate::runtime::Runtime;
-use crate::tokenizer::Tokenizer;
-use crate::train::data::SftRecord;
-use crate::train::sft::{self, SftConfig};
-use crate::train::TrainingArgs;
+use rltune::envs::config::{EnvSection, Split};
+use rltune::envs::demos::{demonstrations, Demonstration};
+use rltune::envs::play::{play, PlayReport, PromptTemplate, RandomAgent};
+use rltune::envs::{Reset, TextEnv};
+use rltune::error::{Error, Result};
+use rltune::generation::GenerationConfig;
+use rltune::models::load::load_policy;
+use rltune::ppo::PpoConfig;
+use rltune::run::config::{CheckpointSection, EpisodesSection, LoggingSection, ModelSection, RunConfig};
+use rltune::run::episodes::evaluate;
+use rltune::run::{self, PpoRun, StepReport};
+use rltune::runtime::Runtime;
+use rltune::tokenizer::Tokenizer;
+use rltune::train::data::SftRecord;
+use rltune::train::sft::{self, SftConfig};
+use rltune::train::TrainingArgs;
 
 /// A game family the agent quickstart can train on.
 pub trait AgentGames: Clone + std::fmt::Debug + PartialEq + Serialize + serde::de::DeserializeOwned {
@@ -314,7 +314,7 @@ pub fn train_agent<G: AgentGames>(
         on(Event::Start { stage: "tokenizer", total: None });
         let texts = demos.iter().map(|d| format!("{} {}\n", d.prompt, d.action));
         let tok = train_bpe(texts.collect::<Vec<_>>().into_iter(), cfg.vocab_size, &[])?;
-        crate::train::save_tokenizer(&tok, &tok_path)?;
+        tok.save(&tok_path)?;
         timed("tokenizer", on, t);
     }
     let tokenizer = Tokenizer::from_file(&tok_path)?;

@@ -15,13 +15,13 @@ use serde::{Deserialize, Serialize};
 
 use super::agent::{run_agent_quickstart, AgentGames, AgentQuickstartConfig, AgentSummary};
 use super::pipeline::Event;
-use crate::envs::config::{EnvKind, EnvSection, Split};
-use crate::envs::{Reset, TextEnv};
-use crate::error::{Error, Result};
-use crate::ppo::PpoConfig;
-use crate::run::config::EpisodesSection;
-use crate::runtime::Runtime;
-use crate::train::TrainingArgs;
+use rltune::envs::config::{EnvKind, EnvSection, Split};
+use rltune::envs::{Reset, TextEnv};
+use rltune::error::{Error, Result};
+use rltune::ppo::PpoConfig;
+use rltune::run::config::EpisodesSection;
+use rltune::runtime::Runtime;
+use rltune::train::TrainingArgs;
 
 /// The TextWorld games of the quickstart: training and held-out files of one family.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -152,7 +152,7 @@ impl Default for AgentQuickstartConfig<TextworldGames> {
     /// The adventure quickstart's model and budgets on the default game set (64 training and 64
     /// held-out coin-collector games, levels 5 to 15).
     fn default() -> Self {
-        let d = AgentQuickstartConfig::<crate::envs::adventure::AdventureConfig>::default();
+        let d = AgentQuickstartConfig::<rltune::envs::adventure::AdventureConfig>::default();
         Self {
             seed: d.seed,
             game: TextworldGames::default(),

@@ -5,8 +5,8 @@ use tokenizers::models::TrainerWrapper;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::AddedToken;
 
-use crate::error::{Error, Result};
-use crate::tokenizer::Tokenizer;
+use rltune::error::{Error, Result};
+use rltune::tokenizer::Tokenizer;
 
 /// The end-of-text token, id 0 of every tokenizer trained here (GPT-2's name for it).
 pub const EOS_TOKEN: &str = "<|endoftext|>";

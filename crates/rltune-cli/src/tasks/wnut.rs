@@ -1,7 +1,7 @@
 //! `rltune quickstart --task wnut`: RL on entity-level F1 for real data, WNUT-2016 Twitter NER
 //! (`tools/data/fetch_wnut.sh` fetches it into `target/data/wnut16/ner.txt`).
 //!
-//! The LM labels **token by token** ([`crate::envs::ner`]): one turn per token, the action a
+//! The LM labels **token by token** ([`rltune::envs::ner`]): one turn per token, the action a
 //! BIO tag, the reward the tweet's entity F1 (dense: the change of the prefix F1, which sums to
 //! it). Generating the whole tag sequence in one response was the alternative; token by token
 //! reuses the agent pipeline unchanged, gives every tag the tweet and the tags so far, and keeps
@@ -25,24 +25,24 @@ use serde::{Deserialize, Serialize};
 
 use super::agent::{fit_prompts, train_agent, AgentGames, AgentQuickstartConfig, TrainedAgent};
 use super::pipeline::{read_stage_jsonl, to_json, train_progress, write_file, Check, Event};
-use crate::envs::adventure::{heldout_seed, train_seed};
-use crate::envs::config::{EnvKind, EnvSection, Split};
-use crate::envs::demos::Demonstration;
-use crate::envs::model_agent::ModelAgent;
-use crate::envs::ner::{Ner, NerConfig, NerData};
-use crate::envs::play::{play, Agent, Episode, PromptTemplate, Turn};
-use crate::envs::{EnvStep, Reset, TextEnv};
-use crate::error::{Error, Result};
-use crate::generation::GenerationConfig;
-use crate::models::load::load_policy;
-use crate::ppo::PpoConfig;
-use crate::rewards::metrics::bio::{sequence_counts, Prf};
-use crate::rewards::metrics::mean_se;
-use crate::run::config::EpisodesSection;
-use crate::runtime::Runtime;
-use crate::train::data::SftRecord;
-use crate::train::sft::{self, SftConfig, SftModel};
-use crate::train::{ScheduleKind, TrainingArgs};
+use rltune::envs::adventure::{heldout_seed, train_seed};
+use rltune::envs::config::{EnvKind, EnvSection, Split};
+use rltune::envs::demos::Demonstration;
+use rltune::envs::model_agent::ModelAgent;
+use rltune::envs::ner::{Ner, NerConfig, NerData};
+use rltune::envs::play::{play, Agent, Episode, PromptTemplate, Turn};
+use rltune::envs::{EnvStep, Reset, TextEnv};
+use rltune::error::{Error, Result};
+use rltune::generation::GenerationConfig;
+use rltune::models::load::load_policy;
+use rltune::ppo::PpoConfig;
+use rltune::rewards::metrics::bio::{sequence_counts, Prf};
+use rltune::rewards::metrics::mean_se;
+use rltune::run::config::EpisodesSection;
+use rltune::runtime::Runtime;
+use rltune::train::data::SftRecord;
+use rltune::train::sft::{self, SftConfig, SftModel};
+use rltune::train::{ScheduleKind, TrainingArgs};
 
 /// The settings of the WNUT quickstart (`DIR/quickstart.json`; `--set key=value`).
 pub type WnutQuickstartConfig = AgentQuickstartConfig<NerConfig>;

@@ -33,19 +33,19 @@ use super::pipeline::{
     count_parameters, json_err, metric_pairs, new_gpt2, read_stage_jsonl, to_json, train_progress, write_file,
 };
 use super::{Check, Event};
-use crate::error::{Error, Result};
-use crate::generation::{generate, GenerationConfig};
-use crate::grpo::{GrpoConfig, RlooConfig};
-use crate::models::load::load_reference;
-use crate::rewards::exact_match::exact_match_scores;
-use crate::rewards::Extract;
-use crate::run::config::AlgorithmKind;
-use crate::run::{GroupRun, RunConfig, StepReport};
-use crate::runtime::Runtime;
-use crate::tokenizer::Tokenizer;
-use crate::train::data::SftRecord;
-use crate::train::sft::{self, SftConfig};
-use crate::train::{ScheduleKind, TrainingArgs};
+use rltune::error::{Error, Result};
+use rltune::generation::{generate, GenerationConfig};
+use rltune::grpo::{GrpoConfig, RlooConfig};
+use rltune::models::load::load_reference;
+use rltune::rewards::exact_match::exact_match_scores;
+use rltune::rewards::Extract;
+use rltune::run::config::AlgorithmKind;
+use rltune::run::{GroupRun, RunConfig, StepReport};
+use rltune::runtime::Runtime;
+use rltune::tokenizer::Tokenizer;
+use rltune::train::data::SftRecord;
+use rltune::train::sft::{self, SftConfig};
+use rltune::train::{ScheduleKind, TrainingArgs};
 
 /// The settings of the arithmetic quickstart (`DIR/quickstart.json`; `--set key=value`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -101,7 +101,7 @@ impl Default for ArithmeticQuickstartConfig {
             // Seed 1: +10.9 points after 500 steps, +15.5 after 1000.
             max_steps: 1000,
             beta: 0.04,
-            lr_scheduler_type: crate::grpo::config::SchedulerType::Constant,
+            lr_scheduler_type: rltune::grpo::config::SchedulerType::Constant,
             seed: 3,
             ..GrpoConfig::default()
         };
@@ -111,7 +111,7 @@ impl Default for ArithmeticQuickstartConfig {
             per_device_train_batch_size: Some(256),
             max_steps: 1000,
             beta: 0.04,
-            lr_scheduler_type: crate::grpo::config::SchedulerType::Constant,
+            lr_scheduler_type: rltune::grpo::config::SchedulerType::Constant,
             seed: 3,
             ..RlooConfig::default()
         };
@@ -345,7 +345,7 @@ pub fn run_arithmetic_quickstart(
         let texts = train.iter().map(|p| format!("{}{}", p.prompt, p.answer));
         // 256 bytes and EOS: no room for a merge.
         let tok = train_bpe(texts.collect::<Vec<_>>().into_iter(), 257, &[])?;
-        crate::train::save_tokenizer(&tok, &tok_path)?;
+        tok.save(&tok_path)?;
         timed("tokenizer", on, t);
     }
     let tokenizer = Tokenizer::from_file(&tok_path)?;
@@ -368,7 +368,7 @@ pub fn run_arithmetic_quickstart(
         write_file(&checks_path, to_json(&checks)?.as_bytes())?;
         timed("sft", on, t);
     }
-    let sft_checks: Vec<(usize, f64)> = crate::io::read_json(&checks_path)?;
+    let sft_checks: Vec<(usize, f64)> = rltune::io::read_json(&checks_path)?;
 
     // 4. GRPO or RLOO from the SFT policy.
     let stage = cfg.algorithm.name();
@@ -392,7 +392,7 @@ pub fn run_arithmetic_quickstart(
         on(Event::Cached { stage, path: run_dir.clone() });
     } else {
         let t = Instant::now();
-        let resume = crate::run::checkpoint::latest_checkpoint(&run_dir)?.is_some();
+        let resume = rltune::run::checkpoint::latest_checkpoint(&run_dir)?.is_some();
         let mut run = GroupRun::prepare_on(run_config.clone(), runtime, Vec::new(), resume)?;
         on(Event::Start { stage, total: Some(steps) });
         let done = run.run(stop, &mut |r: &StepReport| {
@@ -413,7 +413,7 @@ pub fn run_arithmetic_quickstart(
     let sft_acc = accuracy(&sft_dir, &heldout, &tokenizer, cfg, runtime)?;
     let rl_acc = accuracy(&final_ckpt, &heldout, &tokenizer, cfg, runtime)?;
     timed("eval", on, t);
-    let store = crate::params::ParamStore::load_safetensors(
+    let store = rltune::params::ParamStore::load_safetensors(
         &[sft_dir.join("model.safetensors")],
         false,
         runtime.dtype(),
@@ -535,7 +535,7 @@ fn train_sft_partly(
             let mut progress = train_progress("sft", on);
             let offset = done;
             sft::train_sft(&model, &records, &sft_cfg, &args, &mut |p| {
-                progress(&crate::train::TrainProgress {
+                progress(&rltune::train::TrainProgress {
                     step: p.step + offset,
                     total_steps: max,
                     ..p.clone()
@@ -573,7 +573,7 @@ fn accuracy(
 
 /// Greedy accuracy of `lm` on `problems`, and with `sampled` also at temperature 1 (fixed seed).
 fn accuracy_of(
-    lm: &crate::models::CausalLm,
+    lm: &rltune::models::CausalLm,
     problems: &[Problem],
     tokenizer: &Tokenizer,
     cfg: &ArithmeticQuickstartConfig,
@@ -641,7 +641,7 @@ mod tests {
 
     #[test]
     fn problems_are_every_two_digit_sum_and_difference_with_exact_answers() {
-        crate::runtime::Runtime::cpu().install().expect("the CPU runtime installs");
+        rltune::runtime::Runtime::cpu().install().expect("the CPU runtime installs");
         let p = problems(0);
         assert_eq!(p.len(), 16_200);
         assert_eq!(p, problems(0));
@@ -664,7 +664,7 @@ mod tests {
     /// `configs/arithmetic-{grpo,rloo}.toml` are the quickstart's RL stages (seed 0).
     #[test]
     fn the_example_configs_are_the_quickstart_rl_stages() {
-        crate::runtime::Runtime::cpu().install().expect("the CPU runtime installs");
+        rltune::runtime::Runtime::cpu().install().expect("the CPU runtime installs");
         let runtime = Runtime::resolve(&Default::default()).unwrap();
         for kind in [AlgorithmKind::Grpo, AlgorithmKind::Rloo] {
             let name = format!("../../configs/arithmetic-{}.toml", kind.name());
@@ -694,7 +694,7 @@ mod tests {
 
     #[test]
     fn acceptance_needs_ten_points_beyond_noise_and_a_bounded_kl() {
-        crate::runtime::Runtime::cpu().install().expect("the CPU runtime installs");
+        rltune::runtime::Runtime::cpu().install().expect("the CPU runtime installs");
         let ok = summary(0.30, 0.45, &[0.0, 0.02, 0.05]);
         assert!(ok.checks().iter().all(|c| c.ok), "{:?}", ok.checks());
         let flat = summary(0.30, 0.35, &[0.0, 0.02]);

@@ -1,5 +1,5 @@
 //! `rltune quickstart --task adventure`: an LM agent learns to play the Rust-native text
-//! adventures ([`crate::envs::adventure`]), offline: the [`super::agent`] pipeline on training
+//! adventures ([`rltune::envs::adventure`]), offline: the [`super::agent`] pipeline on training
 //! seeds of the family, evaluated on held-out seeds.
 
 use std::path::Path;
@@ -7,16 +7,16 @@ use std::sync::atomic::AtomicBool;
 
 use super::agent::{run_agent_quickstart, AgentGames, AgentQuickstartConfig, AgentSummary};
 use super::pipeline::Event;
-use crate::envs::adventure::{train_seed, Adventure, AdventureConfig};
-use crate::envs::config::{EnvKind, EnvSection, Split};
-use crate::envs::play::PromptTemplate;
-use crate::envs::rollout::Shaping;
-use crate::envs::{Reset, TextEnv};
-use crate::error::Result;
-use crate::ppo::PpoConfig;
-use crate::run::config::EpisodesSection;
-use crate::runtime::Runtime;
-use crate::train::{ScheduleKind, TrainingArgs};
+use rltune::envs::adventure::{train_seed, Adventure, AdventureConfig};
+use rltune::envs::config::{EnvKind, EnvSection, Split};
+use rltune::envs::play::PromptTemplate;
+use rltune::envs::rollout::Shaping;
+use rltune::envs::{Reset, TextEnv};
+use rltune::error::Result;
+use rltune::ppo::PpoConfig;
+use rltune::run::config::EpisodesSection;
+use rltune::runtime::Runtime;
+use rltune::train::{ScheduleKind, TrainingArgs};
 
 /// The settings of the adventure quickstart (`DIR/quickstart.json`; `--set key=value`).
 pub type AdventureQuickstartConfig = AgentQuickstartConfig<AdventureConfig>;
