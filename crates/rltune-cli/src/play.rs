@@ -4,8 +4,8 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
-use rltune::envs::config::{agent_generation, EnvConfig};
-use rltune::envs::model_agent::ModelAgent;
+use rltune::agent::config::{agent_generation, EnvConfig};
+use rltune::agent::model_agent::ModelAgent;
 use rltune::envs::play::{play, Agent, PlayReport, RandomAgent};
 use rltune::models::load::load_policy;
 use rltune::tokenizer::Tokenizer;

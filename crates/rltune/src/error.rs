@@ -67,6 +67,10 @@ pub enum Error {
     #[error(transparent)]
     Optimizer(rltune_kernels::Error),
 
+    /// An environment, the play loop or a task metric failed (`rltune_envs::Error`).
+    #[error(transparent)]
+    Env(#[from] rltune_envs::Error),
+
     /// What was asked needs hardware or a build feature that this machine or build lacks; the
     /// message names it and the alternative.
     #[error("{0}")]

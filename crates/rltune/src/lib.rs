@@ -35,9 +35,9 @@
 //! ```
 #![deny(missing_docs)]
 
+pub mod agent;
 pub mod data;
 pub mod dpo;
-pub mod envs;
 pub mod error;
 pub mod generation;
 pub mod grpo;
@@ -46,7 +46,6 @@ pub mod logging;
 pub mod models;
 pub mod params;
 pub mod ppo;
-pub mod process;
 pub mod rejection;
 pub mod rewards;
 pub mod run;
@@ -55,6 +54,9 @@ pub mod tokenizer;
 pub mod train;
 
 pub use error::{Error, Result};
+/// Text environments, their protocol, the play loop and the task metrics (the `rltune-envs`
+/// crate); [`agent`] runs models in them.
+pub use rltune_envs as envs;
 /// The kernels: fused differentiable ops, the SGEMM, the gradient buffers and the fused Adam
 /// update (the `rltune-kernels` crate).
 pub use rltune_kernels as ops;

@@ -7,10 +7,10 @@ use std::sync::atomic::AtomicBool;
 
 use super::agent::{run_agent_quickstart, AgentGames, AgentQuickstartConfig, AgentSummary};
 use super::pipeline::Event;
+use rltune::agent::config::{EnvKind, EnvSection, Split};
+use rltune::agent::rollout::Shaping;
 use rltune::envs::adventure::{train_seed, Adventure, AdventureConfig};
-use rltune::envs::config::{EnvKind, EnvSection, Split};
 use rltune::envs::play::PromptTemplate;
-use rltune::envs::rollout::Shaping;
 use rltune::envs::{Reset, TextEnv};
 use rltune::error::Result;
 use rltune::ppo::PpoConfig;

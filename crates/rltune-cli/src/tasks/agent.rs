@@ -26,7 +26,7 @@ use super::pipeline::{
     check_same_config, count_parameters, json_err, metric_pairs, new_gpt2, read_stage_jsonl, to_json,
     train_progress, write_file, Check, Event,
 };
-use rltune::envs::config::{EnvSection, Split};
+use rltune::agent::config::{EnvSection, Split};
 use rltune::envs::demos::{demonstrations, Demonstration};
 use rltune::envs::play::{play, PlayReport, PromptTemplate, RandomAgent};
 use rltune::envs::{Reset, TextEnv};

@@ -27,12 +27,12 @@ use serde::{Deserialize, Serialize};
 
 use super::agent::{train_agent, AgentGames, AgentQuickstartConfig, TrainedAgent, KL_NOISE};
 use super::pipeline::{count_parameters, metric_pairs, to_json, write_file, Check, Event};
+use rltune::agent::config::{EnvKind, EnvSection, Split};
+use rltune::agent::model_agent::ModelAgent;
 use rltune::envs::adventure::{is_heldout, train_seed};
-use rltune::envs::config::{EnvKind, EnvSection, Split};
 use rltune::envs::essays::generate::generate;
 use rltune::envs::essays::heuristic::HeuristicAgent;
 use rltune::envs::essays::{Essays, EssaysConfig, Label, CLASSES, NONE};
-use rltune::envs::model_agent::ModelAgent;
 use rltune::envs::play::{play, Agent, Episode, PromptTemplate, RandomAgent};
 use rltune::envs::{Reset, TextEnv};
 use rltune::error::Result;

@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 
 use super::agent::{run_agent_quickstart, AgentGames, AgentQuickstartConfig, AgentSummary};
 use super::pipeline::Event;
-use rltune::envs::config::{EnvKind, EnvSection, Split};
+use rltune::agent::config::{EnvKind, EnvSection, Split};
 use rltune::envs::{Reset, TextEnv};
 use rltune::error::{Error, Result};
 use rltune::ppo::PpoConfig;

@@ -25,10 +25,10 @@ use serde::{Deserialize, Serialize};
 
 use super::agent::{fit_prompts, train_agent, AgentGames, AgentQuickstartConfig, TrainedAgent};
 use super::pipeline::{read_stage_jsonl, to_json, train_progress, write_file, Check, Event};
+use rltune::agent::config::{EnvKind, EnvSection, Split};
+use rltune::agent::model_agent::ModelAgent;
 use rltune::envs::adventure::{heldout_seed, train_seed};
-use rltune::envs::config::{EnvKind, EnvSection, Split};
 use rltune::envs::demos::Demonstration;
-use rltune::envs::model_agent::ModelAgent;
 use rltune::envs::ner::{Ner, NerConfig, NerData};
 use rltune::envs::play::{play, Agent, Episode, PromptTemplate, Turn};
 use rltune::envs::{EnvStep, Reset, TextEnv};
@@ -259,7 +259,7 @@ impl LexiconAgent {
 }
 
 impl Agent for LexiconAgent {
-    fn act(&mut self, states: &[(&EnvStep, &[Turn])]) -> Result<Vec<String>> {
+    fn act(&mut self, states: &[(&EnvStep, &[Turn])]) -> rltune::envs::Result<Vec<String>> {
         Ok(states
             .iter()
             .map(|(s, memory)| {

@@ -19,8 +19,8 @@
 use std::time::{Duration, Instant};
 
 use super::{RewardInput, RewardSource};
+use crate::envs::process::{quote, LineProcess, Received};
 use crate::error::{Error, Result};
-use crate::process::{quote, LineProcess, Received};
 
 /// The longest answer line read, in bytes: a longer one is an error, so a program that writes
 /// without newlines cannot exhaust memory.

@@ -39,7 +39,7 @@ pub mod classifier;
 pub mod command;
 pub mod exact_match;
 pub mod function;
-pub mod metrics;
+pub use rltune_envs::metrics;
 
 pub use classifier::{ClassifierOutput, ClassifierReward, ClassifierRewardConfig, ScoredText};
 pub use command::CommandReward;

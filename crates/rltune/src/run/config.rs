@@ -12,9 +12,9 @@
 use std::path::{Path, PathBuf};
 
 pub use super::reward_config::{RewardSection, RewardSourceConfig};
-use crate::envs::config::EnvSection;
+use crate::agent::config::EnvSection;
+use crate::agent::rollout::Shaping;
 use crate::envs::play::PromptTemplate;
-use crate::envs::rollout::Shaping;
 use crate::error::{Error, Result};
 use crate::generation::GenerationConfig;
 use crate::grpo::{GrpoConfig, RlooConfig};
@@ -266,7 +266,7 @@ impl RunConfig {
             let base = path.parent().unwrap_or(Path::new("."));
             env.resolve_paths(base);
             cfg.episodes.eval_games =
-                cfg.episodes.eval_games.iter().map(|g| crate::envs::config::resolve(base, g)).collect();
+                cfg.episodes.eval_games.iter().map(|g| crate::agent::config::resolve(base, g)).collect();
         }
         Ok(cfg)
     }
@@ -565,7 +565,7 @@ command = ["cat"]
     fn the_adventure_ppo_example_config_loads_with_its_games_and_shaping() {
         let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/adventure-ppo.toml");
         let c = RunConfig::load(&p, &[]).unwrap();
-        assert_eq!(c.env.as_ref().map(|e| e.kind), Some(crate::envs::config::EnvKind::Adventure));
+        assert_eq!(c.env.as_ref().map(|e| e.kind), Some(crate::agent::config::EnvKind::Adventure));
         assert_eq!((c.episodes.shaping.invalid_penalty, c.episodes.game_gamma), (0.1, 0.6));
         let rs = RunConfig::load(&p, &["algorithm.kind=rejection_sampling".into()]).unwrap();
         assert_eq!(rs.algorithm.kind, AlgorithmKind::RejectionSampling);

@@ -1,7 +1,7 @@
 //! Text games as the data of `rltune ppo` (a run config with `[env]`): each step plays rounds of
 //! episodes on the training games until there are `batch_size` turns, picks `batch_size` of them
 //! at random (the others are logged as `env/unused_turns`), and every picked turn becomes one
-//! PPO transition ([`crate::envs::rollout`]). Every `eval_every` steps the policy plays
+//! PPO transition ([`crate::agent::rollout`]). Every `eval_every` steps the policy plays
 //! `eval_episodes` held-out games, as `rltune play` would with the same seed.
 //!
 //! Which games: generated families play their training seeds in training and their held-out
@@ -17,10 +17,10 @@ use rand::seq::index::sample;
 use rand::SeedableRng;
 
 use super::config::{EpisodesSection, RunConfig};
-use crate::envs::config::{EnvSection, Split};
-use crate::envs::model_agent::ModelAgent;
+use crate::agent::config::{EnvSection, Split};
+use crate::agent::model_agent::ModelAgent;
+use crate::agent::rollout::{collect_episodes, RolloutConfig, Transition};
 use crate::envs::play::{play, Episode, PlayReport, PromptTemplate};
-use crate::envs::rollout::{collect_episodes, RolloutConfig, Transition};
 use crate::envs::{Reset, TextEnv};
 use crate::error::{Error, Result};
 use crate::generation::GenerationConfig;

@@ -19,8 +19,8 @@ use super::checkpoint::{
 };
 use super::config::{AlgorithmKind, RewardSourceConfig, RunConfig};
 use super::episodes::{add_episode_stats, add_eval_stats, EpisodeSource};
+use crate::agent::rollout::rebootstrap;
 use crate::data::prompts::{load_prompts, LengthSampler, PromptRow};
-use crate::envs::rollout::rebootstrap;
 use crate::error::{Error, Result};
 use crate::generation::{generate, GenerationConfig, Sample};
 use crate::logging::{RunLogger, SampleRow};

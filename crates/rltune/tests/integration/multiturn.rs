@@ -1,12 +1,12 @@
-//! Multi-turn PPO (issue #29): episodes of the letter toy collected with `envs::rollout`, each
+//! Multi-turn PPO (issue #29): episodes of the letter toy collected with `agent::rollout`, each
 //! turn a transition for `PpoTrainer::step_with`, bootstrapped from the next turn's value.
 
 use candle_core::{DType, Device};
-use rltune::envs::letters::Letters;
-use rltune::envs::play::PromptTemplate;
-use rltune::envs::rollout::{
+use rltune::agent::rollout::{
     action_cut, collect_episodes, rebootstrap, Collected, RolloutConfig, Shaping, Transition,
 };
+use rltune::envs::letters::Letters;
+use rltune::envs::play::PromptTemplate;
 use rltune::envs::{EnvStep, Reset, TextEnv};
 use rltune::generation::{generate, GenerationConfig};
 use rltune::models::gpt2::Gpt2Config;
@@ -62,7 +62,7 @@ impl TextEnv for Fixed {
     fn num_envs(&self) -> usize {
         self.turn.len()
     }
-    fn reset(&mut self, envs: &[usize], _: &[Reset]) -> rltune::Result<Vec<EnvStep>> {
+    fn reset(&mut self, envs: &[usize], _: &[Reset]) -> rltune::envs::Result<Vec<EnvStep>> {
         Ok(envs
             .iter()
             .map(|&e| {
@@ -71,7 +71,10 @@ impl TextEnv for Fixed {
             })
             .collect())
     }
-    fn step(&mut self, actions: &[(usize, String)]) -> rltune::Result<Vec<rltune::Result<EnvStep>>> {
+    fn step(
+        &mut self,
+        actions: &[(usize, String)],
+    ) -> rltune::envs::Result<Vec<rltune::envs::Result<EnvStep>>> {
         Ok(actions
             .iter()
             .map(|(e, _)| {

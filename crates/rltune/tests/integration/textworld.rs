@@ -6,7 +6,7 @@
 
 use std::path::PathBuf;
 
-use rltune::envs::config::{EnvKind, EnvSection};
+use rltune::agent::config::{EnvKind, EnvSection};
 use rltune::envs::play::{play, PlayReport, RandomAgent};
 use rltune::envs::Reset;
 

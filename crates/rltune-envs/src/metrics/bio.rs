@@ -164,13 +164,13 @@ pub fn parse_conll(text: &str, path: &Path) -> Result<Vec<Tagged>> {
             continue;
         }
         let split = line.rsplit_once('\t').or_else(|| line.trim_end().rsplit_once(' '));
-        let bad = |what: &str| {
-            Error::Input(format!(
-                "{}:{}: {what} in {line:?}; expected TOKEN<TAB>TAG with TAG `O`, `B-TYPE` or `I-TYPE` \
-                 (fix or delete the line; sequences are separated by blank lines)",
-                path.display(),
-                i + 1
-            ))
+        let bad = |what: &str| Error::Data {
+            path: path.to_path_buf(),
+            line: Some(i + 1),
+            msg: format!(
+                "{what} in {line:?}; expected TOKEN<TAB>TAG with TAG `O`, `B-TYPE` or `I-TYPE` \
+                     (fix or delete the line; sequences are separated by blank lines)"
+            ),
         };
         let Some((token, tag)) = split else { return Err(bad("no tag")) };
         let (token, tag) = (token.trim(), tag.trim());

@@ -4,9 +4,9 @@
 
 use candle_core::Device;
 
-use super::play::{extract_action, prompt_budget, Agent, PromptTemplate, Turn};
-use super::EnvStep;
-use crate::error::Result;
+use crate::envs::play::{extract_action, Agent, PromptTemplate, Turn};
+use crate::envs::EnvStep;
+use crate::error::{Error, Result};
 use crate::generation::{generate, GenerationConfig};
 use crate::models::CausalLm;
 use crate::tokenizer::Tokenizer;
@@ -40,7 +40,14 @@ impl<'a> ModelAgent<'a> {
 }
 
 impl Agent for ModelAgent<'_> {
-    fn act(&mut self, states: &[(&EnvStep, &[Turn])]) -> Result<Vec<String>> {
+    fn act(&mut self, states: &[(&EnvStep, &[Turn])]) -> crate::envs::Result<Vec<String>> {
+        self.choose(states).map_err(|e| crate::envs::Error::Agent(Box::new(e)))
+    }
+}
+
+impl ModelAgent<'_> {
+    /// One sampled action per state (what [`Agent::act`] returns).
+    fn choose(&mut self, states: &[(&EnvStep, &[Turn])]) -> Result<Vec<String>> {
         let prompts = states
             .iter()
             .map(|(s, memory)| {
@@ -55,4 +62,15 @@ impl Agent for ModelAgent<'_> {
         let samples = generate(self.lm, None, &prompts, &cfg, &self.device)?;
         samples.iter().map(|s| Ok(extract_action(&self.tokenizer.decode(&s.response_ids)?))).collect()
     }
+}
+
+/// The longest prompt a model can read when it samples `max_new_tokens` after it: its context
+/// less those tokens; an error when nothing is left.
+pub fn prompt_budget(lm: &CausalLm, max_new_tokens: usize) -> Result<usize> {
+    let context = lm.config().max_positions().unwrap_or(usize::MAX);
+    context.checked_sub(max_new_tokens).filter(|&n| n > 0).ok_or_else(|| {
+        Error::Input(format!(
+            "generation.max_new_tokens = {max_new_tokens} leaves no room for a prompt in the model's {context} positions"
+        ))
+    })
 }

@@ -1,4 +1,6 @@
-//! Multi-step text environments, batched: Gymnasium's vector API for text games.
+//! Multi-step text environments, batched: Gymnasium's vector API for text games. No model, no
+//! tensor: this crate is the environments, their JSON-lines protocol, the play loop that runs
+//! any [`play::Agent`] on them, and the task metrics their rewards are made of ([`metrics`]).
 //!
 //! An environment holds B independent episodes, indexed `0..B`. [`TextEnv::reset`] starts new
 //! episodes in some of them, [`TextEnv::step`] plays one action in each of some of them. Every
@@ -17,9 +19,9 @@
 //!   `docs/env-protocol.md`, such as the TextWorld bridge `tools/textworld/bridge.py`.
 //!
 //! ```
-//! use rltune::envs::{letters::Letters, Reset, TextEnv};
+//! use rltune_envs::{letters::Letters, Reset, TextEnv};
 //!
-//! # fn main() -> rltune::Result<()> {
+//! # fn main() -> rltune_envs::Result<()> {
 //! let mut env = Letters::new(2, 3);
 //! let first = env.reset(&[0, 1], &[Reset::default(), Reset::default()])?;
 //! assert!(!first[0].terminated);
@@ -28,18 +30,20 @@
 //! # Ok(()) }
 //! ```
 
+#![deny(missing_docs)]
+
 pub mod adventure;
 pub mod command;
-pub mod config;
 pub mod demos;
+pub mod error;
 pub mod essays;
 pub mod letters;
-pub mod model_agent;
+pub mod metrics;
 pub mod ner;
 pub mod play;
-pub mod rollout;
+pub mod process;
 
-use crate::error::Result;
+pub use error::{Error, Result};
 
 /// What an environment returns for one episode after a reset or a step.
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -126,15 +130,15 @@ pub trait TextEnv: Send {
 pub(crate) fn check_indices(method: &str, envs: &[usize], n: usize, m: usize) -> Result<()> {
     use crate::error::Error;
     if envs.len() != m {
-        return Err(Error::Input(format!("{method}: {} environments but {m} arguments", envs.len())));
+        return Err(Error::Call(format!("{method}: {} environments but {m} arguments", envs.len())));
     }
     let mut seen = vec![false; n];
     for &e in envs {
         match seen.get_mut(e) {
             None => {
-                return Err(Error::Input(format!("{method}: environment {e} does not exist (there are {n})")))
+                return Err(Error::Call(format!("{method}: environment {e} does not exist (there are {n})")))
             }
-            Some(true) => return Err(Error::Input(format!("{method}: environment {e} listed twice"))),
+            Some(true) => return Err(Error::Call(format!("{method}: environment {e} listed twice"))),
             Some(s) => *s = true,
         }
     }

@@ -8,9 +8,9 @@
 //! not the generator's.
 
 use super::{Label, CLASSES, NONE};
-use crate::envs::play::{Agent, Turn};
-use crate::envs::EnvStep;
 use crate::error::Result;
+use crate::play::{Agent, Turn};
+use crate::EnvStep;
 
 /// Cue phrases (lower case, at the start of a segment) and their classes.
 pub const CUES: [(&str, usize); 16] = [
@@ -57,7 +57,7 @@ pub fn heuristic_labels<S: AsRef<str>>(segments: &[S]) -> Vec<Label> {
     out
 }
 
-/// The heuristic as an [`Agent`] for [`crate::envs::play::play`]: it reads the segment and the
+/// The heuristic as an [`Agent`] for [`crate::play::play`]: it reads the segment and the
 /// last label from the observation.
 #[derive(Debug, Default)]
 pub struct HeuristicAgent;

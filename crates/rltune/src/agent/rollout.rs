@@ -17,9 +17,10 @@ use candle_core::Device;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 
-use super::letters::count_e;
-use super::play::{prompt_budget, Episode, PromptTemplate, Turn, ACTION_STOPS};
-use super::{EnvStep, Reset, TextEnv};
+use super::prompt_budget;
+use crate::envs::letters::count_e;
+use crate::envs::play::{Episode, PromptTemplate, Turn, ACTION_STOPS};
+use crate::envs::{EnvStep, Reset, TextEnv};
 use crate::error::{Error, Result};
 use crate::generation::{generate, GenerationConfig};
 use crate::models::CausalLmWithValueHead;
@@ -214,7 +215,7 @@ pub fn collect_episodes(
             } else {
                 let cut = action_cut(&samples[k].response_ids, tokenizer)?;
                 let text = tokenizer.decode(&samples[k].response_ids[..cut])?;
-                actions.push(super::play::extract_action(&text));
+                actions.push(crate::envs::play::extract_action(&text));
                 cuts.push(Some(cut));
             }
         }

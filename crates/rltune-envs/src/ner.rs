@@ -1,6 +1,6 @@
 //! Named-entity recognition as a text game: the agent tags a sentence's tokens one per turn
 //! with BIO tags, and the reward is the sentence's entity-level F1 (conlleval's exact-span
-//! rule, [`crate::rewards::metrics::bio`]). Built for WNUT-2016's Twitter NER data
+//! rule, [`crate::metrics::bio`]). Built for WNUT-2016's Twitter NER data
 //! (`tools/data/fetch_wnut.sh`), it reads any CoNLL-style two-column file.
 //!
 //! - **Data**: the sentences of `file`; a fixed split holds out every `heldout_every`-th
@@ -22,7 +22,7 @@ use std::sync::Arc;
 use super::adventure::{is_heldout, HELDOUT_START};
 use super::{check_indices, sanitize_action, EnvStep, Reset, TextEnv};
 use crate::error::{Error, Result};
-use crate::rewards::metrics::bio::{entities, read_conll, sequence_score, Tagged};
+use crate::metrics::bio::{entities, read_conll, sequence_score, Tagged};
 
 /// `[env.ner]`: the data file and its split.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -65,19 +65,19 @@ impl NerData {
     /// Reads `file` and splits it (every `heldout_every`-th sentence held out).
     pub fn load(file: &Path, heldout_every: usize) -> Result<Self> {
         if heldout_every < 2 {
-            return Err(Error::Input(format!(
+            return Err(Error::Config(format!(
                 "[env.ner] heldout_every must be at least 2, got {heldout_every}"
             )));
         }
         if !file.is_file() {
-            return Err(Error::Input(format!(
+            return Err(Error::Config(format!(
                 "[env.ner] file {}: not found; fetch WNUT-2016 with tools/data/fetch_wnut.sh",
                 file.display()
             )));
         }
         let all = read_conll(file)?;
         if all.is_empty() {
-            return Err(Error::Input(format!("{}: no sentences", file.display())));
+            return Err(Error::Data { path: file.to_path_buf(), line: None, msg: "no sentences".into() });
         }
         let mut tags: Vec<String> = all.iter().flat_map(|s| s.tags.iter().cloned()).collect();
         tags.sort();
@@ -152,7 +152,7 @@ impl Ner {
     /// rest tagged `O` for the score).
     pub fn new(num_envs: usize, config: NerConfig, data: Arc<NerData>, max_steps: usize) -> Result<Self> {
         if max_steps == 0 {
-            return Err(Error::Input("ner: max_steps must be at least 1".into()));
+            return Err(Error::Config("ner: max_steps must be at least 1".into()));
         }
         Ok(Self { config, data, max_steps, episodes: vec![None; num_envs] })
     }
@@ -245,14 +245,12 @@ impl TextEnv for Ner {
         let mut out = Vec::with_capacity(actions.len());
         for (e, action) in actions {
             let Some(mut ep) = self.episodes[*e].take() else {
-                out.push(Err(Error::Input(format!("ner: environment {e} has no sentence; reset it first"))));
+                out.push(Err(Error::not_running("ner", *e, "has no sentence")));
                 continue;
             };
             if ep.ended {
                 self.episodes[*e] = Some(ep);
-                out.push(Err(Error::Input(format!(
-                    "ner: environment {e}'s sentence is tagged; reset it first"
-                ))));
+                out.push(Err(Error::not_running("ner", *e, "has tagged its sentence")));
                 continue;
             }
             let tag = sanitize_action(action, 100);

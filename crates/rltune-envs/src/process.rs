@@ -1,6 +1,6 @@
 //! A child process that speaks JSON lines on stdin/stdout: the machinery shared by reward
-//! commands ([`crate::rewards::CommandReward`]) and environment commands
-//! ([`crate::envs::command::CommandEnv`]).
+//! commands (`rltune::rewards::CommandReward`) and environment commands
+//! ([`crate::command::CommandEnv`]).
 //!
 //! Three threads serve the child: a writer (lines to its stdin, so a slow reader never blocks
 //! the caller), a reader (its stdout, line by line, each at most a given length, so a program
@@ -23,11 +23,11 @@ const STDERR_TAIL_LINES: usize = 20;
 /// The longest stderr line kept, in bytes.
 const STDERR_LINE_MAX: usize = 500;
 /// How much of a bad line an error quotes, in bytes.
-pub(crate) const QUOTE_MAX: usize = 200;
+pub const QUOTE_MAX: usize = 200;
 
 /// What [`LineProcess::recv`] got.
 #[derive(Debug)]
-pub(crate) enum Received {
+pub enum Received {
     /// A whole line (lossy UTF-8, with its newline).
     Line(String),
     /// The output could not be read: an overlong line, a line cut off by EOF, an I/O error.
@@ -39,7 +39,7 @@ pub(crate) enum Received {
 }
 
 /// A running child process speaking lines (see the module docs).
-pub(crate) struct LineProcess {
+pub struct LineProcess {
     /// The command as a shell would show it.
     pub shown: String,
     child: Child,
@@ -57,7 +57,7 @@ impl LineProcess {
     /// command"), `line_max` caps the length of one stdout line in bytes.
     pub fn spawn(argv: &[String], what: &str, line_max: usize) -> Result<Self> {
         let Some(program) = argv.first() else {
-            return Err(Error::Input(format!("the {what} is empty; give the program and its arguments")));
+            return Err(Error::Program(format!("the {what} is empty; give the program and its arguments")));
         };
         let shown = shell_words(argv);
         let mut child = Command::new(program)
@@ -66,12 +66,12 @@ impl LineProcess {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
-            .map_err(|e| Error::Input(format!("cannot start {what} `{shown}`: {e}")))?;
+            .map_err(|e| Error::Program(format!("cannot start {what} `{shown}`: {e}")))?;
         let (Some(stdin), Some(stdout), Some(stderr)) =
             (child.stdin.take(), child.stdout.take(), child.stderr.take())
         else {
             let _ = child.kill();
-            return Err(Error::Input(format!("{what} `{shown}`: could not open its stdin/stdout/stderr")));
+            return Err(Error::Program(format!("{what} `{shown}`: could not open its stdin/stdout/stderr")));
         };
         let (to_child, from_parent) = mpsc::channel::<String>();
         thread::spawn(move || write_lines(stdin, from_parent));
@@ -223,7 +223,7 @@ fn collect_stderr(stderr: impl Read, tail: &Mutex<VecDeque<String>>) {
 }
 
 /// `s` quoted for an error message, cut to [`QUOTE_MAX`] bytes.
-pub(crate) fn quote(s: &str) -> String {
+pub fn quote(s: &str) -> String {
     if s.len() <= QUOTE_MAX {
         return format!("{s:?}");
     }
@@ -232,7 +232,7 @@ pub(crate) fn quote(s: &str) -> String {
 }
 
 /// `argv` for messages, quoting arguments that hold spaces or quotes (shell style).
-pub(crate) fn shell_words(argv: &[String]) -> String {
+pub fn shell_words(argv: &[String]) -> String {
     let quote = |a: &String| {
         if a.is_empty() || a.contains(|c: char| c.is_whitespace() || c == '\'' || c == '"') {
             format!("'{}'", a.replace('\'', "'\\''"))

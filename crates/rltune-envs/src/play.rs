@@ -76,13 +76,13 @@ impl PromptTemplate {
 
     /// The prompt's token ids, at most `max_tokens` long: memory turns are dropped oldest first
     /// until it fits, then the front is cut.
-    pub fn fit(
+    pub fn fit<E>(
         &self,
         now: &EnvStep,
         memory: &[Turn],
         max_tokens: usize,
-        encode: impl Fn(&str) -> Result<Vec<u32>>,
-    ) -> Result<Vec<u32>> {
+        encode: impl Fn(&str) -> std::result::Result<Vec<u32>, E>,
+    ) -> std::result::Result<Vec<u32>, E> {
         let mut keep = self.memory_turns.min(memory.len());
         loop {
             let ids = encode(&self.render(now, memory, keep))?;
@@ -113,17 +113,6 @@ pub const ACTION_STOPS: [char; 6] = ['\n', '\r', '.', '!', '?', ';'];
 pub fn extract_action(text: &str) -> String {
     let end = text.find(ACTION_STOPS).unwrap_or(text.len());
     text[..end].trim().to_string()
-}
-
-/// The longest prompt a model can read when it samples `max_new_tokens` after it: its context
-/// less those tokens; an error when nothing is left.
-pub fn prompt_budget(lm: &crate::models::CausalLm, max_new_tokens: usize) -> Result<usize> {
-    let context = lm.config().max_positions().unwrap_or(usize::MAX);
-    context.checked_sub(max_new_tokens).filter(|&n| n > 0).ok_or_else(|| {
-        Error::Input(format!(
-            "generation.max_new_tokens = {max_new_tokens} leaves no room for a prompt in the model's {context} positions"
-        ))
-    })
 }
 
 /// An agent that picks one action per environment from their current states.
@@ -323,7 +312,7 @@ pub fn play(
             agent.act(&states)?
         };
         if actions.len() != active.len() {
-            return Err(Error::Input(format!(
+            return Err(Error::Call(format!(
                 "the agent gave {} actions for {} states",
                 actions.len(),
                 active.len()
@@ -368,7 +357,7 @@ pub fn play(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::envs::letters::Letters;
+    use crate::letters::Letters;
 
     #[test]
     fn actions_end_at_the_first_line_or_sentence_end() {
@@ -408,7 +397,7 @@ mod tests {
              What do you do next?\n>"
         );
         // One token per character: the budget forces memory out, oldest first, then a cut.
-        let chars = |s: &str| Ok(s.chars().map(|c| c as u32).collect::<Vec<u32>>());
+        let chars = |s: &str| Ok::<_, Error>(s.chars().map(|c| c as u32).collect::<Vec<u32>>());
         let full = t.fit(&now, &memory, 10_000, chars).unwrap();
         assert_eq!(full.len(), p.chars().count());
         let fewer = t.fit(&now, &memory, p.chars().count() - 5, chars).unwrap();

@@ -50,7 +50,7 @@ pub fn demonstrations(
                 expert
             };
             let after = env.step(&[(0, played.clone())])?.remove(0).map_err(|e| {
-                Error::Input(format!("demonstrations: the environment refused {played:?}: {e}"))
+                Error::Refused(format!("demonstrations: the environment refused {played:?}: {e}"))
             })?;
             memory.push(Turn {
                 observation: std::mem::take(&mut state.observation),
@@ -71,7 +71,7 @@ pub fn demonstrations(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::envs::adventure::{train_seed, Adventure, AdventureConfig};
+    use crate::adventure::{train_seed, Adventure, AdventureConfig};
 
     #[test]
     fn noiseless_demonstrations_follow_the_walkthrough_and_win() {

@@ -168,10 +168,10 @@ impl CommandEnv {
     fn failure_error(&mut self, what: &str, f: Failure) -> Error {
         let shown = self.process.shown.clone();
         match f {
-            Failure::Answer(msg) => Error::Input(format!("environment `{shown}` ({what}): {msg}")),
+            Failure::Answer(msg) => Error::Program(format!("environment `{shown}` ({what}): {msg}")),
             Failure::Transport(msg) => {
                 let (status, stderr) = self.process.ending(Duration::from_millis(500));
-                Error::Input(format!("environment `{shown}` ({what}): {msg} ({status}); {stderr}"))
+                Error::Program(format!("environment `{shown}` ({what}): {msg} ({status}); {stderr}"))
             }
         }
     }
@@ -215,9 +215,11 @@ impl CommandEnv {
                 Ok(envs
                     .iter()
                     .map(|e| {
-                        Err(Error::Input(format!(
-                            "environment {e}: its episode was dropped when the environment program restarted; reset it"
-                        )))
+                        Err(Error::not_running(
+                            "environment",
+                            *e,
+                            "lost its episode when the environment program restarted",
+                        ))
                     })
                     .collect())
             }
@@ -290,10 +292,9 @@ fn parse_results(
         .iter()
         .zip(envs)
         .map(|(r, &e)| match r.get("error") {
-            Some(err) => Err(Error::Input(format!("environment {e}: {}", error_text(err)))),
-            None => {
-                parse_step(r).map_err(|m| Error::Input(format!("environment {e}: the `{method}` result {m}")))
-            }
+            Some(err) => Err(Error::Program(format!("environment {e}: {}", error_text(err)))),
+            None => parse_step(r)
+                .map_err(|m| Error::Program(format!("environment {e}: the `{method}` result {m}"))),
         })
         .collect())
 }

@@ -24,10 +24,10 @@
 //! [`DEFAULT_SEED`]. [`TextEnv::walkthrough`] gives the shortest win from the current state.
 //!
 //! ```
-//! use rltune::envs::adventure::{heldout_seed, Adventure, AdventureConfig};
-//! use rltune::envs::{Reset, TextEnv};
+//! use rltune_envs::adventure::{heldout_seed, Adventure, AdventureConfig};
+//! use rltune_envs::{Reset, TextEnv};
 //!
-//! # fn main() -> rltune::Result<()> {
+//! # fn main() -> rltune_envs::Result<()> {
 //! let mut env = Adventure::new(1, AdventureConfig::default())?;
 //! let first = env.reset(&[0], &[Reset { seed: Some(heldout_seed(7)), game: None }])?;
 //! assert!(first[0].observation.starts_with("-= "));
@@ -129,7 +129,7 @@ impl Default for AdventureConfig {
 impl AdventureConfig {
     /// Checks ranges and combinations; errors name the field and the fix.
     pub fn validate(&self) -> Result<()> {
-        let bad = |msg: String| Err(Error::Input(format!("adventure.{msg}")));
+        let bad = |msg: String| Err(Error::Config(format!("adventure.{msg}")));
         let max_rooms = text::ROOMS.len();
         if !(1..=max_rooms).contains(&self.rooms) {
             return bad(format!("rooms must be between 1 and {max_rooms}, got {}", self.rooms));
@@ -312,13 +312,12 @@ impl TextEnv for Adventure {
         Ok(actions
             .iter()
             .map(|(e, action)| match &mut self.episodes[*e] {
-                None => {
-                    Err(Error::Input(format!("adventure: environment {e} has no episode; reset it first")))
-                }
-                Some(ep) if ep.ended => Err(Error::Input(format!(
-                    "adventure: environment {e}'s episode (seed {}) has ended after {} moves; reset it first",
-                    ep.seed, ep.moves
-                ))),
+                None => Err(Error::not_running("adventure", *e, "has no episode")),
+                Some(ep) if ep.ended => Err(Error::not_running(
+                    "adventure",
+                    *e,
+                    format!("has ended its episode (seed {}) after {} moves", ep.seed, ep.moves),
+                )),
                 Some(ep) => Ok(play(ep, action)),
             })
             .collect())

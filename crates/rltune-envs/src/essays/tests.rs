@@ -3,8 +3,8 @@ use std::collections::HashSet;
 use super::generate::generate;
 use super::heuristic::{heuristic_labels, HeuristicAgent};
 use super::*;
-use crate::envs::adventure::{heldout_seed, train_seed};
-use crate::envs::play::{play, RandomAgent};
+use crate::adventure::{heldout_seed, train_seed};
+use crate::play::{play, RandomAgent};
 
 fn label(class: usize, begin: bool) -> Label {
     Label { class, begin }
@@ -153,8 +153,7 @@ fn baselines_order_random_below_heuristic_below_gold() {
     let resets = |i: usize| Reset { seed: Some(heldout_seed(i as u64)), game: None };
     let (random, _) = play(&mut env, &mut RandomAgent::new(1), 40, &resets).unwrap();
     let (heur, _) = play(&mut env, &mut HeuristicAgent, 40, &resets).unwrap();
-    let mean =
-        |eps: &[crate::envs::play::Episode]| eps.iter().map(|e| e.score).sum::<f64>() / eps.len() as f64;
+    let mean = |eps: &[crate::play::Episode]| eps.iter().map(|e| e.score).sum::<f64>() / eps.len() as f64;
     let (r, h) = (mean(&random), mean(&heur));
     assert!(r < 0.2, "random {r}");
     assert!(h > r + 0.2 && h < 0.95, "heuristic {h}, random {r}");

@@ -14,7 +14,7 @@
 //! - **The observation** shows the segment's place in the essay, the last labels given, the
 //!   segment before it (with its label), the segment and the one after it.
 //! - **The reward** is 0 on every turn but the last, which gets the essay's F-score
-//!   ([`crate::rewards::metrics::feedback::essay_score`]): the episode's return is the metric.
+//!   ([`crate::metrics::feedback::essay_score`]): the episode's return is the metric.
 //!   With `dense_reward = true` every turn instead gets the change of a potential, the F-score
 //!   of the labelled prefix against the gold elements cut to that prefix (Φ₀ = 0); the
 //!   potential telescopes, so the undiscounted return is the same F-score (Ng et al. 1999).
@@ -25,10 +25,10 @@
 //!   the agent pipeline's demonstrations the gold labels (behavioural cloning).
 //!
 //! ```
-//! use rltune::envs::essays::{Essays, EssaysConfig};
-//! use rltune::envs::{Reset, TextEnv};
+//! use rltune_envs::essays::{Essays, EssaysConfig};
+//! use rltune_envs::{Reset, TextEnv};
 //!
-//! # fn main() -> rltune::Result<()> {
+//! # fn main() -> rltune_envs::Result<()> {
 //! let mut env = Essays::new(1, EssaysConfig::default(), 64)?;
 //! let first = env.reset(&[0], &[Reset { seed: Some(3), game: None }])?.remove(0);
 //! assert_eq!(first.admissible_commands.len(), 15);
@@ -46,9 +46,9 @@ pub mod heuristic;
 use super::adventure::is_heldout;
 use super::{check_indices, sanitize_action, EnvStep, Reset, TextEnv};
 use crate::error::{Error, Result};
-use crate::rewards::metrics::feedback::{essay_score, Span};
+use crate::metrics::feedback::{essay_score, Span};
 
-pub use crate::rewards::metrics::feedback::CLASSES;
+pub use crate::metrics::feedback::CLASSES;
 
 /// The class of a segment outside every element.
 pub const NONE: usize = usize::MAX;
@@ -232,7 +232,7 @@ impl Essays {
     /// `num_envs` environments; an episode is cut (truncated) after `max_steps` segments.
     pub fn new(num_envs: usize, config: EssaysConfig, max_steps: usize) -> Result<Self> {
         if max_steps == 0 {
-            return Err(Error::Input("essays: max_steps must be at least 1".into()));
+            return Err(Error::Config("essays: max_steps must be at least 1".into()));
         }
         Ok(Self { config, max_steps, commands: commands(), episodes: vec![None; num_envs] })
     }
@@ -315,15 +315,17 @@ impl TextEnv for Essays {
         let mut out = Vec::with_capacity(actions.len());
         for (e, action) in actions {
             let Some(mut ep) = self.episodes[*e].take() else {
-                out.push(Err(Error::Input(format!("essays: environment {e} has no essay; reset it first"))));
+                out.push(Err(Error::not_running("essays", *e, "has no essay")));
                 continue;
             };
             if ep.ended {
                 let seed = ep.essay.seed;
                 self.episodes[*e] = Some(ep);
-                out.push(Err(Error::Input(format!(
-                    "essays: environment {e}'s essay (seed {seed}) is fully labelled; reset it first"
-                ))));
+                out.push(Err(Error::not_running(
+                    "essays",
+                    *e,
+                    format!("has labelled all of its essay (seed {seed})"),
+                )));
                 continue;
             }
             let parsed = Label::parse(action);

@@ -11,7 +11,7 @@
 //! - [`mean_se`]: a mean with its standard error, for reporting per-document scores.
 //!
 //! ```
-//! use rltune::rewards::metrics::bio::{entities, entity_f1};
+//! use rltune_envs::metrics::bio::{entities, entity_f1};
 //!
 //! let gold = vec!["B-person", "I-person", "O", "B-geo-loc"];
 //! let pred = vec!["B-person", "I-person", "O", "O"];

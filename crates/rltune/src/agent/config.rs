@@ -14,13 +14,13 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use super::adventure::{Adventure, AdventureConfig};
-use super::command::{CommandEnv, CommandEnvConfig};
-use super::essays::{Essays, EssaysConfig};
-use super::letters::Letters;
-use super::ner::{Ner, NerConfig};
-use super::play::PromptTemplate;
-use super::{Reset, TextEnv};
+use crate::envs::adventure::{Adventure, AdventureConfig};
+use crate::envs::command::{CommandEnv, CommandEnvConfig};
+use crate::envs::essays::{Essays, EssaysConfig};
+use crate::envs::letters::Letters;
+use crate::envs::ner::{Ner, NerConfig};
+use crate::envs::play::PromptTemplate;
+use crate::envs::{Reset, TextEnv};
 use crate::error::{Error, Result};
 use crate::generation::GenerationConfig;
 
@@ -248,13 +248,13 @@ impl EnvSection {
         mut init: serde_json::Map<String, serde_json::Value>,
     ) -> Result<CommandEnv> {
         init.entry("max_steps").or_insert(self.max_steps.into());
-        CommandEnv::spawn(CommandEnvConfig {
+        Ok(CommandEnv::spawn(CommandEnvConfig {
             command,
             init,
             num_envs: self.num_envs,
             timeout: Duration::from_secs_f64(self.timeout_s),
             restarts: self.restarts,
-        })
+        })?)
     }
 
     /// How episode `i` of a run starting at `seed` is reset: a generated family plays seed
@@ -264,8 +264,8 @@ impl EnvSection {
         match self.kind {
             EnvKind::Adventure | EnvKind::Essays | EnvKind::Ner => Reset {
                 seed: Some(match self.split {
-                    Split::Train => super::adventure::train_seed(k),
-                    Split::Heldout => super::adventure::heldout_seed(k),
+                    Split::Train => crate::envs::adventure::train_seed(k),
+                    Split::Heldout => crate::envs::adventure::heldout_seed(k),
                 }),
                 game: None,
             },

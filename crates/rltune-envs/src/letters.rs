@@ -65,9 +65,7 @@ impl TextEnv for Letters {
             .iter()
             .map(|(e, action)| {
                 let Some(moves) = self.moves[*e] else {
-                    return Err(Error::Input(format!(
-                        "letters: environment {e} has no episode; reset it first"
-                    )));
+                    return Err(Error::not_running("letters", *e, "has no episode"));
                 };
                 let action = sanitize_action(action, MAX_ACTION_CHARS);
                 let reward = REWARD_PER_E * count_e(&action) as f64;
