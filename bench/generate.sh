@@ -6,4 +6,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 echo "machine: $(nproc) CPUs, $(lscpu | grep 'Model name' | sed 's/Model name: *//'), $(date -u +%Y-%m-%dT%H:%MZ)" >&2
-exec cargo run --release -p rltune --example bench_generate -- "$@"
+exec cargo run --release -p rltune-models --example bench_generate -- "$@"

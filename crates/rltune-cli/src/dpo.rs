@@ -198,7 +198,7 @@ fn save(dir: &Path, policy: &Policy, store: &ParamStore, metrics: &Path) -> Resu
     save_dir_atomic(dir, |tmp| {
         store.save_safetensors(&tmp.join("model.safetensors"))?;
         let text = serde_json::to_string_pretty(&policy.config_json)
-            .map_err(|e| rltune::Error::Input(e.to_string()))?;
+            .map_err(|e| rltune::models::Error::Input(e.to_string()))?;
         rltune::io::write_bytes_atomic(&tmp.join("config.json"), text.as_bytes())?;
         rltune::io::write_bytes_atomic(&tmp.join("metrics.jsonl"), &metrics_text)?;
         copy_side_files(&policy.files, tmp)

@@ -91,12 +91,16 @@ fn finish(
     let stats = logs.pop().context("the trainer returned no metrics")?;
     save_dir_atomic(&args.output, |tmp| {
         store.save_safetensors(&tmp.join("model.safetensors"))?;
-        let write = |name: &str, v: &serde_json::Value| -> rltune::Result<()> {
-            let text = serde_json::to_string_pretty(v).map_err(|e| rltune::Error::Input(e.to_string()))?;
+        let write = |name: &str, v: &serde_json::Value| -> rltune::models::Result<()> {
+            let text =
+                serde_json::to_string_pretty(v).map_err(|e| rltune::models::Error::Input(e.to_string()))?;
             rltune::io::write_bytes_atomic(&tmp.join(name), text.as_bytes())
         };
         write("config.json", &policy.config_json)?;
-        write("stats.json", &serde_json::to_value(&stats).map_err(|e| rltune::Error::Input(e.to_string()))?)?;
+        write(
+            "stats.json",
+            &serde_json::to_value(&stats).map_err(|e| rltune::models::Error::Input(e.to_string()))?,
+        )?;
         rltune::models::load::copy_side_files(&policy.files, tmp)
     })
     .with_context(|| format!("cannot write {}", args.output.display()))?;

@@ -71,12 +71,16 @@ pub fn run(args: Args) -> Result<()> {
     let stats = trainer.step(&queries, &responses, &scores)?;
     save_dir_atomic(&args.output, |tmp| {
         trainer.store.save_safetensors(&tmp.join("model.safetensors"))?;
-        let write = |name: &str, v: &serde_json::Value| -> rltune::Result<()> {
-            let text = serde_json::to_string_pretty(v).map_err(|e| rltune::Error::Input(e.to_string()))?;
+        let write = |name: &str, v: &serde_json::Value| -> rltune::models::Result<()> {
+            let text =
+                serde_json::to_string_pretty(v).map_err(|e| rltune::models::Error::Input(e.to_string()))?;
             rltune::io::write_bytes_atomic(&tmp.join(name), text.as_bytes())
         };
         write("config.json", &config_json)?;
-        write("stats.json", &serde_json::to_value(&stats).map_err(|e| rltune::Error::Input(e.to_string()))?)?;
+        write(
+            "stats.json",
+            &serde_json::to_value(&stats).map_err(|e| rltune::models::Error::Input(e.to_string()))?,
+        )?;
         rltune::models::load::copy_side_files(&files, tmp)
     })
     .with_context(|| format!("cannot write {}", args.output.display()))?;

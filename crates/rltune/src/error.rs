@@ -89,6 +89,25 @@ impl From<rltune_kernels::Error> for Error {
     }
 }
 
+impl From<rltune_models::Error> for Error {
+    fn from(e: rltune_models::Error) -> Self {
+        use rltune_models::Error as M;
+        match e {
+            M::Candle(e) => Error::Candle(e),
+            M::Io { path, source } => Error::Io { path, source },
+            M::Config { path, msg } => Error::Config { path, msg },
+            M::Weights { path, msg } => Error::Weights { path, msg },
+            M::UnsupportedModel { path, model_type, supported } => {
+                Error::UnsupportedModel { path, model_type, supported }
+            }
+            M::Input(msg) => Error::Input(msg),
+            M::Tokenizer(msg) => Error::Tokenizer(msg),
+            M::Hub(msg) => Error::Hub(msg),
+            M::Unsupported(msg) => Error::Unsupported(msg),
+        }
+    }
+}
+
 /// Shorthand for `std::result::Result<T, rltune::Error>`.
 pub type Result<T> = std::result::Result<T, Error>;
 

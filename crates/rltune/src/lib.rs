@@ -39,18 +39,13 @@ pub mod agent;
 pub mod data;
 pub mod dpo;
 pub mod error;
-pub mod generation;
 pub mod grpo;
-pub mod io;
 pub mod logging;
-pub mod models;
-pub mod params;
 pub mod ppo;
 pub mod rejection;
 pub mod rewards;
 pub mod run;
 pub mod runtime;
-pub mod tokenizer;
 pub mod train;
 
 pub use error::{Error, Result};
@@ -66,3 +61,6 @@ pub use rltune_kernels::cpu;
 /// torch-exact Adam over persistent gradient buffers, and gradient clipping
 /// (`rltune_kernels::optim`).
 pub use rltune_kernels::optim;
+/// The model zoo, its weights and tokenizers, and exact sampling (the `rltune-models` crate).
+pub use rltune_models as models;
+pub use rltune_models::{generation, io, params, tokenizer};

@@ -581,7 +581,7 @@ fn accuracy_of(
     sampled: bool,
 ) -> Result<Accuracy> {
     let prompts: Vec<Vec<u32>> =
-        problems.iter().map(|p| tokenizer.encode(&p.prompt)).collect::<Result<_>>()?;
+        problems.iter().map(|p| tokenizer.encode(&p.prompt)).collect::<rltune::models::Result<_>>()?;
     let golds: Vec<&str> = problems.iter().map(|p| p.answer.as_str()).collect();
     let run = |top_k: usize| -> Result<(f64, Vec<String>)> {
         // top_k = 1 is greedy decoding.
@@ -592,8 +592,10 @@ fn accuracy_of(
             ..GenerationConfig::default()
         };
         let samples = generate(lm, None, &prompts, &gen, device)?;
-        let answers: Vec<String> =
-            samples.iter().map(|s| tokenizer.decode(&s.response_ids)).collect::<Result<_>>()?;
+        let answers: Vec<String> = samples
+            .iter()
+            .map(|s| tokenizer.decode(&s.response_ids))
+            .collect::<rltune::models::Result<_>>()?;
         let refs: Vec<&str> = answers.iter().map(String::as_str).collect();
         let scores = exact_match_scores(&refs, &golds, Extract::FirstLine)?;
         let shown = problems

@@ -517,7 +517,7 @@ pub(crate) fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
     if let Some(parent) = path.parent() {
         std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
     }
-    rltune::io::write_bytes_atomic(path, bytes)
+    Ok(rltune::io::write_bytes_atomic(path, bytes)?)
 }
 
 /// `(text, label)` per line of `reviews.jsonl`.

@@ -51,7 +51,8 @@ impl ModelAgent<'_> {
         let prompts = states
             .iter()
             .map(|(s, memory)| {
-                self.template.fit(s, memory, self.max_prompt_tokens, |t| self.tokenizer.encode(t))
+                self.template
+                    .fit(s, memory, self.max_prompt_tokens, |t| Ok::<_, Error>(self.tokenizer.encode(t)?))
             })
             .collect::<Result<Vec<_>>>()?;
         let cfg = GenerationConfig {

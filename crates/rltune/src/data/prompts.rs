@@ -140,7 +140,7 @@ fn to_prompt(row: serde_json::Value, text_column: &str, at: &dyn Fn() -> String)
     let text = match obj.get(text_column) {
         Some(serde_json::Value::String(s)) => s.clone(),
         // A conversation (TRL's conversational format): rendered with the model's chat template
-        // when encoded (`crate::models::chat_template::encode_prompt`); `text` is its last message.
+        // when encoded ([`encode_prompt`]); `text` is its last message.
         Some(serde_json::Value::Array(msgs)) if crate::models::chat_template::is_conversation(msgs) => {
             let last =
                 msgs.last().and_then(|m| m.get("content")).and_then(|c| c.as_str()).unwrap_or_default();
@@ -310,6 +310,37 @@ pub fn truncate_to_sampled_length<'a>(
 ) -> &'a [u32] {
     let n = sampler.sample(rng);
     &ids[..n.min(ids.len())]
+}
+
+/// The chat template of the model `model` (a directory, GGUF file or hub id) when some row's
+/// `column` is a conversation; `None` when every prompt is text.
+pub fn template_if_needed(
+    rows: &[PromptRow],
+    column: &str,
+    model: &str,
+) -> Result<Option<crate::models::chat_template::ChatTemplate>> {
+    if !rows.iter().any(|r| r.meta.get(column).is_some_and(|v| v.is_array())) {
+        return Ok(None);
+    }
+    let files = crate::models::load::locate(model)?;
+    Ok(crate::models::chat_template::ChatTemplate::for_model_dir(&files.dir)?)
+}
+
+/// A prompt row's token ids: a conversation rendered with `template` (with the generation prompt)
+/// and tokenized without adding special tokens (the template writes them), as TRL's GRPO and RLOO
+/// trainers do; a text prompt tokenized as usual.
+pub fn encode_prompt(
+    row: &PromptRow,
+    column: &str,
+    tokenizer: &crate::tokenizer::Tokenizer,
+    template: Option<&crate::models::chat_template::ChatTemplate>,
+) -> Result<Vec<u32>> {
+    match row.meta.get(column) {
+        Some(conv @ serde_json::Value::Array(_)) => {
+            Ok(tokenizer.encode_with(&crate::models::chat_template::prompt_text(conv, template)?, false)?)
+        }
+        _ => Ok(tokenizer.encode(&row.text)?),
+    }
 }
 
 #[cfg(test)]

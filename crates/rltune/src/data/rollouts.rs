@@ -56,7 +56,7 @@ pub fn read_rollouts(path: &Path, tokenizer: Option<&Tokenizer>, vocab_size: usi
             match (ids, text) {
                 (Some(ids), None) => Ok(ids),
                 (None, Some(text)) => match tokenizer {
-                    Some(t) => t.encode(&text),
+                    Some(t) => Ok(t.encode(&text)?),
                     None => Err(at(format!(
                         "\"{field}\" is text but the model has no tokenizer.json; give \"{field}_ids\" instead"
                     ))),

@@ -83,7 +83,7 @@ impl Critic {
     ) -> Result<Tensor> {
         let hidden = hidden_states(&self.model.lm, ids, pos, bias, select)?;
         let hidden = if detach { hidden.detach() } else { hidden };
-        self.model.v_head.forward(&hidden)
+        Ok(self.model.v_head.forward(&hidden)?)
     }
 }
 

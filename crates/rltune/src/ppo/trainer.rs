@@ -686,9 +686,9 @@ pub(super) fn hidden_states(
         Some(sel) => {
             let flat = sel.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
             let rows: Vec<usize> = (0..flat.len()).filter(|&r| flat[r] != 0.0).collect();
-            lm.forward_rows(&inputs(ids)?, pos, bias, &rows)
+            Ok(lm.forward_rows(&inputs(ids)?, pos, bias, &rows)?)
         }
-        None => lm.forward(&inputs(ids)?, pos, bias, None),
+        None => Ok(lm.forward(&inputs(ids)?, pos, bias, None)?),
     }
 }
 

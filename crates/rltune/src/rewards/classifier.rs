@@ -267,7 +267,11 @@ mod tests {
     use std::path::Path;
 
     use super::*;
-    use crate::models::bert::tests::fixture_dir;
+
+    /// `tools/fixtures/models/<name>`.
+    fn fixture_dir(name: &str) -> std::path::PathBuf {
+        Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../../tools/fixtures/models")).join(name)
+    }
 
     /// A word-level tokenizer with BERT's post-processor over ids below the fixture's vocab (101):
     /// `[PAD]`=0, `[UNK]`=1, `[CLS]`=2, `[SEP]`=3, then `WORDS` from 4.

@@ -153,7 +153,7 @@ pub fn save_checkpoint(
             critic_adam_steps: trainer.critic().map(|c| c.optimizer().steps()),
         };
         let text = serde_json::to_string_pretty(&state).map_err(|e| Error::Input(e.to_string()))?;
-        write_bytes_atomic(&tmp.join("trainer_state.json"), text.as_bytes())
+        Ok(write_bytes_atomic(&tmp.join("trainer_state.json"), text.as_bytes())?)
     })
 }
 
@@ -291,10 +291,10 @@ pub(crate) fn save_group_checkpoint(
     files: &ModelFiles,
     state: &GroupTrainerState,
 ) -> Result<()> {
-    save_dir_atomic(dir, |tmp| {
+    save_dir_atomic(dir, |tmp: &Path| -> Result<()> {
         save_model(tmp, &core.store, config_json, files, state.optimizer_state.then_some(core.optimizer()))?;
         let text = serde_json::to_string_pretty(state).map_err(|e| Error::Input(e.to_string()))?;
-        write_bytes_atomic(&tmp.join("trainer_state.json"), text.as_bytes())
+        Ok(write_bytes_atomic(&tmp.join("trainer_state.json"), text.as_bytes())?)
     })
 }
 

@@ -513,11 +513,9 @@ pub(super) fn encode_prompts(
 ) -> Result<Vec<(Vec<u32>, PromptRow)>> {
     let rows = load_prompts(&config.data.source, &config.data.text_column, None)?;
     let column = &config.data.text_column;
-    let template = crate::models::chat_template::template_if_needed(&rows, column, &config.model.path)?;
+    let template = crate::data::prompts::template_if_needed(&rows, column, &config.model.path)?;
     rows.into_iter()
-        .map(|r| {
-            Ok((crate::models::chat_template::encode_prompt(&r, column, tokenizer, template.as_ref())?, r))
-        })
+        .map(|r| Ok((crate::data::prompts::encode_prompt(&r, column, tokenizer, template.as_ref())?, r)))
         .filter(|r: &Result<(Vec<u32>, PromptRow)>| r.as_ref().map_or(true, |(ids, _)| !ids.is_empty()))
         .collect()
 }

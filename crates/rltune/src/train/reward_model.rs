@@ -230,7 +230,7 @@ impl RewardModel {
     /// `AutoModelForSequenceClassification` load.
     pub fn save(&self, dir: &Path) -> Result<()> {
         save_pretrained(dir, &self.store, &self.config_json)?;
-        self.tokenizer.save(&dir.join("tokenizer.json"))
+        Ok(self.tokenizer.save(&dir.join("tokenizer.json"))?)
     }
 }
 
@@ -384,7 +384,7 @@ impl<'a> Scorer<'a> {
     fn logits(&self, rows: &[&[u32]]) -> Result<Tensor> {
         let rows: Vec<Vec<u32>> = rows.iter().map(|r| r.to_vec()).collect();
         let (ids, mask) = pad(&rows, self.pad_id, PaddingSide::Right);
-        self.model.forward(&Tensor::new(ids, &self.device)?, &mask)
+        Ok(self.model.forward(&Tensor::new(ids, &self.device)?, &mask)?)
     }
 }
 

@@ -60,7 +60,7 @@ fn chat_template_is_read_from_tokenizer_config() {
 /// (with the generation prompt) before tokenizing; text rows are tokenized as before.
 #[test]
 fn conversational_prompt_rows_are_rendered_with_the_chat_template() {
-    use rltune::models::chat_template::encode_prompt;
+    use rltune::data::prompts::encode_prompt;
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("prompts.jsonl");
     let rows =

@@ -56,7 +56,7 @@ pub fn assert_contains_all(msg: &str, parts: &[&str]) {
 }
 
 /// The error message of `res`, failing when it is not an error.
-pub fn err_msg<T>(res: rltune::Result<T>, what: &str) -> String {
+pub fn err_msg<T, E: std::fmt::Display>(res: Result<T, E>, what: &str) -> String {
     match res {
         Ok(_) => panic!("{what} should fail"),
         Err(e) => e.to_string(),

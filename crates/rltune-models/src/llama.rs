@@ -37,8 +37,8 @@ use super::layers::{
     attention, merge_heads, repeat_kv, split_heads, Activation, Embedding, KvCache, Linear, MASK_MIN,
 };
 use crate::error::{Error, Result};
-use crate::ops;
 use crate::params::{Init, Params};
+use rltune_kernels as ops;
 
 /// `config.json` of a Llama-family model.
 ///
@@ -722,9 +722,9 @@ mod tests {
     use rand::{Rng, SeedableRng};
 
     use super::*;
-    use crate::models::layers::{causal_bias, position_ids_from_mask};
-    use crate::models::{CausalLm, CausalLmConfig};
+    use crate::layers::{causal_bias, position_ids_from_mask};
     use crate::params::ParamStore;
+    use crate::{CausalLm, CausalLmConfig};
 
     fn fixture_dir(name: &str) -> PathBuf {
         PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../tools/fixtures/models")).join(name)

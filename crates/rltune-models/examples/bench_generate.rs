@@ -2,12 +2,12 @@
 //!
 //! Batch B = 16 prompts of 8 tokens, 24 new tokens each, `stop_at_eos: false`, so every run
 //! samples exactly 16 · 24 = 384 tokens. One warm-up run, then `--runs N` (default 5, at least 3)
-//! timed runs of [`rltune::generation::generate`]; prints the median and tokens/s, then one JSON
+//! timed runs of [`rltune_models::generation::generate`]; prints the median and tokens/s, then one JSON
 //! line (`"bench": "generate"`). `--batch N` changes B (the profile runs only at B = 16).
 //!
 //! Set `CANDLE_NUM_THREADS=1` to measure what the `rltune` binary runs (it sets that variable:
 //! candle's spinning element-wise pool otherwise takes cores from the matmul pool, see
-//! `rltune::cpu`); unset, candle's default is one element-wise thread per core.
+//! `rltune_kernels::cpu`); unset, candle's default is one element-wise thread per core.
 //!
 //! `--profile` then re-runs the same loop as `generate` with a timer around each phase (prefill,
 //! and per decode step: forward through the blocks, lm_head matmul, `to_vec2`, the sampler's
@@ -24,15 +24,15 @@ use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
 use rand::SeedableRng;
-use rltune::generation::sampler::{self, SamplerConfig};
-use rltune::generation::{generate, GenerationConfig};
-use rltune::models::gpt2::Gpt2Config;
-use rltune::models::layers::{
+use rltune_models::generation::sampler::{self, SamplerConfig};
+use rltune_models::generation::{generate, GenerationConfig};
+use rltune_models::gpt2::Gpt2Config;
+use rltune_models::layers::{
     attention, causal_bias, merge_heads, position_ids_from_mask, split_heads, Activation, Conv1D, LayerNorm,
 };
-use rltune::models::{CausalLm, CausalLmConfig};
-use rltune::params::{Init, ParamStore};
-use rltune::tokenizer::{pad, PaddingSide};
+use rltune_models::params::{Init, ParamStore};
+use rltune_models::tokenizer::{pad, PaddingSide};
+use rltune_models::{CausalLm, CausalLmConfig};
 
 /// Shape legend: B batch, P prompt length, N new tokens, C hidden, V vocabulary.
 const B: usize = 16;
@@ -41,7 +41,7 @@ const N: usize = 24;
 const C: usize = 768;
 const V: usize = 50257;
 
-fn main() -> rltune::Result<()> {
+fn main() -> rltune_models::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let profile = args.iter().any(|a| a == "--profile");
     let runs = args
@@ -86,7 +86,7 @@ fn main() -> rltune::Result<()> {
     let tps = (b_sz * N) as f64 / median;
     println!("generate: B={b_sz} prompt={P} new={N} ({} tokens/run), {runs} runs", b_sz * N);
     println!("median {median:.3} s, {tps:.1} tokens/s");
-    // candle's element-wise pool size; the `rltune` binary sets 1 (see `rltune::cpu`).
+    // candle's element-wise pool size; the `rltune` binary sets 1 (see `rltune_kernels::cpu`).
     let candle_threads = std::env::var("CANDLE_NUM_THREADS").unwrap_or_else(|_| "default".into());
     println!("CANDLE_NUM_THREADS={candle_threads}");
     let times_json: Vec<String> = times.iter().map(|t| format!("{t:.4}")).collect();
@@ -166,7 +166,7 @@ impl Profile {
     }
 }
 
-fn timed<T>(acc: &mut Duration, f: impl FnOnce() -> rltune::Result<T>) -> rltune::Result<T> {
+fn timed<T>(acc: &mut Duration, f: impl FnOnce() -> rltune_models::Result<T>) -> rltune_models::Result<T> {
     let t = Instant::now();
     let out = f();
     *acc += t.elapsed();
@@ -180,7 +180,7 @@ fn profiled_generate(
     gen: &GenerationConfig,
     dev: &Device,
     prof: &mut Profile,
-) -> rltune::Result<Vec<Vec<u32>>> {
+) -> rltune_models::Result<Vec<Vec<u32>>> {
     let start = Instant::now();
     let pad_id = lm.config().eos_token_ids()[0];
     let b = prompts.len();
@@ -238,7 +238,7 @@ fn profiled_generate(
 /// op, with the block's real weights; times 12 gives the blocks' share of a decode step. Also
 /// times the same matmuls with the weights stored `[out, in]` (nn.Linear layout) and multiplied
 /// through a transposed view, which is what `lm_head` does.
-fn block_breakdown(store: &ParamStore, runs: usize) -> rltune::Result<()> {
+fn block_breakdown(store: &ParamStore, runs: usize) -> rltune_models::Result<()> {
     let reps = runs.max(5) * 4;
     let dev = Device::Cpu;
     let h0 = store.root().pp("transformer").pp("h").pp(0);
@@ -248,7 +248,7 @@ fn block_breakdown(store: &ParamStore, runs: usize) -> rltune::Result<()> {
     let attn_proj = Conv1D::load(&h0.pp("attn").pp("c_proj"), C, C, 0.02)?;
     let c_fc = Conv1D::load(&h0.pp("mlp").pp("c_fc"), C, 4 * C, 0.02)?;
     let mlp_proj = Conv1D::load(&h0.pp("mlp").pp("c_proj"), 4 * C, C, 0.02)?;
-    let act = Activation::parse("gelu_new").map_err(rltune::Error::Input)?;
+    let act = Activation::parse("gelu_new").map_err(rltune_models::Error::Input)?;
     let (n_head, s) = (12, P + N / 2);
     let x = Tensor::randn(0f32, 1.0, (B, 1, C), &dev)?;
     let past_k = Tensor::randn(0f32, 1.0, (B, n_head, s - 1, C / n_head), &dev)?;
@@ -310,7 +310,7 @@ fn block_breakdown(store: &ParamStore, runs: usize) -> rltune::Result<()> {
         .map(|i| {
             Conv1D::load(&store.root().pp("transformer").pp("h").pp(i).pp("mlp").pp("c_fc"), C, 4 * C, 0.02)
         })
-        .collect::<rltune::Result<Vec<_>>>()?;
+        .collect::<rltune_models::Result<Vec<_>>>()?;
     let same = bench(reps, || (0..12).try_for_each(|_| c_fc.forward(&xn).map(|_| ())))?;
     let each = bench(reps, || fcs.iter().try_for_each(|fc| fc.forward(&xn).map(|_| ())))?;
     let gbs = 12.0 * (C * 4 * C * 4) as f64 / each / 1e9;
@@ -342,7 +342,7 @@ fn block_breakdown(store: &ParamStore, runs: usize) -> rltune::Result<()> {
 }
 
 /// Median seconds of `f` over `runs` calls (after one warm-up call).
-fn bench(runs: usize, mut f: impl FnMut() -> rltune::Result<()>) -> rltune::Result<f64> {
+fn bench(runs: usize, mut f: impl FnMut() -> rltune_models::Result<()>) -> rltune_models::Result<f64> {
     f()?;
     let mut times = Vec::with_capacity(runs);
     for _ in 0..runs {
@@ -361,7 +361,7 @@ fn alternatives(
     gen: &GenerationConfig,
     dev: &Device,
     runs: usize,
-) -> rltune::Result<()> {
+) -> rltune_models::Result<()> {
     let reps = runs.max(5) * 4;
     let ms = |s: f64| s * 1e3;
     // A realistic (B, 1, C) hidden state: the prefill's last position.
@@ -397,8 +397,8 @@ fn alternatives(
     println!("  to_vec2 of (B, V)                                         {:>8.2} ms", ms(t));
     let t = bench(reps, || Ok(logits_t.flatten_all()?.to_vec1::<f32>().map(|_| ())?))?;
     println!("  flatten_all + to_vec1 of (B, V) (one buffer)              {:>8.2} ms", ms(t));
-    let t = bench(reps, || Ok(rltune::ops::log_softmax_last_dim(&logits_t).map(|_| ())?))?;
-    println!("  log_softmax on the (B, V) tensor (rltune::ops, f32)       {:>8.2} ms", ms(t));
+    let t = bench(reps, || Ok(rltune_kernels::log_softmax_last_dim(&logits_t).map(|_| ())?))?;
+    println!("  log_softmax on the (B, V) tensor (rltune_models::ops, f32)       {:>8.2} ms", ms(t));
 
     let scfg = SamplerConfig { temperature: gen.temperature, top_k: gen.top_k, top_p: gen.top_p };
     let t = bench(reps, || {

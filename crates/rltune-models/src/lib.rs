@@ -1,8 +1,28 @@
-//! Transformer models, one file per Hugging Face `model_type`.
+//! rltune's models: transformers as Hugging Face writes them (one file per `model_type`),
+//! their weights (safetensors, GGUF, the hub), tokenizers and chat templates, and exact batched
+//! sampling with a KV cache. No RL here: the model zoo and its sampler, usable on their own.
+//!
+//! ```
+//! use rltune_models::generation::{generate, GenerationConfig};
+//! use rltune_models::{gpt2::Gpt2Config, CausalLm, CausalLmConfig};
+//! use rltune_models::params::ParamStore;
+//! use candle_core::{DType, Device};
+//!
+//! # fn main() -> rltune_models::Result<()> {
+//! let cfg = CausalLmConfig::Gpt2(Gpt2Config::tiny(64, 16, 1, 2, 32));
+//! let store = ParamStore::random(0, false, DType::F32, &Device::Cpu)?;
+//! let lm = CausalLm::load(&store.root(), &cfg)?;
+//! let gen = GenerationConfig { max_new_tokens: 5, seed: 1, ..Default::default() };
+//! let out = generate(&lm, None, &[vec![1, 2, 3], vec![4]], &gen, &Device::Cpu)?;
+//! assert_eq!(out[0].logprobs.len(), out[0].response_ids.len());
+//! # Ok(()) }
+//! ```
+//!
+//! # Models
 //!
 //! Every model returns hidden states and logits at **every** position and takes an **external**
 //! [`KvCache`] for incremental decoding. Every op on the training path has a backward pass (see
-//! [`crate::ops`]); each model's gradients are checked against finite differences (the
+//! [`rltune_kernels`]); each model's gradients are checked against finite differences (the
 //! `gradients_*` unit tests in `bert.rs`, `distilbert.rs` and `llama.rs`, and
 //! `tests/integration/gpt2.rs`'s `gpt2_gradients_match_finite_differences`).
 //!
@@ -15,26 +35,33 @@
 //! | `bert` | [`bert`] | reward model (sequence classification), embeddings |
 //! | `distilbert` | [`distilbert`] | reward model (sequence classification) |
 
+#![deny(missing_docs)]
+
 pub mod bert;
 pub mod chat_template;
 pub mod distilbert;
+pub mod error;
+pub mod generation;
 pub mod gguf;
 pub mod gpt2;
 pub mod gpt_neo;
 pub mod gpt_neox;
+pub mod io;
 pub mod layers;
 pub mod llama;
 pub mod load;
+pub mod params;
+pub mod tokenizer;
 pub mod value_head;
 
 use std::path::Path;
 
 use candle_core::Tensor;
 
+pub use error::{Error, Result};
 pub use layers::KvCache;
 pub use value_head::{CausalLmWithValueHead, ValueHead, ValueHeadKind, ValueHeadSpec};
 
-use crate::error::{Error, Result};
 use crate::params::Params;
 
 /// Causal LM `model_type`s rltune implements.

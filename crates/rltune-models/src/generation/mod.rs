@@ -20,9 +20,9 @@ use rayon::prelude::*;
 pub use sampler::SamplerConfig;
 
 use crate::error::{Error, Result};
-use crate::models::layers::causal_bias;
-use crate::models::{CausalLm, ValueHead};
+use crate::layers::causal_bias;
 use crate::tokenizer::{pad, PaddingSide};
+use crate::{CausalLm, ValueHead};
 
 /// Generation settings.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -164,7 +164,7 @@ pub fn generate_with(
         );
     }
     check_prompts(prompts, lm.vocab_size())?;
-    let _awake = device.is_cpu().then(crate::cpu::keep_pool_awake);
+    let _awake = device.is_cpu().then(rltune_kernels::cpu::keep_pool_awake);
     let eos =
         if cfg.eos_token_ids.is_empty() { lm.config().eos_token_ids() } else { cfg.eos_token_ids.clone() };
     let pad_id = cfg.pad_token_id.or(lm.config().pad_token_id()).or(eos.first().copied()).unwrap_or(0);
@@ -196,11 +196,11 @@ pub fn generate_with(
     let mut next_pos: Vec<u32> = mask.iter().map(|m| m.iter().map(|&x| x as u32).sum()).collect();
 
     let input = Tensor::new(ids, device)?;
-    let positions = crate::models::layers::position_ids_from_mask(&mask, device)?;
+    let positions = crate::layers::position_ids_from_mask(&mask, device)?;
     let bias = causal_bias(&mask, prompt_len, DType::F32, device)?;
     let mut hidden = lm.forward(&input, &positions, &bias, Some(&mut cache))?;
     // Every decoding step multiplies the same weights by B rows: pack them once.
-    let _packed = crate::ops::gemm::pack_scope(&lm.weight_matrices());
+    let _packed = rltune_kernels::gemm::pack_scope(&lm.weight_matrices());
     for step in 0..cfg.max_new_tokens {
         // The last position's hidden state (B, 1, C), then its logits (B, V), read in place: each
         // row is copied once, by the task that samples it.
@@ -273,7 +273,7 @@ fn sample_on_host(
     let draws: Vec<Option<f64>> = done.iter().map(|&d| (!d).then(|| rng.gen::<f64>())).collect();
     let sampler_cfg = cfg.sampler();
     let pure = cfg.top_k == 0 && cfg.top_p >= 1.0;
-    let picked = crate::ops::with_f32(&logits, "generation: logits", |logits| {
+    let picked = rltune_kernels::with_f32(&logits, "generation: logits", |logits| {
         draws
             .par_iter()
             .zip(logits.par_chunks(vocab.max(1)))

@@ -435,7 +435,7 @@ impl GptNeoX {
     /// `(B, T, C) -> (B, T, V)`
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
         hidden.dims3()?;
-        Ok(crate::ops::linear(hidden, &self.embed_out, None)?)
+        Ok(rltune_kernels::linear(hidden, &self.embed_out, None)?)
     }
 }
 

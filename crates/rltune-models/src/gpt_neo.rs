@@ -377,7 +377,7 @@ impl GptNeo {
     /// `(B, T, C) -> (B, T, V)`
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
         hidden.dims3()?;
-        Ok(crate::ops::linear(hidden, &self.lm_head, None)?)
+        Ok(rltune_kernels::linear(hidden, &self.lm_head, None)?)
     }
 }
 

@@ -102,7 +102,7 @@ pub fn sample_pure(logits: &[f32], temperature: f64, banned: &[u32], u: f64) -> 
         }
     }
     let t = if temperature > 0.0 { temperature } else { 1.0 };
-    crate::ops::exp_row_f32(&mut row, t as f32);
+    rltune_kernels::exp_row_f32(&mut row, t as f32);
     // The total in the scan's own f64 arithmetic (an f32 sum is off by ~1e-6, which would move
     // the target across a CDF step in one draw out of twenty at GPT-2's vocabulary).
     let mut lanes = [0f64; 4];

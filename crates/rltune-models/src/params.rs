@@ -122,7 +122,7 @@ impl ParamStore {
         Ok(store)
     }
 
-    /// Loads one or more safetensors files (or a GGUF file, see [`crate::models::gguf`]) into a store.
+    /// Loads one or more safetensors files (or a GGUF file, see [`crate::gguf`]) into a store.
     pub fn load_safetensors(
         files: &[PathBuf],
         trainable: bool,
@@ -131,9 +131,9 @@ impl ParamStore {
     ) -> Result<Self> {
         let mut map = HashMap::new();
         for f in files {
-            if crate::models::gguf::is_gguf(f) {
+            if crate::gguf::is_gguf(f) {
                 // A GGUF file: dequantized to f32 under transformers' names, then cast below.
-                map.extend(crate::models::gguf::load_tensors(f)?);
+                map.extend(crate::gguf::load_tensors(f)?);
                 continue;
             }
             let ts = candle_core::safetensors::load(f, &Device::Cpu).map_err(|e| {

@@ -271,10 +271,12 @@ pub fn save_pretrained(dir: &Path, store: &ParamStore, config_json: &serde_json:
     })
 }
 
-/// Fills a fresh temporary directory with `fill`, then moves it to `dir` (replacing it).
-pub fn save_dir_atomic<F>(dir: &Path, fill: F) -> Result<()>
+/// Fills a fresh temporary directory with `fill`, then moves it to `dir` (replacing it). `E`
+/// is the caller's error type: `fill`'s errors come back as they are.
+pub fn save_dir_atomic<F, E>(dir: &Path, fill: F) -> std::result::Result<(), E>
 where
-    F: FnOnce(&Path) -> Result<()>,
+    F: FnOnce(&Path) -> std::result::Result<(), E>,
+    E: From<Error>,
 {
     let parent = dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;

@@ -6,21 +6,23 @@ use crate::error::{Error, Result};
 
 /// Writes a file through `write(tmp_path)`, then renames it over `path`.
 ///
-/// A crash mid-write leaves the old file (or none), never a truncated one.
-pub fn write_atomic<F>(path: &Path, write: F) -> Result<()>
+/// A crash mid-write leaves the old file (or none), never a truncated one. `E` is the caller's
+/// error type: `write`'s errors come back as they are.
+pub fn write_atomic<F, E>(path: &Path, write: F) -> std::result::Result<(), E>
 where
-    F: FnOnce(&Path) -> Result<()>,
+    F: FnOnce(&Path) -> std::result::Result<(), E>,
+    E: From<Error>,
 {
     let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     let name = path.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
     let tmp: PathBuf = dir.join(format!(".{name}.tmp-{}", std::process::id()));
-    let res = write(&tmp).and_then(|()| plain_file_mode(&tmp));
+    let res = write(&tmp).and_then(|()| Ok(plain_file_mode(&tmp)?));
     if res.is_err() {
         let _ = std::fs::remove_file(&tmp);
         return res;
     }
-    std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))
+    Ok(std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))?)
 }
 
 /// Gives `path` the mode a new plain file gets under the process umask (`0666 & !umask`), as

@@ -29,8 +29,8 @@ use rand::{Rng, SeedableRng};
 
 use super::sampler;
 use crate::error::{Error, Result};
-use crate::models::layers::{causal_bias, position_ids_from_mask};
-use crate::models::CausalLm;
+use crate::layers::{causal_bias, position_ids_from_mask};
+use crate::CausalLm;
 
 /// The token trie of a list of commands, each a token sequence ending in its end token.
 #[derive(Debug, Clone)]
@@ -266,8 +266,8 @@ pub fn generate_admissible(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::models::{gpt2::Gpt2Config, CausalLmConfig};
     use crate::params::ParamStore;
+    use crate::{gpt2::Gpt2Config, CausalLmConfig};
 
     fn tiny_lm() -> CausalLm {
         let cfg = CausalLmConfig::Gpt2(Gpt2Config::tiny(40, 16, 2, 2, 32));

@@ -299,37 +299,6 @@ pub fn is_conversation(msgs: &[serde_json::Value]) -> bool {
     !msgs.is_empty() && msgs.iter().all(|m| m.get("role").is_some_and(|r| r.is_string()))
 }
 
-/// The chat template of the model `model` (a directory, GGUF file or hub id) when some row's
-/// `column` is a conversation; `None` when every prompt is text.
-pub fn template_if_needed(
-    rows: &[crate::data::prompts::PromptRow],
-    column: &str,
-    model: &str,
-) -> Result<Option<ChatTemplate>> {
-    if !rows.iter().any(|r| r.meta.get(column).is_some_and(|v| v.is_array())) {
-        return Ok(None);
-    }
-    let files = super::load::locate(model)?;
-    ChatTemplate::for_model_dir(&files.dir)
-}
-
-/// A prompt row's token ids: a conversation rendered with `template` (with the generation prompt)
-/// and tokenized without adding special tokens (the template writes them), as TRL's GRPO and RLOO
-/// trainers do; a text prompt tokenized as usual.
-pub fn encode_prompt(
-    row: &crate::data::prompts::PromptRow,
-    column: &str,
-    tokenizer: &crate::tokenizer::Tokenizer,
-    template: Option<&ChatTemplate>,
-) -> Result<Vec<u32>> {
-    match row.meta.get(column) {
-        Some(conv @ serde_json::Value::Array(_)) => {
-            tokenizer.encode_with(&prompt_text(conv, template)?, false)
-        }
-        _ => tokenizer.encode(&row.text),
-    }
-}
-
 /// `{"role": "user", "content": text}` as a one-message conversation.
 pub fn user_message(text: &str) -> serde_json::Value {
     json!([{"role": "user", "content": text}])

@@ -360,10 +360,10 @@ mod tests {
     use candle_core::{DType, Device, Tensor};
 
     use super::*;
-    use crate::models::bert::tests::{
+    use crate::bert::tests::{
         check_gradients, load_fixture, mask_rows, masked_max_abs_diff, max_abs_diff, projection, tiny_batch,
     };
-    use crate::models::bert::{sentence_embedding, SequenceClassifierConfig};
+    use crate::bert::{sentence_embedding, SequenceClassifierConfig};
     use crate::params::ParamStore;
 
     #[test]

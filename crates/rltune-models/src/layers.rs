@@ -6,9 +6,9 @@
 use candle_core::{Device, Tensor, D};
 
 use crate::error::{Error, Result};
-use crate::ops;
-pub use crate::ops::{causal_bias, padding_bias, MASK_MIN};
 use crate::params::{Init, Params};
+use rltune_kernels as ops;
+pub use rltune_kernels::{causal_bias, padding_bias, MASK_MIN};
 
 /// `nn.Linear`: weight `[out, in]`, optional bias `[out]`.
 #[derive(Debug, Clone)]

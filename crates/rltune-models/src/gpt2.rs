@@ -14,8 +14,8 @@ use serde::{Deserialize, Serialize};
 
 use super::layers::{attention, merge_heads, split_heads, Activation, Conv1D, Embedding, KvCache, LayerNorm};
 use crate::error::{Error, Result};
-use crate::ops;
 use crate::params::Params;
+use rltune_kernels as ops;
 
 /// `config.json` of a GPT-2 model; defaults are transformers' `GPT2Config` defaults.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -163,7 +163,10 @@ impl Attention {
             // Training and scoring: one fused op (no per-head copies in the graph).
             return self.c_proj.forward(&ops::self_attention(&qkv, bias, self.n_head, self.scale)?);
         };
-        if crate::ops::cpu_kernels(qkv.device()) && qkv.dtype() == DType::F32 && bias.dtype() == DType::F32 {
+        if rltune_kernels::cpu_kernels(qkv.device())
+            && qkv.dtype() == DType::F32
+            && bias.dtype() == DType::F32
+        {
             // Generation: keys and values appended in place, no concatenation or head copies.
             let y = ops::cached_self_attention(&qkv, bias, cache.block_mut(layer)?, self.n_head, self.scale)?;
             return self.c_proj.forward(&y);
@@ -371,7 +374,7 @@ impl Gpt2 {
     /// `(B, T, C) -> (B, T, V)`
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
         hidden.dims3()?;
-        Ok(crate::ops::linear(hidden, &self.lm_head, None)?)
+        Ok(rltune_kernels::linear(hidden, &self.lm_head, None)?)
     }
 }
 
@@ -380,9 +383,9 @@ mod tests {
     use candle_core::{Device, Var};
 
     use super::*;
-    use crate::models::layers::{causal_bias, position_ids_from_mask};
-    use crate::optim::Grads;
+    use crate::layers::{causal_bias, position_ids_from_mask};
     use crate::params::ParamStore;
+    use rltune_kernels::optim::Grads;
 
     /// Ids, positions and bias for two rows, the second right-padded by two.
     fn inputs(dev: &Device) -> (Tensor, Tensor, Tensor) {

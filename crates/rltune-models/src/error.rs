@@ -1,0 +1,101 @@
+//! The models' error type.
+//!
+//! Every variant carries what a user needs to fix the problem: the file, the field or the row,
+//! and (where there is one) the fix. The CLI prints the whole chain with `anyhow`.
+
+use std::path::PathBuf;
+
+/// Errors returned by the models, their loaders, the tokenizer and the sampler.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A tensor operation failed inside candle.
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+
+    /// Reading or writing a file failed.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file or directory involved.
+        path: PathBuf,
+        /// The underlying I/O error.
+        source: std::io::Error,
+    },
+
+    /// A JSON or TOML file could not be parsed, or a field in it is missing or invalid.
+    #[error("{path}: {msg}")]
+    Config {
+        /// The file that holds the bad field.
+        path: PathBuf,
+        /// What is wrong, naming the field, and how to fix it.
+        msg: String,
+    },
+
+    /// A model's weights do not match what its config describes.
+    #[error("{path}: {msg}")]
+    Weights {
+        /// The weight file (or directory) involved.
+        path: PathBuf,
+        /// What is wrong, naming the tensor.
+        msg: String,
+    },
+
+    /// The model type named in config.json is not one rltune implements.
+    #[error("{path}: unsupported model_type {model_type:?}; supported: {supported}")]
+    UnsupportedModel {
+        /// The config.json that named it.
+        path: PathBuf,
+        /// The `model_type` found.
+        model_type: String,
+        /// Comma-separated list of supported types.
+        supported: String,
+    },
+
+    /// Input data (prompts, rollouts, datasets) is invalid; the message names the row or field.
+    #[error("{0}")]
+    Input(String),
+
+    /// The tokenizer failed or does not fit the model.
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+
+    /// A model could not be obtained from the Hugging Face hub.
+    #[error("{0}")]
+    Hub(String),
+
+    /// What was asked needs hardware or a build feature that this machine or build lacks; the
+    /// message names it and the alternative.
+    #[error("{0}")]
+    Unsupported(String),
+}
+
+impl From<rltune_kernels::Error> for Error {
+    fn from(e: rltune_kernels::Error) -> Self {
+        match e {
+            rltune_kernels::Error::Candle(e) => Error::Candle(e),
+            rltune_kernels::Error::Unsupported(msg) => Error::Unsupported(msg),
+            e @ (rltune_kernels::Error::StateMismatch(_) | rltune_kernels::Error::GradsMismatch(_)) => {
+                Error::Input(e.to_string())
+            }
+        }
+    }
+}
+
+/// Shorthand for `std::result::Result<T, rltune_models::Error>`.
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl Error {
+    /// An [`Error::Io`] for `path`.
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io { path: path.into(), source }
+    }
+
+    /// An [`Error::Config`] for `path`.
+    pub fn config(path: impl Into<PathBuf>, msg: impl Into<String>) -> Self {
+        Error::Config { path: path.into(), msg: msg.into() }
+    }
+
+    /// An [`Error::Weights`] for `path`.
+    pub fn weights(path: impl Into<PathBuf>, msg: impl Into<String>) -> Self {
+        Error::Weights { path: path.into(), msg: msg.into() }
+    }
+}
