@@ -8,6 +8,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
+use rltune::config_file::parse_toml;
 use rltune::dpo::data::{prepare_pairs, read_preference_records, PreferencePair};
 use rltune::dpo::run::train;
 use rltune::dpo::{DpoConfig, DpoTrainer};
@@ -16,7 +17,6 @@ use rltune::models::load::{copy_side_files, locate, read_config_json, save_dir_a
 use rltune::models::{CausalLm, CausalLmConfig};
 use rltune::params::ParamStore;
 use rltune::ppo::Stat;
-use rltune::run::config::parse_toml;
 use rltune::runtime::{Runtime, RuntimeSection};
 use rltune::tokenizer::Tokenizer;
 use serde::Deserialize;

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::path::Path;
 
 use anyhow::{Context, Result};
-use rltune::run::config::parse_toml;
+use rltune::config_file::parse_toml;
 use rltune::run::config::AlgorithmKind;
 use rltune_cli::tasks::{
     run_agent_quickstart, run_arithmetic_quickstart, run_quickstart, AdventureQuickstartConfig, AgentGames,

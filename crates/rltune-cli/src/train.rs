@@ -8,7 +8,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
-use rltune::run::config::parse_toml;
+use rltune::config_file::parse_toml;
 use rltune::runtime::RuntimeSection;
 use rltune::train::data::{read_reward_records, read_sft_records};
 use rltune::train::reward_model::{self, RewardConfig, RewardModel};

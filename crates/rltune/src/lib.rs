@@ -36,8 +36,10 @@
 #![deny(missing_docs)]
 
 pub mod agent;
+pub mod config_file;
 pub mod data;
 pub mod dpo;
+pub mod engine;
 pub mod error;
 pub mod grpo;
 pub mod logging;

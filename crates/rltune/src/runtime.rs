@@ -169,7 +169,7 @@ impl RuntimeSection {
                 toml::Value::Table(t.clone()).try_into().map_err(|e: toml::de::Error| {
                     Error::config(
                         path,
-                        format!("[runtime]: {}", crate::run::config::suggest_unknown_key(&e.to_string())),
+                        format!("[runtime]: {}", crate::config_file::suggest_unknown_key(&e.to_string())),
                     )
                 })
             }

@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use rltune::engine::{Stat, Stats};
 use rltune::logging::{RunLogger, SampleRow};
-use rltune::ppo::stats::{Stat, Stats};
 
 const STEPS: usize = 20;
 const BATCH: usize = 32;

@@ -27,13 +27,13 @@ use serde::{Deserialize, Serialize};
 use super::bpe::{train_bpe, EOS_TOKEN};
 use super::corpus::generate_corpus;
 use rltune::data::prompts::LengthSampler;
+use rltune::engine::stats::mean_std;
 use rltune::error::{Error, Result};
 use rltune::generation::{generate, GenerationConfig};
 use rltune::models::distilbert::DistilBertConfig;
 use rltune::models::gpt2::Gpt2Config;
 use rltune::models::load::load_policy;
 use rltune::params::ParamStore;
-use rltune::ppo::stats::mean_std;
 use rltune::ppo::PpoConfig;
 use rltune::rewards::{
     ClassifierOutput, ClassifierReward, ClassifierRewardConfig, RewardInput, RewardSource,

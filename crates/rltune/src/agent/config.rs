@@ -126,7 +126,7 @@ impl EnvConfig {
     /// `bridge`, and `python` when it is a path) are resolved against the file's folder.
     pub fn load(path: &Path, overrides: &[String]) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-        let mut cfg: Self = crate::run::config::parse_toml(&text, path, overrides)?;
+        let mut cfg: Self = crate::config_file::parse_toml(&text, path, overrides)?;
         cfg.env.resolve_paths(path.parent().unwrap_or(Path::new(".")));
         cfg.env.validate().map_err(|m| Error::config(path, m))?;
         Ok(cfg)

@@ -13,8 +13,8 @@ use rand::SeedableRng;
 use super::config::DpoConfig;
 use super::data::PreferencePair;
 use super::trainer::DpoTrainer;
+use crate::engine::Stats;
 use crate::error::{Error, Result};
-use crate::ppo::Stats;
 
 /// The optimizer steps of one epoch: indices into the pairs, grouped into micro-batches.
 pub fn epoch_plan(cfg: &DpoConfig, n_pairs: usize, rng: &mut rand::rngs::StdRng) -> Vec<Vec<Vec<usize>>> {

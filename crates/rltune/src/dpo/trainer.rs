@@ -22,13 +22,13 @@ use candle_core::{DType, Tensor, D};
 use super::config::{DpoConfig, TruncationMode};
 use super::data::PreferencePair;
 use super::loss::{batch_loss, LossParams, PairLogps};
+use crate::engine::{Stat, Stats};
 use crate::error::{Error, Result};
 use crate::grpo::core::Core;
 use crate::models::layers::causal_bias;
 use crate::models::CausalLm;
 use crate::ops;
 use crate::params::ParamStore;
-use crate::ppo::{Stat, Stats};
 use crate::tokenizer::{pad, PaddingSide};
 
 /// Prompt+completion as TRL's collator truncates it: the sequence and its completion mask.

@@ -11,9 +11,9 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
+use crate::config_file::closest;
+use crate::engine::schedule::{LrSchedule, ScheduleKind};
 use crate::error::{Error, Result};
-use crate::ppo::config::closest;
-use crate::train::schedule::{LrSchedule, ScheduleKind};
 
 /// GRPO's loss aggregation (`loss_type`). TRL `_compute_loss`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -13,13 +13,13 @@ use candle_core::{DType, Device, Tensor};
 
 use super::config::OptimArgs;
 use super::math::{nanmean, nanstd};
+use crate::engine::{Stat, Stats};
 use crate::error::{Error, Result};
 use crate::models::layers::causal_bias;
 use crate::models::CausalLm;
 use crate::ops;
 use crate::optim::{Adam, AdamConfig, Grads};
 use crate::params::ParamStore;
-use crate::ppo::{Stat, Stats};
 use crate::tokenizer::{pad, PaddingSide};
 
 /// The rewards of a batch: one column per reward function, NaN where a function gave none

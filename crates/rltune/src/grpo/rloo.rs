@@ -15,10 +15,10 @@ use super::core::{
     generation_stats, reference_or_frozen_policy, rows, weights_or_ones, Core, GroupBatch, RewardTable,
 };
 use super::math::{self, nanmax, nanmean, nanmin};
+use crate::engine::{Stat, Stats};
 use crate::error::{Error, Result};
 use crate::models::CausalLm;
 use crate::params::ParamStore;
-use crate::ppo::{Stat, Stats};
 
 /// TRL's `RLOOTrainer`, one generation batch per [`RlooTrainer::step`].
 pub struct RlooTrainer {

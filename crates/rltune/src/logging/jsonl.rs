@@ -18,8 +18,8 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 
 use super::SampleRow;
+use crate::engine::stats::{Stat, Stats};
 use crate::error::{Error, Result};
-use crate::ppo::stats::{Stat, Stats};
 
 /// One step's metrics as logged: the flattened form of a [`Stats`] map.
 #[derive(Debug, Clone, Default, PartialEq)]

@@ -44,8 +44,8 @@ pub mod tfrecord;
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
+use crate::engine::stats::Stats;
 use crate::error::{Error, Result};
-use crate::ppo::stats::Stats;
 use jsonl::{JsonlWriter, MetricRow};
 use tensorboard::{EventWriter, Histogram, SummaryValue};
 
@@ -279,8 +279,8 @@ mod history_tests {
         let dir = tempfile::tempdir().unwrap();
         let mut log = RunLogger::create(dir.path(), None).unwrap();
         let mut stats = Stats::new();
-        stats.insert("env/reward_mean".into(), crate::ppo::Stat::Scalar(1.0));
-        stats.insert("ppo/loss/total".into(), crate::ppo::Stat::Scalar(2.0));
+        stats.insert("env/reward_mean".into(), crate::engine::Stat::Scalar(1.0));
+        stats.insert("ppo/loss/total".into(), crate::engine::Stat::Scalar(2.0));
         let sample = SampleRow { query: "q".into(), response: "r".into(), reward: 1.0 };
         for step in 1..=3 * REPORT_ROWS_MAX {
             log.log_step(step, &stats, std::slice::from_ref(&sample)).unwrap();

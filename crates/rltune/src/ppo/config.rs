@@ -6,6 +6,7 @@
 use std::path::Path;
 
 use super::math::KlPenalty;
+use crate::config_file::closest;
 use crate::error::{Error, Result};
 use crate::models::{ValueHeadKind, ValueHeadSpec};
 
@@ -274,29 +275,6 @@ fn with_suggestion(msg: &str) -> String {
         Some(best) => format!("unknown key {name:?}; did you mean {best:?}?"),
         None => format!("unknown key {name:?}; valid keys: {}", FIELDS.join(", ")),
     }
-}
-
-/// The candidate with the smallest edit distance, if it is close enough to be a typo.
-pub fn closest<'a>(name: &str, candidates: &[&'a str]) -> Option<&'a str> {
-    candidates
-        .iter()
-        .map(|c| (levenshtein(name, c), *c))
-        .min()
-        .filter(|(d, c)| *d <= 3.max(c.len() / 3))
-        .map(|(_, c)| c)
-}
-
-fn levenshtein(a: &str, b: &str) -> usize {
-    let b: Vec<char> = b.chars().collect();
-    let mut prev: Vec<usize> = (0..=b.len()).collect();
-    for (i, ca) in a.chars().enumerate() {
-        let mut cur = vec![i + 1; b.len() + 1];
-        for (j, cb) in b.iter().enumerate() {
-            cur[j + 1] = (prev[j] + usize::from(ca != *cb)).min(prev[j + 1] + 1).min(cur[j] + 1);
-        }
-        prev = cur;
-    }
-    prev[b.len()]
 }
 
 #[cfg(test)]

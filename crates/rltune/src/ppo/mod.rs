@@ -5,18 +5,16 @@
 //! - [`kl_control`]: fixed and adaptive KL controllers.
 //! - [`trainer`]: the trainer and its `step`.
 //! - [`critic`]: an optional separate critic (value model) with its own optimizer.
-//! - [`stats`]: the stats map under TRL's key names.
 
 pub mod config;
 pub mod critic;
 pub mod kl_control;
 pub mod math;
-pub mod stats;
 pub mod trainer;
 
+pub use crate::engine::stats::{Stat, Stats};
 pub use config::PpoConfig;
 pub use critic::Critic;
 pub use kl_control::KlController;
 pub use math::KlPenalty;
-pub use stats::{Stat, Stats};
 pub use trainer::{PpoTrainer, RolloutCache, RunningMoments, StepInput, TrainerStreams};

@@ -32,7 +32,7 @@ use super::config::PpoConfig;
 use super::critic::Critic;
 use super::kl_control::KlController;
 use super::math::{self, KlPenalty};
-use super::stats::{Stat, Stats};
+use crate::engine::{Stat, Stats};
 use crate::error::{Error, Result};
 use crate::models::layers::causal_bias;
 use crate::models::{CausalLm, CausalLmWithValueHead};

@@ -20,12 +20,12 @@ use super::config::{EpisodesSection, RunConfig};
 use crate::agent::config::{EnvSection, Split};
 use crate::agent::model_agent::ModelAgent;
 use crate::agent::rollout::{collect_episodes, RolloutConfig, Transition};
+use crate::engine::{Stat, Stats};
 use crate::envs::play::{play, Episode, PlayReport, PromptTemplate};
 use crate::envs::{Reset, TextEnv};
 use crate::error::{Error, Result};
 use crate::generation::GenerationConfig;
 use crate::models::CausalLmWithValueHead;
-use crate::ppo::{Stat, Stats};
 use crate::tokenizer::Tokenizer;
 
 /// The most rounds of episodes one step plays before it gives up (a policy whose every turn is

@@ -21,12 +21,12 @@ use super::config::{AlgorithmKind, RewardSourceConfig, RunConfig};
 use super::episodes::{add_episode_stats, add_eval_stats, EpisodeSource};
 use crate::agent::rollout::rebootstrap;
 use crate::data::prompts::{load_prompts, LengthSampler, PromptRow};
+use crate::engine::stats::mean_std;
 use crate::error::{Error, Result};
 use crate::generation::{generate, GenerationConfig, Sample};
 use crate::logging::{RunLogger, SampleRow};
 use crate::models::load::{load_policy_with, load_reference, LoadedPolicy};
 use crate::models::CausalLm;
-use crate::ppo::stats::mean_std;
 use crate::ppo::{PpoTrainer, RolloutCache, Stat, StepInput};
 use crate::rewards::{
     exact_match_reward, ClassifierReward, ClassifierRewardConfig, CommandReward, RewardInput, RewardSource,
@@ -353,7 +353,7 @@ impl PpoRun {
                 self.skipped
             );
             // The step still gets a metrics line, holding the skip count and the rollout times.
-            let mut stats = crate::ppo::Stats::new();
+            let mut stats = crate::engine::Stats::new();
             stats.insert("rltune/skipped_batches".into(), Stat::Scalar(self.skipped as f64));
             stats.insert("time/rollout/generation".into(), Stat::Scalar(time_gen));
             stats.insert("time/rollout/reward".into(), Stat::Scalar(time_reward));
@@ -405,7 +405,7 @@ impl PpoRun {
 
     /// On text games, after `step` (from 0) when `eval_every` says so: the policy on held-out
     /// games (`eval/*`).
-    fn eval_if_due(&self, step: usize, stats: &mut crate::ppo::Stats) -> Result<()> {
+    fn eval_if_due(&self, step: usize, stats: &mut crate::engine::Stats) -> Result<()> {
         let Source::Games(games) = &self.source else { return Ok(()) };
         if games.eval_due(step + 1) {
             let t = Instant::now();
@@ -545,7 +545,7 @@ fn decode(tokenizer: &Tokenizer, samples: &[Sample]) -> Result<Vec<(String, Stri
 /// TRL `log_stats`'s `env/*` keys, plus rltune's: mean logprobs of policy and reference over the
 /// response tokens (`logprobs[i]` holds sample i's), rollout phase times, skipped batches.
 fn add_env_stats(
-    stats: &mut crate::ppo::Stats,
+    stats: &mut crate::engine::Stats,
     logprobs: &[&[f32]],
     scores: &[f32],
     queries: &[Vec<u32>],

@@ -4,7 +4,7 @@
 //! - [`reward_model`]: a BERT/DistilBERT sequence classifier trained with cross-entropy on
 //!   labelled texts, or with the Bradley–Terry loss on preference pairs (TRL's `RewardTrainer`).
 //! - [`runner`]: the loop they share: seeded eval split and shuffles, gradient accumulation with
-//!   token-weighted losses, clipping, Adam, warm-up and decay ([`schedule`]), periodic eval and
+//!   token-weighted losses, clipping, Adam, warm-up and decay ([`crate::engine::schedule`]), periodic eval and
 //!   a progress callback.
 //! - [`data`]: reading the example files.
 //!
@@ -15,8 +15,7 @@
 pub mod data;
 pub mod reward_model;
 pub mod runner;
-pub mod schedule;
 pub mod sft;
 
+pub use crate::engine::schedule::{LrSchedule, ScheduleKind};
 pub use runner::{EvalResult, TrainProgress, TrainSummary, TrainingArgs};
-pub use schedule::{LrSchedule, ScheduleKind};

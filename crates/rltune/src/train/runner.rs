@@ -23,7 +23,7 @@ use rand::SeedableRng;
 use serde::{Deserialize, Serialize};
 
 use super::data::split_eval;
-use super::schedule::{warmup_steps, LrSchedule, ScheduleKind};
+use crate::engine::schedule::{warmup_steps, LrSchedule, ScheduleKind};
 use crate::error::{Error, Result};
 use crate::optim::{Adam, AdamConfig, Grads};
 use crate::params::ParamStore;

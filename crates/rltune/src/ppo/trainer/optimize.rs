@@ -6,10 +6,10 @@ use candle_core::{DType, Tensor};
 use rand::seq::SliceRandom;
 
 use super::{flat, matrix, Batch, PpoTrainer, Rollout, StepInput};
+use crate::engine::stats::{mean_std, Stat, Stats};
 use crate::error::Result;
 use crate::optim::{Adam, FusedStep, Grads};
 use crate::ppo::math::{self, scalar};
-use crate::ppo::stats::{mean_std, Stat, Stats};
 
 /// Why a minibatch ran no backward.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -4,10 +4,10 @@
 use std::time::Instant;
 
 use super::{add_env_stats, decode, PpoRun, Source, StepReport};
+use crate::engine::{Stat, Stats};
 use crate::error::{Error, Result};
 use crate::generation::{generate, GenerationConfig};
 use crate::logging::SampleRow;
-use crate::ppo::{Stat, Stats};
 use crate::rejection::{batch_response_logprobs, returns_to_go, select_top, Per};
 use crate::rewards::RewardInput;
 use crate::run::episodes::add_episode_stats;

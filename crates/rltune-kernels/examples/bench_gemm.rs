@@ -1,4 +1,4 @@
-//! GFLOP/s of `rltune::ops::matmul` (the AVX-512 or AVX2 SGEMM of `ops/gemm`) against candle's
+//! GFLOP/s of `rltune_kernels::matmul` (the AVX-512 or AVX2 SGEMM of `gemm`) against candle's
 //! `Tensor::matmul`, f32 on the CPU, for the shapes of a PPO step on the `small` preset.
 //!
 //! Each shape `M×K×N` (`(M, K)·(K, N)`) runs for at least 0.3 s after one warm-up call; the
@@ -58,7 +58,7 @@ fn gflops(flops: f64, mut f: impl FnMut()) -> f64 {
 }
 
 fn main() -> candle_core::Result<()> {
-    rltune::cpu::flush_denormals();
+    rltune_kernels::cpu::flush_denormals();
     let args: Vec<String> = std::env::args().collect();
     let trans = args.iter().any(|a| a == "--trans");
     let trans_a = args.iter().any(|a| a == "--trans-a");
@@ -80,7 +80,7 @@ fn main() -> candle_core::Result<()> {
         None => SHAPES.to_vec(),
     };
     if std::env::args().any(|a| a == "--bf16") {
-        rltune::ops::set_matmul_precision(rltune::ops::MatmulPrecision::Bf16).expect("bf16");
+        rltune_kernels::set_matmul_precision(rltune_kernels::MatmulPrecision::Bf16).expect("bf16");
     }
     let threads = rayon::current_num_threads();
     println!(
@@ -112,13 +112,13 @@ fn main() -> candle_core::Result<()> {
         let mut i = 0;
         let ours = gflops(flops, || {
             i += 1;
-            drop(rltune::ops::matmul(&a, &bs[i % copies]).expect("matmul"))
+            drop(rltune_kernels::matmul(&a, &bs[i % copies]).expect("matmul"))
         });
         let theirs = gflops(flops, || {
             i += 1;
             drop(a.matmul(&bs[i % copies]).expect("matmul"))
         });
-        let (y, yc) = (rltune::ops::matmul(&a, b)?, a.matmul(b)?);
+        let (y, yc) = (rltune_kernels::matmul(&a, b)?, a.matmul(b)?);
         let diff = (&y - &yc)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
         let scale = yc.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
         println!("| {m}×{k}×{n} | {ours:.0} | {theirs:.0} | {:.2}× | {:.1e} |", ours / theirs, diff / scale);
