@@ -29,9 +29,8 @@ use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::{Device, Tensor};
 use serde_json::json;
 
-use super::load::ModelFiles;
 use crate::error::{Error, Result};
-use crate::io::write_bytes_atomic;
+use crate::io::{write_bytes_atomic, ModelFiles};
 
 /// `general.architecture` values rltune loads.
 pub const ARCHITECTURES: &[&str] = &["llama", "qwen2"];
@@ -520,7 +519,7 @@ pub fn convert(path: &Path, out: &Path, dtype: candle_core::DType) -> Result<usi
     let g = Gguf::open(path)?;
     let tensors = g.tensors()?;
     let n = tensors.len();
-    super::load::save_dir_atomic(out, |tmp| {
+    crate::io::save_dir_atomic(out, |tmp| {
         write_side_files(&g, tmp)?;
         let mut cast: HashMap<String, Tensor> = HashMap::new();
         for (k, t) in tensors {

@@ -25,6 +25,51 @@ where
     Ok(std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))?)
 }
 
+/// The files of one model.
+#[derive(Debug, Clone)]
+pub struct ModelFiles {
+    /// The directory (local, or the hub cache snapshot).
+    pub dir: PathBuf,
+    /// `config.json`
+    pub config: PathBuf,
+    /// The safetensors files holding the weights.
+    pub weights: Vec<PathBuf>,
+    /// `tokenizer.json`, when present.
+    pub tokenizer: Option<PathBuf>,
+    /// `generation_config.json`, when present.
+    pub generation_config: Option<PathBuf>,
+}
+
+/// Fills a fresh temporary directory with `fill`, then moves it to `dir` (replacing it). `E`
+/// is the caller's error type: `fill`'s errors come back as they are.
+pub fn save_dir_atomic<F, E>(dir: &Path, fill: F) -> std::result::Result<(), E>
+where
+    F: FnOnce(&Path) -> std::result::Result<(), E>,
+    E: From<Error>,
+{
+    let parent = dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
+    let name = dir.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_else(|| "model".into());
+    let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    }
+    std::fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    if let Err(e) = fill(&tmp) {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e);
+    }
+    let old = parent.join(format!(".{name}.old-{}", std::process::id()));
+    if dir.exists() {
+        std::fs::rename(dir, &old).map_err(|e| Error::io(dir, e))?;
+    }
+    std::fs::rename(&tmp, dir).map_err(|e| Error::io(dir, e))?;
+    if old.exists() {
+        std::fs::remove_dir_all(&old).map_err(|e| Error::io(&old, e))?;
+    }
+    Ok(())
+}
+
 /// Gives `path` the mode a new plain file gets under the process umask (`0666 & !umask`), as
 /// transformers' `save_pretrained` files have: writers that go through a `tempfile` (the
 /// safetensors crate does) leave 0600, which other users of a shared machine cannot read.

@@ -39,6 +39,7 @@
 
 pub mod bert;
 pub mod chat_template;
+pub mod classifier;
 pub mod distilbert;
 pub mod error;
 pub mod generation;

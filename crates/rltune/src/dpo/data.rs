@@ -281,10 +281,24 @@ fn tokenize_text(
     Ok((p[..n].to_vec(), pc[n..].to_vec(), pr[n..].to_vec()))
 }
 
+/// Prompt+completion as TRL's collator truncates it: the sequence and its completion mask.
+pub(crate) fn truncate(prompt: &[u32], completion: &[u32], cfg: &DpoConfig) -> (Vec<u32>, Vec<u8>) {
+    let ids = [prompt, completion].concat();
+    let mask: Vec<u8> =
+        std::iter::repeat_n(0, prompt.len()).chain(std::iter::repeat_n(1, completion.len())).collect();
+    match cfg.max_len() {
+        Some(m) if ids.len() > m => match cfg.truncation_mode {
+            TruncationMode::KeepStart => (ids[..m].to_vec(), mask[..m].to_vec()),
+            TruncationMode::KeepEnd => (ids[ids.len() - m..].to_vec(), mask[mask.len() - m..].to_vec()),
+        },
+        _ => (ids, mask),
+    }
+}
+
 /// Whether the pair's chosen and rejected sequences are the same after the collator's truncation.
 fn truncated_sequences_equal(pair: &PreferencePair, cfg: &DpoConfig) -> bool {
-    let c = super::trainer::truncate(&pair.prompt_ids, &pair.chosen_ids, cfg);
-    let r = super::trainer::truncate(&pair.prompt_ids, &pair.rejected_ids, cfg);
+    let c = truncate(&pair.prompt_ids, &pair.chosen_ids, cfg);
+    let r = truncate(&pair.prompt_ids, &pair.rejected_ids, cfg);
     c == r
 }
 

@@ -20,7 +20,7 @@
 use candle_core::{DType, Tensor, D};
 
 use super::config::{DpoConfig, TruncationMode};
-use super::data::PreferencePair;
+use super::data::{truncate, PreferencePair};
 use super::loss::{batch_loss, LossParams, PairLogps};
 use crate::engine::{Stat, Stats};
 use crate::error::{Error, Result};
@@ -30,20 +30,6 @@ use crate::models::CausalLm;
 use crate::ops;
 use crate::params::ParamStore;
 use crate::tokenizer::{pad, PaddingSide};
-
-/// Prompt+completion as TRL's collator truncates it: the sequence and its completion mask.
-pub(crate) fn truncate(prompt: &[u32], completion: &[u32], cfg: &DpoConfig) -> (Vec<u32>, Vec<u8>) {
-    let ids = [prompt, completion].concat();
-    let mask: Vec<u8> =
-        std::iter::repeat_n(0, prompt.len()).chain(std::iter::repeat_n(1, completion.len())).collect();
-    match cfg.max_len() {
-        Some(m) if ids.len() > m => match cfg.truncation_mode {
-            TruncationMode::KeepStart => (ids[..m].to_vec(), mask[..m].to_vec()),
-            TruncationMode::KeepEnd => (ids[ids.len() - m..].to_vec(), mask[mask.len() - m..].to_vec()),
-        },
-        _ => (ids, mask),
-    }
-}
 
 /// A collated micro-batch.
 struct Collated {
