@@ -142,6 +142,24 @@ run() {
   return 0
 }
 
+# gpu_mem_start / gpu_mem_stop: the largest memory.used (MiB) nvidia-smi saw in between, or
+# null (no nvidia-smi: a rehearsal).
+gpu_mem_start() {
+  MEMLOG="$WORK/gpu-mem.log"
+  : >"$MEMLOG"
+  if command -v nvidia-smi >/dev/null 2>&1 && [ "$REHEARSE" = 0 ]; then
+    nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 >"$MEMLOG" 2>/dev/null &
+    MEMPID=$!
+  else
+    MEMPID=""
+  fi
+}
+gpu_mem_stop() {
+  [ -n "${MEMPID:-}" ] && kill "$MEMPID" 2>/dev/null && wait "$MEMPID" 2>/dev/null
+  MEMPID=""
+  sort -n "$MEMLOG" 2>/dev/null | tail -1 | grep -E '^[0-9]+$' || echo null
+}
+
 check() { # check NAME JSON: records a check; a failed one fails the run
   record checks "$1" "$2"
   if ! python3 -c 'import json,sys; sys.exit(0 if json.loads(sys.argv[1]).get("pass") else 1)' "$2"; then FAILED=1; fi
@@ -221,22 +239,31 @@ if [ "$QUICK" = 0 ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$TRL011" "$ROOT/$PACK"/wheels/trl011/*.whl >"$LOGS/wheels.log" 2>&1 || true
   fi
   for preset in small gpt2; do
+    gpu_mem_start
     if run "bench-ppo-$preset-rltune" 90 "$BIN" bench ppo --preset "$preset" --device "$DEVICE" --json; then
       OURS="$(grep -m1 '^{' "$LOGS/bench-ppo-$preset-rltune.log" || echo '{}')"
-      THEIRS='{}'
+      OURS_PEAK="$(gpu_mem_stop)"
+      THEIRS='{}' THEIRS_PEAK=null
       if PYTHONPATH="$TRL011" python3 -c 'import trl' >/dev/null 2>&1; then
+        gpu_mem_start
         if run "bench-ppo-$preset-trl" 120 env PYTHONPATH="$TRL011" python3 "$ROOT/bench/trl_ppo.py" --preset "$preset" --device "$DEVICE" --json; then
           THEIRS="$(grep -m1 '^{' "$LOGS/bench-ppo-$preset-trl.log" || echo '{}')"
         fi
+        THEIRS_PEAK="$(gpu_mem_stop)"
       else
         skip "bench-ppo-$preset-trl" "trl 0.11.4 is not importable (tools/cuda/pack.sh ships it as wheels)"
       fi
-      record bench "ppo-$preset" "$(python3 - "$OURS" "$THEIRS" <<'EOF'
+    else
+      gpu_mem_stop >/dev/null
+      record bench "ppo-$preset" "$(python3 - "$OURS" "$THEIRS" "$OURS_PEAK" "$THEIRS_PEAK" <<'EOF'
 import json, sys
-o, t = (json.loads(x) for x in sys.argv[1:])
-r = {"rltune_s": o.get("iteration_s"), "trl_s": t.get("iteration_s"),
-     "rltune_peak_mib": o.get("peak_mib"), "trl_peak_mib": t.get("peak_mib"),
-     "tokens_per_s": o.get("tokens_per_s"), "mfu": o.get("mfu"), "rltune": o, "trl": t}
+o, t, op, tp = (json.loads(x) for x in sys.argv[1:])
+# Peak GPU memory: the device's memory in use, sampled every 100 ms by nvidia-smi while each
+# benchmark ran (the same measure for both; CUDA context included).
+r = {"rltune_s": o.get("median_total_s"), "trl_s": t.get("median_total_s"),
+     "rltune_peak_mib": op, "trl_peak_mib": tp,
+     "tokens_per_s": o.get("tokens_per_s"), "trl_tokens_per_s": t.get("tokens_per_s"),
+     "mfu": o.get("mfu"), "rltune": o, "trl": t}
 r["ratio"] = round(r["rltune_s"] / r["trl_s"], 3) if r["rltune_s"] and r["trl_s"] else None
 print(json.dumps(r))
 EOF

@@ -332,7 +332,18 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> CResult<Tensor> {
     if fast_path(&[a, b]) && a.rank() == 2 && b.rank() == 2 {
         a.apply_op2(b, Gemm)
     } else {
-        a.matmul(b)
+        rows_contiguous(a)?.matmul(b)
+    }
+}
+
+/// `x`, copied to a contiguous layout off the CPU: candle's CUDA matmul takes no left operand
+/// whose rows are further apart than their length (e.g. the first position of every sequence,
+/// `hidden.i((.., 0))`, which BERT's pooler multiplies). On the CPU, `x` as it is.
+fn rows_contiguous(x: &Tensor) -> CResult<Tensor> {
+    if x.device().is_cpu() {
+        Ok(x.clone())
+    } else {
+        x.contiguous()
     }
 }
 
@@ -344,7 +355,7 @@ pub fn linear_composed(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> CResult
 /// [`linear_in_out`] from candle's matmul and broadcast add.
 pub fn linear_in_out_composed(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> CResult<Tensor> {
     let (x2, out_dims) = flatten_rows(x, w.dim(1)?)?;
-    let y = x2.matmul(w)?;
+    let y = rows_contiguous(&x2)?.matmul(w)?;
     let y = match bias {
         Some(b) => y.broadcast_add(b)?,
         None => y,

@@ -96,10 +96,14 @@ impl Grads {
         match &self.sinks[i] {
             Some(sink) => sink.add(g)?,
             None => {
+                // Detached: a gradient from `backward` still references the forward graph it came
+                // from, and the device-side moments built from it would chain every step's graph
+                // to the next (on CUDA the quickstart's SFT ran out of 80 GB this way).
+                let g = g.detach();
                 let slot = &mut self.tensors[i];
                 *slot = Some(match slot.take() {
                     Some(prev) => (prev + g)?,
-                    None => g.clone(),
+                    None => g,
                 });
             }
         }
@@ -538,7 +542,7 @@ impl AdamConsts {
     fn update_tensors(&self, var: &Var, g: &Tensor, m: &mut Tensor, v: &mut Tensor) -> Result<()> {
         let AdamConsts { step_size, b1, b2, eps, bc2s } = *self;
         let (one, f) = (1f32, |x: f32| x as f64);
-        let g = g.to_dtype(DType::F32)?;
+        let g = g.detach().to_dtype(DType::F32)?;
         // m + (g − m)(1 − β₁): torch's `lerp_`.
         *m = (&*m + ((&g - &*m)? * f(one - b1))?)?;
         // v·β₂ + (1 − β₂)·g·g: `mul_(β₂).addcmul_(g, g, 1 − β₂)`.
