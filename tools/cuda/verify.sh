@@ -253,8 +253,6 @@ if [ "$QUICK" = 0 ]; then
       else
         skip "bench-ppo-$preset-trl" "trl 0.11.4 is not importable (tools/cuda/pack.sh ships it as wheels)"
       fi
-    else
-      gpu_mem_stop >/dev/null
       record bench "ppo-$preset" "$(python3 - "$OURS" "$THEIRS" "$OURS_PEAK" "$THEIRS_PEAK" <<'EOF'
 import json, sys
 o, t, op, tp = (json.loads(x) for x in sys.argv[1:])
@@ -268,6 +266,8 @@ r["ratio"] = round(r["rltune_s"] / r["trl_s"], 3) if r["rltune_s"] and r["trl_s"
 print(json.dumps(r))
 EOF
 )"
+    else
+      gpu_mem_stop >/dev/null
     fi
   done
 

@@ -1,9 +1,13 @@
-//! What every trainer shares, below the algorithms: the statistics map every step returns
-//! ([`stats`], under TRL's key names) and the learning-rate schedules ([`schedule`],
-//! transformers' `get_scheduler`). The optimizer itself is [`crate::optim`].
+//! What every trainer shares, below the algorithms: the optimizer step ([`optimizer`]:
+//! transformers' `Trainer` step with torch's AdamW, its decay groups, clipping and schedule), the
+//! learning-rate schedules ([`schedule`], transformers' `get_scheduler`) and the statistics map
+//! every step returns ([`stats`], under TRL's key names). Adam itself and the gradient buffers are
+//! [`crate::optim`].
 
+pub mod optimizer;
 pub mod schedule;
 pub mod stats;
 
+pub use optimizer::{decays, OptimArgs, Optimizer};
 pub use schedule::{LrSchedule, ScheduleKind};
 pub use stats::{Stat, Stats};

@@ -106,22 +106,7 @@ pub enum SchedulerType {
     ConstantWithWarmup,
 }
 
-/// The optimizer and schedule fields of transformers' `TrainingArguments`, resolved.
-#[derive(Debug, Clone, PartialEq)]
-pub struct OptimArgs {
-    /// Peak learning rate.
-    pub learning_rate: f64,
-    /// AdamW β₁, β₂, ε.
-    pub betas: (f64, f64),
-    /// AdamW ε.
-    pub eps: f64,
-    /// Decoupled weight decay (not on biases and norms).
-    pub weight_decay: f64,
-    /// Clip the global gradient norm to this (0: no clipping).
-    pub max_grad_norm: f64,
-    /// The LR schedule over the run.
-    pub schedule: LrSchedule,
-}
+pub use crate::engine::OptimArgs;
 
 macro_rules! training_arguments {
     ($(#[$m:meta])* pub struct $name:ident { $($body:tt)* }) => {

@@ -11,14 +11,14 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use super::config::OptimArgs;
 use super::math::{nanmean, nanstd};
+use crate::engine::{OptimArgs, Optimizer};
 use crate::engine::{Stat, Stats};
 use crate::error::{Error, Result};
 use crate::models::layers::causal_bias;
 use crate::models::CausalLm;
 use crate::ops;
-use crate::optim::{Adam, AdamConfig, Grads};
+use crate::optim::Adam;
 use crate::params::ParamStore;
 use crate::tokenizer::{pad, PaddingSide};
 
@@ -79,11 +79,8 @@ pub(crate) struct Core {
     pub store: ParamStore,
     pub policy: CausalLm,
     pub reference: Option<CausalLm>,
-    optimizer: Adam,
-    grads: Option<Grads>,
-    /// Per optimizer variable: whether weight decay applies (transformers' grouping).
-    decay: Vec<bool>,
-    pub optim: OptimArgs,
+    /// AdamW with its decay groups, clipping and schedule.
+    opt: Optimizer,
     pub temperature: f64,
     /// Optimizer steps taken.
     pub global_step: usize,
@@ -96,17 +93,6 @@ pub(crate) struct Core {
     pub pad_id: u32,
     pub eos_ids: Vec<u32>,
     pub device: Device,
-}
-
-/// Whether transformers' `Trainer` decays parameter `name`: not biases, not norm weights
-/// (`get_decay_parameter_names`: names matching `bias`, `layernorm`, `rmsnorm`, `norm`, `_norm`,
-/// and parameters of `nn.LayerNorm` modules — GPT-2's `ln_1`, `ln_2`, `ln_f`).
-pub fn decays(name: &str) -> bool {
-    let n = name.to_lowercase();
-    let segments: Vec<&str> = n.split('.').collect();
-    let module = &segments[..segments.len().saturating_sub(1)];
-    let norm_module = module.iter().any(|s| *s == "norm" || s.ends_with("_norm") || s.starts_with("ln_"));
-    !(n.contains("bias") || n.contains("layernorm") || n.contains("rmsnorm") || norm_module)
 }
 
 /// The reference a GRPO/RLOO step uses: none when `beta == 0` (TRL loads none), else `reference`
@@ -138,26 +124,16 @@ impl Core {
         if !store.trainable() {
             return Err(Error::Input("the policy's parameters must be trainable".into()));
         }
-        let (names, vars): (Vec<String>, Vec<_>) = store.vars().into_iter().unzip();
-        let decay = names.iter().map(|n| decays(n)).collect();
-        let adam = AdamConfig {
-            lr: optim.learning_rate,
-            beta1: optim.betas.0,
-            beta2: optim.betas.1,
-            eps: optim.eps,
-        };
         let cfg = policy.config();
         let eos_ids = cfg.eos_token_ids();
         let pad_id = cfg.pad_token_id().or(eos_ids.first().copied()).unwrap_or(0);
         let device = store.device().clone();
+        let opt = Optimizer::new(store.vars(), optim)?;
         Ok(Self {
             store,
             policy,
             reference,
-            optimizer: Adam::new(vars, adam)?,
-            grads: None,
-            decay,
-            optim,
+            opt,
             temperature,
             global_step: 0,
             calls: 0,
@@ -171,12 +147,12 @@ impl Core {
 
     /// The optimizer (its moments are checkpointed).
     pub fn optimizer(&self) -> &Adam {
-        &self.optimizer
+        self.opt.adam()
     }
 
     /// The optimizer, to restore its moments.
     pub fn optimizer_mut(&mut self) -> &mut Adam {
-        &mut self.optimizer
+        self.opt.adam_mut()
     }
 
     /// Checks a batch against the config and the model, naming the row at fault; returns the
@@ -374,18 +350,7 @@ impl Core {
         micro_batches: usize,
         mut forward: impl FnMut(&Self, usize) -> Result<(Tensor, T)>,
     ) -> Result<(Vec<T>, f64, f64, f64)> {
-        let mut grads = self.grads.take().unwrap_or_else(|| Grads::new(self.optimizer.vars()));
-        grads.clear();
-        let lr = self.optim.schedule.lr(self.global_step);
-        if self.global_step == self.optim.schedule.total_steps {
-            tracing::warn!(
-                "optimizer step {} is past the schedule's {} steps (max_steps, or the steps that \
-                 num_train_epochs gives when max_steps is unset): the learning rate is now {lr}; set \
-                 max_steps to the run's length",
-                self.global_step + 1,
-                self.optim.schedule.total_steps
-            );
-        }
+        let (mut grads, lr) = self.opt.begin(self.global_step);
         let result: Result<(Vec<T>, f64, f64)> = (|| {
             let (mut extras, mut loss_sum) = (Vec::with_capacity(micro_batches), 0f64);
             for k in 0..micro_batches {
@@ -401,33 +366,17 @@ impl Core {
                 }
                 grads.backward(&loss)?;
             }
-            let norm = if self.optim.max_grad_norm > 0.0 {
-                grads.clip_norm(self.optim.max_grad_norm)?
-            } else {
-                grads.global_norm()?
-            };
+            let norm = self.opt.clip(&mut grads)?;
             Ok((extras, loss_sum, norm))
         })();
         let (extras, loss_value, norm) = result?;
-        if norm.is_finite() {
-            self.optimizer.cfg.lr = lr;
-            let wd = self.optim.weight_decay;
-            if wd != 0.0 {
-                for (i, var) in self.optimizer.vars().iter().enumerate() {
-                    if self.decay[i] && grads.has(i) {
-                        var.set(&(var.as_tensor() * (1.0 - lr * wd))?)?;
-                    }
-                }
-            }
-            self.optimizer.step(&grads)?;
-        } else {
+        if !self.opt.finish(grads, lr, norm)? {
             self.skipped_updates += 1;
             tracing::warn!(
                 "update skipped: the loss or gradient is not finite, so no weight changed ({} so far)",
                 self.skipped_updates
             );
         }
-        self.grads = Some(grads);
         self.global_step += 1;
         Ok((extras, loss_value, norm, lr))
     }
@@ -487,30 +436,4 @@ pub(crate) fn weights_or_ones(weights: Option<&[f64]>, n: usize) -> Vec<f64> {
 /// `(B, T)` or `(B, 1)` tensor to rows of f64.
 pub(crate) fn rows(t: &Tensor) -> Result<Vec<Vec<f64>>> {
     Ok(t.to_dtype(DType::F64)?.to_vec2()?)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::decays;
-
-    #[test]
-    fn decay_groups_follow_transformers() {
-        for name in [
-            "transformer.wte.weight",
-            "transformer.h.0.attn.c_attn.weight",
-            "model.layers.0.mlp.up_proj.weight",
-        ] {
-            assert!(decays(name), "{name}");
-        }
-        for name in [
-            "transformer.h.0.attn.c_attn.bias",
-            "transformer.h.1.ln_2.weight",
-            "transformer.ln_f.weight",
-            "model.layers.3.input_layernorm.weight",
-            "model.norm.weight",
-            "model.layers.0.self_attn.q_norm.weight",
-        ] {
-            assert!(!decays(name), "{name}");
-        }
-    }
 }

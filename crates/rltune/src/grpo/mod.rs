@@ -15,7 +15,8 @@ pub mod math;
 pub mod rloo;
 pub mod trainer;
 
-pub use self::core::{decays, GroupBatch, RewardTable};
+pub use self::core::{GroupBatch, RewardTable};
+pub use crate::engine::decays;
 pub use config::{GrpoConfig, LossType, RlooConfig, ScaleRewards};
 pub use rloo::RlooTrainer;
 pub use trainer::GrpoTrainer;

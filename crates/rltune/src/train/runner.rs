@@ -2,7 +2,8 @@
 //!
 //! Top to bottom: seeded eval split → per epoch a seeded shuffle → optimizer steps of
 //! `batch_size × gradient_accumulation_steps` examples, each run as micro-batches whose gradients
-//! are summed → clip → Adam at the scheduled learning rate → eval every `eval_every` steps and at
+//! are summed → the engine's optimizer step (`crate::engine::Optimizer`: clip, Adam at the scheduled
+//! learning rate; a non-finite gradient changes no weight) → eval every `eval_every` steps and at
 //! the end → progress callback.
 //!
 //! **Loss weighting.** An objective reports, per example, how many loss terms it contributes
@@ -17,15 +18,16 @@
 //! `epochs · ceil(n / (batch_size · gradient_accumulation_steps))` (the last step of an epoch
 //! takes the remainder) unless `max_steps` is set; no dropout.
 
-use candle_core::{DType, Tensor, Var};
+use candle_core::{DType, Tensor};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use serde::{Deserialize, Serialize};
 
 use super::data::split_eval;
 use crate::engine::schedule::{warmup_steps, LrSchedule, ScheduleKind};
+use crate::engine::{OptimArgs, Optimizer};
 use crate::error::{Error, Result};
-use crate::optim::{Adam, AdamConfig, Grads};
+use crate::optim::Grads;
 use crate::params::ParamStore;
 
 /// Optimization settings shared by SFT and reward-model training (the `[training]` table).
@@ -273,42 +275,6 @@ fn accumulate<O: Objective>(
     Ok(loss)
 }
 
-/// The optimizer and schedule of one run.
-struct Optimizer {
-    adam: Adam,
-    grads: Grads,
-    schedule: LrSchedule,
-    max_grad_norm: f64,
-}
-
-impl Optimizer {
-    fn new(store: &ParamStore, args: &TrainingArgs, total: usize) -> Result<Self> {
-        let vars: Vec<Var> = store.vars().into_iter().map(|(_, v)| v).collect();
-        let cfg = AdamConfig {
-            lr: args.learning_rate,
-            beta1: args.adam_beta1,
-            beta2: args.adam_beta2,
-            eps: args.adam_epsilon,
-        };
-        let schedule = LrSchedule {
-            kind: args.lr_scheduler_type,
-            base_lr: args.learning_rate,
-            warmup_steps: warmup_steps(total, args.warmup_steps, args.warmup_ratio),
-            total_steps: total,
-        };
-        let max_grad_norm = if args.max_grad_norm > 0.0 { args.max_grad_norm } else { f64::INFINITY };
-        Ok(Self { grads: Grads::new(&vars), adam: Adam::new(vars, cfg)?, schedule, max_grad_norm })
-    }
-
-    /// One update of step `step` (from 0); returns (lr, gradient norm before clipping).
-    fn step(&mut self, step: usize) -> Result<(f64, f64)> {
-        let grad_norm = self.grads.clip_norm(self.max_grad_norm)?;
-        self.adam.cfg.lr = self.schedule.lr(step);
-        self.adam.step(&self.grads)?;
-        Ok((self.adam.cfg.lr, grad_norm))
-    }
-}
-
 /// Trains the variables of `store` on `examples` (split into train and eval by `args`).
 pub(crate) fn run<O: Objective>(
     obj: &O,
@@ -339,14 +305,28 @@ pub(crate) fn run_with<O: Objective>(
     let eval: Vec<&O::Example> = eval_idx.iter().map(|&i| &examples[i]).collect();
     let eval_bs = args.eval_batch_size.unwrap_or(args.batch_size);
     let total = args.total_steps(train_idx.len());
-    let mut opt = Optimizer::new(store, args, total)?;
+    let schedule = LrSchedule {
+        kind: args.lr_scheduler_type,
+        base_lr: args.learning_rate,
+        warmup_steps: warmup_steps(total, args.warmup_steps, args.warmup_ratio),
+        total_steps: total,
+    };
+    let optim = OptimArgs {
+        learning_rate: args.learning_rate,
+        betas: (args.adam_beta1, args.adam_beta2),
+        eps: args.adam_epsilon,
+        weight_decay: 0.0,
+        max_grad_norm: args.max_grad_norm,
+        schedule,
+    };
+    let mut opt = Optimizer::new(store.vars(), optim)?;
     if announce {
         tracing::info!(
             "training on {} examples ({} held out for eval): {total} optimizer steps of {} examples, {} warm-up",
             train_idx.len(),
             eval.len(),
             args.examples_per_step(),
-            opt.schedule.warmup_steps
+            opt.args().schedule.warmup_steps
         );
     }
     let mut rng = rand::rngs::StdRng::seed_from_u64(args.seed.wrapping_add(1));
@@ -357,8 +337,12 @@ pub(crate) fn run_with<O: Objective>(
         perm.shuffle(&mut rng);
         for group in perm.chunks(args.examples_per_step()).take(total - step) {
             let group: Vec<&O::Example> = group.iter().map(|&i| &examples[i]).collect();
-            let loss = accumulate(obj, &mut opt.grads, &group, args.batch_size)?;
-            let (lr, grad_norm) = opt.step(step)?;
+            let (mut grads, lr) = opt.begin(step);
+            let loss = accumulate(obj, &mut grads, &group, args.batch_size)?;
+            let grad_norm = opt.clip(&mut grads)?;
+            if !opt.finish(grads, lr, grad_norm)? {
+                tracing::warn!("step {}: the gradient is not finite, so no weight changed", step + 1);
+            }
             step += 1;
             (last_loss, loss_sum) = (loss, loss_sum + loss);
             let due = (args.eval_every > 0 && step % args.eval_every == 0) || step == total;

@@ -1,0 +1,182 @@
+//! The optimizer step that GRPO, RLOO, DPO, SFT and the reward-model trainer share:
+//! transformers' `Trainer` step with torch's AdamW. PPO's step adds the fused update of
+//! [`crate::optim::Adam::step_fused`] on the same `Adam` and `Grads`.
+//!
+//! One step, as transformers runs it:
+//! 1. [`Optimizer::begin`]: the cleared gradient buffers, and the schedule's learning rate for
+//!    this step;
+//! 2. the caller's forward and backward passes into those buffers (gradient accumulation is
+//!    several of them, each loss already divided by their number);
+//! 3. [`Optimizer::clip`]: the global gradient norm before clipping, clipped to
+//!    `max_grad_norm` when that is positive;
+//! 4. [`Optimizer::finish`]: when the norm is finite, decoupled weight decay
+//!    `p ← p·(1 − lr·wd)` on the decay group (not biases, not norms: [`decays`]), then Adam at
+//!    that learning rate. A non-finite norm changes no weight.
+//!
+//! ```
+//! use rltune::engine::{LrSchedule, OptimArgs, Optimizer, ScheduleKind};
+//! use rltune::params::ParamStore;
+//! use candle_core::{DType, Device};
+//!
+//! # fn main() -> rltune::Result<()> {
+//! let store = ParamStore::random(0, true, DType::F32, &Device::Cpu)?;
+//! let w = store.root().get_or_init("w", (2,), rltune::params::Init::Ones)?;
+//! let schedule = LrSchedule { kind: ScheduleKind::Constant, base_lr: 0.1, warmup_steps: 0, total_steps: 1 };
+//! let args = OptimArgs { learning_rate: 0.1, betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.0, max_grad_norm: 1.0, schedule };
+//! let mut opt = Optimizer::new(store.vars(), args)?;
+//! let (mut grads, lr) = opt.begin(0);
+//! grads.backward(&w.sqr()?.sum_all()?)?;
+//! let norm = opt.clip(&mut grads)?;
+//! assert!(opt.finish(grads, lr, norm)?); // updated
+//! assert!(w.to_vec1::<f32>()?[0] < 1.0);
+//! # Ok(()) }
+//! ```
+
+use candle_core::Var;
+
+use super::schedule::LrSchedule;
+use crate::error::Result;
+use crate::optim::{Adam, AdamConfig, Grads};
+
+/// The optimizer and schedule fields of transformers' `TrainingArguments`, resolved.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OptimArgs {
+    /// Peak learning rate.
+    pub learning_rate: f64,
+    /// AdamW β₁, β₂.
+    pub betas: (f64, f64),
+    /// AdamW ε.
+    pub eps: f64,
+    /// Decoupled weight decay (not on biases and norms).
+    pub weight_decay: f64,
+    /// Clip the global gradient norm to this (0 or less: no clipping).
+    pub max_grad_norm: f64,
+    /// The LR schedule over the run.
+    pub schedule: LrSchedule,
+}
+
+/// Whether transformers' `Trainer` decays parameter `name`: not biases, not norm weights
+/// (`get_decay_parameter_names`: names matching `bias`, `layernorm`, `rmsnorm`, `norm`, `_norm`,
+/// and parameters of `nn.LayerNorm` modules — GPT-2's `ln_1`, `ln_2`, `ln_f`).
+pub fn decays(name: &str) -> bool {
+    let n = name.to_lowercase();
+    let segments: Vec<&str> = n.split('.').collect();
+    let module = &segments[..segments.len().saturating_sub(1)];
+    let norm_module = module.iter().any(|s| *s == "norm" || s.ends_with("_norm") || s.starts_with("ln_"));
+    !(n.contains("bias") || n.contains("layernorm") || n.contains("rmsnorm") || norm_module)
+}
+
+/// AdamW over named variables, with its decay groups, clipping and schedule (module docs).
+pub struct Optimizer {
+    adam: Adam,
+    /// The gradient buffers between steps (taken by [`Self::begin`], given back by
+    /// [`Self::finish`]); `None` after a step that failed midway.
+    grads: Option<Grads>,
+    /// Per variable: whether weight decay applies.
+    decay: Vec<bool>,
+    args: OptimArgs,
+}
+
+impl Optimizer {
+    /// An optimizer over `vars` (name, variable), in that order.
+    pub fn new(vars: Vec<(String, Var)>, args: OptimArgs) -> Result<Self> {
+        let (names, vars): (Vec<String>, Vec<Var>) = vars.into_iter().unzip();
+        let cfg =
+            AdamConfig { lr: args.learning_rate, beta1: args.betas.0, beta2: args.betas.1, eps: args.eps };
+        Ok(Self {
+            grads: Some(Grads::new(&vars)),
+            adam: Adam::new(vars, cfg)?,
+            decay: names.iter().map(|n| decays(n)).collect(),
+            args,
+        })
+    }
+
+    /// The arguments it was built with.
+    pub fn args(&self) -> &OptimArgs {
+        &self.args
+    }
+
+    /// The Adam state (its moments are checkpointed).
+    pub fn adam(&self) -> &Adam {
+        &self.adam
+    }
+
+    /// The Adam state, to restore a checkpoint's moments into.
+    pub fn adam_mut(&mut self) -> &mut Adam {
+        &mut self.adam
+    }
+
+    /// Starts optimizer step `step` (from 0): the cleared gradient buffers and the step's
+    /// learning rate. Warns once the schedule's steps are spent.
+    pub fn begin(&mut self, step: usize) -> (Grads, f64) {
+        let mut grads = self.grads.take().unwrap_or_else(|| Grads::new(self.adam.vars()));
+        grads.clear();
+        let lr = self.args.schedule.lr(step);
+        if step == self.args.schedule.total_steps {
+            tracing::warn!(
+                "optimizer step {} is past the schedule's {} steps (max_steps, or the steps that \
+                 num_train_epochs gives when max_steps is unset): the learning rate is now {lr}; set \
+                 max_steps to the run's length",
+                step + 1,
+                self.args.schedule.total_steps
+            );
+        }
+        (grads, lr)
+    }
+
+    /// The global gradient norm before clipping; the gradients are clipped to `max_grad_norm`
+    /// when it is positive.
+    pub fn clip(&self, grads: &mut Grads) -> Result<f64> {
+        Ok(if self.args.max_grad_norm > 0.0 {
+            grads.clip_norm(self.args.max_grad_norm)?
+        } else {
+            grads.global_norm()?
+        })
+    }
+
+    /// Ends the step: when `norm` is finite, weight decay on the decay group then Adam at `lr`;
+    /// returns whether the weights changed. The buffers are kept for the next step.
+    pub fn finish(&mut self, grads: Grads, lr: f64, norm: f64) -> Result<bool> {
+        let update = norm.is_finite();
+        if update {
+            self.adam.cfg.lr = lr;
+            let wd = self.args.weight_decay;
+            if wd != 0.0 {
+                for (i, var) in self.adam.vars().iter().enumerate() {
+                    if self.decay[i] && grads.has(i) {
+                        var.set(&(var.as_tensor() * (1.0 - lr * wd))?)?;
+                    }
+                }
+            }
+            self.adam.step(&grads)?;
+        }
+        self.grads = Some(grads);
+        Ok(update)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::decays;
+
+    #[test]
+    fn decay_groups_follow_transformers() {
+        for name in [
+            "transformer.wte.weight",
+            "transformer.h.0.attn.c_attn.weight",
+            "model.layers.0.mlp.up_proj.weight",
+        ] {
+            assert!(decays(name), "{name}");
+        }
+        for name in [
+            "transformer.h.0.attn.c_attn.bias",
+            "transformer.h.1.ln_2.weight",
+            "transformer.ln_f.weight",
+            "model.layers.3.input_layernorm.weight",
+            "model.norm.weight",
+            "model.layers.0.self_attn.q_norm.weight",
+        ] {
+            assert!(!decays(name), "{name}");
+        }
+    }
+}
