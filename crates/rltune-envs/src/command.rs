@@ -218,7 +218,7 @@ impl CommandEnv {
                         Err(Error::not_running(
                             "environment",
                             *e,
-                            "lost its episode when the environment program restarted",
+                            "dropped its episode when the environment program restarted",
                         ))
                     })
                     .collect())

@@ -14,14 +14,14 @@
 //! same arithmetic, [`sampler::sample_pure`]); a node with one child gives logprob 0.
 //!
 //! ```
-//! use rltune::generation::admissible::ActionTrie;
+//! use rltune_models::generation::admissible::ActionTrie;
 //!
 //! // "go north" = [7, 3], "go south" = [7, 4], each followed by the end token 1.
 //! let trie = ActionTrie::new(&[vec![7, 3, 1], vec![7, 4, 1]])?;
 //! assert_eq!(trie.allowed(ActionTrie::ROOT), &[7]);
 //! let after_go = trie.step(ActionTrie::ROOT, 7).unwrap();
 //! assert_eq!(trie.allowed(after_go), &[3, 4]);
-//! # Ok::<(), rltune::Error>(())
+//! # Ok::<(), rltune_models::Error>(())
 //! ```
 
 use candle_core::{DType, Device, Tensor};

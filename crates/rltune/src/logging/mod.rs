@@ -20,7 +20,7 @@
 //!
 //! ```
 //! use rltune::logging::{RunLogger, SampleRow};
-//! use rltune::ppo::stats::{Stat, Stats};
+//! use rltune::engine::{Stat, Stats};
 //!
 //! # fn main() -> rltune::Result<()> {
 //! let dir = tempfile::tempdir().expect("tempdir");

@@ -11,7 +11,7 @@
 //! logprobs to be the current ones, detached, and with more it recomputes them, as the
 //! trainers here do. See [`super::group_config`] for the config and `docs/algorithms.md`.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
 use candle_core::Device;
@@ -255,33 +255,7 @@ impl GroupRun {
     /// Runs the remaining steps. `stop` (set by Ctrl-C) ends the run after the current step with
     /// a checkpoint. Returns the number of steps done in total.
     pub fn run(&mut self, stop: &AtomicBool, progress: &mut dyn FnMut(&StepReport)) -> Result<usize> {
-        let total = self.shape.steps;
-        let mut rng = rand::rngs::StdRng::seed_from_u64(self.seed() ^ 0x5eed);
-        let mut order: Vec<usize> = Vec::new();
-        // Replay the prompt order of the steps already done.
-        for _ in 0..self.start_step {
-            self.next_prompts(&mut order, &mut rng);
-        }
-        let mut step = self.start_step;
-        while step < total {
-            let batch = self.next_prompts(&mut order, &mut rng);
-            let report = self.one_step(step, &batch)?;
-            step += 1;
-            progress(&StepReport { step, ..report });
-            let stopping = stop.load(Ordering::SeqCst);
-            let every = self.config.checkpoint.every;
-            if stopping || step == total || (every > 0 && step.is_multiple_of(every)) {
-                self.checkpoint(step)?;
-            }
-            if stopping || step == total || step.is_multiple_of(self.config.logging.report_every.max(1)) {
-                self.logger.write_report()?;
-            }
-            if stopping {
-                tracing::info!("stopped after step {step}; checkpoint written");
-                break;
-            }
-        }
-        Ok(step)
+        super::run_loop::run(self, stop, progress)
     }
 
     /// The next `prompts_per_step` prompt indices: a new permutation each epoch, whose last
@@ -417,6 +391,44 @@ fn merge_iterations(mut logs: Vec<Stats>) -> Stats {
         out.insert(k, stat);
     }
     out
+}
+
+impl super::run_loop::Algorithm for GroupRun {
+    /// The prompt permutation and its RNG.
+    type DataOrder = (rand::rngs::StdRng, Vec<usize>);
+    type Batch = Vec<usize>;
+
+    fn config(&self) -> &RunConfig {
+        &self.config
+    }
+
+    fn total_steps(&self) -> usize {
+        self.shape.steps
+    }
+
+    fn start_step(&self) -> usize {
+        self.start_step
+    }
+
+    fn data_order(&self) -> Result<Self::DataOrder> {
+        Ok((rand::rngs::StdRng::seed_from_u64(self.seed() ^ 0x5eed), Vec::new()))
+    }
+
+    fn draw(&self, (rng, order): &mut Self::DataOrder) -> Vec<usize> {
+        self.next_prompts(order, rng)
+    }
+
+    fn step(&mut self, step: usize, batch: &Vec<usize>) -> Result<StepReport> {
+        self.one_step(step, batch)
+    }
+
+    fn checkpoint(&self, step: usize) -> Result<()> {
+        GroupRun::checkpoint(self, step)
+    }
+
+    fn logger(&mut self) -> &mut RunLogger {
+        &mut self.logger
+    }
 }
 
 #[cfg(test)]

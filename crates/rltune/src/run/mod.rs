@@ -1,4 +1,5 @@
-//! Training runs: the config file, the PPO loop, the GRPO/RLOO loop, checkpoints.
+//! Training runs: the config file, the one run loop ([`run_loop`]) and the algorithms in it (PPO and
+//! rejection sampling, GRPO and RLOO), checkpoints.
 
 pub mod checkpoint;
 pub mod config;
@@ -8,7 +9,9 @@ pub mod group_config;
 pub mod group_loop;
 pub mod ppo_loop;
 pub mod reward_config;
+pub mod run_loop;
 
 pub use config::RunConfig;
 pub use group_loop::{GroupRun, GroupTrainer};
 pub use ppo_loop::{PpoRun, StepReport};
+pub use run_loop::Algorithm;

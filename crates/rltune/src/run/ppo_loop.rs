@@ -7,7 +7,7 @@
 //! alone and the critic computes the values inside the step; on text games it also gives each
 //! turn's bootstrap, the value of the next state.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
 use candle_core::Device;
@@ -240,44 +240,7 @@ impl PpoRun {
     /// Runs the remaining steps. `stop` (set by Ctrl-C) ends the run after the current step with a
     /// checkpoint. Returns the number of steps done in total.
     pub fn run(&mut self, stop: &AtomicBool, progress: &mut dyn FnMut(&StepReport)) -> Result<usize> {
-        let total = self.config.ppo.steps;
-        let b = self.config.ppo.batch_size;
-        let sampler =
-            LengthSampler::new(self.config.data.min_query_tokens, self.config.data.max_query_tokens)?;
-        let mut rng = rand::rngs::StdRng::seed_from_u64(self.config.ppo.seed ^ 0x5eed);
-        let mut order: Vec<usize> = Vec::new();
-        // Replay the data order of the steps already done, so a resumed run sees the same prompts.
-        for _ in 0..self.start_step {
-            self.next_batch(&mut order, &mut rng, &sampler, b);
-        }
-        let mut step = self.start_step;
-        while step < total {
-            let games = matches!(self.source, Source::Games(_));
-            let batch = if games { Vec::new() } else { self.next_batch(&mut order, &mut rng, &sampler, b) };
-            let report = match (self.config.algorithm.kind, games) {
-                (AlgorithmKind::RejectionSampling, _) => self.rejection_step(step, &batch)?,
-                (AlgorithmKind::Ppo, true) => self.game_step(step)?,
-                (AlgorithmKind::Ppo, false) => self.one_step(step, &batch)?,
-                (AlgorithmKind::Grpo | AlgorithmKind::Rloo, _) => {
-                    return Err(Error::Input("internal: a GRPO/RLOO config in the PPO loop".into()))
-                }
-            };
-            step += 1;
-            progress(&StepReport { step, ..report });
-            let stopping = stop.load(Ordering::SeqCst);
-            let every = self.config.checkpoint.every;
-            if stopping || step == total || (every > 0 && step.is_multiple_of(every)) {
-                self.checkpoint(step)?;
-            }
-            if stopping || step == total || step.is_multiple_of(self.config.logging.report_every.max(1)) {
-                self.logger.write_report()?;
-            }
-            if stopping {
-                tracing::info!("stopped after step {step}; checkpoint written");
-                break;
-            }
-        }
-        Ok(step)
+        super::run_loop::run(self, stop, progress)
     }
 
     /// The next `b` prompts (reshuffled each epoch) as `(prompt index, query length)`.
@@ -577,4 +540,64 @@ fn add_env_stats(
     stats.insert("time/rollout/generation".into(), Stat::Scalar(time_gen));
     stats.insert("time/rollout/reward".into(), Stat::Scalar(time_reward));
     stats.insert("rltune/skipped_batches".into(), Stat::Scalar(skipped as f64));
+}
+
+/// The data order of a PPO run: the prompt permutation, its RNG, and the query-length sampler.
+pub struct PromptOrder {
+    rng: rand::rngs::StdRng,
+    order: Vec<usize>,
+    sampler: LengthSampler,
+}
+
+impl super::run_loop::Algorithm for PpoRun {
+    type DataOrder = PromptOrder;
+    type Batch = Vec<(usize, usize)>;
+
+    fn config(&self) -> &RunConfig {
+        &self.config
+    }
+
+    fn total_steps(&self) -> usize {
+        self.config.ppo.steps
+    }
+
+    fn start_step(&self) -> usize {
+        self.start_step
+    }
+
+    fn data_order(&self) -> Result<PromptOrder> {
+        Ok(PromptOrder {
+            rng: rand::rngs::StdRng::seed_from_u64(self.config.ppo.seed ^ 0x5eed),
+            order: Vec::new(),
+            sampler: LengthSampler::new(
+                self.config.data.min_query_tokens,
+                self.config.data.max_query_tokens,
+            )?,
+        })
+    }
+
+    /// The next `batch_size` prompts and query lengths (none when the run plays games).
+    fn draw(&self, o: &mut PromptOrder) -> Vec<(usize, usize)> {
+        self.next_batch(&mut o.order, &mut o.rng, &o.sampler, self.config.ppo.batch_size)
+    }
+
+    fn step(&mut self, step: usize, batch: &Vec<(usize, usize)>) -> Result<StepReport> {
+        let games = matches!(self.source, Source::Games(_));
+        match (self.config.algorithm.kind, games) {
+            (AlgorithmKind::RejectionSampling, _) => self.rejection_step(step, batch),
+            (AlgorithmKind::Ppo, true) => self.game_step(step),
+            (AlgorithmKind::Ppo, false) => self.one_step(step, batch),
+            (AlgorithmKind::Grpo | AlgorithmKind::Rloo, _) => {
+                Err(Error::Input("internal: a GRPO/RLOO config in the PPO loop".into()))
+            }
+        }
+    }
+
+    fn checkpoint(&self, step: usize) -> Result<()> {
+        PpoRun::checkpoint(self, step)
+    }
+
+    fn logger(&mut self) -> &mut RunLogger {
+        &mut self.logger
+    }
 }

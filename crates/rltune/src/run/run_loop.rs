@@ -1,0 +1,75 @@
+//! The one loop every RL run of `rltune ppo` goes through, whatever its algorithm: draw the step's
+//! data, run the algorithm's step, report, checkpoint every `[checkpoint] every` steps, write the
+//! report every `[logging] report_every`, stop cleanly on Ctrl-C. A resumed run first replays the
+//! data order of the steps already done, so it sees the prompts a straight run would have.
+//!
+//! PPO and rejection sampling ([`super::PpoRun`]) and GRPO and RLOO ([`super::GroupRun`])
+//! implement [`Algorithm`]: what their data order is, what one step does, how a checkpoint is
+//! written.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use super::config::RunConfig;
+use super::ppo_loop::StepReport;
+use crate::error::Result;
+use crate::logging::RunLogger;
+
+/// One algorithm inside the run loop.
+pub trait Algorithm {
+    /// The state the run's data is drawn from (a seeded permutation of the prompts and its RNG).
+    type DataOrder;
+    /// The data of one step (e.g. prompt indices).
+    type Batch;
+
+    /// The run's config (`[checkpoint] every`, `[logging] report_every`).
+    fn config(&self) -> &RunConfig;
+    /// Steps the run makes in all.
+    fn total_steps(&self) -> usize;
+    /// The first step this process makes: 0, or the checkpoint's step with `--resume`.
+    fn start_step(&self) -> usize;
+    /// The data order at the start of the run.
+    fn data_order(&self) -> Result<Self::DataOrder>;
+    /// Draws the next step's data from `order`.
+    fn draw(&self, order: &mut Self::DataOrder) -> Self::Batch;
+    /// Runs step `step` (from 0) on `batch`.
+    fn step(&mut self, step: usize, batch: &Self::Batch) -> Result<StepReport>;
+    /// Writes the checkpoint of the run after `step` steps.
+    fn checkpoint(&self, step: usize) -> Result<()>;
+    /// The run's logger (its report is rewritten every `report_every` steps).
+    fn logger(&mut self) -> &mut RunLogger;
+}
+
+/// Runs the remaining steps of `alg`. `stop` (set by Ctrl-C) ends the run after the current step
+/// with a checkpoint. Returns the number of steps done in total.
+pub fn run<A: Algorithm>(
+    alg: &mut A,
+    stop: &AtomicBool,
+    progress: &mut dyn FnMut(&StepReport),
+) -> Result<usize> {
+    let total = alg.total_steps();
+    let mut order = alg.data_order()?;
+    // Replay the data order of the steps already done, so a resumed run sees the same data.
+    for _ in 0..alg.start_step() {
+        alg.draw(&mut order);
+    }
+    let mut step = alg.start_step();
+    while step < total {
+        let batch = alg.draw(&mut order);
+        let report = alg.step(step, &batch)?;
+        step += 1;
+        progress(&StepReport { step, ..report });
+        let stopping = stop.load(Ordering::SeqCst);
+        let every = alg.config().checkpoint.every;
+        if stopping || step == total || (every > 0 && step.is_multiple_of(every)) {
+            alg.checkpoint(step)?;
+        }
+        if stopping || step == total || step.is_multiple_of(alg.config().logging.report_every.max(1)) {
+            alg.logger().write_report()?;
+        }
+        if stopping {
+            tracing::info!("stopped after step {step}; checkpoint written");
+            break;
+        }
+    }
+    Ok(step)
+}
