@@ -6,7 +6,8 @@
 #   tools/check_identical.sh BASE_REV [HEAD_REV] [--full] [--dev] [--keep]
 #
 # Variants: sentiment, --task adventure, --task arithmetic (GRPO, then --algorithm rloo in the
-# same directory, which trains RLOO from the same SFT policy), all `--preset tiny --seed 0`.
+# same directory, which trains RLOO from the same SFT policy), --task essays, all `--preset tiny
+# --seed 0`. (--task wnut needs the WNUT-2016 download, --task textworld TextWorld: not here.)
 # --full adds the README's sentiment quickstart (`--preset default --seed 0`, minutes of run).
 # --dev builds the dev profile instead of release (both sides alike; much faster to build where
 # the dev dependencies are built already, e.g. CHECK_TARGET=target).
@@ -68,7 +69,7 @@ build() {
   cp "$cached" "$work/bin-$side/rltune"
 }
 
-variants=(sentiment adventure arithmetic)
+variants=(sentiment adventure arithmetic essays)
 [ "$full" = 1 ] && variants+=(sentiment-full)
 
 # Runs one variant with the binary of SIDE into $work/out-SIDE/VARIANT.
@@ -82,6 +83,7 @@ run_variant() {
     arithmetic)
       "$bin" quickstart --task arithmetic --preset tiny --seed 0 --output "$out" &&
         "$bin" quickstart --task arithmetic --algorithm rloo --preset tiny --seed 0 --output "$out" ;;
+    essays) "$bin" quickstart --task essays --preset tiny --seed 0 --output "$out" ;;
     sentiment-full) "$bin" quickstart --seed 0 --output "$out" ;;
   esac >"$log" 2>&1 || { echo "$side $v failed; its log:" >&2; tail -20 "$log" >&2; exit 2; }
 }

@@ -88,7 +88,7 @@ impl Default for ArithmeticQuickstartConfig {
             // 600: 7%, 2000: 66%; the steps it takes vary with the seed).
             max_steps: Some(3000),
             batch_size: 64,
-            lr_scheduler_type: ScheduleKind::Constant,
+            lr_scheduler_type: ScheduleKind::ConstantWithWarmup,
             warmup_steps: 20,
             eval_fraction: 0.0,
             seed: 1,

@@ -12,14 +12,16 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ScheduleKind {
-    /// Linear decay from the peak to 0 at the last step (transformers' default).
+    /// Linear warm-up, then linear decay from the peak to 0 at the last step (transformers'
+    /// default).
     #[default]
     Linear,
-    /// Half a cosine from the peak to 0 at the last step.
+    /// Linear warm-up, then half a cosine from the peak to 0 at the last step.
     Cosine,
-    /// Constant after warm-up (transformers' `constant_with_warmup`; with no warm-up, `constant`).
-    #[serde(alias = "constant_with_warmup")]
+    /// Constant; the warm-up is ignored, as transformers' `constant` ignores it.
     Constant,
+    /// Linear warm-up, then constant.
+    ConstantWithWarmup,
 }
 
 /// A learning-rate schedule over a known number of optimizer steps.
@@ -36,6 +38,13 @@ pub struct LrSchedule {
 }
 
 impl LrSchedule {
+    /// The schedule of `kind` peaking at `base_lr` over `total_steps` optimizer steps, with
+    /// `warmup_steps` of warm-up (none for [`ScheduleKind::Constant`], as in transformers).
+    pub fn new(kind: ScheduleKind, base_lr: f64, warmup_steps: usize, total_steps: usize) -> Self {
+        let warmup_steps = if kind == ScheduleKind::Constant { 0 } else { warmup_steps };
+        Self { kind, base_lr, warmup_steps, total_steps }
+    }
+
     /// The multiplier λ(step) of the base learning rate, in `[0, 1]`.
     pub fn factor(&self, step: usize) -> f64 {
         let (step, warmup, total) = (step as f64, self.warmup_steps as f64, self.total_steps as f64);
@@ -45,7 +54,7 @@ impl LrSchedule {
         }
         let decay_steps = (total - warmup).max(1.0);
         match self.kind {
-            ScheduleKind::Constant => 1.0,
+            ScheduleKind::Constant | ScheduleKind::ConstantWithWarmup => 1.0,
             // transformers: max(0, (num_training_steps - current_step) / max(1, num_training_steps - num_warmup_steps))
             ScheduleKind::Linear => ((total - step) / decay_steps).max(0.0),
             // transformers: max(0, 0.5 * (1 + cos(pi * num_cycles * 2 * progress))), num_cycles = 0.5
@@ -129,8 +138,20 @@ mod tests {
             k: ScheduleKind,
         }
         let w: W = toml::from_str("k = \"constant_with_warmup\"").unwrap();
+        assert_eq!(w.k, ScheduleKind::ConstantWithWarmup);
+        let w: W = toml::from_str("k = \"constant\"").unwrap();
         assert_eq!(w.k, ScheduleKind::Constant);
         let w: W = toml::from_str("k = \"cosine\"").unwrap();
         assert_eq!(w.k, ScheduleKind::Cosine);
+    }
+
+    #[test]
+    fn constant_ignores_the_warmup_and_constant_with_warmup_keeps_it() {
+        let c = LrSchedule::new(ScheduleKind::Constant, 1.0, 5, 10);
+        let w = LrSchedule::new(ScheduleKind::ConstantWithWarmup, 1.0, 5, 10);
+        assert_eq!((c.warmup_steps, c.lr(0), c.lr(9)), (0, 1.0, 1.0));
+        assert_eq!((w.warmup_steps, w.lr(0), w.lr(4), w.lr(5)), (5, 0.0, 0.8, 1.0));
+        let lin = LrSchedule::new(ScheduleKind::Linear, 1.0, 5, 10);
+        assert_eq!(lin.warmup_steps, 5);
     }
 }

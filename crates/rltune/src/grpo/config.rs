@@ -12,7 +12,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use crate::config_file::closest;
-use crate::engine::schedule::{LrSchedule, ScheduleKind};
+use crate::engine::schedule::LrSchedule;
 use crate::error::{Error, Result};
 
 /// GRPO's loss aggregation (`loss_type`). TRL `_compute_loss`.
@@ -92,21 +92,9 @@ pub enum Aggregation {
     NormalizeThenSum,
 }
 
-/// transformers' `lr_scheduler_type` (the ones rltune implements).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum SchedulerType {
-    /// Linear warm-up, then linear decay to 0 at `max_steps` (transformers' default).
-    Linear,
-    /// Linear warm-up, then half a cosine to 0.
-    Cosine,
-    /// Constant; transformers ignores the warm-up for this one.
-    Constant,
-    /// Linear warm-up, then constant.
-    ConstantWithWarmup,
-}
-
 pub use crate::engine::OptimArgs;
+/// transformers' `lr_scheduler_type` (the ones rltune implements): the one schedule type.
+pub use crate::engine::ScheduleKind as SchedulerType;
 
 macro_rules! training_arguments {
     ($(#[$m:meta])* pub struct $name:ident { $($body:tt)* }) => {
@@ -483,19 +471,13 @@ pub(crate) fn resolve_optim(
     } else {
         (total as f64 * warmup_steps).ceil() as usize
     };
-    let (kind, warmup) = match lr_scheduler_type {
-        SchedulerType::Linear => (ScheduleKind::Linear, warmup),
-        SchedulerType::Cosine => (ScheduleKind::Cosine, warmup),
-        SchedulerType::Constant => (ScheduleKind::Constant, 0),
-        SchedulerType::ConstantWithWarmup => (ScheduleKind::Constant, warmup),
-    };
     OptimArgs {
         learning_rate,
         betas: (adam.0, adam.1),
         eps: adam.2,
         weight_decay,
         max_grad_norm,
-        schedule: LrSchedule { kind, base_lr: learning_rate, warmup_steps: warmup, total_steps: total },
+        schedule: LrSchedule::new(lr_scheduler_type, learning_rate, warmup, total),
     }
 }
 

@@ -48,7 +48,8 @@ pub struct TrainingArgs {
     pub eval_batch_size: Option<usize>,
     /// Micro-batches whose gradients are summed into one optimizer step (transformers: 1).
     pub gradient_accumulation_steps: usize,
-    /// Decay after warm-up: `linear` (default), `cosine` or `constant`.
+    /// Decay after warm-up: `linear` (default), `cosine`, `constant` (no warm-up, as in
+    /// transformers) or `constant_with_warmup`.
     pub lr_scheduler_type: ScheduleKind,
     /// Warm-up steps; when 0, `ceil(total_steps · warmup_ratio)`.
     pub warmup_steps: usize,
@@ -305,12 +306,8 @@ pub(crate) fn run_with<O: Objective>(
     let eval: Vec<&O::Example> = eval_idx.iter().map(|&i| &examples[i]).collect();
     let eval_bs = args.eval_batch_size.unwrap_or(args.batch_size);
     let total = args.total_steps(train_idx.len());
-    let schedule = LrSchedule {
-        kind: args.lr_scheduler_type,
-        base_lr: args.learning_rate,
-        warmup_steps: warmup_steps(total, args.warmup_steps, args.warmup_ratio),
-        total_steps: total,
-    };
+    let warmup = warmup_steps(total, args.warmup_steps, args.warmup_ratio);
+    let schedule = LrSchedule::new(args.lr_scheduler_type, args.learning_rate, warmup, total);
     let optim = OptimArgs {
         learning_rate: args.learning_rate,
         betas: (args.adam_beta1, args.adam_beta2),
