@@ -1,18 +1,22 @@
 //! rltune: reinforcement-learning fine-tuning of transformer language models, on candle.
 //!
-//! rltune rebuilds Hugging Face TRL's classic PPO trainer (`PPOTrainer.step(queries, responses,
-//! scores)`) in Rust: a causal LM with a scalar value head, a frozen reference model, a per-token
-//! KL penalty with a fixed or adaptive controller, GAE, whitened advantages, clipped policy and
-//! value losses, and TRL-compatible statistics.
+//! rltune rebuilds Hugging Face TRL's trainers in Rust: classic PPO (TRL 0.11's
+//! `PPOTrainer.step(queries, responses, scores)`), GRPO, RLOO and DPO (TRL 1.16), SFT, reward
+//! models and rejection sampling, for LMs in text environments as well as on prompts.
 //!
-//! The pieces, bottom up:
-//! - [`ops`]: differentiable fused ops (softmax, layer norm, RMS norm, log-softmax) with
-//!   hand-written backward passes; candle's own fused kernels drop gradients.
-//! - [`params`]: named parameters loaded from safetensors or initialized in-process.
-//! - [`models`]: GPT-2, the Llama family, BERT and DistilBERT, and TRL's value head (or trlx's
-//!   MLP head).
-//! - [`tokenizer`]: `tokenizer.json` with configurable padding.
-//! - [`generation`]: batched, exact sampling with a KV cache that returns each token's logprob.
+//! The crates, bottom up (this one re-exports the lower ones at the paths shown):
+//! - [`ops`], [`cpu`], [`optim`] (`rltune-kernels`): differentiable fused ops with hand-written
+//!   backward passes (candle's own fused kernels drop gradients), the SGEMM, the process-wide
+//!   CPU settings, the gradient buffers and torch-exact Adam.
+//! - [`models`], [`params`], [`tokenizer`], [`generation`], [`io`] (`rltune-models`): GPT-2, the
+//!   Llama family, GPT-Neo, GPT-NeoX, BERT, DistilBERT and value heads; safetensors, GGUF and hub
+//!   loading; chat templates; exact batched sampling with a KV cache.
+//! - [`envs`] (`rltune-envs`): text environments, their protocol, the play loop, task metrics.
+//!
+//! And in this crate: [`engine`] (the optimizer step, schedules, stats every trainer shares), the
+//! algorithms ([`ppo`], [`grpo`] with RLOO, [`dpo`], [`train`] for SFT and reward models,
+//! [`rejection`]), [`rewards`], [`data`], [`agent`] (models acting in environments), [`run`] (the
+//! one run loop, checkpoints, `--resume`), [`logging`] and [`runtime`].
 //!
 //! Dropout is never applied: rollouts, scoring and PPO's forward passes all run without it, so
 //! the logprobs PPO compares are those of one deterministic policy.

@@ -28,7 +28,7 @@ use crate::generation::GenerationConfig;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum EnvKind {
-    /// The generated text adventures of [`super::adventure`].
+    /// The generated text adventures of [`crate::envs::adventure`].
     #[default]
     Adventure,
     /// The letter toy.
@@ -37,9 +37,9 @@ pub enum EnvKind {
     Command,
     /// TextWorld games through `tools/textworld/bridge.py`.
     Textworld,
-    /// Labelling generated essays' discourse elements ([`super::essays`]).
+    /// Labelling generated essays' discourse elements ([`crate::envs::essays`]).
     Essays,
-    /// BIO tagging of a CoNLL-style file ([`super::ner`]).
+    /// BIO tagging of a CoNLL-style file ([`crate::envs::ner`]).
     Ner,
 }
 
