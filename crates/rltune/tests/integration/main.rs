@@ -16,5 +16,4 @@ mod multiturn;
 mod neo;
 mod ppo_behaviour;
 mod ppo_parity;
-mod textworld;
 mod train;
