@@ -1,0 +1,172 @@
+//! [`Grads`]: the gradients of a list of variables, in persistent buffers where the kernels can
+//! write them directly.
+
+use std::sync::Arc;
+
+use candle_core::{DType, Tensor, Var};
+use rayon::prelude::*;
+
+use crate::error::Result;
+use crate::grad_sink::{GradSink, SinkMap, SinkScope};
+
+/// The gradients of a list of variables, summed over the backward passes of one update (torch's
+/// `param.grad` between `zero_grad()` and `step()`).
+///
+/// Contiguous f32 CPU variables get a persistent buffer (an `ops::grad_sink::GradSink`): during
+/// [`Grads::backward`] the ops that take weights write into it directly, with no zero-filled
+/// tensors or adds in candle's gradient store, and whatever the store still holds for the
+/// variable (from other ops) is added after. Other variables keep candle's gradient tensors,
+/// summed.
+pub struct Grads {
+    pub(super) vars: Vec<Var>,
+    pub(super) sinks: Vec<Option<Arc<GradSink>>>,
+    pub(super) map: Arc<SinkMap>,
+    pub(super) tensors: Vec<Option<Tensor>>,
+    /// Per variable, whether the last backward gave it exactly one buffered write besides rows
+    /// added by an embedding, and nothing in candle's store (so [`Adam::step_fused`] may fuse its
+    /// update into that write; see `ops::grad_sink` for the rows).
+    pub(super) single_write: Vec<bool>,
+}
+
+impl Grads {
+    /// Empty gradients for `vars` (buffers are allocated here and kept).
+    pub fn new(vars: &[Var]) -> Self {
+        let sinks: Vec<Option<Arc<GradSink>>> = vars
+            .iter()
+            .map(|v| {
+                let buffered = crate::cpu_kernels(v.device()) && v.dtype() == DType::F32 && v.is_contiguous();
+                buffered.then(|| Arc::new(GradSink::new(v.elem_count())))
+            })
+            .collect();
+        let map = vars
+            .iter()
+            .zip(&sinks)
+            .filter_map(|(v, s)| Some((v.as_tensor().id(), Arc::clone(s.as_ref()?))))
+            .collect();
+        let single_write = vec![false; vars.len()];
+        Self { vars: vars.to_vec(), sinks, map: Arc::new(map), tensors: vec![None; vars.len()], single_write }
+    }
+
+    /// Forgets every gradient (torch's `zero_grad(set_to_none=True)`); buffers are kept.
+    pub fn clear(&mut self) {
+        self.sinks.iter().flatten().for_each(|s| s.clear());
+        self.tensors.iter_mut().for_each(|t| *t = None);
+    }
+
+    /// Installs these gradients' sinks on this thread until the guard drops. A forward run inside
+    /// it may use ops that write weight gradients only into sinks (`ops::block`); the backward
+    /// ([`Self::backward`]) installs them again itself.
+    pub fn scope(&self) -> SinkScope {
+        SinkScope::install(Arc::clone(&self.map))
+    }
+
+    /// `loss.backward()`, adding the variables' gradients to these.
+    pub fn backward(&mut self, loss: &Tensor) -> Result<()> {
+        let store = {
+            let _scope = SinkScope::install(Arc::clone(&self.map));
+            loss.backward()?
+        };
+        for i in 0..self.vars.len() {
+            let stored = store.get(self.vars[i].as_tensor());
+            let dense = self.sinks[i].as_ref().map_or(0, |s| {
+                let s = s.state();
+                s.writes - s.row_writes
+            });
+            self.single_write[i] = dense == 1 && stored.is_none();
+            if let Some(g) = stored {
+                self.add(i, g)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Adds `g` to variable `i`'s gradient.
+    pub fn add(&mut self, i: usize, g: &Tensor) -> Result<()> {
+        match &self.sinks[i] {
+            Some(sink) => sink.add(g)?,
+            None => {
+                // Detached: a gradient from `backward` still references the forward graph it came
+                // from, and the device-side moments built from it would chain every step's graph
+                // to the next (on CUDA the quickstart's SFT ran out of 80 GB this way).
+                let g = g.detach();
+                let slot = &mut self.tensors[i];
+                *slot = Some(match slot.take() {
+                    Some(prev) => (prev + g)?,
+                    None => g,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether variable `i` has a gradient.
+    pub fn has(&self, i: usize) -> bool {
+        match &self.sinks[i] {
+            Some(sink) => sink.state().filled,
+            None => self.tensors[i].is_some(),
+        }
+    }
+
+    /// Variable `i`'s gradient as a tensor of its shape and dtype (a copy), if it has one.
+    pub fn get(&self, i: usize) -> Result<Option<Tensor>> {
+        let var = &self.vars[i];
+        match &self.sinks[i] {
+            Some(sink) => {
+                let s = sink.state();
+                // A partly fused update left only the held rows' gradient: none to give.
+                Ok((s.filled && !s.partial)
+                    .then(|| Tensor::from_vec(s.buf.clone(), var.shape(), var.device()))
+                    .transpose()?)
+            }
+            None => Ok(self.tensors[i].clone()),
+        }
+    }
+
+    /// Scales the gradients so their global L2 norm is at most `max_norm`; returns the norm
+    /// before (computed in f64). torch `clip_grad_norm_`: `coef = min(1, max_norm / (norm + 1e-6))`.
+    pub fn clip_norm(&mut self, max_norm: f64) -> Result<f64> {
+        let norm = self.global_norm()?;
+        let coef = (max_norm / (norm + 1e-6)).min(1.0);
+        if coef < 1.0 {
+            for sink in self.sinks.iter().flatten() {
+                let mut s = sink.state();
+                if s.filled {
+                    s.buf.par_iter_mut().for_each(|g| *g *= coef as f32);
+                }
+            }
+            for g in self.tensors.iter_mut().flatten() {
+                *g = (&*g * coef)?;
+            }
+        }
+        Ok(norm)
+    }
+
+    /// The global L2 norm of the gradients (computed in f64); non-finite when any entry is.
+    /// After a partly fused product only the held rows hold a gradient: only they count.
+    pub fn global_norm(&self) -> Result<f64> {
+        let sum_sq = |c: &[f32]| c.iter().map(|&g| g as f64 * g as f64).sum::<f64>();
+        let mut sq = 0f64;
+        for sink in self.sinks.iter().flatten() {
+            let s = sink.state();
+            if !s.filled {
+                continue;
+            }
+            match s.held.as_ref().filter(|_| s.partial) {
+                Some((len, held)) => {
+                    sq += s
+                        .buf
+                        .chunks(*len)
+                        .zip(held)
+                        .filter(|(_, &h)| h)
+                        .map(|(row, _)| sum_sq(row))
+                        .sum::<f64>()
+                }
+                None => sq += s.buf.par_chunks(1 << 16).map(sum_sq).sum::<f64>(),
+            }
+        }
+        for g in self.tensors.iter().flatten() {
+            sq += g.to_dtype(DType::F64)?.sqr()?.sum_all()?.to_scalar::<f64>()?;
+        }
+        Ok(sq.sqrt())
+    }
+}
