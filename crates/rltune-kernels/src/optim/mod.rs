@@ -383,7 +383,7 @@ impl AdamConsts {
     fn update_tensors(&self, var: &Var, g: &Tensor, m: &mut Tensor, v: &mut Tensor) -> Result<()> {
         let AdamConsts { step_size, b1, b2, eps, bc2s } = *self;
         let (one, f) = (1f32, |x: f32| x as f64);
-        let g = g.detach().to_dtype(DType::F32)?;
+        let g = g.to_dtype(DType::F32)?;
         // m + (g − m)(1 − β₁): torch's `lerp_`.
         *m = (&*m + ((&g - &*m)? * f(one - b1))?)?;
         // v·β₂ + (1 − β₂)·g·g: `mul_(β₂).addcmul_(g, g, 1 − β₂)`.

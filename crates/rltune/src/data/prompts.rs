@@ -20,6 +20,8 @@ use std::path::{Path, PathBuf};
 use rand::Rng;
 
 use crate::error::{Error, Result};
+use crate::models::chat_template::{self, ChatTemplate};
+use crate::tokenizer::Tokenizer;
 
 pub use hub::select_split_files;
 
@@ -141,7 +143,7 @@ fn to_prompt(row: serde_json::Value, text_column: &str, at: &dyn Fn() -> String)
         Some(serde_json::Value::String(s)) => s.clone(),
         // A conversation (TRL's conversational format): rendered with the model's chat template
         // when encoded ([`encode_prompt`]); `text` is its last message.
-        Some(serde_json::Value::Array(msgs)) if crate::models::chat_template::is_conversation(msgs) => {
+        Some(serde_json::Value::Array(msgs)) if chat_template::is_conversation(msgs) => {
             let last =
                 msgs.last().and_then(|m| m.get("content")).and_then(|c| c.as_str()).unwrap_or_default();
             return Ok(PromptRow { text: last.to_string(), meta: row });
@@ -314,16 +316,12 @@ pub fn truncate_to_sampled_length<'a>(
 
 /// The chat template of the model `model` (a directory, GGUF file or hub id) when some row's
 /// `column` is a conversation; `None` when every prompt is text.
-pub fn template_if_needed(
-    rows: &[PromptRow],
-    column: &str,
-    model: &str,
-) -> Result<Option<crate::models::chat_template::ChatTemplate>> {
+pub fn template_if_needed(rows: &[PromptRow], column: &str, model: &str) -> Result<Option<ChatTemplate>> {
     if !rows.iter().any(|r| r.meta.get(column).is_some_and(|v| v.is_array())) {
         return Ok(None);
     }
     let files = crate::models::load::locate(model)?;
-    Ok(crate::models::chat_template::ChatTemplate::for_model_dir(&files.dir)?)
+    Ok(ChatTemplate::for_model_dir(&files.dir)?)
 }
 
 /// A prompt row's token ids: a conversation rendered with `template` (with the generation prompt)
@@ -332,12 +330,12 @@ pub fn template_if_needed(
 pub fn encode_prompt(
     row: &PromptRow,
     column: &str,
-    tokenizer: &crate::tokenizer::Tokenizer,
-    template: Option<&crate::models::chat_template::ChatTemplate>,
+    tokenizer: &Tokenizer,
+    template: Option<&ChatTemplate>,
 ) -> Result<Vec<u32>> {
     match row.meta.get(column) {
         Some(conv @ serde_json::Value::Array(_)) => {
-            Ok(tokenizer.encode_with(&crate::models::chat_template::prompt_text(conv, template)?, false)?)
+            Ok(tokenizer.encode_with(&chat_template::prompt_text(conv, template)?, false)?)
         }
         _ => Ok(tokenizer.encode(&row.text)?),
     }
