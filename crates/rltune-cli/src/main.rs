@@ -8,6 +8,7 @@ mod convert;
 mod dpo;
 mod generate;
 mod grpo_step;
+mod launch;
 mod play;
 mod ppo;
 mod ppo_step;
@@ -86,7 +87,15 @@ fn main() {
     let cli = Cli::parse();
     let result = match installed {
         Err(e) => Err(anyhow::Error::new(e).context("cannot set up the process")),
-        Ok(()) => run(cli.command),
+        Ok(()) => {
+            let name = cli.command.name();
+            let data_parallel = matches!(cli.command, Command::Ppo(_));
+            match launch::init(name, data_parallel) {
+                // The engine stays installed for the run, and is finalized when `_engine` drops.
+                Ok(_engine) => run(cli.command),
+                Err(e) => Err(e),
+            }
+        }
     };
     if let Err(err) = result {
         eprintln!("error: {err}");
@@ -94,6 +103,27 @@ fn main() {
             eprintln!("  caused by: {cause}");
         }
         std::process::exit(1);
+    }
+}
+
+impl Command {
+    /// The subcommand's name, as typed.
+    fn name(&self) -> &'static str {
+        match self {
+            Command::Quickstart(_) => "quickstart",
+            Command::Generate(_) => "generate",
+            Command::Ppo(_) => "ppo",
+            Command::PpoStep(_) => "ppo-step",
+            Command::GrpoStep(_) => "grpo-step",
+            Command::RlooStep(_) => "rloo-step",
+            Command::Dpo(_) => "dpo",
+            Command::Sft(_) => "sft",
+            Command::Reward(_) => "reward",
+            Command::Play(_) => "play",
+            Command::Selftest(_) => "selftest",
+            Command::Convert(_) => "convert",
+            Command::Bench(_) => "bench",
+        }
     }
 }
 
@@ -120,8 +150,10 @@ fn run(command: Command) -> anyhow::Result<()> {
 /// Logs to stderr; `RUST_LOG` overrides the default `info` level. Colours only on a terminal,
 /// and never with `NO_COLOR` set (<https://no-color.org>).
 fn init_tracing() {
+    // The other ranks of a data-parallel run say only what goes wrong: rank 0 reports.
+    let default = if launch::is_secondary_rank() { "warn" } else { "info" };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
     let colour =
         use_colour(std::io::IsTerminal::is_terminal(&std::io::stderr()), std::env::var_os("NO_COLOR"));
     tracing_subscriber::fmt()

@@ -51,7 +51,8 @@ impl Progress {
     /// A progress display for `total` steps.
     pub fn new(total: usize, done: usize, what: &str) -> Self {
         use std::io::IsTerminal;
-        let bar = std::io::stderr().is_terminal().then(|| {
+        // One bar per run: rank 0's, in a data-parallel run.
+        let bar = (std::io::stderr().is_terminal() && rltune::dist::is_main()).then(|| {
             let bar = indicatif::ProgressBar::new(total as u64);
             let style = indicatif::ProgressStyle::with_template(&format!(
                 "{what} {{bar:30}} {{pos}}/{{len}} [{{elapsed_precise}} < {{eta_precise}}] {{msg}}"
@@ -79,7 +80,8 @@ impl Progress {
                 bar.set_position(r.step as u64);
                 bar.set_message(msg);
             }
-            None => eprintln!("step {}/{}: {msg}", r.step, r.total),
+            None if rltune::dist::is_main() => eprintln!("step {}/{}: {msg}", r.step, r.total),
+            None => {}
         }
     }
 
@@ -114,6 +116,8 @@ pub fn run(args: Args) -> Result<()> {
         progress.finish();
         done
     };
-    eprintln!("{done} steps; metrics: {0}/metrics.jsonl, report: {0}/report.html", dir.display());
+    if rltune::dist::is_main() {
+        eprintln!("{done} steps; metrics: {0}/metrics.jsonl, report: {0}/report.html", dir.display());
+    }
     Ok(())
 }

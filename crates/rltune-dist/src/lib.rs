@@ -16,7 +16,8 @@
 //! # Backends
 //! - [`SingleProcess`]: world size 1, every collective the identity. A one-process run uses it
 //!   and so keeps its bit-for-bit results: no engine is loaded at all.
-//! - `Mpi` (feature `mpi`): OpenMPI or MPICH through the `mpi` crate. It launches processes on one
+//! - `rltune_mpi::Mpi` (the `rltune-mpi` crate, feature `mpi`): OpenMPI or MPICH through the
+//!   `mpi` crate. It launches processes on one
 //!   or many machines (`mpirun -np N`, `--hostfile`, Slurm's `srun`) and carries the collectives
 //!   of CPU runs. Every collective runs under a watchdog: one that has not completed within the
 //!   timeout (a rank died or hangs) ends the process with an error naming the rank and the
@@ -36,12 +37,8 @@
 #![deny(missing_docs)]
 
 mod launch;
-#[cfg(feature = "mpi")]
-mod mpi_backend;
 
 pub use launch::{Launch, Launcher};
-#[cfg(feature = "mpi")]
-pub use mpi_backend::Mpi;
 
 /// An error of a collective or of the launch environment.
 #[derive(Debug, thiserror::Error)]

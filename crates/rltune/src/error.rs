@@ -71,6 +71,10 @@ pub enum Error {
     #[error(transparent)]
     Env(#[from] rltune_envs::Error),
 
+    /// A collective of a data-parallel run failed, or the processes disagree (names the rank).
+    #[error("data-parallel run: {0}")]
+    Dist(#[from] rltune_dist::Error),
+
     /// What was asked needs hardware or a build feature that this machine or build lacks; the
     /// message names it and the alternative.
     #[error("{0}")]

@@ -15,7 +15,7 @@
 //!
 //! And in this crate: [`engine`] (the optimizer step, schedules, stats every trainer shares), the
 //! algorithms ([`ppo`], [`grpo`] with RLOO, [`dpo`], [`train`] for SFT and reward models,
-//! [`rejection`]), [`rewards`], [`data`], [`agent`] (models acting in environments), [`run`] (the
+//! [`rejection`]), [`dist`] (data parallelism), [`rewards`], [`data`], [`agent`] (models acting in environments), [`run`] (the
 //! one run loop, checkpoints, `--resume`), [`logging`] and [`runtime`].
 //!
 //! Dropout is never applied: rollouts, scoring and PPO's forward passes all run without it, so
@@ -42,6 +42,7 @@
 pub mod agent;
 pub mod config_file;
 pub mod data;
+pub mod dist;
 pub mod dpo;
 pub mod engine;
 pub mod error;

@@ -99,6 +99,70 @@ impl Grads {
         Ok(())
     }
 
+    /// Replaces the gradients by `reduce`'s result, over flat f32 copies: the all-reduce of a
+    /// data-parallel step. `reduce` gets one slice per variable, in order (zeros where the
+    /// variable has no gradient here), then one slice of presence flags (1 where it has one).
+    /// Afterwards a variable has a gradient where its flag came back non-zero, so a variable
+    /// that some process left without a gradient still gets the others' (as torch's DDP, with
+    /// zeros). Every process must call it with the same variables. An update already fused into
+    /// the backward (PPO's [`super::Adam::step_fused`]) cannot be reduced: the caller must not
+    /// arm one in a data-parallel run.
+    pub fn reduce_flat(&mut self, reduce: impl FnOnce(&mut [&mut [f32]]) -> Result<()>) -> Result<()> {
+        let n = self.vars.len();
+        let mut present: Vec<f32> = (0..n).map(|i| f32::from(u8::from(self.has(i)))).collect();
+        // Variables without a sink: their gradients as host f32 vectors (zeros where none).
+        let mut dense: Vec<Option<Vec<f32>>> = Vec::with_capacity(n);
+        for (i, var) in self.vars.iter().enumerate() {
+            dense.push(match (&self.sinks[i], &self.tensors[i]) {
+                (Some(_), _) => None,
+                (None, Some(t)) => Some(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?),
+                (None, None) => Some(vec![0.0; var.elem_count()]),
+            });
+        }
+        let mut states: Vec<_> = self.sinks.iter().map(|s| s.as_ref().map(|s| s.state())).collect();
+        for s in states.iter_mut().flatten() {
+            if s.partial || s.applied {
+                return Err(candle_core::Error::Msg(
+                    "internal: a gradient whose update was fused into the backward cannot be all-reduced"
+                        .into(),
+                )
+                .into());
+            }
+            if !s.filled {
+                s.buf.iter_mut().for_each(|g| *g = 0.0);
+            }
+        }
+        {
+            let mut slices: Vec<&mut [f32]> = states
+                .iter_mut()
+                .zip(dense.iter_mut())
+                .map(|(s, d)| match (s, d) {
+                    (Some(s), _) => s.buf.as_mut_slice(),
+                    (None, Some(d)) => d.as_mut_slice(),
+                    (None, None) => unreachable!("a variable has a sink or a dense gradient"),
+                })
+                .collect();
+            slices.push(present.as_mut_slice());
+            reduce(&mut slices)?;
+        }
+        for (i, s) in states.iter_mut().enumerate() {
+            if let Some(s) = s {
+                s.filled = present[i] != 0.0;
+            }
+        }
+        drop(states);
+        for (i, d) in dense.into_iter().enumerate() {
+            let Some(d) = d else { continue };
+            let var = &self.vars[i];
+            self.tensors[i] = if present[i] != 0.0 {
+                Some(Tensor::from_vec(d, var.shape(), var.device())?.to_dtype(var.dtype())?)
+            } else {
+                None
+            };
+        }
+        Ok(())
+    }
+
     /// Whether variable `i` has a gradient.
     pub fn has(&self, i: usize) -> bool {
         match &self.sinks[i] {

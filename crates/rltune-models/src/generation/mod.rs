@@ -46,6 +46,12 @@ pub struct GenerationConfig {
     pub pad_token_id: Option<u32>,
     /// Stop at EOS; false samples exactly `max_new_tokens` tokens (benchmarks).
     pub stop_at_eos: bool,
+    /// The global index of the first prompt (not a config field). Each row draws from its own
+    /// random stream, seeded by `seed` and its global index: a sample does not depend on the
+    /// other rows of its batch, so the processes of a data-parallel run, each sampling its share
+    /// of a batch, draw exactly what one process sampling the whole batch draws.
+    #[serde(skip)]
+    pub row_offset: u64,
 }
 
 impl Default for GenerationConfig {
@@ -60,6 +66,7 @@ impl Default for GenerationConfig {
             eos_token_ids: Vec::new(),
             pad_token_id: None,
             stop_at_eos: true,
+            row_offset: 0,
         }
     }
 }
@@ -179,7 +186,9 @@ pub fn generate_with(
             )));
         }
     }
-    let mut rng = rand::rngs::StdRng::seed_from_u64(cfg.seed);
+    let mut rngs: Vec<rand::rngs::StdRng> = (0..b as u64)
+        .map(|i| rand::rngs::StdRng::seed_from_u64(row_seed(cfg.seed, cfg.row_offset + i)))
+        .collect();
     let mut noise = if on_device { Some(sampler::DeviceNoise::new(device, cfg.seed)?) } else { None };
     let mut cache = lm.new_cache();
     let mut samples: Vec<Sample> = prompts
@@ -222,7 +231,7 @@ pub fn generate_with(
                     .map(|((id, lp), &d)| (!d).then_some((id as usize, lp as f64)))
                     .collect()
             }
-            None => sample_on_host(lm, &last, &done, &mut rng, cfg, banned)?,
+            None => sample_on_host(lm, &last, &done, &mut rngs, cfg, banned)?,
         };
 
         for (i, pick) in picked.into_iter().enumerate() {
@@ -261,16 +270,17 @@ fn sample_on_host(
     lm: &CausalLm,
     last: &Tensor,
     done: &[bool],
-    rng: &mut rand::rngs::StdRng,
+    rngs: &mut [rand::rngs::StdRng],
     cfg: &GenerationConfig,
     banned: &[u32],
 ) -> Result<Vec<Option<(usize, f64)>>> {
     // The logits (B, V), read in place: each row is copied once, by the task that samples it.
     let logits = lm.logits(last)?.squeeze(1)?.to_dtype(DType::F32)?.to_device(&Device::Cpu)?.contiguous()?;
     let vocab = logits.dim(1)?;
-    // One uniform per live row, drawn in row order (as a serial loop would), then the rows'
-    // distributions and draws in parallel: the same tokens for a seed on any thread count.
-    let draws: Vec<Option<f64>> = done.iter().map(|&d| (!d).then(|| rng.gen::<f64>())).collect();
+    // One uniform per live row from the row's own stream, then the rows' distributions and draws
+    // in parallel: the same tokens for a seed on any thread count and in any batch.
+    let draws: Vec<Option<f64>> =
+        done.iter().zip(rngs.iter_mut()).map(|(&d, rng)| (!d).then(|| rng.gen::<f64>())).collect();
     let sampler_cfg = cfg.sampler();
     let pure = cfg.top_k == 0 && cfg.top_p >= 1.0;
     let picked = rltune_kernels::with_f32(&logits, "generation: logits", |logits| {
@@ -290,6 +300,18 @@ fn sample_on_host(
             .collect()
     })?;
     Ok(picked)
+}
+
+/// The seed of row `row`'s random stream in a batch sampled with `seed` (splitmix64 twice: rows
+/// and seeds close together get unrelated streams).
+pub fn row_seed(seed: u64, row: u64) -> u64 {
+    fn splitmix64(mut z: u64) -> u64 {
+        z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    splitmix64(splitmix64(seed) ^ row)
 }
 
 /// Rejects empty prompts and ids outside the vocabulary, naming the prompt.

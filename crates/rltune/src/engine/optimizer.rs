@@ -7,8 +7,9 @@
 //!    this step;
 //! 2. the caller's forward and backward passes into those buffers (gradient accumulation is
 //!    several of them, each loss already divided by their number);
-//! 3. [`Optimizer::clip`]: the global gradient norm before clipping, clipped to
-//!    `max_grad_norm` when that is positive;
+//! 3. [`Optimizer::clip`]: in a data-parallel run the all-reduce of the gradients (their mean
+//!    over the processes, [`crate::dist`]); then the global gradient norm before clipping,
+//!    clipped to `max_grad_norm` when that is positive;
 //! 4. [`Optimizer::finish`]: when the norm is finite, decoupled weight decay
 //!    `p ← p·(1 − lr·wd)` on the decay group (not biases, not norms: [`decays`]), then Adam at
 //!    that learning rate. A non-finite norm changes no weight.
@@ -125,8 +126,10 @@ impl Optimizer {
     }
 
     /// The global gradient norm before clipping; the gradients are clipped to `max_grad_norm`
-    /// when it is positive.
+    /// when it is positive. In a data-parallel run the gradients are first averaged over the
+    /// processes ([`crate::dist::all_reduce_grads`]), so every process clips and steps alike.
     pub fn clip(&self, grads: &mut Grads) -> Result<f64> {
+        crate::dist::all_reduce_grads(grads)?;
         Ok(if self.args.max_grad_norm > 0.0 {
             grads.clip_norm(self.args.max_grad_norm)?
         } else {

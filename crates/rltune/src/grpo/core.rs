@@ -362,9 +362,14 @@ impl Core {
                 let loss_value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
                 loss_sum += loss_value;
                 if !loss_value.is_finite() {
-                    return Ok((extras, loss_sum, f64::NAN));
+                    break;
                 }
                 grads.backward(&loss)?;
+            }
+            // In a data-parallel run the processes agree first: a non-finite loss on any of them
+            // skips the update on all (none waits in an all-reduce another never joins).
+            if crate::dist::sum(f64::from(u8::from(!loss_sum.is_finite())))? > 0.0 {
+                return Ok((extras, loss_sum, f64::NAN));
             }
             let norm = self.opt.clip(&mut grads)?;
             Ok((extras, loss_sum, norm))
@@ -382,18 +387,61 @@ impl Core {
     }
 }
 
+/// The rewards of the whole batch, over every process in rank order (as TRL gathers them before
+/// the advantages): on one process, `table` itself.
+pub(crate) fn global_rewards(table: &RewardTable) -> Result<RewardTable> {
+    if crate::dist::world_size() == 1 {
+        return Ok(table.clone());
+    }
+    let nf = table.names.len();
+    let flat: Vec<f64> = table.values.iter().flatten().copied().collect();
+    let all = crate::dist::gather_f64(&flat)?;
+    Ok(RewardTable {
+        names: table.names.clone(),
+        values: all.chunks(nf.max(1)).map(<[f64]>::to_vec).collect(),
+    })
+}
+
+/// This process's rows within the global batch, each process holding `n`.
+pub(crate) fn local_rows(n: usize) -> std::ops::Range<usize> {
+    let r = crate::dist::rank();
+    r * n..(r + 1) * n
+}
+
+/// `Σ sum / max(1, Σ count)` over the processes: a masked mean of the whole batch.
+pub(crate) fn global_ratio(sum: f64, count: f64) -> Result<f64> {
+    let mut b = [sum, count];
+    crate::dist::sum_f64(&mut b)?;
+    Ok(b[0] / b[1].max(1.0))
+}
+
+/// The mean of `x` over the processes (each process's value on one).
+pub(crate) fn mean_over_processes(x: f64) -> Result<f64> {
+    Ok(crate::dist::sum(x)? / crate::dist::world_size() as f64)
+}
+
 /// The generation-side metrics TRL logs for every batch: `num_tokens` (running), `completions/*`,
 /// `rewards/<name>/{mean,std}`, `reward` and `reward_std` (the weighted sum over scorable samples).
 /// TRL `_generate` and `_generate_and_score_completions`.
+///
+/// Over the whole batch: in a data-parallel run `table` holds every process's rewards
+/// ([`global_rewards`]) and the lengths are gathered here (every process must call it).
 pub(crate) fn generation_stats(
     core: &mut Core,
     batch: &GroupBatch,
+    table: &RewardTable,
     truncated: &[bool],
     weights: &[f64],
-) -> Stats {
+) -> Result<Stats> {
     let mut s = Stats::new();
-    let plen: f64 = batch.prompts.iter().map(|p| p.len() as f64).sum();
+    let plen = crate::dist::sum(batch.prompts.iter().map(|p| p.len() as f64).sum())?;
     let lens: Vec<f64> = batch.completions.iter().map(|c| c.len() as f64).collect();
+    let lens = crate::dist::gather_f64(&lens)?;
+    let truncated: Vec<bool> =
+        crate::dist::gather_f64(&truncated.iter().map(|&t| f64::from(u8::from(t))).collect::<Vec<_>>())?
+            .into_iter()
+            .map(|t| t != 0.0)
+            .collect();
     core.tokens_seen += plen + lens.iter().sum::<f64>();
     s.insert("num_tokens".into(), Stat::Scalar(core.tokens_seen));
     let stats3 = |xs: &[f64]| {
@@ -411,12 +459,11 @@ pub(crate) fn generation_stats(
     s.insert("completions/max_length".into(), Stat::Scalar(max));
     let clipped = truncated.iter().filter(|t| **t).count() as f64 / truncated.len() as f64;
     s.insert("completions/clipped_ratio".into(), Stat::Scalar(clipped));
-    let term: Vec<f64> = lens.iter().zip(truncated).filter(|(_, t)| !**t).map(|(l, _)| *l).collect();
+    let term: Vec<f64> = lens.iter().zip(&truncated).filter(|(_, t)| !**t).map(|(l, _)| *l).collect();
     let (mean, min, max) = stats3(&term);
     s.insert("completions/mean_terminated_length".into(), Stat::Scalar(mean));
     s.insert("completions/min_terminated_length".into(), Stat::Scalar(min));
     s.insert("completions/max_terminated_length".into(), Stat::Scalar(max));
-    let table = batch.rewards;
     for (f, name) in table.names.iter().enumerate() {
         let col: Vec<f64> = table.values.iter().map(|r| r[f]).collect();
         s.insert(format!("rewards/{name}/mean"), Stat::Scalar(nanmean(&col)));
@@ -425,7 +472,7 @@ pub(crate) fn generation_stats(
     let r = super::math::weighted_rewards(&table.values, weights);
     s.insert("reward".into(), Stat::Scalar(nanmean(&r)));
     s.insert("reward_std".into(), Stat::Scalar(nanstd(&r)));
-    s
+    Ok(s)
 }
 
 /// The reward weights: the configured ones, else 1 per function.

@@ -12,7 +12,8 @@ use candle_core::{Tensor, D};
 
 use super::config::RlooConfig;
 use super::core::{
-    generation_stats, reference_or_frozen_policy, rows, weights_or_ones, Core, GroupBatch, RewardTable,
+    generation_stats, global_ratio, global_rewards, local_rows, mean_over_processes,
+    reference_or_frozen_policy, rows, weights_or_ones, Core, GroupBatch, RewardTable,
 };
 use super::math::{self, nanmax, nanmean, nanmin};
 use crate::engine::{Stat, Stats};
@@ -93,6 +94,10 @@ impl RlooTrainer {
 
         let old_tok = self.core.logprobs_no_grad(&self.core.policy, &padded)?;
         let old_seq = (&old_tok * mask)?.sum_keepdim(D::Minus1)?; // (B, 1)
+                                                                  // In a data-parallel run: the rewards of every process (as TRL gathers them); the KL
+                                                                  // term below is folded into this process's rows, then gathered too.
+        let b = batch.prompts.len();
+        let table = global_rewards(batch.rewards)?;
         let mut rewards = math::weighted_rewards(&batch.rewards.values, &weights);
         if let Some((lo, hi)) = cfg.reward_clip_range {
             rewards.iter_mut().for_each(|r| *r = r.clamp(lo, hi));
@@ -105,18 +110,19 @@ impl RlooTrainer {
             for (r, k) in rewards.iter_mut().zip(&kl_seq) {
                 *r -= cfg.beta * k;
             }
-            kl_metric = Some(kl_seq.iter().sum::<f64>() / padded.n_tokens.max(1.0));
+            kl_metric = Some(global_ratio(kl_seq.iter().sum::<f64>(), padded.n_tokens)?);
         }
+        let rewards = crate::dist::gather_f64(&rewards)?;
         let (adv, group_std) = math::rloo_advantages(&rewards, g, cfg.normalize_advantages);
+        let adv = adv[local_rows(b)].to_vec();
 
-        let mut first = generation_stats(&mut self.core, batch, &truncated, &weights);
+        let mut first = generation_stats(&mut self.core, batch, &table, &truncated, &weights)?;
         let zero =
             group_std.iter().filter(|s| math::is_zero_std(**s)).count() as f64 / group_std.len() as f64;
         first.insert("frac_reward_zero_std".into(), Stat::Scalar(zero));
         if let Some(kl) = kl_metric {
             first.insert("kl".into(), Stat::Scalar(kl));
         }
-        let b = batch.prompts.len();
         let dt = self.core.store.dtype();
         let adv_t =
             Tensor::from_vec(adv.iter().map(|&a| a as f32).collect::<Vec<_>>(), (b, 1), &self.core.device)?
@@ -134,18 +140,20 @@ impl RlooTrainer {
                 Ok((obj.mean_all()?, (ratio.detach(), entropy)))
             })?;
             let mut s = if k == 0 { std::mem::take(&mut first) } else { Stats::new() };
-            s.insert("loss".into(), Stat::Scalar(loss));
+            s.insert("loss".into(), Stat::Scalar(mean_over_processes(loss)?));
             s.insert("grad_norm".into(), Stat::Scalar(grad_norm));
             s.insert("learning_rate".into(), Stat::Scalar(lr));
             let ent: f64 = rows(&(&entropy * mask)?)?.iter().flatten().sum();
-            s.insert("entropy".into(), Stat::Scalar(ent / padded.n_tokens.max(1.0)));
+            s.insert("entropy".into(), Stat::Scalar(global_ratio(ent, padded.n_tokens)?));
             let ratio: Vec<f64> = rows(&ratio)?.into_iter().map(|r| r[0]).collect();
-            let flag = |f: &dyn Fn(f64, f64) -> bool| -> Vec<f64> {
-                ratio.iter().zip(&adv).map(|(&x, &a)| f64::from(u8::from(f(x, a)))).collect()
+            let flag = |f: &dyn Fn(f64, f64) -> bool| -> Result<Vec<f64>> {
+                crate::dist::gather_f64(
+                    &ratio.iter().zip(&adv).map(|(&x, &a)| f64::from(u8::from(f(x, a)))).collect::<Vec<_>>(),
+                )
             };
-            let low = flag(&|x, a| x < lo && a < 0.0);
-            let high = flag(&|x, a| x > hi && a > 0.0);
-            let region = flag(&|x, a| (x < lo && a < 0.0) || (x > hi && a > 0.0));
+            let low = flag(&|x, a| x < lo && a < 0.0)?;
+            let high = flag(&|x, a| x > hi && a > 0.0)?;
+            let region = flag(&|x, a| (x < lo && a < 0.0) || (x > hi && a > 0.0))?;
             s.insert("clip_ratio/low_mean".into(), Stat::Scalar(nanmean(&low)));
             s.insert("clip_ratio/low_min".into(), Stat::Scalar(nanmin(&low)));
             s.insert("clip_ratio/high_mean".into(), Stat::Scalar(nanmean(&high)));

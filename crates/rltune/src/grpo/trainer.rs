@@ -14,7 +14,8 @@ use candle_core::Tensor;
 
 use super::config::GrpoConfig;
 use super::core::{
-    generation_stats, reference_or_frozen_policy, rows, weights_or_ones, Core, GroupBatch, RewardTable,
+    generation_stats, global_ratio, global_rewards, local_rows, mean_over_processes,
+    reference_or_frozen_policy, rows, weights_or_ones, Core, GroupBatch, RewardTable,
 };
 use super::math::{self, nanmax, nanmin, ObjectiveParams};
 use crate::engine::{Stat, Stats};
@@ -109,19 +110,26 @@ impl GrpoTrainer {
             None => None,
         };
 
+        // The advantages over the whole batch (every process's rewards, as TRL gathers them),
+        // then this process's rows.
+        let b = batch.prompts.len();
+        let table = global_rewards(batch.rewards)?;
         let adv = math::grpo_advantages(
-            &batch.rewards.values,
+            &table.values,
             &weights,
             g,
             cfg.scale_rewards,
             cfg.multi_objective_aggregation,
         );
-        let mut first = generation_stats(&mut self.core, batch, &truncated, &weights);
+        let mut first = generation_stats(&mut self.core, batch, &table, &truncated, &weights)?;
         first.insert("frac_reward_zero_std".into(), Stat::Scalar(adv.frac_zero_std()));
-        let b = batch.prompts.len();
+        let advantages = adv.advantages[local_rows(b)].to_vec();
+        // dapo's normalizer: TRL's num_items_in_batch (the batch's loss tokens over every
+        // process) over the number of processes; the gradients' mean then divides by the total.
+        let num_items = crate::dist::sum(padded.n_tokens)? / crate::dist::world_size() as f64;
         let dt = self.core.store.dtype();
         let adv_t = Tensor::from_vec(
-            adv.advantages.iter().map(|&a| a as f32).collect::<Vec<_>>(),
+            advantages.iter().map(|&a| a as f32).collect::<Vec<_>>(),
             (b, 1),
             &self.core.device,
         )?
@@ -150,16 +158,16 @@ impl GrpoTrainer {
                     &padded.mask,
                     cfg.loss_type,
                     cfg.max_completion_length,
-                    padded.n_tokens,
+                    num_items,
                 )?;
                 Ok((loss, (obj, entropy)))
             })?;
             let (obj, entropy) = parts;
             let mut s = if k == 0 { std::mem::take(&mut first) } else { Stats::new() };
-            s.insert("loss".into(), Stat::Scalar(loss));
+            s.insert("loss".into(), Stat::Scalar(mean_over_processes(loss)?));
             s.insert("grad_norm".into(), Stat::Scalar(grad_norm));
             s.insert("learning_rate".into(), Stat::Scalar(lr));
-            self.loss_stats(&mut s, &obj, &entropy, &padded.mask, &adv.advantages)?;
+            self.loss_stats(&mut s, &obj, &entropy, &padded.mask, &advantages)?;
             s.insert(
                 "epoch".into(),
                 Stat::Scalar(self.core.calls as f64 + (k + 1) as f64 / cfg.num_iterations as f64),
@@ -171,7 +179,9 @@ impl GrpoTrainer {
         Ok(logs)
     }
 
-    /// `kl`, `entropy` and `clip_ratio/*` as TRL's `_compute_loss` logs them.
+    /// `kl`, `entropy` and `clip_ratio/*` as TRL's `_compute_loss` logs them, over the whole
+    /// batch (in a data-parallel run, masked means of every process's tokens, where TRL takes
+    /// the mean of the processes' means: the same when they hold as many tokens).
     fn loss_stats(
         &self,
         s: &mut Stats,
@@ -184,12 +194,12 @@ impl GrpoTrainer {
         let n_mask: f64 = m.iter().flatten().sum();
         // global_masked_mean: Σ x·m / max(1, Σ m); TRL takes any (B, 1) value (sequence-level
         // ratios, or one-token completions) as one per sequence: the plain mean over rows.
-        let masked_mean = |x: &[Vec<f64>]| -> f64 {
+        let masked_mean = |x: &[Vec<f64>]| -> Result<f64> {
             if x[0].len() == 1 {
-                x.iter().map(|r| r[0]).sum::<f64>() / x.len() as f64
+                global_ratio(x.iter().map(|r| r[0]).sum::<f64>(), x.len() as f64)
             } else {
                 let s: f64 = x.iter().zip(&m).flat_map(|(r, mr)| r.iter().zip(mr).map(|(a, b)| a * b)).sum();
-                s / n_mask.max(1.0)
+                global_ratio(s, n_mask)
             }
         };
         // masked_seq_mean: per row Σ x·m / Σ m (NaN for an empty row); (B, 1) values as they are.
@@ -206,9 +216,9 @@ impl GrpoTrainer {
                 .collect()
         };
         if let Some(kl) = &obj.kl {
-            s.insert("kl".into(), Stat::Scalar(masked_mean(&rows(kl)?)));
+            s.insert("kl".into(), Stat::Scalar(masked_mean(&rows(kl)?)?));
         }
-        s.insert("entropy".into(), Stat::Scalar(masked_mean(&rows(entropy)?)));
+        s.insert("entropy".into(), Stat::Scalar(masked_mean(&rows(entropy)?)?));
         let ratio = rows(&obj.ratio)?;
         let (lo, hi) = (1.0 - self.config.epsilon, 1.0 + self.config.epsilon_high());
         let flag = |f: &dyn Fn(f64, f64) -> bool| -> Vec<Vec<f64>> {
@@ -221,11 +231,13 @@ impl GrpoTrainer {
         let low = flag(&|x, a| x < lo && a < 0.0);
         let high = flag(&|x, a| x > hi && a > 0.0);
         let region = flag(&|x, a| (x < lo && a < 0.0) || (x > hi && a > 0.0));
-        s.insert("clip_ratio/low_mean".into(), Stat::Scalar(masked_mean(&low)));
-        s.insert("clip_ratio/high_mean".into(), Stat::Scalar(masked_mean(&high)));
-        s.insert("clip_ratio/region_mean".into(), Stat::Scalar(masked_mean(&region)));
-        s.insert("clip_ratio/low_min".into(), Stat::Scalar(nanmin(&seq_mean(&low))));
-        s.insert("clip_ratio/high_max".into(), Stat::Scalar(nanmax(&seq_mean(&high))));
+        s.insert("clip_ratio/low_mean".into(), Stat::Scalar(masked_mean(&low)?));
+        s.insert("clip_ratio/high_mean".into(), Stat::Scalar(masked_mean(&high)?));
+        s.insert("clip_ratio/region_mean".into(), Stat::Scalar(masked_mean(&region)?));
+        let low_seq = crate::dist::gather_f64(&seq_mean(&low))?;
+        let high_seq = crate::dist::gather_f64(&seq_mean(&high))?;
+        s.insert("clip_ratio/low_min".into(), Stat::Scalar(nanmin(&low_seq)));
+        s.insert("clip_ratio/high_max".into(), Stat::Scalar(nanmax(&high_seq)));
         Ok(())
     }
 }

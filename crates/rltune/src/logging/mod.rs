@@ -64,8 +64,8 @@ pub struct SampleRow {
 #[derive(Debug)]
 pub struct RunLogger {
     dir: PathBuf,
-    metrics: JsonlWriter,
-    samples_file: JsonlWriter,
+    /// `None` on the other ranks of a data-parallel run, which log nothing (rank 0 logs).
+    files: Option<(JsonlWriter, JsonlWriter)>,
     /// `transcripts.jsonl` (runs on text games), opened at the first transcript.
     transcripts: Option<JsonlWriter>,
     /// Opened at the first logged step, so that re-reading a run adds no empty event file.
@@ -85,7 +85,21 @@ impl RunLogger {
     /// TensorBoard's event files are append-only: the resumed steps are written again to a new
     /// event file, and TensorBoard shows each step's latest value (its `purge_orphaned_data`,
     /// on by default, drops the earlier ones).
+    ///
+    /// On a rank other than 0 of a data-parallel run ([`crate::dist::is_main`]) it touches no
+    /// file and logs nothing: rank 0 writes the run directory.
     pub fn create(dir: &Path, resume_from: Option<usize>) -> Result<Self> {
+        if !crate::dist::is_main() {
+            return Ok(RunLogger {
+                dir: dir.to_path_buf(),
+                files: None,
+                transcripts: None,
+                tb: None,
+                rows: Vec::new(),
+                samples: Vec::new(),
+                max_samples: 0,
+            });
+        }
         let resume = resume_from.is_some();
         let tb_dir = dir.join("tb");
         std::fs::create_dir_all(&tb_dir).map_err(|e| Error::io(&tb_dir, e))?;
@@ -117,8 +131,7 @@ impl RunLogger {
         }
         Ok(RunLogger {
             dir: dir.to_path_buf(),
-            metrics: JsonlWriter::append(&metrics_path)?,
-            samples_file: JsonlWriter::append(&samples_path)?,
+            files: Some((JsonlWriter::append(&metrics_path)?, JsonlWriter::append(&samples_path)?)),
             transcripts: None,
             tb: None,
             rows,
@@ -153,12 +166,13 @@ impl RunLogger {
     /// Logs one PPO step: a `metrics.jsonl` line, its samples, and TensorBoard scalars and
     /// histograms. Each file is flushed before this returns.
     pub fn log_step(&mut self, step: usize, stats: &Stats, samples: &[SampleRow]) -> Result<()> {
+        let Some((metrics, samples_file)) = &mut self.files else { return Ok(()) };
         let row = MetricRow::from_stats(step, stats);
-        self.metrics.write_line(&row.to_json_line())?;
+        metrics.write_line(&row.to_json_line())?;
         let kept: Vec<SampleRow> = samples.iter().take(self.max_samples).cloned().collect();
         self.samples.retain(|(s, _)| *s < step);
         if !kept.is_empty() {
-            self.samples_file.write_line(&jsonl::samples_to_json_line(step, &kept))?;
+            samples_file.write_line(&jsonl::samples_to_json_line(step, &kept))?;
             self.samples.push((step, kept));
             let excess = self.samples.len().saturating_sub(REPORT_SAMPLE_STEPS);
             self.samples.drain(..excess);
@@ -182,6 +196,9 @@ impl RunLogger {
         step: usize,
         episodes: impl IntoIterator<Item = &'a T>,
     ) -> Result<()> {
+        if self.files.is_none() {
+            return Ok(());
+        }
         for ep in episodes {
             let mut v = serde_json::to_value(ep)
                 .map_err(|e| Error::Input(format!("cannot serialize a transcript: {e}")))?;
@@ -200,6 +217,9 @@ impl RunLogger {
     /// Writes `DIR/report.html` atomically and returns its path.
     pub fn write_report(&self) -> Result<PathBuf> {
         let path = self.dir.join("report.html");
+        if self.files.is_none() {
+            return Ok(path);
+        }
         let name = self.dir.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
         let title = if name.is_empty() { "rltune run".to_string() } else { format!("rltune run: {name}") };
         let html = report::render_report(&title, &self.rows, &self.samples);

@@ -263,11 +263,20 @@ impl RunConfig {
         })
     }
 
-    /// The loop's sizes for `n_prompts` prompts; an error when they make no step.
-    pub fn group_shape(&self, n_prompts: usize) -> Result<GroupShape, String> {
+    /// The loop's sizes for `n_prompts` prompts on `world` processes (TRL's meaning: each process
+    /// trains on `per_device_train_batch_size` completions, so a step takes `world` times as many
+    /// prompts); an error when they make no step.
+    pub fn group_shape(&self, n_prompts: usize, world: usize) -> Result<GroupShape, String> {
         with_table!(self, c, t, {
             let bs = c.per_device_train_batch_size.unwrap_or(TRL_BATCH_SIZE);
-            let prompts_per_step = bs / c.num_generations.max(1);
+            if world > 1 && !bs.is_multiple_of(c.num_generations.max(1)) {
+                return Err(format!(
+                    "[{t}] per_device_train_batch_size {bs} is not a multiple of num_generations {} in a \
+                     data-parallel run: each process samples whole groups; make it a multiple",
+                    c.num_generations
+                ));
+            }
+            let prompts_per_step = bs * world.max(1) / c.num_generations.max(1);
             let per_epoch = n_prompts / prompts_per_step.max(1);
             if per_epoch == 0 {
                 return Err(format!(
@@ -405,12 +414,13 @@ column = "answer"
     fn shape_follows_trl_batch_and_length_rules() {
         let c = load(GRPO, &["grpo.num_generations=4", "grpo.per_device_train_batch_size=16"]).unwrap();
         // No max_steps: ceil(3 epochs · ⌊10 / 4⌋ batches) = 6 steps.
-        let s = c.group_shape(10).unwrap();
+        let s = c.group_shape(10, 1).unwrap();
         assert_eq!((s.prompts_per_step, s.steps, s.steps_per_epoch), (4, 6, 2));
         let c = load(GRPO, &["grpo.max_steps=12", "grpo.num_iterations=3"]).unwrap();
-        let s = c.group_shape(10).unwrap();
+        let s = c.group_shape(10, 1).unwrap();
         assert_eq!((s.prompts_per_step, s.steps, s.num_iterations), (1, 4, 3));
-        let err = load(GRPO, &["grpo.per_device_train_batch_size=64"]).unwrap().group_shape(7).unwrap_err();
+        let err =
+            load(GRPO, &["grpo.per_device_train_batch_size=64"]).unwrap().group_shape(7, 1).unwrap_err();
         assert!(err.contains("7 prompts") && err.contains("takes 8"), "{err}");
     }
 }

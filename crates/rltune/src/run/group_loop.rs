@@ -156,7 +156,7 @@ impl GroupRun {
         let tokenizer = Tokenizer::from_file(&tok_path)?;
         tokenizer.check_fits(policy.config.vocab_size())?;
         let prompts = encode_prompts(&config, &tokenizer)?;
-        let shape = config.group_shape(prompts.len()).map_err(Error::Input)?;
+        let shape = config.group_shape(prompts.len(), crate::dist::world_size()).map_err(Error::Input)?;
 
         let mut reward_names: Vec<String> = config.reward.sources.iter().map(|s| s.metric_name()).collect();
         reward_names.extend(extra_rewards.iter().map(|(_, r)| r.name().to_string()));
@@ -216,8 +216,10 @@ impl GroupRun {
             config.generation.eos_token_ids.clone()
         };
         let logger = RunLogger::create(&config.logging.dir, ckpt.as_ref().map(|(step, _)| *step))?;
-        let resolved = config.to_toml()?;
-        crate::io::write_bytes_atomic(&config.logging.dir.join("config.toml"), resolved.as_bytes())?;
+        if crate::dist::is_main() {
+            let resolved = config.to_toml()?;
+            crate::io::write_bytes_atomic(&config.logging.dir.join("config.toml"), resolved.as_bytes())?;
+        }
         Ok(Self {
             config,
             trainer,
@@ -272,12 +274,18 @@ impl GroupRun {
 
     fn one_step(&mut self, step: usize, batch: &[usize]) -> Result<StepReport> {
         let g = self.shape.num_generations;
+        // This process's share of the step's prompts (all of them on one process), and the global
+        // index of its first row, which keys the rows' sampling streams.
+        let share = crate::dist::shard(batch.len(), "the prompts of a step")?;
+        let row_offset = (share.start * g) as u64;
+        let batch = &batch[share];
         // (B·G) rows: each prompt repeated G times, consecutively.
         let rows: Vec<usize> = batch.iter().flat_map(|&i| std::iter::repeat_n(i, g)).collect();
         let queries: Vec<Vec<u32>> = rows.iter().map(|&i| self.prompts[i].0.clone()).collect();
         let t = Instant::now();
         let gen_cfg = GenerationConfig {
             seed: self.config.generation.seed.wrapping_add(step as u64),
+            row_offset,
             ..self.config.generation.clone()
         };
         let samples = generate(self.trainer.policy(), None, &queries, &gen_cfg, &self.device)?;

@@ -155,6 +155,13 @@ impl PpoRun {
                 config.algorithm.kind.name()
             )));
         }
+        if crate::dist::world_size() > 1 {
+            return Err(Error::Unsupported(format!(
+                "[algorithm] kind = \"{}\" is not data-parallel yet (GRPO and RLOO are): run it as one \
+                 process",
+                config.algorithm.kind.name()
+            )));
+        }
         tracing::info!("runtime: {runtime}");
         let (device, dtype) = (runtime.device().clone(), runtime.dtype());
         if resume {

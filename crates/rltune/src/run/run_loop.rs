@@ -1,6 +1,8 @@
 //! The one loop every RL run of `rltune ppo` goes through, whatever its algorithm: draw the step's
 //! data, run the algorithm's step, report, checkpoint every `[checkpoint] every` steps, write the
-//! report every `[logging] report_every`, stop cleanly on Ctrl-C. A resumed run first replays the
+//! report every `[logging] report_every`, stop cleanly on Ctrl-C. In a data-parallel run every
+//! process runs it, on its share of each step's data; rank 0 alone checkpoints and reports, and
+//! a process whose configuration differs from rank 0's is refused before the first step. A resumed run first replays the
 //! data order of the steps already done, so it sees the prompts a straight run would have.
 //!
 //! PPO and rejection sampling ([`super::PpoRun`]) and GRPO and RLOO ([`super::GroupRun`])
@@ -47,6 +49,13 @@ pub fn run<A: Algorithm>(
     progress: &mut dyn FnMut(&StepReport),
 ) -> Result<usize> {
     let total = alg.total_steps();
+    // A data-parallel run: every process must run the same configuration as rank 0.
+    let resolved = alg.config().to_toml()?;
+    crate::dist::check_same(
+        crate::dist::fingerprint(resolved.as_bytes()),
+        "the resolved configuration (its --config file and --set overrides): start every process \
+         with the same ones",
+    )?;
     let mut order = alg.data_order()?;
     // Replay the data order of the steps already done, so a resumed run sees the same data.
     for _ in 0..alg.start_step() {
@@ -60,7 +69,9 @@ pub fn run<A: Algorithm>(
         progress(&StepReport { step, ..report });
         let stopping = stop.load(Ordering::SeqCst);
         let every = alg.config().checkpoint.every;
-        if stopping || step == total || (every > 0 && step.is_multiple_of(every)) {
+        // Every process holds the same weights: rank 0 alone writes them.
+        if crate::dist::is_main() && (stopping || step == total || (every > 0 && step.is_multiple_of(every)))
+        {
             alg.checkpoint(step)?;
         }
         if stopping || step == total || step.is_multiple_of(alg.config().logging.report_every.max(1)) {

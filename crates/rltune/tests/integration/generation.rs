@@ -90,3 +90,25 @@ fn out_of_vocabulary_prompt_is_rejected_with_its_index() {
         .to_string();
     assert!(err.contains("prompt 1") && err.contains("50"), "{err}");
 }
+
+/// Issue #40: each row draws from its own stream, keyed by its global index, so the processes of
+/// a data-parallel run, each sampling its share, draw what one process sampling all draws.
+#[test]
+fn a_row_samples_the_same_tokens_in_any_batch() {
+    let (_, model) = tiny_gpt2(8, false, DType::F32);
+    let cfg = GenerationConfig { max_new_tokens: 12, seed: 5, ..Default::default() };
+    // Equal-length prompts: the padded shapes, and so every sum, are the same in each batch.
+    let prompts = vec![vec![1u32, 2], vec![3, 4], vec![5, 6], vec![7, 8]];
+    let all = generate(&model.lm, None, &prompts, &cfg, &Device::Cpu).unwrap();
+    let mut shards = Vec::new();
+    for (k, part) in prompts.chunks(2).enumerate() {
+        let cfg = GenerationConfig { row_offset: 2 * k as u64, ..cfg.clone() };
+        shards.extend(generate(&model.lm, None, part, &cfg, &Device::Cpu).unwrap());
+    }
+    assert_eq!(all, shards);
+    // Another offset is another stream.
+    let moved =
+        generate(&model.lm, None, &prompts[..2], &GenerationConfig { row_offset: 1, ..cfg }, &Device::Cpu)
+            .unwrap();
+    assert_ne!(moved[0].response_ids, all[0].response_ids);
+}

@@ -21,7 +21,7 @@ fn mpirun(args: &[&str]) -> Option<(Output, Duration)> {
         assert!(!require, "RLTUNE_REQUIRE_MPI is set but mpirun or the allreduce example is missing");
         eprintln!(
             "SKIPPED: needs OpenMPI (apt-get install openmpi-bin libopenmpi-dev libclang-dev) and \
-             `cargo build -p rltune-dist --features mpi --examples`"
+             `cargo build -p rltune-mpi --features mpi --examples`"
         );
         return None;
     };

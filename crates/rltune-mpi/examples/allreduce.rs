@@ -5,7 +5,8 @@
 
 use std::time::Duration;
 
-use rltune_dist::{all_reduce_buckets, Collective, Launch, Mpi, ReduceOp};
+use rltune_dist::{all_reduce_buckets, Collective, Launch, ReduceOp};
+use rltune_mpi::Mpi;
 
 fn main() {
     let mode = std::env::args().nth(1).unwrap_or_default();

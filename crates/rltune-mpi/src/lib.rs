@@ -1,4 +1,12 @@
-//! The MPI backend (feature `mpi`), with a watchdog on every collective.
+//! The MPI backend of `rltune_dist::Collective` (feature `mpi`), with a watchdog on every
+//! collective. It launches processes on one or many machines (`mpirun -np N`, `--hostfile`,
+//! Slurm's `srun`) and carries the collectives of CPU runs.
+//!
+//! A crate of its own, so that switching MPI on rebuilds only this crate and the command, not
+//! the library (which depends on the interface in `rltune-dist` alone). Without the `mpi`
+//! feature it is empty.
+#![cfg(feature = "mpi")]
+#![deny(missing_docs)]
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -7,7 +15,7 @@ use mpi::collective::SystemOperation;
 use mpi::topology::{Communicator, SimpleCommunicator};
 use mpi::traits::*;
 
-use crate::{Collective, Error, Result};
+use rltune_dist::{Collective, Error, Result};
 
 /// What the watchdog watches: the collective in flight and since when.
 type InFlight = Arc<Mutex<Option<(&'static str, Instant)>>>;

@@ -1,0 +1,85 @@
+//! Data-parallel launches: which engine this process trains through, from its launcher's
+//! variables (`mpirun`, MPICH's Hydra, Slurm's `srun`; see `rltune_dist::Launch`).
+//!
+//! One process (no launcher) installs nothing and keeps its bit-for-bit results. Several need
+//! the `mpi` feature (`cargo build --release -p rltune-cli --features mpi`, with OpenMPI or
+//! MPICH and `libclang-dev` installed); without it the run is refused with that command.
+
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use rltune::dist::{Launch, Launcher};
+
+/// How long a collective may wait for the other processes before this one gives up (a rank
+/// died or hangs), unless `RLTUNE_DIST_TIMEOUT_S` says otherwise.
+const DEFAULT_TIMEOUT_S: u64 = 300;
+
+/// Installs the engine that the launcher's variables call for; `None` for one process.
+pub fn init(command: &str, data_parallel: bool) -> anyhow::Result<Option<rltune::dist::Installed>> {
+    let launch = Launch::from_env().context("reading the launcher's variables")?;
+    if launch.world_size == 1 {
+        return Ok(None);
+    }
+    if !data_parallel {
+        bail!(
+            "`rltune {command}` was started as rank {} of {} by {:?}, but it is not data-parallel: only \
+             `rltune ppo` (GRPO and RLOO) is. Run it as one process",
+            launch.rank,
+            launch.world_size,
+            launch.launcher
+        );
+    }
+    if launch.launcher == Launcher::Torchrun {
+        bail!(
+            "RANK / WORLD_SIZE (torchrun-style) launches need a rendezvous over MASTER_ADDR, which \
+             rltune's engines do not provide yet: launch with `mpirun -np {}` or Slurm's `srun` (MPI)",
+            launch.world_size
+        );
+    }
+    let timeout = match std::env::var("RLTUNE_DIST_TIMEOUT_S") {
+        Ok(v) => v.trim().parse::<u64>().ok().filter(|&s| s > 0).with_context(|| {
+            format!("RLTUNE_DIST_TIMEOUT_S={v:?} is not a positive whole number of seconds")
+        })?,
+        Err(_) => DEFAULT_TIMEOUT_S,
+    };
+    engine(&launch, Duration::from_secs(timeout))
+}
+
+#[cfg(feature = "mpi")]
+fn engine(launch: &Launch, timeout: Duration) -> anyhow::Result<Option<rltune::dist::Installed>> {
+    use rltune::dist::Collective;
+    let mpi = rltune_mpi::Mpi::init(timeout).context("starting MPI")?;
+    if mpi.world_size() != launch.world_size || mpi.rank() != launch.rank {
+        bail!(
+            "the launcher says rank {} of {}, MPI says rank {} of {}: start rltune with the MPI it was \
+             built against (`mpirun --version`)",
+            launch.rank,
+            launch.world_size,
+            mpi.rank(),
+            mpi.world_size()
+        );
+    }
+    tracing::info!(
+        "data-parallel: rank {} of {} (MPI, {:?})",
+        launch.rank,
+        launch.world_size,
+        launch.launcher
+    );
+    Ok(Some(rltune::dist::install(Box::new(mpi))?))
+}
+
+#[cfg(not(feature = "mpi"))]
+fn engine(launch: &Launch, _timeout: Duration) -> anyhow::Result<Option<rltune::dist::Installed>> {
+    bail!(
+        "started as rank {} of {} by {:?}, but this rltune was built without MPI: rebuild it with \
+         `cargo build --release -p rltune-cli --features mpi` (needs OpenMPI or MPICH, and libclang-dev)",
+        launch.rank,
+        launch.world_size,
+        launch.launcher
+    )
+}
+
+/// Whether this process is a rank other than 0 of a launch (its logs are kept to warnings).
+pub fn is_secondary_rank() -> bool {
+    Launch::from_env().is_ok_and(|l| l.rank > 0)
+}

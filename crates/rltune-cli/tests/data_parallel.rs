@@ -1,0 +1,219 @@
+//! Data-parallel training (issue #40): `mpirun -np 2 rltune ppo` against one process with the
+//! same global batch, and the launches that must be refused.
+//!
+//! The MPI runs need OpenMPI (`mpirun`) and the binary built with `--features mpi`, copied to
+//! `target/<profile>/rltune-mpi` (`.ci/run` does both); they are skipped loudly otherwise, and
+//! required with `RLTUNE_REQUIRE_MPI=1`.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use common::rltune;
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+fn text(o: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}
+
+/// `target/<profile>/rltune-mpi` and `mpirun`, or a loud skip.
+fn mpi_binary() -> Option<PathBuf> {
+    let require = std::env::var_os("RLTUNE_REQUIRE_MPI").is_some();
+    let bin = Path::new(env!("CARGO_BIN_EXE_rltune")).with_file_name("rltune-mpi");
+    let mpirun = Command::new("mpirun").arg("--version").output().is_ok_and(|o| o.status.success());
+    if bin.is_file() && mpirun {
+        return Some(bin);
+    }
+    assert!(!require, "RLTUNE_REQUIRE_MPI is set but {} or mpirun is missing", bin.display());
+    eprintln!(
+        "SKIPPED: needs OpenMPI and `cargo build -p rltune-cli --features mpi` copied to {}",
+        bin.display()
+    );
+    None
+}
+
+/// `mpirun --oversubscribe` with `apps`: one `(processes, args)` per application (MPMD).
+fn mpirun(bin: &Path, apps: &[(usize, Vec<String>)]) -> Output {
+    let mut cmd = Command::new("mpirun");
+    cmd.arg("--oversubscribe");
+    for (k, (n, args)) in apps.iter().enumerate() {
+        if k > 0 {
+            cmd.arg(":");
+        }
+        cmd.args(["-np", &n.to_string()]).arg(bin).args(args);
+    }
+    cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .env("HF_HUB_OFFLINE", "1")
+        .env("RUST_LOG", "warn")
+        .env("RLTUNE_DIST_TIMEOUT_S", "60")
+        .output()
+        .expect("run mpirun")
+}
+
+/// The tiny arithmetic quickstart's SFT policy and GRPO config, with a reward that varies
+/// within each group (digits minus half the length), so that every step has gradients.
+fn grpo_setup(tmp: &Path) -> Vec<String> {
+    let qs = tmp.join("qs");
+    let out = rltune(&["quickstart", "--task", "arithmetic", "--preset", "tiny", "--output", s(&qs)]);
+    assert!(out.status.success(), "{}", text(&out));
+    let reward = tmp.join("reward.py");
+    std::fs::write(
+        &reward,
+        "import json, sys\nfor line in sys.stdin:\n    r = json.loads(line)[\"response\"]\n    \
+         print(sum(c.isdigit() for c in r) - 0.5 * len(r), flush=True)\n",
+    )
+    .unwrap();
+    [
+        "ppo".to_string(),
+        "--config".into(),
+        s(&qs.join("grpo.toml")).into(),
+        "--set".into(),
+        "generation.temperature=2.0".into(),
+        "--set".into(),
+        "grpo.temperature=2.0".into(),
+        "--set".into(),
+        "grpo.max_steps=3".into(),
+        "--set".into(),
+        format!("reward.sources=[{{kind=\"command\",command=[\"python3\",{:?}]}}]", s(&reward)),
+    ]
+    .to_vec()
+}
+
+fn metrics(run: &Path) -> Vec<BTreeMap<String, serde_json::Value>> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+fn weights(path: &Path) -> BTreeMap<String, Vec<f32>> {
+    candle_core::safetensors::load(path, &candle_core::Device::Cpu)
+        .unwrap()
+        .into_iter()
+        .map(|(k, t)| (k, t.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
+        .collect()
+}
+
+/// Two processes with 8 completions each (one prompt, 8 generations) against one process with
+/// 16, three GRPO steps: the same samples, rewards and advantages, so the same metrics up to
+/// the order of sums, and the same weights.
+///
+/// Tolerance: the gradient is averaged over the processes, `(g₀ + g₁)/2`, where one process sums
+/// the rows in one pass; the two differ by the rounding of f32 sums (~1e-7 relative), which
+/// three Adam steps at lr 1e-4 carry into the weights well below 1e-6.
+#[test]
+fn grpo_on_two_processes_equals_one_process() {
+    let Some(bin) = mpi_binary() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let args = grpo_setup(tmp.path());
+    let (one, two) = (tmp.path().join("one"), tmp.path().join("two"));
+    let dir = |d: &Path| vec!["--set".to_string(), format!("logging.dir={:?}", s(d))];
+    let one_args = [args.clone(), dir(&one)].concat();
+    let refs: Vec<&str> = one_args.iter().map(String::as_str).collect();
+    let out = rltune(&refs);
+    assert!(out.status.success(), "{}", text(&out));
+    let mut two_args = [args.clone(), dir(&two)].concat();
+    two_args.extend(["--set".into(), "grpo.per_device_train_batch_size=8".into()]);
+    let out = mpirun(&bin, &[(2, two_args)]);
+    assert!(out.status.success(), "{}", text(&out));
+
+    let (m1, m2) = (metrics(&one), metrics(&two));
+    assert_eq!(m1.len(), 3);
+    assert_eq!(m2.len(), 3, "rank 0 alone logs");
+    let mut worst = 0f64;
+    for (a, b) in m1.iter().zip(&m2) {
+        for (k, va) in a {
+            if k.starts_with("time/") {
+                continue;
+            }
+            let vb = b.get(k).unwrap_or_else(|| panic!("{k} missing on two processes"));
+            let exact = k.starts_with("reward") || k.starts_with("completions/") || k == "num_tokens";
+            match (va.as_f64(), vb.as_f64()) {
+                (Some(x), Some(y)) if exact => assert_eq!(x, y, "{k}: the samples differ"),
+                (Some(x), Some(y)) => {
+                    // Relative, and absolute below 1 (a loss whose advantages cancel is ~1e-8
+                    // of rounding either way).
+                    let d = (x - y).abs() / x.abs().max(1.0);
+                    worst = worst.max(d);
+                    assert!(d < 1e-6, "{k}: {x} vs {y}");
+                }
+                _ => assert_eq!(va, vb, "{k}"),
+            }
+        }
+    }
+    let (w1, w2) = (
+        weights(&one.join("checkpoints/step-3/model.safetensors")),
+        weights(&two.join("checkpoints/step-3/model.safetensors")),
+    );
+    let init = weights(&tmp.path().join("qs/sft/model.safetensors"));
+    let (mut diff, mut moved) = (0f32, 0f32);
+    for (k, a) in &w1 {
+        for ((x, y), z) in a.iter().zip(&w2[k]).zip(&init[k]) {
+            diff = diff.max((x - y).abs());
+            moved = moved.max((x - z).abs());
+        }
+    }
+    eprintln!("two processes vs one: metrics worst difference {worst:.1e}; weights max |Δ| {diff:.1e} (moved {moved:.1e})");
+    assert!(moved > 1e-5, "the weights did not move: the test would prove nothing");
+    assert!(diff < 1e-6, "weights differ by {diff}");
+}
+
+/// A process whose configuration differs from rank 0's is refused before the first step, and
+/// named; every process ends.
+#[test]
+fn a_rank_with_another_config_is_refused_and_named() {
+    let Some(bin) = mpi_binary() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let mut args = grpo_setup(tmp.path());
+    args.extend(["--set".into(), format!("logging.dir={:?}", s(&tmp.path().join("run")))]);
+    args.extend(["--set".into(), "grpo.per_device_train_batch_size=8".into()]);
+    let mut other = args.clone();
+    other.extend(["--set".into(), "grpo.learning_rate=0.001".into()]);
+    let t = std::time::Instant::now();
+    let out = mpirun(&bin, &[(1, args), (1, other)]);
+    let t = t.elapsed();
+    let all = text(&out);
+    assert!(!out.status.success(), "{all}");
+    assert!(all.contains("rank 1 differs from rank 0: the resolved configuration"), "{all}");
+    assert!(t.as_secs() < 60, "took {t:?}");
+}
+
+/// Commands that are not data-parallel are refused under a launcher, as is a build without MPI.
+#[test]
+fn launches_that_cannot_run_are_refused_with_the_fix() {
+    let run = |vars: &[(&str, &str)], args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_rltune"))
+            .args(args)
+            .envs(vars.iter().copied())
+            .env("RUST_LOG", "warn")
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+        text(&out)
+    };
+    let ompi = [("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_SIZE", "2")];
+    let err = run(&ompi, &["generate", "--model", "nowhere", "--prompt", "x"]);
+    assert!(
+        err.contains("`rltune generate` was started as rank 0 of 2") && err.contains("not data-parallel"),
+        "{err}"
+    );
+    let err = run(
+        &[("RANK", "1"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "1")],
+        &["ppo", "--config", "nowhere.toml"],
+    );
+    assert!(err.contains("torchrun-style") && err.contains("mpirun -np 2"), "{err}");
+    let err =
+        run(&[("OMPI_COMM_WORLD_RANK", "x"), ("OMPI_COMM_WORLD_SIZE", "2")], &["ppo", "--config", "c.toml"]);
+    assert!(err.contains("OMPI_COMM_WORLD_RANK: \"x\" is not a whole number"), "{err}");
+    if cfg!(not(feature = "mpi")) {
+        let err = run(&ompi, &["ppo", "--config", "nowhere.toml"]);
+        assert!(err.contains("built without MPI") && err.contains("--features mpi"), "{err}");
+    }
+}
