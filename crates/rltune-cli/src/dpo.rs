@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use rltune::config_file::parse_toml;
 use rltune::dpo::data::{prepare_pairs, read_preference_records, PreferencePair};
-use rltune::dpo::run::train;
+use rltune::dpo::run::{pairs_per_process, train};
 use rltune::dpo::{DpoConfig, DpoTrainer};
 use rltune::logging::jsonl::{JsonlWriter, MetricRow};
 use rltune::models::load::{copy_side_files, locate, read_config_json, save_dir_atomic};
@@ -131,9 +131,14 @@ pub fn run(args: Args) -> Result<()> {
              false: the reference model's logprobs are used instead (as TRL); set it to true to use the file's"
         );
     }
-    let mut trainer =
-        DpoTrainer::new(cfg.clone(), policy.store.clone(), policy.lm.clone(), reference, pairs.len())
-            .with_context(|| format!("cannot set up DPO from {}", source.display()))?;
+    let mut trainer = DpoTrainer::new(
+        cfg.clone(),
+        policy.store.clone(),
+        policy.lm.clone(),
+        reference,
+        pairs_per_process(pairs.len()),
+    )
+    .with_context(|| format!("cannot set up DPO from {}", source.display()))?;
     if cfg.precompute_ref_log_probs && given < pairs.len() {
         let mut missing: Vec<PreferencePair> =
             pairs.iter().filter(|p| p.ref_logps.is_none()).cloned().collect();
@@ -153,22 +158,32 @@ fn train_and_save(
     trainer: &mut DpoTrainer,
     pairs: &[PreferencePair],
 ) -> Result<()> {
-    std::fs::create_dir_all(&args.output)
-        .with_context(|| format!("cannot create {}", args.output.display()))?;
+    // On several processes, rank 0 alone writes (every process holds the same weights).
+    let main = rltune::dist::is_main();
     let metrics_path = args.output.join("metrics.jsonl");
-    rltune::io::write_bytes_atomic(&metrics_path, b"")?;
-    let mut writer = JsonlWriter::append(&metrics_path)?;
+    let mut writer = if main {
+        std::fs::create_dir_all(&args.output)
+            .with_context(|| format!("cannot create {}", args.output.display()))?;
+        rltune::io::write_bytes_atomic(&metrics_path, b"")?;
+        Some(JsonlWriter::append(&metrics_path)?)
+    } else {
+        None
+    };
     let bar = Bar::new("dpo");
+    let world = rltune::dist::world_size();
     tracing::info!(
-        "DPO on {} pairs: {} optimizer steps of {} × {} pairs",
+        "DPO on {} pairs: {} optimizer steps of {} × {} pairs{}",
         pairs.len(),
-        trainer.config.total_steps(pairs.len()),
+        trainer.config.total_steps(pairs_per_process(pairs.len())),
         trainer.config.per_device_train_batch_size,
-        trainer.config.gradient_accumulation_steps
+        trainer.config.gradient_accumulation_steps,
+        if world > 1 { format!(" on each of {world} processes") } else { String::new() }
     );
     let mut last = None;
     train(trainer, pairs, &mut |step, total, stats| {
-        writer.write_line(&MetricRow::from_stats(step, stats).to_json_line())?;
+        if let Some(w) = writer.as_mut() {
+            w.write_line(&MetricRow::from_stats(step, stats).to_json_line())?;
+        }
         let get = |k: &str| stats.get(k).and_then(Stat::as_f64).unwrap_or(f64::NAN);
         bar.show(
             step,
@@ -184,6 +199,9 @@ fn train_and_save(
         Ok(())
     })?;
     bar.finish();
+    if !main {
+        return Ok(());
+    }
     save(&args.output, policy, trainer.store(), &metrics_path)?;
     if let Some((loss, acc)) = last {
         eprintln!("final loss {loss:.4}, rewards/accuracies {acc:.3}; saved {}", args.output.display());

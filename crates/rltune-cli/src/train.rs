@@ -173,7 +173,7 @@ impl Bar {
     /// A bar for a trainer; its length is set by the first update.
     pub fn new(what: &'static str) -> Self {
         use std::io::IsTerminal;
-        let bar = std::io::stderr().is_terminal().then(|| {
+        let bar = (std::io::stderr().is_terminal() && rltune::dist::is_main()).then(|| {
             let bar = indicatif::ProgressBar::new(0);
             let template = format!(
                 "{what:>10} {{bar:30}} {{pos}}/{{len}} [{{elapsed_precise}} < {{eta_precise}}] {{msg}}"
@@ -195,6 +195,8 @@ impl Bar {
                 bar.set_position(done as u64);
                 bar.set_message(msg);
             }
+            // One progress report per run: rank 0's, on several processes.
+            None if !rltune::dist::is_main() => {}
             None => {
                 let tenth = (total / 10).max(1);
                 if done == total || done.is_multiple_of(tenth) {

@@ -143,6 +143,29 @@ pub fn gather_f64(local: &[f64]) -> Result<Vec<f64>> {
     Ok(all)
 }
 
+/// Makes every scalar of `stats` the one of the whole batch, from each process's value: the mean
+/// over the processes, or for the keys in `summed` (counts, e.g. `num_tokens`) the sum. As TRL's
+/// `gather(...).mean()`: exact when every process holds as many samples. Every process must hold
+/// the same keys. A no-op on one process.
+pub fn reduce_stats(stats: &mut crate::engine::Stats, summed: &[&str]) -> Result<()> {
+    let world = world_size();
+    if world == 1 {
+        return Ok(());
+    }
+    use crate::engine::Stat;
+    let keys: Vec<String> =
+        stats.iter().filter(|(_, v)| v.as_f64().is_some()).map(|(k, _)| k.clone()).collect();
+    let names = keys.join("\n");
+    check_same(fingerprint(names.as_bytes()), "the metric names of a step")?;
+    let mut values: Vec<f64> = keys.iter().map(|k| stats[k].as_f64().unwrap_or(0.0)).collect();
+    sum_f64(&mut values)?;
+    for (k, v) in keys.into_iter().zip(values) {
+        let v = if summed.contains(&k.as_str()) { v } else { v / world as f64 };
+        stats.insert(k, Stat::Scalar(v));
+    }
+    Ok(())
+}
+
 /// Refuses to go on unless every process holds the same `fingerprint` of `what` as rank 0 (a
 /// hash of its resolved configuration); the error names the first rank that differs.
 pub fn check_same(fingerprint: u64, what: &str) -> Result<()> {

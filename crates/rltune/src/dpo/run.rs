@@ -17,12 +17,39 @@ use crate::engine::Stats;
 use crate::error::{Error, Result};
 
 /// The optimizer steps of one epoch: indices into the pairs, grouped into micro-batches.
+///
+/// On several processes ([`crate::dist`]) every process draws the same permutation, cuts it into
+/// global micro-batches of `per_device_train_batch_size` × N pairs, and takes its contiguous
+/// share of each (so that N processes train on what one process with N times the batch trains
+/// on). A last micro-batch that the processes cannot share evenly is left out, as
+/// `dataloader_drop_last` would (logged).
 pub fn epoch_plan(cfg: &DpoConfig, n_pairs: usize, rng: &mut rand::rngs::StdRng) -> Vec<Vec<Vec<usize>>> {
     let mut perm: Vec<usize> = (0..n_pairs).collect();
     perm.shuffle(rng);
-    let micro: Vec<Vec<usize>> =
-        perm.chunks(cfg.per_device_train_batch_size).map(<[usize]>::to_vec).collect();
+    let (world, rank) = (crate::dist::world_size(), crate::dist::rank());
+    let micro: Vec<Vec<usize>> = perm
+        .chunks(cfg.per_device_train_batch_size * world)
+        .filter_map(|c| {
+            if !c.len().is_multiple_of(world) {
+                tracing::warn!(
+                    "the epoch's last {} pairs cannot be shared evenly by {world} processes: left out; \
+                     make the pair count a multiple of per_device_train_batch_size × processes",
+                    c.len()
+                );
+                return None;
+            }
+            let per = c.len() / world;
+            Some(c[rank * per..(rank + 1) * per].to_vec())
+        })
+        .collect();
     micro.chunks(cfg.gradient_accumulation_steps).map(<[Vec<usize>]>::to_vec).collect()
+}
+
+/// The pairs one process's schedule counts: all of them on one process, a share on N (so that
+/// `total_steps` and the epochs count global micro-batches of `per_device_train_batch_size` ×
+/// N pairs: ⌈⌈n/N⌉/b⌉ = ⌈n/(N·b)⌉).
+pub fn pairs_per_process(n_pairs: usize) -> usize {
+    n_pairs.div_ceil(crate::dist::world_size())
 }
 
 /// Trains on `pairs` for the run's optimizer steps; `on_step(step, total, stats)` is called after
@@ -36,7 +63,7 @@ pub fn train(
         return Err(Error::Input("no preference pair to train on".into()));
     }
     let cfg = trainer.config.clone();
-    let total = cfg.total_steps(pairs.len());
+    let total = cfg.total_steps(pairs_per_process(pairs.len()));
     let mut rng = rand::rngs::StdRng::seed_from_u64(cfg.seed);
     let mut step = 0;
     while step < total {

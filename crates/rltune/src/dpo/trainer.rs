@@ -55,7 +55,9 @@ struct Collated {
 struct MicroOut {
     /// Real tokens in the micro-batch.
     n_tokens: f64,
-    metrics: Vec<(&'static str, f64)>,
+    /// `(name, value, weight)`: the value is a mean over `weight` tokens or pairs (the weight
+    /// makes the mean of several processes that of the whole micro-batch).
+    metrics: Vec<(&'static str, f64, f64)>,
 }
 
 /// TRL's `DPOTrainer`, one optimizer step per [`DpoTrainer::step`].
@@ -169,9 +171,22 @@ impl DpoTrainer {
         s.insert("num_tokens".into(), Stat::Scalar(self.core.tokens_seen));
         s.insert("epoch".into(), Stat::Scalar(self.micro_done as f64 / self.batches_per_epoch as f64));
         s.insert("rltune/skipped_updates".into(), Stat::Scalar(self.core.skipped_updates as f64));
+        // On several processes: the loss is the mean over them, the tokens their sum.
+        crate::dist::reduce_stats(&mut s, &["num_tokens"])?;
+        // Each micro-batch's metrics of the whole global micro-batch: weighted by its tokens or
+        // pairs over the processes (the same values on one).
+        let mut values: Vec<Vec<f64>> =
+            outs.iter().map(|o| o.metrics.iter().map(|m| m.1).collect()).collect();
+        if crate::dist::world_size() > 1 {
+            let mut sums: Vec<f64> =
+                outs.iter().flat_map(|o| o.metrics.iter().flat_map(|&(_, v, w)| [v * w, w])).collect();
+            crate::dist::sum_f64(&mut sums)?;
+            let mut it = sums.chunks(2).map(|c| if c[1] > 0.0 { c[0] / c[1] } else { 0.0 });
+            values.iter_mut().flatten().for_each(|v| *v = it.next().unwrap_or(*v));
+        }
         // TRL's `log`: each metric averaged over the micro-batches of the step.
-        for (i, (name, _)) in outs[0].metrics.iter().enumerate() {
-            let mean = outs.iter().map(|o| o.metrics[i].1).sum::<f64>() / outs.len() as f64;
+        for (i, (name, _, _)) in outs[0].metrics.iter().enumerate() {
+            let mean = values.iter().map(|v| v[i]).sum::<f64>() / outs.len() as f64;
             s.insert((*name).into(), Stat::Scalar(mean));
         }
         Ok(s)
@@ -363,7 +378,7 @@ fn micro_metrics(
     tok: &TokenOut,
     pairs: &[PairLogps],
     beta: f64,
-) -> Result<Vec<(&'static str, f64)>> {
+) -> Result<Vec<(&'static str, f64, f64)>> {
     let b = pairs.len();
     let entropy = tok.entropy.to_dtype(DType::F64)?.to_vec1::<f64>()?;
     let n_tok = entropy.len() as f64;
@@ -388,17 +403,18 @@ fn micro_metrics(
     let rc: Vec<f64> = pairs.iter().map(|p| beta * (p.chosen - p.ref_chosen)).collect();
     let rr: Vec<f64> = pairs.iter().map(|p| beta * (p.rejected - p.ref_rejected)).collect();
     let mean = |x: &[f64]| x.iter().sum::<f64>() / nb;
+    let (n_c, n_r) = (chosen.len() as f64, rejected_n as f64);
     Ok(vec![
-        ("entropy", ent),
-        ("logits/chosen", logits_c),
-        ("logits/rejected", logits_r),
-        ("mean_token_accuracy", accuracy),
-        ("rewards/chosen", mean(&rc)),
-        ("rewards/rejected", mean(&rr)),
-        ("rewards/accuracies", rc.iter().zip(&rr).filter(|(c, r)| c > r).count() as f64 / nb),
-        ("rewards/margins", rc.iter().zip(&rr).map(|(c, r)| c - r).sum::<f64>() / nb),
-        ("logps/chosen", pairs.iter().map(|p| p.chosen).sum::<f64>() / nb),
-        ("logps/rejected", pairs.iter().map(|p| p.rejected).sum::<f64>() / nb),
+        ("entropy", ent, n_tok),
+        ("logits/chosen", logits_c, n_c),
+        ("logits/rejected", logits_r, n_r),
+        ("mean_token_accuracy", accuracy, n_c),
+        ("rewards/chosen", mean(&rc), nb),
+        ("rewards/rejected", mean(&rr), nb),
+        ("rewards/accuracies", rc.iter().zip(&rr).filter(|(c, r)| c > r).count() as f64 / nb, nb),
+        ("rewards/margins", rc.iter().zip(&rr).map(|(c, r)| c - r).sum::<f64>() / nb, nb),
+        ("logps/chosen", pairs.iter().map(|p| p.chosen).sum::<f64>() / nb, nb),
+        ("logps/rejected", pairs.iter().map(|p| p.rejected).sum::<f64>() / nb, nb),
     ])
 }
 

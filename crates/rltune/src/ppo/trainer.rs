@@ -41,6 +41,7 @@ use crate::optim::{Adam, AdamConfig, Grads};
 use crate::params::ParamStore;
 use crate::tokenizer::{pad, PaddingSide};
 
+mod data_parallel;
 mod optimize;
 
 use optimize::{average_minibatch_stats, negative_kl_guard, TrainData};
@@ -328,8 +329,9 @@ impl PpoTrainer {
         let time_rewards = t.elapsed().as_secs_f64();
 
         let t = Instant::now();
+        // Whitening takes the statistics of the whole batch, over every process.
         let rewards = if self.config.whiten_rewards {
-            math::whiten_rewards(&(&rewards * &batch.mask)?, &batch.mask)?
+            data_parallel::whiten_rewards(&(&rewards * &batch.mask)?, &batch.mask)?
         } else {
             rewards
         };
@@ -338,7 +340,7 @@ impl PpoTrainer {
             Some(next) => math::bootstrap_last(&rewards, &batch.mask, next, self.config.gamma)?,
             None => rewards,
         };
-        let (values, advantages, returns) = math::compute_advantages(
+        let (values, advantages, returns) = data_parallel::compute_advantages(
             &rollout.values,
             &rewards,
             &batch.mask,
@@ -367,7 +369,8 @@ impl PpoTrainer {
         }
         stats.insert("rltune/skipped_updates".into(), Stat::Scalar(self.skipped_updates as f64));
         let mean_kl = stats.get("objective/kl").and_then(Stat::as_f64).unwrap_or(0.0);
-        self.kl_ctl.update(mean_kl, self.config.batch_size);
+        // TRL: the controller counts every process's samples.
+        self.kl_ctl.update(mean_kl, self.config.batch_size * crate::dist::world_size());
         negative_kl_guard(&mut stats, mean_kl);
         let time_stats = t.elapsed().as_secs_f64();
 
@@ -387,6 +390,11 @@ impl PpoTrainer {
     /// Rejects inputs that would give silent garbage, naming the sample.
     fn check_input(&self, input: &StepInput) -> Result<()> {
         self.check_value_head()?;
+        if crate::dist::world_size() > 1 && self.critic.is_some() {
+            return Err(Error::Unsupported(
+                "a separate critic is not data-parallel yet: run PPO with a critic as one process".into(),
+            ));
+        }
         let b = self.config.batch_size;
         let n = input.queries.len();
         if n != b || input.responses.len() != b || input.scores.len() != b {
@@ -478,7 +486,8 @@ impl PpoTrainer {
             }
         }
         if self.config.use_score_scaling {
-            self.running.update(&scores);
+            // The running moments see every process's scores.
+            self.running.update(&crate::dist::gather_f64(&scores)?);
             let scale = self.running.std + f32::EPSILON as f64;
             let shift = if self.config.use_score_norm { self.running.mean } else { 0.0 };
             scores.iter_mut().for_each(|s| *s = (*s - shift) / scale);

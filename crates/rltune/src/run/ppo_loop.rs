@@ -156,11 +156,18 @@ impl PpoRun {
             )));
         }
         if crate::dist::world_size() > 1 {
-            return Err(Error::Unsupported(format!(
-                "[algorithm] kind = \"{}\" is not data-parallel yet (GRPO and RLOO are): run it as one \
-                 process",
-                config.algorithm.kind.name()
-            )));
+            let not_yet = match (config.algorithm.kind, &config.env, &config.critic) {
+                (AlgorithmKind::RejectionSampling, _, _) => Some("rejection sampling"),
+                (_, Some(_), _) => Some("PPO on text games ([env])"),
+                (_, _, Some(_)) => Some("PPO with a separate [critic]"),
+                _ => None,
+            };
+            if let Some(what) = not_yet {
+                return Err(Error::Unsupported(format!(
+                    "{what} is not data-parallel yet (PPO on prompts, GRPO and RLOO are): run it as one \
+                     process"
+                )));
+            }
         }
         tracing::info!("runtime: {runtime}");
         let (device, dtype) = (runtime.device().clone(), runtime.dtype());
@@ -227,8 +234,10 @@ impl PpoRun {
         // Lines logged after the checkpoint (a run killed between two checkpoints) are dropped:
         // those steps run again.
         let logger = RunLogger::create(&config.logging.dir, ckpt.as_ref().map(|(step, _)| *step))?;
-        let resolved = config.to_toml()?;
-        crate::io::write_bytes_atomic(&config.logging.dir.join("config.toml"), resolved.as_bytes())?;
+        if crate::dist::is_main() {
+            let resolved = config.to_toml()?;
+            crate::io::write_bytes_atomic(&config.logging.dir.join("config.toml"), resolved.as_bytes())?;
+        }
         Ok(Self {
             config,
             trainer,
@@ -278,6 +287,11 @@ impl PpoRun {
         let Source::Prompts { prompts, reward } = &mut self.source else {
             return Err(Error::Input("internal: a prompt step without prompts".into()));
         };
+        // This process's share of the step's prompts (all of them on one process); the global
+        // index of its first row keys the rows' sampling streams.
+        let share = crate::dist::shard(batch.len(), "the prompts of a step")?;
+        let row_offset = share.start as u64;
+        let batch = &batch[share];
         let queries: Vec<Vec<u32>> = batch
             .iter()
             .map(|&(i, len)| {
@@ -288,6 +302,7 @@ impl PpoRun {
         let t = Instant::now();
         let gen_cfg = GenerationConfig {
             seed: self.config.generation.seed.wrapping_add(step as u64),
+            row_offset,
             ..self.config.generation.clone()
         };
         let policy = &self.trainer.policy;
@@ -354,7 +369,7 @@ impl PpoRun {
             bootstrap: None,
         })?;
         let logprobs: Vec<&[f32]> = samples.iter().map(|s| s.logprobs.as_slice()).collect();
-        add_env_stats(&mut stats, &logprobs, &scores, &queries, time_gen, time_reward, self.skipped);
+        add_env_stats(&mut stats, &logprobs, &scores, &queries, time_gen, time_reward, self.skipped)?;
         let rows: Vec<SampleRow> = texts
             .iter()
             .zip(&scores)
@@ -420,7 +435,7 @@ impl PpoRun {
         })?;
         let logprobs: Vec<&[f32]> = turns.iter().map(|t| t.logprobs.as_slice()).collect();
         let time_gen = batch.time_generation.as_secs_f64();
-        add_env_stats(&mut stats, &logprobs, &scores, &queries, time_gen, 0.0, self.skipped);
+        add_env_stats(&mut stats, &logprobs, &scores, &queries, time_gen, 0.0, self.skipped)?;
         stats.insert("time/rollout/total".into(), Stat::Scalar(time_rollout));
         add_episode_stats(&mut stats, &batch);
         self.eval_if_due(step, &mut stats)?;
@@ -513,7 +528,8 @@ fn decode(tokenizer: &Tokenizer, samples: &[Sample]) -> Result<Vec<(String, Stri
 }
 
 /// TRL `log_stats`'s `env/*` keys, plus rltune's: mean logprobs of policy and reference over the
-/// response tokens (`logprobs[i]` holds sample i's), rollout phase times, skipped batches.
+/// response tokens (`logprobs[i]` holds sample i's), rollout phase times, skipped batches; of
+/// every process's samples.
 fn add_env_stats(
     stats: &mut crate::engine::Stats,
     logprobs: &[&[f32]],
@@ -522,15 +538,16 @@ fn add_env_stats(
     time_gen: f64,
     time_reward: f64,
     skipped: usize,
-) {
-    let r: Vec<f64> = scores.iter().map(|&s| s as f64).collect();
+) -> Result<()> {
+    let r: Vec<f64> = crate::dist::gather_f64(&scores.iter().map(|&s| s as f64).collect::<Vec<_>>())?;
     let (mean, std) = mean_std(&r);
     stats.insert("env/reward_mean".into(), Stat::Scalar(mean));
     stats.insert("env/reward_std".into(), Stat::Scalar(std));
     stats.insert("env/reward_dist".into(), Stat::Array(r));
     let lp: Vec<f64> = logprobs.iter().flat_map(|s| s.iter().map(|&x| x as f64)).collect();
-    stats
-        .insert("rltune/logprobs_mean".into(), Stat::Scalar(lp.iter().sum::<f64>() / lp.len().max(1) as f64));
+    let mut lp_sum = [lp.iter().sum::<f64>(), lp.len() as f64];
+    crate::dist::sum_f64(&mut lp_sum)?;
+    stats.insert("rltune/logprobs_mean".into(), Stat::Scalar(lp_sum[0] / lp_sum[1].max(1.0)));
     if let Some(Stat::Matrix(refs)) = stats.get("objective/ref_logprobs") {
         let mut sum = 0.0;
         let mut n = 0usize;
@@ -542,11 +559,14 @@ fn add_env_stats(
                 }
             }
         }
-        stats.insert("rltune/ref_logprobs_mean".into(), Stat::Scalar(sum / n.max(1) as f64));
+        let mut s = [sum, n as f64];
+        crate::dist::sum_f64(&mut s)?;
+        stats.insert("rltune/ref_logprobs_mean".into(), Stat::Scalar(s[0] / s[1].max(1.0)));
     }
     stats.insert("time/rollout/generation".into(), Stat::Scalar(time_gen));
     stats.insert("time/rollout/reward".into(), Stat::Scalar(time_reward));
     stats.insert("rltune/skipped_batches".into(), Stat::Scalar(skipped as f64));
+    Ok(())
 }
 
 /// The data order of a PPO run: the prompt permutation, its RNG, and the query-length sampler.
@@ -583,9 +603,11 @@ impl super::run_loop::Algorithm for PpoRun {
         })
     }
 
-    /// The next `batch_size` prompts and query lengths (none when the run plays games).
+    /// The next `batch_size` prompts and query lengths per process (none when the run plays
+    /// games): every process draws the whole batch and keeps its share.
     fn draw(&self, o: &mut PromptOrder) -> Vec<(usize, usize)> {
-        self.next_batch(&mut o.order, &mut o.rng, &o.sampler, self.config.ppo.batch_size)
+        let n = self.config.ppo.batch_size * crate::dist::world_size();
+        self.next_batch(&mut o.order, &mut o.rng, &o.sampler, n)
     }
 
     fn step(&mut self, step: usize, batch: &Vec<(usize, usize)>) -> Result<StepReport> {

@@ -5,7 +5,7 @@
 use candle_core::{DType, Tensor};
 use rand::seq::SliceRandom;
 
-use super::{flat, matrix, Batch, PpoTrainer, Rollout, StepInput};
+use super::{data_parallel, flat, matrix, Batch, PpoTrainer, Rollout, StepInput};
 use crate::engine::stats::{mean_std, Stat, Stats};
 use crate::error::Result;
 use crate::optim::{Adam, FusedStep, Grads};
@@ -40,8 +40,18 @@ pub(super) struct TrainData<'a> {
 
 impl PpoTrainer {
     /// PPO epochs over shuffled minibatches; returns each minibatch's stats.
+    ///
+    /// On several processes ([`super::data_parallel`]): one permutation of the whole batch,
+    /// drawn alike everywhere, cut into global minibatches of `mini_batch_size` × N rows; each
+    /// process trains on its rows of each and the gradients are averaged before the update.
     pub(super) fn optimize(&mut self, batch: &Batch, data: &TrainData) -> Result<Vec<Stats>> {
         let cfg = self.config.clone();
+        let world = crate::dist::world_size();
+        let dp = world > 1;
+        // This process's rows are [first, first + batch_size) of the whole batch.
+        let first = crate::dist::rank() * cfg.batch_size;
+        let row_tokens: Vec<f64> =
+            if dp { batch.mask.sum(1)?.to_dtype(DType::F64)?.to_vec1()? } else { Vec::new() };
         let mut all = Vec::new();
         let mut grads = self.grads.take().unwrap_or_else(|| Grads::new(self.optimizer.vars()));
         let mut critic_grads =
@@ -50,27 +60,29 @@ impl PpoTrainer {
             let perm = match self.forced_permutations.pop_front() {
                 Some(p) => p,
                 None => {
-                    let mut p: Vec<usize> = (0..cfg.batch_size).collect();
+                    let mut p: Vec<usize> = (0..cfg.batch_size * world).collect();
                     p.shuffle(&mut self.rng);
                     p
                 }
             };
             let mut last_policykl = 0.0;
-            for backward in perm.chunks(cfg.backward_batch_size()) {
+            for backward in perm.chunks(cfg.backward_batch_size() * world) {
                 grads.clear();
                 if let Some(g) = critic_grads.as_mut() {
                     g.clear();
                 }
                 // One minibatch per update and no clipping: each weight whose gradient is one
                 // product is updated inside that product (`Adam::step_fused`, same results).
-                if cfg.gradient_accumulation_steps == 1 && cfg.max_grad_norm.is_none() && !self.record_grads {
+                // Not on several processes: the gradients are averaged before any update.
+                let fused = cfg.gradient_accumulation_steps == 1 && cfg.max_grad_norm.is_none();
+                if fused && !self.record_grads && !dp {
                     let placeholder = Adam::new(Vec::new(), self.optimizer.cfg)?;
                     let mut optimizer = std::mem::replace(&mut self.optimizer, placeholder);
                     let mut stats = None;
                     let mut ran_backward = false;
                     let ran: Result<FusedStep> = optimizer.step_fused(&mut grads, |grads| {
                         let (s, skip) =
-                            self.train_minibatch(batch, data, backward, grads, critic_grads.as_mut())?;
+                            self.train_minibatch(batch, data, backward, grads, critic_grads.as_mut(), None)?;
                         stats = Some(s);
                         ran_backward = skip == Skip::No;
                         Ok(ran_backward)
@@ -92,13 +104,30 @@ impl PpoTrainer {
                     continue;
                 }
                 let (mut any, mut non_finite) = (false, false);
-                for mb in backward.chunks(cfg.mini_batch_size) {
-                    let (stats, skip) =
-                        self.train_minibatch(batch, data, mb, &mut grads, critic_grads.as_mut())?;
+                for mb in backward.chunks(cfg.mini_batch_size * world) {
+                    let (stats, skip) = if dp {
+                        let rows: Vec<usize> = mb
+                            .iter()
+                            .filter(|&&g| (first..first + cfg.batch_size).contains(&g))
+                            .map(|&g| g - first)
+                            .collect();
+                        let share = data_parallel::Share::new(rows.iter().map(|&r| row_tokens[r]).sum())?;
+                        if rows.is_empty() {
+                            self.empty_minibatch(&share)?
+                        } else {
+                            self.train_minibatch(batch, data, &rows, &mut grads, None, Some(&share))?
+                        }
+                    } else {
+                        self.train_minibatch(batch, data, mb, &mut grads, critic_grads.as_mut(), None)?
+                    };
                     last_policykl = stats.get("policy/policykl").and_then(Stat::as_f64).unwrap_or(0.0);
                     any |= skip == Skip::No;
                     non_finite |= skip == Skip::NonFinite;
                     all.push(stats);
+                }
+                if dp {
+                    // The processes agree: a non-finite loss anywhere skips the update everywhere.
+                    non_finite = crate::dist::sum(f64::from(u8::from(non_finite)))? > 0.0;
                 }
                 if non_finite {
                     // Part of the accumulated gradient is missing: no update at all.
@@ -116,6 +145,7 @@ impl PpoTrainer {
                     self.recorded_grads = Some(named);
                 }
                 if any {
+                    crate::dist::all_reduce_grads(&mut grads)?;
                     let norm = match cfg.max_grad_norm {
                         Some(max) => grads.clip_norm(max)?,
                         None => grads.global_norm()?,
@@ -142,6 +172,15 @@ impl PpoTrainer {
         Ok(all)
     }
 
+    /// A global minibatch none of whose rows this process holds: it joins the collectives of
+    /// [`Self::train_minibatch`] with nothing, and gets the same decision and metrics.
+    fn empty_minibatch(&self, share: &data_parallel::Share) -> Result<(Stats, Skip)> {
+        let avg_ratio = share.global_mean(0.0)?;
+        let skipped = avg_ratio > self.config.ratio_threshold;
+        let stats = share.global_stats(None, self.config.vf_coef, skipped)?;
+        Ok((stats, if skipped { Skip::Ratio } else { Skip::No }))
+    }
+
     /// Counts and logs an optimizer update skipped for a non-finite `what` (loss or gradient).
     pub(in crate::ppo) fn skip_non_finite_update(&mut self, what: &str) {
         self.skipped_updates += 1;
@@ -156,6 +195,9 @@ impl PpoTrainer {
     /// with a separate critic, the value loss's to `critic_grads`).
     /// Returns the minibatch stats (TRL `PPOTrainer.loss`) and whether (and why) its backward
     /// was skipped: a non-finite loss runs no backward, so it never reaches a gradient.
+    ///
+    /// With `share` (several processes), the ratio test, the loss's normalisation and the stats
+    /// are of the whole global minibatch ([`super::data_parallel`]).
     fn train_minibatch(
         &self,
         batch: &Batch,
@@ -163,6 +205,7 @@ impl PpoTrainer {
         rows: &[usize],
         grads: &mut Grads,
         critic_grads: Option<&mut Grads>,
+        share: Option<&data_parallel::Share>,
     ) -> Result<(Stats, Skip)> {
         let cfg = &self.config;
         let idx =
@@ -188,7 +231,10 @@ impl PpoTrainer {
             cfg.cliprange,
             cfg.cliprange_value,
         )?;
-        let avg_ratio = scalar(&math::masked_mean(&l.ratio, &mask)?)?;
+        let avg_ratio = match share {
+            None => scalar(&math::masked_mean(&l.ratio, &mask)?)?,
+            Some(sh) => sh.global_mean(scalar(&math::masked_mean(&l.ratio, &mask)?)?)?,
+        };
         let skipped = avg_ratio > cfg.ratio_threshold;
         let loss = (&l.pg_loss + (&l.vf_loss * cfg.vf_coef)?)?;
         let finite = scalar(&loss)?.is_finite();
@@ -210,7 +256,11 @@ impl PpoTrainer {
                     grads.backward(&(&l.pg_loss / gas)?)?;
                     cg.backward(&((&l.vf_loss * cfg.vf_coef)? / gas)?)?;
                 }
-                None => grads.backward(&(&loss / gas)?)?,
+                None => {
+                    let scale = share.map_or(1.0, data_parallel::Share::loss_scale);
+                    let loss = if share.is_some() { (&loss * scale)? } else { loss.clone() };
+                    grads.backward(&(&loss / gas)?)?
+                }
             }
         }
         let entropy = math::masked_mean(&entropy, &mask)?;
@@ -238,6 +288,11 @@ impl PpoTrainer {
         s.insert("val/mean".into(), Stat::Scalar(sc(&math::masked_mean(&old_v, &mask)?)?));
         // One response token has no unbiased variance (TRL divides by zero and reports NaN):
         // such a minibatch leaves both variances out of the step's averages.
+        if let Some(sh) = share {
+            let ret2 = sc(&math::masked_mean(&ret.sqr()?, &mask)?)?;
+            let v2 = sc(&math::masked_mean(&old_v.sqr()?, &mask)?)?;
+            return Ok((sh.global_stats(Some((&s, ret2, v2)), cfg.vf_coef, skipped)?, skip));
+        }
         if scalar(&mask.sum_all()?)? >= 2.0 {
             s.insert("returns/var".into(), Stat::Scalar(sc(&math::masked_var(&ret, &mask, true)?)?));
             s.insert("val/var".into(), Stat::Scalar(sc(&math::masked_var(&old_v, &mask, true)?)?));
@@ -258,9 +313,12 @@ impl PpoTrainer {
         kl_coef: f64,
     ) -> Result<Stats> {
         let mask = &batch.mask;
+        // Per-sample values of every process (one process: its own).
         let kl_dist = (kl * mask)?.sum(1)?;
-        let kl_list: Vec<f64> = kl_dist.to_dtype(DType::F64)?.to_vec1()?;
-        let nll: Vec<f64> = (rollout.logprobs.neg()? * mask)?.sum(1)?.to_dtype(DType::F64)?.to_vec1()?;
+        let kl_list: Vec<f64> = crate::dist::gather_f64(&kl_dist.to_dtype(DType::F64)?.to_vec1()?)?;
+        let nll: Vec<f64> = crate::dist::gather_f64(
+            &(rollout.logprobs.neg()? * mask)?.sum(1)?.to_dtype(DType::F64)?.to_vec1()?,
+        )?;
         let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
         let mut s = Stats::new();
         s.insert("objective/kl".into(), Stat::Scalar(mean(&kl_list)));
@@ -269,16 +327,21 @@ impl PpoTrainer {
         s.insert("objective/ref_logprobs".into(), Stat::Matrix(matrix(&rollout.ref_logprobs)?));
         s.insert("objective/kl_coef".into(), Stat::Scalar(kl_coef));
         s.insert("objective/entropy".into(), Stat::Scalar(mean(&nll)));
-        s.insert(
-            "ppo/mean_non_score_reward".into(),
-            Stat::Scalar(scalar(&math::masked_mean(non_score, mask)?)?),
-        );
-        let sc: Vec<f64> = scores.iter().map(|&x| x as f64).collect();
+        let non_score_mean = if crate::dist::world_size() == 1 {
+            scalar(&math::masked_mean(non_score, mask)?)?
+        } else {
+            let mut s = [scalar(&(non_score * mask)?.sum_all()?)?, scalar(&mask.sum_all()?)?];
+            crate::dist::sum_f64(&mut s)?;
+            s[0] / s[1]
+        };
+        s.insert("ppo/mean_non_score_reward".into(), Stat::Scalar(non_score_mean));
+        let sc: Vec<f64> = crate::dist::gather_f64(&scores.iter().map(|&x| x as f64).collect::<Vec<_>>())?;
         let (m, sd) = mean_std(&sc);
         s.insert("ppo/mean_scores".into(), Stat::Scalar(m));
         s.insert("ppo/std_scores".into(), Stat::Scalar(sd));
         for (name, rows) in [("queries", input.queries), ("responses", input.responses)] {
-            let lens: Vec<f64> = rows.iter().map(|r| r.len() as f64).collect();
+            let lens: Vec<f64> =
+                crate::dist::gather_f64(&rows.iter().map(|r| r.len() as f64).collect::<Vec<_>>())?;
             let (m, sd) = mean_std(&lens);
             s.insert(format!("tokens/{name}_len_mean"), Stat::Scalar(m));
             s.insert(format!("tokens/{name}_len_std"), Stat::Scalar(sd));

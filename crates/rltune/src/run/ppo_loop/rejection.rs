@@ -221,7 +221,7 @@ impl PpoRun {
         let raw: Vec<f32> = candidates.iter().map(|c| c.score as f32).collect();
         let queries: Vec<Vec<u32>> = candidates.iter().map(|c| c.query.clone()).collect();
         let logprobs: Vec<&[f32]> = candidates.iter().map(|c| c.logprobs.as_slice()).collect();
-        add_env_stats(&mut stats, &logprobs, &raw, &queries, time_rollout, 0.0, self.skipped);
+        add_env_stats(&mut stats, &logprobs, &raw, &queries, time_rollout, 0.0, self.skipped)?;
         let kept_scores: Vec<f64> = scores.iter().zip(&kept).filter(|(_, &k)| k).map(|(&s, _)| s).collect();
         let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
         for (k, v) in [
