@@ -89,7 +89,10 @@ fn main() {
         Err(e) => Err(anyhow::Error::new(e).context("cannot set up the process")),
         Ok(()) => {
             let name = cli.command.name();
-            let data_parallel = matches!(cli.command, Command::Ppo(_) | Command::Dpo(_));
+            let data_parallel = matches!(
+                cli.command,
+                Command::Ppo(_) | Command::Dpo(_) | Command::Sft(_) | Command::Reward(_)
+            );
             match launch::init(name, data_parallel) {
                 // The engine stays installed for the run, and is finalized when `_engine` drops.
                 Ok(_engine) => run(cli.command),

@@ -100,8 +100,11 @@ pub fn run_sft(args: SftArgs) -> Result<()> {
     let progress = Bar::new("sft");
     let summary = sft::train_sft(&model, &records, &cfg, &file.training, &mut |p| progress.update(p))?;
     progress.finish();
-    model.save(&c.output)?;
-    report(&summary, &c.output, true);
+    // On several processes every one holds the same weights: rank 0 writes them.
+    if rltune::dist::is_main() {
+        model.save(&c.output)?;
+        report(&summary, &c.output, true);
+    }
     Ok(())
 }
 
@@ -132,8 +135,10 @@ pub fn run_reward(args: RewardArgs) -> Result<()> {
         progress.update(p)
     })?;
     progress.finish();
-    model.save(&c.output)?;
-    report(&summary, &c.output, false);
+    if rltune::dist::is_main() {
+        model.save(&c.output)?;
+        report(&summary, &c.output, false);
+    }
     Ok(())
 }
 

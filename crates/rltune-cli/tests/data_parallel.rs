@@ -187,6 +187,35 @@ fn grpo_on_two_processes_equals_one_process() {
     eprintln!("GRPO, two processes vs one: metrics worst {worst:.1e}; weights max |Δ| {diff:.1e} (moved {moved:.1e})");
     assert!(moved > 1e-5, "the weights did not move: the test would prove nothing");
     assert!(diff < 1e-5, "weights differ by {diff}");
+
+    // Two steps on one process, resumed on two. With the global batch changed (16 per process,
+    // 32 in all) the resume is refused with the per-process batch that keeps it; with 8 it
+    // continues as the straight one-process run did.
+    let resumed = tmp.path().join("resumed");
+    let mut first = [args.clone(), dir(&resumed)].concat();
+    first.extend(["--set".into(), "grpo.max_steps=2".into()]);
+    let out = rltune(&first.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(out.status.success(), "{}", text(&out));
+    let mut again = [args.clone(), dir(&resumed)].concat();
+    again.push("--resume".into());
+    let out = mpirun(&bin, &[(2, again.clone())]);
+    let t = text(&out);
+    assert!(!out.status.success(), "{t}");
+    assert!(
+        t.contains("global batch of 16") && t.contains("Set [grpo] per_device_train_batch_size = 8"),
+        "{t}"
+    );
+    again.extend(["--set".into(), "grpo.per_device_train_batch_size=8".into()]);
+    let out = mpirun(&bin, &[(2, again)]);
+    assert!(out.status.success(), "{}", text(&out));
+    let (w1, w2) = (
+        weights(&one.join("checkpoints/step-3/model.safetensors")),
+        weights(&resumed.join("checkpoints/step-3/model.safetensors")),
+    );
+    let diff =
+        w1.iter().flat_map(|(k, a)| a.iter().zip(&w2[k]).map(|(x, y)| (x - y).abs())).fold(0f32, f32::max);
+    eprintln!("GRPO, 2 steps on one process then 1 on two vs 3 on one: weights max |Δ| {diff:.1e}");
+    assert!(diff < 1e-5, "the resumed run differs by {diff}");
 }
 
 /// PPO on prompts (the tiny sentiment quickstart's policy and classifier reward): two processes
@@ -288,6 +317,78 @@ fn dpo_on_two_processes_equals_one_process() {
     assert!(diff < 1e-5, "weights differ by {diff}");
 }
 
+/// SFT and a reward model (the tiny sentiment quickstart's policy and reviews): two processes
+/// with 4 examples per step against one with 8, three steps each. Each process takes its share
+/// of each step's examples; the loss is divided by the tokens (terms) of every process.
+/// Tolerance: see the GRPO test.
+#[test]
+fn sft_and_reward_on_two_processes_equal_one_process() {
+    let Some(bin) = mpi_binary() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let qs = tmp.path().join("qs");
+    let out = rltune(&["quickstart", "--preset", "tiny", "--output", s(&qs)]);
+    assert!(out.status.success(), "{}", text(&out));
+    let config = tmp.path().join("train.toml");
+    std::fs::write(
+        &config,
+        "[training]\nlearning_rate = 0.001\nbatch_size = 8\nmax_steps = 3\nlr_scheduler_type = \"constant\"\n\
+         eval_fraction = 0.05\n",
+    )
+    .unwrap();
+    for (command, model) in [("sft", "sft"), ("reward", "classifier")] {
+        let args = |out: &Path, extra: &[&str]| -> Vec<String> {
+            let mut a: Vec<String> = [
+                command,
+                "--model",
+                s(&qs.join(model)),
+                "--data",
+                s(&qs.join("data/reviews.jsonl")),
+                "--config",
+                s(&config),
+                "--output",
+                s(out),
+            ]
+            .iter()
+            .map(|x| x.to_string())
+            .collect();
+            for e in extra {
+                a.extend(["--set".into(), e.to_string()]);
+            }
+            a
+        };
+        let (one, two) =
+            (tmp.path().join(format!("{command}-one")), tmp.path().join(format!("{command}-two")));
+        let a1 = args(&one, &[]);
+        let out1 = rltune(&a1.iter().map(String::as_str).collect::<Vec<_>>());
+        assert!(out1.status.success(), "{}", text(&out1));
+        let out2 = mpirun(&bin, &[(2, args(&two, &["training.batch_size=4"]))]);
+        assert!(out2.status.success(), "{}", text(&out2));
+        let (w1, w2) = (weights(&one.join("model.safetensors")), weights(&two.join("model.safetensors")));
+        let init = weights(&qs.join(model).join("model.safetensors"));
+        let (mut diff, mut moved) = (0f32, 0f32);
+        for (k, a) in &w1 {
+            for (i, (x, y)) in a.iter().zip(&w2[k]).enumerate() {
+                diff = diff.max((x - y).abs());
+                if let Some(z) = init.get(k).and_then(|w| w.get(i)) {
+                    moved = moved.max((x - z).abs());
+                }
+            }
+        }
+        // The final train loss and the eval, as reported.
+        let tail = |o: &Output| {
+            String::from_utf8_lossy(&o.stderr)
+                .lines()
+                .filter(|l| l.contains("final train loss") || l.starts_with("eval:"))
+                .map(String::from)
+                .collect::<Vec<_>>()
+        };
+        eprintln!("{command}, two processes vs one: weights max |Δ| {diff:.1e} (moved {moved:.1e})");
+        eprintln!("  one: {:?}\n  two: {:?}", tail(&out1), tail(&out2));
+        assert!(moved > 1e-5, "{command}: the weights did not move: the test would prove nothing");
+        assert!(diff < 1e-5, "{command}: weights differ by {diff}");
+    }
+}
+
 /// A process whose configuration differs from rank 0's is refused before the first step, and
 /// named; every process ends.
 #[test]
@@ -323,7 +424,7 @@ fn launches_that_cannot_run_are_refused_with_the_fix() {
     };
     let ompi = [("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_SIZE", "2")];
     let err = run(&ompi, &["generate", "--model", "nowhere", "--prompt", "x"]);
-    assert!(err.contains("`rltune dpo` are"), "names what is data-parallel: {err}");
+    assert!(err.contains("`dpo`, `sft` and `reward` are"), "names what is data-parallel: {err}");
     assert!(
         err.contains("`rltune generate` was started as rank 0 of 2") && err.contains("not data-parallel"),
         "{err}"

@@ -28,6 +28,14 @@ pub const BUCKET_LEN: usize = 1 << 22;
 
 thread_local! {
     static COMM: RefCell<Option<Box<dyn Collective>>> = const { RefCell::new(None) };
+    /// Seconds spent in gradient all-reduces since the last [`take_all_reduce_seconds`].
+    static ALL_REDUCE_S: std::cell::Cell<f64> = const { std::cell::Cell::new(0.0) };
+}
+
+/// The seconds this thread spent in [`all_reduce_grads`] since the last call (waiting for the
+/// slowest process included): the trainers log it as `time/dist/all_reduce`.
+pub fn take_all_reduce_seconds() -> f64 {
+    ALL_REDUCE_S.with(|c| c.replace(0.0))
 }
 
 /// The installed collective; dropping it uninstalls it (and, for MPI, finalizes the engine).
@@ -98,6 +106,7 @@ pub fn all_reduce_grads(grads: &mut Grads) -> Result<()> {
     if world_size() == 1 {
         return Ok(());
     }
+    let t = std::time::Instant::now();
     let mut failed = None;
     let out = grads.reduce_flat(|slices| {
         if let Err(e) = with(|c| rltune_dist::all_reduce_buckets(c, slices, ReduceOp::Mean, BUCKET_LEN)) {
@@ -106,6 +115,7 @@ pub fn all_reduce_grads(grads: &mut Grads) -> Result<()> {
         }
         Ok(())
     });
+    ALL_REDUCE_S.with(|c| c.set(c.get() + t.elapsed().as_secs_f64()));
     match failed {
         Some(e) => Err(e),
         None => out.map_err(Error::from),

@@ -384,6 +384,9 @@ impl PpoTrainer {
         ] {
             stats.insert(format!("time/ppo/{k}"), Stat::Scalar(v));
         }
+        if crate::dist::world_size() > 1 {
+            stats.insert("time/dist/all_reduce".into(), Stat::Scalar(crate::dist::take_all_reduce_seconds()));
+        }
         Ok(stats)
     }
 

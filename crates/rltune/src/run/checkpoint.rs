@@ -54,6 +54,63 @@ pub struct TrainerState {
     /// The critic's Adam steps, for a run with a separate critic (`critic/`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub critic_adam_steps: Option<u64>,
+    /// The processes of the run that wrote it, and its samples per step over all of them.
+    #[serde(default)]
+    pub processes: Processes,
+}
+
+/// How many processes wrote a checkpoint, and the global batch of a step (samples over every
+/// process). A run resumes exactly on another number of processes when the global batch stays
+/// the same (up to the order of floating-point sums); otherwise it is refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Processes {
+    /// The number of processes.
+    pub world_size: usize,
+    /// Samples (PPO responses, GRPO/RLOO completions) per step over every process; 0: not
+    /// recorded (a checkpoint of rltune before data parallelism).
+    pub global_batch: usize,
+}
+
+impl Default for Processes {
+    fn default() -> Self {
+        Self { world_size: 1, global_batch: 0 }
+    }
+}
+
+impl Processes {
+    /// This run's: the world size of [`crate::dist`] and `per_process` samples on each.
+    pub fn current(per_process: usize) -> Self {
+        let world_size = crate::dist::world_size();
+        Self { world_size, global_batch: per_process * world_size }
+    }
+
+    /// Refuses to resume the checkpoint at `path` (written by `self`) in a run of `now`
+    /// whose global batch differs; `field` names the per-process batch to change.
+    pub fn check_resume(&self, now: &Processes, path: &Path, field: &str) -> Result<()> {
+        if self.global_batch == 0 || self.global_batch == now.global_batch {
+            return Ok(());
+        }
+        let fits = self.global_batch.is_multiple_of(now.world_size);
+        Err(Error::Input(format!(
+            "{}: written by a run of {} process(es) with a global batch of {} per step; this run has {} \
+             process(es) × {} = {}. {}, or start a new run with this checkpoint as [model]",
+            path.display(),
+            self.world_size,
+            self.global_batch,
+            now.world_size,
+            now.global_batch / now.world_size.max(1),
+            now.global_batch,
+            if fits {
+                format!(
+                    "Set {field} = {} to keep the global batch (the run then continues as it would have, \
+                     up to the order of floating-point sums)",
+                    self.global_batch / now.world_size
+                )
+            } else {
+                format!("Resume on a number of processes that divides {}", self.global_batch)
+            }
+        )))
+    }
 }
 
 /// Where a critic came from: its `config.json` (kept so saving preserves every field) and files.
@@ -151,6 +208,7 @@ pub fn save_checkpoint(
             skipped_batches,
             skipped_updates: trainer.skipped_updates(),
             critic_adam_steps: trainer.critic().map(|c| c.optimizer().steps()),
+            processes: Processes::current(trainer.config.batch_size),
         };
         let text = serde_json::to_string_pretty(&state).map_err(|e| Error::Input(e.to_string()))?;
         Ok(write_bytes_atomic(&tmp.join("trainer_state.json"), text.as_bytes())?)
@@ -205,7 +263,13 @@ pub fn latest_checkpoint(run_dir: &Path) -> Result<Option<(usize, PathBuf)>> {
 /// Restores the KL controller and Adam's moments from a checkpoint (the weights were loaded
 /// from it already). Fails if it was saved without optimizer state.
 pub fn load_trainer_state(dir: &Path, trainer: &mut PpoTrainer) -> Result<TrainerState> {
-    let state: TrainerState = read_json(&dir.join("trainer_state.json"))?;
+    let path = dir.join("trainer_state.json");
+    let state: TrainerState = read_json(&path)?;
+    state.processes.check_resume(
+        &Processes::current(trainer.config.batch_size),
+        &path,
+        "[ppo] batch_size",
+    )?;
     if !state.optimizer_state {
         return Err(Error::Input(format!(
             "{}: saved without optimizer state, so the run cannot resume exactly; set \
@@ -261,16 +325,22 @@ pub struct GroupTrainerState {
     pub num_tokens: f64,
     /// Updates skipped for a non-finite loss or gradient (`rltune/skipped_updates`).
     pub skipped_updates: usize,
+    /// The processes of the run that wrote it, and its completions per step over all of them.
+    #[serde(default)]
+    pub processes: Processes,
 }
 
-/// The GRPO/RLOO trainer's state: its optimizer and counters.
+/// The GRPO/RLOO trainer's state: its optimizer and counters; `per_process` completions per
+/// step on each process.
 pub(crate) fn group_state(
     core: &crate::grpo::core::Core,
     algorithm: AlgorithmKind,
     step: usize,
     optimizer_state: bool,
+    per_process: usize,
 ) -> GroupTrainerState {
     GroupTrainerState {
+        processes: Processes::current(per_process),
         algorithm,
         step,
         adam_steps: core.optimizer().steps(),
@@ -305,6 +375,7 @@ pub(crate) fn load_group_state(
     dir: &Path,
     core: &mut crate::grpo::core::Core,
     algorithm: AlgorithmKind,
+    per_process: usize,
 ) -> Result<GroupTrainerState> {
     let path = dir.join("trainer_state.json");
     let value: serde_json::Value = read_json(&path)?;
@@ -333,6 +404,8 @@ pub(crate) fn load_group_state(
             dir.display()
         )));
     }
+    let field = format!("[{}] per_device_train_batch_size", algorithm.name());
+    state.processes.check_resume(&Processes::current(per_process), &path, &field)?;
     let (ms, vs) = load_moments(dir, &core.store)?;
     core.optimizer_mut().restore(ms, vs, state.adam_steps)?;
     core.global_step = state.global_step;

@@ -207,7 +207,7 @@ impl GroupRun {
         };
         let mut start_step = 0;
         if let Some((step, dir)) = &ckpt {
-            load_group_state(dir, trainer.core_mut(), kind)?;
+            load_group_state(dir, trainer.core_mut(), kind, config.group_batch_size())?;
             start_step = *step;
         }
         let eos_ids = if config.generation.eos_token_ids.is_empty() {
@@ -335,6 +335,9 @@ impl GroupRun {
         stats.insert(format!("time/{kind}/step"), Stat::Scalar(t.elapsed().as_secs_f64()));
         stats.insert("time/rollout/generation".into(), Stat::Scalar(time_gen));
         stats.insert("time/rollout/reward".into(), Stat::Scalar(time_reward));
+        if crate::dist::world_size() > 1 {
+            stats.insert("time/dist/all_reduce".into(), Stat::Scalar(crate::dist::take_all_reduce_seconds()));
+        }
 
         let weights: Vec<f64> = self.reward.parts().map(|(w, _)| f64::from(w)).collect();
         let total = weighted_rewards(&table.values, &weights);
@@ -363,7 +366,13 @@ impl GroupRun {
     fn checkpoint(&self, step: usize) -> Result<()> {
         let dir = self.config.logging.dir.join("checkpoints").join(format!("step-{step}"));
         let kind = self.config.algorithm.kind;
-        let state = group_state(self.trainer.core(), kind, step, self.config.checkpoint.optimizer_state);
+        let state = group_state(
+            self.trainer.core(),
+            kind,
+            step,
+            self.config.checkpoint.optimizer_state,
+            self.config.group_batch_size(),
+        );
         save_group_checkpoint(&dir, self.trainer.core(), &self.config_json, &self.policy_files, &state)
             .map_err(|e| {
                 Error::Input(format!(

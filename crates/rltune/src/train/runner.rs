@@ -260,7 +260,10 @@ fn accumulate<O: Objective>(
     group: &[&O::Example],
     batch_size: usize,
 ) -> Result<f64> {
-    let terms: usize = group.iter().map(|e| obj.terms(e)).sum();
+    // On several processes `group` is this process's share: the terms are counted over every
+    // process, divided by their number, so that the gradients' mean is the whole step's.
+    let world = crate::dist::world_size() as f64;
+    let terms = crate::dist::sum(group.iter().map(|e| obj.terms(e)).sum::<usize>() as f64)? / world;
     grads.clear();
     let mut loss = 0f64;
     for mb in group.chunks(batch_size) {
@@ -268,12 +271,13 @@ fn accumulate<O: Objective>(
         // installed for the forward too, so fused blocks can write their weights' gradients.
         let scaled = {
             let _sinks = grads.scope();
-            (obj.batch_loss(mb, false)?.loss_sum / terms.max(1) as f64)?
+            (obj.batch_loss(mb, false)?.loss_sum / terms.max(1.0 / world))?
         };
         loss += scalar(&scaled.detach())?;
         grads.backward(&scaled)?;
     }
-    Ok(loss)
+    // The step's loss: the mean of the processes' parts.
+    Ok(crate::dist::sum(loss)? / world)
 }
 
 /// Trains the variables of `store` on `examples` (split into train and eval by `args`).
@@ -305,7 +309,9 @@ pub(crate) fn run_with<O: Objective>(
     let (train_idx, eval_idx) = split_eval(examples.len(), args.eval_fraction, args.seed)?;
     let eval: Vec<&O::Example> = eval_idx.iter().map(|&i| &examples[i]).collect();
     let eval_bs = args.eval_batch_size.unwrap_or(args.batch_size);
-    let total = args.total_steps(train_idx.len());
+    // On N processes a step takes N times the examples, each process a share (module docs).
+    let (world, rank) = (crate::dist::world_size(), crate::dist::rank());
+    let total = args.total_steps(train_idx.len().div_ceil(world));
     let warmup = warmup_steps(total, args.warmup_steps, args.warmup_ratio);
     let schedule = LrSchedule::new(args.lr_scheduler_type, args.learning_rate, warmup, total);
     let optim = OptimArgs {
@@ -332,8 +338,11 @@ pub(crate) fn run_with<O: Objective>(
         epoch += 1;
         let mut perm = train_idx.clone();
         perm.shuffle(&mut rng);
-        for group in perm.chunks(args.examples_per_step()).take(total - step) {
-            let group: Vec<&O::Example> = group.iter().map(|&i| &examples[i]).collect();
+        for group in perm.chunks(args.examples_per_step() * world).take(total - step) {
+            // This process's share of the step's examples (balanced; exact however they split,
+            // as the loss is divided by the terms of every process).
+            let share = &group[rank * group.len() / world..(rank + 1) * group.len() / world];
+            let group: Vec<&O::Example> = share.iter().map(|&i| &examples[i]).collect();
             let (mut grads, lr) = opt.begin(step);
             let loss = accumulate(obj, &mut grads, &group, args.batch_size)?;
             let grad_norm = opt.clip(&mut grads)?;
