@@ -254,6 +254,24 @@ fn ppo_on_two_processes_equals_one_process() {
     eprintln!("PPO, two processes vs one: metrics worst {worst:.1e}; weights max |Δ| {diff:.1e} (moved {moved:.1e})");
     assert!(moved > 1e-5, "the weights did not move: the test would prove nothing");
     assert!(diff < 1e-5, "weights differ by {diff}");
+
+    // With a separate critic (a copy of the policy, its own Adam at lr 1e-3): its value loss is
+    // normalised and its gradients averaged as the policy's.
+    let critic = [format!("critic.path={:?}", s(&qs.join("sft"))), "critic.learning_rate=0.001".into()];
+    let (one, two) = (tmp.path().join("one-critic"), tmp.path().join("two-critic"));
+    let c: Vec<&str> = critic.iter().map(String::as_str).collect();
+    let a1 = args(&one, &c);
+    let out = rltune(&a1.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(out.status.success(), "{}", text(&out));
+    let out = mpirun(&bin, &[(2, args(&two, &[c[0], c[1], "ppo.batch_size=4", "ppo.mini_batch_size=2"]))]);
+    assert!(out.status.success(), "{}", text(&out));
+    let (worst, diff, moved) =
+        compare_runs(&one, &two, 3, "checkpoints/step-3/critic/model.safetensors", &init, &exact);
+    eprintln!("PPO with a critic, two processes vs one: metrics worst {worst:.1e}; critic weights max |Δ| {diff:.1e} (moved {moved:.1e})");
+    assert!(moved > 1e-5, "the critic did not move: the test would prove nothing");
+    assert!(diff < 1e-5, "critic weights differ by {diff}");
+    let (_, diff, _) = compare_runs(&one, &two, 3, "checkpoints/step-3/model.safetensors", &init, &exact);
+    assert!(diff < 1e-5, "policy weights differ by {diff}");
 }
 
 /// DPO (the TRL fixture's tiny GPT-2 and reference): 8 pairs, two processes with 2 pairs per

@@ -201,6 +201,8 @@ impl PpoTrainer {
     pub(super) fn step_critic(&mut self, grads: &mut Grads) -> Result<()> {
         let max = self.config.max_grad_norm;
         let Some(c) = self.critic.as_mut() else { return Ok(()) };
+        // On several processes: the mean of their gradients first, as the policy's.
+        crate::dist::all_reduce_grads(grads)?;
         let norm = match max {
             Some(max) => grads.clip_norm(max)?,
             None => grads.global_norm()?,

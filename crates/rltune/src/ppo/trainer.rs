@@ -393,11 +393,6 @@ impl PpoTrainer {
     /// Rejects inputs that would give silent garbage, naming the sample.
     fn check_input(&self, input: &StepInput) -> Result<()> {
         self.check_value_head()?;
-        if crate::dist::world_size() > 1 && self.critic.is_some() {
-            return Err(Error::Unsupported(
-                "a separate critic is not data-parallel yet: run PPO with a critic as one process".into(),
-            ));
-        }
         let b = self.config.batch_size;
         let n = input.queries.len();
         if n != b || input.responses.len() != b || input.scores.len() != b {

@@ -156,16 +156,15 @@ impl PpoRun {
             )));
         }
         if crate::dist::world_size() > 1 {
-            let not_yet = match (config.algorithm.kind, &config.env, &config.critic) {
-                (AlgorithmKind::RejectionSampling, _, _) => Some("rejection sampling"),
-                (_, Some(_), _) => Some("PPO on text games ([env])"),
-                (_, _, Some(_)) => Some("PPO with a separate [critic]"),
+            let not_yet = match (config.algorithm.kind, &config.env) {
+                (AlgorithmKind::RejectionSampling, _) => Some("rejection sampling"),
+                (_, Some(_)) => Some("PPO on text games ([env])"),
                 _ => None,
             };
             if let Some(what) = not_yet {
                 return Err(Error::Unsupported(format!(
-                    "{what} is not data-parallel yet (PPO on prompts, GRPO and RLOO are): run it as one \
-                     process"
+                    "{what} is not data-parallel yet (PPO on prompts, with or without a [critic], GRPO and \
+                     RLOO are): run it as one process"
                 )));
             }
         }

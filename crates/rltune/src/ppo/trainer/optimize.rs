@@ -115,7 +115,14 @@ impl PpoTrainer {
                         if rows.is_empty() {
                             self.empty_minibatch(&share)?
                         } else {
-                            self.train_minibatch(batch, data, &rows, &mut grads, None, Some(&share))?
+                            self.train_minibatch(
+                                batch,
+                                data,
+                                &rows,
+                                &mut grads,
+                                critic_grads.as_mut(),
+                                Some(&share),
+                            )?
                         }
                     } else {
                         self.train_minibatch(batch, data, mb, &mut grads, critic_grads.as_mut(), None)?
@@ -250,17 +257,21 @@ impl PpoTrainer {
             );
         } else if finite {
             let gas = cfg.gradient_accumulation_steps as f64;
+            // On several processes each loss is this process's part of the global minibatch's.
+            let part = |t: &Tensor| -> Result<Tensor> {
+                let t = (t / gas)?;
+                Ok(match share {
+                    Some(sh) => (t * sh.loss_scale())?,
+                    None => t,
+                })
+            };
             match critic_grads {
                 // Separate models: each loss term steps its own model (see `ppo::critic`).
                 Some(cg) => {
-                    grads.backward(&(&l.pg_loss / gas)?)?;
-                    cg.backward(&((&l.vf_loss * cfg.vf_coef)? / gas)?)?;
+                    grads.backward(&part(&l.pg_loss)?)?;
+                    cg.backward(&part(&(&l.vf_loss * cfg.vf_coef)?)?)?;
                 }
-                None => {
-                    let scale = share.map_or(1.0, data_parallel::Share::loss_scale);
-                    let loss = if share.is_some() { (&loss * scale)? } else { loss.clone() };
-                    grads.backward(&(&loss / gas)?)?
-                }
+                None => grads.backward(&part(&loss)?)?,
             }
         }
         let entropy = math::masked_mean(&entropy, &mask)?;
