@@ -79,6 +79,33 @@ fn engine(launch: &Launch, _timeout: Duration) -> anyhow::Result<Option<rltune::
     )
 }
 
+/// Once the run's device is open: on a GPU of a data-parallel run built with `nccl`, the
+/// collectives go through NCCL (over the MPI that launched the run). Without `nccl` they stay
+/// on MPI, which reduces host copies of the gradients (correct, slower).
+pub fn on_device(device: &candle_core::Device) -> anyhow::Result<()> {
+    if rltune::dist::world_size() == 1 || device.is_cpu() {
+        return Ok(());
+    }
+    gpu_engine(device)
+}
+
+#[cfg(feature = "nccl")]
+fn gpu_engine(device: &candle_core::Device) -> anyhow::Result<()> {
+    let candle_core::Device::Cuda(cuda) = device else { return Ok(()) };
+    rltune::dist::replace(|host| Ok(Box::new(rltune_nccl::Nccl::init(cuda, host)?)))?;
+    tracing::info!("data-parallel: gradients through NCCL");
+    Ok(())
+}
+
+#[cfg(not(feature = "nccl"))]
+fn gpu_engine(_device: &candle_core::Device) -> anyhow::Result<()> {
+    tracing::warn!(
+        "data-parallel on GPUs without NCCL: the gradients are reduced by MPI through host copies; \
+         build with --features nccl for NCCL"
+    );
+    Ok(())
+}
+
 /// Whether this process is a rank other than 0 of a launch (its logs are kept to warnings).
 pub fn is_secondary_rank() -> bool {
     Launch::from_env().is_ok_and(|l| l.rank > 0)

@@ -28,6 +28,7 @@ impl RuntimeArgs {
         let runtime = Runtime::resolve(&self.apply(section)).context("cannot set up the runtime")?;
         runtime.install()?;
         tracing::debug!("runtime: {runtime}");
+        crate::launch::on_device(runtime.device())?;
         Ok(runtime)
     }
 }

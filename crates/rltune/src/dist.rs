@@ -61,6 +61,26 @@ pub fn install(comm: Box<dyn Collective>) -> Result<Installed> {
     })
 }
 
+/// Replaces the installed collective by what `f` makes of it (e.g. NCCL over the MPI that
+/// launched the run, once the GPU is open). An error when none is installed.
+pub fn replace(f: impl FnOnce(Box<dyn Collective>) -> Result<Box<dyn Collective>>) -> Result<()> {
+    let current = COMM
+        .with(|c| c.borrow_mut().take())
+        .ok_or_else(|| Error::Input("internal: no collective is installed to replace".into()))?;
+    let next = f(current)?;
+    COMM.with(|c| *c.borrow_mut() = Some(next));
+    Ok(())
+}
+
+/// The GPU of this process in a data-parallel run: its local rank on its machine (one GPU per
+/// process); `None` on one process.
+pub fn local_gpu() -> Option<usize> {
+    if world_size() == 1 {
+        return None;
+    }
+    Launch::from_env().ok().map(|l| l.local_rank)
+}
+
 /// Runs `f` on the installed collective (a [`SingleProcess`] when none is).
 pub fn with<T>(f: impl FnOnce(&mut dyn Collective) -> rltune_dist::Result<T>) -> Result<T> {
     COMM.with(|c| match c.borrow_mut().as_deref_mut() {

@@ -300,8 +300,16 @@ pub const CUDA_BUILD_HINT: &str = "this rltune was built without CUDA support; b
      tools/cuda/build.sh installs it from PyPI and builds: see docs/gpu.md, \"Building with CUDA\"), \
      or use device = \"cpu\" / --device cpu";
 
-/// Opens the device of `choice`.
+/// Opens the device of `choice`. In a data-parallel run `"auto"`, `"cuda"` and `"cuda:0"` mean
+/// the GPU of the process's local rank (one GPU per process; `docs/distributed.md`).
 fn open_device(choice: DeviceChoice) -> Result<Device> {
+    let choice = match (choice, crate::dist::local_gpu()) {
+        (DeviceChoice::Cuda(0), Some(n)) => DeviceChoice::Cuda(n),
+        (DeviceChoice::Auto, Some(n)) if cfg!(feature = "cuda") && Device::new_cuda(n).is_ok() => {
+            DeviceChoice::Cuda(n)
+        }
+        (c, _) => c,
+    };
     match choice {
         DeviceChoice::Cpu => Ok(Device::Cpu),
         DeviceChoice::Auto => {
