@@ -274,6 +274,45 @@ fn ppo_on_two_processes_equals_one_process() {
     assert!(diff < 1e-5, "policy weights differ by {diff}");
 }
 
+/// PPO on text games (the tiny adventure quickstart): each process plays its own environments
+/// (rank r the environments r·num_envs.. of each round) and trains on its turns; the episode
+/// counts are summed. The turns differ from one process's, so this checks the run, not the
+/// numbers: two steps, rank 0's metrics with both processes' episodes, one checkpoint.
+#[test]
+fn ppo_on_games_runs_on_two_processes() {
+    let Some(bin) = mpi_binary() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let qs = tmp.path().join("qs");
+    let out = rltune(&["quickstart", "--task", "adventure", "--preset", "tiny", "--output", s(&qs)]);
+    assert!(out.status.success(), "{}", text(&out));
+    let run = tmp.path().join("run");
+    let args: Vec<String> = [
+        "ppo",
+        "--config",
+        s(&qs.join("ppo.toml")),
+        "--set",
+        &format!("logging.dir={:?}", s(&run)),
+        "--set",
+        "ppo.batch_size=4",
+        "--set",
+        "ppo.mini_batch_size=2",
+    ]
+    .iter()
+    .map(|x| x.to_string())
+    .collect();
+    let out = mpirun(&bin, &[(2, args)]);
+    assert!(out.status.success(), "{}", text(&out));
+    let m = metrics(&run);
+    assert_eq!(m.len(), 2, "rank 0 alone logs");
+    for line in &m {
+        let episodes = line["env/episodes"].as_f64().unwrap();
+        // Each process plays at least one round of its 4 environments.
+        assert!(episodes >= 8.0, "both processes' episodes are counted: {episodes}");
+        assert!(line["time/dist/all_reduce"].as_f64().is_some_and(|t| t >= 0.0));
+    }
+    assert!(run.join("checkpoints/step-2/model.safetensors").is_file());
+}
+
 /// DPO (the TRL fixture's tiny GPT-2 and reference): 8 pairs, two processes with 2 pairs per
 /// micro-batch against one with 4, two optimizer steps (one epoch). Each process takes its half
 /// of each global micro-batch of one shared permutation. Tolerance: see the GRPO test.

@@ -62,6 +62,9 @@ pub struct EpisodeSource {
     rollout: RolloutConfig,
     games: usize,
     seed: u64,
+    /// This process's rank in a data-parallel run (0 on one process): rank r plays the
+    /// environments `r·num_envs..` of each round and samples from its own stream.
+    rank: usize,
 }
 
 impl EpisodeSource {
@@ -81,7 +84,8 @@ impl EpisodeSource {
             example_turn_prob: cfg.episodes.example_turn_prob,
             shaping: cfg.episodes.shaping.clone(),
         };
-        Ok(Self { env, section, episodes: cfg.episodes.clone(), rollout, games, seed: cfg.ppo.seed })
+        let rank = crate::dist::rank();
+        Ok(Self { env, section, episodes: cfg.episodes.clone(), rollout, games, seed: cfg.ppo.seed, rank })
     }
 
     /// Plays rounds of episodes with `policy` until `batch_size` turns are played, then picks
@@ -97,7 +101,8 @@ impl EpisodeSource {
         let mut batch = self.play_rounds(step, policy, tokenizer, batch_size, device)?;
         let turns: Vec<Transition> = std::mem::take(&mut batch.transitions);
         // Which turns train: a random subset, kept in play order.
-        let mut rng = rand::rngs::StdRng::seed_from_u64(mix(self.seed, step as u64, 0, 0x7e4d));
+        let mut rng =
+            rand::rngs::StdRng::seed_from_u64(mix(self.seed, step as u64, self.rank as u64, 0x7e4d));
         let mut picked = sample(&mut rng, turns.len(), batch_size).into_vec();
         picked.sort_unstable();
         batch.unused_turns = turns.len() - batch_size;
@@ -139,7 +144,7 @@ impl EpisodeSource {
                 )));
             }
             let resets: Vec<Reset> = (0..b).map(|e| self.train_reset(step, round, e)).collect();
-            let seed = mix(self.seed, step as u64, round as u64, u64::MAX);
+            let seed = mix(self.seed, step as u64, round as u64, u64::MAX - self.rank as u64);
             let got =
                 collect_episodes(self.env.as_mut(), policy, tokenizer, &self.rollout, &resets, seed, device)?;
             // A round's turns come episode by episode: a new environment index starts a new one.
@@ -169,6 +174,7 @@ impl EpisodeSource {
     /// How environment `e` starts in round `round` of `step`: a training game drawn from the
     /// run's seed, the step, the round and the environment.
     fn train_reset(&self, step: usize, round: usize, e: usize) -> Reset {
+        let e = self.rank * self.env.num_envs() + e;
         let i = mix(self.seed, step as u64, round as u64, e as u64);
         self.section.reset_for(0, i as usize, self.games)
     }
@@ -249,7 +255,18 @@ fn mix(a: u64, b: u64, c: u64, d: u64) -> u64 {
 /// The episode metrics of a step: `env/episodes`, `env/win_rate`, `env/episode_return_mean`,
 /// `env/normalized_score_mean`, `env/episode_length_mean`, `env/invalid_action_rate`,
 /// `env/unused_turns`, `env/example_turns`, `env/dropped_episodes`, and the rollout's times.
-pub fn add_episode_stats(stats: &mut Stats, batch: &EpisodeBatch) {
+/// In a data-parallel run the counts are summed over the processes and the rates and means are
+/// the mean of the processes' (each plays whole rounds of its own games).
+pub fn add_episode_stats(stats: &mut Stats, batch: &EpisodeBatch) -> Result<()> {
+    let mut own = Stats::new();
+    add_own_episode_stats(&mut own, batch);
+    let counts = ["env/episodes", "env/unused_turns", "env/example_turns", "env/dropped_episodes"];
+    crate::dist::reduce_stats(&mut own, &counts)?;
+    stats.extend(own);
+    Ok(())
+}
+
+fn add_own_episode_stats(stats: &mut Stats, batch: &EpisodeBatch) {
     let r = PlayReport::of(&batch.episodes, batch.dropped, 1.0);
     let n = batch.episodes.len().max(1) as f64;
     let mean_return = batch.episodes.iter().map(|e| e.episode_return).sum::<f64>() / n;

@@ -156,15 +156,14 @@ impl PpoRun {
             )));
         }
         if crate::dist::world_size() > 1 {
-            let not_yet = match (config.algorithm.kind, &config.env) {
-                (AlgorithmKind::RejectionSampling, _) => Some("rejection sampling"),
-                (_, Some(_)) => Some("PPO on text games ([env])"),
+            let not_yet = match config.algorithm.kind {
+                AlgorithmKind::RejectionSampling => Some("rejection sampling"),
                 _ => None,
             };
             if let Some(what) = not_yet {
                 return Err(Error::Unsupported(format!(
-                    "{what} is not data-parallel yet (PPO on prompts, with or without a [critic], GRPO and \
-                     RLOO are): run it as one process"
+                    "{what} is not data-parallel yet (PPO, on prompts or games, GRPO and RLOO are): run it \
+                     as one process"
                 )));
             }
         }
@@ -436,7 +435,7 @@ impl PpoRun {
         let time_gen = batch.time_generation.as_secs_f64();
         add_env_stats(&mut stats, &logprobs, &scores, &queries, time_gen, 0.0, self.skipped)?;
         stats.insert("time/rollout/total".into(), Stat::Scalar(time_rollout));
-        add_episode_stats(&mut stats, &batch);
+        add_episode_stats(&mut stats, &batch)?;
         self.eval_if_due(step, &mut stats)?;
         let rows = turns
             .iter()

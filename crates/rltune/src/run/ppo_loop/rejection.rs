@@ -39,7 +39,7 @@ impl PpoRun {
             Source::Games(games) => {
                 let b = self.config.ppo.batch_size;
                 let got = games.play_rounds(step, &self.trainer.policy, &self.tokenizer, b, &self.device)?;
-                add_episode_stats(&mut stats, &got);
+                add_episode_stats(&mut stats, &got)?;
                 episodes = got.episodes.clone();
                 let gamma = self.config.episodes.game_gamma;
                 // Per episode: its turns' shaped rewards, discounted to each turn or summed.
