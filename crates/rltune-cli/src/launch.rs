@@ -23,7 +23,8 @@ pub fn init(command: &str, data_parallel: bool) -> anyhow::Result<Option<rltune:
     if !data_parallel {
         bail!(
             "`rltune {command}` was started as rank {} of {} by {:?}, but it is not data-parallel: only \
-             `rltune ppo` (PPO on prompts, GRPO, RLOO), `dpo`, `sft` and `reward` are. Run it as one process",
+             the trainers `rltune ppo` (PPO, GRPO, RLOO, rejection sampling), `dpo`, `sft` and `reward` are. \
+             Run it as one process",
             launch.rank,
             launch.world_size,
             launch.launcher

@@ -274,6 +274,48 @@ fn ppo_on_two_processes_equals_one_process() {
     assert!(diff < 1e-5, "policy weights differ by {diff}");
 }
 
+/// Rejection sampling on prompts (the tiny sentiment quickstart): the best of each prompt's two
+/// samples (groups held by one process), then the best quarter of one sample per prompt (ranked
+/// over both processes); the kept examples of both are gathered and fine-tuned on, data-parallel.
+/// Two processes with 4 prompts and SFT batches of 2 against one with 8 and 4.
+#[test]
+fn rejection_sampling_on_two_processes_equals_one_process() {
+    let Some(bin) = mpi_binary() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let qs = tmp.path().join("qs");
+    let out = rltune(&["quickstart", "--preset", "tiny", "--output", s(&qs)]);
+    assert!(out.status.success(), "{}", text(&out));
+    let init = qs.join("sft/model.safetensors");
+    for (name, keep) in [
+        ("best-of-2", ["rejection.samples_per_prompt=2", "rejection.keep_top_n=1"]),
+        ("top-quarter", ["rejection.samples_per_prompt=1", "rejection.keep_top_fraction=0.25"]),
+    ] {
+        let args = |dir: &Path, extra: &[&str]| -> Vec<String> {
+            let mut a: Vec<String> =
+                ["ppo", "--config", s(&qs.join("ppo.toml"))].iter().map(|x| x.to_string()).collect();
+            let dir = format!("logging.dir={:?}", s(dir));
+            let sets = ["algorithm.kind=\"rejection_sampling\"", keep[0], keep[1], &dir];
+            for e in sets.iter().chain(extra) {
+                a.extend(["--set".into(), e.to_string()]);
+            }
+            a
+        };
+        let (one, two) = (tmp.path().join(format!("{name}-one")), tmp.path().join(format!("{name}-two")));
+        let a1 = args(&one, &["rejection.batch_size=4"]);
+        let out = rltune(&a1.iter().map(String::as_str).collect::<Vec<_>>());
+        assert!(out.status.success(), "{}", text(&out));
+        let out = mpirun(&bin, &[(2, args(&two, &["rejection.batch_size=2", "ppo.batch_size=4"]))]);
+        assert!(out.status.success(), "{}", text(&out));
+        let exact =
+            |k: &str| k.starts_with("env/reward") || k == "rejection/kept" || k == "rejection/candidates";
+        let (worst, diff, moved) =
+            compare_runs(&one, &two, 3, "checkpoints/step-3/model.safetensors", &init, &exact);
+        eprintln!("rejection sampling ({name}), two processes vs one: metrics worst {worst:.1e}; weights max |Δ| {diff:.1e} (moved {moved:.1e})");
+        assert!(moved > 1e-5, "the weights did not move: the test would prove nothing");
+        assert!(diff < 1e-5, "weights differ by {diff}");
+    }
+}
+
 /// PPO on text games (the tiny adventure quickstart): each process plays its own environments
 /// (rank r the environments r·num_envs.. of each round) and trains on its turns; the episode
 /// counts are summed. The turns differ from one process's, so this checks the run, not the
@@ -486,6 +528,8 @@ fn launches_that_cannot_run_are_refused_with_the_fix() {
         err.contains("`rltune generate` was started as rank 0 of 2") && err.contains("not data-parallel"),
         "{err}"
     );
+    let err = run(&ompi, &["play", "--env", "nowhere.toml", "--agent", "random"]);
+    assert!(err.contains("`rltune play` was started as rank 0 of 2"), "{err}");
     let err = run(
         &[("RANK", "1"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "1")],
         &["ppo", "--config", "nowhere.toml"],

@@ -196,6 +196,46 @@ pub fn reduce_stats(stats: &mut crate::engine::Stats, summed: &[&str]) -> Result
     Ok(())
 }
 
+/// Every process's `local` values, concatenated in rank order, where the processes may hold
+/// different numbers of values; also returns where this process's values start. Exact, as
+/// [`gather_f64`].
+pub fn gather_var_f64(local: &[f64]) -> Result<(Vec<f64>, usize)> {
+    if world_size() == 1 {
+        return Ok((local.to_vec(), 0));
+    }
+    let lens = with(|c| c.all_gather_u64(local.len() as u64))?;
+    let start: usize = lens[..rank()].iter().sum::<u64>() as usize;
+    let mut all = vec![0.0; lens.iter().sum::<u64>() as usize];
+    all[start..start + local.len()].copy_from_slice(local);
+    sum_f64(&mut all)?;
+    Ok((all, start))
+}
+
+/// Every process's token sequences (with a mask of the same length each), in rank order: what
+/// one process would hold. Token ids and mask values travel as f64 (exact below 2^53).
+pub fn gather_sequences(local: &[(Vec<u32>, Vec<u8>)]) -> Result<Vec<(Vec<u32>, Vec<u8>)>> {
+    if world_size() == 1 {
+        return Ok(local.to_vec());
+    }
+    let mut flat = Vec::new();
+    for (ids, mask) in local {
+        flat.push(ids.len() as f64);
+        flat.extend(ids.iter().map(|&t| f64::from(t)));
+        flat.extend(mask.iter().map(|&m| f64::from(m)));
+    }
+    let (all, _) = gather_var_f64(&flat)?;
+    let mut out = Vec::new();
+    let mut at = 0;
+    while at < all.len() {
+        let n = all[at] as usize;
+        let ids = all[at + 1..at + 1 + n].iter().map(|&t| t as u32).collect();
+        let mask = all[at + 1 + n..at + 1 + 2 * n].iter().map(|&m| m as u8).collect();
+        out.push((ids, mask));
+        at += 1 + 2 * n;
+    }
+    Ok(out)
+}
+
 /// Refuses to go on unless every process holds the same `fingerprint` of `what` as rank 0 (a
 /// hash of its resolved configuration); the error names the first rank that differs.
 pub fn check_same(fingerprint: u64, what: &str) -> Result<()> {
@@ -221,6 +261,8 @@ mod tests {
         assert_eq!(gather_f64(&[1.0, -0.0]).unwrap(), vec![1.0, -0.0]);
         assert_eq!(sum(2.5).unwrap(), 2.5);
         check_same(7, "x").unwrap();
+        let seqs = vec![(vec![1u32, 2], vec![0u8, 1]), (vec![], vec![])];
+        assert_eq!(gather_sequences(&seqs).unwrap(), seqs);
         assert_ne!(fingerprint(b"a"), fingerprint(b"b"));
         assert_eq!(fingerprint(b""), 0xcbf2_9ce4_8422_2325);
     }
@@ -270,6 +312,9 @@ mod tests {
             [0.0, 0.0, 1.0, 2.0].iter().map(|x| x * 2.0).collect::<Vec<_>>()
         );
         assert!(install(Box::new(SingleProcess)).is_err(), "one collective per thread");
+        // The mirror's rank 0 holds as many values as this rank 1: its part comes first.
+        let (all, start) = gather_var_f64(&[3.0]).unwrap();
+        assert_eq!((all, start), (vec![0.0, 6.0], 1));
     }
 
     #[test]

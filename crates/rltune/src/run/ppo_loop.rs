@@ -155,18 +155,6 @@ impl PpoRun {
                 config.algorithm.kind.name()
             )));
         }
-        if crate::dist::world_size() > 1 {
-            let not_yet = match config.algorithm.kind {
-                AlgorithmKind::RejectionSampling => Some("rejection sampling"),
-                _ => None,
-            };
-            if let Some(what) = not_yet {
-                return Err(Error::Unsupported(format!(
-                    "{what} is not data-parallel yet (PPO, on prompts or games, GRPO and RLOO are): run it \
-                     as one process"
-                )));
-            }
-        }
         tracing::info!("runtime: {runtime}");
         let (device, dtype) = (runtime.device().clone(), runtime.dtype());
         if resume {

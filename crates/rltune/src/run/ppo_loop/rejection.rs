@@ -76,6 +76,11 @@ impl PpoRun {
             }
             Source::Prompts { prompts, reward } => {
                 let n = rs.samples_per_prompt;
+                // This process's share of the prompts; its first row's global index keys the
+                // rows' sampling streams.
+                let share = crate::dist::shard(batch.len(), "the prompts of a step")?;
+                let row_offset = (share.start * n) as u64;
+                let batch = &batch[share];
                 let mut queries = Vec::with_capacity(batch.len() * n);
                 let mut rows = Vec::with_capacity(batch.len() * n);
                 for &(i, len) in batch {
@@ -87,6 +92,7 @@ impl PpoRun {
                 }
                 let gen = GenerationConfig {
                     seed: self.config.generation.seed.wrapping_add(step as u64),
+                    row_offset,
                     ..self.config.generation.clone()
                 };
                 let policy = &self.trainer.policy;
@@ -132,17 +138,26 @@ impl PpoRun {
         };
         let time_rollout = t.elapsed().as_secs_f64();
         self.eval_if_due(step, &mut stats)?;
-        let report = self.rejection_update(step, candidates, stats, time_rollout)?;
+        // One group of every candidate (games, one sample per prompt): on several processes it
+        // is ranked over all of them.
+        let together = candidates.iter().all(|c| c.group == 0);
+        let report = self.rejection_update(step, candidates, together, stats, time_rollout)?;
         let shown = episodes.iter().take(self.config.episodes.transcripts_per_step);
         self.logger.log_transcripts(step + 1, shown)?;
         Ok(report)
     }
 
     /// Scores with the KL term, keeps the best of each group, fine-tunes on them, logs.
+    ///
+    /// On several processes each holds its own candidates: one group spanning them all
+    /// (`together`) is ranked over every process's units, per-prompt groups locally; the kept
+    /// examples of every process are gathered, so that the fine-tuning (itself data-parallel)
+    /// trains on what one process would keep.
     fn rejection_update(
         &mut self,
         step: usize,
         candidates: Vec<Candidate>,
+        together: bool,
         mut stats: Stats,
         time_rollout: f64,
     ) -> Result<StepReport> {
@@ -176,7 +191,18 @@ impl PpoRun {
                 }
             }
             let unit_scores: Vec<f64> = units.iter().map(|u| u.1).collect();
-            for k in select_top(&unit_scores, rs.kept_of(units.len())) {
+            let chosen: Vec<usize> = if together && crate::dist::world_size() > 1 {
+                let (all, start) = crate::dist::gather_var_f64(&unit_scores)?;
+                let local = start..start + units.len();
+                select_top(&all, rs.kept_of(all.len()))
+                    .into_iter()
+                    .filter(|k| local.contains(k))
+                    .map(|k| k - start)
+                    .collect()
+            } else {
+                select_top(&unit_scores, rs.kept_of(units.len())).into_iter().collect()
+            };
+            for k in chosen {
                 let unit = candidates[units[k].0].unit;
                 for (i, c) in candidates.iter().enumerate() {
                     if c.group == g && c.unit == unit {
@@ -185,14 +211,21 @@ impl PpoRun {
                 }
             }
         }
-        let examples: Vec<SftExample> = candidates
+        let own: Vec<(Vec<u32>, Vec<u8>)> = candidates
             .iter()
             .zip(&kept)
             .filter(|(c, &k)| k && !c.response.is_empty())
-            .map(|(c, _)| SftExample {
-                input_ids: c.query.iter().chain(&c.response).copied().collect(),
-                loss_mask: [vec![0u8; c.query.len()], vec![1u8; c.response.len()]].concat(),
+            .map(|(c, _)| {
+                (
+                    c.query.iter().chain(&c.response).copied().collect(),
+                    [vec![0u8; c.query.len()], vec![1u8; c.response.len()]].concat(),
+                )
             })
+            .collect();
+        // Every process's kept examples, in rank order (one process: its own).
+        let examples: Vec<SftExample> = crate::dist::gather_sequences(&own)?
+            .into_iter()
+            .map(|(input_ids, loss_mask)| SftExample { input_ids, loss_mask })
             .collect();
         let t = Instant::now();
         let model = SftModel {
@@ -223,9 +256,15 @@ impl PpoRun {
         let logprobs: Vec<&[f32]> = candidates.iter().map(|c| c.logprobs.as_slice()).collect();
         add_env_stats(&mut stats, &logprobs, &raw, &queries, time_rollout, 0.0, self.skipped)?;
         let kept_scores: Vec<f64> = scores.iter().zip(&kept).filter(|(_, &k)| k).map(|(&s, _)| s).collect();
+        // Of every process's candidates.
+        let (kept_scores, scores, kls) = (
+            crate::dist::gather_var_f64(&kept_scores)?.0,
+            crate::dist::gather_var_f64(&scores)?.0,
+            crate::dist::gather_var_f64(&kls)?.0,
+        );
         let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
         for (k, v) in [
-            ("rejection/candidates", candidates.len() as f64),
+            ("rejection/candidates", scores.len() as f64),
             ("rejection/kept", kept_scores.len() as f64),
             ("rejection/score_mean", mean(&scores)),
             ("rejection/kept_score_mean", mean(&kept_scores)),
