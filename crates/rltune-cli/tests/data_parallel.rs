@@ -85,6 +85,32 @@ fn grpo_setup(tmp: &Path) -> Vec<String> {
     .to_vec()
 }
 
+/// `base`, then `--set S` for each of `sets`.
+fn with_sets(base: &[&str], sets: &[&str]) -> Vec<String> {
+    let mut a: Vec<String> = base.iter().map(|x| x.to_string()).collect();
+    for e in sets {
+        a.extend(["--set".into(), e.to_string()]);
+    }
+    a
+}
+
+/// Runs `one` as one process and `two` under `mpirun -np 2`; both must succeed. Returns their
+/// outputs.
+fn one_and_two(bin: &Path, one: &[String], two: Vec<String>) -> (Output, Output) {
+    let out1 = rltune(&one.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(out1.status.success(), "{}", text(&out1));
+    let out2 = mpirun(bin, &[(2, two)]);
+    assert!(out2.status.success(), "{}", text(&out2));
+    (out1, out2)
+}
+
+/// The tiny preset of quickstart `task`, written to `dir`.
+fn tiny_quickstart(dir: &Path, task: &str) -> PathBuf {
+    let out = rltune(&["quickstart", "--task", task, "--preset", "tiny", "--output", s(dir)]);
+    assert!(out.status.success(), "{}", text(&out));
+    dir.to_path_buf()
+}
+
 fn metrics(run: &Path) -> Vec<BTreeMap<String, serde_json::Value>> {
     std::fs::read_to_string(run.join("metrics.jsonl"))
         .unwrap()
@@ -99,6 +125,22 @@ fn weights(path: &Path) -> BTreeMap<String, Vec<f32>> {
         .into_iter()
         .map(|(k, t)| (k, t.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
         .collect()
+}
+
+/// The largest difference between the weights in `a` and `b`, and the largest move of a weight
+/// of `a` from `init` (tensors `init` lacks, such as a new value head, are not counted).
+fn compare_weights(a: &Path, b: &Path, init: &Path) -> (f32, f32) {
+    let (w1, w2, w0) = (weights(a), weights(b), weights(init));
+    let (mut diff, mut moved) = (0f32, 0f32);
+    for (k, a) in &w1 {
+        for (i, (x, y)) in a.iter().zip(&w2[k]).enumerate() {
+            diff = diff.max((x - y).abs());
+            if let Some(z) = w0.get(k).and_then(|w| w.get(i)) {
+                moved = moved.max((x - z).abs());
+            }
+        }
+    }
+    (diff, moved)
 }
 
 /// Compares two runs' metrics (all but timings and the per-token arrays, which each process
@@ -139,16 +181,7 @@ fn compare_runs(
             }
         }
     }
-    let (w1, w2, w0) = (weights(&one.join(model)), weights(&two.join(model)), weights(init));
-    let (mut diff, mut moved) = (0f32, 0f32);
-    for (k, a) in &w1 {
-        for (i, (x, y)) in a.iter().zip(&w2[k]).enumerate() {
-            diff = diff.max((x - y).abs());
-            if let Some(z) = w0.get(k).and_then(|w| w.get(i)) {
-                moved = moved.max((x - z).abs());
-            }
-        }
-    }
+    let (diff, moved) = compare_weights(&one.join(model), &two.join(model), init);
     eprintln!("worst metric: {worst_key}");
     (worst, diff, moved)
 }
@@ -227,51 +260,39 @@ fn grpo_on_two_processes_equals_one_process() {
 fn ppo_on_two_processes_equals_one_process() {
     let Some(bin) = mpi_binary() else { return };
     let tmp = tempfile::tempdir().unwrap();
-    let qs = tmp.path().join("qs");
-    let out = rltune(&["quickstart", "--preset", "tiny", "--output", s(&qs)]);
-    assert!(out.status.success(), "{}", text(&out));
-    let (one, two) = (tmp.path().join("one"), tmp.path().join("two"));
-    let args = |dir: &Path, extra: &[&str]| -> Vec<String> {
-        let mut a: Vec<String> = ["ppo", "--config", s(&qs.join("ppo.toml")), "--set", "ppo.ppo_epochs=2"]
-            .iter()
-            .map(|x| x.to_string())
-            .collect();
-        a.extend(["--set".into(), format!("logging.dir={:?}", s(dir))]);
-        for e in extra {
-            a.extend(["--set".into(), e.to_string()]);
-        }
-        a
-    };
-    let a1 = args(&one, &[]);
-    let out = rltune(&a1.iter().map(String::as_str).collect::<Vec<_>>());
-    assert!(out.status.success(), "{}", text(&out));
-    let out = mpirun(&bin, &[(2, args(&two, &["ppo.batch_size=4", "ppo.mini_batch_size=2"]))]);
-    assert!(out.status.success(), "{}", text(&out));
-    let exact = |k: &str| k.starts_with("env/reward") || k.starts_with("tokens/") || k == "ppo/mean_scores";
+    let qs = tiny_quickstart(&tmp.path().join("qs"), "sentiment");
+    let config = s(&qs.join("ppo.toml")).to_string();
     let init = qs.join("sft/model.safetensors");
-    let (worst, diff, moved) =
-        compare_runs(&one, &two, 3, "checkpoints/step-3/model.safetensors", &init, &exact);
-    eprintln!("PPO, two processes vs one: metrics worst {worst:.1e}; weights max |Δ| {diff:.1e} (moved {moved:.1e})");
-    assert!(moved > 1e-5, "the weights did not move: the test would prove nothing");
-    assert!(diff < 1e-5, "weights differ by {diff}");
-
-    // With a separate critic (a copy of the policy, its own Adam at lr 1e-3): its value loss is
-    // normalised and its gradients averaged as the policy's.
-    let critic = [format!("critic.path={:?}", s(&qs.join("sft"))), "critic.learning_rate=0.001".into()];
-    let (one, two) = (tmp.path().join("one-critic"), tmp.path().join("two-critic"));
-    let c: Vec<&str> = critic.iter().map(String::as_str).collect();
-    let a1 = args(&one, &c);
-    let out = rltune(&a1.iter().map(String::as_str).collect::<Vec<_>>());
-    assert!(out.status.success(), "{}", text(&out));
-    let out = mpirun(&bin, &[(2, args(&two, &[c[0], c[1], "ppo.batch_size=4", "ppo.mini_batch_size=2"]))]);
-    assert!(out.status.success(), "{}", text(&out));
-    let (worst, diff, moved) =
-        compare_runs(&one, &two, 3, "checkpoints/step-3/critic/model.safetensors", &init, &exact);
-    eprintln!("PPO with a critic, two processes vs one: metrics worst {worst:.1e}; critic weights max |Δ| {diff:.1e} (moved {moved:.1e})");
-    assert!(moved > 1e-5, "the critic did not move: the test would prove nothing");
-    assert!(diff < 1e-5, "critic weights differ by {diff}");
-    let (_, diff, _) = compare_runs(&one, &two, 3, "checkpoints/step-3/model.safetensors", &init, &exact);
-    assert!(diff < 1e-5, "policy weights differ by {diff}");
+    let critic = format!("critic.path={:?}", s(&qs.join("sft")));
+    let exact = |k: &str| k.starts_with("env/reward") || k.starts_with("tokens/") || k == "ppo/mean_scores";
+    // Without, then with a separate critic (a copy of the policy, its own Adam at lr 1e-3): its
+    // value loss is normalised and its gradients averaged as the policy's.
+    for (name, extra) in [("plain", vec![]), ("critic", vec![critic.as_str(), "critic.learning_rate=0.001"])]
+    {
+        let (one, two) = (tmp.path().join(format!("{name}-one")), tmp.path().join(format!("{name}-two")));
+        let run = |dir: &Path, sets: &[&str]| {
+            let dir = format!("logging.dir={:?}", s(dir));
+            let all: Vec<&str> = ["ppo.ppo_epochs=2", &dir]
+                .iter()
+                .copied()
+                .chain(extra.iter().copied())
+                .chain(sets.iter().copied())
+                .collect();
+            with_sets(&["ppo", "--config", &config], &all)
+        };
+        one_and_two(&bin, &run(&one, &[]), run(&two, &["ppo.batch_size=4", "ppo.mini_batch_size=2"]));
+        let (worst, diff, moved) =
+            compare_runs(&one, &two, 3, "checkpoints/step-3/model.safetensors", &init, &exact);
+        eprintln!("PPO ({name}), two processes vs one: metrics worst {worst:.1e}; weights max |Δ| {diff:.1e} (moved {moved:.1e})");
+        assert!(moved > 1e-5, "the weights did not move: the test would prove nothing");
+        assert!(diff < 1e-5, "weights differ by {diff}");
+        if name == "critic" {
+            let (_, diff, moved) =
+                compare_runs(&one, &two, 3, "checkpoints/step-3/critic/model.safetensors", &init, &exact);
+            eprintln!("  the critic: weights max |Δ| {diff:.1e} (moved {moved:.1e})");
+            assert!(moved > 1e-5 && diff < 1e-5, "critic weights differ by {diff} (moved {moved})");
+        }
+    }
 }
 
 /// Rejection sampling on prompts (the tiny sentiment quickstart): the best of each prompt's two
@@ -282,30 +303,28 @@ fn ppo_on_two_processes_equals_one_process() {
 fn rejection_sampling_on_two_processes_equals_one_process() {
     let Some(bin) = mpi_binary() else { return };
     let tmp = tempfile::tempdir().unwrap();
-    let qs = tmp.path().join("qs");
-    let out = rltune(&["quickstart", "--preset", "tiny", "--output", s(&qs)]);
-    assert!(out.status.success(), "{}", text(&out));
+    let qs = tiny_quickstart(&tmp.path().join("qs"), "sentiment");
+    let config = s(&qs.join("ppo.toml")).to_string();
     let init = qs.join("sft/model.safetensors");
     for (name, keep) in [
         ("best-of-2", ["rejection.samples_per_prompt=2", "rejection.keep_top_n=1"]),
         ("top-quarter", ["rejection.samples_per_prompt=1", "rejection.keep_top_fraction=0.25"]),
     ] {
-        let args = |dir: &Path, extra: &[&str]| -> Vec<String> {
-            let mut a: Vec<String> =
-                ["ppo", "--config", s(&qs.join("ppo.toml"))].iter().map(|x| x.to_string()).collect();
+        let run = |dir: &Path, sets: &[&str]| {
             let dir = format!("logging.dir={:?}", s(dir));
-            let sets = ["algorithm.kind=\"rejection_sampling\"", keep[0], keep[1], &dir];
-            for e in sets.iter().chain(extra) {
-                a.extend(["--set".into(), e.to_string()]);
-            }
-            a
+            let all: Vec<&str> = ["algorithm.kind=\"rejection_sampling\"", keep[0], keep[1], &dir]
+                .iter()
+                .copied()
+                .chain(sets.iter().copied())
+                .collect();
+            with_sets(&["ppo", "--config", &config], &all)
         };
         let (one, two) = (tmp.path().join(format!("{name}-one")), tmp.path().join(format!("{name}-two")));
-        let a1 = args(&one, &["rejection.batch_size=4"]);
-        let out = rltune(&a1.iter().map(String::as_str).collect::<Vec<_>>());
-        assert!(out.status.success(), "{}", text(&out));
-        let out = mpirun(&bin, &[(2, args(&two, &["rejection.batch_size=2", "ppo.batch_size=4"]))]);
-        assert!(out.status.success(), "{}", text(&out));
+        one_and_two(
+            &bin,
+            &run(&one, &["rejection.batch_size=4"]),
+            run(&two, &["rejection.batch_size=2", "ppo.batch_size=4"]),
+        );
         let exact =
             |k: &str| k.starts_with("env/reward") || k == "rejection/kept" || k == "rejection/candidates";
         let (worst, diff, moved) =
@@ -383,31 +402,15 @@ fn dpo_on_two_processes_equals_one_process() {
         "[dpo]\nlearning_rate = 0.001\nper_device_train_batch_size = 4\nbeta = 0.3\nmax_steps = 2\n",
     )
     .unwrap();
-    let args = |out: &Path, extra: &[&str]| -> Vec<String> {
-        let mut a: Vec<String> = vec![
-            "dpo".into(),
-            "--model".into(),
-            fixture("dpo/init"),
-            "--ref-model".into(),
-            fixture("dpo/ref"),
-            "--data".into(),
-            s(&data_path).into(),
-            "--config".into(),
-            s(&config).into(),
-            "--output".into(),
-            s(out).into(),
-        ];
-        for e in extra {
-            a.extend(["--set".into(), e.to_string()]);
-        }
-        a
+    let (init_dir, ref_dir) = (fixture("dpo/init"), fixture("dpo/ref"));
+    let (data, config) = (s(&data_path).to_string(), s(&config).to_string());
+    let run = |out: &Path, sets: &[&str]| {
+        let base =
+            ["dpo", "--model", &init_dir, "--ref-model", &ref_dir, "--data", &data, "--config", &config];
+        with_sets(&[&base[..], &["--output", s(out)]].concat(), sets)
     };
     let (one, two) = (tmp.path().join("one"), tmp.path().join("two"));
-    let a1 = args(&one, &[]);
-    let out = rltune(&a1.iter().map(String::as_str).collect::<Vec<_>>());
-    assert!(out.status.success(), "{}", text(&out));
-    let out = mpirun(&bin, &[(2, args(&two, &["dpo.per_device_train_batch_size=2"]))]);
-    assert!(out.status.success(), "{}", text(&out));
+    one_and_two(&bin, &run(&one, &[]), run(&two, &["dpo.per_device_train_batch_size=2"]));
     let init = common::fixture("dpo/init/model.safetensors");
     let (worst, diff, moved) =
         compare_runs(&one, &two, 2, "model.safetensors", &init, &|k| k == "num_tokens");
@@ -424,9 +427,7 @@ fn dpo_on_two_processes_equals_one_process() {
 fn sft_and_reward_on_two_processes_equal_one_process() {
     let Some(bin) = mpi_binary() else { return };
     let tmp = tempfile::tempdir().unwrap();
-    let qs = tmp.path().join("qs");
-    let out = rltune(&["quickstart", "--preset", "tiny", "--output", s(&qs)]);
-    assert!(out.status.success(), "{}", text(&out));
+    let qs = tiny_quickstart(&tmp.path().join("qs"), "sentiment");
     let config = tmp.path().join("train.toml");
     std::fs::write(
         &config,
@@ -434,46 +435,23 @@ fn sft_and_reward_on_two_processes_equal_one_process() {
          eval_fraction = 0.05\n",
     )
     .unwrap();
+    let (data, config) = (s(&qs.join("data/reviews.jsonl")).to_string(), s(&config).to_string());
     for (command, model) in [("sft", "sft"), ("reward", "classifier")] {
-        let args = |out: &Path, extra: &[&str]| -> Vec<String> {
-            let mut a: Vec<String> = [
-                command,
-                "--model",
-                s(&qs.join(model)),
-                "--data",
-                s(&qs.join("data/reviews.jsonl")),
-                "--config",
-                s(&config),
-                "--output",
-                s(out),
-            ]
-            .iter()
-            .map(|x| x.to_string())
-            .collect();
-            for e in extra {
-                a.extend(["--set".into(), e.to_string()]);
-            }
-            a
+        let model = qs.join(model);
+        let run = |out: &Path, sets: &[&str]| {
+            let base =
+                [command, "--model", s(&model), "--data", &data, "--config", &config, "--output", s(out)];
+            with_sets(&base, sets)
         };
         let (one, two) =
             (tmp.path().join(format!("{command}-one")), tmp.path().join(format!("{command}-two")));
-        let a1 = args(&one, &[]);
-        let out1 = rltune(&a1.iter().map(String::as_str).collect::<Vec<_>>());
-        assert!(out1.status.success(), "{}", text(&out1));
-        let out2 = mpirun(&bin, &[(2, args(&two, &["training.batch_size=4"]))]);
-        assert!(out2.status.success(), "{}", text(&out2));
-        let (w1, w2) = (weights(&one.join("model.safetensors")), weights(&two.join("model.safetensors")));
-        let init = weights(&qs.join(model).join("model.safetensors"));
-        let (mut diff, mut moved) = (0f32, 0f32);
-        for (k, a) in &w1 {
-            for (i, (x, y)) in a.iter().zip(&w2[k]).enumerate() {
-                diff = diff.max((x - y).abs());
-                if let Some(z) = init.get(k).and_then(|w| w.get(i)) {
-                    moved = moved.max((x - z).abs());
-                }
-            }
-        }
-        // The final train loss and the eval, as reported.
+        let (out1, out2) = one_and_two(&bin, &run(&one, &[]), run(&two, &["training.batch_size=4"]));
+        let (diff, moved) = compare_weights(
+            &one.join("model.safetensors"),
+            &two.join("model.safetensors"),
+            &model.join("model.safetensors"),
+        );
+        // The final train loss and the eval, as reported: the same to the printed digits.
         let tail = |o: &Output| {
             String::from_utf8_lossy(&o.stderr)
                 .lines()
@@ -482,7 +460,8 @@ fn sft_and_reward_on_two_processes_equal_one_process() {
                 .collect::<Vec<_>>()
         };
         eprintln!("{command}, two processes vs one: weights max |Δ| {diff:.1e} (moved {moved:.1e})");
-        eprintln!("  one: {:?}\n  two: {:?}", tail(&out1), tail(&out2));
+        assert_eq!(tail(&out1), tail(&out2), "{command}: the reported losses differ");
+        assert_eq!(tail(&out1).len(), 2, "{command}: a train and an eval line");
         assert!(moved > 1e-5, "{command}: the weights did not move: the test would prove nothing");
         assert!(diff < 1e-5, "{command}: weights differ by {diff}");
     }

@@ -150,11 +150,24 @@ pub fn compute_advantages(
     gamma: f64,
     lam: f64,
 ) -> Result<(Tensor, Tensor, Tensor)> {
+    compute_advantages_with(values, rewards, mask, gamma, lam, |x, m| masked_whiten(x, m, true))
+}
+
+/// [`compute_advantages`] with the whitening `whiten(advantages, mask)` given (a data-parallel
+/// run whitens over every process's batch).
+pub fn compute_advantages_with(
+    values: &Tensor,
+    rewards: &Tensor,
+    mask: &Tensor,
+    gamma: f64,
+    lam: f64,
+    whiten: impl Fn(&Tensor, &Tensor) -> Result<Tensor>,
+) -> Result<(Tensor, Tensor, Tensor)> {
     let values = (values * mask)?;
     let rewards = (rewards * mask)?;
     let adv = gae(&values, &rewards, gamma, lam)?;
     let returns = (&adv + &values)?;
-    let adv = masked_whiten(&adv, mask, true)?;
+    let adv = whiten(&adv, mask)?;
     Ok((values, adv, returns))
 }
 

@@ -340,12 +340,13 @@ impl PpoTrainer {
             Some(next) => math::bootstrap_last(&rewards, &batch.mask, next, self.config.gamma)?,
             None => rewards,
         };
-        let (values, advantages, returns) = data_parallel::compute_advantages(
+        let (values, advantages, returns) = math::compute_advantages_with(
             &rollout.values,
             &rewards,
             &batch.mask,
             self.config.gamma,
             self.config.lam,
+            |x, m| data_parallel::masked_whiten(x, m, true),
         )?;
         let time_adv = t.elapsed().as_secs_f64();
 

@@ -58,25 +58,6 @@ pub(super) fn masked_whiten(x: &Tensor, mask: &Tensor, shift_mean: bool) -> Resu
     Ok(if shift_mean { w } else { (w + mean)? })
 }
 
-/// [`math::compute_advantages`] with the whitening of the whole batch.
-pub(super) fn compute_advantages(
-    values: &Tensor,
-    rewards: &Tensor,
-    mask: &Tensor,
-    gamma: f64,
-    lam: f64,
-) -> Result<(Tensor, Tensor, Tensor)> {
-    if crate::dist::world_size() == 1 {
-        return math::compute_advantages(values, rewards, mask, gamma, lam);
-    }
-    let values = (values * mask)?;
-    let rewards = (rewards * mask)?;
-    let adv = math::gae(&values, &rewards, gamma, lam)?;
-    let returns = (&adv + &values)?;
-    let adv = masked_whiten(&adv, mask, true)?;
-    Ok((values, adv, returns))
-}
-
 /// [`math::whiten_rewards`] with the statistics of the whole batch.
 pub(super) fn whiten_rewards(rewards: &Tensor, mask: &Tensor) -> Result<Tensor> {
     Ok((masked_whiten(rewards, mask, false)? * mask)?)
