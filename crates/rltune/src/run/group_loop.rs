@@ -156,7 +156,17 @@ impl GroupRun {
         let tokenizer = Tokenizer::from_file(&tok_path)?;
         tokenizer.check_fits(policy.config.vocab_size())?;
         let prompts = encode_prompts(&config, &tokenizer)?;
-        let shape = config.group_shape(prompts.len(), crate::dist::world_size()).map_err(Error::Input)?;
+        let world = crate::dist::world_size();
+        let shape = config.group_shape(prompts.len(), world).map_err(Error::Input)?;
+        if world > 1 {
+            let bs = config.group_batch_size();
+            tracing::info!(
+                "data-parallel: {world} processes × {bs} completions (per_device_train_batch_size) = {} \
+                 completions of {} prompts per step",
+                world * bs,
+                shape.prompts_per_step
+            );
+        }
 
         let mut reward_names: Vec<String> = config.reward.sources.iter().map(|s| s.metric_name()).collect();
         reward_names.extend(extra_rewards.iter().map(|(_, r)| r.name().to_string()));

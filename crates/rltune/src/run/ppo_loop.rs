@@ -156,6 +156,16 @@ impl PpoRun {
             )));
         }
         tracing::info!("runtime: {runtime}");
+        let world = crate::dist::world_size();
+        if world > 1 {
+            let b = config.ppo.batch_size;
+            tracing::info!(
+                "data-parallel: {world} processes × {b} samples ([ppo] batch_size) = {} per step, in \
+                 minibatches of {world} × {}",
+                world * b,
+                config.ppo.mini_batch_size
+            );
+        }
         let (device, dtype) = (runtime.device().clone(), runtime.dtype());
         if resume {
             clear_stale_writes(&config.logging.dir)?;

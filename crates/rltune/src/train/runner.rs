@@ -325,10 +325,11 @@ pub(crate) fn run_with<O: Objective>(
     let mut opt = Optimizer::new(store.vars(), optim)?;
     if announce {
         tracing::info!(
-            "training on {} examples ({} held out for eval): {total} optimizer steps of {} examples, {} warm-up",
+            "training on {} examples ({} held out for eval): {total} optimizer steps of {} examples{}, {} warm-up",
             train_idx.len(),
             eval.len(),
-            args.examples_per_step(),
+            args.examples_per_step() * world,
+            if world > 1 { format!(" ({world} processes × {})", args.examples_per_step()) } else { String::new() },
             opt.args().schedule.warmup_steps
         );
     }
