@@ -848,3 +848,52 @@ fn arithmetic_quickstart_runs_grpo_and_rloo_from_one_sft_policy() {
         fails(rltune(&["quickstart", "--task", "sentiment", "--algorithm", "rloo", "--output", s(&dir)]));
     assert!(err.contains("--algorithm is for --task arithmetic"), "{err}");
 }
+
+/// Issue #39, first part: `[agent] actions = "admissible"` makes a model agent write only the
+/// game's admissible commands (the tiny adventure BC policy writes none of them freely: it is
+/// barely trained), so `rltune play` reports no invalid action. Training with it is refused
+/// until PPO renormalises over the admissible tokens; a game without a command list is refused
+/// in that mode with the fix.
+#[test]
+fn admissible_actions_are_always_valid_in_play() {
+    let tmp = tempfile::tempdir().unwrap();
+    let qs = tmp.path().join("qs");
+    ok(rltune(&["quickstart", "--task", "adventure", "--preset", "tiny", "--output", s(&qs)]));
+    let env = repo_config("adventure.toml");
+    let bc = qs.join("bc");
+    let play = |mode: &str| {
+        let out = ok(rltune(&[
+            "play",
+            "--env",
+            s(&env),
+            "--model",
+            s(&bc),
+            "--episodes",
+            "16",
+            "--json",
+            "--set",
+            &format!("agent.actions=\"{mode}\""),
+        ]));
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let (free, admissible) = (play("free"), play("admissible"));
+    println!("tiny adventure BC: free {free}\nadmissible {admissible}");
+    assert_eq!(admissible["invalid_action_rate"].as_f64(), Some(0.0), "{admissible}");
+    assert!(free["invalid_action_rate"].as_f64().unwrap() > 0.0, "the test needs a policy that errs: {free}");
+
+    let err = fails(rltune(&[
+        "ppo",
+        "--config",
+        s(&qs.join("ppo.toml")),
+        "--set",
+        "agent.actions=\"admissible\"",
+        "--set",
+        &format!("logging.dir={:?}", s(&tmp.path().join("run"))),
+    ]));
+    assert!(err.contains("does not train yet") && err.contains("issue #39"), "{err}");
+
+    let letters = tmp.path().join("letters.toml");
+    std::fs::write(&letters, "[env]\nkind = \"letters\"\n[agent]\nactions = \"admissible\"\n").unwrap();
+    let err = fails(rltune(&["play", "--env", s(&letters), "--model", s(&bc), "--episodes", "2"]));
+    assert!(err.contains("lists no admissible command") && err.contains("actions = \"free\""), "{err}");
+}

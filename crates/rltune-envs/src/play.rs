@@ -25,6 +25,8 @@ pub struct PromptTemplate {
     pub show_inventory: bool,
     /// The last line, after which the model writes its action.
     pub instruction: String,
+    /// How a model agent writes its action: free text, or one of the admissible commands.
+    pub actions: ActionMode,
 }
 
 impl Default for PromptTemplate {
@@ -34,8 +36,22 @@ impl Default for PromptTemplate {
             show_admissible: true,
             show_inventory: true,
             instruction: "What do you do next?\n>".into(),
+            actions: ActionMode::Free,
         }
     }
+}
+
+/// How a model agent writes its action (`[agent] actions`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ActionMode {
+    /// Free text, played up to the first line break or sentence punctuation.
+    #[default]
+    Free,
+    /// Sampling constrained to the tokens of the game's admissible commands (each written as
+    /// after the prompt: a leading space, then a line break), so the command is always one of
+    /// them (issue #39). Needs a game that lists its commands.
+    Admissible,
 }
 
 /// One turn of an episode, as the agent saw and did it.

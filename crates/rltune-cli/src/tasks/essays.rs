@@ -117,6 +117,7 @@ impl Default for AgentQuickstartConfig<EssaysConfig> {
                 show_admissible: false,
                 show_inventory: false,
                 instruction: "Label:\n>".into(),
+                ..PromptTemplate::default()
             },
             max_new_tokens: 6,
             max_steps: 64,

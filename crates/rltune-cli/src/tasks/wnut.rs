@@ -122,6 +122,7 @@ impl Default for AgentQuickstartConfig<NerConfig> {
                 show_admissible: false,
                 show_inventory: false,
                 instruction: "Tag:\n>".into(),
+                ..PromptTemplate::default()
             },
             max_new_tokens: 6,
             max_steps: 128,

@@ -1,12 +1,15 @@
 //! [`ModelAgent`]: a causal LM playing text games. It reads the [`PromptTemplate`]'s prompt
 //! (fitted to its context), samples up to `max_new_tokens` tokens, and plays the text up to the
-//! first newline or sentence punctuation ([`extract_action`]).
+//! first newline or sentence punctuation ([`extract_action`]). With `[agent] actions =
+//! "admissible"` it samples only the tokens of the game's admissible commands
+//! ([`crate::generation::admissible`]), so it always plays one of them.
 
 use candle_core::Device;
 
-use crate::envs::play::{extract_action, Agent, PromptTemplate, Turn};
+use crate::envs::play::{extract_action, ActionMode, Agent, PromptTemplate, Turn};
 use crate::envs::EnvStep;
 use crate::error::{Error, Result};
+use crate::generation::admissible::{generate_admissible, ActionTrie};
 use crate::generation::{generate, GenerationConfig};
 use crate::models::CausalLm;
 use crate::tokenizer::Tokenizer;
@@ -48,11 +51,20 @@ impl Agent for ModelAgent<'_> {
 impl ModelAgent<'_> {
     /// One sampled action per state (what [`Agent::act`] returns).
     fn choose(&mut self, states: &[(&EnvStep, &[Turn])]) -> Result<Vec<String>> {
+        // Admissible commands: their tries, and the room the longest needs after its prompt.
+        let mut budget = self.max_prompt_tokens;
+        let mut tries = Vec::new();
+        if self.template.actions == ActionMode::Admissible {
+            for (s, _) in states {
+                let (trie, longest) = self.trie(&s.admissible_commands)?;
+                budget = budget.min(prompt_budget(self.lm, longest)?);
+                tries.push(trie);
+            }
+        }
         let prompts = states
             .iter()
             .map(|(s, memory)| {
-                self.template
-                    .fit(s, memory, self.max_prompt_tokens, |t| Ok::<_, Error>(self.tokenizer.encode(t)?))
+                self.template.fit(s, memory, budget, |t| Ok::<_, Error>(self.tokenizer.encode(t)?))
             })
             .collect::<Result<Vec<_>>>()?;
         let cfg = GenerationConfig {
@@ -60,8 +72,44 @@ impl ModelAgent<'_> {
             ..self.generation.clone()
         };
         self.calls += 1;
+        if self.template.actions == ActionMode::Admissible {
+            let picked =
+                generate_admissible(self.lm, &prompts, &tries, cfg.temperature, cfg.seed, &self.device)?;
+            return Ok(picked
+                .iter()
+                .zip(states)
+                .map(|(p, (s, _))| s.admissible_commands[p.action].clone())
+                .collect());
+        }
         let samples = generate(self.lm, None, &prompts, &cfg, &self.device)?;
         samples.iter().map(|s| Ok(extract_action(&self.tokenizer.decode(&s.response_ids)?))).collect()
+    }
+
+    /// The token trie of `commands`, each written as the agent writes an action after its prompt:
+    /// `" {command}\n"` (the demonstrations' completion form), and the longest one's tokens.
+    fn trie(&self, commands: &[String]) -> Result<(ActionTrie, usize)> {
+        if commands.is_empty() {
+            return Err(Error::Input(
+                "[agent] actions = \"admissible\": the game lists no admissible command for this state; \
+                 use actions = \"free\" with environments that do not list their commands"
+                    .into(),
+            ));
+        }
+        let tokens = commands
+            .iter()
+            .map(|c| {
+                let ids = self.tokenizer.encode(&format!(" {c}\n"))?;
+                if ids.is_empty() {
+                    return Err(Error::Input(format!("admissible command {c:?} encodes to no token")));
+                }
+                Ok(ids)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let longest = tokens.iter().map(Vec::len).max().unwrap_or(0);
+        let trie = ActionTrie::new(&tokens).map_err(|e| {
+            Error::Input(format!("[agent] actions = \"admissible\": the commands {commands:?}: {e}"))
+        })?;
+        Ok((trie, longest))
     }
 }
 
