@@ -96,7 +96,7 @@ impl Default for AgentQuickstartConfig<EssaysConfig> {
         // reaching the LM, PPO ended below BC (−0.038); the settings below gave +0.075.
         let ppo = PpoConfig {
             steps: 30,
-            // 16 essays a round play ~224 turns: 192 of them train, few are thrown away.
+            // 16 essays a round play ~235 turns: 192 of them train, few are thrown away.
             batch_size: 192,
             mini_batch_size: 32,
             ppo_epochs: 4,
