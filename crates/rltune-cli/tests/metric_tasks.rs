@@ -25,7 +25,7 @@ fn repo(rel: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..").join(rel)
 }
 
-/// The tiny essays quickstart runs every stage and writes its numbers: five agents scored on
+/// The tiny essays quickstart runs every stage and writes its numbers: six agents scored on
 /// held-out essays, the acceptance checks printed (not enforced at this size).
 #[test]
 fn essays_quickstart_tiny_runs_every_stage_and_writes_its_numbers() {
@@ -38,7 +38,7 @@ fn essays_quickstart_tiny_runs_every_stage_and_writes_its_numbers() {
         serde_json::from_str(&std::fs::read_to_string(dir.join("summary-essays.json")).unwrap()).unwrap();
     let agents = summary["agents"].as_array().unwrap();
     let names: Vec<&str> = agents.iter().map(|a| a[0].as_str().unwrap()).collect();
-    assert_eq!(names, ["random", "heuristic", "BC", "BC (greedy)", "PPO"]);
+    assert_eq!(names, ["random", "heuristic", "BC", "BC (greedy)", "PPO", "PPO (greedy)"]);
     for a in agents {
         let e = &a[1];
         assert_eq!(e["essays"], 6, "{a}");
