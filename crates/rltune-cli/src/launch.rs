@@ -43,7 +43,15 @@ pub fn init(command: &str, data_parallel: bool) -> anyhow::Result<Option<rltune:
         })?,
         Err(_) => DEFAULT_TIMEOUT_S,
     };
-    engine(&launch, Duration::from_secs(timeout))
+    let installed = engine(&launch, Duration::from_secs(timeout))?;
+    // Every process must run the same command line (`rltune ppo` also compares the resolved
+    // configuration before its first step).
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    rltune::dist::check_same(
+        rltune::dist::fingerprint(argv.join("\0").as_bytes()),
+        "the command line: start every process with the same arguments",
+    )?;
+    Ok(installed)
 }
 
 #[cfg(feature = "mpi")]
