@@ -277,9 +277,13 @@ EOF
   fi
 fi
 
-for todo in "bench ppo qwen2-0.5b bf16" "bench grpo 0.5b" "nccl 1-rank"; do
-  skip "$todo" "not built yet (issues #36 part 3, #40)"
+for todo in "bench ppo qwen2-0.5b bf16" "bench grpo 0.5b"; do
+  skip "$todo" "not built yet (issue #36 part 3)"
 done
+# The NCCL backend (crates/rltune-nccl) is written and type-checked in CI; running it here needs
+# a binary built with --features nccl (libnccl from PyPI at link time) and a one-rank launch
+# without MPI, which this machine lacks (docs/distributed.md, "Not done yet").
+skip "nccl 1-rank" "the NCCL backend is type-checked only: no one-rank launch without MPI yet (issue #40)"
 
 tar -C "$WORK" -czf "$OUTDIR/logs.tar.gz" logs 2>/dev/null
 report
