@@ -8,6 +8,7 @@
 #   tools/cuda/build.sh env                  # print the exports, e.g.: eval "$(tools/cuda/build.sh env)"
 #   tools/cuda/build.sh setup                # only install the toolchain (what `check` needs)
 #   tools/cuda/build.sh cargo test ...       # any cargo command with the toolkit's environment
+#   RLTUNE_CUDA_NCCL=1 tools/cuda/build.sh build --features nccl   # with NCCL (libnccl from PyPI)
 #
 # The toolkit is CUDA 13.0 (pinned): the GPU machines run driver 580, which is CUDA 13.0, and a
 # driver cannot load PTX from a newer nvcc. CUDA_COMPUTE_CAP (default 90, H100/H200) picks the
@@ -46,6 +47,14 @@ install() { # install MARKER PACKAGES...
 }
 install toolchain "${TOOLCHAIN[@]}"
 case "${1:-build}" in check | setup) ;; *) install runtime-libs "${RUNTIME_LIBS[@]}" ;; esac
+# NCCL (a build with --features nccl links libnccl; RLTUNE_CUDA_NCCL=1, which pack.sh --nccl
+# sets): the CUDA 13 wheel, ~200 MB. The GPU machine's PyTorch ships the same library.
+NCCL_LIB=""
+if [ "${RLTUNE_CUDA_NCCL:-0}" = 1 ]; then
+  install nccl "nvidia-nccl-cu13"
+  NCCL_LIB="$("$VENV/bin/python" -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))')"
+  [ -e "$NCCL_LIB/libnccl.so" ] || ln -s "$(basename "$(ls "$NCCL_LIB"/libnccl.so.* | head -1)")" "$NCCL_LIB/libnccl.so"
+fi
 
 CUDA_ROOT="$("$VENV/bin/python" -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13"))')"
 # The wheels ship versioned libraries only; the linker wants the unversioned names.
@@ -74,7 +83,7 @@ exports() {
 export CUDA_ROOT="$CUDA_ROOT" CUDA_HOME="$CUDA_ROOT" CUDA_PATH="$CUDA_ROOT"
 export NVCC="$CUDA_ROOT/bin/nvcc" PATH="$CUDA_ROOT/bin:\$PATH"
 export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-90}"
-export LIBRARY_PATH="$CUDA_ROOT/lib:$STUBS\${LIBRARY_PATH:+:\$LIBRARY_PATH}"
+export LIBRARY_PATH="$CUDA_ROOT/lib:$STUBS${NCCL_LIB:+:$NCCL_LIB}\${LIBRARY_PATH:+:\$LIBRARY_PATH}"
 export LD_LIBRARY_PATH="$CUDA_ROOT/lib\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
 EOV
 }

@@ -7,6 +7,7 @@
 #   tools/cuda/pack.sh                 # CUDA build (tools/cuda/build.sh; ~25 min cold) + wheels
 #   tools/cuda/pack.sh --cpu           # the CPU release build instead: rehearses the packing
 #   tools/cuda/pack.sh --no-wheels     # the binary only
+#   tools/cuda/pack.sh --nccl          # the CUDA build with NCCL too (verify.sh's "nccl 1-rank")
 #   tools/cuda/pack.sh --out DIR       # another folder
 #
 # Then, on the GPU machine (a runner that carries .gpu; 64 MiB at most in all):
@@ -22,13 +23,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
-OUT_DIR=".gpu" CPU=0 WHEELS=1
+OUT_DIR=".gpu" CPU=0 WHEELS=1 NCCL=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --cpu) CPU=1 ;;
     --no-wheels) WHEELS=0 ;;
+    --nccl) NCCL=1 ;;
     --out) OUT_DIR="$2"; shift ;;
-    -h | --help) sed -n '2,21p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,22p' "$0"; exit 0 ;;
     *) echo "pack.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -41,14 +43,18 @@ if [ "$CPU" = 1 ]; then
   BIN=target/release/rltune
 else
   # A target folder of its own, so that the CPU and CUDA release builds do not replace each other.
-  CARGO_TARGET_DIR="$PWD/target/cuda" tools/cuda/build.sh
+  if [ "$NCCL" = 1 ]; then
+    CARGO_TARGET_DIR="$PWD/target/cuda" RLTUNE_CUDA_NCCL=1 tools/cuda/build.sh build --features nccl
+  else
+    CARGO_TARGET_DIR="$PWD/target/cuda" tools/cuda/build.sh
+  fi
   BIN=target/cuda/release/rltune
 fi
 strip -o "$OUT_DIR/rltune" "$BIN"
 xz -T0 -6 -f "$OUT_DIR/rltune" # -> rltune.xz, the uncompressed copy removed
 { git rev-parse --short HEAD; git diff --quiet HEAD -- crates Cargo.lock Cargo.toml || echo "+ uncommitted changes"; } \
   | paste -sd' ' >"$OUT_DIR/COMMIT"
-echo "$([ "$CPU" = 1 ] && echo cpu || echo cuda)" >"$OUT_DIR/FEATURES"
+echo "$([ "$CPU" = 1 ] && echo cpu || echo cuda)$([ "$NCCL" = 1 ] && echo ,nccl)" >"$OUT_DIR/FEATURES"
 
 if [ "$WHEELS" = 1 ]; then
   download() { # download DIR SPEC...

@@ -201,7 +201,7 @@ resume_run() { # resume_run DIR STEPS [--resume]
   "$BIN" ppo --config "$QS_TINY/ppo.toml" --device "$DEVICE" --set "logging.dir=\"$dir\"" --set "ppo.steps=$steps" \
     --set checkpoint.every=2 --set checkpoint.optimizer_state=true "$@"
 }
-export BIN DEVICE QS_TINY WORK
+export BIN DEVICE QS_TINY WORK LOGS
 resume_check() {
   resume_run "$WORK/straight" 4 && resume_run "$WORK/resumed" 2 && resume_run "$WORK/resumed" 4 --resume || return 1
   python3 - "$WORK/straight" "$WORK/resumed" <<'EOF'
@@ -225,6 +225,42 @@ if [ -f "$QS_TINY/ppo.toml" ]; then
   fi
 else
   skip resume "the tiny quickstart wrote no ppo.toml"
+fi
+
+# 3b. NCCL on one GPU (issue #40): the tiny arithmetic quickstart's GRPO stage, plain and with
+#     every collective through NCCL (RLTUNE_DIST=nccl: the gradients' all-reduce, the gathers);
+#     on one rank NCCL's sum is the identity, so the checkpoints must be byte for byte the plain
+#     run's. Needs a binary built with NCCL (tools/cuda/pack.sh --nccl).
+nccl_run() { # nccl_run DIR [DIST]
+  RLTUNE_DIST="${2:-}" "$BIN" ppo --config "$WORK/qa/grpo.toml" --device "$DEVICE" \
+    --set "logging.dir=\"$1\"" --set grpo.max_steps=3 --set generation.temperature=2.0 --set grpo.temperature=2.0
+}
+nccl_check() {
+  "$BIN" quickstart --task arithmetic --preset tiny --device "$DEVICE" --output "$WORK/qa" >/dev/null \
+    && nccl_run "$WORK/nccl-plain" || return 1
+  nccl_run "$WORK/nccl-1" "${NCCL_DIST:-nccl}" >"$WORK/nccl-1.log" 2>&1 || { cat "$WORK/nccl-1.log"; return 1; }
+  grep -q "one process through the collectives" "$WORK/nccl-1.log" || { echo "the run did not go through the collectives"; return 1; }
+  python3 - "$WORK/nccl-plain" "$WORK/nccl-1" <<'EOF2'
+import json, os, sys
+a, b = sys.argv[1:]
+ck = "checkpoints/step-3"
+files = sorted(f for f in os.listdir(os.path.join(a, ck)) if f.endswith(".safetensors"))
+diff = [f for f in files if open(os.path.join(a, ck, f), "rb").read() != open(os.path.join(b, ck, f), "rb").read()]
+def metrics(d):
+    rows = [json.loads(l) for l in open(os.path.join(d, "metrics.jsonl")) if l.strip()]
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+same = metrics(a) == metrics(b)
+print(json.dumps({"files": files, "differing": diff, "metrics_equal": same}))
+sys.exit(0 if not diff and same else 1)
+EOF2
+}
+if grep -q nccl "$PACK/FEATURES" 2>/dev/null && [ "$REHEARSE" = 0 ]; then
+  export -f nccl_run nccl_check
+  if run nccl-1rank 120 bash -c nccl_check; then
+    check nccl-1rank "{\"pass\": $([ $RC = 0 ] && echo true || echo false), \"exit\": $RC, \"seconds\": $SECS, \"detail\": $(tail -n1 "$LOGS/nccl-1rank.log" | python3 -c 'import json,sys; l=sys.stdin.read().strip(); print(l if l.startswith("{") else json.dumps(l))')}"
+  fi
+else
+  skip "nccl 1-rank" "the binary was built without NCCL (tools/cuda/pack.sh --nccl; issue #40)"
 fi
 
 if [ "$QUICK" = 0 ]; then
@@ -280,10 +316,7 @@ fi
 for todo in "bench ppo qwen2-0.5b bf16" "bench grpo 0.5b"; do
   skip "$todo" "not built yet (issue #36 part 3)"
 done
-# The NCCL backend (crates/rltune-nccl) is written and type-checked in CI; running it here needs
-# a binary built with --features nccl (libnccl from PyPI at link time) and a one-rank launch
-# without MPI, which this machine lacks (docs/distributed.md, "Not done yet").
-skip "nccl 1-rank" "the NCCL backend is type-checked only: no one-rank launch without MPI yet (issue #40)"
+
 
 tar -C "$WORK" -czf "$OUTDIR/logs.tar.gz" logs 2>/dev/null
 report

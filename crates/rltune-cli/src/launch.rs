@@ -17,8 +17,17 @@ const DEFAULT_TIMEOUT_S: u64 = 300;
 /// Installs the engine that the launcher's variables call for; `None` for one process.
 pub fn init(command: &str, data_parallel: bool) -> anyhow::Result<Option<rltune::dist::Installed>> {
     let launch = Launch::from_env().context("reading the launcher's variables")?;
+    let forced = forced()?;
     if launch.world_size == 1 {
-        return Ok(None);
+        // One process through the collectives (`RLTUNE_DIST=single`: the identity, a check of
+        // the data-parallel code paths; `nccl`: NCCL on one GPU, the GPU kit's check).
+        return match forced {
+            Some(mode) if data_parallel => {
+                tracing::info!("RLTUNE_DIST={mode}: one process through the collectives");
+                Ok(Some(rltune::dist::install(Box::new(rltune::dist::SingleProcess))?))
+            }
+            _ => Ok(None),
+        };
     }
     if !data_parallel {
         bail!(
@@ -88,11 +97,35 @@ fn engine(launch: &Launch, _timeout: Duration) -> anyhow::Result<Option<rltune::
     )
 }
 
+/// `RLTUNE_DIST`: unset, `single` or `nccl` (one process forced through the collectives).
+fn forced() -> anyhow::Result<Option<&'static str>> {
+    match std::env::var("RLTUNE_DIST").ok().as_deref() {
+        None | Some("") => Ok(None),
+        Some("single") => Ok(Some("single")),
+        Some("nccl") => Ok(Some("nccl")),
+        Some(other) => bail!(
+            "RLTUNE_DIST={other:?}: expected \"single\" (one process through the collectives) or \
+             \"nccl\" (one GPU through NCCL); unset it for a plain run"
+        ),
+    }
+}
+
 /// Once the run's device is open: on a GPU of a data-parallel run built with `nccl`, the
-/// collectives go through NCCL (over the MPI that launched the run). Without `nccl` they stay
-/// on MPI, which reduces host copies of the gradients (correct, slower).
+/// collectives go through NCCL (over the MPI that launched the run, or alone on one GPU with
+/// `RLTUNE_DIST=nccl`). Without `nccl` they stay on MPI, which reduces host copies of the
+/// gradients (correct, slower).
 pub fn on_device(device: &candle_core::Device) -> anyhow::Result<()> {
-    if rltune::dist::world_size() == 1 || device.is_cpu() {
+    if !rltune::dist::active() {
+        return Ok(());
+    }
+    let nccl = forced()? == Some("nccl");
+    if device.is_cpu() {
+        if nccl {
+            bail!("RLTUNE_DIST=nccl needs the run on a GPU (--device cuda)");
+        }
+        return Ok(());
+    }
+    if rltune::dist::world_size() == 1 && !nccl {
         return Ok(());
     }
     gpu_engine(device)
@@ -108,6 +141,9 @@ fn gpu_engine(device: &candle_core::Device) -> anyhow::Result<()> {
 
 #[cfg(not(feature = "nccl"))]
 fn gpu_engine(_device: &candle_core::Device) -> anyhow::Result<()> {
+    if forced()? == Some("nccl") {
+        bail!("RLTUNE_DIST=nccl: this rltune was built without NCCL; rebuild with --features nccl");
+    }
     tracing::warn!(
         "data-parallel on GPUs without NCCL: the gradients are reduced by MPI through host copies; \
          build with --features nccl for NCCL"

@@ -467,6 +467,53 @@ fn sft_and_reward_on_two_processes_equal_one_process() {
     }
 }
 
+/// One process forced through the collectives (`RLTUNE_DIST=single`: every gather, reduction
+/// and gradient all-reduce runs, as the identity) gives the plain run's weights bit for bit: the
+/// data-parallel code paths change nothing on one process. Also the check the GPU kit runs with
+/// `RLTUNE_DIST=nccl` on one GPU. Needs no MPI.
+#[test]
+fn one_process_through_the_collectives_is_bitwise_the_plain_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let args = grpo_setup(tmp.path());
+    let run = |dir: &Path, dist: Option<&str>| {
+        let mut a = args.clone();
+        a.extend(["--set".into(), format!("logging.dir={:?}", s(dir))]);
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_rltune"));
+        cmd.args(&a).env("RUST_LOG", "info");
+        if let Some(d) = dist {
+            cmd.env("RLTUNE_DIST", d);
+        }
+        let out = cmd.output().unwrap();
+        assert!(out.status.success(), "{}", text(&out));
+        text(&out)
+    };
+    let (plain, forced) = (tmp.path().join("plain"), tmp.path().join("forced"));
+    run(&plain, None);
+    let log = run(&forced, Some("single"));
+    assert!(log.contains("RLTUNE_DIST=single: one process through the collectives"), "{log}");
+    let init = tmp.path().join("qs/sft/model.safetensors");
+    let (diff, moved) = compare_weights(
+        &plain.join("checkpoints/step-3/model.safetensors"),
+        &forced.join("checkpoints/step-3/model.safetensors"),
+        &init,
+    );
+    assert!(moved > 1e-5, "the weights did not move: the test would prove nothing");
+    assert_eq!(diff, 0.0, "one process through the collectives differs by {diff}");
+    // NCCL on the CPU, or in a build without it, is refused with the fix.
+    let out = Command::new(env!("CARGO_BIN_EXE_rltune"))
+        .args(&args)
+        .args(["--set", &format!("logging.dir={:?}", s(&tmp.path().join("nccl")))])
+        .env("RLTUNE_DIST", "nccl")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let t = text(&out);
+    assert!(t.contains("RLTUNE_DIST=nccl needs the run on a GPU"), "{t}");
+    let out =
+        Command::new(env!("CARGO_BIN_EXE_rltune")).args(&args).env("RLTUNE_DIST", "nvlink").output().unwrap();
+    assert!(text(&out).contains("RLTUNE_DIST=\"nvlink\": expected"), "{}", text(&out));
+}
+
 /// A process whose command line differs from rank 0's is refused at start-up, and named;
 /// every process ends. (`rltune ppo` also compares the resolved configuration, which catches
 /// config files that differ between machines.)

@@ -163,9 +163,7 @@ pub fn all_reduce_buckets<C: Collective + ?Sized>(
     op: ReduceOp,
     bucket_len: usize,
 ) -> Result<()> {
-    if comm.world_size() == 1 {
-        return Ok(());
-    }
+    // One process goes through the collective too (the identity, or a one-GPU NCCL check).
     let bucket_len = bucket_len.max(1);
     let mut flat: Vec<f32> = Vec::with_capacity(bucket_len);
     let mut start = 0;

@@ -90,6 +90,12 @@ pub fn with<T>(f: impl FnOnce(&mut dyn Collective) -> rltune_dist::Result<T>) ->
     .map_err(Error::from)
 }
 
+/// Whether a collective is installed (a data-parallel run, or a one-process run forced through
+/// the collectives with `RLTUNE_DIST`). Without one every function here is the identity.
+pub fn active() -> bool {
+    COMM.with(|c| c.borrow().is_some())
+}
+
 /// The number of processes (1 without an installed collective).
 pub fn world_size() -> usize {
     COMM.with(|c| c.borrow().as_ref().map_or(1, |c| c.world_size()))
@@ -121,9 +127,9 @@ pub fn shard(n: usize, what: &str) -> Result<Range<usize>> {
 }
 
 /// Averages the gradients over the processes, once, in buckets of [`BUCKET_LEN`] values; a
-/// no-op on one process.
+/// no-op without an installed collective.
 pub fn all_reduce_grads(grads: &mut Grads) -> Result<()> {
-    if world_size() == 1 {
+    if !active() {
         return Ok(());
     }
     let t = std::time::Instant::now();
@@ -144,7 +150,7 @@ pub fn all_reduce_grads(grads: &mut Grads) -> Result<()> {
 
 /// Sums `buf` over the processes, in place (f64: counts and sums of a batch statistic).
 pub fn sum_f64(buf: &mut [f64]) -> Result<()> {
-    if world_size() == 1 {
+    if !active() {
         return Ok(());
     }
     with(|c| c.all_reduce_sum_f64(buf))
@@ -161,7 +167,7 @@ pub fn sum(x: f64) -> Result<f64> {
 /// Exact: each slot is one process's value plus zeros (a `-0.0` comes back as `0.0`).
 pub fn gather_f64(local: &[f64]) -> Result<Vec<f64>> {
     let world = world_size();
-    if world == 1 {
+    if !active() {
         return Ok(local.to_vec());
     }
     with(|c| c.check_same(local.len() as u64, "the number of values in a gather"))?;
@@ -179,7 +185,7 @@ pub fn gather_f64(local: &[f64]) -> Result<Vec<f64>> {
 /// the same keys. A no-op on one process.
 pub fn reduce_stats(stats: &mut crate::engine::Stats, summed: &[&str]) -> Result<()> {
     let world = world_size();
-    if world == 1 {
+    if !active() {
         return Ok(());
     }
     use crate::engine::Stat;
@@ -200,7 +206,7 @@ pub fn reduce_stats(stats: &mut crate::engine::Stats, summed: &[&str]) -> Result
 /// different numbers of values; also returns where this process's values start. Exact, as
 /// [`gather_f64`].
 pub fn gather_var_f64(local: &[f64]) -> Result<(Vec<f64>, usize)> {
-    if world_size() == 1 {
+    if !active() {
         return Ok((local.to_vec(), 0));
     }
     let lens = with(|c| c.all_gather_u64(local.len() as u64))?;
@@ -214,7 +220,7 @@ pub fn gather_var_f64(local: &[f64]) -> Result<(Vec<f64>, usize)> {
 /// Every process's token sequences (with a mask of the same length each), in rank order: what
 /// one process would hold. Token ids and mask values travel as f64 (exact below 2^53).
 pub fn gather_sequences(local: &[(Vec<u32>, Vec<u8>)]) -> Result<Vec<(Vec<u32>, Vec<u8>)>> {
-    if world_size() == 1 {
+    if !active() {
         return Ok(local.to_vec());
     }
     let mut flat = Vec::new();
@@ -239,7 +245,7 @@ pub fn gather_sequences(local: &[(Vec<u32>, Vec<u8>)]) -> Result<Vec<(Vec<u32>, 
 /// Refuses to go on unless every process holds the same `fingerprint` of `what` as rank 0 (a
 /// hash of its resolved configuration); the error names the first rank that differs.
 pub fn check_same(fingerprint: u64, what: &str) -> Result<()> {
-    if world_size() == 1 {
+    if !active() {
         return Ok(());
     }
     with(|c| c.check_same(fingerprint, what))
