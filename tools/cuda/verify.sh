@@ -202,12 +202,13 @@ resume_run() { # resume_run DIR STEPS [--resume]
     --set checkpoint.every=2 --set checkpoint.optimizer_state=true "$@"
 }
 export BIN DEVICE QS_TINY WORK LOGS
-resume_check() {
-  resume_run "$WORK/straight" 4 && resume_run "$WORK/resumed" 2 && resume_run "$WORK/resumed" 4 --resume || return 1
-  python3 - "$WORK/straight" "$WORK/resumed" <<'EOF'
+# same_run A B STEP: the files of A/checkpoints/step-STEP byte for byte those of B, and the
+# metrics equal but wall-clock times; prints a JSON line, fails when they differ.
+same_run() {
+  python3 - "$1" "$2" "$3" <<'EOF'
 import json, os, sys
-a, b = sys.argv[1:]
-ck = "checkpoints/step-4"
+a, b, step = sys.argv[1:]
+ck = f"checkpoints/step-{step}"
 files = sorted(os.listdir(os.path.join(a, ck)))
 diff = [f for f in files if open(os.path.join(a, ck, f), "rb").read() != open(os.path.join(b, ck, f), "rb").read()]
 def metrics(d):
@@ -218,8 +219,12 @@ print(json.dumps({"files": files, "differing": diff, "metrics_equal": same}))
 sys.exit(0 if not diff and same else 1)
 EOF
 }
+resume_check() {
+  resume_run "$WORK/straight" 4 && resume_run "$WORK/resumed" 2 && resume_run "$WORK/resumed" 4 --resume || return 1
+  same_run "$WORK/straight" "$WORK/resumed" 4
+}
 if [ -f "$QS_TINY/ppo.toml" ]; then
-  export -f resume_run resume_check
+  export -f resume_run resume_check same_run
   if run resume 120 bash -c resume_check; then
     check resume "{\"pass\": $([ $RC = 0 ] && echo true || echo false), \"exit\": $RC, \"seconds\": $SECS, \"detail\": $(tail -n1 "$LOGS/resume.log" | python3 -c 'import json,sys; l=sys.stdin.read().strip(); print(l if l.startswith("{") else json.dumps(l))')}"
   fi
@@ -231,31 +236,22 @@ fi
 #     every collective through NCCL (RLTUNE_DIST=nccl: the gradients' all-reduce, the gathers);
 #     on one rank NCCL's sum is the identity, so the checkpoints must be byte for byte the plain
 #     run's. Needs a binary built with NCCL (tools/cuda/pack.sh --nccl).
-nccl_run() { # nccl_run DIR [DIST]
+nccl_run() { # nccl_run DIR [DIST]: a reward that varies within each group, so every step has gradients
   RLTUNE_DIST="${2:-}" "$BIN" ppo --config "$WORK/qa/grpo.toml" --device "$DEVICE" \
-    --set "logging.dir=\"$1\"" --set grpo.max_steps=3 --set generation.temperature=2.0 --set grpo.temperature=2.0
+    --set "logging.dir=\"$1\"" --set grpo.max_steps=3 --set generation.temperature=2.0 --set grpo.temperature=2.0 \
+    --set "reward.sources=[{kind=\"command\",command=[\"python3\",\"$WORK/reward.py\"]}]"
 }
 nccl_check() {
+  printf '%s\n' 'import json, sys' 'for line in sys.stdin:' '    r = json.loads(line)["response"]' \
+    '    print(sum(c.isdigit() for c in r) - 0.5 * len(r), flush=True)' >"$WORK/reward.py"
   "$BIN" quickstart --task arithmetic --preset tiny --device "$DEVICE" --output "$WORK/qa" >/dev/null \
     && nccl_run "$WORK/nccl-plain" || return 1
   nccl_run "$WORK/nccl-1" "${NCCL_DIST:-nccl}" >"$WORK/nccl-1.log" 2>&1 || { cat "$WORK/nccl-1.log"; return 1; }
   grep -q "one process through the collectives" "$WORK/nccl-1.log" || { echo "the run did not go through the collectives"; return 1; }
-  python3 - "$WORK/nccl-plain" "$WORK/nccl-1" <<'EOF2'
-import json, os, sys
-a, b = sys.argv[1:]
-ck = "checkpoints/step-3"
-files = sorted(f for f in os.listdir(os.path.join(a, ck)) if f.endswith(".safetensors"))
-diff = [f for f in files if open(os.path.join(a, ck, f), "rb").read() != open(os.path.join(b, ck, f), "rb").read()]
-def metrics(d):
-    rows = [json.loads(l) for l in open(os.path.join(d, "metrics.jsonl")) if l.strip()]
-    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
-same = metrics(a) == metrics(b)
-print(json.dumps({"files": files, "differing": diff, "metrics_equal": same}))
-sys.exit(0 if not diff and same else 1)
-EOF2
+  same_run "$WORK/nccl-plain" "$WORK/nccl-1" 3
 }
 if grep -q nccl "$PACK/FEATURES" 2>/dev/null && [ "$REHEARSE" = 0 ]; then
-  export -f nccl_run nccl_check
+  export -f nccl_run nccl_check same_run
   if run nccl-1rank 120 bash -c nccl_check; then
     check nccl-1rank "{\"pass\": $([ $RC = 0 ] && echo true || echo false), \"exit\": $RC, \"seconds\": $SECS, \"detail\": $(tail -n1 "$LOGS/nccl-1rank.log" | python3 -c 'import json,sys; l=sys.stdin.read().strip(); print(l if l.startswith("{") else json.dumps(l))')}"
   fi
