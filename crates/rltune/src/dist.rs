@@ -163,20 +163,29 @@ pub fn sum(x: f64) -> Result<f64> {
     Ok(b[0])
 }
 
-/// Every process's `local` values, concatenated in rank order; each process must pass as many.
-/// Exact: each slot is one process's value plus zeros (a `-0.0` comes back as `0.0`).
+/// `Σ sum / max(1, Σ count)` over the processes: a mean over the whole batch from each
+/// process's sum and count (e.g. a masked mean: the masked sum and the mask's sum).
+pub fn mean_of(sum: f64, count: f64) -> Result<f64> {
+    let mut b = [sum, count];
+    sum_f64(&mut b)?;
+    Ok(b[0] / b[1].max(1.0))
+}
+
+/// The mean of `x` over the processes (`x` itself on one).
+pub fn mean(x: f64) -> Result<f64> {
+    Ok(sum(x)? / world_size() as f64)
+}
+
+/// Every process's `local` values, concatenated in rank order; each process must pass as many
+/// (the error names the first that does not). Exact, as [`gather_var_f64`].
 pub fn gather_f64(local: &[f64]) -> Result<Vec<f64>> {
-    let world = world_size();
-    if !active() {
-        return Ok(local.to_vec());
+    let (all, lens) = gather_parts(local)?;
+    match lens.iter().position(|&n| n != lens[0]) {
+        Some(rank) => {
+            Err(rltune_dist::Error::Mismatch { rank, what: "the number of values in a gather".into() }.into())
+        }
+        None => Ok(all),
     }
-    with(|c| c.check_same(local.len() as u64, "the number of values in a gather"))?;
-    let n = local.len();
-    let mut all = vec![0.0; n * world];
-    let r = rank();
-    all[r * n..(r + 1) * n].copy_from_slice(local);
-    sum_f64(&mut all)?;
-    Ok(all)
 }
 
 /// Makes every scalar of `stats` the one of the whole batch, from each process's value: the mean
@@ -206,15 +215,23 @@ pub fn reduce_stats(stats: &mut crate::engine::Stats, summed: &[&str]) -> Result
 /// different numbers of values; also returns where this process's values start. Exact, as
 /// [`gather_f64`].
 pub fn gather_var_f64(local: &[f64]) -> Result<(Vec<f64>, usize)> {
+    let (all, lens) = gather_parts(local)?;
+    Ok((all, lens[..rank()].iter().sum()))
+}
+
+/// Every process's `local` values in rank order, and how many each gave. Exact: each slot is
+/// one process's value plus zeros (a `-0.0` comes back as `0.0`).
+fn gather_parts(local: &[f64]) -> Result<(Vec<f64>, Vec<usize>)> {
     if !active() {
-        return Ok((local.to_vec(), 0));
+        return Ok((local.to_vec(), vec![local.len()]));
     }
-    let lens = with(|c| c.all_gather_u64(local.len() as u64))?;
-    let start: usize = lens[..rank()].iter().sum::<u64>() as usize;
-    let mut all = vec![0.0; lens.iter().sum::<u64>() as usize];
+    let lens: Vec<usize> =
+        with(|c| c.all_gather_u64(local.len() as u64))?.into_iter().map(|n| n as usize).collect();
+    let start: usize = lens[..rank()].iter().sum();
+    let mut all = vec![0.0; lens.iter().sum()];
     all[start..start + local.len()].copy_from_slice(local);
     sum_f64(&mut all)?;
-    Ok((all, start))
+    Ok((all, lens))
 }
 
 /// Every process's token sequences (with a mask of the same length each), in rank order: what

@@ -390,9 +390,6 @@ impl Core {
 /// The rewards of the whole batch, over every process in rank order (as TRL gathers them before
 /// the advantages): on one process, `table` itself.
 pub(crate) fn global_rewards(table: &RewardTable) -> Result<RewardTable> {
-    if crate::dist::world_size() == 1 {
-        return Ok(table.clone());
-    }
     let nf = table.names.len();
     let flat: Vec<f64> = table.values.iter().flatten().copied().collect();
     let all = crate::dist::gather_f64(&flat)?;
@@ -406,18 +403,6 @@ pub(crate) fn global_rewards(table: &RewardTable) -> Result<RewardTable> {
 pub(crate) fn local_rows(n: usize) -> std::ops::Range<usize> {
     let r = crate::dist::rank();
     r * n..(r + 1) * n
-}
-
-/// `Σ sum / max(1, Σ count)` over the processes: a masked mean of the whole batch.
-pub(crate) fn global_ratio(sum: f64, count: f64) -> Result<f64> {
-    let mut b = [sum, count];
-    crate::dist::sum_f64(&mut b)?;
-    Ok(b[0] / b[1].max(1.0))
-}
-
-/// The mean of `x` over the processes (each process's value on one).
-pub(crate) fn mean_over_processes(x: f64) -> Result<f64> {
-    Ok(crate::dist::sum(x)? / crate::dist::world_size() as f64)
 }
 
 /// The generation-side metrics TRL logs for every batch: `num_tokens` (running), `completions/*`,

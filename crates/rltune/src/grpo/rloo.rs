@@ -12,8 +12,8 @@ use candle_core::{Tensor, D};
 
 use super::config::RlooConfig;
 use super::core::{
-    generation_stats, global_ratio, global_rewards, local_rows, mean_over_processes,
-    reference_or_frozen_policy, rows, weights_or_ones, Core, GroupBatch, RewardTable,
+    generation_stats, global_rewards, local_rows, reference_or_frozen_policy, rows, weights_or_ones, Core,
+    GroupBatch, RewardTable,
 };
 use super::math::{self, nanmax, nanmean, nanmin};
 use crate::engine::{Stat, Stats};
@@ -94,8 +94,8 @@ impl RlooTrainer {
 
         let old_tok = self.core.logprobs_no_grad(&self.core.policy, &padded)?;
         let old_seq = (&old_tok * mask)?.sum_keepdim(D::Minus1)?; // (B, 1)
-                                                                  // In a data-parallel run: the rewards of every process (as TRL gathers them); the KL
-                                                                  // term below is folded into this process's rows, then gathered too.
+                                                                  // In a data-parallel run: the rewards of every process (as TRL gathers them); the KL term
+                                                                  // below is folded into this process's rows, then gathered too.
         let b = batch.prompts.len();
         let table = global_rewards(batch.rewards)?;
         let mut rewards = math::weighted_rewards(&batch.rewards.values, &weights);
@@ -110,7 +110,7 @@ impl RlooTrainer {
             for (r, k) in rewards.iter_mut().zip(&kl_seq) {
                 *r -= cfg.beta * k;
             }
-            kl_metric = Some(global_ratio(kl_seq.iter().sum::<f64>(), padded.n_tokens)?);
+            kl_metric = Some(crate::dist::mean_of(kl_seq.iter().sum::<f64>(), padded.n_tokens)?);
         }
         let rewards = crate::dist::gather_f64(&rewards)?;
         let (adv, group_std) = math::rloo_advantages(&rewards, g, cfg.normalize_advantages);
@@ -140,11 +140,11 @@ impl RlooTrainer {
                 Ok((obj.mean_all()?, (ratio.detach(), entropy)))
             })?;
             let mut s = if k == 0 { std::mem::take(&mut first) } else { Stats::new() };
-            s.insert("loss".into(), Stat::Scalar(mean_over_processes(loss)?));
+            s.insert("loss".into(), Stat::Scalar(crate::dist::mean(loss)?));
             s.insert("grad_norm".into(), Stat::Scalar(grad_norm));
             s.insert("learning_rate".into(), Stat::Scalar(lr));
             let ent: f64 = rows(&(&entropy * mask)?)?.iter().flatten().sum();
-            s.insert("entropy".into(), Stat::Scalar(global_ratio(ent, padded.n_tokens)?));
+            s.insert("entropy".into(), Stat::Scalar(crate::dist::mean_of(ent, padded.n_tokens)?));
             let ratio: Vec<f64> = rows(&ratio)?.into_iter().map(|r| r[0]).collect();
             let flag = |f: &dyn Fn(f64, f64) -> bool| -> Result<Vec<f64>> {
                 crate::dist::gather_f64(

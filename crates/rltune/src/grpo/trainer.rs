@@ -14,8 +14,8 @@ use candle_core::Tensor;
 
 use super::config::GrpoConfig;
 use super::core::{
-    generation_stats, global_ratio, global_rewards, local_rows, mean_over_processes,
-    reference_or_frozen_policy, rows, weights_or_ones, Core, GroupBatch, RewardTable,
+    generation_stats, global_rewards, local_rows, reference_or_frozen_policy, rows, weights_or_ones, Core,
+    GroupBatch, RewardTable,
 };
 use super::math::{self, nanmax, nanmin, ObjectiveParams};
 use crate::engine::{Stat, Stats};
@@ -164,7 +164,7 @@ impl GrpoTrainer {
             })?;
             let (obj, entropy) = parts;
             let mut s = if k == 0 { std::mem::take(&mut first) } else { Stats::new() };
-            s.insert("loss".into(), Stat::Scalar(mean_over_processes(loss)?));
+            s.insert("loss".into(), Stat::Scalar(crate::dist::mean(loss)?));
             s.insert("grad_norm".into(), Stat::Scalar(grad_norm));
             s.insert("learning_rate".into(), Stat::Scalar(lr));
             self.loss_stats(&mut s, &obj, &entropy, &padded.mask, &advantages)?;
@@ -196,10 +196,10 @@ impl GrpoTrainer {
         // ratios, or one-token completions) as one per sequence: the plain mean over rows.
         let masked_mean = |x: &[Vec<f64>]| -> Result<f64> {
             if x[0].len() == 1 {
-                global_ratio(x.iter().map(|r| r[0]).sum::<f64>(), x.len() as f64)
+                crate::dist::mean_of(x.iter().map(|r| r[0]).sum::<f64>(), x.len() as f64)
             } else {
                 let s: f64 = x.iter().zip(&m).flat_map(|(r, mr)| r.iter().zip(mr).map(|(a, b)| a * b)).sum();
-                global_ratio(s, n_mask)
+                crate::dist::mean_of(s, n_mask)
             }
         };
         // masked_seq_mean: per row Σ x·m / Σ m (NaN for an empty row); (B, 1) values as they are.

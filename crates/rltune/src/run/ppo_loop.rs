@@ -541,9 +541,8 @@ fn add_env_stats(
     stats.insert("env/reward_std".into(), Stat::Scalar(std));
     stats.insert("env/reward_dist".into(), Stat::Array(r));
     let lp: Vec<f64> = logprobs.iter().flat_map(|s| s.iter().map(|&x| x as f64)).collect();
-    let mut lp_sum = [lp.iter().sum::<f64>(), lp.len() as f64];
-    crate::dist::sum_f64(&mut lp_sum)?;
-    stats.insert("rltune/logprobs_mean".into(), Stat::Scalar(lp_sum[0] / lp_sum[1].max(1.0)));
+    let lp_mean = crate::dist::mean_of(lp.iter().sum::<f64>(), lp.len() as f64)?;
+    stats.insert("rltune/logprobs_mean".into(), Stat::Scalar(lp_mean));
     if let Some(Stat::Matrix(refs)) = stats.get("objective/ref_logprobs") {
         let mut sum = 0.0;
         let mut n = 0usize;
@@ -555,9 +554,7 @@ fn add_env_stats(
                 }
             }
         }
-        let mut s = [sum, n as f64];
-        crate::dist::sum_f64(&mut s)?;
-        stats.insert("rltune/ref_logprobs_mean".into(), Stat::Scalar(s[0] / s[1].max(1.0)));
+        stats.insert("rltune/ref_logprobs_mean".into(), Stat::Scalar(crate::dist::mean_of(sum, n as f64)?));
     }
     stats.insert("time/rollout/generation".into(), Stat::Scalar(time_gen));
     stats.insert("time/rollout/reward".into(), Stat::Scalar(time_reward));

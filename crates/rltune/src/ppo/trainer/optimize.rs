@@ -341,9 +341,7 @@ impl PpoTrainer {
         let non_score_mean = if crate::dist::world_size() == 1 {
             scalar(&math::masked_mean(non_score, mask)?)?
         } else {
-            let mut s = [scalar(&(non_score * mask)?.sum_all()?)?, scalar(&mask.sum_all()?)?];
-            crate::dist::sum_f64(&mut s)?;
-            s[0] / s[1]
+            crate::dist::mean_of(scalar(&(non_score * mask)?.sum_all()?)?, scalar(&mask.sum_all()?)?)?
         };
         s.insert("ppo/mean_non_score_reward".into(), Stat::Scalar(non_score_mean));
         let sc: Vec<f64> = crate::dist::gather_f64(&scores.iter().map(|&x| x as f64).collect::<Vec<_>>())?;

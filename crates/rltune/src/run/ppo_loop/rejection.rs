@@ -191,17 +191,16 @@ impl PpoRun {
                 }
             }
             let unit_scores: Vec<f64> = units.iter().map(|u| u.1).collect();
-            let chosen: Vec<usize> = if together && crate::dist::world_size() > 1 {
-                let (all, start) = crate::dist::gather_var_f64(&unit_scores)?;
-                let local = start..start + units.len();
-                select_top(&all, rs.kept_of(all.len()))
-                    .into_iter()
-                    .filter(|k| local.contains(k))
-                    .map(|k| k - start)
-                    .collect()
-            } else {
-                select_top(&unit_scores, rs.kept_of(units.len())).into_iter().collect()
-            };
+            // One group of everything is ranked over every process's units (a per-prompt
+            // group is held by one process).
+            let (all, start) =
+                if together { crate::dist::gather_var_f64(&unit_scores)? } else { (unit_scores, 0) };
+            let local = start..start + units.len();
+            let chosen: Vec<usize> = select_top(&all, rs.kept_of(all.len()))
+                .into_iter()
+                .filter(|k| local.contains(k))
+                .map(|k| k - start)
+                .collect();
             for k in chosen {
                 let unit = candidates[units[k].0].unit;
                 for (i, c) in candidates.iter().enumerate() {
