@@ -303,11 +303,9 @@ pub const CUDA_BUILD_HINT: &str = "this rltune was built without CUDA support; b
 /// Opens the device of `choice`. In a data-parallel run `"auto"`, `"cuda"` and `"cuda:0"` mean
 /// the GPU of the process's local rank (one GPU per process; `docs/distributed.md`).
 fn open_device(choice: DeviceChoice) -> Result<Device> {
-    let choice = match (choice, crate::dist::local_gpu()) {
+    let local_gpu = crate::dist::local_gpu();
+    let choice = match (choice, local_gpu) {
         (DeviceChoice::Cuda(0), Some(n)) => DeviceChoice::Cuda(n),
-        (DeviceChoice::Auto, Some(n)) if cfg!(feature = "cuda") && Device::new_cuda(n).is_ok() => {
-            DeviceChoice::Cuda(n)
-        }
         (c, _) => c,
     };
     match choice {
@@ -315,11 +313,17 @@ fn open_device(choice: DeviceChoice) -> Result<Device> {
         DeviceChoice::Auto => {
             // candle's `cuda_is_available()` only says whether the feature is built; whether a
             // GPU answers is known by opening it (a CUDA build links the driver, so this is an
-            // error without a GPU, not a missing library).
+            // error without a GPU, not a missing library). The local rank's GPU first.
             if cfg!(feature = "cuda") {
-                match Device::new_cuda(0) {
-                    Ok(d) => return Ok(d),
-                    Err(e) => tracing::info!("device = \"auto\": no usable CUDA GPU ({e}); using the CPU"),
+                let mut failed = None;
+                for n in local_gpu.into_iter().chain([0]) {
+                    match Device::new_cuda(n) {
+                        Ok(d) => return Ok(d),
+                        Err(e) => failed = Some(e),
+                    }
+                }
+                if let Some(e) = failed {
+                    tracing::info!("device = \"auto\": no usable CUDA GPU ({e}); using the CPU");
                 }
             }
             Ok(Device::Cpu)
