@@ -92,7 +92,13 @@ import trl  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 from tokenizers.models import WordLevel  # noqa: E402
 from tokenizers.pre_tokenizers import WhitespaceSplit  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast  # noqa: E402
+from transformers import (  # noqa: E402
+    GPT2Config,
+    GPT2LMHeadModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 from trl import (  # noqa: E402
     AutoModelForCausalLMWithValueHead,
     PPOConfig,
@@ -108,6 +114,13 @@ PRESETS = {
     "gpt2": dict(
         n_layer=12, n_head=12, n_embd=768, vocab_size=50257, n_positions=1024,
         batch_size=16, mini_batch_size=4, ppo_epochs=4,
+    ),
+    # Qwen2-0.5B's shape (494M parameters, tied embeddings), for the GPU: 128-token prompts and
+    # 128 new tokens, as issue #36 asks; meant for --bf16 --device cuda.
+    "qwen2-0.5b": dict(
+        arch="qwen2", n_layer=24, n_head=14, n_kv_head=2, n_embd=896, intermediate=4864,
+        vocab_size=151936, n_positions=32768, batch_size=64, mini_batch_size=8, ppo_epochs=4,
+        query_len=128, response_len=128,
     ),
 }
 QUERY_LEN = 8
@@ -137,6 +150,26 @@ def build(preset):
     p = PRESETS[preset]
     V = p["vocab_size"]
     tokenizer = build_tokenizer(V)
+    if p.get("arch") == "qwen2":
+        cfg = Qwen2Config(
+            vocab_size=V,
+            hidden_size=p["n_embd"],
+            intermediate_size=p["intermediate"],
+            num_hidden_layers=p["n_layer"],
+            num_attention_heads=p["n_head"],
+            num_key_value_heads=p["n_kv_head"],
+            max_position_embeddings=p["n_positions"],
+            rope_theta=1e6,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+            attention_dropout=0.0,
+            bos_token_id=V - 1,
+            eos_token_id=V - 1,
+            pad_token_id=V - 1,
+        )
+        torch.manual_seed(0)
+        base = Qwen2ForCausalLM(cfg)
+        return wrap(base, tokenizer, p)
     cfg = GPT2Config(
         vocab_size=V,
         n_positions=p["n_positions"],
@@ -153,6 +186,11 @@ def build(preset):
     )
     torch.manual_seed(0)
     base = GPT2LMHeadModel(cfg)
+    return wrap(base, tokenizer, p)
+
+
+def wrap(base, tokenizer, p):
+    V = p["vocab_size"]
     base.generation_config.eos_token_id = V - 1
     base.generation_config.bos_token_id = V - 1
     base.generation_config.pad_token_id = V - 1
@@ -194,10 +232,12 @@ def main():
     trainer, tokenizer, p, n_params, n_vhead = build(args.preset)
     B = p["batch_size"]
     V = p["vocab_size"]
+    query_len = p.get("query_len", QUERY_LEN)
+    response_len = p.get("response_len", RESPONSE_LEN)
     eos = tokenizer.eos_token_id
     gen_kwargs = dict(
-        max_new_tokens=RESPONSE_LEN,
-        min_new_tokens=RESPONSE_LEN,
+        max_new_tokens=response_len,
+        min_new_tokens=response_len,
         do_sample=True,
         top_k=0,
         top_p=1.0,
@@ -218,7 +258,7 @@ def main():
     rows = []
     for it in range(args.warmup + args.iters):
         # eos id is V-1, so randint(0, V-1) never yields it.
-        q = torch.randint(0, V - 1, (B, QUERY_LEN), generator=data_gen)
+        q = torch.randint(0, V - 1, (B, query_len), generator=data_gen)
         queries = [q[i] for i in range(B)]
         scores = list(torch.randn(B, generator=data_gen).unbind(0))
 
@@ -238,7 +278,7 @@ def main():
         t2 = time.perf_counter()
 
         lens = {int(r.shape[0]) for r in responses}
-        assert lens == {RESPONSE_LEN}, f"response lengths {lens}"
+        assert lens == {response_len}, f"response lengths {lens}"
         assert not any(bool((r == eos).any()) for r in responses), "EOS sampled"
         row = dict(
             total=t2 - t0,
@@ -268,7 +308,9 @@ def main():
         "median_step_s": med["step"],
         "median_optimize_step_s": med["opt"],
         "median_forward_pass_s": med["fwd"],
-        "tokens_per_s": B * RESPONSE_LEN / med["total"],
+        "tokens_per_s": B * response_len / med["total"],
+        "n_params": n_params,
+        "train_tokens": B * (query_len + response_len) * p["ppo_epochs"],
         "peak_rss_mib": peak_rss_mib,
         "torch": torch.__version__,
         "trl": trl.__version__,

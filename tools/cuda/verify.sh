@@ -19,12 +19,14 @@
 #   tools/cuda/verify.sh --rehearse --quick --bin target/debug/rltune   # what CI runs
 #
 # Options: --out DIR (default $OUT, else target/verify), --bin PATH, --budget SECONDS, --quick
-# (the checks only: no full quickstart, no benchmarks), --pack DIR (default .gpu).
+# (the checks only: no full quickstart, no benchmarks), --pack DIR (default .gpu), --only LIST
+# (the steps whose names start with one of LIST's comma-separated prefixes, e.g.
+# `--only nccl,quickstart-bf16,bench-ppo-qwen2`: a second run in the same session).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 ROOT="$PWD"
 
-REHEARSE=0 QUICK=0 BIN="" PACK=".gpu" BUDGET=450
+REHEARSE=0 QUICK=0 BIN="" PACK=".gpu" BUDGET=450 ONLY=""
 OUTDIR="${OUT:-}"
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -34,11 +36,13 @@ while [ $# -gt 0 ]; do
     --bin) BIN="$2"; shift ;;
     --pack) PACK="$2"; shift ;;
     --budget) BUDGET="$2"; shift ;;
+    --only) ONLY="$2"; shift ;;
     -h | --help) sed -n '2,22p' "$0"; exit 0 ;;
     *) echo "verify.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
 done
+PACK="$(cd "$PACK" 2>/dev/null && pwd || echo "$ROOT/$PACK")" # the steps run in a scratch folder
 OUTDIR="${OUTDIR:-$ROOT/target/verify}"
 mkdir -p "$OUTDIR" || exit 2
 OUTDIR="$(cd "$OUTDIR" && pwd)"
@@ -129,6 +133,7 @@ skip() { # skip NAME WHY
 # Sets RC (124 on a time-out) and SECS. Returns 1 (and records a skip) when the budget is spent.
 run() {
   local name="$1" limit="$2"; shift 2
+  wanted "$name" || return 1
   local left=$((BUDGET - ($(date +%s) - START)))
   if [ "$left" -lt 20 ]; then skip "$name" "the budget of ${BUDGET} s was spent"; return 1; fi
   [ "$limit" -gt "$left" ] && limit="$left"
@@ -140,6 +145,16 @@ run() {
   tail -n 30 "$LOGS/$name.log" >>"$OUTDIR/verify.log"
   echo "== $name: exit $RC after ${SECS} s" | tee -a "$OUTDIR/verify.log"
   return 0
+}
+
+# wanted NAME: whether --only (if given) names a prefix of NAME.
+wanted() {
+  [ -z "$ONLY" ] && return 0
+  local p
+  for p in ${ONLY//,/ }; do
+    case "$1" in "$p"*) return 0 ;; esac
+  done
+  return 1
 }
 
 # gpu_mem_start / gpu_mem_stop: the largest memory.used (MiB) nvidia-smi saw in between, or
@@ -250,7 +265,9 @@ nccl_check() {
   grep -q "one process through the collectives" "$WORK/nccl-1.log" || { echo "the run did not go through the collectives"; return 1; }
   same_run "$WORK/nccl-plain" "$WORK/nccl-1" 3
 }
-if grep -q nccl "$PACK/FEATURES" 2>/dev/null && [ "$REHEARSE" = 0 ]; then
+if ! wanted nccl-1rank; then
+  :
+elif grep -q nccl "$PACK/FEATURES" 2>/dev/null && [ "$REHEARSE" = 0 ]; then
   export -f nccl_run nccl_check same_run
   if run nccl-1rank 120 bash -c nccl_check; then
     check nccl-1rank "{\"pass\": $([ $RC = 0 ] && echo true || echo false), \"exit\": $RC, \"seconds\": $SECS, \"detail\": $(tail -n1 "$LOGS/nccl-1rank.log" | python3 -c 'import json,sys; l=sys.stdin.read().strip(); print(l if l.startswith("{") else json.dumps(l))')}"
@@ -270,30 +287,44 @@ if [ "$QUICK" = 0 ]; then
   if [ -d "$ROOT/$PACK/wheels/trl011" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$TRL011" "$ROOT/$PACK"/wheels/trl011/*.whl >"$LOGS/wheels.log" 2>&1 || true
   fi
-  for preset in small gpt2; do
+  # PRESET:DTYPE ITERATIONS LIMIT: the 0.5B preset times one iteration after its warm-up.
+  for spec in "small:f32 3 90" "gpt2:f32 3 90" "gpt2:bf16 3 90" "qwen2-0.5b:bf16 1 180"; do
+    read -r pd iters limit <<<"$spec"
+    preset="${pd%%:*}" dtype="${pd##*:}"
+    name="ppo-$preset$([ "$dtype" = bf16 ] && echo -bf16)"
+    wanted "bench-$name" || continue
     gpu_mem_start
-    if run "bench-ppo-$preset-rltune" 90 "$BIN" bench ppo --preset "$preset" --device "$DEVICE" --json; then
-      OURS="$(grep -m1 '^{' "$LOGS/bench-ppo-$preset-rltune.log" || echo '{}')"
+    if run "bench-$name-rltune" "$limit" "$BIN" bench ppo --preset "$preset" --device "$DEVICE" --dtype "$dtype" --iters "$iters" --json; then
+      OURS="$(grep -m1 '^{' "$LOGS/bench-$name-rltune.log" || echo '{}')"
       OURS_PEAK="$(gpu_mem_stop)"
       THEIRS='{}' THEIRS_PEAK=null
       if PYTHONPATH="$TRL011" python3 -c 'import trl' >/dev/null 2>&1; then
         gpu_mem_start
-        if run "bench-ppo-$preset-trl" 120 env PYTHONPATH="$TRL011" python3 "$ROOT/bench/trl_ppo.py" --preset "$preset" --device "$DEVICE" --json; then
-          THEIRS="$(grep -m1 '^{' "$LOGS/bench-ppo-$preset-trl.log" || echo '{}')"
+        if run "bench-$name-trl" "$limit" env PYTHONPATH="$TRL011" python3 "$ROOT/bench/trl_ppo.py" --preset "$preset" --device "$DEVICE" --iters "$iters" $([ "$dtype" = bf16 ] && echo --bf16) --json; then
+          THEIRS="$(grep -m1 '^{' "$LOGS/bench-$name-trl.log" || echo '{}')"
         fi
         THEIRS_PEAK="$(gpu_mem_stop)"
       else
-        skip "bench-ppo-$preset-trl" "trl 0.11.4 is not importable (tools/cuda/pack.sh ships it as wheels)"
+        skip "bench-$name-trl" "trl 0.11.4 is not importable (tools/cuda/pack.sh ships it as wheels)"
       fi
-      record bench "ppo-$preset" "$(python3 - "$OURS" "$THEIRS" "$OURS_PEAK" "$THEIRS_PEAK" <<'EOF'
+      record bench "$name" "$(python3 - "$OURS" "$THEIRS" "$OURS_PEAK" "$THEIRS_PEAK" "$GPU" <<'EOF'
 import json, sys
-o, t, op, tp = (json.loads(x) for x in sys.argv[1:])
+o, t, op, tp = (json.loads(x) for x in sys.argv[1:5])
+gpu = sys.argv[5]
 # Peak GPU memory: the device's memory in use, sampled every 100 ms by nvidia-smi while each
 # benchmark ran (the same measure for both; CUDA context included).
 r = {"rltune_s": o.get("median_total_s"), "trl_s": t.get("median_total_s"),
      "rltune_peak_mib": op, "trl_peak_mib": tp,
      "tokens_per_s": o.get("tokens_per_s"), "trl_tokens_per_s": t.get("tokens_per_s"),
-     "mfu": o.get("mfu"), "rltune": o, "trl": t}
+     "rltune": o, "trl": t}
+# MFU of the optimize phase: 6 * parameters * trained tokens (batch x (query + response) x
+# 4 PPO epochs) FLOPs over time/ppo/optimize_step, against the GPU's dense bf16 peak (H100 and
+# H200 SXM: 989.4 TFLOP/s); attention's T^2 term is left out.
+peak = 989.4e12 if ("H100" in gpu or "H200" in gpu) else None
+def mfu(d):
+    n, tok, s = d.get("n_params"), d.get("train_tokens"), d.get("median_optimize_step_s")
+    return round(6 * n * tok / s / peak, 4) if peak and n and tok and s else None
+r["mfu"], r["trl_mfu"] = mfu(o), mfu(t)
 r["ratio"] = round(r["rltune_s"] / r["trl_s"], 3) if r["rltune_s"] and r["trl_s"] else None
 print(json.dumps(r))
 EOF
@@ -304,14 +335,16 @@ EOF
   done
 
   # 6. The quickstart's default preset with its acceptance checks (slowest last).
-  if run quickstart 240 "$BIN" quickstart --device "$DEVICE" --output "$WORK/qs"; then
-    check quickstart "{\"pass\": $([ $RC = 0 ] && echo true || echo false), \"exit\": $RC, \"seconds\": $SECS, \"acceptance\": $(grep -E '^(PASS|FAIL)' "$LOGS/quickstart.log" | python3 -c 'import json,sys; print(json.dumps(sys.stdin.read().splitlines()))')}"
-  fi
+  #    Then the same with bf16 matrix products: learning must pass the same acceptance checks.
+  for dtype in f32 bf16; do
+    name="quickstart$([ "$dtype" = bf16 ] && echo -bf16)"
+    if run "$name" 240 "$BIN" quickstart --device "$DEVICE" --dtype "$dtype" --output "$WORK/$name"; then
+      check "$name" "{\"pass\": $([ $RC = 0 ] && echo true || echo false), \"exit\": $RC, \"seconds\": $SECS, \"acceptance\": $(grep -E '^(PASS|FAIL)' "$LOGS/$name.log" | python3 -c 'import json,sys; print(json.dumps(sys.stdin.read().splitlines()))')}"
+    fi
+  done
 fi
 
-for todo in "bench ppo qwen2-0.5b bf16" "bench grpo 0.5b"; do
-  skip "$todo" "not built yet (issue #36 part 3)"
-done
+wanted "bench-grpo" && skip "bench grpo 0.5b" "not built yet (issue #36 part 3)"
 
 
 tar -C "$WORK" -czf "$OUTDIR/logs.tar.gz" logs 2>/dev/null

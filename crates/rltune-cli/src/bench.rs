@@ -22,7 +22,9 @@ use rltune::runtime::RuntimeSection;
 /// Arguments of `rltune bench ppo`.
 #[derive(clap::Args)]
 pub struct Args {
-    /// `small` (4 layers, d=256, vocab 8192, B=64) or `gpt2` (GPT-2 small shape, B=16).
+    /// `small` (4 layers, d=256, vocab 8192, B=64), `gpt2` (GPT-2 small shape, B=16), both with
+    /// 8 query + 24 response tokens, or `qwen2-0.5b` (Qwen2-0.5B's shape, B=64, mini-batch 8,
+    /// 128 + 128 tokens; for the GPU, with `--dtype bf16`).
     #[arg(long, default_value = "small")]
     preset: String,
     /// Timed iterations (after one warm-up).
@@ -44,16 +46,51 @@ pub struct Args {
 }
 
 struct Preset {
-    cfg: Gpt2Config,
+    cfg: CausalLmConfig,
     batch: usize,
     mini_batch: usize,
+    query_len: usize,
+    response_len: usize,
 }
 
+impl Preset {
+    /// The largest query token id + 1 (the eos id, last in the vocabulary, is never drawn).
+    fn eos(&self) -> u32 {
+        match &self.cfg {
+            CausalLmConfig::Gpt2(c) => c.eos_token_id.unwrap_or(0),
+            other => other.vocab_size() as u32 - 1,
+        }
+    }
+}
+
+/// Qwen2-0.5B's shape (494M parameters, tied embeddings), as `bench/trl_ppo.py` builds it.
+const QWEN2_05B: &str = r#"{"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896,
+  "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+  "num_key_value_heads": 2, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
+  "rms_norm_eps": 1e-6, "tie_word_embeddings": true, "eos_token_id": 151935}"#;
+
 fn preset(name: &str) -> Result<Preset> {
+    let gpt2 = |cfg: Gpt2Config, batch, mini_batch| Preset {
+        cfg: CausalLmConfig::Gpt2(cfg),
+        batch,
+        mini_batch,
+        query_len: QUERY_LEN,
+        response_len: RESPONSE_LEN,
+    };
     Ok(match name {
-        "small" => Preset { cfg: Gpt2Config::tiny(8192, 256, 4, 4, 64), batch: 64, mini_batch: 16 },
-        "gpt2" => Preset { cfg: Gpt2Config::tiny(50257, 768, 12, 12, 1024), batch: 16, mini_batch: 4 },
-        other => bail!("unknown preset {other:?}; use small or gpt2"),
+        "small" => gpt2(Gpt2Config::tiny(8192, 256, 4, 4, 64), 64, 16),
+        "gpt2" => gpt2(Gpt2Config::tiny(50257, 768, 12, 12, 1024), 16, 4),
+        "qwen2-0.5b" => Preset {
+            cfg: CausalLmConfig::from_json(
+                &serde_json::from_str(QWEN2_05B)?,
+                std::path::Path::new("qwen2-0.5b"),
+            )?,
+            batch: 64,
+            mini_batch: 8,
+            query_len: 128,
+            response_len: 128,
+        },
+        other => bail!("unknown preset {other:?}; use small, gpt2 or qwen2-0.5b"),
     })
 }
 
@@ -85,23 +122,24 @@ pub fn run(args: Args) -> Result<()> {
     let section = RuntimeSection { matmul_precision: args.matmul_precision, ..RuntimeSection::default() };
     let runtime = args.runtime.resolve(section)?;
     let dev = runtime.device().clone();
-    let cfg = CausalLmConfig::Gpt2(p.cfg.clone());
+    let cfg = p.cfg.clone();
     let store = ParamStore::random(0, true, runtime.dtype(), &dev)?;
     let lm = CausalLm::load(&store.root(), &cfg)?;
+    let n_params = store.vars().iter().map(|(_, v)| v.elem_count()).sum::<usize>();
     let policy = CausalLmWithValueHead::load(&store.root(), lm)?;
     let reference = CausalLm::load(&store.frozen_copy()?.root(), &cfg)?;
     let ppo =
         PpoConfig { batch_size: p.batch, mini_batch_size: p.mini_batch, ppo_epochs: 4, ..Default::default() };
     let mut trainer = PpoTrainer::new(ppo, store, policy, reference)?;
     let mut rng = rand::rngs::StdRng::seed_from_u64(1);
-    let eos = p.cfg.eos_token_id.unwrap_or(0);
+    let eos = p.eos();
     let (mut totals, mut gens, mut steps, mut fwd, mut opt) = (vec![], vec![], vec![], vec![], vec![]);
     for it in 0..=args.iters {
         let queries: Vec<Vec<u32>> =
-            (0..p.batch).map(|_| (0..QUERY_LEN).map(|_| rng.gen_range(0..eos)).collect()).collect();
+            (0..p.batch).map(|_| (0..p.query_len).map(|_| rng.gen_range(0..eos)).collect()).collect();
         let t0 = Instant::now();
         let gen_cfg = GenerationConfig {
-            max_new_tokens: RESPONSE_LEN,
+            max_new_tokens: p.response_len,
             stop_at_eos: false,
             seed: it as u64,
             ..Default::default()
@@ -156,7 +194,9 @@ pub fn run(args: Args) -> Result<()> {
         "median_step_s": median(&mut steps),
         "median_forward_pass_s": median(&mut fwd),
         "median_optimize_step_s": median(&mut opt),
-        "tokens_per_s": (p.batch * RESPONSE_LEN) as f64 / total,
+        "tokens_per_s": (p.batch * p.response_len) as f64 / total,
+        "n_params": n_params,
+        "train_tokens": p.batch * (p.query_len + p.response_len) * 4,
         "peak_rss_mib": peak_rss_mib(),
         "threads": rayon_threads(),
     });
@@ -210,7 +250,7 @@ pub fn run_grpo(args: GrpoArgs) -> Result<()> {
     }
     let runtime = args.runtime.resolve(RuntimeSection::default())?;
     let dev = runtime.device().clone();
-    let cfg = CausalLmConfig::Gpt2(p.cfg.clone());
+    let cfg = p.cfg.clone();
     let store = ParamStore::random(0, true, runtime.dtype(), &dev)?;
     let lm = CausalLm::load(&store.root(), &cfg)?;
     let reference =
@@ -225,7 +265,7 @@ pub fn run_grpo(args: GrpoArgs) -> Result<()> {
     };
     let mut trainer = GrpoTrainer::new(grpo, store, lm, reference)?;
     let mut rng = rand::rngs::StdRng::seed_from_u64(1);
-    let eos = p.cfg.eos_token_id.unwrap_or(0);
+    let eos = p.eos();
     let mut ids = |n: usize| -> Vec<u32> { (0..n).map(|_| rng.gen_range(0..eos)).collect() };
     let mut steps = Vec::new();
     for it in 0..=args.iters {

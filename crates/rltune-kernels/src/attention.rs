@@ -673,9 +673,9 @@ pub fn self_attention_composed(qkv: &Tensor, bias: &Tensor, n_head: usize, scale
         qkv.narrow(2, i * c, c)?.reshape((b, t, n_head, c / n_head))?.transpose(1, 2)?.contiguous()
     };
     let (q, k, v) = (split(0)?, split(1)?, split(2)?);
-    let scores = q.matmul(&k.t()?.contiguous()?)?;
+    let scores = super::matmul(&q, &k.t()?.contiguous()?)?;
     let probs = super::scaled_masked_softmax(&scores, bias, scale)?;
-    probs.matmul(&v)?.transpose(1, 2)?.contiguous()?.reshape((b, t, c))
+    super::matmul(&probs, &v)?.transpose(1, 2)?.contiguous()?.reshape((b, t, c))
 }
 
 #[cfg(test)]

@@ -95,7 +95,10 @@ pub use optim::{Adam, AdamConfig, Grads};
 pub use activation::{gelu_tanh, gelu_tanh_composed};
 pub use attention::{cached_self_attention, self_attention, self_attention_composed, KvBlock};
 pub use embedding::embedding;
-pub use gemm::{check_matmul_precision, matmul_precision, set_matmul_precision, MatmulPrecision};
+pub use gemm::{
+    check_matmul_precision, device_matmul_precision, matmul_precision, set_device_matmul_precision,
+    set_matmul_precision, MatmulPrecision,
+};
 pub use linear::{linear, linear_composed, linear_in_out, linear_in_out_composed, matmul};
 pub use lm_head::lm_head_logprobs;
 pub use norm::{layer_norm, layer_norm_composed, rms_norm, rms_norm_composed};

@@ -327,10 +327,28 @@ pub fn linear_in_out(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> CResult<T
     }
 }
 
-/// `a (m, k) · b (k, n)`, differentiable; either operand may be a strided view (`.t()`).
+/// `a (…, m, k) · b (…, k, n)`, differentiable; either operand may be a strided view (`.t()`).
+/// Two f32 matrices on the CPU take the fused SGEMM; everything else candle's matmul, in bf16
+/// off the CPU where [`crate::set_device_matmul_precision`] asks for it (autocast: the result
+/// comes back as f32).
 pub fn matmul(a: &Tensor, b: &Tensor) -> CResult<Tensor> {
     if fast_path(&[a, b]) && a.rank() == 2 && b.rank() == 2 {
         a.apply_op2(b, Gemm)
+    } else {
+        candle_matmul(a, b)
+    }
+}
+
+/// candle's matmul, with bf16 inputs off the CPU under
+/// [`MatmulPrecision::Bf16`](crate::MatmulPrecision) (see [`crate::set_device_matmul_precision`]).
+/// The casts are differentiable ops, so the gradients come back to the f32 operands as f32.
+fn candle_matmul(a: &Tensor, b: &Tensor) -> CResult<Tensor> {
+    let bf16 = !a.device().is_cpu()
+        && a.dtype() == DType::F32
+        && b.dtype() == DType::F32
+        && super::gemm::device_matmul_precision() == super::MatmulPrecision::Bf16;
+    if bf16 {
+        a.to_dtype(DType::BF16)?.matmul(&b.to_dtype(DType::BF16)?)?.to_dtype(DType::F32)
     } else {
         rows_contiguous(a)?.matmul(b)
     }
@@ -355,7 +373,7 @@ pub fn linear_composed(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> CResult
 /// [`linear_in_out`] from candle's matmul and broadcast add.
 pub fn linear_in_out_composed(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> CResult<Tensor> {
     let (x2, out_dims) = flatten_rows(x, w.dim(1)?)?;
-    let y = rows_contiguous(&x2)?.matmul(w)?;
+    let y = candle_matmul(&x2, w)?;
     let y = match bias {
         Some(b) => y.broadcast_add(b)?,
         None => y,

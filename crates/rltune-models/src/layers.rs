@@ -204,9 +204,9 @@ pub fn position_ids_from_mask(mask: &[Vec<u8>], device: &Device) -> Result<Tenso
 ///
 /// `q (B, H, T, D)`, `k, v (B, H, S, D)`, `bias` broadcastable to `(B, H, T, S)`.
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64) -> Result<Tensor> {
-    let scores = q.contiguous()?.matmul(&k.t()?.contiguous()?)?;
+    let scores = ops::matmul(&q.contiguous()?, &k.t()?.contiguous()?)?;
     let probs = ops::scaled_masked_softmax(&scores, bias, scale)?;
-    Ok(probs.matmul(&v.contiguous()?)?)
+    Ok(ops::matmul(&probs, &v.contiguous()?)?)
 }
 
 /// Repeats each key/value head `n_rep` times for grouped-query attention: `(B, H_kv, S, D) -> (B, H_kv·n_rep, S, D)`.

@@ -710,7 +710,8 @@ impl Llama {
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
         let (b_sz, seq_len, c) = hidden.dims3()?;
         let v = self.lm_head.dim(0)?;
-        Ok(hidden.reshape((b_sz * seq_len, c))?.matmul(&self.lm_head.t()?)?.reshape((b_sz, seq_len, v))?)
+        let h = hidden.reshape((b_sz * seq_len, c))?;
+        Ok(rltune_kernels::matmul(&h, &self.lm_head.t()?)?.reshape((b_sz, seq_len, v))?)
     }
 }
 

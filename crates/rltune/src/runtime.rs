@@ -24,9 +24,12 @@
 //!   matrix products with bf16 inputs and f32 accumulation, weights and optimizer state in f32.
 //!   On the CPU that is [`MatmulPrecision::Bf16`] (Intel AMX tiles; an error on CPUs without
 //!   AMX), so `dtype = "bf16"` and `matmul_precision = "bf16"` mean the same there. On CUDA it is
-//!   not implemented yet and is rejected (issue #30).
-//! - `matmul_precision` (CPU only, kept from before `dtype` existed): `"bf16"` is the same as
-//!   `dtype = "bf16"` on the CPU, and an error on CUDA.
+//!   what `torch.autocast("cuda", dtype=torch.bfloat16)` does: every matrix product (linear
+//!   layers, attention, the LM head) casts its inputs to bf16, runs on the tensor cores with f32
+//!   accumulation and hands its bf16 result on as f32; norms, softmax, losses and Adam stay f32
+//!   ([`crate::ops::set_device_matmul_precision`]).
+//! - `matmul_precision` (kept from before `dtype` existed): `"bf16"` is the same as
+//!   `dtype = "bf16"`.
 //!
 //! The parameters' dtype ([`Runtime::dtype`]) is f32 in every case: the bf16 of the CPU is a
 //! property of its matrix products, not of the stored weights.
@@ -218,12 +221,7 @@ impl Runtime {
             })?;
             MatmulPrecision::Bf16
         } else if bf16 {
-            return Err(Error::Unsupported(format!(
-                "[runtime] dtype = \"bf16\" / matmul_precision = \"bf16\" on {}: bf16 mixed precision \
-                 on CUDA is not implemented yet (issue #30); use dtype = \"f32\" (--dtype f32) on the \
-                 GPU, or device = \"cpu\" for the CPU's AMX bf16",
-                describe(&device)
-            )));
+            MatmulPrecision::Bf16
         } else {
             MatmulPrecision::F32
         };
@@ -245,7 +243,8 @@ impl Runtime {
         self.precision
     }
 
-    /// How the CPU kernels run matrix products (bf16 only on the CPU).
+    /// How matrix products run: f32, or bf16 inputs with f32 accumulation (AMX tiles on the CPU,
+    /// tensor cores on CUDA).
     pub fn matmul_precision(&self) -> MatmulPrecision {
         self.matmul_precision
     }
@@ -263,7 +262,8 @@ impl Runtime {
     /// Makes the process-wide settings this runtime implies, on the CPU: FTZ/DAZ on the calling
     /// thread and rayon's global pool ([`crate::cpu::flush_denormals`]: denormal floats are
     /// 7–12× slower in a backward pass) and the kernels' matrix-product precision
-    /// ([`crate::ops::set_matmul_precision`]). A CUDA runtime changes nothing. The one call a
+    /// ([`crate::ops::set_matmul_precision`]). On CUDA, the products' precision
+    /// ([`crate::ops::set_device_matmul_precision`]). The one call a
     /// library user makes before training (after [`crate::cpu::ProcessSettings::install`] at
     /// the start of `main`, for the thread pools); the `rltune` commands make it once the
     /// runtime is resolved. No model, trainer or run constructor makes it.
@@ -271,6 +271,8 @@ impl Runtime {
         if self.device.is_cpu() {
             crate::cpu::flush_denormals();
             crate::ops::set_matmul_precision(self.matmul_precision)?;
+        } else {
+            crate::ops::set_device_matmul_precision(self.matmul_precision);
         }
         Ok(())
     }
@@ -279,8 +281,12 @@ impl Runtime {
 impl fmt::Display for Runtime {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}, {}", describe(&self.device), self.precision)?;
-        if self.device.is_cpu() && self.matmul_precision == MatmulPrecision::Bf16 {
-            f.write_str(" (AMX bf16 matrix products)")?;
+        if self.matmul_precision == MatmulPrecision::Bf16 {
+            f.write_str(if self.device.is_cpu() {
+                " (AMX bf16 matrix products)"
+            } else {
+                " (bf16 matrix products, f32 weights)"
+            })?;
         }
         Ok(())
     }

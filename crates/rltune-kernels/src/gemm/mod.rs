@@ -157,6 +157,27 @@ pub fn matmul_precision() -> MatmulPrecision {
     }
 }
 
+static DEVICE_BF16: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Sets how f32 matrix products run off the CPU (CUDA) from now on, in the whole process:
+/// [`MatmulPrecision::Bf16`] is mixed precision as PyTorch's `torch.autocast("cuda",
+/// dtype=torch.bfloat16)` does it: both inputs rounded to bf16, the product on the tensor
+/// cores with f32 accumulation, the result rounded to bf16 and handed on as f32. Weights,
+/// gradients, optimizer state and every op that is not a product stay f32. The CPU is not
+/// affected (see [`set_matmul_precision`]).
+pub fn set_device_matmul_precision(p: MatmulPrecision) {
+    DEVICE_BF16.store(p == MatmulPrecision::Bf16, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The precision set by [`set_device_matmul_precision`] (f32 until then).
+pub fn device_matmul_precision() -> MatmulPrecision {
+    if DEVICE_BF16.load(std::sync::atomic::Ordering::Relaxed) {
+        MatmulPrecision::Bf16
+    } else {
+        MatmulPrecision::F32
+    }
+}
+
 /// Whether this product runs on AMX: bf16 precision set and every side at least one
 /// 32-wide block (below that the tiles would be mostly padding).
 fn on_amx(m: usize, k: usize, n: usize) -> bool {
