@@ -284,8 +284,8 @@ if [ "$QUICK" = 0 ]; then
 
   # 5. Benchmarks, rltune and TRL 0.11.4 on the same device in the same run.
   TRL011="$WORK/site-trl011"
-  if [ -d "$ROOT/$PACK/wheels/trl011" ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target "$TRL011" "$ROOT/$PACK"/wheels/trl011/*.whl >"$LOGS/wheels.log" 2>&1 || true
+  if [ -d "$PACK/wheels/trl011" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$TRL011" "$PACK"/wheels/trl011/*.whl >"$LOGS/wheels.log" 2>&1 || true
   fi
   # PRESET:DTYPE ITERATIONS LIMIT: the 0.5B preset times one iteration after its warm-up.
   for spec in "small:f32 3 90" "gpt2:f32 3 90" "gpt2:bf16 3 90" "qwen2-0.5b:bf16 1 180"; do

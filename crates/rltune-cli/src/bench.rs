@@ -30,6 +30,12 @@ pub struct Args {
     /// Timed iterations (after one warm-up).
     #[arg(long, default_value_t = 3)]
     iters: usize,
+    /// PPO batch size instead of the preset's.
+    #[arg(long)]
+    batch: Option<usize>,
+    /// PPO mini-batch size (and forward batch) instead of the preset's.
+    #[arg(long)]
+    mini_batch: Option<usize>,
     /// Recompute old logprobs and values with a second forward pass (as TRL does) instead of
     /// reusing the rollout's.
     #[arg(long)]
@@ -118,7 +124,9 @@ pub fn run(args: Args) -> Result<()> {
     if args.iters == 0 {
         bail!("--iters must be at least 1");
     }
-    let p = preset(&args.preset)?;
+    let mut p = preset(&args.preset)?;
+    p.batch = args.batch.unwrap_or(p.batch);
+    p.mini_batch = args.mini_batch.unwrap_or(p.mini_batch);
     let section = RuntimeSection { matmul_precision: args.matmul_precision, ..RuntimeSection::default() };
     let runtime = args.runtime.resolve(section)?;
     let dev = runtime.device().clone();
@@ -137,6 +145,14 @@ pub fn run(args: Args) -> Result<()> {
     for it in 0..=args.iters {
         let queries: Vec<Vec<u32>> =
             (0..p.batch).map(|_| (0..p.query_len).map(|_| rng.gen_range(0..eos)).collect()).collect();
+        // Device memory at the phase boundaries (stderr: a run that runs out of memory shows
+        // which phase did).
+        let mem = |what: &str| {
+            if let Some(m) = rltune::runtime::device_memory_used_mib(&dev) {
+                eprintln!("iteration {it}: {m:.0} MiB of device memory in use {what}");
+            }
+        };
+        mem("before generation");
         let t0 = Instant::now();
         let gen_cfg = GenerationConfig {
             max_new_tokens: p.response_len,
@@ -155,6 +171,7 @@ pub fn run(args: Args) -> Result<()> {
                 values: s.values.clone().unwrap_or_default(),
             })
             .collect();
+        mem("after generation");
         let t1 = Instant::now();
         let stats = trainer.step_with(StepInput {
             queries: &queries,
@@ -165,6 +182,7 @@ pub fn run(args: Args) -> Result<()> {
             bootstrap: None,
         })?;
         let t_step = t1.elapsed().as_secs_f64();
+        mem("after the step");
         let get = |k: &str| stats.get(k).and_then(Stat::as_f64).unwrap_or(f64::NAN);
         if !args.json {
             eprintln!(

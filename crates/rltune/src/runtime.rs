@@ -292,6 +292,20 @@ impl fmt::Display for Runtime {
     }
 }
 
+/// The memory in use on `device`'s GPU (all processes, the CUDA context included), in MiB, as
+/// the driver reports it (`cuMemGetInfo`: total − free); `None` on the CPU. For benchmarks.
+pub fn device_memory_used_mib(device: &Device) -> Option<f64> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = device {
+        let _ = d.cuda_stream().context().bind_to_thread();
+        if let Ok((free, total)) = candle_core::cuda_backend::cudarc::driver::result::mem_get_info() {
+            return Some((total - free) as f64 / 1048576.0);
+        }
+    }
+    let _ = device;
+    None
+}
+
 fn describe(device: &Device) -> String {
     match device.location() {
         candle_core::DeviceLocation::Cpu => "cpu".into(),
