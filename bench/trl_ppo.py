@@ -146,8 +146,10 @@ def build_tokenizer(vocab_size):
     return tok
 
 
-def build(preset):
-    p = PRESETS[preset]
+def build(preset, batch=None, mini_batch=None):
+    p = dict(PRESETS[preset])
+    p["batch_size"] = batch or p["batch_size"]
+    p["mini_batch_size"] = mini_batch or p["mini_batch_size"]
     V = p["vocab_size"]
     tokenizer = build_tokenizer(V)
     if p.get("arch") == "qwen2":
@@ -216,6 +218,8 @@ def main():
     ap.add_argument("--preset", choices=sorted(PRESETS), default="small")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--iters", type=int, default=3, help="timed iterations (after 1 warm-up)")
+    ap.add_argument("--batch", type=int, help="PPO batch size instead of the preset's")
+    ap.add_argument("--mini-batch", type=int, help="PPO mini-batch size instead of the preset's")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument(
@@ -229,7 +233,7 @@ def main():
 
     cuda = args.device.startswith("cuda")
     torch.set_num_threads(args.threads)
-    trainer, tokenizer, p, n_params, n_vhead = build(args.preset)
+    trainer, tokenizer, p, n_params, n_vhead = build(args.preset, args.batch, args.mini_batch)
     B = p["batch_size"]
     V = p["vocab_size"]
     query_len = p.get("query_len", QUERY_LEN)

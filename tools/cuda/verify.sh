@@ -243,7 +243,7 @@ if [ -f "$QS_TINY/ppo.toml" ]; then
   if run resume 120 bash -c resume_check; then
     check resume "{\"pass\": $([ $RC = 0 ] && echo true || echo false), \"exit\": $RC, \"seconds\": $SECS, \"detail\": $(tail -n1 "$LOGS/resume.log" | python3 -c 'import json,sys; l=sys.stdin.read().strip(); print(l if l.startswith("{") else json.dumps(l))')}"
   fi
-else
+elif wanted resume; then
   skip resume "the tiny quickstart wrote no ppo.toml"
 fi
 
@@ -287,20 +287,25 @@ if [ "$QUICK" = 0 ]; then
   if [ -d "$PACK/wheels/trl011" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$TRL011" "$PACK"/wheels/trl011/*.whl >"$LOGS/wheels.log" 2>&1 || true
   fi
-  # PRESET:DTYPE ITERATIONS LIMIT: the 0.5B preset times one iteration after its warm-up.
-  for spec in "small:f32 3 90" "gpt2:f32 3 90" "gpt2:bf16 3 90" "qwen2-0.5b:bf16 1 180"; do
-    read -r pd iters limit <<<"$spec"
+  # PRESET:DTYPE ITERATIONS LIMIT [MINI-BATCH]: the 0.5B preset times one iteration after its
+  # warm-up; where rltune runs out of memory at the preset's mini-batch (8), both sides run
+  # again at 2 (named ...-mb2).
+  OOM=0
+  for spec in "small:f32 3 90" "gpt2:f32 3 90" "gpt2:bf16 3 90" "qwen2-0.5b:bf16 1 180" "qwen2-0.5b:bf16 1 150 2"; do
+    read -r pd iters limit mb <<<"$spec"
     preset="${pd%%:*}" dtype="${pd##*:}"
-    name="ppo-$preset$([ "$dtype" = bf16 ] && echo -bf16)"
-    wanted "bench-$name" || continue
+    name="ppo-$preset$([ "$dtype" = bf16 ] && echo -bf16)${mb:+-mb$mb}"
+    wanted "bench-$name" || wanted "bench-${name%-mb*}" || continue
+    [ -n "$mb" ] && [ "$OOM" = 0 ] && continue
     gpu_mem_start
-    if run "bench-$name-rltune" "$limit" "$BIN" bench ppo --preset "$preset" --device "$DEVICE" --dtype "$dtype" --iters "$iters" --json; then
+    if run "bench-$name-rltune" "$limit" "$BIN" bench ppo --preset "$preset" --device "$DEVICE" --dtype "$dtype" --iters "$iters" ${mb:+--mini-batch $mb} --json; then
+      grep -q "out of memory\|OUT_OF_MEMORY" "$LOGS/bench-$name-rltune.log" && OOM=1
       OURS="$(grep -m1 '^{' "$LOGS/bench-$name-rltune.log" || echo '{}')"
       OURS_PEAK="$(gpu_mem_stop)"
       THEIRS='{}' THEIRS_PEAK=null
       if PYTHONPATH="$TRL011" python3 -c 'import trl' >/dev/null 2>&1; then
         gpu_mem_start
-        if run "bench-$name-trl" "$limit" env PYTHONPATH="$TRL011" python3 "$ROOT/bench/trl_ppo.py" --preset "$preset" --device "$DEVICE" --iters "$iters" $([ "$dtype" = bf16 ] && echo --bf16) --json; then
+        if run "bench-$name-trl" "$limit" env PYTHONPATH="$TRL011" python3 "$ROOT/bench/trl_ppo.py" --preset "$preset" --device "$DEVICE" --iters "$iters" $([ "$dtype" = bf16 ] && echo --bf16) ${mb:+--mini-batch $mb} --json; then
           THEIRS="$(grep -m1 '^{' "$LOGS/bench-$name-trl.log" || echo '{}')"
         fi
         THEIRS_PEAK="$(gpu_mem_stop)"
