@@ -166,14 +166,18 @@ impl KvCache {
     }
 
     /// Appends this step's keys and values for `layer` and returns the full ones.
+    ///
+    /// The cache is for inference: it keeps the values only, detached from the autograd graph.
+    /// (Kept attached, every step's keys would hold the whole forward graph of every earlier
+    /// step alive, activations included: 72 GB for 64 sequences of 256 tokens on Qwen2-0.5B.)
     pub fn append(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
         let slot = self
             .layers
             .get_mut(layer)
             .ok_or_else(|| Error::Input(format!("KV cache has no layer {layer}")))?;
         let (k, v) = match slot.take() {
-            Some((pk, pv)) => (Tensor::cat(&[&pk, k], 2)?, Tensor::cat(&[&pv, v], 2)?),
-            None => (k.clone(), v.clone()),
+            Some((pk, pv)) => (Tensor::cat(&[&pk, &k.detach()], 2)?, Tensor::cat(&[&pv, &v.detach()], 2)?),
+            None => (k.detach(), v.detach()),
         };
         *slot = Some((k.clone(), v.clone()));
         Ok((k, v))
@@ -247,5 +251,24 @@ mod tests {
     fn positions_skip_left_padding() {
         let p = position_ids_from_mask(&[vec![0, 0, 1, 1, 1], vec![1, 1, 1, 1, 1]], &Device::Cpu).unwrap();
         assert_eq!(p.to_vec2::<u32>().unwrap(), vec![vec![0, 0, 0, 1, 2], vec![0, 1, 2, 3, 4]]);
+    }
+
+    /// Keys and values computed from trainable weights enter the cache without their graph
+    /// (which would keep every earlier step's activations alive), with their values intact.
+    #[test]
+    fn the_kv_cache_holds_no_autograd_graph() {
+        let w = candle_core::Var::from_tensor(
+            &Tensor::ones((1, 1, 2, 3), candle_core::DType::F32, &Device::Cpu).unwrap(),
+        )
+        .unwrap();
+        let k = (w.as_tensor() * 2.0).unwrap();
+        assert!(k.track_op(), "the test needs a key with a graph");
+        let mut cache = KvCache::new(1);
+        for step in 1..=2 {
+            let (ck, cv) = cache.append(0, &k, &k).unwrap();
+            assert!(!ck.track_op() && !cv.track_op(), "step {step}: the cache kept the graph");
+            assert_eq!(ck.dims(), &[1, 1, 2 * step, 3]);
+            assert_eq!(ck.flatten_all().unwrap().to_vec1::<f32>().unwrap(), vec![2.0; 6 * step]);
+        }
     }
 }
