@@ -180,6 +180,7 @@ pub fn run(args: Args) -> Result<()> {
             response_masks: None,
             rollout: (!args.no_rollout_cache).then_some(caches.as_slice()),
             bootstrap: None,
+            allowed: None,
         })?;
         let t_step = t1.elapsed().as_secs_f64();
         mem("after the step");

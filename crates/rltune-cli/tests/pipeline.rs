@@ -849,11 +849,10 @@ fn arithmetic_quickstart_runs_grpo_and_rloo_from_one_sft_policy() {
     assert!(err.contains("--algorithm is for --task arithmetic"), "{err}");
 }
 
-/// Issue #39, first part: `[agent] actions = "admissible"` makes a model agent write only the
-/// game's admissible commands (the tiny adventure BC policy writes none of them freely: it is
-/// barely trained), so `rltune play` reports no invalid action. Training with it is refused
-/// until PPO renormalises over the admissible tokens; a game without a command list is refused
-/// in that mode with the fix.
+/// Issue #39: `[agent] actions = "admissible"` makes a model agent write only the game's
+/// admissible commands (the tiny adventure BC policy writes none of them freely: it is barely
+/// trained), so `rltune play` reports no invalid action, and PPO trains in that mode with no
+/// invalid turn; a game without a command list is refused in that mode with the fix.
 #[test]
 fn admissible_actions_are_always_valid_in_play() {
     let tmp = tempfile::tempdir().unwrap();
@@ -881,16 +880,23 @@ fn admissible_actions_are_always_valid_in_play() {
     assert_eq!(admissible["invalid_action_rate"].as_f64(), Some(0.0), "{admissible}");
     assert!(free["invalid_action_rate"].as_f64().unwrap() > 0.0, "the test needs a policy that errs: {free}");
 
-    let err = fails(rltune(&[
+    // PPO trains in the same mode: every training turn is a valid command.
+    let run = tmp.path().join("run");
+    ok(rltune(&[
         "ppo",
         "--config",
         s(&qs.join("ppo.toml")),
         "--set",
         "agent.actions=\"admissible\"",
         "--set",
-        &format!("logging.dir={:?}", s(&tmp.path().join("run"))),
+        &format!("logging.dir={:?}", s(&run)),
     ]));
-    assert!(err.contains("does not train yet") && err.contains("issue #39"), "{err}");
+    let rows = metrics(&run);
+    assert!(!rows.is_empty());
+    for r in &rows {
+        assert_eq!(r["env/invalid_action_rate"].as_f64(), Some(0.0), "{r}");
+        assert!(r["objective/kl"].as_f64().is_some_and(f64::is_finite), "{r}");
+    }
 
     let letters = tmp.path().join("letters.toml");
     std::fs::write(&letters, "[env]\nkind = \"letters\"\n[agent]\nactions = \"admissible\"\n").unwrap();

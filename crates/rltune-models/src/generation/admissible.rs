@@ -30,7 +30,7 @@ use rand::{Rng, SeedableRng};
 use super::sampler;
 use crate::error::{Error, Result};
 use crate::layers::{causal_bias, position_ids_from_mask};
-use crate::CausalLm;
+use crate::{CausalLm, ValueHead};
 
 /// The token trie of a list of commands, each a token sequence ending in its end token.
 #[derive(Debug, Clone)]
@@ -163,6 +163,9 @@ pub struct ActionSample {
     pub logprobs: Vec<f32>,
     /// The tokens allowed at each response position (what a training forward renormalizes over).
     pub allowed: Vec<Vec<u32>>,
+    /// With a value head: the value of the state before each response token (the first is the
+    /// prompt's), as [`super::Sample::values`]; empty without one.
+    pub values: Vec<f32>,
     /// Which command: its index in the list the trie was built from.
     pub action: usize,
 }
@@ -178,8 +181,25 @@ pub fn generate_admissible(
     seed: u64,
     device: &Device,
 ) -> Result<Vec<ActionSample>> {
+    generate_admissible_with_values(lm, None, prompts, tries, temperature, seed, device)
+}
+
+/// [`generate_admissible`], with each sample's values under `v_head` (what a PPO rollout
+/// caches beside the logprobs).
+pub fn generate_admissible_with_values(
+    lm: &CausalLm,
+    v_head: Option<&ValueHead>,
+    prompts: &[Vec<u32>],
+    tries: &[ActionTrie],
+    temperature: f64,
+    seed: u64,
+    device: &Device,
+) -> Result<Vec<ActionSample>> {
     if prompts.len() != tries.len() {
         return Err(Error::Input(format!("{} prompts but {} admissible lists", prompts.len(), tries.len())));
+    }
+    if prompts.is_empty() {
+        return Ok(Vec::new());
     }
     if prompts.iter().any(Vec::is_empty) {
         return Err(Error::Input("an empty prompt: every turn's prompt needs at least one token".into()));
@@ -219,12 +239,17 @@ pub fn generate_admissible(
             response_ids: vec![],
             logprobs: vec![],
             allowed: vec![],
+            values: vec![],
             action: 0,
         })
         .collect();
     let mut next_pos: Vec<u32> = prompts.iter().map(|p| p.len() as u32).collect();
     loop {
         let last = hidden.narrow(1, hidden.dim(1)? - 1, 1)?;
+        let values = match v_head {
+            Some(h) => Some(h.forward(&last)?.squeeze(1)?.to_dtype(DType::F32)?.to_vec1::<f32>()?),
+            None => None,
+        };
         let logits =
             lm.logits(&last)?.squeeze(1)?.to_dtype(DType::F32)?.to_device(&Device::Cpu)?.to_vec2::<f32>()?;
         let mut next = vec![pad; b];
@@ -238,6 +263,9 @@ pub fn generate_admissible(
             out[i].allowed.push(allowed.to_vec());
             out[i].response_ids.push(tok);
             out[i].logprobs.push(lp as f32);
+            if let Some(v) = &values {
+                out[i].values.push(v[i]);
+            }
             node[i] = tries[i].step(node[i], tok).ok_or_else(|| {
                 Error::Input(format!("row {i}: sampled token {tok} is not in its allowed set"))
             })?;

@@ -88,29 +88,35 @@ impl ModelAgent<'_> {
     /// The token trie of `commands`, each written as the agent writes an action after its prompt:
     /// `" {command}\n"` (the demonstrations' completion form), and the longest one's tokens.
     fn trie(&self, commands: &[String]) -> Result<(ActionTrie, usize)> {
-        if commands.is_empty() {
-            return Err(Error::Input(
-                "[agent] actions = \"admissible\": the game lists no admissible command for this state; \
-                 use actions = \"free\" with environments that do not list their commands"
-                    .into(),
-            ));
-        }
-        let tokens = commands
-            .iter()
-            .map(|c| {
-                let ids = self.tokenizer.encode(&format!(" {c}\n"))?;
-                if ids.is_empty() {
-                    return Err(Error::Input(format!("admissible command {c:?} encodes to no token")));
-                }
-                Ok(ids)
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let longest = tokens.iter().map(Vec::len).max().unwrap_or(0);
-        let trie = ActionTrie::new(&tokens).map_err(|e| {
-            Error::Input(format!("[agent] actions = \"admissible\": the commands {commands:?}: {e}"))
-        })?;
-        Ok((trie, longest))
+        command_trie(self.tokenizer, commands)
     }
+}
+
+/// The trie of a state's admissible commands, each tokenized as `" {command}\n"` (what the
+/// policy writes after its prompt), and the longest command's token count.
+pub(crate) fn command_trie(tokenizer: &Tokenizer, commands: &[String]) -> Result<(ActionTrie, usize)> {
+    if commands.is_empty() {
+        return Err(Error::Input(
+            "[agent] actions = \"admissible\": the game lists no admissible command for this state; \
+             use actions = \"free\" with environments that do not list their commands"
+                .into(),
+        ));
+    }
+    let tokens = commands
+        .iter()
+        .map(|c| {
+            let ids = tokenizer.encode(&format!(" {c}\n"))?;
+            if ids.is_empty() {
+                return Err(Error::Input(format!("admissible command {c:?} encodes to no token")));
+            }
+            Ok(ids)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let longest = tokens.iter().map(Vec::len).max().unwrap_or(0);
+    let trie = ActionTrie::new(&tokens).map_err(|e| {
+        Error::Input(format!("[agent] actions = \"admissible\": the commands {commands:?}: {e}"))
+    })?;
+    Ok((trie, longest))
 }
 
 /// The longest prompt a model can read when it samples `max_new_tokens` after it: its context

@@ -17,12 +17,14 @@ use candle_core::Device;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 
+use super::model_agent::command_trie;
 use super::prompt_budget;
 use crate::envs::letters::count_e;
-use crate::envs::play::{Episode, PromptTemplate, Turn, ACTION_STOPS};
+use crate::envs::play::{ActionMode, Episode, PromptTemplate, Turn, ACTION_STOPS};
 use crate::envs::{EnvStep, Reset, TextEnv};
 use crate::error::{Error, Result};
-use crate::generation::{generate, GenerationConfig};
+use crate::generation::admissible::{generate_admissible_with_values, ActionTrie};
+use crate::generation::{generate, GenerationConfig, Sample};
 use crate::models::CausalLmWithValueHead;
 use crate::tokenizer::Tokenizer;
 
@@ -93,6 +95,9 @@ pub struct Transition {
     /// The prompt of the next state, whose value `bootstrap` reads; empty after the episode
     /// terminated. A separate critic recomputes the bootstrap from it ([`rebootstrap`]).
     pub next_query_ids: Vec<u32>,
+    /// With `[agent] actions = "admissible"`: the tokens allowed at each response position
+    /// (the action's trie), over which PPO renormalises the policy; empty for free text.
+    pub allowed: Vec<Vec<u32>>,
 }
 
 /// Where an action ends in a response: the number of tokens up to and including the one whose
@@ -170,18 +175,32 @@ pub fn collect_episodes(
             break;
         }
         // The prompts of the running episodes, then of the truncated ones (only their value).
+        // With admissible actions, each running episode's command trie, and a prompt that
+        // leaves room for its longest command.
+        let admissible = cfg.template.actions == ActionMode::Admissible;
         let mut prompts = Vec::with_capacity(active.len() + finals.len());
-        for &e in active.iter().chain(&finals) {
+        let mut tries = Vec::new();
+        for (k, &e) in active.iter().chain(&finals).enumerate() {
             let state = live[e].as_ref().or(truncated[e].as_ref());
             let (s, m) =
                 state.ok_or_else(|| Error::Input(format!("internal: environment {e} has no state")))?;
-            prompts.push(cfg.template.fit(s, m, max_prompt, |t| tokenizer.encode(t))?);
+            let mut budget = max_prompt;
+            if admissible && k < active.len() {
+                let (trie, longest) = command_trie(tokenizer, &s.admissible_commands)?;
+                budget = budget.min(prompt_budget(&policy.lm, longest)?);
+                tries.push(trie);
+            }
+            prompts.push(cfg.template.fit(s, m, budget, |t| tokenizer.encode(t))?);
         }
         let seed_k = cfg.generation.seed.wrapping_add(seed).wrapping_add(turn);
         turn += 1;
         let gen = GenerationConfig { seed: seed_k, ..cfg.generation.clone() };
         let t = Instant::now();
-        let samples = generate(&policy.lm, Some(&policy.v_head), &prompts, &gen, device)?;
+        let (samples, allowed) = if admissible {
+            sample_admissible(policy, &tries, prompts, &gen, device)?
+        } else {
+            (generate(&policy.lm, Some(&policy.v_head), &prompts, &gen, device)?, Vec::new())
+        };
         time_generation += t.elapsed();
         // V(prompt): the value of the state before the first sampled token.
         let bootstrap = |t: &mut Transition, k: usize| {
@@ -212,6 +231,11 @@ pub fn collect_episodes(
                 actions.push(cmd);
                 cuts.push(None);
                 example_turns += 1;
+            } else if !allowed.is_empty() {
+                // An admissible command: the whole trie path, its end token included.
+                let text = tokenizer.decode(&samples[k].response_ids)?;
+                actions.push(crate::envs::play::extract_action(&text));
+                cuts.push(Some(samples[k].response_ids.len()));
             } else {
                 let cut = action_cut(&samples[k].response_ids, tokenizer)?;
                 let text = tokenizer.decode(&samples[k].response_ids[..cut])?;
@@ -248,6 +272,7 @@ pub fn collect_episodes(
                     reward: cfg.shaping.reward(action, &after) as f32,
                     bootstrap: 0.0,
                     next_query_ids: Vec::new(),
+                    allowed: allowed.get(k).map(|a| a[..cut].to_vec()).unwrap_or_default(),
                 });
                 // Terminated: no bootstrap. Going on or truncated: the next state's value.
                 if !after.terminated {
@@ -281,6 +306,54 @@ pub fn collect_episodes(
         time_generation,
         time_env,
     })
+}
+
+/// The tokens allowed at each position of one sampled command.
+type AllowedSets = Vec<Vec<u32>>;
+
+/// One admissible command for each of the first `tries.len()` prompts (the running episodes),
+/// then the values of the remaining prompts (truncated episodes, whose prompt's value is all
+/// that is read) by a one-token free sample. Returns the samples in prompt order and the
+/// allowed sets of the running ones.
+fn sample_admissible(
+    policy: &CausalLmWithValueHead,
+    tries: &[ActionTrie],
+    mut prompts: Vec<Vec<u32>>,
+    gen: &GenerationConfig,
+    device: &Device,
+) -> Result<(Vec<Sample>, Vec<AllowedSets>)> {
+    let rest = prompts.split_off(tries.len());
+    let picked = if tries.is_empty() {
+        Vec::new() // every episode left is truncated: only their values are read
+    } else {
+        generate_admissible_with_values(
+            &policy.lm,
+            Some(&policy.v_head),
+            &prompts,
+            tries,
+            gen.temperature,
+            gen.seed,
+            device,
+        )?
+    };
+    let mut allowed = Vec::with_capacity(picked.len());
+    let mut samples: Vec<Sample> = picked
+        .into_iter()
+        .map(|a| {
+            allowed.push(a.allowed);
+            Sample {
+                query_ids: a.query_ids,
+                response_ids: a.response_ids,
+                logprobs: a.logprobs,
+                values: Some(a.values),
+            }
+        })
+        .collect();
+    if !rest.is_empty() {
+        let one = GenerationConfig { max_new_tokens: 1, min_new_tokens: 0, ..gen.clone() };
+        samples.extend(generate(&policy.lm, Some(&policy.v_head), &rest, &one, device)?);
+    }
+    Ok((samples, allowed))
 }
 
 /// Recomputes every bootstrap as `game_gamma · V(next_query_ids)` under `values` (a separate

@@ -170,6 +170,7 @@ impl PpoTrainer {
             response_masks: None,
             rollout: None,
             bootstrap: None,
+            allowed: None,
         };
         let batch = self.build_batch(&input)?;
         let mut out = Vec::with_capacity(queries.len());

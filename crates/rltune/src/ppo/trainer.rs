@@ -41,9 +41,11 @@ use crate::optim::{Adam, AdamConfig, Grads};
 use crate::params::ParamStore;
 use crate::tokenizer::{pad, PaddingSide};
 
+mod constraint;
 mod data_parallel;
 mod optimize;
 
+use constraint::{constrained_logprobs, Constraint};
 use optimize::{average_minibatch_stats, negative_kl_guard, TrainData};
 
 /// What the rollout already computed for one sample: reused instead of a second policy forward.
@@ -72,6 +74,11 @@ pub struct StepInput<'a> {
     /// ([`math::bootstrap_last`]): for a turn of a multi-turn episode, `game_gamma · V(next
     /// turn)`, or 0 when the episode terminated. `None` (TRL's step) is 0 for every sample.
     pub bootstrap: Option<&'a [f32]>,
+    /// Optional tokens allowed at each response position (`[agent] actions = "admissible"`):
+    /// the policy's and the reference's logprobs are then those of the softmax renormalised
+    /// over each set, the distribution the responses were sampled from. `None`: the whole
+    /// vocabulary everywhere.
+    pub allowed: Option<&'a [Vec<Vec<u32>>]>,
 }
 
 /// Running mean and variance of scores. TRL `trainer/utils.py::RunningMoments`.
@@ -136,6 +143,8 @@ pub(super) struct Batch {
     /// `(B, L−1)` f32: 1 on every response column (the mask before `response_masks`), where
     /// the rollout cache has logprobs.
     pub(super) response: Tensor,
+    /// The admissible tokens of each position, with `StepInput::allowed`.
+    pub(super) allowed: Option<Constraint>,
 }
 
 /// Per-token rollout quantities of a batch, each `(B, L−1)`.
@@ -304,6 +313,7 @@ impl PpoTrainer {
             response_masks: None,
             rollout: None,
             bootstrap: None,
+            allowed: None,
         })
     }
 
@@ -453,6 +463,14 @@ impl PpoTrainer {
                     }
                 }
             }
+            if input.allowed.is_some() && self.config.kl_penalty == KlPenalty::Full {
+                return Err(Error::Unsupported(
+                    "kl_penalty = \"full\" with admissible actions ([agent] actions = \"admissible\"): \
+                     the full KL is over the whole vocabulary, the constrained policy's is not; use \
+                     kl_penalty = \"kl\" (the default), \"abs\" or \"mse\""
+                        .into(),
+                ));
+            }
             if let Some(m) = input.response_masks {
                 if m.get(i).map(Vec::len) != Some(r.len()) {
                     return Err(Error::Input(format!(
@@ -519,7 +537,13 @@ impl PpoTrainer {
             }
         }
         let dt = self.store.dtype();
+        let starts: Vec<usize> = input.queries.iter().map(|q| q.len() - 1).collect();
+        let allowed = input
+            .allowed
+            .map(|a| Constraint::new(&ids, &starts, input.responses, a, &self.device))
+            .transpose()?;
         Ok(Batch {
+            allowed,
             ids: Tensor::new(ids, &self.device)?,
             // Right padding: `arange(L)` equals `cumsum(mask) − 1` on every real token, and gives
             // padding the positions TRL gives it (its logprobs appear in `objective/logprobs`).
@@ -539,16 +563,21 @@ impl PpoTrainer {
     /// logprobs and entropies, and their values are unspecified: the model skips the last
     /// block's work for them, and the losses mask them out); `keep` keeps its probabilities for
     /// a backward.
+    ///
+    /// With `allowed` (the rows' [`Constraint`]), the logprobs and entropies are those of the
+    /// renormalised distributions, and every position is computed.
     fn policy_forward(
         &self,
         ids: &Tensor,
         pos: &Tensor,
         bias: &Tensor,
         select: Option<&Tensor>,
+        allowed: Option<&Constraint>,
         critic_grads: Option<&Grads>,
     ) -> Result<(Tensor, Tensor, Tensor)> {
+        let select = if allowed.is_some() { None } else { select };
         let hidden = hidden_states(&self.policy.lm, ids, pos, bias, select)?;
-        let (logp, entropy) = self.head_logprobs(&self.policy.lm, &hidden, ids, select, true)?;
+        let (logp, entropy) = self.head_logprobs(&self.policy.lm, &hidden, ids, select, allowed, true)?;
         let detach = self.config.detach_value_head;
         let values = match (&self.critic, critic_grads) {
             (Some(c), Some(g)) => {
@@ -563,23 +592,34 @@ impl PpoTrainer {
     }
 
     /// Logprobs of the next tokens and the entropies `(B, L−1)` from hidden states `(B, L−1, C)` (or `(B, L, C)`),
-    /// through the fused LM head ([`ops::lm_head_logprobs`], at the training temperature).
+    /// through the fused LM head ([`ops::lm_head_logprobs`], at the training temperature), or,
+    /// with `allowed` (the rows' constraint; `select` is then ignored), renormalised over the
+    /// allowed tokens ([`constraint`]).
     fn head_logprobs(
         &self,
         lm: &CausalLm,
         hidden: &Tensor,
         ids: &Tensor,
         select: Option<&Tensor>,
+        allowed: Option<&Constraint>,
         keep: bool,
     ) -> Result<(Tensor, Tensor)> {
         let (b, l) = ids.dims2()?;
         let w = l - 1;
         let h = hidden.narrow(1, 0, w)?.reshape((b * w, hidden.dim(2)?))?;
         let targets = ids.narrow(1, 1, w)?.flatten_all()?;
-        let select = select.map(Tensor::flatten_all).transpose()?;
         let temperature = self.config.temperature;
-        let (logp, entropy) =
-            ops::lm_head_logprobs(&h, lm.lm_head_weight(), &targets, select.as_ref(), temperature, keep)?;
+        let (logp, entropy) = match allowed {
+            Some(c) => {
+                let k = c.idx.dim(2)?;
+                let (idx, pad) = (c.idx.reshape((b * w, k))?, c.pad.reshape((b * w, k))?);
+                constrained_logprobs(&h, lm.lm_head_weight(), &targets, &idx, &pad, temperature)?
+            }
+            None => {
+                let select = select.map(Tensor::flatten_all).transpose()?;
+                ops::lm_head_logprobs(&h, lm.lm_head_weight(), &targets, select.as_ref(), temperature, keep)?
+            }
+        };
         Ok((logp.reshape((b, w))?, entropy.reshape((b, w))?))
     }
 
@@ -590,10 +630,11 @@ impl PpoTrainer {
         lm: &CausalLm,
         hidden: &Tensor,
         ids: &Tensor,
+        allowed: Option<&Constraint>,
         full: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
         if !full {
-            return Ok((self.head_logprobs(lm, hidden, ids, None, false)?.0.detach(), None));
+            return Ok((self.head_logprobs(lm, hidden, ids, None, allowed, false)?.0.detach(), None));
         }
         let l = ids.dim(1)?;
         let logits = lm.logits(&hidden.narrow(1, 0, l - 1)?)?.detach();
@@ -618,6 +659,8 @@ impl PpoTrainer {
             let ids = batch.ids.narrow(0, start, n)?;
             let pos = batch.positions.narrow(0, start, n)?;
             let bias = batch.bias.narrow(0, start, n)?;
+            let allowed = batch.allowed.as_ref().map(|c| c.narrow(start, n)).transpose()?;
+            let allowed = allowed.as_ref();
             if let Some(c) = &self.critic {
                 // The critic's values, on the response positions only when the cache decides
                 // which positions are compared (the others are masked out everywhere).
@@ -631,20 +674,21 @@ impl PpoTrainer {
                 // the reference's are computed there only: the LM head and the last block skip
                 // the query rows.
                 let response = batch.response.narrow(0, start, n)?;
-                let h = hidden_states(&self.reference, &ids, &pos, &bias, Some(&response))?;
-                rlp.push(self.head_logprobs(&self.reference, &h, &ids, Some(&response), false)?.0.detach());
+                let select = if allowed.is_some() { None } else { Some(&response) };
+                let h = hidden_states(&self.reference, &ids, &pos, &bias, select)?;
+                rlp.push(self.head_logprobs(&self.reference, &h, &ids, select, allowed, false)?.0.detach());
                 continue;
             }
             let input = inputs(&ids)?;
             let hidden = self.policy.lm.forward(&input, &pos, &bias, None)?;
-            let (l, f) = self.next_token_logprobs(&self.policy.lm, &hidden, &ids, full)?;
+            let (l, f) = self.next_token_logprobs(&self.policy.lm, &hidden, &ids, allowed, full)?;
             lp.push(l);
             flp.extend(f);
             if self.critic.is_none() {
                 vals.push(self.policy.v_head.forward(&hidden)?.detach());
             }
             let h = self.reference.forward(&input, &pos, &bias, None)?;
-            let (l, f) = self.next_token_logprobs(&self.reference, &h, &ids, full)?;
+            let (l, f) = self.next_token_logprobs(&self.reference, &h, &ids, allowed, full)?;
             rlp.push(l);
             frlp.extend(f);
         }

@@ -75,14 +75,6 @@ impl EpisodeSource {
             .clone()
             .ok_or_else(|| Error::Input("internal: EpisodeSource needs an [env] table".into()))?;
         section.split = Split::Train;
-        if cfg.agent.actions == crate::envs::play::ActionMode::Admissible {
-            return Err(Error::Unsupported(
-                "[agent] actions = \"admissible\" plays and evaluates (rltune play) but does not train \
-                 yet: PPO's forward passes do not renormalise over the admissible tokens (issue #39). \
-                 Train with actions = \"free\" and evaluate with rltune play --set agent.actions=admissible"
-                    .into(),
-            ));
-        }
         let games = section.game_count()?;
         let env = section.build()?;
         let rollout = RolloutConfig {

@@ -363,6 +363,7 @@ impl PpoRun {
             response_masks: None,
             rollout: self.config.ppo.rollout_cache.then_some(caches.as_slice()),
             bootstrap: None,
+            allowed: None,
         })?;
         let logprobs: Vec<&[f32]> = samples.iter().map(|s| s.logprobs.as_slice()).collect();
         add_env_stats(&mut stats, &logprobs, &scores, &queries, time_gen, time_reward, self.skipped)?;
@@ -417,6 +418,8 @@ impl PpoRun {
         let responses: Vec<Vec<u32>> = turns.iter().map(|t| t.response_ids.clone()).collect();
         let scores: Vec<f32> = turns.iter().map(|t| t.reward).collect();
         let bootstrap: Vec<f32> = turns.iter().map(|t| t.bootstrap).collect();
+        let admissible = self.config.agent.actions == crate::envs::play::ActionMode::Admissible;
+        let allowed: Vec<Vec<Vec<u32>>> = turns.iter().map(|t| t.allowed.clone()).collect();
         let caches: Vec<RolloutCache> = turns
             .iter()
             .map(|t| RolloutCache { logprobs: t.logprobs.clone(), values: t.values.clone() })
@@ -428,6 +431,7 @@ impl PpoRun {
             response_masks: None,
             rollout: self.config.ppo.rollout_cache.then_some(caches.as_slice()),
             bootstrap: Some(&bootstrap),
+            allowed: admissible.then_some(allowed.as_slice()),
         })?;
         let logprobs: Vec<&[f32]> = turns.iter().map(|t| t.logprobs.as_slice()).collect();
         let time_gen = batch.time_generation.as_secs_f64();

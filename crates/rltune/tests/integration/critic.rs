@@ -330,6 +330,7 @@ fn critic_values_with_the_rollout_cache_equal_recomputation() {
             response_masks: None,
             rollout: Some(&caches),
             bootstrap: None,
+            allowed: None,
         })
         .unwrap();
     let plain = b.step(&q, &r, &scores).unwrap();

@@ -1,5 +1,6 @@
 //! rltune's integration tests: one binary, one module per area.
 
+mod admissible_ppo;
 mod chat_templates;
 mod common;
 mod critic;

@@ -114,6 +114,7 @@ fn step_on(trainer: &mut PpoTrainer, turns: &[Transition], bootstrap: bool) -> S
             response_masks: None,
             rollout: Some(&caches),
             bootstrap: bootstrap.then_some(next.as_slice()),
+            allowed: None,
         })
         .unwrap()
 }

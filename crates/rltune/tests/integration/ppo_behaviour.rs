@@ -182,6 +182,7 @@ fn rollout_cache_equals_recomputation() {
             response_masks: None,
             rollout: Some(&cache),
             bootstrap: None,
+            allowed: None,
         })
         .unwrap();
     let b = recomputed.step(&queries, &resp, &scores).unwrap();
@@ -493,6 +494,7 @@ fn whiten_rewards_ignores_padding_after_the_response() {
             response_masks: Some(&masks),
             rollout: None,
             bootstrap: None,
+            allowed: None,
         })
         .unwrap();
     let mut d_stats = 0f64;
@@ -572,6 +574,7 @@ fn bad_input_is_rejected_naming_the_sample() {
             response_masks: None,
             rollout: Some(&short_cache),
             bootstrap: None,
+            allowed: None,
         })
         .unwrap_err()
         .to_string();
@@ -653,6 +656,7 @@ fn bootstrap_zero_is_the_plain_step_and_a_value_raises_the_returns() {
             response_masks: None,
             rollout: None,
             bootstrap,
+            allowed: None,
         };
         let stats = t.step_with(input).unwrap();
         (stats, weights(&t))
@@ -674,6 +678,7 @@ fn bootstrap_zero_is_the_plain_step_and_a_value_raises_the_returns() {
         response_masks: None,
         rollout: None,
         bootstrap: Some(&[f32::NAN; 8]),
+        allowed: None,
     };
     let e = t.step_with(bad).unwrap_err().to_string();
     assert!(e.contains("sample 0") && e.contains("bootstrap"), "{e}");

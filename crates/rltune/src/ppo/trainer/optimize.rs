@@ -223,10 +223,11 @@ impl PpoTrainer {
         let (old_lp, old_v, adv, ret) =
             (sel(data.old_logprobs)?, sel(data.values)?, sel(data.advantages)?, sel(data.returns)?);
         let select = if data.response_only { Some(&mask) } else { None };
+        let allowed = batch.allowed.as_ref().map(|c| c.select(&idx)).transpose()?;
         // Sinks installed for the forward: the fused GPT-2 blocks write weight gradients into them.
         let _sinks = grads.scope();
         let (logp, entropy, vpreds) =
-            self.policy_forward(&ids, &pos, &bias, select, critic_grads.as_deref())?;
+            self.policy_forward(&ids, &pos, &bias, select, allowed.as_ref(), critic_grads.as_deref())?;
         let l = math::ppo_losses(
             &old_lp,
             &old_v,

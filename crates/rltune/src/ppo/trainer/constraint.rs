@@ -1,0 +1,185 @@
+//! PPO on admissible actions (`[agent] actions = "admissible"`): the policy samples each token
+//! of a command from its softmax renormalised over the tokens the command trie allows there
+//! ([`crate::generation::admissible`]), so the logprobs PPO compares, of the policy and of the
+//! reference, are those of the same renormalised distributions.
+//!
+//! A [`Constraint`] holds, for every position of the padded batch, the allowed tokens as a
+//! gather index `(B, L−1, K)` into the vocabulary and an additive mask `(B, L−1, K)` (0 on the
+//! set, −1e9 on the padding of shorter sets); `K` is the largest set. Positions outside the
+//! responses get the one-token set of their target, so their logprob and entropy are 0 (the
+//! losses mask them out anyway).
+//!
+//! The constrained head computes the `(rows, V)` logits with [`ops::linear`] (differentiable on
+//! every device), gathers the `K` allowed logits and normalises over them: it never forms a
+//! `(rows, V)` log-softmax, and with every token allowed it is the unconstrained head
+//! (tests/integration/admissible_ppo.rs checks one PPO step against the fused head's).
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::error::{Error, Result};
+use crate::ops;
+
+/// The mask value of the padding of shorter allowed sets (`exp` of it is 0; finite, so that
+/// `0 · mask` in the entropy stays 0).
+const PAD: f32 = -1e9;
+
+/// The allowed tokens of every position of a batch (see the module docs).
+pub(in crate::ppo) struct Constraint {
+    /// `(B, L−1, K)` u32: the allowed token ids.
+    pub(in crate::ppo) idx: Tensor,
+    /// `(B, L−1, K)` f32: 0 on the allowed ids, −1e9 on padding.
+    pub(in crate::ppo) pad: Tensor,
+}
+
+impl Constraint {
+    /// Builds the constraint of the right-padded `ids (B, L)` whose row `i` has its response at
+    /// columns `starts[i] + 1 ..` with `allowed[i][j]` the set of response token `j`.
+    pub(in crate::ppo) fn new(
+        ids: &[Vec<u32>],
+        starts: &[usize],
+        responses: &[Vec<u32>],
+        allowed: &[Vec<Vec<u32>>],
+        device: &Device,
+    ) -> Result<Self> {
+        let b = ids.len();
+        if allowed.len() != b {
+            return Err(Error::Input(format!(
+                "StepInput.allowed: {} rows for a batch of {b}",
+                allowed.len()
+            )));
+        }
+        for (i, (a, r)) in allowed.iter().zip(responses).enumerate() {
+            if a.len() != r.len() {
+                return Err(Error::Input(format!(
+                    "StepInput.allowed: sample {i} has {} allowed sets for {} response tokens",
+                    a.len(),
+                    r.len()
+                )));
+            }
+            for (j, (set, tok)) in a.iter().zip(r).enumerate() {
+                if !set.contains(tok) {
+                    return Err(Error::Input(format!(
+                        "StepInput.allowed: sample {i}, response token {j} ({tok}) is not in its allowed \
+                         set {set:?}: the response was not sampled under these sets"
+                    )));
+                }
+            }
+        }
+        let w = ids.first().map_or(0, Vec::len).saturating_sub(1);
+        let k = allowed.iter().flatten().map(Vec::len).max().unwrap_or(1).max(1);
+        let (mut idx, mut pad) = (vec![0u32; b * w * k], vec![PAD; b * w * k]);
+        for i in 0..b {
+            for c in 0..w {
+                let at = (i * w + c) * k;
+                let set: &[u32] = match c.checked_sub(starts[i]) {
+                    Some(j) if j < allowed[i].len() => &allowed[i][j],
+                    _ => std::slice::from_ref(&ids[i][c + 1]),
+                };
+                for (slot, &tok) in set.iter().enumerate() {
+                    idx[at + slot] = tok;
+                    pad[at + slot] = 0.0;
+                }
+                // Padding slots repeat the first id (any valid id), masked out.
+                let first = set[0];
+                idx[at + set.len()..at + k].iter_mut().for_each(|x| *x = first);
+            }
+        }
+        Ok(Self {
+            idx: Tensor::from_vec(idx, (b, w, k), device)?,
+            pad: Tensor::from_vec(pad, (b, w, k), device)?,
+        })
+    }
+
+    /// The rows `rows` (a u32 index) of the batch.
+    pub(in crate::ppo) fn select(&self, rows: &Tensor) -> Result<Self> {
+        Ok(Self { idx: self.idx.index_select(rows, 0)?, pad: self.pad.index_select(rows, 0)? })
+    }
+
+    /// Rows `start .. start + n`.
+    pub(in crate::ppo) fn narrow(&self, start: usize, n: usize) -> Result<Self> {
+        Ok(Self { idx: self.idx.narrow(0, start, n)?, pad: self.pad.narrow(0, start, n)? })
+    }
+}
+
+/// Logprobs of `targets (N)` and entropies `(N)` under `softmax(h·Wᵀ / τ)` renormalised over
+/// each row's allowed set (`idx`, `pad`: `(N, K)`); differentiable in `hidden` and `weight`
+/// (the entropy carries no gradient, as the unconstrained head's).
+pub(in crate::ppo) fn constrained_logprobs(
+    hidden: &Tensor,
+    weight: &Tensor,
+    targets: &Tensor,
+    idx: &Tensor,
+    pad: &Tensor,
+    temperature: f64,
+) -> Result<(Tensor, Tensor)> {
+    let logits = ops::linear(hidden, weight, None)?;
+    let logits = if temperature != 1.0 { (logits / temperature)? } else { logits };
+    let g = (logits.gather(&idx.contiguous()?, 1)? + pad.to_dtype(logits.dtype())?)?;
+    let max = g.max_keepdim(1)?.detach();
+    let shifted = g.broadcast_sub(&max)?;
+    let lse = shifted.exp()?.sum_keepdim(1)?.log()?;
+    let target = logits.gather(&targets.to_dtype(DType::U32)?.unsqueeze(1)?.contiguous()?, 1)?;
+    let logp = target.broadcast_sub(&max)?.broadcast_sub(&lse)?.squeeze(1)?;
+    let logq = shifted.detach().broadcast_sub(&lse.detach())?;
+    let entropy = (logq.exp()? * &logq)?.sum(1)?.neg()?;
+    Ok((logp, entropy))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::generation::admissible::allowed_logprob;
+
+    /// The constrained logprobs are the sampler's ([`allowed_logprob`]), and their gradients
+    /// those of a log-softmax over logits with −∞ outside the set (finite differences of the
+    /// dense form would say the same; the dense form is candle's own ops).
+    #[test]
+    fn matches_the_sampler_and_the_dense_masked_log_softmax() {
+        let dev = Device::Cpu;
+        let (n, c, v, temp) = (3usize, 5usize, 7usize, 0.7);
+        let h = candle_core::Var::from_tensor(&Tensor::randn(0f32, 1.0, (n, c), &dev).unwrap()).unwrap();
+        let w = candle_core::Var::from_tensor(&Tensor::randn(0f32, 1.0, (v, c), &dev).unwrap()).unwrap();
+        let sets: [&[u32]; 3] = [&[1, 4, 6], &[2], &[0, 3]];
+        let targets = [4u32, 2, 0];
+        let k = 3;
+        let (mut idx, mut pad) = (vec![], vec![]);
+        for s in sets {
+            for slot in 0..k {
+                idx.push(*s.get(slot).unwrap_or(&s[0]));
+                pad.push(if slot < s.len() { 0.0 } else { PAD });
+            }
+        }
+        let idx = Tensor::from_vec(idx, (n, k), &dev).unwrap();
+        let pad = Tensor::from_vec(pad, (n, k), &dev).unwrap();
+        let tt = Tensor::new(&targets, &dev).unwrap();
+        let (logp, entropy) =
+            constrained_logprobs(h.as_tensor(), w.as_tensor(), &tt, &idx, &pad, temp).unwrap();
+        let logits = h.as_tensor().matmul(&w.as_tensor().t().unwrap()).unwrap().to_vec2::<f32>().unwrap();
+        let got = logp.to_vec1::<f32>().unwrap();
+        for r in 0..n {
+            let want = allowed_logprob(&logits[r], temp, sets[r], targets[r]);
+            assert!((got[r] as f64 - want).abs() < 1e-5, "row {r}: {} vs {want}", got[r]);
+        }
+        assert!(entropy.to_vec1::<f32>().unwrap()[1].abs() < 1e-6, "a one-token set has no entropy");
+
+        // Gradients against the dense masked log-softmax.
+        let mut dense = vec![f32::NEG_INFINITY; n * v];
+        for (r, s) in sets.iter().enumerate() {
+            s.iter().for_each(|&t| dense[r * v + t as usize] = 0.0);
+        }
+        let dense = Tensor::from_vec(dense, (n, v), &dev).unwrap();
+        let weights = Tensor::new(&[0.3f32, -1.2, 0.8], &dev).unwrap();
+        let loss_of = |lp: &Tensor| (lp * &weights).unwrap().sum_all().unwrap();
+        let g1 = loss_of(&logp).backward().unwrap();
+        let z =
+            ((h.as_tensor().matmul(&w.as_tensor().t().unwrap()).unwrap() / temp).unwrap() + &dense).unwrap();
+        let lsm = candle_nn::ops::log_softmax(&z, 1).unwrap();
+        let lp2 = lsm.gather(&tt.unsqueeze(1).unwrap(), 1).unwrap().squeeze(1).unwrap();
+        let g2 = loss_of(&lp2).backward().unwrap();
+        for var in [&h, &w] {
+            let (a, b) = (g1.get(var).unwrap(), g2.get(var).unwrap());
+            let d = (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+            assert!(d < 1e-5, "gradient differs by {d}");
+        }
+    }
+}
