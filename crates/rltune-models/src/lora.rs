@@ -188,7 +188,21 @@ impl LoraConfig {
             Some(serde_json::Value::Array(a)) => !a.is_empty(),
             Some(_) => true,
         };
-        for k in ["use_dora", "layers_to_transform", "rank_pattern", "alpha_pattern", "layer_replication"] {
+        const UNSUPPORTED: [&str; 12] = [
+            "use_dora",
+            "layers_to_transform",
+            "rank_pattern",
+            "alpha_pattern",
+            "layer_replication",
+            "lora_bias",
+            "exclude_modules",
+            "target_parameters",
+            "trainable_token_indices",
+            "use_qalora",
+            "use_bdlora",
+            "alora_invocation_tokens",
+        ];
+        for k in UNSUPPORTED {
             if set(k) {
                 return Err(bad(format!(
                     "{k} is set; rltune's LoRA does not implement it. Train the adapter without {k}"
@@ -458,20 +472,18 @@ impl ParamStore {
         let value: serde_json::Value = crate::io::read_json(&cfg_path)?;
         let (cfg, meta) = LoraConfig::from_adapter_json(&value, &cfg_path)?;
         let weights = dir.join(ADAPTER_WEIGHTS);
-        let from_file: BTreeMap<String, Tensor> = candle_core::safetensors::load(
-            &weights,
-            &candle_core::Device::Cpu,
-        )
-        .map_err(|e| {
-            Error::weights(
-                &weights,
-                format!(
+        let from_file: BTreeMap<String, Tensor> =
+            candle_core::safetensors::load(&weights, &candle_core::Device::Cpu)
+                .map_err(|e| {
+                    Error::weights(
+                        &weights,
+                        format!(
                     "cannot read the adapter's weights: {e} (PEFT writes them with safe_serialization=True)"
                 ),
-            )
-        })?
-        .into_iter()
-        .collect();
+                    )
+                })?
+                .into_iter()
+                .collect();
         let mut extra = BTreeMap::new();
         let head = dir.join(VALUE_HEAD_WEIGHTS);
         if head.is_file() {
