@@ -281,7 +281,11 @@ pub fn load_policy_adapted(
     let config = CausalLmConfig::from_json(&config_json, &files.config)?;
     let store = ParamStore::load_safetensors(&files.weights, trainable && lora.is_none(), dtype, device)?;
     let store = match lora {
-        Some(l) => l.apply(&store, &config)?,
+        Some(l) => {
+            let s = l.apply(&store, &config)?;
+            s.set_lora_base(model);
+            s
+        }
         None => store,
     };
     let lm = CausalLm::load(&store.root(), &config)?;
@@ -375,7 +379,11 @@ pub fn load_lm_adapted(
     let config = CausalLmConfig::from_json(&config_json, &files.config)?;
     let store = ParamStore::load_safetensors(&files.weights, trainable && lora.is_none(), dtype, device)?;
     let store = match lora {
-        Some(l) => l.apply(&store, &config)?,
+        Some(l) => {
+            let s = l.apply(&store, &config)?;
+            s.set_lora_base(model);
+            s
+        }
         None => store,
     };
     let lm = CausalLm::load(&store.root(), &config)?;

@@ -533,6 +533,13 @@ impl ParamStore {
         }
     }
 
+    /// Records `base` as the adapter's `base_model_name_or_path` (the model it was loaded on).
+    pub fn set_lora_base(&self, base: &str) {
+        if let Some(l) = self.lock().lora.as_mut() {
+            l.meta.base_model = Some(base.to_string());
+        }
+    }
+
     /// Whether this store has LoRA adapters (on or off).
     pub fn has_lora(&self) -> bool {
         self.lock().lora.is_some()
