@@ -390,6 +390,8 @@ pub(crate) struct LoraState {
     pub fan_in_fan_out: bool,
     /// Initializes new `A` matrices.
     pub rng: rand::rngs::StdRng,
+    /// The adapter file's `base_model_name_or_path`, for errors.
+    pub file_base: Option<String>,
 }
 
 impl LoraState {
@@ -451,6 +453,7 @@ impl ParamStore {
             seen: BTreeSet::new(),
             fan_in_fan_out: false,
             rng: rand::rngs::StdRng::seed_from_u64(seed),
+            file_base: None,
         };
         Ok(self.with_state(state, BTreeMap::new()))
     }
@@ -492,7 +495,7 @@ impl ParamStore {
             extra.extend(ts);
         }
         let origin = cfg_path.display().to_string();
-        let mut store = self.with_lora(&cfg, model_type, &origin, 0)?;
+        let store = self.with_lora(&cfg, model_type, &origin, 0)?;
         {
             let mut inner = store.lock();
             for (k, t) in extra {
@@ -500,11 +503,11 @@ impl ParamStore {
                 inner.tensors.insert(k, t);
             }
             let l = inner.lora.as_mut().expect("with_lora sets the LoRA state");
+            l.file_base = meta.base_model.clone();
             l.meta = meta;
             l.file = Some(weights);
             l.from_file = from_file;
         }
-        store.source = dir.to_path_buf();
         Ok(store)
     }
 
@@ -598,7 +601,7 @@ impl ParamStore {
                                  pass the base model it was trained on",
                                 t.dims(),
                                 [shape.0, shape.1],
-                                base_hint(&l.meta)
+                                base_hint(l.file_base.as_deref())
                             ),
                         ));
                     }
@@ -612,7 +615,7 @@ impl ParamStore {
                              adapter has no weights for it; the adapter was made for another base \
                              model{}",
                             l.targets,
-                            base_hint(&l.meta)
+                            base_hint(l.file_base.as_deref())
                         ),
                     ))
                 }
@@ -674,7 +677,7 @@ impl ParamStore {
                     left.len(),
                     shown.join(", "),
                     l.layouts.keys().next().map(String::as_str).unwrap_or(""),
-                    base_hint(&l.meta)
+                    base_hint(l.file_base.as_deref())
                 ),
             ));
         }
@@ -800,8 +803,8 @@ impl ParamStore {
 }
 
 /// `" (its adapter_config.json names base_model_name_or_path = …)"`, when it does.
-fn base_hint(meta: &AdapterMeta) -> String {
-    match &meta.base_model {
+fn base_hint(base: Option<&str>) -> String {
+    match base {
         Some(b) => format!(" (its {ADAPTER_CONFIG} names base_model_name_or_path = {b:?})"),
         None => String::new(),
     }
