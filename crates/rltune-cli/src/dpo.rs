@@ -13,7 +13,8 @@ use rltune::dpo::data::{prepare_pairs, read_preference_records, PreferencePair};
 use rltune::dpo::run::{pairs_per_process, train};
 use rltune::dpo::{DpoConfig, DpoTrainer};
 use rltune::logging::jsonl::{JsonlWriter, MetricRow};
-use rltune::models::load::{copy_side_files, locate, read_config_json, save_dir_atomic};
+use rltune::models::load::{copy_side_files, locate, read_config_json, save_dir_atomic, LoraSpec};
+use rltune::models::lora::LoraConfig;
 use rltune::models::{CausalLm, CausalLmConfig};
 use rltune::params::ParamStore;
 use rltune::ppo::Stat;
@@ -32,6 +33,9 @@ pub struct Args {
     /// Frozen reference model (default: a frozen copy of --model, as TRL).
     #[arg(long)]
     ref_model: Option<String>,
+    /// A LoRA adapter directory (PEFT's format) to start from: trains it, the base frozen.
+    #[arg(long)]
+    adapter: Option<PathBuf>,
     /// JSON lines {"prompt": "..", "chosen": "..", "rejected": ".."} (needs the model's
     /// tokenizer.json), or tokenized {"prompt_ids": [..], "chosen_ids": [..], "rejected_ids": [..]};
     /// optionally "ref_chosen_logps" and "ref_rejected_logps".
@@ -55,6 +59,9 @@ pub struct Args {
 struct DpoFile {
     dpo: DpoConfig,
     runtime: RuntimeSection,
+    /// LoRA adapters on the policy (PEFT's `LoraConfig` names); the reference is then the base
+    /// with the adapters off.
+    lora: Option<LoraConfig>,
 }
 
 /// The policy's files, raw config, parameters and model, and its tokenizer when it has one.
@@ -66,11 +73,20 @@ struct Policy {
     tokenizer: Option<Tokenizer>,
 }
 
-fn load(model: &str, trainable: bool, rt: &Runtime) -> Result<Policy> {
+fn load(model: &str, trainable: bool, lora: Option<&LoraSpec>, rt: &Runtime) -> Result<Policy> {
     let files = locate(model)?;
     let config_json = read_config_json(&files.config)?;
     let config = CausalLmConfig::from_json(&config_json, &files.config)?;
-    let store = ParamStore::load_safetensors(&files.weights, trainable, rt.dtype(), rt.device())?;
+    let store =
+        ParamStore::load_safetensors(&files.weights, trainable && lora.is_none(), rt.dtype(), rt.device())?;
+    let store = match lora {
+        Some(l) => {
+            let s = l.apply(&store, &config)?;
+            s.set_lora_base(model);
+            s
+        }
+        None => store,
+    };
     let lm = CausalLm::load(&store.root(), &config)?;
     let tokenizer = match &files.tokenizer {
         Some(p) => {
@@ -105,10 +121,32 @@ pub fn run(args: Args) -> Result<()> {
     let cfg = file.dpo;
     cfg.validate().map_err(|m| anyhow::anyhow!("{}: {m}", source.display()))?;
     let rt = args.runtime.resolve(file.runtime)?;
-    let policy =
-        load(&args.model, true, &rt).with_context(|| format!("cannot load policy {:?}", args.model))?;
+    let lora = match (&file.lora, &args.adapter) {
+        (None, None) => None,
+        (lc, adapter) => {
+            if let Some(c) = lc {
+                c.validate(&format!("{}: [lora]", source.display())).map_err(anyhow::Error::msg)?;
+            }
+            if args.ref_model.is_some() {
+                anyhow::bail!(
+                    "--ref-model with LoRA: the reference is the base model with the adapters off; \
+                     leave --ref-model out"
+                );
+            }
+            Some(LoraSpec {
+                config: lc.clone(),
+                adapter: adapter.clone(),
+                origin: format!("{}: [lora]", source.display()),
+                seed: cfg.seed,
+            })
+        }
+    };
+    let policy = load(&args.model, true, lora.as_ref(), &rt)
+        .with_context(|| format!("cannot load policy {:?}", args.model))?;
     let reference = match &args.ref_model {
-        Some(r) => Some(load(r, false, &rt).with_context(|| format!("cannot load reference {r:?}"))?.lm),
+        Some(r) => {
+            Some(load(r, false, None, &rt).with_context(|| format!("cannot load reference {r:?}"))?.lm)
+        }
         None => None,
     };
     let records = read_preference_records(&args.data)?;
@@ -214,10 +252,14 @@ fn save(dir: &Path, policy: &Policy, store: &ParamStore, metrics: &Path) -> Resu
     let metrics_text =
         std::fs::read(metrics).with_context(|| format!("cannot read {}", metrics.display()))?;
     save_dir_atomic(dir, |tmp| {
-        store.save_safetensors(&tmp.join("model.safetensors"))?;
-        let text = serde_json::to_string_pretty(&policy.config_json)
-            .map_err(|e| rltune::models::Error::Input(e.to_string()))?;
-        rltune::io::write_bytes_atomic(&tmp.join("config.json"), text.as_bytes())?;
+        if store.has_lora() {
+            store.save_adapter(tmp, None)?;
+        } else {
+            store.save_safetensors(&tmp.join("model.safetensors"))?;
+            let text = serde_json::to_string_pretty(&policy.config_json)
+                .map_err(|e| rltune::models::Error::Input(e.to_string()))?;
+            rltune::io::write_bytes_atomic(&tmp.join("config.json"), text.as_bytes())?;
+        }
         rltune::io::write_bytes_atomic(&tmp.join("metrics.jsonl"), &metrics_text)?;
         copy_side_files(&policy.files, tmp)
     })

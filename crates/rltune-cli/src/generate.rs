@@ -1,8 +1,10 @@
 //! `rltune generate`: sample from a causal LM.
 
+use std::path::PathBuf;
+
 use anyhow::{bail, Context, Result};
 use rltune::generation::{generate, GenerationConfig};
-use rltune::models::load::load_policy;
+use rltune::models::load::{load_policy_adapted, LoraSpec};
 use rltune::tokenizer::Tokenizer;
 
 /// Arguments of `rltune generate`.
@@ -42,6 +44,9 @@ pub struct Args {
     /// Print one JSON object per sample, one per line.
     #[arg(long)]
     json: bool,
+    /// A LoRA adapter directory (PEFT's format, or an rltune run with [lora]) applied to --model.
+    #[arg(long)]
+    adapter: Option<PathBuf>,
     #[command(flatten)]
     runtime: crate::runtime::RuntimeArgs,
 }
@@ -50,7 +55,8 @@ pub struct Args {
 pub fn run(args: Args) -> Result<()> {
     let runtime = args.runtime.resolve(Default::default())?;
     let device = runtime.device();
-    let policy = load_policy(&args.model, false, runtime.dtype(), device)
+    let adapter = args.adapter.as_ref().map(LoraSpec::from_dir);
+    let policy = load_policy_adapted(&args.model, None, adapter.as_ref(), false, runtime.dtype(), device)
         .with_context(|| format!("cannot load model {:?}", args.model))?;
     let tokenizer = match &policy.files.tokenizer {
         Some(path) => {

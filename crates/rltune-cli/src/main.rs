@@ -9,6 +9,7 @@ mod dpo;
 mod generate;
 mod grpo_step;
 mod launch;
+mod merge;
 mod play;
 mod ppo;
 mod ppo_step;
@@ -63,6 +64,8 @@ enum Command {
     Selftest(selftest::Args),
     /// Convert a GGUF file (llama, qwen2) to a Hugging Face directory that transformers loads.
     Convert(convert::Args),
+    /// Merge a LoRA adapter into its base model and write a Hugging Face directory.
+    Merge(merge::Args),
     /// Benchmarks (see bench/README.md).
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -125,6 +128,7 @@ impl Command {
             Command::Play(_) => "play",
             Command::Selftest(_) => "selftest",
             Command::Convert(_) => "convert",
+            Command::Merge(_) => "merge",
             Command::Bench(_) => "bench",
         }
     }
@@ -140,6 +144,7 @@ fn run(command: Command) -> anyhow::Result<()> {
         Command::Generate(args) => generate::run(args),
         Command::Play(args) => play::run(args),
         Command::Convert(args) => convert::run(args),
+        Command::Merge(args) => merge::run(args),
         Command::Ppo(args) => ppo::run(args),
         Command::PpoStep(args) => ppo_step::run(args),
         Command::GrpoStep(args) => grpo_step::run_grpo(args),

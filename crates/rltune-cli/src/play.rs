@@ -7,7 +7,7 @@ use anyhow::{bail, Context, Result};
 use rltune::agent::config::{agent_generation, EnvConfig};
 use rltune::agent::model_agent::ModelAgent;
 use rltune::envs::play::{play, Agent, PlayReport, RandomAgent};
-use rltune::models::load::load_policy;
+use rltune::models::load::{load_policy_adapted, LoraSpec};
 use rltune::tokenizer::Tokenizer;
 
 /// Arguments of `rltune play`.
@@ -39,6 +39,9 @@ pub struct Args {
     /// Override a setting of the env config, e.g. --set env.max_steps=30 (repeatable).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     set: Vec<String>,
+    /// A LoRA adapter directory (PEFT's format, or an rltune run with [lora]) applied to --model.
+    #[arg(long, requires = "model")]
+    adapter: Option<PathBuf>,
     #[command(flatten)]
     runtime: crate::runtime::RuntimeArgs,
 }
@@ -61,7 +64,8 @@ pub fn run(args: Args) -> Result<()> {
         Some(model) => {
             let runtime = args.runtime.resolve(Default::default())?;
             let device = runtime.device();
-            let policy = load_policy(model, false, runtime.dtype(), device)
+            let adapter = args.adapter.as_ref().map(LoraSpec::from_dir);
+            let policy = load_policy_adapted(model, None, adapter.as_ref(), false, runtime.dtype(), device)
                 .with_context(|| format!("cannot load the model {model:?}"))?;
             let tok_path = policy.files.tokenizer.clone().with_context(|| {
                 format!("{model}: no tokenizer.json; a model agent needs one to read the game")

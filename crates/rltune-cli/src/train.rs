@@ -9,6 +9,8 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use rltune::config_file::parse_toml;
+use rltune::models::load::LoraSpec;
+use rltune::models::lora::LoraConfig;
 use rltune::runtime::RuntimeSection;
 use rltune::train::data::{read_reward_records, read_sft_records};
 use rltune::train::reward_model::{self, RewardConfig, RewardModel};
@@ -43,6 +45,9 @@ pub struct Common {
 pub struct SftArgs {
     #[command(flatten)]
     common: Common,
+    /// A LoRA adapter directory (PEFT's format) to start from: trains it, the base frozen.
+    #[arg(long)]
+    adapter: Option<PathBuf>,
 }
 
 /// Arguments of `rltune reward`.
@@ -58,6 +63,8 @@ struct SftFile {
     training: TrainingArgs,
     sft: SftConfig,
     runtime: RuntimeSection,
+    /// LoRA adapters (PEFT's `LoraConfig` names): the base frozen, the adapter saved.
+    lora: Option<LoraConfig>,
 }
 
 #[derive(Deserialize, Default)]
@@ -66,6 +73,8 @@ struct RewardFile {
     training: TrainingArgs,
     reward: RewardConfig,
     runtime: RuntimeSection,
+    /// Refused: the reward model trains in full (see docs/lora.md).
+    lora: Option<LoraConfig>,
 }
 
 /// The settings file (or an empty one) with the overrides applied.
@@ -92,7 +101,19 @@ pub fn run_sft(args: SftArgs) -> Result<()> {
     check(file.sft.validate(), c)?;
     let runtime = c.runtime.resolve(file.runtime.clone())?;
     let records = read_sft_records(&c.data)?;
-    let model = SftModel::from_pretrained(&c.model, runtime.dtype(), runtime.device())?;
+    let origin = c.config.as_ref().map_or("--set".to_string(), |p| p.display().to_string());
+    let lora = match (&file.lora, &args.adapter) {
+        (None, None) => None,
+        (lc, adapter) => {
+            if let Some(l) = lc {
+                check(l.validate("[lora]"), c)?;
+            }
+            let origin = format!("{origin}: [lora]");
+            Some(LoraSpec { config: lc.clone(), adapter: adapter.clone(), origin, seed: file.training.seed })
+        }
+    };
+    let model =
+        SftModel::from_pretrained_adapted(&c.model, lora.as_ref(), runtime.dtype(), runtime.device())?;
     let mut cfg = file.sft;
     if let Some(max) = model.lm.config().max_positions() {
         fit_default(&mut cfg.max_length, SftConfig::default().max_length, max, "sft.max_length");
@@ -112,6 +133,14 @@ pub fn run_sft(args: SftArgs) -> Result<()> {
 pub fn run_reward(args: RewardArgs) -> Result<()> {
     let c = &args.common;
     let file: RewardFile = settings(c)?;
+    if file.lora.is_some() {
+        check(
+            Err("[lora] is not supported by `rltune reward` yet: the reward model (a sequence \
+                 classifier) trains in full; remove the [lora] table"
+                .into()),
+            c,
+        )?;
+    }
     check(file.training.validate(), c)?;
     check(file.reward.validate(), c)?;
     let runtime = c.runtime.resolve(file.runtime.clone())?;

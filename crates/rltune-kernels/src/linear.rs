@@ -125,8 +125,12 @@ pub(super) fn gemm_no_bwd(a: &Tensor, b: &Tensor) -> CResult<Tensor> {
 }
 
 /// The gradient `a·b` of weight `w`: written into `w`'s gradient sink when it has one (`None`
-/// is then candle's share), else the product.
+/// is then candle's share), else the product. `None` for a frozen weight (no variable behind it,
+/// e.g. a LoRA base): nothing reads its gradient, so the product is not computed.
 pub(super) fn weight_grad(w: &Tensor, a: &Tensor, b: &Tensor) -> CResult<Option<Tensor>> {
+    if !w.track_op() {
+        return Ok(None);
+    }
     if grad_sink::gemm_into_sink(w, a, b)? {
         return Ok(None);
     }

@@ -249,7 +249,10 @@ impl Block {
         cache: Option<(&mut KvCache, usize)>,
         rows: Option<&ops::block::Rows>,
     ) -> Result<Tensor> {
-        if cache.is_none() && self.mlp.act == Activation::GeluTanh {
+        let adapted = [&self.attn.c_attn, &self.attn.c_proj, &self.mlp.c_fc, &self.mlp.c_proj]
+            .iter()
+            .any(|c| c.lora.is_some());
+        if cache.is_none() && self.mlp.act == Activation::GeluTanh && !adapted {
             // One graph node with a hand-written backward, where its weights' gradients can go to
             // gradient sinks (`ops::block`); else the composed block below.
             if let Some(z) = ops::block::gpt2_block(x, bias, &self.params(), rows)? {

@@ -6,54 +6,71 @@
 use candle_core::{Device, Tensor, D};
 
 use crate::error::{Error, Result};
+use crate::lora::{LoraLinear, WeightLayout};
 use crate::params::{Init, Params};
 use rltune_kernels as ops;
 pub use rltune_kernels::{causal_bias, padding_bias, MASK_MIN};
 
-/// `nn.Linear`: weight `[out, in]`, optional bias `[out]`.
+/// `nn.Linear`: weight `[out, in]`, optional bias `[out]`, and a LoRA adapter when the store
+/// targets this module ([`crate::lora`]).
 #[derive(Debug, Clone)]
 pub struct Linear {
     /// `[out, in]`
     pub weight: Tensor,
     /// `[out]`
     pub bias: Option<Tensor>,
+    /// The adapter, `y += (x·Aᵀ·Bᵀ)·scaling`.
+    pub lora: Option<LoraLinear>,
 }
 
 impl Linear {
-    /// Loads `weight` (and `bias` when `bias` is true) under `p`.
+    /// Loads `weight` (and `bias` when `bias` is true) under `p`, and its adapter.
     pub fn load(p: &Params, d_in: usize, d_out: usize, bias: bool, std: f64) -> Result<Self> {
         let weight = p.get("weight", (d_out, d_in), Init::Normal(std))?;
         let bias = if bias { Some(p.get("bias", d_out, Init::Zeros)?) } else { None };
-        Ok(Self { weight, bias })
+        let lora = p.lora(d_in, d_out, WeightLayout::OutIn)?;
+        Ok(Self { weight, bias, lora })
     }
 
     /// `(…, in) -> (…, out)`
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(ops::linear(x, &self.weight, self.bias.as_ref())?)
+        let y = ops::linear(x, &self.weight, self.bias.as_ref())?;
+        match &self.lora {
+            Some(l) => Ok((y + l.delta(x)?)?),
+            None => Ok(y),
+        }
     }
 }
 
-/// GPT-2's `Conv1D`: a linear map stored transposed, weight `[in, out]`, bias `[out]`.
+/// GPT-2's `Conv1D`: a linear map stored transposed, weight `[in, out]`, bias `[out]`, and a
+/// LoRA adapter when the store targets this module (PEFT's `fan_in_fan_out`).
 #[derive(Debug, Clone)]
 pub struct Conv1D {
     /// `[in, out]`
     pub weight: Tensor,
     /// `[out]`
     pub bias: Tensor,
+    /// The adapter, `A (r, in)`, `B (out, r)` as for `nn.Linear`.
+    pub lora: Option<LoraLinear>,
 }
 
 impl Conv1D {
-    /// Loads `weight` and `bias` under `p`.
+    /// Loads `weight` and `bias` under `p`, and its adapter.
     pub fn load(p: &Params, d_in: usize, d_out: usize, std: f64) -> Result<Self> {
         Ok(Self {
             weight: p.get("weight", (d_in, d_out), Init::Normal(std))?,
             bias: p.get("bias", d_out, Init::Zeros)?,
+            lora: p.lora(d_in, d_out, WeightLayout::InOut)?,
         })
     }
 
     /// `(…, in) -> (…, out)`
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(ops::linear_in_out(x, &self.weight, Some(&self.bias))?)
+        let y = ops::linear_in_out(x, &self.weight, Some(&self.bias))?;
+        match &self.lora {
+            Some(l) => Ok((y + l.delta(x)?)?),
+            None => Ok(y),
+        }
     }
 }
 

@@ -51,6 +51,7 @@ pub mod io;
 pub mod layers;
 pub mod llama;
 pub mod load;
+pub mod lora;
 pub mod params;
 pub mod tokenizer;
 pub mod value_head;
@@ -120,6 +121,17 @@ impl CausalLmConfig {
                 model_type: other.to_string(),
                 supported: CAUSAL_LM_TYPES.join(", "),
             }),
+        }
+    }
+
+    /// The architecture's `model_type` (`"llama"` also for Qwen2 and Mistral: they share PEFT's
+    /// default LoRA targets).
+    pub fn model_type(&self) -> &'static str {
+        match self {
+            Self::Gpt2(_) => "gpt2",
+            Self::Llama(_) => "llama",
+            Self::GptNeo(_) => "gpt_neo",
+            Self::GptNeoX(_) => "gpt_neox",
         }
     }
 
@@ -222,6 +234,7 @@ impl CausalLm {
                 (Arch::GptNeoX(gpt_neox::GptNeoX::load(p, c)?), c.num_hidden_layers, c.hidden_size)
             }
         };
+        p.store().check_lora()?;
         Ok(Self { arch, cfg: cfg.clone(), n_layers, hidden_size })
     }
 

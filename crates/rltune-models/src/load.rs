@@ -14,6 +14,7 @@ use super::{CausalLm, CausalLmConfig, CausalLmWithValueHead, ValueHeadSpec};
 use crate::error::{Error, Result};
 use crate::io::{read_json, write_bytes_atomic};
 pub use crate::io::{save_dir_atomic, ModelFiles};
+use crate::lora::LoraConfig;
 use crate::params::ParamStore;
 
 const PICKLE_NAMES: &[&str] = &["pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.bin"];
@@ -211,10 +212,82 @@ pub fn load_policy_with(
     dtype: DType,
     device: &Device,
 ) -> Result<LoadedPolicy> {
+    load_policy_adapted(model, head, None, trainable, dtype, device)
+}
+
+/// How to put LoRA adapters on a model as it is loaded ([`crate::lora`]).
+#[derive(Debug, Clone, Default)]
+pub struct LoraSpec {
+    /// New adapters from this config (a `[lora]` table).
+    pub config: Option<LoraConfig>,
+    /// Or the adapter saved in this directory (`--adapter`, a checkpoint): it wins over `config`.
+    pub adapter: Option<PathBuf>,
+    /// Where `config` was set, for errors (e.g. `run.toml: [lora]`).
+    pub origin: String,
+    /// Seed of the new `A` matrices.
+    pub seed: u64,
+}
+
+impl LoraSpec {
+    /// New adapters from `config`, set at `origin`.
+    pub fn new(config: LoraConfig, origin: impl Into<String>, seed: u64) -> Self {
+        Self { config: Some(config), adapter: None, origin: origin.into(), seed }
+    }
+
+    /// The adapter saved in `dir`.
+    pub fn from_dir(dir: impl Into<PathBuf>) -> Self {
+        Self { adapter: Some(dir.into()), ..Default::default() }
+    }
+
+    /// `store` (loaded frozen) as the base of these adapters.
+    pub fn apply(&self, store: &ParamStore, config: &CausalLmConfig) -> Result<ParamStore> {
+        match (&self.adapter, &self.config) {
+            (Some(dir), cfg) => {
+                let s = store.with_adapter(dir, config.model_type())?;
+                if let (Some(want), Some(got)) = (cfg, s.lora_config()) {
+                    if want.r != got.r
+                        || want.target_modules.is_some() && want.target_modules != got.target_modules
+                    {
+                        tracing::warn!(
+                            "{}: [lora] differs from the adapter's {} (r = {}, target_modules = {:?}); the \
+                             adapter's config is used",
+                            self.origin,
+                            dir.join(crate::lora::ADAPTER_CONFIG).display(),
+                            got.r,
+                            got.target_modules
+                        );
+                    }
+                }
+                Ok(s)
+            }
+            (None, Some(cfg)) => store.with_lora(cfg, config.model_type(), &self.origin, self.seed),
+            (None, None) => Ok(store.clone()),
+        }
+    }
+}
+
+/// [`load_policy_with`], with LoRA adapters when `lora` is given: the base is then loaded frozen
+/// and only the adapters, `modules_to_save` and the value head train.
+pub fn load_policy_adapted(
+    model: &str,
+    head: Option<ValueHeadSpec>,
+    lora: Option<&LoraSpec>,
+    trainable: bool,
+    dtype: DType,
+    device: &Device,
+) -> Result<LoadedPolicy> {
     let files = locate(model)?;
     let config_json = read_config_json(&files.config)?;
     let config = CausalLmConfig::from_json(&config_json, &files.config)?;
-    let store = ParamStore::load_safetensors(&files.weights, trainable, dtype, device)?;
+    let store = ParamStore::load_safetensors(&files.weights, trainable && lora.is_none(), dtype, device)?;
+    let store = match lora {
+        Some(l) => {
+            let s = l.apply(&store, &config)?;
+            s.set_lora_base(model);
+            s
+        }
+        None => store,
+    };
     let lm = CausalLm::load(&store.root(), &config)?;
     let model = match head {
         Some(spec) => CausalLmWithValueHead::load_with(&store.root(), lm, spec)?,
@@ -290,10 +363,29 @@ pub struct LoadedLm {
 
 /// Loads the causal LM `model` (a directory or hub id) on `device` in `dtype`.
 pub fn load_lm(model: &str, trainable: bool, dtype: DType, device: &Device) -> Result<LoadedLm> {
+    load_lm_adapted(model, None, trainable, dtype, device)
+}
+
+/// [`load_lm`] with LoRA adapters when `lora` is given (the base loaded frozen).
+pub fn load_lm_adapted(
+    model: &str,
+    lora: Option<&LoraSpec>,
+    trainable: bool,
+    dtype: DType,
+    device: &Device,
+) -> Result<LoadedLm> {
     let files = locate(model)?;
     let config_json = read_config_json(&files.config)?;
     let config = CausalLmConfig::from_json(&config_json, &files.config)?;
-    let store = ParamStore::load_safetensors(&files.weights, trainable, dtype, device)?;
+    let store = ParamStore::load_safetensors(&files.weights, trainable && lora.is_none(), dtype, device)?;
+    let store = match lora {
+        Some(l) => {
+            let s = l.apply(&store, &config)?;
+            s.set_lora_base(model);
+            s
+        }
+        None => store,
+    };
     let lm = CausalLm::load(&store.root(), &config)?;
     Ok(LoadedLm { files, config_json, config, store, lm })
 }

@@ -18,6 +18,7 @@ use candle_core::{DType, Device, Shape, Tensor, Var};
 use rand::{Rng, SeedableRng};
 
 use crate::error::{Error, Result};
+use crate::lora::{LoraLinear, LoraState, WeightLayout};
 
 /// How a missing parameter is initialized.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -28,38 +29,45 @@ pub enum Init {
     Ones,
     /// Normal with mean 0 and this standard deviation.
     Normal(f64),
+    /// Uniform in `[-bound, bound)` (torch's `kaiming_uniform_`).
+    Uniform(f64),
 }
 
 #[derive(Debug)]
-struct Inner {
+pub(crate) struct Inner {
     /// Tensors by full name, in the store's dtype and device.
-    tensors: BTreeMap<String, Tensor>,
+    pub(crate) tensors: BTreeMap<String, Tensor>,
     /// The same tensors as variables, when trainable.
-    vars: BTreeMap<String, Var>,
+    pub(crate) vars: BTreeMap<String, Var>,
     /// Names initialized here rather than loaded.
-    initialized: Vec<String>,
+    pub(crate) initialized: Vec<String>,
     /// Tied duplicates read from the checkpoint (`lm_head.weight` → `transformer.wte.weight`):
     /// not parameters of their own, written back with their target's current value.
-    aliases: BTreeMap<String, String>,
+    pub(crate) aliases: BTreeMap<String, String>,
     /// Random source for initialization, seeded.
-    rng: rand::rngs::StdRng,
+    pub(crate) rng: rand::rngs::StdRng,
     /// The integer dtype a tensor was stored with, for tensors converted to the store's float
     /// dtype: such a tensor is refused when a model asks for it as a weight (checkpoints also
     /// hold integer buffers, e.g. BERT's `position_ids`, that no model reads).
-    stored_int: BTreeMap<String, DType>,
+    pub(crate) stored_int: BTreeMap<String, DType>,
+    /// LoRA adapters, when the store was made with [`ParamStore::with_lora`].
+    pub(crate) lora: Option<LoraState>,
 }
 
 /// A set of named parameters shared by a model and its optimizer.
 #[derive(Debug, Clone)]
 pub struct ParamStore {
-    inner: Arc<Mutex<Inner>>,
-    trainable: bool,
+    pub(crate) inner: Arc<Mutex<Inner>>,
+    pub(crate) trainable: bool,
     /// Initialize missing tensors on request (random models) instead of failing.
-    fill_missing: bool,
-    dtype: DType,
-    device: Device,
+    pub(crate) fill_missing: bool,
+    pub(crate) dtype: DType,
+    pub(crate) device: Device,
     /// Where the tensors came from, for error messages.
-    source: PathBuf,
+    pub(crate) source: PathBuf,
+    /// With LoRA: whether models built from this view get their adapters (false for the
+    /// reference view, [`ParamStore::frozen_copy`]).
+    pub(crate) adapters_on: bool,
 }
 
 impl ParamStore {
@@ -83,8 +91,15 @@ impl ParamStore {
             }
         }
         let rng = rand::rngs::StdRng::seed_from_u64(seed);
-        let inner =
-            Inner { tensors, vars, initialized: Vec::new(), aliases: BTreeMap::new(), rng, stored_int };
+        let inner = Inner {
+            tensors,
+            vars,
+            initialized: Vec::new(),
+            aliases: BTreeMap::new(),
+            rng,
+            stored_int,
+            lora: None,
+        };
         Ok(Self {
             inner: Arc::new(Mutex::new(inner)),
             trainable,
@@ -92,6 +107,7 @@ impl ParamStore {
             dtype,
             device: device.clone(),
             source,
+            adapters_on: false,
         })
     }
 
@@ -183,7 +199,7 @@ impl ParamStore {
         &self.source
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+    pub(crate) fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         // A poisoned lock only means another thread panicked mid-insert; the map is still valid.
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -208,9 +224,17 @@ impl ParamStore {
         self.lock().initialized.clone()
     }
 
-    /// The trainable variables by name (empty for a frozen store).
+    /// The trainable variables by name (empty for a frozen store). With LoRA: the adapters (by
+    /// their PEFT keys), then the `modules_to_save` copies and the value head; the base is frozen.
     pub fn vars(&self) -> Vec<(String, Var)> {
-        self.lock().vars.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+        let inner = self.lock();
+        match &inner.lora {
+            Some(l) if self.adapters_on => {
+                l.adapters.iter().chain(&l.saved).map(|(k, v)| (k.clone(), v.clone())).collect()
+            }
+            Some(_) => Vec::new(),
+            None => inner.vars.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+        }
     }
 
     /// A snapshot of every tensor by name (detached copies share no storage with the store),
@@ -241,8 +265,12 @@ impl ParamStore {
         }
     }
 
-    /// A frozen deep copy (for a reference model): same names, no gradient tracking.
+    /// A frozen deep copy (for a reference model): same names, no gradient tracking. With LoRA,
+    /// the base with the adapters turned off, sharing its tensors (they never train): no copy.
     pub fn frozen_copy(&self) -> Result<Self> {
+        if self.lock().lora.is_some() {
+            return Ok(self.without_adapters());
+        }
         let map: HashMap<String, Tensor> = self.snapshot()?.into_iter().collect();
         let aliases = self.lock().aliases.clone();
         let mut s = Self::from_tensors(map, false, self.dtype, &self.device, &self.source)?;
@@ -266,6 +294,14 @@ impl ParamStore {
 
     /// The tensor `name` with the expected shape, initializing it if allowed.
     fn get(&self, name: &str, shape: &Shape, init: Option<Init>) -> Result<Tensor> {
+        if self.adapters_on && self.lock().lora.as_ref().is_some_and(|l| l.is_saved(name)) {
+            return self.get_saved(name, shape, init);
+        }
+        self.get_plain(name, shape, init)
+    }
+
+    /// [`Self::get`] from the tensors themselves (the base, with LoRA).
+    pub(crate) fn get_plain(&self, name: &str, shape: &Shape, init: Option<Init>) -> Result<Tensor> {
         let mut inner = self.lock();
         if let Some(dt) = inner.stored_int.get(name) {
             return Err(Error::weights(
@@ -310,9 +346,10 @@ impl ParamStore {
                 let normal = NormalSampler(std);
                 (0..n).map(|_| normal.sample(&mut inner.rng)).collect()
             }
+            Init::Uniform(bound) => (0..n).map(|_| inner.rng.gen_range(-bound..bound)).collect(),
         };
         let t = Tensor::from_vec(data, shape, &Device::Cpu)?.to_dtype(self.dtype)?.to_device(&self.device)?;
-        let t = if self.trainable {
+        let t = if self.trainable && inner.lora.is_none() {
             let v = Var::from_tensor(&t)?;
             let t = v.as_tensor().clone();
             inner.vars.insert(name.to_string(), v);
@@ -410,6 +447,12 @@ impl<'a> Params<'a> {
     /// The tensor `name`, initialized with `init` when absent, whatever the store's mode.
     pub fn get_or_init(&self, name: &str, shape: impl Into<Shape>, init: Init) -> Result<Tensor> {
         self.store.get(&self.full_name(name), &shape.into(), Some(init))
+    }
+
+    /// The LoRA adapter of the linear layer under this view (`d_in → d_out`, its weight stored as
+    /// `layout`), when the store has adapters on and `target_modules` matches this module.
+    pub fn lora(&self, d_in: usize, d_out: usize, layout: WeightLayout) -> Result<Option<LoraLinear>> {
+        self.store.adapter_for(&self.prefix, d_in, d_out, layout)
     }
 
     /// The underlying store.

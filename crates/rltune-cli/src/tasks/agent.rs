@@ -389,7 +389,7 @@ fn ppo_config<G: AgentGames>(dir: &Path, cfg: &AgentQuickstartConfig<G>) -> RunC
         ..GenerationConfig::default()
     };
     RunConfig {
-        model: ModelSection { path: dir.join("bc").to_string_lossy().into_owned() },
+        model: ModelSection { path: dir.join("bc").to_string_lossy().into_owned(), adapter: None },
         algorithm: Default::default(),
         rejection: Default::default(),
         grpo: Default::default(),
@@ -413,6 +413,7 @@ fn ppo_config<G: AgentGames>(dir: &Path, cfg: &AgentQuickstartConfig<G>) -> RunC
         logging: LoggingSection { dir: dir.join("ppo"), samples_per_step: 4, report_every: 10 },
         checkpoint: CheckpointSection { every: 10, optimizer_state: true },
         runtime: Default::default(),
+        lora: None,
     }
 }
 

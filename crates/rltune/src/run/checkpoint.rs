@@ -131,9 +131,14 @@ fn save_model(
     files: &ModelFiles,
     optimizer: Option<&Adam>,
 ) -> Result<()> {
-    store.save_safetensors(&dir.join("model.safetensors"))?;
-    let cfg = serde_json::to_string_pretty(config_json).map_err(|e| Error::Input(e.to_string()))?;
-    write_bytes_atomic(&dir.join("config.json"), cfg.as_bytes())?;
+    if store.has_lora() {
+        // The adapter in PEFT's format (and the value head); the base stays where it was.
+        store.save_adapter(dir, None)?;
+    } else {
+        store.save_safetensors(&dir.join("model.safetensors"))?;
+        let cfg = serde_json::to_string_pretty(config_json).map_err(|e| Error::Input(e.to_string()))?;
+        write_bytes_atomic(&dir.join("config.json"), cfg.as_bytes())?;
+    }
     copy_side_files(files, dir)?;
     if let Some(opt) = optimizer {
         let mut tensors = HashMap::new();

@@ -19,6 +19,8 @@ use crate::envs::play::PromptTemplate;
 use crate::error::{Error, Result};
 use crate::generation::GenerationConfig;
 use crate::grpo::{GrpoConfig, RlooConfig};
+use crate::models::load::LoraSpec;
+pub use crate::models::lora::LoraConfig;
 use crate::ppo::PpoConfig;
 use crate::rejection::RejectionConfig;
 
@@ -28,6 +30,10 @@ use crate::rejection::RejectionConfig;
 pub struct ModelSection {
     /// Local directory (Hugging Face layout) or hub id.
     pub path: String,
+    /// A LoRA adapter directory (PEFT's `save_pretrained`, or an rltune checkpoint with
+    /// `[lora]`) to start from; trains as LoRA even without a `[lora]` table.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adapter: Option<String>,
 }
 
 /// `[critic]`: a separate value model (see [`crate::ppo::critic`]).
@@ -254,6 +260,10 @@ pub struct RunConfig {
     /// Device and precision (see [`crate::runtime`]).
     #[serde(default)]
     pub runtime: RuntimeSection,
+    /// LoRA adapters on the policy, PEFT's `LoraConfig` names ([`crate::models::lora`]); the
+    /// base is frozen and the reference is the base with the adapters off.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora: Option<LoraConfig>,
 }
 
 impl RunConfig {
@@ -290,9 +300,43 @@ impl RunConfig {
         Ok(cfg)
     }
 
+    /// The LoRA adapters to put on the policy (`[lora]`, `[model] adapter`), if any; with
+    /// `checkpoint`, resuming: the adapter saved there. `origin` names the config file.
+    pub fn lora_spec(&self, checkpoint: Option<&Path>, origin: &str) -> Option<LoraSpec> {
+        if self.lora.is_none() && self.model.adapter.is_none() {
+            return None;
+        }
+        let seed = match self.algorithm.kind {
+            AlgorithmKind::Grpo => self.grpo.seed,
+            AlgorithmKind::Rloo => self.rloo.seed,
+            _ => self.ppo.seed,
+        };
+        Some(LoraSpec {
+            config: self.lora.clone(),
+            adapter: checkpoint
+                .map(Path::to_path_buf)
+                .or_else(|| self.model.adapter.as_ref().map(PathBuf::from)),
+            origin: format!("{origin}: [lora]"),
+            seed,
+        })
+    }
+
+    fn validate_lora(&self) -> std::result::Result<(), String> {
+        if let Some(l) = &self.lora {
+            l.validate("[lora]")?;
+            if self.ref_model.is_some() {
+                return Err("[lora] with [ref_model]: with LoRA the reference is the base model with the \
+                            adapters off; remove [ref_model]"
+                    .into());
+            }
+        }
+        Ok(())
+    }
+
     /// Checks the sections; messages name the field.
     pub fn validate(&self) -> std::result::Result<(), String> {
         self.ppo.validate()?;
+        self.validate_lora()?;
         self.validate_reward_names()?;
         if self.algorithm.kind.is_group() {
             return self.validate_group();

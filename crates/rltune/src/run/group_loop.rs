@@ -32,7 +32,7 @@ use crate::grpo::core::Core;
 use crate::grpo::math::weighted_rewards;
 use crate::grpo::{GroupBatch, GrpoTrainer, RewardTable, RlooTrainer};
 use crate::logging::{RunLogger, SampleRow};
-use crate::models::load::{load_lm, load_reference, ModelFiles};
+use crate::models::load::{load_lm_adapted, load_reference, ModelFiles};
 use crate::models::CausalLm;
 use crate::params::ParamStore;
 use crate::rewards::{RewardInput, RewardSource, WeightedSum};
@@ -145,8 +145,13 @@ impl GroupRun {
                 dir = config.logging.dir.display()
             )));
         }
-        let src = ckpt.as_ref().map_or(config.model.path.clone(), |(_, p)| p.display().to_string());
-        let policy = load_lm(&src, true, runtime.dtype(), runtime.device())?;
+        // With LoRA the base is always `[model] path`, and a checkpoint holds the adapter.
+        let lora = config.lora_spec(ckpt.as_ref().map(|(_, d)| d.as_path()), "the run config");
+        let src = match &ckpt {
+            Some((_, p)) if lora.is_none() => p.display().to_string(),
+            _ => config.model.path.clone(),
+        };
+        let policy = load_lm_adapted(&src, lora.as_ref(), true, runtime.dtype(), runtime.device())?;
         let tok_path = policy.files.tokenizer.clone().ok_or_else(|| {
             Error::Tokenizer(format!(
                 "{}: no tokenizer.json; `rltune ppo` needs one to encode prompts",
@@ -190,6 +195,10 @@ impl GroupRun {
             let (dtype, device) = (runtime.dtype(), runtime.device());
             Some(match &config.ref_model {
                 Some(r) => load_reference(&r.path, dtype, device)?.1,
+                // The base with the adapters off, sharing its weights.
+                None if lora.is_some() => {
+                    CausalLm::load(&policy.store.frozen_copy()?.root(), &policy.config)?
+                }
                 None if ckpt.is_some() => load_reference(&config.model.path, dtype, device)?.1,
                 None => CausalLm::load(&policy.store.frozen_copy()?.root(), &policy.config)?,
             })

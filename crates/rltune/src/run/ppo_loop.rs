@@ -25,7 +25,7 @@ use crate::engine::stats::mean_std;
 use crate::error::{Error, Result};
 use crate::generation::{generate, GenerationConfig, Sample};
 use crate::logging::{RunLogger, SampleRow};
-use crate::models::load::{load_policy_with, load_reference, LoadedPolicy};
+use crate::models::load::{load_policy_adapted, load_reference, LoadedPolicy};
 use crate::models::CausalLm;
 use crate::ppo::{PpoTrainer, RolloutCache, Stat, StepInput};
 use crate::rewards::{
@@ -178,13 +178,20 @@ impl PpoRun {
                 dir = config.logging.dir.display()
             )));
         }
-        let policy_src = ckpt.as_ref().map_or(config.model.path.clone(), |(_, p)| p.display().to_string());
+        // With LoRA the base is always `[model] path`, and a checkpoint holds the adapter.
+        let lora = config.lora_spec(ckpt.as_ref().map(|(_, d)| d.as_path()), "the run config");
+        let policy_src = match &ckpt {
+            Some((_, p)) if lora.is_none() => p.display().to_string(),
+            _ => config.model.path.clone(),
+        };
         // Without a critic, `[ppo] value_head` describes the policy's head; with one, the critic's.
         let head = config.critic.is_none().then(|| config.ppo.value_head_spec());
         let LoadedPolicy { files, config_json, config: lm_cfg, store, model } =
-            load_policy_with(&policy_src, head, true, dtype, &device)?;
+            load_policy_adapted(&policy_src, head, lora.as_ref(), true, dtype, &device)?;
         let reference = match &config.ref_model {
             Some(r) => load_reference(&r.path, dtype, &device)?.1,
+            // The base with the adapters off, sharing its weights.
+            None if lora.is_some() => CausalLm::load(&store.frozen_copy()?.root(), &lm_cfg)?,
             None if ckpt.is_some() => load_reference(&config.model.path, dtype, &device)?.1,
             None => CausalLm::load(&store.frozen_copy()?.root(), &lm_cfg)?,
         };

@@ -33,7 +33,7 @@ use super::data::SftRecord;
 use super::runner::{self, BatchLoss, EvalResult, Objective, TrainProgress, TrainSummary, TrainingArgs};
 use crate::error::{Error, Result};
 use crate::models::layers::{causal_bias, position_ids_from_mask};
-use crate::models::load::{locate, read_config_json, save_pretrained};
+use crate::models::load::{locate, read_config_json, save_dir_atomic, save_pretrained, LoraSpec};
 use crate::models::{CausalLm, CausalLmConfig};
 use crate::ops;
 use crate::params::ParamStore;
@@ -173,6 +173,17 @@ impl SftModel {
 
     /// Loads a model directory or hub id with trainable weights; it must have `tokenizer.json`.
     pub fn from_pretrained(model: &str, dtype: DType, device: &Device) -> Result<Self> {
+        Self::from_pretrained_adapted(model, None, dtype, device)
+    }
+
+    /// [`Self::from_pretrained`], with LoRA adapters when `lora` is given: the base is frozen,
+    /// the adapters train, and [`Self::save`] writes the adapter.
+    pub fn from_pretrained_adapted(
+        model: &str,
+        lora: Option<&LoraSpec>,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
         let files = locate(model)?;
         let config_json = read_config_json(&files.config)?;
         let cfg = CausalLmConfig::from_json(&config_json, &files.config)?;
@@ -184,7 +195,15 @@ impl SftModel {
         })?;
         let tokenizer = Tokenizer::from_file(&tok_path)?;
         tokenizer.check_fits(cfg.vocab_size())?;
-        let store = ParamStore::load_safetensors(&files.weights, true, dtype, device)?;
+        let store = ParamStore::load_safetensors(&files.weights, lora.is_none(), dtype, device)?;
+        let store = match lora {
+            Some(l) => {
+                let s = l.apply(&store, &cfg)?;
+                s.set_lora_base(model);
+                s
+            }
+            None => store,
+        };
         let lm = CausalLm::load(&store.root(), &cfg)?;
         Ok(Self { store, lm, config_json, tokenizer, generation_config: files.generation_config })
     }
@@ -197,7 +216,17 @@ impl SftModel {
     /// Saves a Hugging Face directory: config.json, model.safetensors, tokenizer.json (and the
     /// source's generation_config.json). It loads with [`crate::models::load::load_policy`]
     /// (which adds a fresh value head) and with transformers.
+    ///
+    /// With LoRA: the adapter (`adapter_config.json`, `adapter_model.safetensors`, PEFT's
+    /// format) and tokenizer.json instead; `rltune merge` makes a full model of it.
     pub fn save(&self, dir: &Path) -> Result<()> {
+        if self.store.has_lora() {
+            return save_dir_atomic(dir, |tmp| -> crate::models::Result<()> {
+                self.store.save_adapter(tmp, None)?;
+                self.tokenizer.save(&tmp.join("tokenizer.json"))
+            })
+            .map_err(Into::into);
+        }
         save_pretrained(dir, &self.store, &self.config_json)?;
         self.tokenizer.save(&dir.join("tokenizer.json"))?;
         if let Some(src) = &self.generation_config {

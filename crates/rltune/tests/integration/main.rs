@@ -13,6 +13,7 @@ mod gpt2;
 mod group_loop;
 mod grpo_parity;
 mod layout;
+mod lora;
 mod multiturn;
 mod neo;
 mod ppo_behaviour;
