@@ -130,8 +130,16 @@ impl ActionTrie {
 
 /// One constrained draw from `logits` (one row, the whole vocabulary) with the uniform `u`:
 /// the token and its logprob under `softmax(logits / T)` renormalized over `allowed` (sorted,
-/// non-empty). With every token allowed it is [`sampler::sample_pure`] itself.
+/// non-empty). With every token allowed it is [`sampler::sample_pure`] itself. `temperature`
+/// 0 is greedy: the most likely allowed token (the first of equals), with its logprob at
+/// temperature 1.
 pub fn sample_allowed(logits: &[f32], temperature: f64, allowed: &[u32], u: f64) -> (u32, f64) {
+    if temperature == 0.0 {
+        let logit = |t: u32| logits.get(t as usize).copied().unwrap_or(f32::NEG_INFINITY);
+        let tok =
+            allowed.iter().copied().fold(allowed[0], |best, t| if logit(t) > logit(best) { t } else { best });
+        return (tok, allowed_logprob(logits, 1.0, allowed, tok));
+    }
     if allowed.len() == logits.len() {
         let (tok, lp) = sampler::sample_pure(logits, temperature, &[], u);
         return (tok as u32, lp);
@@ -294,6 +302,15 @@ pub fn generate_admissible_with_values(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn temperature_zero_picks_the_most_likely_allowed_token() {
+        let logits = [0.5f32, 3.0, 1.0, 2.0, -1.0];
+        let (tok, lp) = sample_allowed(&logits, 0.0, &[0, 2, 3], 0.99);
+        assert_eq!(tok, 3, "token 1 is likelier but not allowed");
+        assert!((lp - allowed_logprob(&logits, 1.0, &[0, 2, 3], 3)).abs() < 1e-12);
+        assert_eq!(sample_allowed(&logits, 0.0, &[4], 0.5), (4, 0.0));
+    }
     use crate::params::ParamStore;
     use crate::{gpt2::Gpt2Config, CausalLmConfig};
 

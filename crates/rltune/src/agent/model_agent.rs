@@ -73,8 +73,9 @@ impl ModelAgent<'_> {
         };
         self.calls += 1;
         if self.template.actions == ActionMode::Admissible {
-            let picked =
-                generate_admissible(self.lm, &prompts, &tries, cfg.temperature, cfg.seed, &self.device)?;
+            // Greedy decoding (`top_k = 1`) is temperature 0 for the constrained sampler.
+            let temperature = if cfg.top_k == 1 { 0.0 } else { cfg.temperature };
+            let picked = generate_admissible(self.lm, &prompts, &tries, temperature, cfg.seed, &self.device)?;
             return Ok(picked
                 .iter()
                 .zip(states)
