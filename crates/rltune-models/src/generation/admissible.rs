@@ -27,7 +27,7 @@
 use candle_core::{DType, Device, Tensor};
 use rand::{Rng, SeedableRng};
 
-use super::sampler;
+use super::{row_seed, sampler, GenerationConfig};
 use crate::error::{Error, Result};
 use crate::layers::{causal_bias, position_ids_from_mask};
 use crate::{CausalLm, ValueHead};
@@ -179,30 +179,32 @@ pub struct ActionSample {
 }
 
 /// Samples one admissible command per prompt (`tries[i]` for `prompts[i]`), in one left-padded
-/// batch with a KV cache, exactly on the host. One uniform per live row per step, drawn in row
-/// order from `seed`'s stream, so a seed gives the same commands on any thread count.
+/// batch with a KV cache, exactly on the host; with `v_head`, each sample's values too (what a
+/// PPO rollout caches beside the logprobs).
+///
+/// `cfg` is read as free sampling reads it, where it applies to a constrained draw: the
+/// temperature; `top_k = 1` (greedy decoding) is temperature 0, the most likely allowed token;
+/// each row draws from its own stream keyed by `seed` and its global index (`row_offset`), so
+/// a sample depends on neither its batch's other rows nor the thread count, and the processes
+/// of a data-parallel run draw what one process would. Other `top_k` and `top_p` are refused:
+/// truncating an action set that the trie already restricts is not defined here. The token
+/// counts (`max_new_tokens`, EOS) do not apply: a command ends at its trie's leaf.
 pub fn generate_admissible(
-    lm: &CausalLm,
-    prompts: &[Vec<u32>],
-    tries: &[ActionTrie],
-    temperature: f64,
-    seed: u64,
-    device: &Device,
-) -> Result<Vec<ActionSample>> {
-    generate_admissible_with_values(lm, None, prompts, tries, temperature, seed, device)
-}
-
-/// [`generate_admissible`], with each sample's values under `v_head` (what a PPO rollout
-/// caches beside the logprobs).
-pub fn generate_admissible_with_values(
     lm: &CausalLm,
     v_head: Option<&ValueHead>,
     prompts: &[Vec<u32>],
     tries: &[ActionTrie],
-    temperature: f64,
-    seed: u64,
+    cfg: &GenerationConfig,
     device: &Device,
 ) -> Result<Vec<ActionSample>> {
+    if cfg.top_k > 1 || cfg.top_p < 1.0 {
+        return Err(Error::Input(format!(
+            "[agent] actions = \"admissible\" samples from the softmax over the allowed commands' tokens: \
+             top_k = {} and top_p = {} cannot apply there; set top_k = 0 (or 1 for greedy) and top_p = 1.0",
+            cfg.top_k, cfg.top_p
+        )));
+    }
+    let temperature = if cfg.top_k == 1 { 0.0 } else { cfg.temperature };
     if prompts.len() != tries.len() {
         return Err(Error::Input(format!("{} prompts but {} admissible lists", prompts.len(), tries.len())));
     }
@@ -230,7 +232,9 @@ pub fn generate_admissible_with_values(
         .iter()
         .flat_map(|p| std::iter::repeat_n(pad, width - p.len()).chain(p.iter().copied()))
         .collect();
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut rngs: Vec<rand::rngs::StdRng> = (0..b as u64)
+        .map(|i| rand::rngs::StdRng::seed_from_u64(row_seed(cfg.seed, cfg.row_offset + i)))
+        .collect();
     let mut cache = lm.new_cache();
     let input = Tensor::from_vec(ids, (b, width), device)?;
     let mut hidden = lm.forward(
@@ -266,7 +270,7 @@ pub fn generate_admissible_with_values(
             if allowed.is_empty() {
                 continue; // this row's command is complete
             }
-            let u: f64 = rng.gen();
+            let u: f64 = rngs[i].gen();
             let (tok, lp) = sample_allowed(&logits[i], temperature, allowed, u);
             out[i].allowed.push(allowed.to_vec());
             out[i].response_ids.push(tok);
@@ -313,6 +317,10 @@ mod tests {
     }
     use crate::params::ParamStore;
     use crate::{gpt2::Gpt2Config, CausalLmConfig};
+
+    fn sampling(temperature: f64, seed: u64) -> GenerationConfig {
+        GenerationConfig { temperature, seed, ..Default::default() }
+    }
 
     fn tiny_lm() -> CausalLm {
         let cfg = CausalLmConfig::Gpt2(Gpt2Config::tiny(40, 16, 2, 2, 32));
@@ -383,7 +391,9 @@ mod tests {
         for seed in 0..8 {
             let prompts = vec![prompt.clone(); n_rows];
             let tries = vec![trie.clone(); n_rows];
-            for s in generate_admissible(&lm, &prompts, &tries, 1.0, seed, &Device::Cpu).unwrap() {
+            for s in
+                generate_admissible(&lm, None, &prompts, &tries, &sampling(1.0, seed), &Device::Cpu).unwrap()
+            {
                 assert_eq!(s.response_ids, actions[s.action], "an admissible command");
                 let lp: f64 = s.logprobs.iter().map(|&l| l as f64).sum();
                 assert!((lp - exact[s.action]).abs() < 1e-5, "logprob {lp} vs exact {}", exact[s.action]);
@@ -408,7 +418,8 @@ mod tests {
     fn one_command_has_logprob_zero_and_a_full_mask_is_free_sampling() {
         let lm = tiny_lm();
         let trie = ActionTrie::new(&[vec![3, 8, 39]]).unwrap();
-        let s = &generate_admissible(&lm, &[vec![1, 2]], &[trie], 0.7, 4, &Device::Cpu).unwrap()[0];
+        let s = &generate_admissible(&lm, None, &[vec![1, 2]], &[trie], &sampling(0.7, 4), &Device::Cpu)
+            .unwrap()[0];
         assert_eq!(s.response_ids, vec![3, 8, 39]);
         assert!(s.logprobs.iter().all(|&l| l == 0.0), "{:?}", s.logprobs);
         // Every token allowed: the same token and the same logprob bits as free sampling.
@@ -425,8 +436,104 @@ mod tests {
     fn tokens_outside_the_vocabulary_are_named() {
         let lm = tiny_lm();
         let trie = ActionTrie::new(&[vec![3, 99]]).unwrap();
-        let err =
-            generate_admissible(&lm, &[vec![1]], &[trie], 1.0, 0, &Device::Cpu).unwrap_err().to_string();
+        let err = generate_admissible(&lm, None, &[vec![1]], &[trie], &sampling(1.0, 0), &Device::Cpu)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("token id 99") && err.contains("another tokenizer"), "{err}");
+    }
+
+    /// `top_k = 1` is greedy (the most likely allowed token at each step, whatever the seed);
+    /// a row's command depends on its global index, not on its batch; other truncations are
+    /// refused.
+    #[test]
+    fn the_generation_config_is_honoured_or_refused() {
+        let lm = tiny_lm();
+        let actions = vec![vec![7, 3, 39], vec![7, 4, 39], vec![12, 39], vec![13, 14, 39]];
+        let trie = ActionTrie::new(&actions).unwrap();
+        let prompt = vec![5u32, 9, 2];
+        let exact = exact_action_logprobs(&lm, &prompt, &actions, &trie);
+        let greedy = |seed| {
+            let cfg = GenerationConfig { top_k: 1, ..sampling(1.0, seed) };
+            generate_admissible(
+                &lm,
+                None,
+                std::slice::from_ref(&prompt),
+                std::slice::from_ref(&trie),
+                &cfg,
+                &Device::Cpu,
+            )
+            .unwrap()[0]
+                .action
+        };
+        let picks: Vec<usize> = (0..4).map(greedy).collect();
+        assert!(picks.iter().all(|&a| a == picks[0]), "greedy varies with the seed: {picks:?}");
+        // Token by token: the first token's best continuation, then the best among its children.
+        let (mut node, mut want) = (ActionTrie::ROOT, Vec::new());
+        while !trie.allowed(node).is_empty() {
+            let best = trie
+                .allowed(node)
+                .iter()
+                .copied()
+                .max_by(|&a, &b| {
+                    let lp = |t: u32| {
+                        let mut ids = prompt.clone();
+                        ids.extend(&want);
+                        ids.push(t);
+                        let prefix = ids.len();
+                        (0..actions.len())
+                            .filter(|&k| {
+                                actions[k].len() >= prefix - prompt.len()
+                                    && actions[k][..prefix - prompt.len()] == ids[prompt.len()..]
+                            })
+                            .map(|k| exact[k].exp())
+                            .sum::<f64>()
+                    };
+                    lp(a).total_cmp(&lp(b))
+                })
+                .unwrap();
+            want.push(best);
+            node = trie.step(node, best).unwrap();
+        }
+        assert_eq!(actions[picks[0]], want, "greedy is not the token-wise argmax");
+        // Row 3 of a batch of 4 draws what row 0 of a batch of 1 draws at row_offset 3.
+        let batch: Vec<usize> = generate_admissible(
+            &lm,
+            None,
+            &vec![prompt.clone(); 4],
+            &vec![trie.clone(); 4],
+            &sampling(1.0, 9),
+            &Device::Cpu,
+        )
+        .unwrap()
+        .iter()
+        .map(|s| s.action)
+        .collect();
+        let alone = generate_admissible(
+            &lm,
+            None,
+            std::slice::from_ref(&prompt),
+            std::slice::from_ref(&trie),
+            &GenerationConfig { row_offset: 3, ..sampling(1.0, 9) },
+            &Device::Cpu,
+        )
+        .unwrap()[0]
+            .action;
+        assert_eq!(batch[3], alone);
+        for cfg in [
+            GenerationConfig { top_k: 5, ..sampling(1.0, 0) },
+            GenerationConfig { top_p: 0.9, ..sampling(1.0, 0) },
+        ] {
+            let e = generate_admissible(
+                &lm,
+                None,
+                std::slice::from_ref(&prompt),
+                std::slice::from_ref(&trie),
+                &cfg,
+                &Device::Cpu,
+            )
+            .unwrap_err()
+            .to_string();
+            assert!(e.contains("top_k") && e.contains("top_p = 1.0"), "{e}");
+        }
     }
 }

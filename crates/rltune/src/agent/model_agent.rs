@@ -73,9 +73,7 @@ impl ModelAgent<'_> {
         };
         self.calls += 1;
         if self.template.actions == ActionMode::Admissible {
-            // Greedy decoding (`top_k = 1`) is temperature 0 for the constrained sampler.
-            let temperature = if cfg.top_k == 1 { 0.0 } else { cfg.temperature };
-            let picked = generate_admissible(self.lm, &prompts, &tries, temperature, cfg.seed, &self.device)?;
+            let picked = generate_admissible(self.lm, None, &prompts, &tries, &cfg, &self.device)?;
             return Ok(picked
                 .iter()
                 .zip(states)

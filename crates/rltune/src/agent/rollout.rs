@@ -23,7 +23,7 @@ use crate::envs::letters::count_e;
 use crate::envs::play::{ActionMode, Episode, PromptTemplate, Turn, ACTION_STOPS};
 use crate::envs::{EnvStep, Reset, TextEnv};
 use crate::error::{Error, Result};
-use crate::generation::admissible::{generate_admissible_with_values, ActionTrie};
+use crate::generation::admissible::{generate_admissible, ActionTrie};
 use crate::generation::{generate, GenerationConfig, Sample};
 use crate::models::CausalLmWithValueHead;
 use crate::tokenizer::Tokenizer;
@@ -326,15 +326,7 @@ fn sample_admissible(
     let picked = if tries.is_empty() {
         Vec::new() // every episode left is truncated: only their values are read
     } else {
-        generate_admissible_with_values(
-            &policy.lm,
-            Some(&policy.v_head),
-            &prompts,
-            tries,
-            gen.temperature,
-            gen.seed,
-            device,
-        )?
+        generate_admissible(&policy.lm, Some(&policy.v_head), &prompts, tries, gen, device)?
     };
     let mut allowed = Vec::with_capacity(picked.len());
     let mut samples: Vec<Sample> = picked
@@ -350,7 +342,12 @@ fn sample_admissible(
         })
         .collect();
     if !rest.is_empty() {
-        let one = GenerationConfig { max_new_tokens: 1, min_new_tokens: 0, ..gen.clone() };
+        let one = GenerationConfig {
+            max_new_tokens: 1,
+            min_new_tokens: 0,
+            row_offset: gen.row_offset + tries.len() as u64,
+            ..gen.clone()
+        };
         samples.extend(generate(&policy.lm, Some(&policy.v_head), &rest, &one, device)?);
     }
     Ok((samples, allowed))

@@ -1,6 +1,6 @@
 //! PPO on admissible actions (`StepInput::allowed`, issue #39): the policy and the reference
 //! are scored under the softmax renormalised over each position's allowed tokens, the
-//! distribution [`generate_admissible_with_values`] samples from.
+//! distribution [`generate_admissible`] samples from.
 //!
 //! - With every token allowed, the constrained step is the plain step (the renormalisation is
 //!   the identity; the head runs through another code path, so this pins its gradients).
@@ -11,9 +11,10 @@
 use std::collections::BTreeMap;
 
 use candle_core::{DType, Device, Tensor};
-use rltune::generation::admissible::{generate_admissible_with_values, ActionSample, ActionTrie};
+use rltune::generation::admissible::{generate_admissible, ActionSample, ActionTrie};
+use rltune::generation::GenerationConfig;
 use rltune::models::CausalLm;
-use rltune::ppo::{PpoConfig, PpoTrainer, RolloutCache, Stat, StepInput};
+use rltune::ppo::{PpoConfig, PpoTrainer, RolloutCache, Stat, Stats, StepInput};
 
 use crate::common::{max_diff, tiny_gpt2};
 
@@ -40,15 +41,34 @@ fn commands() -> Vec<Vec<u32>> {
 fn sample(t: &PpoTrainer, prompts: &[Vec<u32>], seed: u64) -> Vec<ActionSample> {
     let trie = ActionTrie::new(&commands()).unwrap();
     let tries = vec![trie; prompts.len()];
-    generate_admissible_with_values(
-        &t.policy.lm,
-        Some(&t.policy.v_head),
-        prompts,
-        &tries,
-        1.0,
-        seed,
-        &Device::Cpu,
-    )
+    let cfg = GenerationConfig { seed, ..Default::default() };
+    generate_admissible(&t.policy.lm, Some(&t.policy.v_head), prompts, &tries, &cfg, &Device::Cpu).unwrap()
+}
+
+/// One PPO step on sampled commands: their tokens and allowed sets, with the sampler's
+/// logprobs and values as the rollout cache when `cached` (else the step recomputes them).
+fn step_on(
+    t: &mut PpoTrainer,
+    queries: &[Vec<u32>],
+    samples: &[ActionSample],
+    scores: &[f32],
+    cached: bool,
+) -> Stats {
+    let responses: Vec<Vec<u32>> = samples.iter().map(|s| s.response_ids.clone()).collect();
+    let allowed: Vec<Vec<Vec<u32>>> = samples.iter().map(|s| s.allowed.clone()).collect();
+    let cache: Vec<RolloutCache> = samples
+        .iter()
+        .map(|s| RolloutCache { logprobs: s.logprobs.clone(), values: s.values.clone() })
+        .collect();
+    t.step_with(StepInput {
+        queries,
+        responses: &responses,
+        scores,
+        response_masks: None,
+        rollout: cached.then_some(&cache[..]),
+        bootstrap: None,
+        allowed: Some(&allowed),
+    })
     .unwrap()
 }
 
@@ -103,29 +123,11 @@ fn cached_admissible_logprobs_and_values_equal_the_recomputation() {
     let (mut cached, mut recomputed) = (trainer(3, cfg.clone()), trainer(3, cfg));
     let queries = prompts(8);
     let samples = sample(&cached, &queries, 9);
-    let responses: Vec<Vec<u32>> = samples.iter().map(|s| s.response_ids.clone()).collect();
-    let allowed: Vec<Vec<Vec<u32>>> = samples.iter().map(|s| s.allowed.clone()).collect();
-    let cache: Vec<RolloutCache> = samples
-        .iter()
-        .map(|s| RolloutCache { logprobs: s.logprobs.clone(), values: s.values.clone() })
-        .collect();
     assert!(samples.iter().all(|s| s.values.len() == s.response_ids.len()));
-    assert!(allowed.iter().flatten().any(|set| set.len() > 1), "no position had a choice");
+    assert!(samples.iter().flat_map(|s| &s.allowed).any(|set| set.len() > 1), "no position had a choice");
     let scores: Vec<f32> = (0..8).map(|i| i as f32 / 4.0 - 1.0).collect();
-    let step = |t: &mut PpoTrainer, rollout: Option<&[RolloutCache]>| {
-        t.step_with(StepInput {
-            queries: &queries,
-            responses: &responses,
-            scores: &scores,
-            response_masks: None,
-            rollout,
-            bootstrap: None,
-            allowed: Some(&allowed),
-        })
-        .unwrap()
-    };
-    let a = step(&mut cached, Some(&cache));
-    step(&mut recomputed, None);
+    let a = step_on(&mut cached, &queries, &samples, &scores, true);
+    step_on(&mut recomputed, &queries, &samples, &scores, false);
     // The recomputed constrained logprobs, at the response columns, against the sampler's.
     let Some(Stat::Matrix(lp)) = a.get("objective/logprobs") else { panic!("no objective/logprobs") };
     let mut worst = 0f64;
@@ -161,24 +163,9 @@ fn ppo_moves_the_constrained_policy_to_the_rewarded_command() {
     let before = share(&sample(&t, &queries, 100));
     for step in 0..12u64 {
         let samples = sample(&t, &queries, step);
-        let responses: Vec<Vec<u32>> = samples.iter().map(|s| s.response_ids.clone()).collect();
-        let allowed: Vec<Vec<Vec<u32>>> = samples.iter().map(|s| s.allowed.clone()).collect();
-        let cache: Vec<RolloutCache> = samples
-            .iter()
-            .map(|s| RolloutCache { logprobs: s.logprobs.clone(), values: s.values.clone() })
-            .collect();
         let scores: Vec<f32> =
             samples.iter().map(|s| if s.response_ids == rewarded { 1.0 } else { -1.0 }).collect();
-        t.step_with(StepInput {
-            queries: &queries,
-            responses: &responses,
-            scores: &scores,
-            response_masks: None,
-            rollout: Some(&cache),
-            bootstrap: None,
-            allowed: Some(&allowed),
-        })
-        .unwrap();
+        step_on(&mut t, &queries, &samples, &scores, true);
     }
     let after = share(&sample(&t, &queries, 100));
     println!("rewarded command: {:.0}% of samples before, {:.0}% after", before * 100.0, after * 100.0);
