@@ -409,6 +409,7 @@ fn ppo_config<G: AgentGames>(dir: &Path, cfg: &AgentQuickstartConfig<G>) -> RunC
             ..cfg.episodes.clone()
         },
         generation,
+        eval: Default::default(),
         ppo: cfg.ppo.clone(),
         logging: LoggingSection { dir: dir.join("ppo"), samples_per_step: 4, report_every: 10 },
         checkpoint: CheckpointSection { every: 10, optimizer_state: true },

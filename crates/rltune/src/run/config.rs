@@ -248,6 +248,9 @@ pub struct RunConfig {
     /// Sampling.
     #[serde(default)]
     pub generation: GenerationConfig,
+    /// Held-out prompts scored before and after training (GRPO and RLOO runs).
+    #[serde(default)]
+    pub eval: super::eval::EvalSection,
     /// PPO hyper-parameters and the number of steps.
     #[serde(default)]
     pub ppo: PpoConfig,

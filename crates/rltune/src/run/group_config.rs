@@ -81,7 +81,7 @@ impl RunConfig {
     /// The tables the active trainer does not read (left out of [`Self::to_toml`]).
     pub(super) fn unused_tables(&self) -> &'static [&'static str] {
         match self.algorithm.kind {
-            AlgorithmKind::Ppo | AlgorithmKind::RejectionSampling => &["grpo", "rloo"],
+            AlgorithmKind::Ppo | AlgorithmKind::RejectionSampling => &["grpo", "rloo", "eval"],
             AlgorithmKind::Grpo => &["ppo", "rejection", "rloo"],
             AlgorithmKind::Rloo => &["ppo", "rejection", "grpo"],
         }
@@ -92,7 +92,11 @@ impl RunConfig {
         let kind = self.algorithm.kind.name();
         for table in self.unused_tables() {
             if sets_table(text, overrides, table) {
-                let why = if self.algorithm.kind.is_group() {
+                let why = if *table == "eval" {
+                    "[eval] is read by GRPO and RLOO runs; PPO on games evaluates with [episodes] \
+                     eval_every"
+                        .to_string()
+                } else if self.algorithm.kind.is_group() {
                     format!("the {kind} settings are in [{kind}] (TRL's names)")
                 } else {
                     format!("[{table}] is read with [algorithm] kind = \"{table}\"")
@@ -176,6 +180,7 @@ impl RunConfig {
     pub(super) fn validate_group(&self) -> Result<(), String> {
         let kind = self.algorithm.kind.name();
         self.generation.validate().map_err(|e| e.to_string())?;
+        self.eval.validate()?;
         if self.model.path.is_empty() {
             return Err("[model] path is empty; set it to a model directory or hub id".into());
         }

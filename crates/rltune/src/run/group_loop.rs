@@ -22,6 +22,7 @@ use super::checkpoint::{
     clear_stale_writes, group_state, latest_checkpoint, load_group_state, save_group_checkpoint,
 };
 use super::config::{AlgorithmKind, RunConfig};
+use super::eval::{encode_eval_prompts, record, EvalResult, Evaluator};
 use super::group_config::GroupShape;
 use super::ppo_loop::{build_reward_sum, encode_prompts, StepReport};
 use crate::data::prompts::PromptRow;
@@ -102,6 +103,8 @@ pub struct GroupRun {
     logger: RunLogger,
     start_step: usize,
     device: Device,
+    /// `[eval] source`, encoded (empty without `[eval]`).
+    eval_prompts: Vec<(Vec<u32>, PromptRow)>,
 }
 
 impl GroupRun {
@@ -161,6 +164,8 @@ impl GroupRun {
         let tokenizer = Tokenizer::from_file(&tok_path)?;
         tokenizer.check_fits(policy.config.vocab_size())?;
         let prompts = encode_prompts(&config, &tokenizer)?;
+        let eval_prompts =
+            if config.eval.enabled() { encode_eval_prompts(&config, &tokenizer)? } else { Vec::new() };
         let world = crate::dist::world_size();
         let shape = config.group_shape(prompts.len(), world).map_err(Error::Input)?;
         if world > 1 {
@@ -253,6 +258,7 @@ impl GroupRun {
             logger,
             start_step,
             device: runtime.device().clone(),
+            eval_prompts,
         })
     }
 
@@ -276,7 +282,29 @@ impl GroupRun {
     /// Runs the remaining steps. `stop` (set by Ctrl-C) ends the run after the current step with
     /// a checkpoint. Returns the number of steps done in total.
     pub fn run(&mut self, stop: &AtomicBool, progress: &mut dyn FnMut(&StepReport)) -> Result<usize> {
+        if self.start_step == 0 && self.config.eval.enabled() {
+            self.evaluate(0)?;
+        }
         super::run_loop::run(self, stop, progress)
+    }
+
+    /// Scores the policy on `[eval] source` after `step` steps ([`super::eval`]): logged, and
+    /// appended to `eval.jsonl` by rank 0.
+    pub fn evaluate(&mut self, step: usize) -> Result<EvalResult> {
+        let evaluator = Evaluator {
+            section: &self.config.eval,
+            prompts: &self.eval_prompts,
+            tokenizer: &self.tokenizer,
+            generation: &self.config.generation,
+            eos_ids: &self.eos_ids,
+            device: &self.device,
+        };
+        let result = evaluator.run(step, self.trainer.policy(), &mut self.reward, &self.reward_names)?;
+        tracing::info!("{}", result.describe());
+        if crate::dist::is_main() {
+            record(&self.config.logging.dir, &result, step)?;
+        }
+        Ok(result)
     }
 
     /// The next `prompts_per_step` prompt indices: a new permutation each epoch, whose last
@@ -370,6 +398,14 @@ impl GroupRun {
                 reward: reward as f32,
             })
             .collect();
+        if self.config.eval.due(step + 1, self.shape.steps) {
+            let result = self.evaluate(step + 1)?;
+            if let serde_json::Value::Object(m) = result.to_json() {
+                for (k, v) in m.into_iter().filter(|(k, _)| k.starts_with("eval_")) {
+                    stats.insert(k, Stat::Scalar(v.as_f64().unwrap_or(f64::NAN)));
+                }
+            }
+        }
         self.logger.log_step(step + 1, &stats, &shown)?;
         let get = |k: &str| stats.get(k).and_then(Stat::as_f64).unwrap_or(f64::NAN);
         Ok(StepReport {

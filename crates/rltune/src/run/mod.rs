@@ -5,6 +5,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod critic;
 pub mod episodes;
+pub mod eval;
 pub mod group_config;
 pub mod group_loop;
 pub mod ppo_loop;

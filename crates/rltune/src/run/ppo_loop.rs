@@ -503,7 +503,16 @@ pub(super) fn encode_prompts(
     config: &RunConfig,
     tokenizer: &Tokenizer,
 ) -> Result<Vec<(Vec<u32>, PromptRow)>> {
-    let rows = load_prompts(&config.data.source, &config.data.text_column, None)?;
+    encode_from(config, &config.data.source, tokenizer)
+}
+
+/// [`encode_prompts`] of another file of the same form (`[eval] source`).
+pub(super) fn encode_from(
+    config: &RunConfig,
+    source: &str,
+    tokenizer: &Tokenizer,
+) -> Result<Vec<(Vec<u32>, PromptRow)>> {
+    let rows = load_prompts(source, &config.data.text_column, None)?;
     let column = &config.data.text_column;
     let template = crate::data::prompts::template_if_needed(&rows, column, &config.model.path)?;
     rows.into_iter()

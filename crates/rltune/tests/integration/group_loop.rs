@@ -193,3 +193,69 @@ fn a_grpo_run_resumes_exactly() {
         .to_string();
     assert!(err.contains("written by a grpo run") && err.contains("kind = \"grpo\""), "{err}");
 }
+
+/// `[eval]`: held-out prompts answered greedily before the first step, every `every` steps and
+/// after the last, scored by the run's reward sources; `eval.jsonl` holds what an independent
+/// greedy pass over the same prompts scores, and the step lines carry the same `eval_*` numbers.
+#[test]
+fn held_out_evaluation_scores_greedy_answers_before_and_after() {
+    use rltune::generation::{generate, GenerationConfig};
+    use rltune::tokenizer::Tokenizer;
+    crate::common::install();
+    let s = setup();
+    let extra = "[eval]\nevery = 2\n";
+    let mut cfg = config(&s, "grpo", "eval", 4, extra);
+    cfg.eval.source = s.root.join("prompts.jsonl").to_str().unwrap().to_string();
+    // The independent pass: greedy completions of every prompt, scored by hand.
+    let score = |lm: &CausalLm| -> (f64, f64) {
+        let tok = Tokenizer::from_file(&s.root.join("policy/tokenizer.json")).unwrap();
+        let rows: Vec<serde_json::Value> = std::fs::read_to_string(s.root.join("prompts.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let prompts: Vec<Vec<u32>> =
+            rows.iter().map(|r| tok.encode(r["text"].as_str().unwrap()).unwrap()).collect();
+        let gen = GenerationConfig { max_new_tokens: 4, top_k: 1, ..Default::default() };
+        let samples = generate(lm, None, &prompts, &gen, &Device::Cpu).unwrap();
+        let (mut w7, mut exact, mut n_exact) = (0.0, 0.0, 0.0);
+        for (sample, row) in samples.iter().zip(&rows) {
+            let text = tok.decode(&sample.response_ids).unwrap();
+            let words: Vec<&str> = text.split_whitespace().collect();
+            w7 += words.iter().filter(|w| **w == "w7").count() as f64 / words.len().max(1) as f64;
+            if let Some(a) = row.get("answer") {
+                n_exact += 1.0;
+                exact += f64::from(u8::from(text.lines().next().unwrap_or("").trim() == a.as_str().unwrap()));
+            }
+        }
+        (w7 / rows.len() as f64, exact / n_exact)
+    };
+    let before = {
+        let r = GroupRun::prepare(cfg.clone(), vec![(1.0, count_w7())], false).unwrap();
+        score(r.trainer.policy())
+    };
+    let after_run = run(cfg, false);
+    let after = score(after_run.trainer.policy());
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(s.root.join("eval/eval.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let steps: Vec<u64> = lines.iter().map(|l| l["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps, vec![0, 2, 4]);
+    for (line, (w7, exact)) in [(&lines[0], before), (&lines[2], after)] {
+        let got_w7 = line["eval_rewards/count_w7/mean"].as_f64().unwrap();
+        let got_exact = line["eval_rewards/exact_match/mean"].as_f64().unwrap();
+        eprintln!("eval at step {}: count_w7 {got_w7:.4} (by hand {w7:.4}), exact {got_exact}", line["step"]);
+        assert!((got_w7 - w7).abs() < 1e-9 && (got_exact - exact).abs() < 1e-9, "{line} vs {w7}, {exact}");
+        assert_eq!(line["prompts"].as_u64(), Some(16));
+    }
+    assert!(
+        lines[0]["eval_rewards/count_w7/mean"] != lines[2]["eval_rewards/count_w7/mean"],
+        "training changed nothing"
+    );
+    let m = metrics(&s, "eval");
+    assert_eq!(m[1]["eval_reward"], lines[1]["eval_reward"]);
+    assert_eq!(m[3]["eval_reward_se"], lines[2]["eval_reward_se"]);
+    assert!(m[0].get("eval_reward").is_none(), "step 1 is not an evaluation step");
+}
