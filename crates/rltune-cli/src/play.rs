@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use rltune::agent::config::{agent_generation, EnvConfig};
 use rltune::agent::model_agent::ModelAgent;
-use rltune::envs::play::{play, Agent, PlayReport, RandomAgent};
+use rltune::envs::play::{play, Agent, Episode, PlayReport, RandomAgent};
 use rltune::models::load::{load_policy_adapted, LoraSpec};
 use rltune::tokenizer::Tokenizer;
 
@@ -33,6 +33,10 @@ pub struct Args {
     /// Write every episode (turns, actions, rewards) as JSON lines here.
     #[arg(long)]
     transcripts: Option<PathBuf>,
+    /// Print the first N episodes turn by turn: each observation, the admissible commands, the
+    /// command played with its logprob (a model's), the reward.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    show: usize,
     /// Print one JSON object instead of the summary.
     #[arg(long)]
     json: bool,
@@ -90,6 +94,9 @@ pub fn run(args: Args) -> Result<()> {
         }
         rltune::io::write_bytes_atomic(path, text.as_bytes())?;
     }
+    for e in episodes.iter().take(args.show) {
+        print!("{}", show_episode(e));
+    }
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
@@ -112,4 +119,30 @@ pub fn run(args: Args) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// One episode, turn by turn, for the terminal.
+fn show_episode(e: &Episode) -> String {
+    let mut out = format!("=== episode {} (seed {:?}): {}\n", e.episode, e.seed, e.objective.trim());
+    for (k, t) in e.turns.iter().enumerate() {
+        let obs = t.observation.trim().replace('\n', "\n    ");
+        out.push_str(&format!("[{}] {obs}\n", k + 1));
+        if !t.admissible.is_empty() {
+            out.push_str(&format!("    admissible ({}): {}\n", t.admissible.len(), t.admissible.join(" | ")));
+        }
+        let lp = t.logprob.map_or(String::new(), |l| format!("  logprob {l:.3} (p {:.3})", l.exp()));
+        let invalid = if t.invalid { "  INVALID" } else { "" };
+        out.push_str(&format!("  > {}{lp}  reward {}{invalid}\n", t.action, t.reward));
+    }
+    let end = if e.won {
+        "won"
+    } else if e.lost {
+        "lost"
+    } else if e.truncated {
+        "out of moves"
+    } else {
+        "ended"
+    };
+    out.push_str(&format!("=== {end} in {} moves, score {}/{}\n\n", e.steps, e.score, e.max_score));
+    out
 }

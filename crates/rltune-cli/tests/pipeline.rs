@@ -880,6 +880,48 @@ fn admissible_actions_are_always_valid_in_play() {
     assert_eq!(admissible["invalid_action_rate"].as_f64(), Some(0.0), "{admissible}");
     assert!(free["invalid_action_rate"].as_f64().unwrap() > 0.0, "the test needs a policy that errs: {free}");
 
+    // The transcripts show each turn's admissible set and the chosen command's logprob under the
+    // constrained distribution (a probability, below 1 where there was a choice); --show prints them.
+    let transcripts = tmp.path().join("t.jsonl");
+    let out = ok(rltune(&[
+        "play",
+        "--env",
+        s(&env),
+        "--model",
+        s(&bc),
+        "--episodes",
+        "4",
+        "--show",
+        "1",
+        "--transcripts",
+        s(&transcripts),
+        "--set",
+        "agent.actions=\"admissible\"",
+    ]));
+    let shown = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        shown.contains("=== episode 0") && shown.contains("admissible (") && shown.contains("logprob"),
+        "{shown}"
+    );
+    let turns: Vec<serde_json::Value> = std::fs::read_to_string(&transcripts)
+        .unwrap()
+        .lines()
+        .flat_map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["turns"].as_array().unwrap().clone()
+        })
+        .collect();
+    let mut choices = 0;
+    for t in &turns {
+        let set: Vec<&str> =
+            t["admissible"].as_array().unwrap().iter().map(|c| c.as_str().unwrap()).collect();
+        let lp = t["logprob"].as_f64().unwrap();
+        assert!(set.contains(&t["action"].as_str().unwrap()), "{t}");
+        assert!(lp <= 1e-6 && lp.is_finite(), "{t}");
+        assert!(set.len() > 1 || lp.abs() < 1e-6, "one command has probability 1: {t}");
+        choices += usize::from(set.len() > 1 && lp < -1e-6);
+    }
+    assert!(choices > 0, "no turn had a choice: {turns:?}");
+
     // PPO trains in the same mode: every training turn is a valid command.
     let run = tmp.path().join("run");
     ok(rltune(&[

@@ -57,6 +57,7 @@ pub fn demonstrations(
                 action: played,
                 reward: after.reward,
                 invalid: after.invalid,
+                ..Turn::default()
             });
             let done = after.done();
             state = after;

@@ -55,7 +55,7 @@ pub enum ActionMode {
 }
 
 /// One turn of an episode, as the agent saw and did it.
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Turn {
     /// The observation before the action.
     pub observation: String,
@@ -65,6 +65,15 @@ pub struct Turn {
     pub reward: f64,
     /// Whether the game did not understand it.
     pub invalid: bool,
+    /// The commands the game listed as admissible before the action ([`play`] records them;
+    /// empty elsewhere, and for games that list none).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub admissible: Vec<String>,
+    /// The logprob of the action's tokens under the distribution the agent drew them from
+    /// (the constrained one in admissible mode), when the agent reports it
+    /// ([`Agent::last_logprobs`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub logprob: Option<f64>,
 }
 
 impl PromptTemplate {
@@ -135,6 +144,12 @@ pub fn extract_action(text: &str) -> String {
 pub trait Agent {
     /// One action per state, for the environments listed (their memories, oldest turn first).
     fn act(&mut self, states: &[(&EnvStep, &[Turn])]) -> Result<Vec<String>>;
+
+    /// The logprob of each action the last [`act`](Self::act) returned, in its order, when the
+    /// agent knows them (a model does; the default says nothing).
+    fn last_logprobs(&self) -> Option<Vec<f64>> {
+        None
+    }
 }
 
 /// The baseline: a uniformly random admissible command (or "look" when there is none).
@@ -327,6 +342,7 @@ pub fn play(
                 .collect();
             agent.act(&states)?
         };
+        let logprobs = agent.last_logprobs().filter(|l| l.len() == actions.len());
         if actions.len() != active.len() {
             return Err(Error::Call(format!(
                 "the agent gave {} actions for {} states",
@@ -337,7 +353,7 @@ pub fn play(
         let sent: Vec<(usize, String)> = active.iter().copied().zip(actions.iter().cloned()).collect();
         let results = env.step(&sent)?;
         let mut finished = Vec::new();
-        for ((&e, action), result) in active.iter().zip(actions).zip(results) {
+        for (k, ((&e, action), result)) in active.iter().zip(actions).zip(results).enumerate() {
             let Some((mut ep, before)) = slots[e].take() else { continue };
             match result {
                 Err(err) => {
@@ -351,6 +367,8 @@ pub fn play(
                         action,
                         reward: after.reward,
                         invalid: after.invalid,
+                        admissible: before.admissible_commands,
+                        logprob: logprobs.as_ref().map(|l| l[k]),
                     };
                     ep.record(turn, &after);
                     if after.done() {
@@ -400,8 +418,7 @@ mod tests {
             .map(|i| Turn {
                 observation: format!("room {i}"),
                 action: format!("go {i}"),
-                reward: 0.0,
-                invalid: false,
+                ..Turn::default()
             })
             .collect();
         let now = state("A hall.", &["go east", "look", "take key"]);

@@ -399,7 +399,7 @@ mod tests {
         for (k, l) in gold.iter().enumerate() {
             // the last label wrong
             let action = if k + 1 == gold.len() { "none".to_string() } else { l.command() };
-            ep.turns.push(Turn { observation: String::new(), action, reward: 0.0, invalid: false });
+            ep.turns.push(Turn { action, ..Turn::default() });
             ep.steps += 1;
         }
         ep.score =

@@ -427,8 +427,7 @@ mod tests {
             observation: format!("Sentence: x\nToken: {tok}\nNext: y"),
             ..Default::default()
         };
-        let turn =
-            |a: &str| Turn { observation: String::new(), action: a.into(), reward: 0.0, invalid: false };
+        let turn = |a: &str| Turn { action: a.into(), ..Turn::default() };
         let after_b = [turn("B-facility")];
         let (s1, s2, s3) = (obs("Empire"), obs("State"), obs("unseen"));
         let got = agent.act(&[(&s1, &[]), (&s2, &after_b), (&s2, &[]), (&s3, &[])]).unwrap();
@@ -449,6 +448,7 @@ mod tests {
                 action: action.into(),
                 reward: 0.0,
                 invalid: false,
+                ..Turn::default()
             });
             e.steps = 1;
             e

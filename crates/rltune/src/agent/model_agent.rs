@@ -25,6 +25,8 @@ pub struct ModelAgent<'a> {
     max_prompt_tokens: usize,
     /// Calls so far (each gets its own sampling seed).
     calls: u64,
+    /// The logprob of each action of the last call (the sum over its sampled tokens).
+    last_logprobs: Vec<f64>,
 }
 
 impl<'a> ModelAgent<'a> {
@@ -38,13 +40,26 @@ impl<'a> ModelAgent<'a> {
     ) -> Result<Self> {
         generation.validate()?;
         let max_prompt_tokens = prompt_budget(lm, generation.max_new_tokens)?;
-        Ok(Self { lm, tokenizer, template, generation, device: device.clone(), max_prompt_tokens, calls: 0 })
+        Ok(Self {
+            lm,
+            tokenizer,
+            template,
+            generation,
+            device: device.clone(),
+            max_prompt_tokens,
+            calls: 0,
+            last_logprobs: Vec::new(),
+        })
     }
 }
 
 impl Agent for ModelAgent<'_> {
     fn act(&mut self, states: &[(&EnvStep, &[Turn])]) -> crate::envs::Result<Vec<String>> {
         self.choose(states).map_err(|e| crate::envs::Error::Agent(Box::new(e)))
+    }
+
+    fn last_logprobs(&self) -> Option<Vec<f64>> {
+        Some(self.last_logprobs.clone())
     }
 }
 
@@ -74,6 +89,8 @@ impl ModelAgent<'_> {
         self.calls += 1;
         if self.template.actions == ActionMode::Admissible {
             let picked = generate_admissible(self.lm, None, &prompts, &tries, &cfg, &self.device)?;
+            self.last_logprobs =
+                picked.iter().map(|p| p.logprobs.iter().map(|&l| f64::from(l)).sum()).collect();
             return Ok(picked
                 .iter()
                 .zip(states)
@@ -81,6 +98,7 @@ impl ModelAgent<'_> {
                 .collect());
         }
         let samples = generate(self.lm, None, &prompts, &cfg, &self.device)?;
+        self.last_logprobs = samples.iter().map(|s| s.logprobs.iter().map(|&l| f64::from(l)).sum()).collect();
         samples.iter().map(|s| Ok(extract_action(&self.tokenizer.decode(&s.response_ids)?))).collect()
     }
 

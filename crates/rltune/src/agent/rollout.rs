@@ -284,6 +284,7 @@ pub fn collect_episodes(
                 action: action.clone(),
                 reward: after.reward,
                 invalid: after.invalid,
+                ..Turn::default()
             };
             if let Some(ep) = episodes[e].as_mut() {
                 ep.record(turn.clone(), &after);
