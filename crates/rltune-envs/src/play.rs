@@ -415,11 +415,7 @@ mod tests {
     fn prompts_hold_the_parts_and_drop_the_oldest_memory_first() {
         let t = PromptTemplate::default();
         let memory: Vec<Turn> = (0..5)
-            .map(|i| Turn {
-                observation: format!("room {i}"),
-                action: format!("go {i}"),
-                ..Turn::default()
-            })
+            .map(|i| Turn { observation: format!("room {i}"), action: format!("go {i}"), ..Turn::default() })
             .collect();
         let now = state("A hall.", &["go east", "look", "take key"]);
         let p = t.render(&now, &memory, 3);

@@ -189,8 +189,8 @@ fn forward(
 
 /// GPT-2's block `z = h + mlp(ln_2(h))`, `h = x + attn(ln_1(x))` on `x (B, T, C)` with the
 /// attention bias `(B|1, 1, T, T)`; `None` where it does not apply (not f32 on a CPU with the
-/// fast SGEMM, or a weight that tracks a gradient has no sink in the installed scope), and the
-/// caller composes the block instead.
+/// fast SGEMM, a weight that tracks a gradient has no sink in the installed scope, or weights
+/// that track a gradient on an `x` that does not), and the caller composes the block instead.
 ///
 /// With `rows`, only those rows of `(B·T)` get the block's output; the others hold `x`
 /// unchanged and must not be read (their gradient passes straight through).
@@ -205,6 +205,11 @@ pub fn gpt2_block(
         return Ok(None);
     }
     if !ws.iter().all(|w| !w.track_op() || grad_sink::sink_of(w).is_some()) {
+        return Ok(None);
+    }
+    // The graph node hangs off `x`: with an untracked `x` (a frozen trunk's detached output)
+    // it would not be in the graph and the weights' gradients would be lost silently.
+    if !x.track_op() && ws.iter().any(|w| w.track_op()) {
         return Ok(None);
     }
     let grad = x.track_op() || ws.iter().any(|w| w.track_op());

@@ -356,6 +356,38 @@ impl Gpt2 {
         self.ln_f.forward(&x)
     }
 
+    /// The hidden states entering block `end`: the embeddings, then blocks `..end` (no cache).
+    pub fn trunk(
+        &self,
+        input_ids: &Tensor,
+        position_ids: &Tensor,
+        bias: &Tensor,
+        end: usize,
+    ) -> Result<Tensor> {
+        let mut x = (self.wte.forward(input_ids)? + self.wpe.forward(position_ids)?)?;
+        for block in &self.h[..end.min(self.h.len())] {
+            x = block.forward(&x, bias, None, None)?;
+        }
+        Ok(x)
+    }
+
+    /// Blocks `start..` and `ln_f` on `x`, the hidden states entering block `start` (no cache);
+    /// `rows` as [`Self::forward_rows`] (empty: every row).
+    pub fn top(&self, x: &Tensor, bias: &Tensor, start: usize, rows: &[usize]) -> Result<Tensor> {
+        let n = x.dim(0)? * x.dim(1)?;
+        let usable = !rows.is_empty()
+            && rows.len() < n
+            && rows.windows(2).all(|w| w[0] < w[1])
+            && rows.last().is_some_and(|&r| r < n);
+        let rows = if usable { Some(ops::block::Rows::new(rows.to_vec(), x.device())?) } else { None };
+        let last = self.h.len().saturating_sub(1);
+        let mut x = x.clone();
+        for (i, block) in self.h.iter().enumerate().skip(start) {
+            x = block.forward(&x, bias, None, rows.as_ref().filter(|_| i == last))?;
+        }
+        self.ln_f.forward(&x)
+    }
+
     /// The LM head's weight `(V, C)` (`wte`'s when tied).
     pub fn lm_head_weight(&self) -> &Tensor {
         &self.lm_head

@@ -334,7 +334,7 @@ impl GptNeo {
         mut cache: Option<&mut KvCache>,
     ) -> Result<Tensor> {
         let (_, seq_len) = input_ids.dims2()?;
-        let (_, _, q_len, s) = bias.dims4()?;
+        let (_, _, q_len, _) = bias.dims4()?;
         if q_len != seq_len {
             return Err(Error::Input(format!(
                 "gpt_neo forward: input_ids {:?} and bias {:?} disagree; expected bias (B, 1, T, S)",
@@ -342,15 +342,48 @@ impl GptNeo {
                 bias.dims()
             )));
         }
-        let local_bias =
-            match local_window_bias(seq_len, s, self.cfg.window_size, bias.dtype(), bias.device())? {
-                Some(w) => bias.broadcast_add(&w)?,
-                None => bias.clone(),
-            };
+        let local_bias = self.local_bias(bias)?;
         let mut x = (self.wte.forward(input_ids)? + self.wpe.forward(position_ids)?)?;
         for (i, block) in self.h.iter().enumerate() {
             let b = if block.attn.local { &local_bias } else { bias };
             x = block.forward(&x, b, cache.as_deref_mut().map(|c| (c, i)))?;
+        }
+        self.ln_f.forward(&x)
+    }
+
+    /// `bias` with the local layers' window added.
+    fn local_bias(&self, bias: &Tensor) -> Result<Tensor> {
+        let (_, _, q_len, s) = bias.dims4()?;
+        Ok(match local_window_bias(q_len, s, self.cfg.window_size, bias.dtype(), bias.device())? {
+            Some(w) => bias.broadcast_add(&w)?,
+            None => bias.clone(),
+        })
+    }
+
+    /// The hidden states entering block `end`: the embeddings, then blocks `..end` (no cache).
+    pub fn trunk(
+        &self,
+        input_ids: &Tensor,
+        position_ids: &Tensor,
+        bias: &Tensor,
+        end: usize,
+    ) -> Result<Tensor> {
+        let local_bias = self.local_bias(bias)?;
+        let mut x = (self.wte.forward(input_ids)? + self.wpe.forward(position_ids)?)?;
+        for block in &self.h[..end.min(self.h.len())] {
+            let b = if block.attn.local { &local_bias } else { bias };
+            x = block.forward(&x, b, None)?;
+        }
+        Ok(x)
+    }
+
+    /// Blocks `start..` and `ln_f` on `x`, the hidden states entering block `start` (no cache).
+    pub fn top(&self, x: &Tensor, bias: &Tensor, start: usize) -> Result<Tensor> {
+        let local_bias = self.local_bias(bias)?;
+        let mut x = x.clone();
+        for block in self.h.iter().skip(start) {
+            let b = if block.attn.local { &local_bias } else { bias };
+            x = block.forward(&x, b, None)?;
         }
         self.ln_f.forward(&x)
     }

@@ -413,6 +413,32 @@ impl GptNeoX {
         self.final_layer_norm.forward(&x)
     }
 
+    /// The hidden states entering layer `end`: the embeddings, then layers `..end` (no cache).
+    pub fn trunk(
+        &self,
+        input_ids: &Tensor,
+        position_ids: &Tensor,
+        bias: &Tensor,
+        end: usize,
+    ) -> Result<Tensor> {
+        let mut x = self.embed_in.forward(input_ids)?;
+        let (cos, sin) = self.rope.cos_sin(position_ids, x.dtype())?;
+        for layer in &self.layers[..end.min(self.layers.len())] {
+            x = layer.forward(&x, (&self.rope, &cos, &sin), bias, None)?;
+        }
+        Ok(x)
+    }
+
+    /// Layers `start..` and the final norm on `x`, the hidden states entering layer `start`.
+    pub fn top(&self, x: &Tensor, position_ids: &Tensor, bias: &Tensor, start: usize) -> Result<Tensor> {
+        let (cos, sin) = self.rope.cos_sin(position_ids, x.dtype())?;
+        let mut x = x.clone();
+        for layer in self.layers.iter().skip(start) {
+            x = layer.forward(&x, (&self.rope, &cos, &sin), bias, None)?;
+        }
+        self.final_layer_norm.forward(&x)
+    }
+
     /// The LM head's weight `(V, C)`.
     pub fn lm_head_weight(&self) -> &Tensor {
         &self.embed_out

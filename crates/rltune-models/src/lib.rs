@@ -217,6 +217,9 @@ pub struct CausalLm {
     cfg: CausalLmConfig,
     n_layers: usize,
     hidden_size: usize,
+    /// With partial freezing: the blocks below this one (and the embeddings) are the frozen
+    /// trunk, whose output is detached ([`Self::with_trainable_layers`]).
+    frozen_layers: Option<usize>,
 }
 
 impl CausalLm {
@@ -235,7 +238,7 @@ impl CausalLm {
             }
         };
         p.store().check_lora()?;
-        Ok(Self { arch, cfg: cfg.clone(), n_layers, hidden_size })
+        Ok(Self { arch, cfg: cfg.clone(), n_layers, hidden_size, frozen_layers: None })
     }
 
     /// The config.
@@ -263,9 +266,107 @@ impl CausalLm {
         KvCache::new(self.n_layers)
     }
 
+    /// Partial freezing (the textworld fork's "use only the last third of the model for
+    /// training"): the last `trainable` blocks train, with the final norm and the heads; the
+    /// embeddings and the blocks below are a frozen trunk whose output is detached, so no
+    /// gradient is computed through it. The store's variables are frozen separately
+    /// ([`params::ParamStore::freeze`]). `trainable` above the model's layer count is an error naming
+    /// both.
+    pub fn with_trainable_layers(mut self, trainable: usize) -> Result<Self> {
+        if trainable > self.n_layers {
+            return Err(Error::Input(format!(
+                "trainable_layers = {trainable}, but the model has {} layers: use at most {}",
+                self.n_layers, self.n_layers
+            )));
+        }
+        self.frozen_layers = Some(self.n_layers - trainable);
+        Ok(self)
+    }
+
+    /// Whether the checkpoint tensor `name` belongs to the frozen trunk of a model whose first
+    /// `frozen_layers` blocks are frozen: the embeddings (and so a tied LM head) and those
+    /// blocks, by the names of every supported family (`wte`/`wpe`, `embed_tokens`, `embed_in`;
+    /// `h.N.`, `layers.N.`).
+    pub fn is_trunk_param(name: &str, frozen_layers: usize) -> bool {
+        let parts: Vec<&str> = name.split('.').collect();
+        if parts.iter().any(|p| matches!(*p, "wte" | "wpe" | "embed_tokens" | "embed_in")) {
+            return true;
+        }
+        parts
+            .windows(2)
+            .any(|w| matches!(w[0], "h" | "layers") && w[1].parse::<usize>().is_ok_and(|i| i < frozen_layers))
+    }
+
+    /// Partial freezing of a loaded policy (`[model] trainable_layers`): the trunk's variables
+    /// in `store` are frozen ([`params::ParamStore::freeze`]) and the model's trunk output detached
+    /// ([`Self::with_trainable_layers`]). Refused with LoRA (the base is frozen already).
+    pub fn freeze_trunk(self, store: &params::ParamStore, trainable: usize) -> Result<Self> {
+        if store.has_lora() {
+            return Err(Error::Input(
+                "trainable_layers with LoRA: the adapters already leave the base frozen; use one of \
+                 [lora] and trainable_layers"
+                    .into(),
+            ));
+        }
+        let lm = self.with_trainable_layers(trainable)?;
+        let frozen = lm.frozen_layers.unwrap_or(0);
+        store.freeze(|name| Self::is_trunk_param(name, frozen));
+        Ok(lm)
+    }
+
+    /// The number of frozen blocks below the trainable ones, with partial freezing.
+    pub fn frozen_layers(&self) -> Option<usize> {
+        self.frozen_layers
+    }
+
+    /// The frozen trunk's output: the detached hidden states entering the first trainable block
+    /// (no cache). Two models that [share a trunk](Self::shares_trunk) compute it once.
+    pub fn trunk(&self, input_ids: &Tensor, position_ids: &Tensor, bias: &Tensor) -> Result<Tensor> {
+        let end = self.frozen_layers.unwrap_or(0);
+        let h = match &self.arch {
+            Arch::Gpt2(m) => m.trunk(input_ids, position_ids, bias, end),
+            Arch::Llama(m) => m.trunk(input_ids, position_ids, bias, end),
+            Arch::GptNeo(m) => m.trunk(input_ids, position_ids, bias, end),
+            Arch::GptNeoX(m) => m.trunk(input_ids, position_ids, bias, end),
+        }?;
+        Ok(h.detach())
+    }
+
+    /// The trainable blocks and the final norm on `trunk` ([`Self::trunk`]'s output): what
+    /// [`Self::forward_rows`] returns (`rows` empty: every row).
+    pub fn forward_from_trunk(
+        &self,
+        trunk: &Tensor,
+        position_ids: &Tensor,
+        bias: &Tensor,
+        rows: &[usize],
+    ) -> Result<Tensor> {
+        let start = self.frozen_layers.unwrap_or(0);
+        match &self.arch {
+            Arch::Gpt2(m) => m.top(trunk, bias, start, rows),
+            Arch::Llama(m) => m.top(trunk, position_ids, bias, start),
+            Arch::GptNeo(m) => m.top(trunk, bias, start),
+            Arch::GptNeoX(m) => m.top(trunk, position_ids, bias, start),
+        }
+    }
+
+    /// Whether `other` has the same frozen trunk, the same tensors (not copies): then its
+    /// [`Self::trunk`] is this model's, and the policy and its reference compute it once.
+    pub fn shares_trunk(&self, other: &CausalLm) -> bool {
+        let (Some(n), Some(m)) = (self.frozen_layers, other.frozen_layers) else { return false };
+        if n != m || n == 0 || self.n_layers != other.n_layers {
+            return false;
+        }
+        let (a, b) = (self.weight_matrices(), other.weight_matrices());
+        let per_block = (a.len() - 1) / self.n_layers;
+        a.len() == b.len()
+            && a[..n * per_block].iter().zip(&b[..n * per_block]).all(|(x, y)| x.id() == y.id())
+    }
+
     /// Final (post-norm) hidden states at every new position: `(B, T) -> (B, T, C)`.
     ///
-    /// `position_ids (B, T)`, `bias (B, 1, T, S)` (see [`layers::causal_bias`]).
+    /// `position_ids (B, T)`, `bias (B, 1, T, S)` (see [`layers::causal_bias`]). With partial
+    /// freezing and no cache, the trunk's output is detached.
     pub fn forward(
         &self,
         input_ids: &Tensor,
@@ -273,6 +374,10 @@ impl CausalLm {
         bias: &Tensor,
         cache: Option<&mut KvCache>,
     ) -> Result<Tensor> {
+        if self.frozen_layers.is_some() && cache.is_none() {
+            let trunk = self.trunk(input_ids, position_ids, bias)?;
+            return self.forward_from_trunk(&trunk, position_ids, bias, &[]);
+        }
         match &self.arch {
             Arch::Gpt2(m) => m.forward(input_ids, position_ids, bias, cache),
             Arch::Llama(m) => m.forward(input_ids, position_ids, bias, cache),
@@ -292,6 +397,10 @@ impl CausalLm {
         bias: &Tensor,
         rows: &[usize],
     ) -> Result<Tensor> {
+        if self.frozen_layers.is_some() {
+            let trunk = self.trunk(input_ids, position_ids, bias)?;
+            return self.forward_from_trunk(&trunk, position_ids, bias, rows);
+        }
         match &self.arch {
             Arch::Gpt2(m) => m.forward_rows(input_ids, position_ids, bias, rows),
             Arch::Llama(m) => m.forward(input_ids, position_ids, bias, None),

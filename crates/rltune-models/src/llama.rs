@@ -673,15 +673,49 @@ impl Llama {
         }
         let mut x = self.embed_tokens.forward(input_ids)?; // (B, T, C)
         let (cos, sin) = self.rope.cos_sin(position_ids, x.dtype())?;
-        let bias = match self.window {
-            Some(w) => match sliding_window_bias(seq_len, s, w, bias.dtype(), bias.device())? {
+        let bias = self.window_bias(bias)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            x = layer.forward(&x, (&cos, &sin), &bias, cache.as_deref_mut().map(|c| (c, i)))?;
+        }
+        self.norm.forward(&x)
+    }
+
+    /// `bias` with the sliding window added, when the model has one.
+    fn window_bias(&self, bias: &Tensor) -> Result<Tensor> {
+        let (_, _, q_len, s) = bias.dims4()?;
+        Ok(match self.window {
+            Some(w) => match sliding_window_bias(q_len, s, w, bias.dtype(), bias.device())? {
                 Some(sw) => bias.broadcast_add(&sw)?,
                 None => bias.clone(),
             },
             None => bias.clone(),
-        };
-        for (i, layer) in self.layers.iter().enumerate() {
-            x = layer.forward(&x, (&cos, &sin), &bias, cache.as_deref_mut().map(|c| (c, i)))?;
+        })
+    }
+
+    /// The hidden states entering layer `end`: the embeddings, then layers `..end` (no cache).
+    pub fn trunk(
+        &self,
+        input_ids: &Tensor,
+        position_ids: &Tensor,
+        bias: &Tensor,
+        end: usize,
+    ) -> Result<Tensor> {
+        let mut x = self.embed_tokens.forward(input_ids)?;
+        let (cos, sin) = self.rope.cos_sin(position_ids, x.dtype())?;
+        let bias = self.window_bias(bias)?;
+        for layer in &self.layers[..end.min(self.layers.len())] {
+            x = layer.forward(&x, (&cos, &sin), &bias, None)?;
+        }
+        Ok(x)
+    }
+
+    /// Layers `start..` and the final norm on `x`, the hidden states entering layer `start`.
+    pub fn top(&self, x: &Tensor, position_ids: &Tensor, bias: &Tensor, start: usize) -> Result<Tensor> {
+        let (cos, sin) = self.rope.cos_sin(position_ids, x.dtype())?;
+        let bias = self.window_bias(bias)?;
+        let mut x = x.clone();
+        for layer in self.layers.iter().skip(start) {
+            x = layer.forward(&x, (&cos, &sin), &bias, None)?;
         }
         self.norm.forward(&x)
     }

@@ -524,6 +524,7 @@ impl ParamStore {
             rng: inner.rng.clone(),
             stored_int: inner.stored_int.clone(),
             lora: Some(state),
+            frozen: Default::default(),
         };
         Self {
             inner: Arc::new(Mutex::new(new)),

@@ -52,6 +52,9 @@ pub(crate) struct Inner {
     pub(crate) stored_int: BTreeMap<String, DType>,
     /// LoRA adapters, when the store was made with [`ParamStore::with_lora`].
     pub(crate) lora: Option<LoraState>,
+    /// Variables frozen by [`ParamStore::freeze`] (partial freezing): not in `vars()`, shared
+    /// rather than copied by `frozen_copy`.
+    pub(crate) frozen: std::collections::BTreeSet<String>,
 }
 
 /// A set of named parameters shared by a model and its optimizer.
@@ -99,6 +102,7 @@ impl ParamStore {
             rng,
             stored_int,
             lora: None,
+            frozen: Default::default(),
         };
         Ok(Self {
             inner: Arc::new(Mutex::new(inner)),
@@ -233,8 +237,24 @@ impl ParamStore {
                 l.adapters.iter().chain(&l.saved).map(|(k, v)| (k.clone(), v.clone())).collect()
             }
             Some(_) => Vec::new(),
-            None => inner.vars.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            None => inner
+                .vars
+                .iter()
+                .filter(|(k, _)| !inner.frozen.contains(*k))
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
         }
+    }
+
+    /// Freezes the trainable variables that `frozen` selects by name (partial freezing): they
+    /// leave [`Self::vars`], so no optimizer moves them, and [`Self::frozen_copy`] shares their
+    /// tensors instead of copying them. Returns how many were frozen.
+    pub fn freeze(&self, frozen: impl Fn(&str) -> bool) -> usize {
+        let mut inner = self.lock();
+        let names: Vec<String> = inner.vars.keys().filter(|k| frozen(k)).cloned().collect();
+        let n = names.len();
+        inner.frozen.extend(names);
+        n
     }
 
     /// A snapshot of every tensor by name (detached copies share no storage with the store),
@@ -271,7 +291,17 @@ impl ParamStore {
         if self.lock().lora.is_some() {
             return Ok(self.without_adapters());
         }
-        let map: HashMap<String, Tensor> = self.snapshot()?.into_iter().collect();
+        let mut map: HashMap<String, Tensor> = self.snapshot()?.into_iter().collect();
+        // Frozen variables never change: the copy shares them (the policy and its reference
+        // then share a frozen trunk, see `CausalLm::shares_trunk`).
+        {
+            let inner = self.lock();
+            for name in &inner.frozen {
+                if let Some(t) = inner.tensors.get(name) {
+                    map.insert(name.clone(), t.clone());
+                }
+            }
+        }
         let aliases = self.lock().aliases.clone();
         let mut s = Self::from_tensors(map, false, self.dtype, &self.device, &self.source)?;
         s.fill_missing = false;

@@ -389,7 +389,11 @@ fn ppo_config<G: AgentGames>(dir: &Path, cfg: &AgentQuickstartConfig<G>) -> RunC
         ..GenerationConfig::default()
     };
     RunConfig {
-        model: ModelSection { path: dir.join("bc").to_string_lossy().into_owned(), adapter: None },
+        model: ModelSection {
+            path: dir.join("bc").to_string_lossy().into_owned(),
+            adapter: None,
+            trainable_layers: None,
+        },
         algorithm: Default::default(),
         rejection: Default::default(),
         grpo: Default::default(),

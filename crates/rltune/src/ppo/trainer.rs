@@ -680,14 +680,26 @@ impl PpoTrainer {
                 continue;
             }
             let input = inputs(&ids)?;
-            let hidden = self.policy.lm.forward(&input, &pos, &bias, None)?;
+            // Partial freezing: the frozen trunk's output, once for the policy and the reference.
+            let trunk = if self.policy.lm.shares_trunk(&self.reference) {
+                Some(self.policy.lm.trunk(&input, &pos, &bias)?)
+            } else {
+                None
+            };
+            let hidden = match &trunk {
+                Some(t) => self.policy.lm.forward_from_trunk(t, &pos, &bias, &[])?,
+                None => self.policy.lm.forward(&input, &pos, &bias, None)?,
+            };
             let (l, f) = self.next_token_logprobs(&self.policy.lm, &hidden, &ids, allowed, full)?;
             lp.push(l);
             flp.extend(f);
             if self.critic.is_none() {
                 vals.push(self.policy.v_head.forward(&hidden)?.detach());
             }
-            let h = self.reference.forward(&input, &pos, &bias, None)?;
+            let h = match &trunk {
+                Some(t) => self.reference.forward_from_trunk(t, &pos, &bias, &[])?,
+                None => self.reference.forward(&input, &pos, &bias, None)?,
+            };
             let (l, f) = self.next_token_logprobs(&self.reference, &h, &ids, allowed, full)?;
             rlp.push(l);
             frlp.extend(f);

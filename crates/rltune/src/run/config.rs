@@ -34,6 +34,12 @@ pub struct ModelSection {
     /// `[lora]`) to start from; trains as LoRA even without a `[lora]` table.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub adapter: Option<String>,
+    /// Partial freezing (the textworld fork's idea): train only the last K blocks, the final
+    /// norm and the heads; the embeddings and the blocks below are frozen, and their output is
+    /// computed once per batch for the policy and the reference
+    /// ([`crate::models::CausalLm::freeze_trunk`]). Policy only (`[model]`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trainable_layers: Option<usize>,
 }
 
 /// `[critic]`: a separate value model (see [`crate::ppo::critic`]).
@@ -325,6 +331,16 @@ impl RunConfig {
     }
 
     fn validate_lora(&self) -> std::result::Result<(), String> {
+        if self.ref_model.as_ref().is_some_and(|r| r.trainable_layers.is_some()) {
+            return Err("[ref_model] trainable_layers: the reference does not train; set \
+                        trainable_layers under [model]"
+                .into());
+        }
+        if self.lora.is_some() && self.model.trainable_layers.is_some() {
+            return Err("[model] trainable_layers with [lora]: the adapters already leave the base \
+                        frozen; use one of them"
+                .into());
+        }
         if let Some(l) = &self.lora {
             l.validate("[lora]")?;
             if self.ref_model.is_some() {

@@ -24,7 +24,7 @@ use super::checkpoint::{
 use super::config::{AlgorithmKind, RunConfig};
 use super::eval::{encode_eval_prompts, record, EvalResult, Evaluator};
 use super::group_config::GroupShape;
-use super::ppo_loop::{build_reward_sum, encode_prompts, StepReport};
+use super::ppo_loop::{build_reward_sum, encode_prompts, share_trunk, StepReport};
 use crate::data::prompts::PromptRow;
 use crate::engine::{Stat, Stats};
 use crate::error::{Error, Result};
@@ -154,7 +154,11 @@ impl GroupRun {
             Some((_, p)) if lora.is_none() => p.display().to_string(),
             _ => config.model.path.clone(),
         };
-        let policy = load_lm_adapted(&src, lora.as_ref(), true, runtime.dtype(), runtime.device())?;
+        let mut policy = load_lm_adapted(&src, lora.as_ref(), true, runtime.dtype(), runtime.device())?;
+        let trainable = config.model.trainable_layers;
+        if let Some(k) = trainable {
+            policy.lm = policy.lm.clone().freeze_trunk(&policy.store, k)?;
+        }
         let tok_path = policy.files.tokenizer.clone().ok_or_else(|| {
             Error::Tokenizer(format!(
                 "{}: no tokenizer.json; `rltune ppo` needs one to encode prompts",
@@ -205,7 +209,10 @@ impl GroupRun {
                     CausalLm::load(&policy.store.frozen_copy()?.root(), &policy.config)?
                 }
                 None if ckpt.is_some() => load_reference(&config.model.path, dtype, device)?.1,
-                None => CausalLm::load(&policy.store.frozen_copy()?.root(), &policy.config)?,
+                None => share_trunk(
+                    CausalLm::load(&policy.store.frozen_copy()?.root(), &policy.config)?,
+                    trainable,
+                )?,
             })
         };
         let (store, lm) = (policy.store.clone(), policy.lm.clone());

@@ -186,14 +186,19 @@ impl PpoRun {
         };
         // Without a critic, `[ppo] value_head` describes the policy's head; with one, the critic's.
         let head = config.critic.is_none().then(|| config.ppo.value_head_spec());
-        let LoadedPolicy { files, config_json, config: lm_cfg, store, model } =
+        let LoadedPolicy { files, config_json, config: lm_cfg, store, mut model } =
             load_policy_adapted(&policy_src, head, lora.as_ref(), true, dtype, &device)?;
+        let trainable = config.model.trainable_layers;
+        if let Some(k) = trainable {
+            model.lm = model.lm.freeze_trunk(&store, k)?;
+        }
         let reference = match &config.ref_model {
             Some(r) => load_reference(&r.path, dtype, &device)?.1,
             // The base with the adapters off, sharing its weights.
             None if lora.is_some() => CausalLm::load(&store.frozen_copy()?.root(), &lm_cfg)?,
             None if ckpt.is_some() => load_reference(&config.model.path, dtype, &device)?.1,
-            None => CausalLm::load(&store.frozen_copy()?.root(), &lm_cfg)?,
+            // A copy of the policy; with partial freezing it shares the frozen trunk.
+            None => share_trunk(CausalLm::load(&store.frozen_copy()?.root(), &lm_cfg)?, trainable)?,
         };
         let tok_path = files.tokenizer.clone().ok_or_else(|| {
             Error::Tokenizer(format!(
@@ -642,4 +647,13 @@ impl super::run_loop::Algorithm for PpoRun {
     fn logger(&mut self) -> &mut RunLogger {
         &mut self.logger
     }
+}
+
+/// The reference copy of a partially frozen policy: the same trunk split, so that it shares
+/// the policy's trunk tensors and output ([`CausalLm::shares_trunk`]).
+pub(super) fn share_trunk(reference: CausalLm, trainable_layers: Option<usize>) -> Result<CausalLm> {
+    Ok(match trainable_layers {
+        Some(k) => reference.with_trainable_layers(k)?,
+        None => reference,
+    })
 }

@@ -259,3 +259,35 @@ fn held_out_evaluation_scores_greedy_answers_before_and_after() {
     assert_eq!(m[3]["eval_reward_se"], lines[2]["eval_reward_se"]);
     assert!(m[0].get("eval_reward").is_none(), "step 1 is not an evaluation step");
 }
+
+/// `[model] trainable_layers = 1`: a GRPO run trains the last block, the final norm and the
+/// head only (the tiny model's head is tied to the frozen embeddings, so it stays); the rest is
+/// bitwise the starting policy. With [lora] it is refused.
+#[test]
+fn grpo_with_trainable_layers_moves_only_the_top_block() {
+    crate::common::install();
+    let s = setup();
+    let mut cfg = config(&s, "grpo", "partial", 2, "");
+    cfg.model.trainable_layers = Some(1);
+    let start = GroupRun::prepare(cfg.clone(), vec![(1.0, count_w7())], false).unwrap();
+    let before = start.trainer.store().snapshot().unwrap();
+    let after = run(cfg.clone(), false).trainer.store().snapshot().unwrap();
+    let mut moved = Vec::new();
+    for (name, w) in &after {
+        let d = crate::common::max_diff(w, &before[name]);
+        if d > 0.0 {
+            moved.push(name.clone());
+        }
+        // Two layers, one trainable: block 0 and the embeddings are the frozen trunk.
+        if name.contains("h.0.") || name.contains("wte") || name.contains("wpe") {
+            assert_eq!(d, 0.0, "{name} is frozen but moved by {d}");
+        }
+    }
+    assert!(
+        moved.iter().any(|n| n.contains("h.1.")) && moved.iter().any(|n| n.contains("ln_f")),
+        "{moved:?}"
+    );
+    cfg.lora = Some(Default::default());
+    let err = GroupRun::prepare(cfg, vec![(1.0, count_w7())], false).err().unwrap().to_string();
+    assert!(err.contains("trainable_layers with [lora]"), "{err}");
+}

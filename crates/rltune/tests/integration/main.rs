@@ -16,6 +16,7 @@ mod layout;
 mod lora;
 mod multiturn;
 mod neo;
+mod partial_freezing;
 mod ppo_behaviour;
 mod ppo_parity;
 mod train;
