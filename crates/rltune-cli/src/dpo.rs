@@ -62,6 +62,8 @@ struct DpoFile {
     /// LoRA adapters on the policy (PEFT's `LoraConfig` names); the reference is then the base
     /// with the adapters off.
     lora: Option<LoraConfig>,
+    /// `trainable_layers`: partial freezing of the policy.
+    model: crate::train::FreezeSection,
 }
 
 /// The policy's files, raw config, parameters and model, and its tokenizer when it has one.
@@ -141,8 +143,15 @@ pub fn run(args: Args) -> Result<()> {
             })
         }
     };
-    let policy = load(&args.model, true, lora.as_ref(), &rt)
+    let mut policy = load(&args.model, true, lora.as_ref(), &rt)
         .with_context(|| format!("cannot load policy {:?}", args.model))?;
+    if let Some(k) = file.model.trainable_layers {
+        policy.lm = policy
+            .lm
+            .clone()
+            .freeze_trunk(&policy.store, k)
+            .with_context(|| format!("{}: [model]", source.display()))?;
+    }
     let reference = match &args.ref_model {
         Some(r) => {
             Some(load(r, false, None, &rt).with_context(|| format!("cannot load reference {r:?}"))?.lm)

@@ -65,6 +65,17 @@ struct SftFile {
     runtime: RuntimeSection,
     /// LoRA adapters (PEFT's `LoraConfig` names): the base frozen, the adapter saved.
     lora: Option<LoraConfig>,
+    /// `trainable_layers`: partial freezing.
+    model: FreezeSection,
+}
+
+/// `[model]` of the SFT and DPO settings files.
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub(crate) struct FreezeSection {
+    /// Partial freezing: train the last K blocks, the final norm and the head; the embeddings
+    /// and the blocks below stay frozen (`rltune::models::CausalLm::freeze_trunk`).
+    pub(crate) trainable_layers: Option<usize>,
 }
 
 #[derive(Deserialize, Default)]
@@ -112,8 +123,12 @@ pub fn run_sft(args: SftArgs) -> Result<()> {
             Some(LoraSpec { config: lc.clone(), adapter: adapter.clone(), origin, seed: file.training.seed })
         }
     };
-    let model =
+    let mut model =
         SftModel::from_pretrained_adapted(&c.model, lora.as_ref(), runtime.dtype(), runtime.device())?;
+    if let Some(k) = file.model.trainable_layers {
+        model.lm =
+            model.lm.clone().freeze_trunk(&model.store, k).with_context(|| format!("{origin}: [model]"))?;
+    }
     let mut cfg = file.sft;
     if let Some(max) = model.lm.config().max_positions() {
         fit_default(&mut cfg.max_length, SftConfig::default().max_length, max, "sft.max_length");

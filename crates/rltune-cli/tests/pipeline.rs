@@ -133,6 +133,56 @@ fn sft_and_reward_commands_train_and_save_loadable_models() {
     ]));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("3 steps") && err.contains("eval: loss"), "{err}");
+
+    // Partial freezing: `[model] trainable_layers = 1` trains the last block and the final norm;
+    // the embeddings (and so the tied head) and the blocks below come out bitwise unchanged.
+    let out_partial = tmp.path().join("sft-partial");
+    let args = |out: &Path, extra: &str| {
+        vec![
+            "sft".to_string(),
+            "--model".into(),
+            s(&dir.join("sft")).into(),
+            "--data".into(),
+            s(&data).into(),
+            "--output".into(),
+            s(out).into(),
+            "--config".into(),
+            s(&sft_cfg).into(),
+            "--set".into(),
+            "training.max_steps=3".into(),
+            "--set".into(),
+            "sft.max_length=32".into(),
+            "--set".into(),
+            extra.into(),
+        ]
+    };
+    let argv = args(&out_partial, "model.trainable_layers=1");
+    ok(rltune(&argv.iter().map(String::as_str).collect::<Vec<_>>()));
+    let load = |d: &Path| {
+        candle_core::safetensors::load(d.join("model.safetensors"), &candle_core::Device::Cpu).unwrap()
+    };
+    let (start, trained) = (load(&dir.join("sft")), load(&out_partial));
+    let n_layer: usize = serde_json::from_str::<serde_json::Value>(
+        &std::fs::read_to_string(dir.join("sft/config.json")).unwrap(),
+    )
+    .unwrap()["n_layer"]
+        .as_u64()
+        .unwrap() as usize;
+    let top = format!("h.{}.", n_layer - 1);
+    for (name, w) in &trained {
+        let same = w.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+            == start[name].flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let trainable = name.contains(&top) || name.contains("ln_f");
+        assert_eq!(
+            !same,
+            trainable,
+            "{name}: {} (trainable: {trainable})",
+            if same { "unchanged" } else { "moved" }
+        );
+    }
+    let argv = args(&tmp.path().join("bad"), &format!("model.trainable_layers={}", n_layer + 1));
+    let err = fails(rltune(&argv.iter().map(String::as_str).collect::<Vec<_>>()));
+    assert!(err.contains("[model]") && err.contains(&format!("trainable_layers = {}", n_layer + 1)), "{err}");
     ok(rltune(&[
         "generate",
         "--model",
