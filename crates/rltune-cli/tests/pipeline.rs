@@ -758,6 +758,11 @@ fn ppo_on_text_games_logs_episodes_evaluates_and_resumes() {
     let t: Vec<serde_json::Value> = transcripts.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     assert_eq!(t.iter().map(|x| x["step"].as_u64().unwrap()).collect::<Vec<_>>(), [1, 1, 2, 2]);
     assert!(t[0]["turns"][0]["action"].is_string() && t[0]["objective"].is_string(), "{}", t[0]);
+    // Each training turn shows the game's admissible set and the sampled action's logprob.
+    for turn in t.iter().flat_map(|x| x["turns"].as_array().unwrap()) {
+        assert!(turn["admissible"].as_array().is_some_and(|a| !a.is_empty()), "{turn}");
+        assert!(turn["logprob"].as_f64().is_some_and(|l| l <= 0.0), "{turn}");
+    }
     let report = std::fs::read_to_string(run.join("report.html")).unwrap();
     assert!(report.contains("id=\"plot-episodes\"") && report.contains("eval/win_rate"));
 

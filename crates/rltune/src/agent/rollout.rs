@@ -279,17 +279,21 @@ pub fn collect_episodes(
                     waiting[e] = Some(out[e].len() - 1);
                 }
             }
+            // The transcript's turn: the admissible set and, for a sampled action, its logprob
+            // (None for an example turn).
+            let logprob = cuts[k].map(|cut| samples[k].logprobs[..cut].iter().map(|&l| f64::from(l)).sum());
             let turn = Turn {
                 observation: before.observation,
                 action: action.clone(),
                 reward: after.reward,
                 invalid: after.invalid,
-                ..Turn::default()
+                admissible: before.admissible_commands,
+                logprob,
             };
             if let Some(ep) = episodes[e].as_mut() {
                 ep.record(turn.clone(), &after);
             }
-            memory.push(turn);
+            memory.push(Turn { admissible: Vec::new(), ..turn });
             if !after.done() {
                 live[e] = Some((after, memory));
             } else if after.truncated && waiting[e].is_some() {
