@@ -6,7 +6,7 @@
 #
 #   tools/models/fetch_smollm2.sh
 #   python3 examples/smollm2-grpo/make_data.py --out target/smollm2-grpo
-#   bench/partial_freezing.sh [BIN] [STEPS]
+#   bench/partial_freezing.sh [BIN] [STEPS] [ROUNDS]
 #
 # Modes: full (every weight), lora (r 16 on every linear layer), freeze10 (trainable_layers =
 # 10, the fork's "last third"), freeze1 (the last block only). Rounds interleave the modes.
@@ -14,9 +14,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bin=${1:-target/release/rltune}
 steps=${2:-4}
+rounds=${3:-2}
 out=target/bench-partial
 mkdir -p "$out"
-for round in 1 2; do
+for round in $(seq "$rounds"); do
   for mode in full lora freeze10 freeze1; do
     # The example's config, without its [lora] table except in lora mode, without [eval].
     python3 - "$mode" "$out/$mode.toml" <<'EOF'
