@@ -86,6 +86,8 @@ struct RewardFile {
     runtime: RuntimeSection,
     /// Refused: the reward model trains in full (see docs/lora.md).
     lora: Option<LoraConfig>,
+    /// `trainable_layers`: partial freezing of the encoder.
+    model: FreezeSection,
 }
 
 /// The settings file (or an empty one) with the overrides applied.
@@ -160,13 +162,21 @@ pub fn run_reward(args: RewardArgs) -> Result<()> {
     check(file.reward.validate(), c)?;
     let runtime = c.runtime.resolve(file.runtime.clone())?;
     let records = read_reward_records(&c.data)?;
-    let model = RewardModel::from_pretrained_for(
+    let mut model = RewardModel::from_pretrained_for(
         &c.model,
         &records,
         file.training.seed,
         runtime.dtype(),
         runtime.device(),
     )?;
+    if let Some(k) = file.model.trainable_layers {
+        let origin = c.config.as_ref().map_or("--set".to_string(), |p| p.display().to_string());
+        model.model = model
+            .model
+            .clone()
+            .freeze_trunk(&model.store, k)
+            .with_context(|| format!("{origin}: [model]"))?;
+    }
     let mut cfg = file.reward;
     fit_default(
         &mut cfg.max_length,

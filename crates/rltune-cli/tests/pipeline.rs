@@ -219,6 +219,37 @@ fn sft_and_reward_commands_train_and_save_loadable_models() {
     ]));
     assert!(out_rm.join("model.safetensors").is_file() && out_rm.join("tokenizer.json").is_file());
 
+    // Partial freezing of the reward model: the last encoder layer and the head move, the
+    // embeddings and the layers below come out bitwise unchanged.
+    let out_frozen = tmp.path().join("rm-frozen");
+    ok(rltune(&[
+        "reward",
+        "--model",
+        s(&dir.join("classifier")),
+        "--data",
+        s(&data),
+        "--output",
+        s(&out_frozen),
+        "--config",
+        s(&rm_cfg),
+        "--set",
+        "training.max_steps=2",
+        "--set",
+        "model.trainable_layers=1",
+    ]));
+    let cls_cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("classifier/config.json")).unwrap()).unwrap();
+    let n_layers = cls_cfg["n_layers"].as_u64().or(cls_cfg["num_hidden_layers"].as_u64()).unwrap() as usize;
+    let (start, trained) = (load(&dir.join("classifier")), load(&out_frozen));
+    let top = format!("layer.{}.", n_layers - 1);
+    for (name, w) in &trained {
+        let Some(before) = start.get(name) else { continue };
+        let same = w.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+            == before.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let frozen = name.contains("embeddings") || (name.contains("layer.") && !name.contains(&top));
+        assert_eq!(same, frozen, "{name}: {}", if same { "unchanged" } else { "moved" });
+    }
+
     // Preference pairs train a one-logit head (Bradley–Terry).
     let pairs = tmp.path().join("pairs.jsonl");
     let lines: Vec<String> = (0..8)

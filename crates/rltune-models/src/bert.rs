@@ -372,6 +372,9 @@ pub struct Bert {
     /// `BertPooler.dense`; `None` when the checkpoint has no pooler.
     pooler: Option<Linear>,
     cfg: BertConfig,
+    /// Partial freezing: the output of the embeddings and of the layers below this one is
+    /// detached (see [`crate::classifier::SequenceClassifier::freeze_trunk`]).
+    pub(crate) frozen_layers: Option<usize>,
 }
 
 impl Bert {
@@ -394,7 +397,7 @@ impl Bert {
             // Absent from the checkpoint: a random store creates it, a loaded one reports it missing.
             Linear::load(&pooler_p, c, c, true, std).ok()
         };
-        Ok(Self { embeddings, layers, pooler, cfg: cfg.clone() })
+        Ok(Self { embeddings, layers, pooler, cfg: cfg.clone(), frozen_layers: None })
     }
 
     /// The config this model was built from.
@@ -423,8 +426,14 @@ impl Bert {
         let mut x = self.embeddings.forward(input_ids, token_type_ids)?;
         // (B, 1, 1, T)
         let bias = padding_bias(attention_mask, x.dtype(), input_ids.device())?;
-        for layer in &self.layers {
+        for (i, layer) in self.layers.iter().enumerate() {
+            if self.frozen_layers == Some(i) {
+                x = x.detach();
+            }
             x = layer.forward(&x, &bias)?;
+        }
+        if self.frozen_layers == Some(self.layers.len()) {
+            x = x.detach();
         }
         Ok(x)
     }
@@ -469,6 +478,10 @@ pub struct BertForSequenceClassification {
 }
 
 impl BertForSequenceClassification {
+    pub(crate) fn encoder_mut(&mut self) -> &mut Bert {
+        &mut self.bert
+    }
+
     /// Builds the model from `p`, the checkpoint root (names `bert.*` and `classifier.*`).
     ///
     /// Fails when the checkpoint has no pooler: the head classifies the pooled `[CLS]` state.

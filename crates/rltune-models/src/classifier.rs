@@ -59,6 +59,29 @@ pub enum SequenceClassifier {
 }
 
 impl SequenceClassifier {
+    /// Partial freezing of a reward model (`[model] trainable_layers` of `rltune reward`): the
+    /// last `trainable` encoder layers and the head train; the embeddings and the layers below
+    /// leave the optimizer (`store`) and their output is detached. More layers than the model
+    /// has is an error naming both.
+    pub fn freeze_trunk(mut self, store: &crate::params::ParamStore, trainable: usize) -> Result<Self> {
+        let n = match &mut self {
+            Self::Bert(m) => m.encoder_mut().config().num_hidden_layers,
+            Self::DistilBert(m) => m.encoder_mut().config().n_layers,
+        };
+        if trainable > n {
+            return Err(Error::Input(format!(
+                "trainable_layers = {trainable}, but the model has {n} layers: use at most {n}"
+            )));
+        }
+        let frozen = n - trainable;
+        match &mut self {
+            Self::Bert(m) => m.encoder_mut().frozen_layers = Some(frozen),
+            Self::DistilBert(m) => m.encoder_mut().frozen_layers = Some(frozen),
+        }
+        store.freeze(|name| crate::CausalLm::is_trunk_param(name, frozen));
+        Ok(self)
+    }
+
     /// Builds the model from `p`, the checkpoint root.
     pub fn load(p: &Params, cfg: &SequenceClassifierConfig) -> Result<Self> {
         Ok(match cfg {

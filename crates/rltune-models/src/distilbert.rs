@@ -270,6 +270,9 @@ pub struct DistilBert {
     embeddings: Embeddings,
     layers: Vec<TransformerBlock>,
     cfg: DistilBertConfig,
+    /// Partial freezing: the output of the embeddings and of the layers below this one is
+    /// detached.
+    pub(crate) frozen_layers: Option<usize>,
 }
 
 impl DistilBert {
@@ -283,7 +286,7 @@ impl DistilBert {
         let layers = (0..cfg.n_layers)
             .map(|i| TransformerBlock::load(&body.pp("transformer").pp("layer").pp(i), cfg))
             .collect::<Result<Vec<_>>>()?;
-        Ok(Self { embeddings, layers, cfg: cfg.clone() })
+        Ok(Self { embeddings, layers, cfg: cfg.clone(), frozen_layers: None })
     }
 
     /// The config this model was built from.
@@ -301,8 +304,14 @@ impl DistilBert {
         let mut x = self.embeddings.forward(input_ids)?;
         // (B, 1, 1, T)
         let bias = padding_bias(attention_mask, x.dtype(), input_ids.device())?;
-        for layer in &self.layers {
+        for (i, layer) in self.layers.iter().enumerate() {
+            if self.frozen_layers == Some(i) {
+                x = x.detach();
+            }
             x = layer.forward(&x, &bias)?;
+        }
+        if self.frozen_layers == Some(self.layers.len()) {
+            x = x.detach();
         }
         Ok(x)
     }
@@ -318,6 +327,10 @@ pub struct DistilBertForSequenceClassification {
 }
 
 impl DistilBertForSequenceClassification {
+    pub(crate) fn encoder_mut(&mut self) -> &mut DistilBert {
+        &mut self.distilbert
+    }
+
     /// Builds the model from `p`, the checkpoint root (names `distilbert.*`, `pre_classifier.*`,
     /// `classifier.*`).
     pub fn load(p: &Params, cfg: &DistilBertConfig) -> Result<Self> {

@@ -285,16 +285,17 @@ impl CausalLm {
 
     /// Whether the checkpoint tensor `name` belongs to the frozen trunk of a model whose first
     /// `frozen_layers` blocks are frozen: the embeddings (and so a tied LM head) and those
-    /// blocks, by the names of every supported family (`wte`/`wpe`, `embed_tokens`, `embed_in`;
-    /// `h.N.`, `layers.N.`).
+    /// blocks, by the names of every supported family (`wte`/`wpe`, `embed_tokens`, `embed_in`,
+    /// BERT's `embeddings`; `h.N.`, `layers.N.`, `layer.N.`).
     pub fn is_trunk_param(name: &str, frozen_layers: usize) -> bool {
         let parts: Vec<&str> = name.split('.').collect();
-        if parts.iter().any(|p| matches!(*p, "wte" | "wpe" | "embed_tokens" | "embed_in")) {
+        let embedding = |p: &str| matches!(p, "wte" | "wpe" | "embed_tokens" | "embed_in" | "embeddings");
+        if parts.iter().any(|p| embedding(p)) {
             return true;
         }
-        parts
-            .windows(2)
-            .any(|w| matches!(w[0], "h" | "layers") && w[1].parse::<usize>().is_ok_and(|i| i < frozen_layers))
+        parts.windows(2).any(|w| {
+            matches!(w[0], "h" | "layers" | "layer") && w[1].parse::<usize>().is_ok_and(|i| i < frozen_layers)
+        })
     }
 
     /// Partial freezing of a loaded policy (`[model] trainable_layers`): the trunk's variables
