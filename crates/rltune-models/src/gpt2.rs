@@ -264,6 +264,16 @@ impl Block {
     }
 }
 
+/// `rows` (indices into `n` flattened positions) as the last block's row selection, or `None`
+/// (every row) for an empty, unsorted, out-of-range or all-covering list.
+fn usable_rows(rows: &[usize], n: usize, device: &candle_core::Device) -> Result<Option<ops::block::Rows>> {
+    let unusable = rows.is_empty() || rows.len() >= n || rows.windows(2).any(|w| w[0] >= w[1]);
+    if unusable || rows.last().is_some_and(|&r| r >= n) {
+        return Ok(None);
+    }
+    Ok(Some(ops::block::Rows::new(rows.to_vec(), device)?))
+}
+
 /// GPT-2 with its language-model head.
 #[derive(Debug, Clone)]
 pub struct Gpt2 {
@@ -330,13 +340,8 @@ impl Gpt2 {
         bias: &Tensor,
         rows: &[usize],
     ) -> Result<Tensor> {
-        let n = input_ids.elem_count();
-        let unusable = rows.is_empty() || rows.len() >= n || rows.windows(2).any(|w| w[0] >= w[1]);
-        if unusable || rows.last().is_some_and(|&r| r >= n) {
-            return self.run(input_ids, position_ids, bias, None, None);
-        }
-        let rows = ops::block::Rows::new(rows.to_vec(), input_ids.device())?;
-        self.run(input_ids, position_ids, bias, None, Some(&rows))
+        let rows = usable_rows(rows, input_ids.elem_count(), input_ids.device())?;
+        self.run(input_ids, position_ids, bias, None, rows.as_ref())
     }
 
     fn run(
@@ -344,16 +349,33 @@ impl Gpt2 {
         input_ids: &Tensor,
         position_ids: &Tensor,
         bias: &Tensor,
+        cache: Option<&mut KvCache>,
+        rows: Option<&ops::block::Rows>,
+    ) -> Result<Tensor> {
+        let x = self.embed(input_ids, position_ids)?;
+        let x = self.blocks(x, bias, 0..self.h.len(), cache, rows)?;
+        self.ln_f.forward(&x)
+    }
+
+    fn embed(&self, input_ids: &Tensor, position_ids: &Tensor) -> Result<Tensor> {
+        Ok((self.wte.forward(input_ids)? + self.wpe.forward(position_ids)?)?)
+    }
+
+    /// Blocks `range` on `x`; `rows` apply to the model's last block (see [`Self::forward_rows`]).
+    fn blocks(
+        &self,
+        mut x: Tensor,
+        bias: &Tensor,
+        range: std::ops::Range<usize>,
         mut cache: Option<&mut KvCache>,
         rows: Option<&ops::block::Rows>,
     ) -> Result<Tensor> {
-        let mut x = (self.wte.forward(input_ids)? + self.wpe.forward(position_ids)?)?;
         let last = self.h.len().saturating_sub(1);
-        for (i, block) in self.h.iter().enumerate() {
+        for i in range {
             let rows = rows.filter(|_| i == last);
-            x = block.forward(&x, bias, cache.as_deref_mut().map(|c| (c, i)), rows)?;
+            x = self.h[i].forward(&x, bias, cache.as_deref_mut().map(|c| (c, i)), rows)?;
         }
-        self.ln_f.forward(&x)
+        Ok(x)
     }
 
     /// The hidden states entering block `end`: the embeddings, then blocks `..end` (no cache).
@@ -364,27 +386,15 @@ impl Gpt2 {
         bias: &Tensor,
         end: usize,
     ) -> Result<Tensor> {
-        let mut x = (self.wte.forward(input_ids)? + self.wpe.forward(position_ids)?)?;
-        for block in &self.h[..end.min(self.h.len())] {
-            x = block.forward(&x, bias, None, None)?;
-        }
-        Ok(x)
+        let x = self.embed(input_ids, position_ids)?;
+        self.blocks(x, bias, 0..end.min(self.h.len()), None, None)
     }
 
     /// Blocks `start..` and `ln_f` on `x`, the hidden states entering block `start` (no cache);
     /// `rows` as [`Self::forward_rows`] (empty: every row).
     pub fn top(&self, x: &Tensor, bias: &Tensor, start: usize, rows: &[usize]) -> Result<Tensor> {
-        let n = x.dim(0)? * x.dim(1)?;
-        let usable = !rows.is_empty()
-            && rows.len() < n
-            && rows.windows(2).all(|w| w[0] < w[1])
-            && rows.last().is_some_and(|&r| r < n);
-        let rows = if usable { Some(ops::block::Rows::new(rows.to_vec(), x.device())?) } else { None };
-        let last = self.h.len().saturating_sub(1);
-        let mut x = x.clone();
-        for (i, block) in self.h.iter().enumerate().skip(start) {
-            x = block.forward(&x, bias, None, rows.as_ref().filter(|_| i == last))?;
-        }
+        let rows = usable_rows(rows, x.dim(0)? * x.dim(1)?, x.device())?;
+        let x = self.blocks(x.clone(), bias, start..self.h.len(), None, rows.as_ref())?;
         self.ln_f.forward(&x)
     }
 

@@ -331,7 +331,7 @@ impl GptNeo {
         input_ids: &Tensor,
         position_ids: &Tensor,
         bias: &Tensor,
-        mut cache: Option<&mut KvCache>,
+        cache: Option<&mut KvCache>,
     ) -> Result<Tensor> {
         let (_, seq_len) = input_ids.dims2()?;
         let (_, _, q_len, _) = bias.dims4()?;
@@ -342,13 +342,26 @@ impl GptNeo {
                 bias.dims()
             )));
         }
+        let x = (self.wte.forward(input_ids)? + self.wpe.forward(position_ids)?)?;
+        let x = self.blocks(x, bias, 0..self.h.len(), cache)?;
+        self.ln_f.forward(&x)
+    }
+
+    /// Blocks `range` on `x` (with a cache, each appends to its own slot).
+    fn blocks(
+        &self,
+        mut x: Tensor,
+        bias: &Tensor,
+        range: std::ops::Range<usize>,
+        mut cache: Option<&mut KvCache>,
+    ) -> Result<Tensor> {
         let local_bias = self.local_bias(bias)?;
-        let mut x = (self.wte.forward(input_ids)? + self.wpe.forward(position_ids)?)?;
-        for (i, block) in self.h.iter().enumerate() {
+        for i in range {
+            let block = &self.h[i];
             let b = if block.attn.local { &local_bias } else { bias };
             x = block.forward(&x, b, cache.as_deref_mut().map(|c| (c, i)))?;
         }
-        self.ln_f.forward(&x)
+        Ok(x)
     }
 
     /// `bias` with the local layers' window added.
@@ -368,23 +381,13 @@ impl GptNeo {
         bias: &Tensor,
         end: usize,
     ) -> Result<Tensor> {
-        let local_bias = self.local_bias(bias)?;
-        let mut x = (self.wte.forward(input_ids)? + self.wpe.forward(position_ids)?)?;
-        for block in &self.h[..end.min(self.h.len())] {
-            let b = if block.attn.local { &local_bias } else { bias };
-            x = block.forward(&x, b, None)?;
-        }
-        Ok(x)
+        let x = (self.wte.forward(input_ids)? + self.wpe.forward(position_ids)?)?;
+        self.blocks(x, bias, 0..end.min(self.h.len()), None)
     }
 
     /// Blocks `start..` and `ln_f` on `x`, the hidden states entering block `start` (no cache).
     pub fn top(&self, x: &Tensor, bias: &Tensor, start: usize) -> Result<Tensor> {
-        let local_bias = self.local_bias(bias)?;
-        let mut x = x.clone();
-        for block in self.h.iter().skip(start) {
-            let b = if block.attn.local { &local_bias } else { bias };
-            x = block.forward(&x, b, None)?;
-        }
+        let x = self.blocks(x.clone(), bias, start..self.h.len(), None)?;
         self.ln_f.forward(&x)
     }
 

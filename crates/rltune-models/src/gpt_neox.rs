@@ -403,14 +403,32 @@ impl GptNeoX {
         input_ids: &Tensor,
         position_ids: &Tensor,
         bias: &Tensor,
+        cache: Option<&mut KvCache>,
+    ) -> Result<Tensor> {
+        let x = self.embed_in.forward(input_ids)?; // (B, T, C)
+        let x = self.blocks(x, position_ids, bias, 0..self.layers.len(), cache)?;
+        self.final_layer_norm.forward(&x)
+    }
+
+    /// Layers `range` on `x` (with a cache, each appends to its own slot).
+    fn blocks(
+        &self,
+        mut x: Tensor,
+        position_ids: &Tensor,
+        bias: &Tensor,
+        range: std::ops::Range<usize>,
         mut cache: Option<&mut KvCache>,
     ) -> Result<Tensor> {
-        let mut x = self.embed_in.forward(input_ids)?; // (B, T, C)
         let (cos, sin) = self.rope.cos_sin(position_ids, x.dtype())?;
-        for (i, layer) in self.layers.iter().enumerate() {
-            x = layer.forward(&x, (&self.rope, &cos, &sin), bias, cache.as_deref_mut().map(|c| (c, i)))?;
+        for i in range {
+            x = self.layers[i].forward(
+                &x,
+                (&self.rope, &cos, &sin),
+                bias,
+                cache.as_deref_mut().map(|c| (c, i)),
+            )?;
         }
-        self.final_layer_norm.forward(&x)
+        Ok(x)
     }
 
     /// The hidden states entering layer `end`: the embeddings, then layers `..end` (no cache).
@@ -421,21 +439,13 @@ impl GptNeoX {
         bias: &Tensor,
         end: usize,
     ) -> Result<Tensor> {
-        let mut x = self.embed_in.forward(input_ids)?;
-        let (cos, sin) = self.rope.cos_sin(position_ids, x.dtype())?;
-        for layer in &self.layers[..end.min(self.layers.len())] {
-            x = layer.forward(&x, (&self.rope, &cos, &sin), bias, None)?;
-        }
-        Ok(x)
+        let x = self.embed_in.forward(input_ids)?;
+        self.blocks(x, position_ids, bias, 0..end.min(self.layers.len()), None)
     }
 
     /// Layers `start..` and the final norm on `x`, the hidden states entering layer `start`.
     pub fn top(&self, x: &Tensor, position_ids: &Tensor, bias: &Tensor, start: usize) -> Result<Tensor> {
-        let (cos, sin) = self.rope.cos_sin(position_ids, x.dtype())?;
-        let mut x = x.clone();
-        for layer in self.layers.iter().skip(start) {
-            x = layer.forward(&x, (&self.rope, &cos, &sin), bias, None)?;
-        }
+        let x = self.blocks(x.clone(), position_ids, bias, start..self.layers.len(), None)?;
         self.final_layer_norm.forward(&x)
     }
 

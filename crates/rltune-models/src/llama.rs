@@ -657,7 +657,7 @@ impl Llama {
         input_ids: &Tensor,
         position_ids: &Tensor,
         bias: &Tensor,
-        mut cache: Option<&mut KvCache>,
+        cache: Option<&mut KvCache>,
     ) -> Result<Tensor> {
         let (b_sz, seq_len) = input_ids.dims2()?;
         let (_, _, q_len, s) = bias.dims4()?;
@@ -671,13 +671,26 @@ impl Llama {
                 bias.dims()
             )));
         }
-        let mut x = self.embed_tokens.forward(input_ids)?; // (B, T, C)
+        let x = self.embed_tokens.forward(input_ids)?; // (B, T, C)
+        let x = self.blocks(x, position_ids, bias, 0..self.layers.len(), cache)?;
+        self.norm.forward(&x)
+    }
+
+    /// Layers `range` on `x` (with a cache, each appends to its own slot).
+    fn blocks(
+        &self,
+        mut x: Tensor,
+        position_ids: &Tensor,
+        bias: &Tensor,
+        range: std::ops::Range<usize>,
+        mut cache: Option<&mut KvCache>,
+    ) -> Result<Tensor> {
         let (cos, sin) = self.rope.cos_sin(position_ids, x.dtype())?;
         let bias = self.window_bias(bias)?;
-        for (i, layer) in self.layers.iter().enumerate() {
-            x = layer.forward(&x, (&cos, &sin), &bias, cache.as_deref_mut().map(|c| (c, i)))?;
+        for i in range {
+            x = self.layers[i].forward(&x, (&cos, &sin), &bias, cache.as_deref_mut().map(|c| (c, i)))?;
         }
-        self.norm.forward(&x)
+        Ok(x)
     }
 
     /// `bias` with the sliding window added, when the model has one.
@@ -700,23 +713,13 @@ impl Llama {
         bias: &Tensor,
         end: usize,
     ) -> Result<Tensor> {
-        let mut x = self.embed_tokens.forward(input_ids)?;
-        let (cos, sin) = self.rope.cos_sin(position_ids, x.dtype())?;
-        let bias = self.window_bias(bias)?;
-        for layer in &self.layers[..end.min(self.layers.len())] {
-            x = layer.forward(&x, (&cos, &sin), &bias, None)?;
-        }
-        Ok(x)
+        let x = self.embed_tokens.forward(input_ids)?;
+        self.blocks(x, position_ids, bias, 0..end.min(self.layers.len()), None)
     }
 
     /// Layers `start..` and the final norm on `x`, the hidden states entering layer `start`.
     pub fn top(&self, x: &Tensor, position_ids: &Tensor, bias: &Tensor, start: usize) -> Result<Tensor> {
-        let (cos, sin) = self.rope.cos_sin(position_ids, x.dtype())?;
-        let bias = self.window_bias(bias)?;
-        let mut x = x.clone();
-        for layer in self.layers.iter().skip(start) {
-            x = layer.forward(&x, (&cos, &sin), &bias, None)?;
-        }
+        let x = self.blocks(x.clone(), position_ids, bias, start..self.layers.len(), None)?;
         self.norm.forward(&x)
     }
 
