@@ -27,7 +27,7 @@ use crate::error::{Error, Result};
 use crate::generation::{generate, GenerationConfig};
 use crate::grpo::math::weighted_rewards;
 use crate::models::CausalLm;
-use crate::rewards::{RewardInput, WeightedSum};
+use crate::rewards::WeightedSum;
 use crate::tokenizer::Tokenizer;
 
 /// `[eval]`: held-out prompts scored by the run's reward sources.
@@ -185,23 +185,9 @@ impl Evaluator<'_> {
             let queries: Vec<Vec<u32>> = chunk.iter().map(|&i| self.prompts[i].0.clone()).collect();
             let cfg = GenerationConfig { row_offset: chunk[0] as u64, ..gen.clone() };
             let samples = generate(lm, None, &queries, &cfg, self.device)?;
-            let texts: Vec<(String, String)> = samples
-                .iter()
-                .map(|s| Ok((self.tokenizer.decode(&s.query_ids)?, self.tokenizer.decode(&s.response_ids)?)))
-                .collect::<Result<_>>()?;
-            let inputs: Vec<RewardInput> = samples
-                .iter()
-                .zip(&texts)
-                .zip(chunk)
-                .map(|((s, (q, r)), &i)| RewardInput {
-                    query: q,
-                    response: r,
-                    query_ids: &s.query_ids,
-                    response_ids: &s.response_ids,
-                    meta: &self.prompts[i].1.meta,
-                })
-                .collect();
-            let parts = reward.score_parts(&inputs)?;
+            let texts = super::ppo_loop::decode(self.tokenizer, &samples)?;
+            let metas: Vec<&serde_json::Value> = chunk.iter().map(|&i| &self.prompts[i].1.meta).collect();
+            let parts = reward.score_parts(&super::ppo_loop::reward_inputs(&samples, &texts, &metas))?;
             for (j, s) in samples.iter().enumerate() {
                 let row = &mut local[slot * width..(slot + 1) * width];
                 row[0] = 1.0;

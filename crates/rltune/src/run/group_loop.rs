@@ -24,7 +24,7 @@ use super::checkpoint::{
 use super::config::{AlgorithmKind, RunConfig};
 use super::eval::{encode_eval_prompts, record, EvalResult, Evaluator};
 use super::group_config::GroupShape;
-use super::ppo_loop::{build_reward_sum, encode_prompts, share_trunk, StepReport};
+use super::ppo_loop::{build_reward_sum, decode, encode_prompts, reward_inputs, share_trunk, StepReport};
 use crate::data::prompts::PromptRow;
 use crate::engine::{Stat, Stats};
 use crate::error::{Error, Result};
@@ -36,7 +36,7 @@ use crate::logging::{RunLogger, SampleRow};
 use crate::models::load::{load_lm_adapted, load_reference, ModelFiles};
 use crate::models::CausalLm;
 use crate::params::ParamStore;
-use crate::rewards::{RewardInput, RewardSource, WeightedSum};
+use crate::rewards::{RewardSource, WeightedSum};
 use crate::runtime::Runtime;
 use crate::tokenizer::Tokenizer;
 
@@ -346,22 +346,9 @@ impl GroupRun {
         let time_gen = t.elapsed().as_secs_f64();
 
         let t = Instant::now();
-        let texts: Vec<(String, String)> = samples
-            .iter()
-            .map(|s| Ok((self.tokenizer.decode(&s.query_ids)?, self.tokenizer.decode(&s.response_ids)?)))
-            .collect::<Result<_>>()?;
-        let inputs: Vec<RewardInput> = samples
-            .iter()
-            .zip(&texts)
-            .zip(&rows)
-            .map(|((s, (q, r)), &i)| RewardInput {
-                query: q,
-                response: r,
-                query_ids: &s.query_ids,
-                response_ids: &s.response_ids,
-                meta: &self.prompts[i].1.meta,
-            })
-            .collect();
+        let texts = decode(&self.tokenizer, &samples)?;
+        let metas: Vec<&serde_json::Value> = rows.iter().map(|&i| &self.prompts[i].1.meta).collect();
+        let inputs = reward_inputs(&samples, &texts, &metas);
         // [part][sample] → values[sample][part]; NaN stays: a missing reward.
         let parts = self.reward.score_parts(&inputs)?;
         let values: Vec<Vec<f64>> =

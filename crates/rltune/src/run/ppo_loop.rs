@@ -321,18 +321,8 @@ impl PpoRun {
 
         let t = Instant::now();
         let texts = decode(&self.tokenizer, &samples)?;
-        let inputs: Vec<RewardInput> = samples
-            .iter()
-            .zip(&texts)
-            .zip(batch)
-            .map(|((s, (q, r)), &(i, _))| RewardInput {
-                query: q,
-                response: r,
-                query_ids: &s.query_ids,
-                response_ids: &s.response_ids,
-                meta: &prompts[i].1.meta,
-            })
-            .collect();
+        let metas: Vec<&serde_json::Value> = batch.iter().map(|&(i, _)| &prompts[i].1.meta).collect();
+        let inputs = reward_inputs(&samples, &texts, &metas);
         let scores = reward.score(&inputs)?;
         let time_reward = t.elapsed().as_secs_f64();
         if scores.len() != inputs.len() || scores.iter().any(|s| !s.is_finite()) {
@@ -541,10 +531,31 @@ fn load_encoded_prompts(config: &RunConfig, tokenizer: &Tokenizer) -> Result<Vec
 }
 
 /// The query and response texts of `samples`.
-fn decode(tokenizer: &Tokenizer, samples: &[Sample]) -> Result<Vec<(String, String)>> {
+pub(super) fn decode(tokenizer: &Tokenizer, samples: &[Sample]) -> Result<Vec<(String, String)>> {
     samples
         .iter()
         .map(|s| Ok((tokenizer.decode(&s.query_ids)?, tokenizer.decode(&s.response_ids)?)))
+        .collect()
+}
+
+/// The reward functions' inputs: each sample with its texts ([`decode`]) and `metas[i]`, the
+/// metadata of its prompt row.
+pub(super) fn reward_inputs<'a>(
+    samples: &'a [Sample],
+    texts: &'a [(String, String)],
+    metas: &[&'a serde_json::Value],
+) -> Vec<RewardInput<'a>> {
+    samples
+        .iter()
+        .zip(texts)
+        .zip(metas)
+        .map(|((s, (q, r)), &meta)| RewardInput {
+            query: q,
+            response: r,
+            query_ids: &s.query_ids,
+            response_ids: &s.response_ids,
+            meta,
+        })
         .collect()
 }
 
