@@ -43,6 +43,24 @@ fn repo_config(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../configs").join(name)
 }
 
+/// Each tensor of `after/model.safetensors` that `before` also holds, and whether its values
+/// changed (bitwise).
+fn moved_tensors(before: &Path, after: &Path) -> Vec<(String, bool)> {
+    let load = |d: &Path| {
+        candle_core::safetensors::load(d.join("model.safetensors"), &candle_core::Device::Cpu).unwrap()
+    };
+    let (a, b) = (load(before), load(after));
+    let values = |t: &candle_core::Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    b.iter().filter_map(|(k, t)| a.get(k).map(|s| (k.clone(), values(s) != values(t)))).collect()
+}
+
+/// The first of `keys` that `dir/config.json` holds, as a number.
+fn config_usize(dir: &Path, keys: &[&str]) -> usize {
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    keys.iter().find_map(|k| cfg[*k].as_u64()).unwrap() as usize
+}
+
 fn metrics(run: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(run.join("metrics.jsonl"))
         .unwrap()
@@ -114,74 +132,30 @@ fn sft_and_reward_commands_train_and_save_loadable_models() {
     std::fs::write(&data, lines.join("\n")).unwrap();
     let out_sft = tmp.path().join("sft-out");
     let (sft_cfg, rm_cfg) = (repo_config("sft.toml"), repo_config("reward.toml"));
-    let out = ok(rltune(&[
-        "sft",
-        "--model",
-        s(&dir.join("sft")),
-        "--data",
-        s(&data),
-        "--output",
-        s(&out_sft),
-        "--config",
-        s(&sft_cfg),
-        "--set",
-        "training.max_steps=3",
-        "--set",
-        "training.batch_size=4",
-        "--set",
-        "sft.max_length=32",
-    ]));
+    // `rltune sft` from the quickstart's policy on `data` into `out`, 3 steps, with `extra` sets.
+    let policy = dir.join("sft");
+    let sft = |out: &Path, extra: &[&str]| {
+        let mut argv = vec!["sft", "--model", s(&policy), "--data", s(&data), "--output", s(out)];
+        argv.extend(["--config", s(&sft_cfg), "--set", "training.max_steps=3", "--set", "sft.max_length=32"]);
+        argv.extend(extra.iter().flat_map(|e| ["--set", e]));
+        rltune(&argv)
+    };
+    let out = ok(sft(&out_sft, &["training.batch_size=4"]));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("3 steps") && err.contains("eval: loss"), "{err}");
 
     // Partial freezing: `[model] trainable_layers = 1` trains the last block and the final norm;
     // the embeddings (and so the tied head) and the blocks below come out bitwise unchanged.
     let out_partial = tmp.path().join("sft-partial");
-    let args = |out: &Path, extra: &str| {
-        vec![
-            "sft".to_string(),
-            "--model".into(),
-            s(&dir.join("sft")).into(),
-            "--data".into(),
-            s(&data).into(),
-            "--output".into(),
-            s(out).into(),
-            "--config".into(),
-            s(&sft_cfg).into(),
-            "--set".into(),
-            "training.max_steps=3".into(),
-            "--set".into(),
-            "sft.max_length=32".into(),
-            "--set".into(),
-            extra.into(),
-        ]
-    };
-    let argv = args(&out_partial, "model.trainable_layers=1");
-    ok(rltune(&argv.iter().map(String::as_str).collect::<Vec<_>>()));
-    let load = |d: &Path| {
-        candle_core::safetensors::load(d.join("model.safetensors"), &candle_core::Device::Cpu).unwrap()
-    };
-    let (start, trained) = (load(&dir.join("sft")), load(&out_partial));
-    let n_layer: usize = serde_json::from_str::<serde_json::Value>(
-        &std::fs::read_to_string(dir.join("sft/config.json")).unwrap(),
-    )
-    .unwrap()["n_layer"]
-        .as_u64()
-        .unwrap() as usize;
+    ok(sft(&out_partial, &["model.trainable_layers=1"]));
+    let n_layer = config_usize(&dir.join("sft"), &["n_layer"]);
     let top = format!("h.{}.", n_layer - 1);
-    for (name, w) in &trained {
-        let same = w.flatten_all().unwrap().to_vec1::<f32>().unwrap()
-            == start[name].flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    for (name, moved) in moved_tensors(&dir.join("sft"), &out_partial) {
         let trainable = name.contains(&top) || name.contains("ln_f");
-        assert_eq!(
-            !same,
-            trainable,
-            "{name}: {} (trainable: {trainable})",
-            if same { "unchanged" } else { "moved" }
-        );
+        assert_eq!(moved, trainable, "{name}: moved {moved}, trainable {trainable}");
     }
-    let argv = args(&tmp.path().join("bad"), &format!("model.trainable_layers={}", n_layer + 1));
-    let err = fails(rltune(&argv.iter().map(String::as_str).collect::<Vec<_>>()));
+    let too_many = format!("model.trainable_layers={}", n_layer + 1);
+    let err = fails(sft(&tmp.path().join("bad"), &[&too_many]));
     assert!(err.contains("[model]") && err.contains(&format!("trainable_layers = {}", n_layer + 1)), "{err}");
     ok(rltune(&[
         "generate",
@@ -237,17 +211,11 @@ fn sft_and_reward_commands_train_and_save_loadable_models() {
         "--set",
         "model.trainable_layers=1",
     ]));
-    let cls_cfg: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("classifier/config.json")).unwrap()).unwrap();
-    let n_layers = cls_cfg["n_layers"].as_u64().or(cls_cfg["num_hidden_layers"].as_u64()).unwrap() as usize;
-    let (start, trained) = (load(&dir.join("classifier")), load(&out_frozen));
+    let n_layers = config_usize(&dir.join("classifier"), &["n_layers", "num_hidden_layers"]);
     let top = format!("layer.{}.", n_layers - 1);
-    for (name, w) in &trained {
-        let Some(before) = start.get(name) else { continue };
-        let same = w.flatten_all().unwrap().to_vec1::<f32>().unwrap()
-            == before.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    for (name, moved) in moved_tensors(&dir.join("classifier"), &out_frozen) {
         let frozen = name.contains("embeddings") || (name.contains("layer.") && !name.contains(&top));
-        assert_eq!(same, frozen, "{name}: {}", if same { "unchanged" } else { "moved" });
+        assert_eq!(moved, !frozen, "{name}: moved {moved}, frozen {frozen}");
     }
 
     // Preference pairs train a one-logit head (Bradley–Terry).
