@@ -51,7 +51,10 @@ fn moved_tensors(before: &Path, after: &Path) -> Vec<(String, bool)> {
     };
     let (a, b) = (load(before), load(after));
     let values = |t: &candle_core::Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    b.iter().filter_map(|(k, t)| a.get(k).map(|s| (k.clone(), values(s) != values(t)))).collect()
+    let moved: Vec<(String, bool)> =
+        b.iter().filter_map(|(k, t)| a.get(k).map(|s| (k.clone(), values(s) != values(t)))).collect();
+    assert!(!moved.is_empty(), "{} and {} share no tensor", before.display(), after.display());
+    moved
 }
 
 /// The first of `keys` that `dir/config.json` holds, as a number.
@@ -178,42 +181,24 @@ fn sft_and_reward_commands_train_and_save_loadable_models() {
         .collect();
     std::fs::write(&data, lines.join("\n")).unwrap();
     let out_rm = tmp.path().join("rm-out");
-    ok(rltune(&[
-        "reward",
-        "--model",
-        s(&dir.join("classifier")),
-        "--data",
-        s(&data),
-        "--output",
-        s(&out_rm),
-        "--config",
-        s(&rm_cfg),
-        "--set",
-        "training.max_steps=2",
-    ]));
+    let classifier = dir.join("classifier");
+    // `rltune reward` from the quickstart's classifier on `data` into `out`, 2 steps, `extra` sets.
+    let reward = |out: &Path, extra: &[&str]| {
+        let mut argv = vec!["reward", "--model", s(&classifier), "--data", s(&data), "--output", s(out)];
+        argv.extend(["--config", s(&rm_cfg), "--set", "training.max_steps=2"]);
+        argv.extend(extra.iter().flat_map(|e| ["--set", e]));
+        rltune(&argv)
+    };
+    ok(reward(&out_rm, &[]));
     assert!(out_rm.join("model.safetensors").is_file() && out_rm.join("tokenizer.json").is_file());
 
     // Partial freezing of the reward model: the last encoder layer and the head move, the
     // embeddings and the layers below come out bitwise unchanged.
     let out_frozen = tmp.path().join("rm-frozen");
-    ok(rltune(&[
-        "reward",
-        "--model",
-        s(&dir.join("classifier")),
-        "--data",
-        s(&data),
-        "--output",
-        s(&out_frozen),
-        "--config",
-        s(&rm_cfg),
-        "--set",
-        "training.max_steps=2",
-        "--set",
-        "model.trainable_layers=1",
-    ]));
-    let n_layers = config_usize(&dir.join("classifier"), &["n_layers", "num_hidden_layers"]);
+    ok(reward(&out_frozen, &["model.trainable_layers=1"]));
+    let n_layers = config_usize(&classifier, &["n_layers", "num_hidden_layers"]);
     let top = format!("layer.{}.", n_layers - 1);
-    for (name, moved) in moved_tensors(&dir.join("classifier"), &out_frozen) {
+    for (name, moved) in moved_tensors(&classifier, &out_frozen) {
         let frozen = name.contains("embeddings") || (name.contains("layer.") && !name.contains(&top));
         assert_eq!(moved, !frozen, "{name}: moved {moved}, frozen {frozen}");
     }

@@ -452,19 +452,18 @@ mod tests {
         let trie = ActionTrie::new(&actions).unwrap();
         let prompt = vec![5u32, 9, 2];
         let exact = exact_action_logprobs(&lm, &prompt, &actions, &trie);
-        let greedy = |seed| {
-            let cfg = GenerationConfig { top_k: 1, ..sampling(1.0, seed) };
+        // One command for the prompt alone.
+        let one = |cfg: &GenerationConfig| {
             generate_admissible(
                 &lm,
                 None,
                 std::slice::from_ref(&prompt),
                 std::slice::from_ref(&trie),
-                &cfg,
+                cfg,
                 &Device::Cpu,
             )
-            .unwrap()[0]
-                .action
         };
+        let greedy = |seed| one(&GenerationConfig { top_k: 1, ..sampling(1.0, seed) }).unwrap()[0].action;
         let picks: Vec<usize> = (0..4).map(greedy).collect();
         assert!(picks.iter().all(|&a| a == picks[0]), "greedy varies with the seed: {picks:?}");
         // Token by token: the first token's best continuation, then the best among its children.
@@ -508,31 +507,13 @@ mod tests {
         .iter()
         .map(|s| s.action)
         .collect();
-        let alone = generate_admissible(
-            &lm,
-            None,
-            std::slice::from_ref(&prompt),
-            std::slice::from_ref(&trie),
-            &GenerationConfig { row_offset: 3, ..sampling(1.0, 9) },
-            &Device::Cpu,
-        )
-        .unwrap()[0]
-            .action;
+        let alone = one(&GenerationConfig { row_offset: 3, ..sampling(1.0, 9) }).unwrap()[0].action;
         assert_eq!(batch[3], alone);
         for cfg in [
             GenerationConfig { top_k: 5, ..sampling(1.0, 0) },
             GenerationConfig { top_p: 0.9, ..sampling(1.0, 0) },
         ] {
-            let e = generate_admissible(
-                &lm,
-                None,
-                std::slice::from_ref(&prompt),
-                std::slice::from_ref(&trie),
-                &cfg,
-                &Device::Cpu,
-            )
-            .unwrap_err()
-            .to_string();
+            let e = one(&cfg).unwrap_err().to_string();
             assert!(e.contains("top_k") && e.contains("top_p = 1.0"), "{e}");
         }
     }
