@@ -148,7 +148,6 @@ pub fn run(args: Args) -> Result<()> {
     if let Some(k) = file.model.trainable_layers {
         policy.lm = policy
             .lm
-            .clone()
             .freeze_trunk(&policy.store, k)
             .with_context(|| format!("{}: [model]", source.display()))?;
     }

@@ -128,8 +128,7 @@ pub fn run_sft(args: SftArgs) -> Result<()> {
     let mut model =
         SftModel::from_pretrained_adapted(&c.model, lora.as_ref(), runtime.dtype(), runtime.device())?;
     if let Some(k) = file.model.trainable_layers {
-        model.lm =
-            model.lm.clone().freeze_trunk(&model.store, k).with_context(|| format!("{origin}: [model]"))?;
+        model.lm = model.lm.freeze_trunk(&model.store, k).with_context(|| format!("{origin}: [model]"))?;
     }
     let mut cfg = file.sft;
     if let Some(max) = model.lm.config().max_positions() {
@@ -171,11 +170,8 @@ pub fn run_reward(args: RewardArgs) -> Result<()> {
     )?;
     if let Some(k) = file.model.trainable_layers {
         let origin = c.config.as_ref().map_or("--set".to_string(), |p| p.display().to_string());
-        model.model = model
-            .model
-            .clone()
-            .freeze_trunk(&model.store, k)
-            .with_context(|| format!("{origin}: [model]"))?;
+        model.model =
+            model.model.freeze_trunk(&model.store, k).with_context(|| format!("{origin}: [model]"))?;
     }
     let mut cfg = file.reward;
     fit_default(

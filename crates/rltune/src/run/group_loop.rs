@@ -157,7 +157,7 @@ impl GroupRun {
         let mut policy = load_lm_adapted(&src, lora.as_ref(), true, runtime.dtype(), runtime.device())?;
         let trainable = config.model.trainable_layers;
         if let Some(k) = trainable {
-            policy.lm = policy.lm.clone().freeze_trunk(&policy.store, k)?;
+            policy.lm = policy.lm.freeze_trunk(&policy.store, k)?;
         }
         let tok_path = policy.files.tokenizer.clone().ok_or_else(|| {
             Error::Tokenizer(format!(
