@@ -89,19 +89,27 @@ pub struct EvalResult {
 }
 
 impl EvalResult {
-    /// The JSON line, with TRL's `eval_` names.
+    /// The metrics under TRL's `eval_` names (what a step's metrics line carries).
+    pub fn metrics(&self) -> Vec<(String, f64)> {
+        let mut m =
+            vec![("eval_reward".to_string(), self.reward.0), ("eval_reward_se".to_string(), self.reward.1)];
+        for (name, mean, se) in &self.sources {
+            m.push((format!("eval_rewards/{name}/mean"), *mean));
+            m.push((format!("eval_rewards/{name}/se"), *se));
+        }
+        m.push(("eval_completions/mean_length".into(), self.mean_length));
+        m.push(("eval_completions/clipped_ratio".into(), self.clipped_ratio));
+        m
+    }
+
+    /// The JSON line: `step`, `prompts` and [`Self::metrics`].
     pub fn to_json(&self) -> serde_json::Value {
         let mut m = serde_json::Map::new();
         m.insert("step".into(), self.step.into());
         m.insert("prompts".into(), self.prompts.into());
-        m.insert("eval_reward".into(), json_f64(self.reward.0));
-        m.insert("eval_reward_se".into(), json_f64(self.reward.1));
-        for (name, mean, se) in &self.sources {
-            m.insert(format!("eval_rewards/{name}/mean"), json_f64(*mean));
-            m.insert(format!("eval_rewards/{name}/se"), json_f64(*se));
+        for (k, v) in self.metrics() {
+            m.insert(k, json_f64(v));
         }
-        m.insert("eval_completions/mean_length".into(), json_f64(self.mean_length));
-        m.insert("eval_completions/clipped_ratio".into(), json_f64(self.clipped_ratio));
         serde_json::Value::Object(m)
     }
 

@@ -394,10 +394,8 @@ impl GroupRun {
             .collect();
         if self.config.eval.due(step + 1, self.shape.steps) {
             let result = self.evaluate(step + 1)?;
-            if let serde_json::Value::Object(m) = result.to_json() {
-                for (k, v) in m.into_iter().filter(|(k, _)| k.starts_with("eval_")) {
-                    stats.insert(k, Stat::Scalar(v.as_f64().unwrap_or(f64::NAN)));
-                }
+            for (k, v) in result.metrics() {
+                stats.insert(k, Stat::Scalar(v));
             }
         }
         self.logger.log_step(step + 1, &stats, &shown)?;
