@@ -891,7 +891,8 @@ fn arithmetic_quickstart_runs_grpo_and_rloo_from_one_sft_policy() {
 /// Issue #39: `[agent] actions = "admissible"` makes a model agent write only the game's
 /// admissible commands (the tiny adventure BC policy writes none of them freely: it is barely
 /// trained), so `rltune play` reports no invalid action, and PPO trains in that mode with no
-/// invalid turn; a game without a command list is refused in that mode with the fix.
+/// invalid turn, as does trajectory GRPO; a game without a command list is refused in that
+/// mode with the fix.
 #[test]
 fn admissible_actions_are_always_valid_in_play() {
     let tmp = tempfile::tempdir().unwrap();
@@ -978,6 +979,43 @@ fn admissible_actions_are_always_valid_in_play() {
         assert_eq!(r["env/invalid_action_rate"].as_f64(), Some(0.0), "{r}");
         assert!(r["objective/kl"].as_f64().is_some_and(f64::is_finite), "{r}");
     }
+
+    // Trajectory GRPO on the same games (issue #39 item 3): groups of 4 plays of 2 games a step,
+    // every turn valid, TRL's GRPO metrics beside the episode ones, transcripts; resumes.
+    let grpo_run = tmp.path().join("grpo");
+    let grpo = tmp.path().join("grpo.toml");
+    std::fs::write(
+        &grpo,
+        format!(
+            "[model]\npath = {bc:?}\n[algorithm]\nkind = \"grpo\"\n\
+             [env]\nkind = \"adventure\"\nnum_envs = 3\nmax_steps = 4\n\
+             [agent]\nactions = \"admissible\"\nmemory_turns = 1\n[generation]\nmax_new_tokens = 8\n\
+             [grpo]\nnum_generations = 4\nper_device_train_batch_size = 8\nmax_steps = 2\nbeta = 0.04\n\
+             learning_rate = 1e-3\n\
+             [episodes]\neval_every = 2\neval_episodes = 4\ntranscripts_per_step = 1\n\
+             [logging]\ndir = {run:?}\n[checkpoint]\nevery = 1\noptimizer_state = true\n",
+            bc = s(&bc),
+            run = s(&grpo_run)
+        ),
+    )
+    .unwrap();
+    ok(rltune(&["ppo", "--config", s(&grpo)]));
+    let rows = metrics(&grpo_run);
+    assert_eq!(rows.len(), 2);
+    for r in &rows {
+        assert_eq!(r["env/invalid_action_rate"].as_f64(), Some(0.0), "{r}");
+        assert_eq!(r["env/episodes"].as_f64(), Some(8.0), "{r}");
+        for key in ["reward", "reward_std", "frac_reward_zero_std", "kl", "loss", "entropy", "env/win_rate"] {
+            assert!(r[key].as_f64().is_some_and(f64::is_finite), "{key} in {r}");
+        }
+        assert!(r["rewards/episode_return/mean"].is_number(), "{r}");
+    }
+    assert!(rows[0].get("eval/win_rate").is_none() && rows[1]["eval/win_rate"].is_number());
+    let transcripts = std::fs::read_to_string(grpo_run.join("transcripts.jsonl")).unwrap();
+    assert_eq!(transcripts.lines().count(), 2);
+    ok(rltune(&["ppo", "--config", s(&grpo), "--resume", "--set", "grpo.max_steps=3"]));
+    let steps: Vec<u64> = metrics(&grpo_run).iter().map(|m| m["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps, [1, 2, 3]);
 
     let letters = tmp.path().join("letters.toml");
     std::fs::write(&letters, "[env]\nkind = \"letters\"\n[agent]\nactions = \"admissible\"\n").unwrap();

@@ -219,7 +219,7 @@ pub fn run_agent_quickstart<G: AgentGames>(
         let (dtype, device) = (runtime.dtype(), runtime.device());
         let policy = load_policy(&path.to_string_lossy(), false, dtype, device)?;
         let n = cfg.eval_episodes;
-        evaluate(&heldout, &policy.model, &tokenizer, &cfg.agent, &generation, n, eval_seed, device)
+        evaluate(&heldout, &policy.model.lm, &tokenizer, &cfg.agent, &generation, n, eval_seed, device)
     };
     let bc = eval_model(&bc_dir)?;
     let ppo = eval_model(&final_ckpt)?;

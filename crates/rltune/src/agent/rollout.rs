@@ -1,5 +1,6 @@
-//! Multi-turn rollouts for PPO: B environments each play one episode with the policy, and every
-//! turn the policy played becomes a transition for [`crate::ppo::PpoTrainer::step_with`]
+//! Multi-turn rollouts: B environments each play one episode with the policy, and every turn
+//! the policy played becomes a transition for [`crate::ppo::PpoTrainer::step_with`] (or a row
+//! of [`crate::grpo::TurnBatch`])
 //! (query = the turn's prompt, response = the action's tokens, score = the shaped turn reward,
 //! bootstrap = the next state's value).
 //!
@@ -25,7 +26,7 @@ use crate::envs::{EnvStep, Reset, TextEnv};
 use crate::error::{Error, Result};
 use crate::generation::admissible::{generate_admissible, ActionTrie};
 use crate::generation::{generate, GenerationConfig, Sample};
-use crate::models::CausalLmWithValueHead;
+use crate::models::{CausalLm, CausalLmWithValueHead, ValueHead};
 use crate::tokenizer::Tokenizer;
 
 /// Reward shaping, added to the environment's reward (the score's change); every part 0 by
@@ -112,6 +113,28 @@ pub fn action_cut(response_ids: &[u32], tokenizer: &Tokenizer) -> Result<usize> 
     Ok(response_ids.len())
 }
 
+/// The model that plays: a language model and, for PPO, the value head whose values the turns
+/// carry (without one, `values` are empty and every `bootstrap` is 0: GRPO and RLOO on games).
+#[derive(Clone, Copy)]
+pub struct Actor<'a> {
+    /// The policy.
+    pub lm: &'a CausalLm,
+    /// The value head.
+    pub v_head: Option<&'a ValueHead>,
+}
+
+impl<'a> From<&'a CausalLmWithValueHead> for Actor<'a> {
+    fn from(p: &'a CausalLmWithValueHead) -> Self {
+        Self { lm: &p.lm, v_head: Some(&p.v_head) }
+    }
+}
+
+impl<'a> From<&'a CausalLm> for Actor<'a> {
+    fn from(lm: &'a CausalLm) -> Self {
+        Self { lm, v_head: None }
+    }
+}
+
 /// What one round of [`collect_episodes`] produced.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Collected {
@@ -136,21 +159,22 @@ pub struct Collected {
 /// An environment whose step fails (its own error, e.g. a restarted program) drops its
 /// episode, transitions included, and the others carry on; an error of the whole batch is
 /// returned.
-pub fn collect_episodes(
+pub fn collect_episodes<'a>(
     env: &mut dyn TextEnv,
-    policy: &CausalLmWithValueHead,
+    policy: impl Into<Actor<'a>>,
     tokenizer: &Tokenizer,
     cfg: &RolloutConfig,
     resets: &[Reset],
     seed: u64,
     device: &Device,
 ) -> Result<Collected> {
+    let policy: Actor = policy.into();
     let b = env.num_envs();
     let envs: Vec<usize> = (0..b).collect();
     if resets.len() != b {
         return Err(Error::Input(format!("collect_episodes: {} resets for {b} environments", resets.len())));
     }
-    let max_prompt = prompt_budget(&policy.lm, cfg.generation.max_new_tokens)?;
+    let max_prompt = prompt_budget(policy.lm, cfg.generation.max_new_tokens)?;
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0xe4a3);
     let (mut time_generation, mut time_env) = (Duration::ZERO, Duration::ZERO);
     let t = Instant::now();
@@ -187,7 +211,7 @@ pub fn collect_episodes(
             let mut budget = max_prompt;
             if admissible && k < active.len() {
                 let (trie, longest) = command_trie(tokenizer, &s.admissible_commands)?;
-                budget = budget.min(prompt_budget(&policy.lm, longest)?);
+                budget = budget.min(prompt_budget(policy.lm, longest)?);
                 tries.push(trie);
             }
             prompts.push(cfg.template.fit(s, m, budget, |t| tokenizer.encode(t))?);
@@ -199,7 +223,7 @@ pub fn collect_episodes(
         let (samples, allowed) = if admissible {
             sample_admissible(policy, &tries, prompts, &gen, device)?
         } else {
-            (generate(&policy.lm, Some(&policy.v_head), &prompts, &gen, device)?, Vec::new())
+            (generate(policy.lm, policy.v_head, &prompts, &gen, device)?, Vec::new())
         };
         time_generation += t.elapsed();
         // V(prompt): the value of the state before the first sampled token.
@@ -267,7 +291,12 @@ pub fn collect_episodes(
                     query_ids: s.query_ids.clone(),
                     response_ids: s.response_ids[..cut].to_vec(),
                     logprobs: s.logprobs[..cut].to_vec(),
-                    values: s.values.as_ref().map(|v| v[..cut].to_vec()).unwrap_or_default(),
+                    values: s
+                        .values
+                        .as_ref()
+                        .and_then(|v| v.get(..cut))
+                        .map(<[f32]>::to_vec)
+                        .unwrap_or_default(),
                     action: action.clone(),
                     reward: cfg.shaping.reward(action, &after) as f32,
                     bootstrap: 0.0,
@@ -321,7 +350,7 @@ type AllowedSets = Vec<Vec<u32>>;
 /// that is read) by a one-token free sample. Returns the samples in prompt order and the
 /// allowed sets of the running ones.
 fn sample_admissible(
-    policy: &CausalLmWithValueHead,
+    policy: Actor,
     tries: &[ActionTrie],
     mut prompts: Vec<Vec<u32>>,
     gen: &GenerationConfig,
@@ -331,7 +360,7 @@ fn sample_admissible(
     let picked = if tries.is_empty() {
         Vec::new() // every episode left is truncated: only their values are read
     } else {
-        generate_admissible(&policy.lm, Some(&policy.v_head), &prompts, tries, gen, device)?
+        generate_admissible(policy.lm, policy.v_head, &prompts, tries, gen, device)?
     };
     let mut allowed = Vec::with_capacity(picked.len());
     let mut samples: Vec<Sample> = picked
@@ -353,7 +382,7 @@ fn sample_admissible(
             row_offset: gen.row_offset + tries.len() as u64,
             ..gen.clone()
         };
-        samples.extend(generate(&policy.lm, Some(&policy.v_head), &rest, &one, device)?);
+        samples.extend(generate(policy.lm, policy.v_head, &rest, &one, device)?);
     }
     Ok((samples, allowed))
 }

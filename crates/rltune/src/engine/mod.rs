@@ -4,6 +4,7 @@
 //! every step returns ([`stats`], under TRL's key names). Adam itself and the gradient buffers are
 //! [`crate::optim`].
 
+pub(crate) mod constraint;
 pub mod optimizer;
 pub mod schedule;
 pub mod stats;

@@ -12,6 +12,7 @@
 use candle_core::{DType, Device, Tensor};
 
 use super::math::{nanmean, nanstd};
+use crate::engine::constraint::constrained_logprobs;
 use crate::engine::{OptimArgs, Optimizer};
 use crate::engine::{Stat, Stats};
 use crate::error::{Error, Result};
@@ -37,6 +38,11 @@ impl RewardTable {
     pub fn single(rewards: &[f32]) -> Self {
         Self { names: vec!["reward".into()], values: rewards.iter().map(|&r| vec![r as f64]).collect() }
     }
+
+    /// Episodes' returns as one reward function named `episode_return` (NaN: a lost episode).
+    pub fn episode_returns(returns: &[f64]) -> Self {
+        Self { names: vec!["episode_return".into()], values: returns.iter().map(|&r| vec![r]).collect() }
+    }
 }
 
 /// The input of one GRPO or RLOO step: groups of `num_generations` consecutive rows that share
@@ -54,11 +60,30 @@ pub struct GroupBatch<'a> {
     pub truncated: Option<&'a [bool]>,
 }
 
+/// The input of one trajectory-level GRPO or RLOO step on text games: the turns of groups of
+/// `num_generations` episodes of the same game. A group's episodes are compared by their
+/// returns, and an episode's advantage is given to every one of its turns.
+#[derive(Debug, Clone, Copy)]
+pub struct TurnBatch<'a> {
+    /// Each turn's prompt.
+    pub prompts: &'a [Vec<u32>],
+    /// Each turn's action tokens.
+    pub completions: &'a [Vec<u32>],
+    /// With admissible actions: each action token's allowed set (see [`Core::pad`]).
+    pub allowed: Option<&'a [Vec<Vec<u32>>]>,
+    /// Each turn's episode: an index into `returns`.
+    pub episodes: &'a [usize],
+    /// Each episode's return, in groups of `num_generations` consecutive episodes; NaN for an
+    /// episode that was lost (a failed environment), which the group's statistics skip.
+    pub returns: &'a [f64],
+}
+
 /// The padded batch.
 pub(crate) struct Padded {
     /// `(B, L)` u32
     pub ids: Tensor,
-    /// `(B, L−1)` u32: `0..L−1` on every row (TRL passes no position ids).
+    /// `(B, L−1)` u32: `0..L−1` on every row (TRL passes no position ids), or each row's own
+    /// (see [`Core::pad`]).
     pub positions: Tensor,
     /// `(B, 1, L−1, L−1)`
     pub bias: Tensor,
@@ -72,6 +97,21 @@ pub(crate) struct Padded {
     pub c_len: usize,
     /// Sum of `mask` (loss tokens).
     pub n_tokens: f64,
+    /// With admissible actions: the allowed tokens of each loss token.
+    pub constraint: Option<RowConstraint>,
+}
+
+/// The allowed sets of a padded batch's loss tokens (`[agent] actions = "admissible"` on
+/// games): the policy's distribution at each is renormalised over its set
+/// ([`crate::engine::constraint`]).
+pub(crate) struct RowConstraint {
+    /// `(N)` u32: the loss tokens' flat indices into `(B·C)`, in row-major order.
+    sel: Tensor,
+    /// `(N, K)`: the allowed ids, and the mask of the padding of shorter sets.
+    idx: Tensor,
+    pad: Tensor,
+    /// `(B·C, N)`: one-hot, puts the `N` values back at their `(B·C)` places (0 elsewhere).
+    scatter: Tensor,
 }
 
 /// Policy, reference, optimizer and the counters a run carries.
@@ -259,9 +299,75 @@ impl Core {
         }
     }
 
+    /// Checks a [`TurnBatch`] against the config and the model, naming the turn at fault.
+    pub fn check_turns(&self, batch: &TurnBatch, g: usize, max_completion_length: usize) -> Result<()> {
+        let bad = |m: String| Err(Error::Input(m));
+        let (n, e) = (batch.prompts.len(), batch.returns.len());
+        if e == 0 || !e.is_multiple_of(g) {
+            return bad(format!(
+                "{e} episodes is not a positive multiple of num_generations = {g}: each game needs exactly \
+                 {g} consecutive episodes"
+            ));
+        }
+        if batch.completions.len() != n || batch.episodes.len() != n {
+            return bad(format!(
+                "{n} prompts, {} completions and {} episode indices; give one of each per turn",
+                batch.completions.len(),
+                batch.episodes.len()
+            ));
+        }
+        if n == 0 {
+            return bad("no turns: every episode ended before its first action".into());
+        }
+        if let Some(r) = batch.returns.iter().find(|r| r.is_infinite()) {
+            return bad(format!("episode return {r} is infinite; returns must be finite"));
+        }
+        let vocab = self.policy.vocab_size();
+        for i in 0..n {
+            let (p, c, ep) = (&batch.prompts[i], &batch.completions[i], batch.episodes[i]);
+            if ep >= e || batch.returns[ep].is_nan() {
+                return bad(format!("turn {i}: episode {ep} has no return (of {e} episodes)"));
+            }
+            if p.is_empty() || c.is_empty() {
+                return bad(format!("turn {i}: an empty prompt or action; each needs at least one token"));
+            }
+            // An admissible command is as long as the game's command (its trie bounds it).
+            if batch.allowed.is_none() && c.len() > max_completion_length {
+                return bad(format!(
+                    "turn {i}: an action of {} tokens but max_completion_length is {max_completion_length}",
+                    c.len()
+                ));
+            }
+            if let Some(&t) = p.iter().chain(c).find(|&&t| t as usize >= vocab) {
+                return bad(format!("turn {i}: token id {t} is not below the model's vocab_size {vocab}"));
+            }
+            if let Some(max) = self.policy.config().max_positions().filter(|&m| p.len() + c.len() > m) {
+                return bad(format!(
+                    "turn {i}: its prompt ({} tokens) and action ({}) are longer than the model's {max} \
+                     positions; shorten the prompt ([agent] memory_turns) or the actions",
+                    p.len(),
+                    c.len()
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Pads the batch as TRL does; `in_loss[i]` false drops row `i` from the loss and from
-    /// attention (`mask_truncated_completions`).
-    pub fn pad(&self, prompts: &[Vec<u32>], completions: &[Vec<u32>], in_loss: &[bool]) -> Result<Padded> {
+    /// attention (`mask_truncated_completions`). `allowed[i][t]`: the tokens allowed at
+    /// completion token `t` of row `i` (admissible actions), which must contain it.
+    ///
+    /// `own_positions`: number each row's tokens from its first real one (the left padding at
+    /// 0, the right padding at the row's last), so a row fits the model when its own prompt and
+    /// completion do; without, every row is numbered `0..L−1` as TRL's training forward does.
+    pub fn pad(
+        &self,
+        prompts: &[Vec<u32>],
+        completions: &[Vec<u32>],
+        in_loss: &[bool],
+        allowed: Option<&[Vec<Vec<u32>>]>,
+        own_positions: bool,
+    ) -> Result<Padded> {
         let (p_ids, p_mask) = pad(prompts, self.pad_id, PaddingSide::Left);
         let (c_ids, mut c_mask) = pad(completions, self.pad_id, PaddingSide::Right);
         for (m, keep) in c_mask.iter_mut().zip(in_loss) {
@@ -288,15 +394,85 @@ impl Core {
             }
         }
         let dt = self.store.dtype();
+        let constraint = match allowed {
+            Some(sets) => Some(self.row_constraint(completions, &mask, c_len, sets)?),
+            None => None,
+        };
         Ok(Padded {
+            constraint,
             ids: Tensor::new(ids, &self.device)?,
-            positions: Tensor::arange(0u32, (l - 1) as u32, &self.device)?.unsqueeze(0)?.repeat((b, 1))?,
+            positions: if own_positions {
+                // Right padding repeats the row's last position (it is masked out).
+                let pos: Vec<u32> = prompts
+                    .iter()
+                    .zip(completions)
+                    .flat_map(|(p, c)| {
+                        let last = (p.len() + c.len()).saturating_sub(1);
+                        (0..l - 1).map(move |t| t.saturating_sub(p_len - p.len()).min(last) as u32)
+                    })
+                    .collect();
+                Tensor::from_vec(pos, (b, l - 1), &self.device)?
+            } else {
+                Tensor::arange(0u32, (l - 1) as u32, &self.device)?.unsqueeze(0)?.repeat((b, 1))?
+            },
             bias: causal_bias(&attn, l - 1, dt, &self.device)?,
             n_tokens: mask.iter().map(|&x| x as f64).sum(),
             mask: Tensor::from_vec(mask, (b, c_len), &self.device)?.to_dtype(dt)?,
             rows,
             p_len,
             c_len,
+        })
+    }
+
+    /// The [`RowConstraint`] of the loss tokens (`mask (B·C)`), checking each set holds its token.
+    fn row_constraint(
+        &self,
+        completions: &[Vec<u32>],
+        mask: &[f32],
+        c_len: usize,
+        sets: &[Vec<Vec<u32>>],
+    ) -> Result<RowConstraint> {
+        if sets.len() != completions.len() {
+            return Err(Error::Input(format!(
+                "allowed sets for {} rows but the batch has {}",
+                sets.len(),
+                completions.len()
+            )));
+        }
+        let mut sel = Vec::new();
+        let mut picked: Vec<&[u32]> = Vec::new();
+        for (i, (c, a)) in completions.iter().zip(sets).enumerate() {
+            if a.len() != c.len() {
+                return Err(Error::Input(format!(
+                    "row {i}: {} allowed sets for {} completion tokens; give one per token",
+                    a.len(),
+                    c.len()
+                )));
+            }
+            for (t, (tok, set)) in c.iter().zip(a).enumerate() {
+                if !set.contains(tok) {
+                    return Err(Error::Input(format!(
+                        "row {i}, completion token {t} ({tok}) is not in its allowed set {set:?}: the \
+                         completion was not sampled under these sets"
+                    )));
+                }
+                if mask[i * c_len + t] == 1.0 {
+                    sel.push((i * c_len + t) as u32);
+                    picked.push(set);
+                }
+            }
+        }
+        let (idx, pad) = crate::engine::constraint::row_sets(&picked, &self.device)?;
+        let (rows, n) = (completions.len() * c_len, sel.len());
+        let mut scatter = vec![0f32; rows * n];
+        for (k, &r) in sel.iter().enumerate() {
+            scatter[r as usize * n + k] = 1.0;
+        }
+        Ok(RowConstraint {
+            sel: Tensor::from_vec(sel, n, &self.device)?,
+            idx,
+            pad,
+            scatter: Tensor::from_vec(scatter, (rows, n), &self.device)?.to_dtype(self.store.dtype())?,
         })
     }
 
@@ -310,9 +486,33 @@ impl Core {
         let hidden = lm.forward_rows(&input, &batch.positions, &batch.bias, &batch.rows)?;
         let h = hidden.narrow(1, batch.p_len - 1, c)?.reshape((b * c, hidden.dim(2)?))?;
         let targets = batch.ids.narrow(1, batch.p_len, c)?.flatten_all()?;
-        let select = batch.mask.flatten_all()?;
-        let (logp, entropy) =
-            ops::lm_head_logprobs(&h, lm.lm_head_weight(), &targets, Some(&select), self.temperature, keep)?;
+        let (logp, entropy) = match &batch.constraint {
+            // The loss tokens' hidden states only (the others may be unspecified), renormalised
+            // over their sets, then put back in place.
+            Some(rc) => {
+                let (lp, ent) = constrained_logprobs(
+                    &h.index_select(&rc.sel, 0)?,
+                    lm.lm_head_weight(),
+                    &targets.index_select(&rc.sel, 0)?,
+                    &rc.idx,
+                    &rc.pad,
+                    self.temperature,
+                )?;
+                let back = |x: Tensor| rc.scatter.matmul(&x.to_dtype(rc.scatter.dtype())?.unsqueeze(1)?);
+                (back(lp)?, back(ent.detach())?)
+            }
+            None => {
+                let select = batch.mask.flatten_all()?;
+                ops::lm_head_logprobs(
+                    &h,
+                    lm.lm_head_weight(),
+                    &targets,
+                    Some(&select),
+                    self.temperature,
+                    keep,
+                )?
+            }
+        };
         Ok((logp.reshape((b, c))?, entropy.reshape((b, c))?.detach()))
     }
 
@@ -413,14 +613,15 @@ pub(crate) fn local_rows(n: usize) -> std::ops::Range<usize> {
 /// ([`global_rewards`]) and the lengths are gathered here (every process must call it).
 pub(crate) fn generation_stats(
     core: &mut Core,
-    batch: &GroupBatch,
+    prompts: &[Vec<u32>],
+    completions: &[Vec<u32>],
     table: &RewardTable,
     truncated: &[bool],
     weights: &[f64],
 ) -> Result<Stats> {
     let mut s = Stats::new();
-    let plen = crate::dist::sum(batch.prompts.iter().map(|p| p.len() as f64).sum())?;
-    let lens: Vec<f64> = batch.completions.iter().map(|c| c.len() as f64).collect();
+    let plen = crate::dist::sum(prompts.iter().map(|p| p.len() as f64).sum())?;
+    let lens: Vec<f64> = completions.iter().map(|c| c.len() as f64).collect();
     let lens = crate::dist::gather_f64(&lens)?;
     let truncated: Vec<bool> =
         crate::dist::gather_f64(&truncated.iter().map(|&t| f64::from(u8::from(t))).collect::<Vec<_>>())?

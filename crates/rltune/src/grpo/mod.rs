@@ -15,7 +15,7 @@ pub mod math;
 pub mod rloo;
 pub mod trainer;
 
-pub use self::core::{GroupBatch, RewardTable};
+pub use self::core::{GroupBatch, RewardTable, TurnBatch};
 pub use crate::engine::decays;
 pub use config::{GrpoConfig, LossType, RlooConfig, ScaleRewards};
 pub use rloo::RlooTrainer;

@@ -13,7 +13,7 @@ use candle_core::{Tensor, D};
 use super::config::RlooConfig;
 use super::core::{
     generation_stats, global_rewards, local_rows, reference_or_frozen_policy, rows, weights_or_ones, Core,
-    GroupBatch, RewardTable,
+    GroupBatch, Padded, RewardTable, TurnBatch,
 };
 use super::math::{self, nanmax, nanmean, nanmin};
 use crate::engine::{Stat, Stats};
@@ -89,13 +89,10 @@ impl RlooTrainer {
             cfg.reward_weights.as_deref(),
         )?;
         let in_loss: Vec<bool> = truncated.iter().map(|t| !(cfg.mask_truncated_completions && *t)).collect();
-        let padded = self.core.pad(batch.prompts, batch.completions, &in_loss)?;
-        let mask = &padded.mask;
-
-        let old_tok = self.core.logprobs_no_grad(&self.core.policy, &padded)?;
-        let old_seq = (&old_tok * mask)?.sum_keepdim(D::Minus1)?; // (B, 1)
-                                                                  // In a data-parallel run: the rewards of every process (as TRL gathers them); the KL term
-                                                                  // below is folded into this process's rows, then gathered too.
+        let padded = self.core.pad(batch.prompts, batch.completions, &in_loss, None, false)?;
+        let (old_seq, kl_seq) = self.old_and_kl(&padded)?;
+        // In a data-parallel run: the rewards of every process (as TRL gathers them); the KL term
+        // below is folded into this process's rows, then gathered too.
         let b = batch.prompts.len();
         let table = global_rewards(batch.rewards)?;
         let mut rewards = math::weighted_rewards(&batch.rewards.values, &weights);
@@ -103,11 +100,8 @@ impl RlooTrainer {
             rewards.iter_mut().for_each(|r| *r = r.clamp(lo, hi));
         }
         let mut kl_metric = None;
-        if let Some(r) = &self.core.reference {
-            let ref_tok = self.core.logprobs_no_grad(r, &padded)?;
-            let kl_tok = ((&old_tok - &ref_tok)? * mask)?;
-            let kl_seq: Vec<f64> = rows(&kl_tok.sum_keepdim(D::Minus1)?)?.into_iter().map(|r| r[0]).collect();
-            for (r, k) in rewards.iter_mut().zip(&kl_seq) {
+        if let Some(kl_seq) = &kl_seq {
+            for (r, k) in rewards.iter_mut().zip(kl_seq) {
                 *r -= cfg.beta * k;
             }
             kl_metric = Some(crate::dist::mean_of(kl_seq.iter().sum::<f64>(), padded.n_tokens)?);
@@ -115,8 +109,81 @@ impl RlooTrainer {
         let rewards = crate::dist::gather_f64(&rewards)?;
         let (adv, group_std) = math::rloo_advantages(&rewards, g, cfg.normalize_advantages);
         let adv = adv[local_rows(b)].to_vec();
+        let first =
+            generation_stats(&mut self.core, batch.prompts, batch.completions, &table, &truncated, &weights)?;
+        self.update(&padded, &old_seq, adv, first, &group_std, kl_metric)
+    }
 
-        let mut first = generation_stats(&mut self.core, batch, &table, &truncated, &weights)?;
+    /// One trajectory-level RLOO step on the turns of groups of episodes (text games): an
+    /// episode's reward is its return (clipped to `reward_clip_range`) minus `β ·` the k1 KL of
+    /// all its turns' tokens, its advantage the leave-one-out one within its group, and every
+    /// turn of the episode gets it; each turn is one sequence of the update of
+    /// [`Self::step_with`]. With `allowed`, the policy's distributions are renormalised over
+    /// the admissible actions' tokens. One process only.
+    pub fn step_turns(&mut self, batch: &TurnBatch) -> Result<Vec<Stats>> {
+        let _awake = self.core.device.is_cpu().then(crate::cpu::keep_pool_awake);
+        let cfg = self.config.clone();
+        let g = cfg.num_generations;
+        self.core.check_turns(batch, g, cfg.max_completion_length)?;
+        let n = batch.prompts.len();
+        let padded = self.core.pad(batch.prompts, batch.completions, &vec![true; n], batch.allowed, true)?;
+        let (old_seq, kl_seq) = self.old_and_kl(&padded)?;
+        let mut rewards = batch.returns.to_vec();
+        if let Some((lo, hi)) = cfg.reward_clip_range {
+            rewards.iter_mut().for_each(|r| *r = r.clamp(lo, hi));
+        }
+        let mut kl_metric = None;
+        if let Some(kl_seq) = &kl_seq {
+            for (&e, k) in batch.episodes.iter().zip(kl_seq) {
+                rewards[e] -= cfg.beta * k;
+            }
+            kl_metric = Some(kl_seq.iter().sum::<f64>() / padded.n_tokens.max(1.0));
+        }
+        let (adv, group_std) = math::rloo_advantages(&rewards, g, cfg.normalize_advantages);
+        let adv = batch.episodes.iter().map(|&e| adv[e]).collect();
+        let table = RewardTable::episode_returns(batch.returns);
+        let first = generation_stats(
+            &mut self.core,
+            batch.prompts,
+            batch.completions,
+            &table,
+            &vec![false; n],
+            &[1.0],
+        )?;
+        self.update(&padded, &old_seq, adv, first, &group_std, kl_metric)
+    }
+
+    /// The old sequence logprobs `(B, 1)` and, with a reference, each row's k1 KL `Σ_t (old − ref)`.
+    fn old_and_kl(&self, padded: &Padded) -> Result<(Tensor, Option<Vec<f64>>)> {
+        let mask = &padded.mask;
+        let old_tok = self.core.logprobs_no_grad(&self.core.policy, padded)?;
+        let old_seq = (&old_tok * mask)?.sum_keepdim(D::Minus1)?;
+        let kl_seq = match &self.core.reference {
+            Some(r) => {
+                let ref_tok = self.core.logprobs_no_grad(r, padded)?;
+                let kl_tok = ((&old_tok - &ref_tok)? * mask)?;
+                Some(rows(&kl_tok.sum_keepdim(D::Minus1)?)?.into_iter().map(|r| r[0]).collect())
+            }
+            None => None,
+        };
+        Ok((old_seq, kl_seq))
+    }
+
+    /// `num_iterations` optimizer steps of the sequence-level clipped objective on a padded batch
+    /// whose rows have `adv`; `first` (the generation-side metrics) joins the first step's, with
+    /// `frac_reward_zero_std` from the groups' `group_std` and `kl`.
+    fn update(
+        &mut self,
+        padded: &Padded,
+        old_seq: &Tensor,
+        adv: Vec<f64>,
+        mut first: Stats,
+        group_std: &[f64],
+        kl_metric: Option<f64>,
+    ) -> Result<Vec<Stats>> {
+        let cfg = self.config.clone();
+        let mask = &padded.mask;
+        let b = adv.len();
         let zero =
             group_std.iter().filter(|s| math::is_zero_std(**s)).count() as f64 / group_std.len() as f64;
         first.insert("frac_reward_zero_std".into(), Stat::Scalar(zero));
@@ -132,9 +199,9 @@ impl RlooTrainer {
         let mut logs = Vec::new();
         for k in 0..cfg.num_iterations {
             let ((ratio, entropy), loss, grad_norm, lr) = self.core.optimizer_step(|core| {
-                let (logp, entropy) = core.logprobs(&core.policy, &padded, true)?;
+                let (logp, entropy) = core.logprobs(&core.policy, padded, true)?;
                 let seq = (&logp * mask)?.sum_keepdim(D::Minus1)?;
-                let ratio = (seq - &old_seq)?.exp()?; // (B, 1)
+                let ratio = (seq - old_seq)?.exp()?; // (B, 1)
                 let clipped = math::clamp(&ratio, lo, hi)?;
                 let obj = math::minimum(&(&ratio * &adv_t)?, &(&clipped * &adv_t)?)?.neg()?;
                 Ok((obj.mean_all()?, (ratio.detach(), entropy)))

@@ -15,7 +15,7 @@ use candle_core::Tensor;
 use super::config::GrpoConfig;
 use super::core::{
     generation_stats, global_rewards, local_rows, reference_or_frozen_policy, rows, weights_or_ones, Core,
-    GroupBatch, RewardTable,
+    GroupBatch, Padded, RewardTable, TurnBatch,
 };
 use super::math::{self, nanmax, nanmin, ObjectiveParams};
 use crate::engine::{Stat, Stats};
@@ -97,18 +97,7 @@ impl GrpoTrainer {
             cfg.reward_weights.as_deref(),
         )?;
         let in_loss: Vec<bool> = truncated.iter().map(|t| !(cfg.mask_truncated_completions && *t)).collect();
-        let padded = self.core.pad(batch.prompts, batch.completions, &in_loss)?;
-
-        // TRL computes old logprobs only when the batch is reused (num_iterations > 1).
-        let old = if cfg.num_iterations > 1 {
-            Some(self.core.logprobs_no_grad(&self.core.policy, &padded)?)
-        } else {
-            None
-        };
-        let reference = match &self.core.reference {
-            Some(r) => Some(self.core.logprobs_no_grad(r, &padded)?),
-            None => None,
-        };
+        let padded = self.core.pad(batch.prompts, batch.completions, &in_loss, None, false)?;
 
         // The advantages over the whole batch (every process's rewards, as TRL gathers them),
         // then this process's rows.
@@ -121,9 +110,74 @@ impl GrpoTrainer {
             cfg.scale_rewards,
             cfg.multi_objective_aggregation,
         );
-        let mut first = generation_stats(&mut self.core, batch, &table, &truncated, &weights)?;
+        let mut first =
+            generation_stats(&mut self.core, batch.prompts, batch.completions, &table, &truncated, &weights)?;
         first.insert("frac_reward_zero_std".into(), Stat::Scalar(adv.frac_zero_std()));
         let advantages = adv.advantages[local_rows(b)].to_vec();
+        self.update(&padded, advantages, first)
+    }
+
+    /// One trajectory-level GRPO step on the turns of groups of episodes (text games): each
+    /// episode's advantage is its return's, group-relative as [`math::grpo_advantages`] makes
+    /// it, and every turn of the episode gets it; then the update of [`Self::step_with`], over
+    /// every turn's tokens. With `allowed`, the policy's distributions are renormalised over
+    /// the admissible actions' tokens. One process only.
+    pub fn step_turns(&mut self, batch: &TurnBatch) -> Result<Vec<Stats>> {
+        let _awake = self.core.device.is_cpu().then(crate::cpu::keep_pool_awake);
+        let cfg = self.config.clone();
+        self.core.check_turns(batch, cfg.num_generations, cfg.max_completion_length)?;
+        let padded = self.core.pad(
+            batch.prompts,
+            batch.completions,
+            &vec![true; batch.prompts.len()],
+            batch.allowed,
+            true,
+        )?;
+        let table = RewardTable::episode_returns(batch.returns);
+        let adv = math::grpo_advantages(
+            &table.values,
+            &[1.0],
+            cfg.num_generations,
+            cfg.scale_rewards,
+            cfg.multi_objective_aggregation,
+        );
+        let no_cut = vec![false; batch.prompts.len()];
+        let mut first =
+            generation_stats(&mut self.core, batch.prompts, batch.completions, &table, &no_cut, &[1.0])?;
+        first.insert("frac_reward_zero_std".into(), Stat::Scalar(adv.frac_zero_std()));
+        let advantages = batch.episodes.iter().map(|&e| adv.advantages[e]).collect();
+        self.update(&padded, advantages, first)
+    }
+
+    /// The logprobs [`Self::step_turns`] computes for each turn's action tokens under the current
+    /// policy (renormalised over `allowed` when given): what the sampler's must equal.
+    pub fn turn_logprobs(
+        &self,
+        prompts: &[Vec<u32>],
+        completions: &[Vec<u32>],
+        allowed: Option<&[Vec<Vec<u32>>]>,
+    ) -> Result<Vec<Vec<f32>>> {
+        let padded = self.core.pad(prompts, completions, &vec![true; prompts.len()], allowed, true)?;
+        let lp = self.core.logprobs_no_grad(&self.core.policy, &padded)?.to_dtype(candle_core::DType::F32)?;
+        let rows: Vec<Vec<f32>> = lp.to_vec2()?;
+        Ok(rows.into_iter().zip(completions).map(|(r, c)| r[..c.len()].to_vec()).collect())
+    }
+
+    /// `num_iterations` optimizer steps of the clipped objective on a padded batch whose rows
+    /// have `advantages`; `first` (the generation-side metrics) joins the first step's.
+    fn update(&mut self, padded: &Padded, advantages: Vec<f64>, mut first: Stats) -> Result<Vec<Stats>> {
+        let cfg = self.config.clone();
+        let b = advantages.len();
+        // TRL computes old logprobs only when the batch is reused (num_iterations > 1).
+        let old = if cfg.num_iterations > 1 {
+            Some(self.core.logprobs_no_grad(&self.core.policy, padded)?)
+        } else {
+            None
+        };
+        let reference = match &self.core.reference {
+            Some(r) => Some(self.core.logprobs_no_grad(r, padded)?),
+            None => None,
+        };
         // dapo's normalizer: TRL's num_items_in_batch (the batch's loss tokens over every
         // process) over the number of processes; the gradients' mean then divides by the total.
         let num_items = crate::dist::sum(padded.n_tokens)? / crate::dist::world_size() as f64;
@@ -146,7 +200,7 @@ impl GrpoTrainer {
         let mut logs = Vec::new();
         for k in 0..cfg.num_iterations {
             let (parts, loss, grad_norm, lr) = self.core.optimizer_step(|core| {
-                let (logp, entropy) = core.logprobs(&core.policy, &padded, true)?;
+                let (logp, entropy) = core.logprobs(&core.policy, padded, true)?;
                 let old = match &old {
                     Some(o) => o.clone(),
                     None => logp.detach(),

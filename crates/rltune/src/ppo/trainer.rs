@@ -41,11 +41,10 @@ use crate::optim::{Adam, AdamConfig, Grads};
 use crate::params::ParamStore;
 use crate::tokenizer::{pad, PaddingSide};
 
-mod constraint;
 mod data_parallel;
 mod optimize;
 
-use constraint::{constrained_logprobs, Constraint};
+use crate::engine::constraint::{constrained_logprobs, Constraint};
 use optimize::{average_minibatch_stats, negative_kl_guard, TrainData};
 
 /// What the rollout already computed for one sample: reused instead of a second policy forward.
@@ -594,7 +593,7 @@ impl PpoTrainer {
     /// Logprobs of the next tokens and the entropies `(B, L−1)` from hidden states `(B, L−1, C)` (or `(B, L, C)`),
     /// through the fused LM head ([`ops::lm_head_logprobs`], at the training temperature), or,
     /// with `allowed` (the rows' constraint; `select` is then ignored), renormalised over the
-    /// allowed tokens ([`constraint`]).
+    /// allowed tokens ([`crate::engine::constraint`]).
     fn head_logprobs(
         &self,
         lm: &CausalLm,

@@ -155,7 +155,7 @@ impl Default for EpisodesSection {
 }
 
 impl EpisodesSection {
-    fn validate(&self) -> std::result::Result<(), String> {
+    pub(super) fn validate(&self) -> std::result::Result<(), String> {
         if !(0.0..=1.0).contains(&self.game_gamma) {
             return Err(format!("[episodes] game_gamma must be in [0, 1], got {}", self.game_gamma));
         }

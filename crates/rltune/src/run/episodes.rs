@@ -16,16 +16,16 @@ use candle_core::Device;
 use rand::seq::index::sample;
 use rand::SeedableRng;
 
-use super::config::{EpisodesSection, RunConfig};
+use super::config::{AlgorithmKind, EpisodesSection, RunConfig};
 use crate::agent::config::{EnvSection, Split};
 use crate::agent::model_agent::ModelAgent;
-use crate::agent::rollout::{collect_episodes, RolloutConfig, Transition};
+use crate::agent::rollout::{collect_episodes, Actor, RolloutConfig, Transition};
 use crate::engine::{Stat, Stats};
 use crate::envs::play::{play, Episode, PlayReport, PromptTemplate};
 use crate::envs::{Reset, TextEnv};
 use crate::error::{Error, Result};
 use crate::generation::GenerationConfig;
-use crate::models::CausalLmWithValueHead;
+use crate::models::CausalLm;
 use crate::tokenizer::Tokenizer;
 
 /// The most rounds of episodes one step plays before it gives up (a policy whose every turn is
@@ -33,7 +33,7 @@ use crate::tokenizer::Tokenizer;
 const MAX_ROUNDS: usize = 64;
 
 /// One step's turns and what else the rounds produced.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct EpisodeBatch {
     /// The turns: exactly `batch_size` from [`EpisodeSource::collect`], all of them from
     /// [`EpisodeSource::play_rounds`].
@@ -85,15 +85,30 @@ impl EpisodeSource {
             shaping: cfg.episodes.shaping.clone(),
         };
         let rank = crate::dist::rank();
-        Ok(Self { env, section, episodes: cfg.episodes.clone(), rollout, games, seed: cfg.ppo.seed, rank })
+        let seed = match cfg.algorithm.kind {
+            AlgorithmKind::Grpo => cfg.grpo.seed,
+            AlgorithmKind::Rloo => cfg.rloo.seed,
+            _ => cfg.ppo.seed,
+        };
+        Ok(Self { env, section, episodes: cfg.episodes.clone(), rollout, games, seed, rank })
+    }
+
+    /// How many training games there are: the game files, or for a generated family as many as
+    /// a run can use (its seeds).
+    pub fn game_count(&self) -> usize {
+        if self.games > 0 {
+            self.games
+        } else {
+            usize::MAX >> 16
+        }
     }
 
     /// Plays rounds of episodes with `policy` until `batch_size` turns are played, then picks
     /// `batch_size` of them at random.
-    pub fn collect(
+    pub fn collect<'a>(
         &mut self,
         step: usize,
-        policy: &CausalLmWithValueHead,
+        policy: impl Into<Actor<'a>>,
         tokenizer: &Tokenizer,
         batch_size: usize,
         device: &Device,
@@ -113,25 +128,17 @@ impl EpisodeSource {
 
     /// Plays rounds of episodes with `policy` until at least `min_turns` turns are played;
     /// returns them all, episode by episode (`turn_episodes[i]`: the episode of turn i).
-    pub fn play_rounds(
+    pub fn play_rounds<'a>(
         &mut self,
         step: usize,
-        policy: &CausalLmWithValueHead,
+        policy: impl Into<Actor<'a>>,
         tokenizer: &Tokenizer,
         min_turns: usize,
         device: &Device,
     ) -> Result<EpisodeBatch> {
+        let policy: Actor = policy.into();
         let b = self.env.num_envs();
-        let mut out = EpisodeBatch {
-            transitions: Vec::new(),
-            turn_episodes: Vec::new(),
-            episodes: Vec::new(),
-            unused_turns: 0,
-            example_turns: 0,
-            dropped: 0,
-            time_generation: Duration::ZERO,
-            time_env: Duration::ZERO,
-        };
+        let mut out = EpisodeBatch::default();
         let mut round = 0;
         let mut groups = 0;
         while out.transitions.len() < min_turns {
@@ -171,6 +178,56 @@ impl EpisodeSource {
         Ok(out)
     }
 
+    /// Plays `num_generations` episodes of each of `games` training games (trajectory GRPO and
+    /// RLOO): episode `k` of the step (0-based) plays game `k / num_generations`, in rounds of
+    /// the environments (a last round's extra environments play and are discarded). Returns the
+    /// turns and the episodes, each episode's `episode` field being its index `k`, so
+    /// `turn_episodes[i]` is turn `i`'s episode index; an episode lost to a failing environment
+    /// has no entry (counted in `dropped`). The games depend only on the run's seed and the
+    /// step, so `--resume` replays them.
+    pub fn play_groups(
+        &mut self,
+        step: usize,
+        lm: &CausalLm,
+        tokenizer: &Tokenizer,
+        games: usize,
+        num_generations: usize,
+        device: &Device,
+    ) -> Result<EpisodeBatch> {
+        let b = self.env.num_envs();
+        let total = games * num_generations;
+        let mut out = EpisodeBatch::default();
+        for round in 0..total.div_ceil(b) {
+            let slot = |e: usize| round * b + e;
+            let resets: Vec<Reset> = (0..b)
+                .map(|e| {
+                    let game = (slot(e) % total) / num_generations;
+                    let i = mix(self.seed, step as u64, game as u64, 0x6a3e ^ self.rank as u64);
+                    self.section.reset_for(0, i as usize, self.games)
+                })
+                .collect();
+            let seed = mix(self.seed, step as u64, round as u64, u64::MAX - self.rank as u64);
+            let got =
+                collect_episodes(self.env.as_mut(), lm, tokenizer, &self.rollout, &resets, seed, device)?;
+            for t in got.transitions.into_iter().filter(|t| slot(t.env) < total) {
+                out.turn_episodes.push(slot(t.env));
+                out.transitions.push(t);
+            }
+            for mut ep in got.episodes.into_iter() {
+                let k = slot(ep.episode);
+                if k < total {
+                    ep.episode = k;
+                    out.episodes.push(ep);
+                }
+            }
+            out.example_turns += got.example_turns;
+            out.dropped += got.dropped;
+            out.time_generation += got.time_generation;
+            out.time_env += got.time_env;
+        }
+        Ok(out)
+    }
+
     /// How environment `e` starts in round `round` of `step`: a training game drawn from the
     /// run's seed, the step, the round and the environment.
     fn train_reset(&self, step: usize, round: usize, e: usize) -> Reset {
@@ -188,7 +245,7 @@ impl EpisodeSource {
     /// `seed`), as `rltune play --seed SEED` does.
     pub fn evaluate(
         &self,
-        policy: &CausalLmWithValueHead,
+        policy: &CausalLm,
         tokenizer: &Tokenizer,
         generation: &GenerationConfig,
         seed: u64,
@@ -223,7 +280,7 @@ impl EpisodeSource {
 #[allow(clippy::too_many_arguments)]
 pub fn evaluate(
     section: &EnvSection,
-    policy: &CausalLmWithValueHead,
+    policy: &CausalLm,
     tokenizer: &Tokenizer,
     template: &PromptTemplate,
     generation: &GenerationConfig,
@@ -234,7 +291,7 @@ pub fn evaluate(
     let games = section.game_count()?;
     let mut env = section.build()?;
     let gen = GenerationConfig { seed, ..generation.clone() };
-    let mut agent = ModelAgent::new(&policy.lm, tokenizer, template.clone(), gen, device)?;
+    let mut agent = ModelAgent::new(policy, tokenizer, template.clone(), gen, device)?;
     let t = Instant::now();
     let (done, dropped) = play(env.as_mut(), &mut agent, episodes, &|i| section.reset_for(seed, i, games))?;
     Ok(PlayReport::of(&done, dropped, t.elapsed().as_secs_f64()))

@@ -21,8 +21,13 @@
 //!   `max_query_tokens` must not be set.
 //! - **PPO-only tables are errors**: `[ppo]`, `[critic]` and `[rejection]` (and `[grpo]` with
 //!   `kind = "rloo"`, or the reverse) would be ignored, so a file or `--set` that has them is
-//!   refused, naming the table. `[env]` is refused too: GRPO and RLOO train on prompts.
-//!   The seed of the prompt order is `[grpo] seed`; sampling's is `[generation] seed`.
+//!   refused, naming the table. The seed of the prompt order is `[grpo] seed`; sampling's is
+//!   `[generation] seed`.
+//! - **Text games** (`[env]`, [`super::group_loop`]'s `games`): trajectory-level GRPO / RLOO. A
+//!   step plays `num_generations` episodes of each of `per_device_train_batch_size /
+//!   num_generations` training games; an episode's return (the game's rewards plus
+//!   `[episodes.shaping]`) is its reward, and its advantage goes to every turn. `max_steps`
+//!   must be set, `[data]`, `[[reward.sources]]`, `[eval]` and `example_turn_prob` must not.
 
 use super::config::{sets_key, sets_table, AlgorithmKind, RunConfig};
 
@@ -184,22 +189,18 @@ impl RunConfig {
         if self.model.path.is_empty() {
             return Err("[model] path is empty; set it to a model directory or hub id".into());
         }
-        if self.env.is_some() {
-            return Err(format!(
-                "[env] is set but [algorithm] kind = \"{kind}\" trains on prompts ([data]) only for now; \
-                 remove [env] or use kind = \"ppo\""
-            ));
-        }
         if self.critic.is_some() {
             return Err(format!(
                 "[critic] is set but [algorithm] kind = \"{kind}\" has no value model (advantages \
                  compare the completions of a prompt); remove [critic]"
             ));
         }
-        if self.data.source.is_empty() {
+        if let Some(env) = &self.env {
+            self.validate_group_games(env)?;
+        } else if self.data.source.is_empty() {
             return Err("[data] source is empty; set it to a JSONL/CSV/Parquet file or hub dataset".into());
         }
-        if self.reward.sources.is_empty() {
+        if self.reward.sources.is_empty() && self.env.is_none() {
             return Err("[reward] has no sources; add a [[reward.sources]] table (kind = \
                         \"exact_match\", \"classifier\" or \"command\")"
                 .into());
@@ -266,6 +267,46 @@ impl RunConfig {
             }
             Ok(())
         })
+    }
+
+    /// The checks of trajectory-level GRPO / RLOO on text games (`[env]`).
+    fn validate_group_games(&self, env: &crate::agent::config::EnvSection) -> Result<(), String> {
+        let kind = self.algorithm.kind.name();
+        env.validate()?;
+        self.episodes.validate()?;
+        if !self.data.source.is_empty() {
+            return Err("both [data] source and [env] are set; a run trains on prompts or on text \
+                        games, not both: remove one"
+                .into());
+        }
+        if !self.reward.sources.is_empty() {
+            return Err("[reward] sources are set with [env]: episodes are scored by the game (plus \
+                        [episodes.shaping]); remove [[reward.sources]]"
+                .into());
+        }
+        if self.eval.enabled() {
+            return Err(format!(
+                "[eval] is set with [env]; a {kind} run on games evaluates on held-out games with \
+                 [episodes] eval_every and eval_episodes: remove [eval]"
+            ));
+        }
+        if self.episodes.example_turn_prob > 0.0 {
+            return Err(format!(
+                "[episodes] example_turn_prob = {} with [algorithm] kind = \"{kind}\": an episode's return \
+                 scores the policy's own play, so example turns would credit it with random commands; \
+                 set it to 0",
+                self.episodes.example_turn_prob
+            ));
+        }
+        with_table!(self, c, t, {
+            if c.max_steps <= 0 {
+                return Err(format!(
+                    "[{t}] max_steps is not set; with [env] there is no epoch of prompts to count: set \
+                     max_steps (optimizer steps)"
+                ));
+            }
+        });
+        Ok(())
     }
 
     /// The loop's sizes for `n_prompts` prompts on `world` processes (TRL's meaning: each process
@@ -403,6 +444,30 @@ column = "answer"
         let named =
             format!("{GRPO}[[reward.sources]]\nkind = \"exact_match\"\ncolumn = \"gold\"\nname = \"gold\"\n");
         load(&named, &[]).unwrap();
+    }
+
+    /// Trajectory GRPO/RLOO on games: `[env]` instead of `[data]` and rewards, `max_steps` set;
+    /// what would mean nothing there is refused, naming it.
+    #[test]
+    fn games_replace_data_and_rewards_and_need_max_steps() {
+        let games = "[model]\npath = \"m\"\n[algorithm]\nkind = \"grpo\"\n[env]\nkind = \"letters\"\n";
+        let c = load(games, &["grpo.max_steps=4", "grpo.num_generations=4"]).unwrap();
+        assert_eq!(c.group_shape(1 << 20, 1).unwrap().prompts_per_step, 2);
+        let err = load(games, &[]).unwrap_err();
+        assert!(err.contains("[grpo] max_steps is not set"), "{err}");
+        let rloo = games.replace("\"grpo\"", "\"rloo\"");
+        let err = load(&rloo, &[]).unwrap_err();
+        assert!(err.contains("[rloo] max_steps is not set"), "{err}");
+        let set = |extra: &str| load(games, &["grpo.max_steps=4", extra]).unwrap_err();
+        let err = set("episodes.example_turn_prob=0.2");
+        assert!(err.contains("example_turn_prob") && err.contains("set it to 0"), "{err}");
+        let err = set("data.source=\"p.jsonl\"");
+        assert!(err.contains("[data] source and [env]"), "{err}");
+        let err = set("eval.source=\"p.jsonl\"");
+        assert!(err.contains("[eval] is set with [env]") && err.contains("eval_every"), "{err}");
+        let with_reward = format!("{games}[[reward.sources]]\nkind = \"exact_match\"\ncolumn = \"a\"\n");
+        let err = load(&with_reward, &["grpo.max_steps=4"]).unwrap_err();
+        assert!(err.contains("[reward] sources are set with [env]"), "{err}");
     }
 
     #[test]

@@ -7,6 +7,8 @@
 //! each; NaN is a missing reward), call [`GrpoTrainer::step_with`] /
 //! [`RlooTrainer::step_with`] (`num_iterations` optimizer steps), log TRL's metrics, checkpoint.
 //!
+//! With `[env]` the step plays text games instead ([`games`]): trajectory-level GRPO / RLOO.
+//!
 //! The sampler's logprobs are not passed on: with `num_iterations = 1` TRL takes the old
 //! logprobs to be the current ones, detached, and with more it recomputes them, as the
 //! trainers here do. See [`super::group_config`] for the config and `docs/algorithms.md`.
@@ -22,6 +24,7 @@ use super::checkpoint::{
     clear_stale_writes, group_state, latest_checkpoint, load_group_state, save_group_checkpoint,
 };
 use super::config::{AlgorithmKind, RunConfig};
+use super::episodes::EpisodeSource;
 use super::eval::{encode_eval_prompts, record, EvalResult, Evaluator};
 use super::group_config::GroupShape;
 use super::ppo_loop::{build_reward_sum, decode, encode_prompts, reward_inputs, share_trunk, StepReport};
@@ -39,6 +42,8 @@ use crate::params::ParamStore;
 use crate::rewards::{RewardSource, WeightedSum};
 use crate::runtime::Runtime;
 use crate::tokenizer::Tokenizer;
+
+mod games;
 
 /// The trainer of a GRPO or RLOO run.
 pub enum GroupTrainer {
@@ -97,7 +102,8 @@ pub struct GroupRun {
     config_json: serde_json::Value,
     tokenizer: Tokenizer,
     prompts: Vec<(Vec<u32>, PromptRow)>,
-    reward: WeightedSum,
+    /// The reward functions (`None` on games: the episodes' returns are the rewards).
+    reward: Option<WeightedSum>,
     reward_names: Vec<String>,
     eos_ids: Vec<u32>,
     logger: RunLogger,
@@ -105,6 +111,8 @@ pub struct GroupRun {
     device: Device,
     /// `[eval] source`, encoded (empty without `[eval]`).
     eval_prompts: Vec<(Vec<u32>, PromptRow)>,
+    /// With `[env]`: the text games (trajectory-level GRPO/RLOO, [`games`]).
+    games: Option<Box<EpisodeSource>>,
 }
 
 impl GroupRun {
@@ -167,11 +175,23 @@ impl GroupRun {
         })?;
         let tokenizer = Tokenizer::from_file(&tok_path)?;
         tokenizer.check_fits(policy.config.vocab_size())?;
-        let prompts = encode_prompts(&config, &tokenizer)?;
+        let world = crate::dist::world_size();
+        let games = match &config.env {
+            Some(_) if world > 1 => {
+                return Err(Error::Input(format!(
+                    "[algorithm] kind = \"{}\" with [env] runs on one process for now; run it without \
+                     mpirun/torchrun, or train on games with kind = \"ppo\"",
+                    kind.name()
+                )))
+            }
+            Some(_) => Some(Box::new(EpisodeSource::new(&config)?)),
+            None => None,
+        };
+        let prompts = if games.is_some() { Vec::new() } else { encode_prompts(&config, &tokenizer)? };
         let eval_prompts =
             if config.eval.enabled() { encode_eval_prompts(&config, &tokenizer)? } else { Vec::new() };
-        let world = crate::dist::world_size();
-        let shape = config.group_shape(prompts.len(), world).map_err(Error::Input)?;
+        let n_data = games.as_ref().map_or(prompts.len(), |g| g.game_count());
+        let shape = config.group_shape(n_data, world).map_err(Error::Input)?;
         if world > 1 {
             let bs = config.group_batch_size();
             tracing::info!(
@@ -190,8 +210,18 @@ impl GroupRun {
                 reward_names[i]
             )));
         }
-        let reward = build_reward_sum(&config, extra_rewards, runtime)?;
-        let weights: Vec<f64> = reward.parts().map(|(w, _)| f64::from(w)).collect();
+        // On games the one reward is the episode's return.
+        let reward = match &games {
+            Some(_) if !extra_rewards.is_empty() => {
+                return Err(Error::Input(
+                    "reward functions were given with [env]: episodes are scored by the game".into(),
+                ))
+            }
+            Some(_) => None,
+            None => Some(build_reward_sum(&config, extra_rewards, runtime)?),
+        };
+        let weights: Option<Vec<f64>> =
+            reward.as_ref().map(|r| r.parts().map(|(w, _)| f64::from(w)).collect());
         let optimizer_steps = (shape.steps * shape.num_iterations) as i64;
         let bs = Some(config.group_batch_size());
         let beta = match kind {
@@ -221,7 +251,7 @@ impl GroupRun {
                 let c = crate::grpo::RlooConfig {
                     max_steps: optimizer_steps,
                     per_device_train_batch_size: bs,
-                    reward_weights: Some(weights),
+                    reward_weights: weights,
                     ..config.rloo.clone()
                 };
                 GroupTrainer::Rloo(RlooTrainer::new(c, store, lm, reference)?)
@@ -230,7 +260,7 @@ impl GroupRun {
                 let c = crate::grpo::GrpoConfig {
                     max_steps: optimizer_steps,
                     per_device_train_batch_size: bs,
-                    reward_weights: Some(weights),
+                    reward_weights: weights,
                     ..config.grpo.clone()
                 };
                 GroupTrainer::Grpo(GrpoTrainer::new(c, store, lm, reference)?)
@@ -266,6 +296,7 @@ impl GroupRun {
             start_step,
             device: runtime.device().clone(),
             eval_prompts,
+            games,
         })
     }
 
@@ -306,7 +337,9 @@ impl GroupRun {
             eos_ids: &self.eos_ids,
             device: &self.device,
         };
-        let result = evaluator.run(step, self.trainer.policy(), &mut self.reward, &self.reward_names)?;
+        let reward =
+            self.reward.as_mut().ok_or_else(|| Error::Input("internal: [eval] without rewards".into()))?;
+        let result = evaluator.run(step, self.trainer.policy(), reward, &self.reward_names)?;
         tracing::info!("{}", result.describe());
         if crate::dist::is_main() {
             record(&self.config.logging.dir, &result, step)?;
@@ -317,6 +350,9 @@ impl GroupRun {
     /// The next `prompts_per_step` prompt indices: a new permutation each epoch, whose last
     /// incomplete batch is dropped (TRL's `RepeatSampler` with `drop_last`).
     fn next_prompts(&self, order: &mut Vec<usize>, rng: &mut rand::rngs::StdRng) -> Vec<usize> {
+        if self.games.is_some() {
+            return Vec::new(); // each step draws its games from the seed and the step
+        }
         let k = self.shape.prompts_per_step;
         if order.len() < k {
             *order = (0..self.prompts.len()).collect();
@@ -350,7 +386,12 @@ impl GroupRun {
         let metas: Vec<&serde_json::Value> = rows.iter().map(|&i| &self.prompts[i].1.meta).collect();
         let inputs = reward_inputs(&samples, &texts, &metas);
         // [part][sample] → values[sample][part]; NaN stays: a missing reward.
-        let parts = self.reward.score_parts(&inputs)?;
+        let reward = self
+            .reward
+            .as_mut()
+            .ok_or_else(|| Error::Input("internal: a prompt step without rewards".into()))?;
+        let parts = reward.score_parts(&inputs)?;
+        let weights: Vec<f64> = reward.parts().map(|(w, _)| f64::from(w)).collect();
         let values: Vec<Vec<f64>> =
             (0..inputs.len()).map(|i| parts.iter().map(|p| f64::from(p[i])).collect()).collect();
         let time_reward = t.elapsed().as_secs_f64();
@@ -380,7 +421,6 @@ impl GroupRun {
             stats.insert("time/dist/all_reduce".into(), Stat::Scalar(crate::dist::take_all_reduce_seconds()));
         }
 
-        let weights: Vec<f64> = self.reward.parts().map(|(w, _)| f64::from(w)).collect();
         let total = weighted_rewards(&table.values, &weights);
         let shown: Vec<SampleRow> = texts
             .iter()
@@ -483,6 +523,9 @@ impl super::run_loop::Algorithm for GroupRun {
     }
 
     fn step(&mut self, step: usize, batch: &Vec<usize>) -> Result<StepReport> {
+        if self.games.is_some() {
+            return self.game_step(step);
+        }
         self.one_step(step, batch)
     }
 

@@ -394,7 +394,7 @@ impl PpoRun {
         if games.eval_due(step + 1) {
             let t = Instant::now();
             let (policy, gen) = (&self.trainer.policy, &self.config.generation);
-            let r = games.evaluate(policy, &self.tokenizer, gen, self.config.ppo.seed, &self.device)?;
+            let r = games.evaluate(&policy.lm, &self.tokenizer, gen, self.config.ppo.seed, &self.device)?;
             add_eval_stats(stats, &r, t.elapsed().as_secs_f64());
         }
         Ok(())

@@ -20,3 +20,4 @@ mod partial_freezing;
 mod ppo_behaviour;
 mod ppo_parity;
 mod train;
+mod trajectory_groups;

@@ -1,7 +1,7 @@
-//! PPO on admissible actions (`[agent] actions = "admissible"`): the policy samples each token
-//! of a command from its softmax renormalised over the tokens the command trie allows there
-//! ([`crate::generation::admissible`]), so the logprobs PPO compares, of the policy and of the
-//! reference, are those of the same renormalised distributions.
+//! Training on admissible actions (`[agent] actions = "admissible"`): the policy samples each
+//! token of a command from its softmax renormalised over the tokens the command trie allows there
+//! ([`crate::generation::admissible`]), so the logprobs PPO, GRPO and RLOO compare, of the policy
+//! and of the reference, are those of the same renormalised distributions.
 //!
 //! A [`Constraint`] holds, for every position of the padded batch, the allowed tokens as a
 //! gather index `(B, L−1, K)` into the vocabulary and an additive mask `(B, L−1, K)` (0 on the
@@ -24,17 +24,17 @@ use crate::ops;
 const PAD: f32 = -1e9;
 
 /// The allowed tokens of every position of a batch (see the module docs).
-pub(in crate::ppo) struct Constraint {
+pub(crate) struct Constraint {
     /// `(B, L−1, K)` u32: the allowed token ids.
-    pub(in crate::ppo) idx: Tensor,
+    pub(crate) idx: Tensor,
     /// `(B, L−1, K)` f32: 0 on the allowed ids, −1e9 on padding.
-    pub(in crate::ppo) pad: Tensor,
+    pub(crate) pad: Tensor,
 }
 
 impl Constraint {
     /// Builds the constraint of the right-padded `ids (B, L)` whose row `i` has its response at
     /// columns `starts[i] + 1 ..` with `allowed[i][j]` the set of response token `j`.
-    pub(in crate::ppo) fn new(
+    pub(crate) fn new(
         ids: &[Vec<u32>],
         starts: &[usize],
         responses: &[Vec<u32>],
@@ -91,20 +91,40 @@ impl Constraint {
     }
 
     /// The rows `rows` (a u32 index) of the batch.
-    pub(in crate::ppo) fn select(&self, rows: &Tensor) -> Result<Self> {
+    pub(crate) fn select(&self, rows: &Tensor) -> Result<Self> {
         Ok(Self { idx: self.idx.index_select(rows, 0)?, pad: self.pad.index_select(rows, 0)? })
     }
 
     /// Rows `start .. start + n`.
-    pub(in crate::ppo) fn narrow(&self, start: usize, n: usize) -> Result<Self> {
+    pub(crate) fn narrow(&self, start: usize, n: usize) -> Result<Self> {
         Ok(Self { idx: self.idx.narrow(0, start, n)?, pad: self.pad.narrow(0, start, n)? })
     }
+}
+
+/// The allowed sets of `N` positions as the gather index and mask `(N, K)` of
+/// [`constrained_logprobs`] (`K`: the largest set; an empty set is an error).
+pub(crate) fn row_sets(sets: &[&[u32]], device: &Device) -> Result<(Tensor, Tensor)> {
+    let n = sets.len();
+    let k = sets.iter().map(|s| s.len()).max().unwrap_or(1).max(1);
+    let (mut idx, mut pad) = (vec![0u32; n * k], vec![PAD; n * k]);
+    for (r, set) in sets.iter().enumerate() {
+        let first = *set.first().ok_or_else(|| {
+            Error::Input(format!("position {r}: an empty allowed set (no token may follow)"))
+        })?;
+        for slot in 0..k {
+            idx[r * k + slot] = *set.get(slot).unwrap_or(&first);
+            if slot < set.len() {
+                pad[r * k + slot] = 0.0;
+            }
+        }
+    }
+    Ok((Tensor::from_vec(idx, (n, k), device)?, Tensor::from_vec(pad, (n, k), device)?))
 }
 
 /// Logprobs of `targets (N)` and entropies `(N)` under `softmax(h·Wᵀ / τ)` renormalised over
 /// each row's allowed set (`idx`, `pad`: `(N, K)`); differentiable in `hidden` and `weight`
 /// (the entropy carries no gradient, as the unconstrained head's).
-pub(in crate::ppo) fn constrained_logprobs(
+pub(crate) fn constrained_logprobs(
     hidden: &Tensor,
     weight: &Tensor,
     targets: &Tensor,

@@ -1,0 +1,108 @@
+//! Trajectory-level GRPO and RLOO on text games (`[algorithm] kind = "grpo"` or `"rloo"` with
+//! `[env]`), as the agentic RL frameworks do it.
+//!
+//! Each step, top to bottom: draw `per_device_train_batch_size / num_generations` training games
+//! from the run's seed and the step, play each `num_generations` times (one group;
+//! [`EpisodeSource::play_groups`]), take each episode's return (the sum of its turns' shaped
+//! rewards: the game's plus `[episodes.shaping]`) as its reward, and make one
+//! [`GrpoTrainer::step_turns`](crate::grpo::GrpoTrainer::step_turns) /
+//! [`RlooTrainer::step_turns`](crate::grpo::RlooTrainer::step_turns) on every turn of every
+//! episode, each turn carrying its episode's advantage. With `[agent] actions = "admissible"`
+//! the update renormalises the policy over each token's allowed set, as the sampler did.
+//!
+//! Against per-turn PPO on the same games: no value model and no `game_gamma` (a turn is credited
+//! with its whole episode's outcome, compared with the other plays of the same game), and every
+//! played turn trains (PPO picks `batch_size` of them). The metrics are TRL's GRPO/RLOO ones
+//! (`reward` is the mean episode return) plus the `env/*` and `eval/*` ones of PPO on games.
+
+use std::time::Instant;
+
+use super::{merge_iterations, GroupRun, GroupTrainer};
+use crate::engine::Stat;
+use crate::envs::play::ActionMode;
+use crate::error::{Error, Result};
+use crate::grpo::TurnBatch;
+use crate::logging::SampleRow;
+use crate::run::episodes::{add_episode_stats, add_eval_stats};
+use crate::run::ppo_loop::StepReport;
+
+impl GroupRun {
+    /// One step on text games: play the groups, step on their turns, log, evaluate when due.
+    pub(super) fn game_step(&mut self, step: usize) -> Result<StepReport> {
+        let seed = self.seed();
+        let Some(games) = self.games.as_mut() else {
+            return Err(Error::Input("internal: a game step without [env]".into()));
+        };
+        let (g, n_games) = (self.shape.num_generations, self.shape.prompts_per_step);
+        let t = Instant::now();
+        let batch =
+            games.play_groups(step, self.trainer.policy(), &self.tokenizer, n_games, g, &self.device)?;
+        let time_rollout = t.elapsed().as_secs_f64();
+
+        // Each episode's return; NaN for an episode lost to a failing environment.
+        let mut returns = vec![f64::NAN; n_games * g];
+        for ep in &batch.episodes {
+            returns[ep.episode] = 0.0;
+        }
+        for (turn, &k) in batch.transitions.iter().zip(&batch.turn_episodes) {
+            returns[k] += f64::from(turn.reward);
+        }
+        let turns = &batch.transitions;
+        let prompts: Vec<Vec<u32>> = turns.iter().map(|t| t.query_ids.clone()).collect();
+        let actions: Vec<Vec<u32>> = turns.iter().map(|t| t.response_ids.clone()).collect();
+        let allowed: Vec<Vec<Vec<u32>>> = turns.iter().map(|t| t.allowed.clone()).collect();
+        let admissible = self.config.agent.actions == ActionMode::Admissible;
+        let input = TurnBatch {
+            prompts: &prompts,
+            completions: &actions,
+            allowed: admissible.then_some(allowed.as_slice()),
+            episodes: &batch.turn_episodes,
+            returns: &returns,
+        };
+        let t = Instant::now();
+        let logs = match &mut self.trainer {
+            GroupTrainer::Grpo(tr) => tr.step_turns(&input)?,
+            GroupTrainer::Rloo(tr) => tr.step_turns(&input)?,
+        };
+        let mut stats = merge_iterations(logs);
+        // TRL's epoch: optimizer steps over those of one pass over the games (about 0 for a
+        // generated family, whose games do not run out).
+        let epoch = self.trainer.core().global_step as f64 / self.shape.steps_per_epoch as f64;
+        stats.insert("epoch".into(), Stat::Scalar(epoch));
+        let kind = self.config.algorithm.kind.name();
+        stats.insert(format!("time/{kind}/step"), Stat::Scalar(t.elapsed().as_secs_f64()));
+        stats.insert("time/rollout/total".into(), Stat::Scalar(time_rollout));
+        stats.insert("time/rollout/generation".into(), Stat::Scalar(batch.time_generation.as_secs_f64()));
+        stats.insert("env/turns".into(), Stat::Scalar(turns.len() as f64));
+        add_episode_stats(&mut stats, &batch)?;
+        if games.eval_due(step + 1) {
+            let t = Instant::now();
+            let (lm, gen) = (self.trainer.policy(), &self.config.generation);
+            let r = games.evaluate(lm, &self.tokenizer, gen, seed, &self.device)?;
+            add_eval_stats(&mut stats, &r, t.elapsed().as_secs_f64());
+        }
+        let rows = turns
+            .iter()
+            .take(self.config.logging.samples_per_step)
+            .map(|t| {
+                Ok(SampleRow {
+                    query: self.tokenizer.decode(&t.query_ids)?,
+                    response: t.action.clone(),
+                    reward: t.reward,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.logger.log_step(step + 1, &stats, &rows)?;
+        let shown = batch.episodes.iter().take(self.config.episodes.transcripts_per_step);
+        self.logger.log_transcripts(step + 1, shown)?;
+        let get = |k: &str| stats.get(k).and_then(Stat::as_f64).unwrap_or(f64::NAN);
+        Ok(StepReport {
+            step,
+            total: self.shape.steps,
+            reward_mean: get("reward"),
+            kl: get("kl"),
+            skipped: false,
+            win_rate: Some(get("env/win_rate")),
+        })
+    }
+}
