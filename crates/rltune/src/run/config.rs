@@ -352,6 +352,23 @@ impl RunConfig {
         Ok(())
     }
 
+    /// The checks of a run on text games (`[env]`), whatever its trainer.
+    pub(super) fn validate_games(&self, env: &EnvSection) -> std::result::Result<(), String> {
+        env.validate()?;
+        self.episodes.validate()?;
+        if !self.data.source.is_empty() {
+            return Err("both [data] source and [env] are set; a run trains on prompts or on text \
+                        games, not both: remove one"
+                .into());
+        }
+        if !self.reward.sources.is_empty() {
+            return Err("[reward] sources are set with [env]: turns are scored by the game (plus \
+                        [episodes.shaping]); remove [[reward.sources]]"
+                .into());
+        }
+        Ok(())
+    }
+
     /// Checks the sections; messages name the field.
     pub fn validate(&self) -> std::result::Result<(), String> {
         self.ppo.validate()?;
@@ -392,19 +409,7 @@ impl RunConfig {
                 .into());
         }
         if let Some(env) = &self.env {
-            env.validate()?;
-            self.episodes.validate()?;
-            if !self.data.source.is_empty() {
-                return Err("both [data] source and [env] are set; a run trains on prompts or on text \
-                            games, not both: remove one"
-                    .into());
-            }
-            if !self.reward.sources.is_empty() {
-                return Err("[reward] sources are set with [env]: turns are scored by the game (plus \
-                            [episodes.shaping]); remove [[reward.sources]]"
-                    .into());
-            }
-            return Ok(());
+            return self.validate_games(env);
         }
         if self.data.source.is_empty() {
             return Err("[data] source is empty; set it to a JSONL/CSV/Parquet file or hub dataset (or \
@@ -584,6 +589,16 @@ command = ["cat"]
         assert_eq!(rs.algorithm.kind, AlgorithmKind::RejectionSampling);
         let e = RunConfig::load(&p, &["algorithm.kind=dpo".into()]).unwrap_err().to_string();
         assert!(e.contains("rejection_sampling"), "{e}");
+    }
+
+    #[test]
+    fn the_adventure_grpo_example_config_loads_with_its_groups() {
+        let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/adventure-grpo.toml");
+        let c = RunConfig::load(&p, &[]).unwrap();
+        assert_eq!(c.algorithm.kind, AlgorithmKind::Grpo);
+        assert_eq!(c.agent.actions, crate::envs::play::ActionMode::Admissible);
+        let shape = c.group_shape(usize::MAX >> 16, 1).unwrap();
+        assert_eq!((shape.prompts_per_step, shape.num_generations, shape.steps), (4, 8, 40));
     }
 
     #[test]

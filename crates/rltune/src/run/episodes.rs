@@ -25,6 +25,7 @@ use crate::envs::play::{play, Episode, PlayReport, PromptTemplate};
 use crate::envs::{Reset, TextEnv};
 use crate::error::{Error, Result};
 use crate::generation::GenerationConfig;
+use crate::logging::{RunLogger, SampleRow};
 use crate::models::CausalLm;
 use crate::tokenizer::Tokenizer;
 
@@ -341,6 +342,33 @@ fn add_own_episode_stats(stats: &mut Stats, batch: &EpisodeBatch) {
     ] {
         stats.insert(k.into(), Stat::Scalar(v));
     }
+}
+
+/// Logs a step on games: its metrics with its first `[logging] samples_per_step` turns as sample
+/// rows (prompt, action, shaped reward), and its first `[episodes] transcripts_per_step`
+/// episodes' transcripts.
+pub fn log_game_step(
+    logger: &mut RunLogger,
+    tokenizer: &Tokenizer,
+    config: &RunConfig,
+    step: usize,
+    stats: &Stats,
+    batch: &EpisodeBatch,
+) -> Result<()> {
+    let rows = batch
+        .transitions
+        .iter()
+        .take(config.logging.samples_per_step)
+        .map(|t| {
+            Ok(SampleRow {
+                query: tokenizer.decode(&t.query_ids)?,
+                response: t.action.clone(),
+                reward: t.reward,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    logger.log_step(step + 1, stats, &rows)?;
+    logger.log_transcripts(step + 1, batch.episodes.iter().take(config.episodes.transcripts_per_step))
 }
 
 /// The `eval/*` metrics of an evaluation.

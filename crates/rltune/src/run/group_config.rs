@@ -272,18 +272,7 @@ impl RunConfig {
     /// The checks of trajectory-level GRPO / RLOO on text games (`[env]`).
     fn validate_group_games(&self, env: &crate::agent::config::EnvSection) -> Result<(), String> {
         let kind = self.algorithm.kind.name();
-        env.validate()?;
-        self.episodes.validate()?;
-        if !self.data.source.is_empty() {
-            return Err("both [data] source and [env] are set; a run trains on prompts or on text \
-                        games, not both: remove one"
-                .into());
-        }
-        if !self.reward.sources.is_empty() {
-            return Err("[reward] sources are set with [env]: episodes are scored by the game (plus \
-                        [episodes.shaping]); remove [[reward.sources]]"
-                .into());
-        }
+        self.validate_games(env)?;
         if self.eval.enabled() {
             return Err(format!(
                 "[eval] is set with [env]; a {kind} run on games evaluates on held-out games with \

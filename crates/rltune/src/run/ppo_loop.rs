@@ -18,7 +18,7 @@ use super::checkpoint::{
     clear_stale_writes, latest_checkpoint, load_trainer_state, save_checkpoint, CriticFiles,
 };
 use super::config::{AlgorithmKind, RewardSourceConfig, RunConfig};
-use super::episodes::{add_episode_stats, add_eval_stats, EpisodeSource};
+use super::episodes::{add_episode_stats, add_eval_stats, log_game_step, EpisodeSource};
 use crate::agent::rollout::rebootstrap;
 use crate::data::prompts::{load_prompts, LengthSampler, PromptRow};
 use crate::engine::stats::mean_std;
@@ -441,20 +441,7 @@ impl PpoRun {
         stats.insert("time/rollout/total".into(), Stat::Scalar(time_rollout));
         add_episode_stats(&mut stats, &batch)?;
         self.eval_if_due(step, &mut stats)?;
-        let rows = turns
-            .iter()
-            .take(self.config.logging.samples_per_step)
-            .map(|t| {
-                Ok(SampleRow {
-                    query: self.tokenizer.decode(&t.query_ids)?,
-                    response: t.action.clone(),
-                    reward: t.reward,
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        self.logger.log_step(step + 1, &stats, &rows)?;
-        let shown = batch.episodes.iter().take(self.config.episodes.transcripts_per_step);
-        self.logger.log_transcripts(step + 1, shown)?;
+        log_game_step(&mut self.logger, &self.tokenizer, &self.config, step, &stats, &batch)?;
         let get = |k: &str| stats.get(k).and_then(Stat::as_f64).unwrap_or(f64::NAN);
         Ok(StepReport {
             step,

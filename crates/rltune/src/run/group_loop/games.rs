@@ -22,8 +22,7 @@ use crate::engine::Stat;
 use crate::envs::play::ActionMode;
 use crate::error::{Error, Result};
 use crate::grpo::TurnBatch;
-use crate::logging::SampleRow;
-use crate::run::episodes::{add_episode_stats, add_eval_stats};
+use crate::run::episodes::{add_episode_stats, add_eval_stats, log_game_step};
 use crate::run::ppo_loop::StepReport;
 
 impl GroupRun {
@@ -81,20 +80,7 @@ impl GroupRun {
             let r = games.evaluate(lm, &self.tokenizer, gen, seed, &self.device)?;
             add_eval_stats(&mut stats, &r, t.elapsed().as_secs_f64());
         }
-        let rows = turns
-            .iter()
-            .take(self.config.logging.samples_per_step)
-            .map(|t| {
-                Ok(SampleRow {
-                    query: self.tokenizer.decode(&t.query_ids)?,
-                    response: t.action.clone(),
-                    reward: t.reward,
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        self.logger.log_step(step + 1, &stats, &rows)?;
-        let shown = batch.episodes.iter().take(self.config.episodes.transcripts_per_step);
-        self.logger.log_transcripts(step + 1, shown)?;
+        log_game_step(&mut self.logger, &self.tokenizer, &self.config, step, &stats, &batch)?;
         let get = |k: &str| stats.get(k).and_then(Stat::as_f64).unwrap_or(f64::NAN);
         Ok(StepReport {
             step,
