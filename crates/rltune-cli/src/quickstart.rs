@@ -9,8 +9,8 @@ use anyhow::{Context, Result};
 use rltune::config_file::parse_toml;
 use rltune::run::config::AlgorithmKind;
 use rltune_cli::tasks::{
-    run_agent_quickstart, run_arithmetic_quickstart, run_quickstart, AdventureQuickstartConfig, AgentGames,
-    AgentQuickstartConfig, ArithmeticQuickstartConfig, Event, QuickstartConfig, Summary,
+    run_agent_quickstart, run_arithmetic_quickstart, run_quickstart, summary_file, AdventureQuickstartConfig,
+    AgentGames, AgentQuickstartConfig, ArithmeticQuickstartConfig, Event, QuickstartConfig, Summary,
     TextworldQuickstartConfig,
 };
 
@@ -29,8 +29,9 @@ pub struct Args {
     #[arg(long, default_value = "sentiment", value_parser = ["sentiment", "adventure", "textworld", "arithmetic", "essays", "wnut"])]
     task: String,
     /// With --task arithmetic: `grpo` or `rloo` (both train from the same SFT policy when run in
-    /// the same --output directory).
-    #[arg(long, value_parser = ["grpo", "rloo"])]
+    /// the same --output directory). With --task adventure or textworld: `ppo` (the default),
+    /// or trajectory-level `grpo` / `rloo` on the same games from the same BC policy.
+    #[arg(long, value_parser = ["ppo", "grpo", "rloo"])]
     algorithm: Option<String>,
     /// Where every stage writes (cached stages are skipped on a rerun); default
     /// runs/quickstart, or runs/quickstart-TASK for the agent tasks.
@@ -53,8 +54,14 @@ pub struct Args {
 
 /// Runs `rltune quickstart`.
 pub fn run(args: Args) -> Result<()> {
-    if args.algorithm.is_some() && args.task != "arithmetic" {
-        anyhow::bail!("--algorithm is for --task arithmetic (the {} task trains with PPO)", args.task);
+    if args.algorithm.is_some() && !["arithmetic", "adventure", "textworld"].contains(&args.task.as_str()) {
+        anyhow::bail!(
+            "--algorithm is for --task arithmetic, adventure or textworld (the {} task trains with PPO)",
+            args.task
+        );
+    }
+    if args.algorithm.as_deref() == Some("ppo") && args.task == "arithmetic" {
+        anyhow::bail!("--task arithmetic trains with --algorithm grpo or rloo");
     }
     match args.task.as_str() {
         "adventure" => {
@@ -164,12 +171,21 @@ fn run_agent<G: AgentGames>(
     let tiny = args.preset == "tiny";
     let mut cfg = if tiny { tiny_preset } else { default };
     cfg.seed = args.seed;
+    if let Some(a) = &args.algorithm {
+        cfg.algorithm = match a.as_str() {
+            "grpo" => AlgorithmKind::Grpo,
+            "rloo" => AlgorithmKind::Rloo,
+            _ => AlgorithmKind::Ppo,
+        };
+    }
     cfg = with_overrides(cfg, &args.set)?;
     let stop = crate::ppo::stop_flag()?;
     let started = std::time::Instant::now();
     let mut bar: Option<(Bar, usize)> = None;
     let runtime = args.runtime.resolve(Default::default())?;
     let s = run_agent_quickstart(&output, &cfg, &runtime, &stop, &mut |e| show_event(&mut bar, e))?;
+    let alg = cfg.algorithm.name();
+    let rl_label = format!("{} policy", alg.to_uppercase());
     println!();
     println!(
         "policy: GPT-2, {:.2}M parameters, behaviour-cloned on {} demonstrated turns",
@@ -177,7 +193,7 @@ fn run_agent<G: AgentGames>(
         s.demonstrations
     );
     println!("held-out games ({} episodes each, {} moves at most):", s.random.episodes, cfg.max_steps);
-    for (name, r) in [("random agent", &s.random), ("BC policy", &s.bc), ("PPO policy", &s.ppo)] {
+    for (name, r) in [("random agent", &s.random), ("BC policy", &s.bc), (rl_label.as_str(), &s.ppo)] {
         // The binomial standard error of the win rate, episodes taken as independent.
         let se = (r.win_rate * (1.0 - r.win_rate) / r.episodes.max(1) as f64).sqrt();
         println!(
@@ -190,7 +206,7 @@ fn run_agent<G: AgentGames>(
         );
     }
     print_stages(&s.stage_seconds);
-    finish(s.checks(), tiny, started, &output, "ppo", "summary.json")
+    finish(s.checks(), tiny, started, &output, alg, &summary_file(cfg.algorithm))
 }
 
 /// A preset with the `--set key=value` overrides applied (through its TOML form, so a key is

@@ -898,6 +898,30 @@ fn admissible_actions_are_always_valid_in_play() {
     let tmp = tempfile::tempdir().unwrap();
     let qs = tmp.path().join("qs");
     ok(rltune(&["quickstart", "--task", "adventure", "--preset", "tiny", "--output", s(&qs)]));
+    // `--algorithm grpo` in the same folder trains trajectory GRPO from the cached BC policy and
+    // writes its own run, config and summary beside PPO's.
+    let out = ok(rltune(&[
+        "quickstart",
+        "--task",
+        "adventure",
+        "--preset",
+        "tiny",
+        "--output",
+        s(&qs),
+        "--algorithm",
+        "grpo",
+    ]));
+    let shown = String::from_utf8_lossy(&out.stdout);
+    assert!(shown.contains("stages run: grpo") && shown.contains("GRPO policy"), "{shown}");
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(qs.join("summary-grpo.json")).unwrap()).unwrap();
+    assert_eq!(summary["config"]["algorithm"], "grpo");
+    assert_eq!(summary["ppo"]["episodes"], 8);
+    assert!(
+        qs.join("grpo/checkpoints/step-2/model.safetensors").is_file() && qs.join("summary.json").is_file()
+    );
+    let err = fails(rltune(&["quickstart", "--task", "essays", "--preset", "tiny", "--algorithm", "grpo"]));
+    assert!(err.contains("--algorithm is for --task arithmetic, adventure or textworld"), "{err}");
     let env = repo_config("adventure.toml");
     let bc = qs.join("bc");
     let play = |mode: &str| {

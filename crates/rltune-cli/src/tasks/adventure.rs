@@ -13,6 +13,7 @@ use rltune::envs::adventure::{train_seed, Adventure, AdventureConfig};
 use rltune::envs::play::PromptTemplate;
 use rltune::envs::{Reset, TextEnv};
 use rltune::error::Result;
+use rltune::grpo::{GrpoConfig, RlooConfig};
 use rltune::ppo::PpoConfig;
 use rltune::run::config::EpisodesSection;
 use rltune::runtime::Runtime;
@@ -102,6 +103,9 @@ impl Default for AgentQuickstartConfig<AdventureConfig> {
             // 200 episodes give a standard error of ~3.3 points (BC measured 31.0% or 37.5% with
             // two batchings of the same games); 500 give ~2.1 (BC 32.6%, PPO 41.4%).
             eval_episodes: 500,
+            algorithm: Default::default(),
+            grpo: super::agent::agent_grpo(),
+            rloo: super::agent::agent_rloo(),
         }
     }
 }
@@ -123,6 +127,18 @@ impl AgentQuickstartConfig<AdventureConfig> {
             ppo: PpoConfig { steps: 2, batch_size: 8, mini_batch_size: 4, ppo_epochs: 1, ..d.ppo },
             episodes: EpisodesSection { eval_every: 2, eval_episodes: 4, ..d.episodes },
             eval_episodes: 8,
+            grpo: GrpoConfig {
+                num_generations: 4,
+                per_device_train_batch_size: Some(8),
+                max_steps: 4,
+                ..d.grpo
+            },
+            rloo: RlooConfig {
+                num_generations: 4,
+                per_device_train_batch_size: Some(8),
+                max_steps: 4,
+                ..d.rloo
+            },
             ..d
         }
     }

@@ -23,7 +23,7 @@ use serde::{Deserialize, Serialize};
 
 use super::bpe::train_bpe;
 use super::pipeline::{
-    check_same_config, count_parameters, json_err, metric_pairs, new_gpt2, read_stage_jsonl, to_json,
+    check_shared, count_parameters, json_err, metric_pairs, new_gpt2, read_stage_jsonl, to_json,
     train_progress, write_file, Check, Event,
 };
 use rltune::agent::config::{EnvSection, Split};
@@ -32,11 +32,14 @@ use rltune::envs::play::{play, PlayReport, PromptTemplate, RandomAgent};
 use rltune::envs::{Reset, TextEnv};
 use rltune::error::{Error, Result};
 use rltune::generation::GenerationConfig;
+use rltune::grpo::{GrpoConfig, RlooConfig};
 use rltune::models::load::load_policy;
 use rltune::ppo::PpoConfig;
-use rltune::run::config::{CheckpointSection, EpisodesSection, LoggingSection, ModelSection, RunConfig};
+use rltune::run::config::{
+    AlgorithmKind, CheckpointSection, EpisodesSection, LoggingSection, ModelSection, RunConfig,
+};
 use rltune::run::episodes::evaluate;
-use rltune::run::{self, PpoRun, StepReport};
+use rltune::run::{self, GroupRun, PpoRun, StepReport};
 use rltune::runtime::Runtime;
 use rltune::tokenizer::Tokenizer;
 use rltune::train::data::SftRecord;
@@ -110,11 +113,66 @@ pub struct AgentQuickstartConfig<G> {
     pub episodes: EpisodesSection,
     /// Held-out episodes per agent in the final comparison.
     pub eval_episodes: usize,
+    /// The RL stage: `ppo`, or trajectory-level `grpo` / `rloo` on the same games
+    /// (`--algorithm`); each trains from the same BC policy in its own folder.
+    #[serde(default)]
+    pub algorithm: AlgorithmKind,
+    /// Trajectory GRPO (with `algorithm = "grpo"`).
+    #[serde(default = "agent_grpo")]
+    pub grpo: GrpoConfig,
+    /// Trajectory RLOO (with `algorithm = "rloo"`).
+    #[serde(default = "agent_rloo")]
+    pub rloo: RlooConfig,
 }
+
+/// The agent quickstarts' trajectory GRPO (`configs/adventure-grpo.toml`): 4 games × 8 plays a
+/// step, 40 steps of 2 optimizer steps at lr 2e-4, no KL term.
+pub fn agent_grpo() -> GrpoConfig {
+    GrpoConfig {
+        num_generations: 8,
+        per_device_train_batch_size: Some(32),
+        max_steps: 80,
+        num_iterations: 2,
+        learning_rate: 2e-4,
+        beta: 0.0,
+        ..GrpoConfig::default()
+    }
+}
+
+/// The agent quickstarts' trajectory RLOO: [`agent_grpo`]'s batch and length.
+pub fn agent_rloo() -> RlooConfig {
+    RlooConfig {
+        num_generations: 8,
+        per_device_train_batch_size: Some(32),
+        max_steps: 80,
+        num_iterations: 2,
+        learning_rate: 2e-4,
+        beta: 0.0,
+        ..RlooConfig::default()
+    }
+}
+
+/// The keys of [`AgentQuickstartConfig`] that only the RL stage reads.
+const RL_KEYS: [&str; 3] = ["algorithm", "grpo", "rloo"];
 
 impl<G: AgentGames> AgentQuickstartConfig<G> {
     fn env_section(&self, split: Split) -> EnvSection {
         self.game.env_section(split, self.num_envs, self.max_steps)
+    }
+
+    /// The settings the stages before RL depend on (`quickstart.json`): all but [`RL_KEYS`], so
+    /// that PPO, GRPO and RLOO share the demonstrations, the tokenizer and the BC policy.
+    fn shared(&self) -> Result<serde_json::Value> {
+        let mut v = serde_json::to_value(self).map_err(json_err)?;
+        if let Some(o) = v.as_object_mut() {
+            RL_KEYS.iter().for_each(|k| drop(o.remove(*k)));
+        }
+        Ok(v)
+    }
+
+    /// The RL stage's name and folder: `ppo`, `grpo` or `rloo`.
+    pub fn rl_stage(&self) -> &'static str {
+        self.algorithm.name()
     }
 }
 
@@ -132,9 +190,10 @@ pub struct AgentSummary<G> {
     pub random: PlayReport,
     /// The BC policy on the same games.
     pub bc: PlayReport,
-    /// The PPO policy on the same games.
+    /// The RL policy (PPO's, or GRPO's / RLOO's with `config.algorithm`) on the same games.
     pub ppo: PlayReport,
-    /// Per PPO step: `(step, env/win_rate, objective/kl)`.
+    /// Per RL step: `(step, env/win_rate, objective/kl)` (GRPO/RLOO: their `kl`, NaN with
+    /// `beta = 0`).
     pub ppo_curve: Vec<(usize, f64, f64)>,
     /// Wall time per stage in seconds (stages run this time).
     pub stage_seconds: Vec<(String, f64)>,
@@ -149,18 +208,20 @@ pub const MIN_WIN_RISE: f64 = 0.05;
 pub const KL_NOISE: f64 = 0.05;
 
 impl<G> AgentSummary<G> {
-    /// The acceptance criteria: the PPO policy wins more held-out games than the BC policy (by
-    /// [`MIN_WIN_RISE`]) and than the random agent; `objective/kl` stays within [−[`KL_NOISE`],
-    /// 10].
+    /// The acceptance criteria: the RL policy wins more held-out games than the BC policy (by
+    /// [`MIN_WIN_RISE`]) and than the random agent; PPO's `objective/kl` stays within
+    /// [−[`KL_NOISE`], 10] (GRPO/RLOO: their `kl` when they have a KL term).
     pub fn checks(&self) -> Vec<Check> {
         let (r, b, p) = (self.random.win_rate, self.bc.win_rate, self.ppo.win_rate);
+        let alg = self.config.algorithm.name().to_uppercase();
         let kl: Vec<f64> = self.ppo_curve.iter().map(|c| c.2).filter(|k| k.is_finite()).collect();
         let kl_max = kl.iter().copied().fold(f64::NEG_INFINITY, f64::max);
         let kl_min = kl.iter().copied().fold(f64::INFINITY, f64::min);
+        let kl_free = self.config.algorithm.is_group() && kl.is_empty();
         vec![
             Check {
                 what: format!(
-                    "held-out win rate: PPO {:.1}% vs BC {:.1}%; needed ≥ BC + {:.0} points",
+                    "held-out win rate: {alg} {:.1}% vs BC {:.1}%; needed ≥ BC + {:.0} points",
                     100.0 * p,
                     100.0 * b,
                     100.0 * MIN_WIN_RISE
@@ -169,17 +230,21 @@ impl<G> AgentSummary<G> {
             },
             Check {
                 what: format!(
-                    "held-out win rate: PPO {:.1}% vs random {:.1}%; needed above",
+                    "held-out win rate: {alg} {:.1}% vs random {:.1}%; needed above",
                     100.0 * p,
                     100.0 * r
                 ),
                 ok: p > r,
             },
-            Check {
-                what: format!(
-                    "objective/kl within [{kl_min:.4}, {kl_max:.3}]; needed within [-{KL_NOISE}, 10]"
-                ),
-                ok: !kl.is_empty() && kl_min >= -KL_NOISE && kl_max <= 10.0,
+            if kl_free {
+                Check { what: format!("{alg} without a KL term (beta = 0): no KL to bound"), ok: true }
+            } else {
+                Check {
+                    what: format!(
+                        "{alg} KL within [{kl_min:.4}, {kl_max:.3}]; needed within [-{KL_NOISE}, 10]"
+                    ),
+                    ok: !kl.is_empty() && kl_min >= -KL_NOISE && kl_max <= 10.0,
+                }
             },
         ]
     }
@@ -236,11 +301,11 @@ pub fn run_agent_quickstart<G: AgentGames>(
         ppo_curve: metric_pairs(
             &run_config.logging.dir.join("metrics.jsonl"),
             "env/win_rate",
-            "objective/kl",
+            if cfg.algorithm.is_group() { "kl" } else { "objective/kl" },
         )?,
         stage_seconds: seconds,
     };
-    write_file(&dir.join("summary.json"), to_json(&summary)?.as_bytes())?;
+    write_file(&dir.join(summary_file(cfg.algorithm)), to_json(&summary)?.as_bytes())?;
     Ok(summary)
 }
 
@@ -273,10 +338,15 @@ pub fn train_agent<G: AgentGames>(
     cfg.game.check()?;
     cfg.bc.validate().map_err(|m| Error::Input(format!("quickstart bc: {m}")))?;
     cfg.ppo.validate().map_err(|m| Error::Input(format!("quickstart ppo: {m}")))?;
+    if cfg.algorithm == AlgorithmKind::RejectionSampling {
+        return Err(Error::Input(
+            "quickstart algorithm \"rejection_sampling\": the agent quickstarts train with \"ppo\", \
+             \"grpo\" or \"rloo\""
+                .into(),
+        ));
+    }
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
-    let config_path = dir.join("quickstart.json");
-    check_same_config(&config_path, cfg)?;
-    write_file(&config_path, to_json(cfg)?.as_bytes())?;
+    check_shared(&dir.join("quickstart.json"), &cfg.shared()?)?;
     let mut seconds = Vec::new();
     let mut timed = |stage: &'static str, on: &mut dyn FnMut(Event), t: Instant| {
         let s = t.elapsed().as_secs_f64();
@@ -344,30 +414,38 @@ pub fn train_agent<G: AgentGames>(
         timed("bc", on, t);
     }
 
-    // 4. PPO on training games, KL to the BC policy.
-    let mut run_config = ppo_config(dir, cfg);
-    run_config.runtime = runtime.section();
-    write_file(&dir.join("ppo.toml"), run_config.to_toml()?.as_bytes())?;
-    let final_ckpt = run_config.logging.dir.join("checkpoints").join(format!("step-{}", cfg.ppo.steps));
+    // 4. PPO on training games, KL to the BC policy (or trajectory GRPO / RLOO).
+    let stage = cfg.rl_stage();
+    let run_config = rl_config(dir, cfg, runtime)?;
+    write_file(&dir.join(format!("{stage}.toml")), run_config.to_toml()?.as_bytes())?;
+    let steps = if cfg.algorithm.is_group() {
+        run_config.group_shape(usize::MAX >> 16, 1).map_err(Error::Input)?.steps
+    } else {
+        cfg.ppo.steps
+    };
+    let final_ckpt = run_config.logging.dir.join("checkpoints").join(format!("step-{steps}"));
     if final_ckpt.join("model.safetensors").is_file() {
-        on(Event::Cached { stage: "ppo", path: run_config.logging.dir.clone() });
+        on(Event::Cached { stage, path: run_config.logging.dir.clone() });
     } else {
         let t = Instant::now();
         let resume = run::checkpoint::latest_checkpoint(&run_config.logging.dir)?.is_some();
-        let mut ppo = PpoRun::prepare(run_config.clone(), Vec::new(), resume)?;
-        on(Event::Start { stage: "ppo", total: Some(cfg.ppo.steps) });
-        let done = ppo.run(stop, &mut |r: &StepReport| {
+        on(Event::Start { stage, total: Some(steps) });
+        let mut progress = |r: &StepReport| {
             let wins = r.win_rate.map(|w| format!("  wins {:.0}%", 100.0 * w)).unwrap_or_default();
             let message = format!("reward {:.3}  kl {:.3}{wins}", r.reward_mean, r.kl);
-            on(Event::Progress { stage: "ppo", done: r.step, message });
-        })?;
-        if done < cfg.ppo.steps {
+            on(Event::Progress { stage, done: r.step, message });
+        };
+        let done = if cfg.algorithm.is_group() {
+            GroupRun::prepare_on(run_config.clone(), runtime, Vec::new(), resume)?.run(stop, &mut progress)?
+        } else {
+            PpoRun::prepare(run_config.clone(), Vec::new(), resume)?.run(stop, &mut progress)?
+        };
+        if done < steps {
             return Err(Error::Input(format!(
-                "PPO stopped after step {done} of {}; run the quickstart again to resume",
-                cfg.ppo.steps
+                "{stage} stopped after step {done} of {steps}; run the quickstart again to resume"
             )));
         }
-        timed("ppo", on, t);
+        timed(stage, on, t);
     }
 
     Ok(TrainedAgent {
@@ -378,6 +456,46 @@ pub fn train_agent<G: AgentGames>(
         demonstrations: demos.len(),
         seconds,
     })
+}
+
+/// Where an agent quickstart writes its results: `summary.json` for PPO,
+/// `summary-<algorithm>.json` for GRPO / RLOO.
+pub fn summary_file(algorithm: AlgorithmKind) -> String {
+    if algorithm.is_group() {
+        format!("summary-{}.json", algorithm.name())
+    } else {
+        "summary.json".into()
+    }
+}
+
+/// The RL stage's run config (`rltune ppo --config DIR/<stage>.toml` reruns it): PPO's, or
+/// trajectory GRPO / RLOO on the same games from the same BC policy, its sampling keys following
+/// `[generation]` and its examples turns off.
+fn rl_config<G: AgentGames>(
+    dir: &Path,
+    cfg: &AgentQuickstartConfig<G>,
+    runtime: &Runtime,
+) -> Result<RunConfig> {
+    let mut c = ppo_config(dir, cfg);
+    c.runtime = runtime.section();
+    if cfg.algorithm.is_group() {
+        let gen = &c.generation;
+        c.algorithm.kind = cfg.algorithm;
+        c.grpo = GrpoConfig {
+            max_completion_length: gen.max_new_tokens,
+            temperature: gen.temperature,
+            ..cfg.grpo.clone()
+        };
+        c.rloo = RlooConfig {
+            max_completion_length: gen.max_new_tokens,
+            temperature: gen.temperature,
+            ..cfg.rloo.clone()
+        };
+        c.episodes.example_turn_prob = 0.0;
+        c.logging.dir = dir.join(cfg.rl_stage());
+        c.validate().map_err(|m| Error::Input(format!("quickstart {}: {m}", cfg.rl_stage())))?;
+    }
+    Ok(c)
 }
 
 /// The PPO run: training seeds, the quickstart's prompt, KL to the BC policy (the default

@@ -30,7 +30,8 @@ use serde::{Deserialize, Serialize};
 
 use super::bpe::train_bpe;
 use super::pipeline::{
-    count_parameters, json_err, metric_pairs, new_gpt2, read_stage_jsonl, to_json, train_progress, write_file,
+    check_shared, count_parameters, json_err, metric_pairs, new_gpt2, read_stage_jsonl, to_json,
+    train_progress, write_file,
 };
 use super::{Check, Event};
 use rltune::error::{Error, Result};
@@ -610,22 +611,6 @@ fn accuracy_of(
     let (greedy, samples) = run(1)?;
     let sampled = if sampled { run(0)?.0 } else { f64::NAN };
     Ok(Accuracy { greedy, sampled, n: problems.len(), samples })
-}
-
-/// Refuses to mix stages made with other settings in one directory.
-fn check_shared(path: &Path, shared: &serde_json::Value) -> Result<()> {
-    if path.is_file() {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-        if serde_json::from_str::<serde_json::Value>(&text).ok().as_ref() != Some(shared) {
-            return Err(Error::Input(format!(
-                "{} was written by a quickstart with other settings; its cached stages would not match. \
-                 Use another --output directory, or delete this one",
-                path.display()
-            )));
-        }
-        return Ok(());
-    }
-    write_file(path, to_json(shared)?.as_bytes())
 }
 
 fn write_problems(path: &Path, problems: &[Problem]) -> Result<()> {

@@ -141,6 +141,9 @@ impl Default for AgentQuickstartConfig<EssaysConfig> {
             ppo,
             episodes,
             eval_episodes: 200,
+            algorithm: Default::default(),
+            grpo: super::agent::agent_grpo(),
+            rloo: super::agent::agent_rloo(),
         }
     }
 }

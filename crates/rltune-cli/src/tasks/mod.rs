@@ -18,7 +18,7 @@ pub mod textworld;
 pub mod wnut;
 
 pub use adventure::{run_adventure_quickstart, AdventureQuickstartConfig, AdventureSummary};
-pub use agent::{run_agent_quickstart, AgentGames, AgentQuickstartConfig, AgentSummary};
+pub use agent::{run_agent_quickstart, summary_file, AgentGames, AgentQuickstartConfig, AgentSummary};
 pub use arithmetic::{run_arithmetic_quickstart, ArithmeticQuickstartConfig, ArithmeticSummary};
 pub use essays::{run_essays_quickstart, EssaysQuickstartConfig, EssaysSummary};
 pub use pipeline::{run_quickstart, Check, CurvePoint, Event, PolicyEval, QuickstartConfig, Summary};

@@ -505,6 +505,23 @@ pub(crate) fn check_same_config<T: serde::de::DeserializeOwned + PartialEq>(
     }
 }
 
+/// Refuses to mix stages made with other settings in one directory: `path` (a quickstart's
+/// `quickstart.json`) must hold `shared`, or is written with it.
+pub(crate) fn check_shared(path: &Path, shared: &serde_json::Value) -> Result<()> {
+    if path.is_file() {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        if serde_json::from_str::<serde_json::Value>(&text).ok().as_ref() != Some(shared) {
+            return Err(Error::Input(format!(
+                "{} was written by a quickstart with other settings; its cached stages would not match. \
+                 Use another --output directory, or delete this one",
+                path.display()
+            )));
+        }
+        return Ok(());
+    }
+    write_file(path, to_json(shared)?.as_bytes())
+}
+
 pub(crate) fn json_err(e: serde_json::Error) -> Error {
     Error::Input(format!("cannot serialize to JSON: {e}"))
 }

@@ -179,6 +179,9 @@ impl Default for AgentQuickstartConfig<TextworldGames> {
             episodes: EpisodesSection { game_gamma: 0.9, ..d.episodes },
             // 4 episodes per held-out game.
             eval_episodes: 256,
+            algorithm: Default::default(),
+            grpo: super::agent::agent_grpo(),
+            rloo: super::agent::agent_rloo(),
         }
     }
 }

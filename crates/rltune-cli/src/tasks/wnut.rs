@@ -134,6 +134,9 @@ impl Default for AgentQuickstartConfig<NerConfig> {
             ppo,
             episodes,
             eval_episodes: 478,
+            algorithm: Default::default(),
+            grpo: super::agent::agent_grpo(),
+            rloo: super::agent::agent_rloo(),
         }
     }
 }
