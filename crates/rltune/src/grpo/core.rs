@@ -76,6 +76,10 @@ pub struct TurnBatch<'a> {
     /// Each episode's return, in groups of `num_generations` consecutive episodes; NaN for an
     /// episode that was lost (a failed environment), which the group's statistics skip.
     pub returns: &'a [f64],
+    /// Turns per forward and backward pass (0: all at once): the turns, ordered by length, are
+    /// cut into micro-batches whose gradients are summed, so memory follows this, not the
+    /// number of turns a step played.
+    pub micro_batch: usize,
 }
 
 /// The padded batch.
@@ -297,6 +301,35 @@ impl Core {
                 .map(|c| c.last().is_some_and(|t| !self.eos_ids.contains(t) && *t != self.pad_id))
                 .collect()),
         }
+    }
+
+    /// A [`TurnBatch`]'s turns as padded micro-batches, each with the indices of its turns: all
+    /// of them in their order with `micro_batch = 0` (or not below the number of turns), else
+    /// ordered by length (prompt and action) and cut into `micro_batch` turns each, so each pads
+    /// to its own longest. Positions are each row's own.
+    pub fn turn_chunks(&self, batch: &TurnBatch) -> Result<Vec<(Vec<usize>, Padded)>> {
+        let n = batch.prompts.len();
+        let m = if batch.micro_batch == 0 { n } else { batch.micro_batch.min(n) };
+        let mut order: Vec<usize> = (0..n).collect();
+        if m < n {
+            order.sort_by_key(|&i| batch.prompts[i].len() + batch.completions[i].len());
+        }
+        order
+            .chunks(m.max(1))
+            .map(|idx| {
+                let pick = |v: &[Vec<u32>]| idx.iter().map(|&i| v[i].clone()).collect::<Vec<_>>();
+                let allowed: Option<Vec<Vec<Vec<u32>>>> =
+                    batch.allowed.map(|a| idx.iter().map(|&i| a[i].clone()).collect());
+                let padded = self.pad(
+                    &pick(batch.prompts),
+                    &pick(batch.completions),
+                    &vec![true; idx.len()],
+                    allowed.as_deref(),
+                    true,
+                )?;
+                Ok((idx.to_vec(), padded))
+            })
+            .collect()
     }
 
     /// Checks a [`TurnBatch`] against the config and the model, naming the turn at fault.
@@ -521,30 +554,14 @@ impl Core {
         Ok(self.logprobs(lm, batch, false)?.0.detach())
     }
 
-    /// One transformers `Trainer` optimizer step on the loss that `forward` builds (run with the
-    /// gradient buffers installed): backward, `clip_grad_norm_(max_grad_norm)`, AdamW at the
-    /// schedule's learning rate (decay `p ← p·(1 − lr·wd)` on the decay group first, as torch's
-    /// AdamW), then the schedule advances. Returns what `forward` returned besides the loss, the
-    /// loss, the pre-clip gradient norm and the learning rate used. A non-finite loss or gradient
-    /// changes no weight and is counted in `skipped_updates`.
-    pub fn optimizer_step<T>(
-        &mut self,
-        forward: impl FnOnce(&Self) -> Result<(Tensor, T)>,
-    ) -> Result<(T, f64, f64, f64)> {
-        let mut forward = Some(forward);
-        let (mut extras, loss, norm, lr) = self.optimizer_step_accum(1, |core, _| match forward.take() {
-            Some(f) => f(core),
-            None => Err(Error::Input("optimizer_step: one micro-batch only".into())),
-        })?;
-        let extra = extras.pop().ok_or_else(|| Error::Input("optimizer_step: no micro-batch ran".into()))?;
-        Ok((extra, loss, norm, lr))
-    }
-
-    /// [`Self::optimizer_step`] over `micro_batches` forward/backward passes whose gradients are
-    /// summed (transformers' gradient accumulation: each `forward(core, k)` returns its part of the
-    /// loss, already divided by the number of micro-batches). Returns each pass's extra, the summed
-    /// loss, the pre-clip gradient norm and the learning rate. The passes stop at the first
-    /// non-finite loss, and the update is skipped.
+    /// One transformers `Trainer` optimizer step over `micro_batches` forward/backward passes
+    /// (run with the gradient buffers installed) whose gradients are summed (transformers'
+    /// gradient accumulation: each `forward(core, k)` returns its part of the loss, already
+    /// weighted): backward, `clip_grad_norm_(max_grad_norm)`, AdamW at the schedule's learning
+    /// rate (decay `p ← p·(1 − lr·wd)` on the decay group first, as torch's AdamW), then the
+    /// schedule advances. Returns each pass's extra, the summed loss, the pre-clip gradient norm
+    /// and the learning rate. The passes stop at the first non-finite loss, and the update is
+    /// skipped: no weight changes and `skipped_updates` counts it.
     pub fn optimizer_step_accum<T>(
         &mut self,
         micro_batches: usize,

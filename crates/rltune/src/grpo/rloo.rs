@@ -111,7 +111,7 @@ impl RlooTrainer {
         let adv = adv[local_rows(b)].to_vec();
         let first =
             generation_stats(&mut self.core, batch.prompts, batch.completions, &table, &truncated, &weights)?;
-        self.update(&padded, &old_seq, adv, first, &group_std, kl_metric)
+        self.update(vec![(padded, old_seq, adv)], first, &group_std, kl_metric)
     }
 
     /// One trajectory-level RLOO step on the turns of groups of episodes (text games): an
@@ -126,21 +126,28 @@ impl RlooTrainer {
         let g = cfg.num_generations;
         self.core.check_turns(batch, g, cfg.max_completion_length)?;
         let n = batch.prompts.len();
-        let padded = self.core.pad(batch.prompts, batch.completions, &vec![true; n], batch.allowed, true)?;
-        let (old_seq, kl_seq) = self.old_and_kl(&padded)?;
         let mut rewards = batch.returns.to_vec();
         if let Some((lo, hi)) = cfg.reward_clip_range {
             rewards.iter_mut().for_each(|r| *r = r.clamp(lo, hi));
         }
-        let mut kl_metric = None;
-        if let Some(kl_seq) = &kl_seq {
-            for (&e, k) in batch.episodes.iter().zip(kl_seq) {
-                rewards[e] -= cfg.beta * k;
+        let (mut chunks, mut kl_sum, mut tokens) = (Vec::new(), 0.0, 0.0);
+        for (idx, padded) in self.core.turn_chunks(batch)? {
+            let (old_seq, kl_seq) = self.old_and_kl(&padded)?;
+            if let Some(kl_seq) = &kl_seq {
+                for (&i, k) in idx.iter().zip(kl_seq) {
+                    rewards[batch.episodes[i]] -= cfg.beta * k;
+                    kl_sum += k;
+                }
             }
-            kl_metric = Some(kl_seq.iter().sum::<f64>() / padded.n_tokens.max(1.0));
+            tokens += padded.n_tokens;
+            chunks.push((idx, padded, old_seq));
         }
+        let kl_metric = self.core.reference.is_some().then(|| kl_sum / tokens.max(1.0));
         let (adv, group_std) = math::rloo_advantages(&rewards, g, cfg.normalize_advantages);
-        let adv = batch.episodes.iter().map(|&e| adv[e]).collect();
+        let chunks = chunks
+            .into_iter()
+            .map(|(idx, padded, old)| (padded, old, idx.iter().map(|&i| adv[batch.episodes[i]]).collect()))
+            .collect();
         let table = RewardTable::episode_returns(batch.returns);
         let first = generation_stats(
             &mut self.core,
@@ -150,7 +157,7 @@ impl RlooTrainer {
             &vec![false; n],
             &[1.0],
         )?;
-        self.update(&padded, &old_seq, adv, first, &group_std, kl_metric)
+        self.update(chunks, first, &group_std, kl_metric)
     }
 
     /// The old sequence logprobs `(B, 1)` and, with a reference, each row's k1 KL `Σ_t (old − ref)`.
@@ -169,21 +176,22 @@ impl RlooTrainer {
         Ok((old_seq, kl_seq))
     }
 
-    /// `num_iterations` optimizer steps of the sequence-level clipped objective on a padded batch
-    /// whose rows have `adv`; `first` (the generation-side metrics) joins the first step's, with
-    /// `frac_reward_zero_std` from the groups' `group_std` and `kl`.
+    /// `num_iterations` optimizer steps of the sequence-level clipped objective on a batch of
+    /// padded micro-batches (`chunks`: each with its old sequence logprobs and its rows'
+    /// advantages; their gradients are summed, each chunk's loss being its rows' sum over the
+    /// batch's rows, so one chunk is the plain mean); `first` (the generation-side metrics)
+    /// joins the first step's, with `frac_reward_zero_std` from the groups' `group_std` and `kl`.
     fn update(
         &mut self,
-        padded: &Padded,
-        old_seq: &Tensor,
-        adv: Vec<f64>,
+        chunks: Vec<(Padded, Tensor, Vec<f64>)>,
         mut first: Stats,
         group_std: &[f64],
         kl_metric: Option<f64>,
     ) -> Result<Vec<Stats>> {
         let cfg = self.config.clone();
-        let mask = &padded.mask;
-        let b = adv.len();
+        let total_rows: usize = chunks.iter().map(|c| c.2.len()).sum();
+        let total_tokens: f64 = chunks.iter().map(|c| c.0.n_tokens).sum();
+        let single = chunks.len() == 1;
         let zero =
             group_std.iter().filter(|s| math::is_zero_std(**s)).count() as f64 / group_std.len() as f64;
         first.insert("frac_reward_zero_std".into(), Stat::Scalar(zero));
@@ -191,28 +199,43 @@ impl RlooTrainer {
             first.insert("kl".into(), Stat::Scalar(kl));
         }
         let dt = self.core.store.dtype();
-        let adv_t =
-            Tensor::from_vec(adv.iter().map(|&a| a as f32).collect::<Vec<_>>(), (b, 1), &self.core.device)?
-                .to_dtype(dt)?;
+        let mut adv_ts = Vec::with_capacity(chunks.len());
+        for (_, _, adv) in &chunks {
+            let t = Tensor::from_vec(
+                adv.iter().map(|&a| a as f32).collect::<Vec<_>>(),
+                (adv.len(), 1),
+                &self.core.device,
+            )?;
+            adv_ts.push(t.to_dtype(dt)?);
+        }
+        let adv: Vec<f64> = chunks.iter().flat_map(|c| c.2.iter().copied()).collect();
         let (lo, hi) = (1.0 - cfg.epsilon, 1.0 + cfg.epsilon_high());
 
         let mut logs = Vec::new();
         for k in 0..cfg.num_iterations {
-            let ((ratio, entropy), loss, grad_norm, lr) = self.core.optimizer_step(|core| {
+            let (parts, loss, grad_norm, lr) = self.core.optimizer_step_accum(chunks.len(), |core, i| {
+                let (padded, old_seq, _) = &chunks[i];
+                let mask = &padded.mask;
+                let adv_t = &adv_ts[i];
                 let (logp, entropy) = core.logprobs(&core.policy, padded, true)?;
                 let seq = (&logp * mask)?.sum_keepdim(D::Minus1)?;
                 let ratio = (seq - old_seq)?.exp()?; // (B, 1)
                 let clipped = math::clamp(&ratio, lo, hi)?;
-                let obj = math::minimum(&(&ratio * &adv_t)?, &(&clipped * &adv_t)?)?.neg()?;
-                Ok((obj.mean_all()?, (ratio.detach(), entropy)))
+                let obj = math::minimum(&(&ratio * adv_t)?, &(&clipped * adv_t)?)?.neg()?;
+                let loss = if single { obj.mean_all()? } else { (obj.sum_all()? / total_rows as f64)? };
+                let ent: f64 = rows(&(&entropy * mask)?)?.iter().flatten().sum();
+                Ok((loss, (ratio.detach(), ent)))
             })?;
             let mut s = if k == 0 { std::mem::take(&mut first) } else { Stats::new() };
             s.insert("loss".into(), Stat::Scalar(crate::dist::mean(loss)?));
             s.insert("grad_norm".into(), Stat::Scalar(grad_norm));
             s.insert("learning_rate".into(), Stat::Scalar(lr));
-            let ent: f64 = rows(&(&entropy * mask)?)?.iter().flatten().sum();
-            s.insert("entropy".into(), Stat::Scalar(crate::dist::mean_of(ent, padded.n_tokens)?));
-            let ratio: Vec<f64> = rows(&ratio)?.into_iter().map(|r| r[0]).collect();
+            let ent: f64 = parts.iter().map(|p| p.1).sum();
+            s.insert("entropy".into(), Stat::Scalar(crate::dist::mean_of(ent, total_tokens)?));
+            let mut ratio: Vec<f64> = Vec::with_capacity(total_rows);
+            for p in &parts {
+                ratio.extend(rows(&p.0)?.into_iter().map(|r| r[0]));
+            }
             let flag = |f: &dyn Fn(f64, f64) -> bool| -> Result<Vec<f64>> {
                 crate::dist::gather_f64(
                     &ratio.iter().zip(&adv).map(|(&x, &a)| f64::from(u8::from(f(x, a)))).collect::<Vec<_>>(),

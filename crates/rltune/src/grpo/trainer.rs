@@ -13,6 +13,7 @@
 use candle_core::Tensor;
 
 use super::config::GrpoConfig;
+use super::config::LossType;
 use super::core::{
     generation_stats, global_rewards, local_rows, reference_or_frozen_policy, rows, weights_or_ones, Core,
     GroupBatch, Padded, RewardTable, TurnBatch,
@@ -114,7 +115,7 @@ impl GrpoTrainer {
             generation_stats(&mut self.core, batch.prompts, batch.completions, &table, &truncated, &weights)?;
         first.insert("frac_reward_zero_std".into(), Stat::Scalar(adv.frac_zero_std()));
         let advantages = adv.advantages[local_rows(b)].to_vec();
-        self.update(&padded, advantages, first)
+        self.update(padded, advantages, first)
     }
 
     /// One trajectory-level GRPO step on the turns of groups of episodes (text games): each
@@ -126,13 +127,6 @@ impl GrpoTrainer {
         let _awake = self.core.device.is_cpu().then(crate::cpu::keep_pool_awake);
         let cfg = self.config.clone();
         self.core.check_turns(batch, cfg.num_generations, cfg.max_completion_length)?;
-        let padded = self.core.pad(
-            batch.prompts,
-            batch.completions,
-            &vec![true; batch.prompts.len()],
-            batch.allowed,
-            true,
-        )?;
         let table = RewardTable::episode_returns(batch.returns);
         let adv = math::grpo_advantages(
             &table.values,
@@ -145,8 +139,16 @@ impl GrpoTrainer {
         let mut first =
             generation_stats(&mut self.core, batch.prompts, batch.completions, &table, &no_cut, &[1.0])?;
         first.insert("frac_reward_zero_std".into(), Stat::Scalar(adv.frac_zero_std()));
-        let advantages = batch.episodes.iter().map(|&e| adv.advantages[e]).collect();
-        self.update(&padded, advantages, first)
+        let chunks = self
+            .core
+            .turn_chunks(batch)?
+            .into_iter()
+            .map(|(idx, padded)| {
+                let a = idx.iter().map(|&i| adv.advantages[batch.episodes[i]]).collect();
+                (padded, a)
+            })
+            .collect();
+        self.update_chunks(chunks, first)
     }
 
     /// The logprobs [`Self::step_turns`] computes for each turn's action tokens under the current
@@ -165,29 +167,48 @@ impl GrpoTrainer {
 
     /// `num_iterations` optimizer steps of the clipped objective on a padded batch whose rows
     /// have `advantages`; `first` (the generation-side metrics) joins the first step's.
-    fn update(&mut self, padded: &Padded, advantages: Vec<f64>, mut first: Stats) -> Result<Vec<Stats>> {
+    fn update(&mut self, padded: Padded, advantages: Vec<f64>, first: Stats) -> Result<Vec<Stats>> {
+        self.update_chunks(vec![(padded, advantages)], first)
+    }
+
+    /// [`Self::update`] on a batch split into micro-batches (`chunks`, each padded on its own),
+    /// whose gradients are summed: each chunk's loss is weighted by its share of the batch's
+    /// normaliser (`loss_type`'s rows or tokens), so the sum is the whole batch's loss. One chunk
+    /// is exactly [`Self::update`]'s single batch.
+    fn update_chunks(&mut self, chunks: Vec<(Padded, Vec<f64>)>, mut first: Stats) -> Result<Vec<Stats>> {
         let cfg = self.config.clone();
-        let b = advantages.len();
-        // TRL computes old logprobs only when the batch is reused (num_iterations > 1).
-        let old = if cfg.num_iterations > 1 {
-            Some(self.core.logprobs_no_grad(&self.core.policy, padded)?)
-        } else {
-            None
-        };
-        let reference = match &self.core.reference {
-            Some(r) => Some(self.core.logprobs_no_grad(r, padded)?),
-            None => None,
-        };
+        let total_rows: usize = chunks.iter().map(|(_, a)| a.len()).sum();
+        let total_tokens: f64 = chunks.iter().map(|(p, _)| p.n_tokens).sum();
         // dapo's normalizer: TRL's num_items_in_batch (the batch's loss tokens over every
         // process) over the number of processes; the gradients' mean then divides by the total.
-        let num_items = crate::dist::sum(padded.n_tokens)? / crate::dist::world_size() as f64;
+        let num_items = crate::dist::sum(total_tokens)? / crate::dist::world_size() as f64;
         let dt = self.core.store.dtype();
-        let adv_t = Tensor::from_vec(
-            advantages.iter().map(|&a| a as f32).collect::<Vec<_>>(),
-            (b, 1),
-            &self.core.device,
-        )?
-        .to_dtype(dt)?;
+        let mut prepared = Vec::with_capacity(chunks.len());
+        for (padded, adv) in chunks {
+            // TRL computes old logprobs only when the batch is reused (num_iterations > 1).
+            let old = if cfg.num_iterations > 1 {
+                Some(self.core.logprobs_no_grad(&self.core.policy, &padded)?)
+            } else {
+                None
+            };
+            let reference = match &self.core.reference {
+                Some(r) => Some(self.core.logprobs_no_grad(r, &padded)?),
+                None => None,
+            };
+            let adv_t = Tensor::from_vec(
+                adv.iter().map(|&a| a as f32).collect::<Vec<_>>(),
+                (adv.len(), 1),
+                &self.core.device,
+            )?
+            .to_dtype(dt)?;
+            // The chunk's share of the normaliser (1 for a single chunk).
+            let weight = match cfg.loss_type {
+                LossType::Grpo | LossType::DrGrpo => adv.len() as f64 / total_rows as f64,
+                LossType::Bnpo => padded.n_tokens.max(1.0) / total_tokens.max(1.0),
+                _ => 1.0,
+            };
+            prepared.push((padded, adv, adv_t, old, reference, weight));
+        }
         let params = ObjectiveParams {
             epsilon_low: cfg.epsilon,
             epsilon_high: cfg.epsilon_high(),
@@ -199,29 +220,46 @@ impl GrpoTrainer {
 
         let mut logs = Vec::new();
         for k in 0..cfg.num_iterations {
-            let (parts, loss, grad_norm, lr) = self.core.optimizer_step(|core| {
-                let (logp, entropy) = core.logprobs(&core.policy, padded, true)?;
-                let old = match &old {
-                    Some(o) => o.clone(),
-                    None => logp.detach(),
-                };
-                let obj =
-                    math::grpo_objective(&logp, &old, reference.as_ref(), &adv_t, &padded.mask, &params)?;
-                let loss = math::aggregate_loss(
-                    &obj.per_token_loss,
-                    &padded.mask,
-                    cfg.loss_type,
-                    cfg.max_completion_length,
-                    num_items,
-                )?;
-                Ok((loss, (obj, entropy)))
-            })?;
-            let (obj, entropy) = parts;
+            let (parts, loss, grad_norm, lr) =
+                self.core.optimizer_step_accum(prepared.len(), |core, i| {
+                    let (padded, _, adv_t, old, reference, weight) = &prepared[i];
+                    let (logp, entropy) = core.logprobs(&core.policy, padded, true)?;
+                    let old = match old {
+                        Some(o) => o.clone(),
+                        None => logp.detach(),
+                    };
+                    let obj =
+                        math::grpo_objective(&logp, &old, reference.as_ref(), adv_t, &padded.mask, &params)?;
+                    let loss = math::aggregate_loss(
+                        &obj.per_token_loss,
+                        &padded.mask,
+                        cfg.loss_type,
+                        cfg.max_completion_length,
+                        num_items,
+                    )?;
+                    let loss = if *weight == 1.0 { loss } else { (loss * *weight)? };
+                    Ok((loss, (obj, entropy)))
+                })?;
             let mut s = if k == 0 { std::mem::take(&mut first) } else { Stats::new() };
             s.insert("loss".into(), Stat::Scalar(crate::dist::mean(loss)?));
             s.insert("grad_norm".into(), Stat::Scalar(grad_norm));
             s.insert("learning_rate".into(), Stat::Scalar(lr));
-            self.loss_stats(&mut s, &obj, &entropy, &padded.mask, &advantages)?;
+            let chunk_rows = |f: &dyn Fn(usize) -> Option<Tensor>| -> Result<Option<Vec<Vec<f64>>>> {
+                let mut out = Vec::new();
+                for i in 0..parts.len() {
+                    match f(i) {
+                        Some(t) => out.push(rows(&t)?),
+                        None => return Ok(None),
+                    }
+                }
+                Ok(Some(cat_rows(out)))
+            };
+            let kl = chunk_rows(&|i| parts[i].0.kl.clone())?;
+            let entropy = chunk_rows(&|i| Some(parts[i].1.clone()))?.unwrap_or_default();
+            let ratio = chunk_rows(&|i| Some(parts[i].0.ratio.clone()))?.unwrap_or_default();
+            let mask = chunk_rows(&|i| Some(prepared[i].0.mask.clone()))?.unwrap_or_default();
+            let adv: Vec<f64> = prepared.iter().flat_map(|p| p.1.iter().copied()).collect();
+            self.loss_stats(&mut s, kl.as_deref(), &entropy, &ratio, &mask, &adv)?;
             s.insert(
                 "epoch".into(),
                 Stat::Scalar(self.core.calls as f64 + (k + 1) as f64 / cfg.num_iterations as f64),
@@ -235,16 +273,17 @@ impl GrpoTrainer {
 
     /// `kl`, `entropy` and `clip_ratio/*` as TRL's `_compute_loss` logs them, over the whole
     /// batch (in a data-parallel run, masked means of every process's tokens, where TRL takes
-    /// the mean of the processes' means: the same when they hold as many tokens).
+    /// the mean of the processes' means: the same when they hold as many tokens). The rows are
+    /// `(B, T)` per token or `(B, 1)` per sequence.
     fn loss_stats(
         &self,
         s: &mut Stats,
-        obj: &math::Objective,
-        entropy: &Tensor,
-        mask: &Tensor,
+        kl: Option<&[Vec<f64>]>,
+        entropy: &[Vec<f64>],
+        ratio: &[Vec<f64>],
+        m: &[Vec<f64>],
         adv: &[f64],
     ) -> Result<()> {
-        let m = rows(mask)?;
         let n_mask: f64 = m.iter().flatten().sum();
         // global_masked_mean: Σ x·m / max(1, Σ m); TRL takes any (B, 1) value (sequence-level
         // ratios, or one-token completions) as one per sequence: the plain mean over rows.
@@ -252,14 +291,14 @@ impl GrpoTrainer {
             if x[0].len() == 1 {
                 crate::dist::mean_of(x.iter().map(|r| r[0]).sum::<f64>(), x.len() as f64)
             } else {
-                let s: f64 = x.iter().zip(&m).flat_map(|(r, mr)| r.iter().zip(mr).map(|(a, b)| a * b)).sum();
+                let s: f64 = x.iter().zip(m).flat_map(|(r, mr)| r.iter().zip(mr).map(|(a, b)| a * b)).sum();
                 crate::dist::mean_of(s, n_mask)
             }
         };
         // masked_seq_mean: per row Σ x·m / Σ m (NaN for an empty row); (B, 1) values as they are.
         let seq_mean = |x: &[Vec<f64>]| -> Vec<f64> {
             x.iter()
-                .zip(&m)
+                .zip(m)
                 .map(|(r, mr)| {
                     if r.len() == 1 {
                         r[0]
@@ -269,11 +308,10 @@ impl GrpoTrainer {
                 })
                 .collect()
         };
-        if let Some(kl) = &obj.kl {
-            s.insert("kl".into(), Stat::Scalar(masked_mean(&rows(kl)?)?));
+        if let Some(kl) = kl {
+            s.insert("kl".into(), Stat::Scalar(masked_mean(kl)?));
         }
-        s.insert("entropy".into(), Stat::Scalar(masked_mean(&rows(entropy)?)?));
-        let ratio = rows(&obj.ratio)?;
+        s.insert("entropy".into(), Stat::Scalar(masked_mean(entropy)?));
         let (lo, hi) = (1.0 - self.config.epsilon, 1.0 + self.config.epsilon_high());
         let flag = |f: &dyn Fn(f64, f64) -> bool| -> Vec<Vec<f64>> {
             ratio
@@ -294,4 +332,18 @@ impl GrpoTrainer {
         s.insert("clip_ratio/high_max".into(), Stat::Scalar(nanmax(&high_seq)));
         Ok(())
     }
+}
+
+/// The rows of several chunks as one batch: each row padded with zeros to the widest chunk's
+/// width (a mask's padding is then 0, so masked sums are unchanged).
+fn cat_rows(parts: Vec<Vec<Vec<f64>>>) -> Vec<Vec<f64>> {
+    let width = parts.iter().flatten().map(Vec::len).max().unwrap_or(0);
+    parts
+        .into_iter()
+        .flatten()
+        .map(|mut r| {
+            r.resize(width, 0.0);
+            r
+        })
+        .collect()
 }

@@ -138,6 +138,9 @@ pub struct EpisodesSection {
     pub eval_games: Vec<String>,
     /// Episodes per step written to `transcripts.jsonl`.
     pub transcripts_per_step: usize,
+    /// GRPO/RLOO on games: turns per forward and backward pass of the update (0: all of a
+    /// step's turns at once); the turns are ordered by length and their gradients summed.
+    pub micro_batch_turns: usize,
 }
 
 impl Default for EpisodesSection {
@@ -150,6 +153,7 @@ impl Default for EpisodesSection {
             eval_episodes: 32,
             eval_games: Vec::new(),
             transcripts_per_step: 1,
+            micro_batch_turns: 64,
         }
     }
 }

@@ -138,6 +138,7 @@ fn one_turn_episodes_are_the_prompt_step_bit_for_bit() {
         allowed: None,
         episodes: &episodes,
         returns: &r,
+        micro_batch: 0,
     };
 
     let (mut a, mut b) = (grpo(grpo_config()), grpo(grpo_config()));
@@ -155,24 +156,33 @@ fn one_turn_episodes_are_the_prompt_step_bit_for_bit() {
 /// Two groups of 4 episodes, the episodes having 1 to 3 turns of different prompts: with one
 /// iteration and no reference the GRPO loss (dapo) is `−Σ_turns A_e · len / Σ len`, `A_e` the
 /// episode's group-normalised return; RLOO's is `−mean_turns A_e` with the leave-one-out `A_e`.
-#[test]
-fn the_turns_of_an_episode_share_its_advantage() {
-    crate::common::install();
+/// Two groups of 4 episodes of 1 to 3 turns; prompts of 2 to 4 tokens, actions of 1 to 4.
+type Episodes = (Vec<Vec<u32>>, Vec<Vec<u32>>, Vec<usize>, Vec<f64>);
+
+fn multi_turn() -> Episodes {
     let r = vec![1.0, 0.0, 0.5, 2.0, -1.0, -1.0, 0.5, 0.0];
     let (mut prompts, mut completions, mut episodes) = (Vec::new(), Vec::new(), Vec::new());
     for (e, _) in r.iter().enumerate() {
         for t in 0..1 + e % 3 {
-            prompts.push((0..2 + t).map(|j| token(e, j, t)).collect::<Vec<u32>>());
+            prompts.push((0..2 + t + e % 2).map(|j| token(e, j, t)).collect::<Vec<u32>>());
             completions.push((0..1 + (e + t) % 4).map(|j| token(e, j, 9 + t)).collect::<Vec<u32>>());
             episodes.push(e);
         }
     }
+    (prompts, completions, episodes, r)
+}
+
+#[test]
+fn the_turns_of_an_episode_share_its_advantage() {
+    crate::common::install();
+    let (prompts, completions, episodes, r) = multi_turn();
     let turns = TurnBatch {
         prompts: &prompts,
         completions: &completions,
         allowed: None,
         episodes: &episodes,
         returns: &r,
+        micro_batch: 0,
     };
     let group = |e: usize| &r[e / 4 * 4..e / 4 * 4 + 4];
     let mean = |g: &[f64]| g.iter().sum::<f64>() / 4.0;
@@ -217,6 +227,7 @@ fn allowed_sets_renormalise_the_policy() {
         allowed,
         episodes: &episodes,
         returns: &r,
+        micro_batch: 0,
     };
     // Every token allowed: the unconstrained step, up to the order of the head's sums (Adam's
     // first steps move each weight by about ±lr whatever its gradient's size, so rounding-level
@@ -261,6 +272,7 @@ fn bad_turn_batches_are_refused_naming_the_turn() {
         allowed: None,
         episodes: &episodes,
         returns: &r,
+        micro_batch: 0,
     };
 
     let e = err(&mut t, TurnBatch { returns: &r[..3], ..base });
@@ -307,4 +319,52 @@ fn sampled_command_logprobs_equal_the_training_forward() {
     assert!(worst < 1e-5, "sampler and training logprobs differ by {worst}");
     // The last token of every command is forced (49 after a complete command): logprob 0.
     assert!(got.iter().all(|g| g.last().unwrap().abs() < 1e-6), "{got:?}");
+}
+
+/// Micro-batches (`TurnBatch::micro_batch`: turns ordered by length, each chunk padded on its
+/// own, gradients summed with each chunk weighted by its share of the normaliser) give the
+/// one-batch step, for every GRPO `loss_type` and for RLOO with its KL in the reward, up to the
+/// order of floating-point sums.
+#[test]
+fn micro_batches_are_the_one_batch_step() {
+    use rltune::grpo::LossType;
+    crate::common::install();
+    let (prompts, completions, episodes, r) = multi_turn();
+    let every = allowed_sets(&completions, true);
+    let batch = |micro_batch: usize, allowed| TurnBatch {
+        prompts: &prompts,
+        completions: &completions,
+        allowed,
+        episodes: &episodes,
+        returns: &r,
+        micro_batch,
+    };
+    let close = |a: &[Stats], b: &[Stats], what: &str| {
+        for (x, y) in a.iter().zip(b) {
+            for k in ["loss", "entropy", "kl", "clip_ratio/region_mean", "grad_norm"] {
+                if let (Some(p), Some(q)) = (x.get(k).and_then(Stat::as_f64), y.get(k).and_then(Stat::as_f64))
+                {
+                    assert!((p - q).abs() <= 1e-5 * (1.0 + p.abs()), "{what} {k}: {p} vs {q}");
+                }
+            }
+        }
+    };
+    for loss_type in [LossType::Dapo, LossType::Grpo, LossType::Bnpo, LossType::DrGrpo] {
+        let cfg = GrpoConfig { loss_type, learning_rate: 1e-3, ..grpo_config() };
+        for allowed in [None, Some(every.as_slice())] {
+            let (mut one, mut three) = (grpo(cfg.clone()), grpo(cfg.clone()));
+            let (a, b) =
+                (one.step_turns(&batch(0, allowed)).unwrap(), three.step_turns(&batch(3, allowed)).unwrap());
+            let what = format!("GRPO {loss_type:?}, allowed {}", allowed.is_some());
+            close(&a, &b, &what);
+            let d = weights_diff(one.store(), three.store());
+            assert!(d < 1e-5, "{what}: weights differ by {d}");
+        }
+    }
+    let cfg = RlooConfig { learning_rate: 1e-3, num_iterations: 2, ..rloo_config() };
+    let (mut one, mut three) = (rloo(cfg.clone()), rloo(cfg));
+    let (a, b) = (one.step_turns(&batch(0, None)).unwrap(), three.step_turns(&batch(3, None)).unwrap());
+    close(&a, &b, "RLOO");
+    let d = weights_diff(one.store(), three.store());
+    assert!(d < 1e-5, "RLOO: weights differ by {d}");
 }

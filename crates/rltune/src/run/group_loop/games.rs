@@ -57,6 +57,7 @@ impl GroupRun {
             allowed: admissible.then_some(allowed.as_slice()),
             episodes: &batch.turn_episodes,
             returns: &returns,
+            micro_batch: self.config.episodes.micro_batch_turns,
         };
         let t = Instant::now();
         let logs = match &mut self.trainer {
