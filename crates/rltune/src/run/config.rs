@@ -99,6 +99,47 @@ impl Default for LoggingSection {
     }
 }
 
+/// `[eval]`: held-out prompts scored by the run's reward sources.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EvalSection {
+    /// Held-out prompts (JSONL, CSV, Parquet or hub dataset), with the columns the reward
+    /// sources read (e.g. `answer`) and `[data] text_column`; empty (default): no evaluation.
+    pub source: String,
+    /// Also evaluate every this many steps; 0 (default): before the first step and after the
+    /// last only.
+    pub every: usize,
+    /// Greedy decoding (`top_k = 1`, default true); false samples with `[generation]`.
+    pub greedy: bool,
+    /// Prompts per generation batch (default 32).
+    pub batch_size: usize,
+}
+
+impl Default for EvalSection {
+    fn default() -> Self {
+        Self { source: String::new(), every: 0, greedy: true, batch_size: 32 }
+    }
+}
+
+impl EvalSection {
+    /// Whether an evaluation is configured.
+    pub fn enabled(&self) -> bool {
+        !self.source.is_empty()
+    }
+
+    /// Whether to evaluate after `step` of `total` steps.
+    pub fn due(&self, step: usize, total: usize) -> bool {
+        self.enabled() && (step == total || (self.every > 0 && step.is_multiple_of(self.every)))
+    }
+
+    pub(super) fn validate(&self) -> std::result::Result<(), String> {
+        if self.enabled() && self.batch_size == 0 {
+            return Err("[eval] batch_size must be at least 1".into());
+        }
+        Ok(())
+    }
+}
+
 /// `[checkpoint]`
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -260,7 +301,7 @@ pub struct RunConfig {
     pub generation: GenerationConfig,
     /// Held-out prompts scored before and after training (GRPO and RLOO runs).
     #[serde(default)]
-    pub eval: super::eval::EvalSection,
+    pub eval: EvalSection,
     /// PPO hyper-parameters and the number of steps.
     #[serde(default)]
     pub ppo: PpoConfig,

@@ -30,46 +30,7 @@ use crate::models::CausalLm;
 use crate::rewards::WeightedSum;
 use crate::tokenizer::Tokenizer;
 
-/// `[eval]`: held-out prompts scored by the run's reward sources.
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct EvalSection {
-    /// Held-out prompts (JSONL, CSV, Parquet or hub dataset), with the columns the reward
-    /// sources read (e.g. `answer`) and `[data] text_column`; empty (default): no evaluation.
-    pub source: String,
-    /// Also evaluate every this many steps; 0 (default): before the first step and after the
-    /// last only.
-    pub every: usize,
-    /// Greedy decoding (`top_k = 1`, default true); false samples with `[generation]`.
-    pub greedy: bool,
-    /// Prompts per generation batch (default 32).
-    pub batch_size: usize,
-}
-
-impl Default for EvalSection {
-    fn default() -> Self {
-        Self { source: String::new(), every: 0, greedy: true, batch_size: 32 }
-    }
-}
-
-impl EvalSection {
-    /// Whether an evaluation is configured.
-    pub fn enabled(&self) -> bool {
-        !self.source.is_empty()
-    }
-
-    /// Whether to evaluate after `step` of `total` steps.
-    pub fn due(&self, step: usize, total: usize) -> bool {
-        self.enabled() && (step == total || (self.every > 0 && step.is_multiple_of(self.every)))
-    }
-
-    pub(super) fn validate(&self) -> std::result::Result<(), String> {
-        if self.enabled() && self.batch_size == 0 {
-            return Err("[eval] batch_size must be at least 1".into());
-        }
-        Ok(())
-    }
-}
+pub use super::config::EvalSection;
 
 /// One evaluation's numbers (a line of `eval.jsonl`).
 #[derive(Debug, Clone, PartialEq)]
@@ -193,9 +154,9 @@ impl Evaluator<'_> {
             let queries: Vec<Vec<u32>> = chunk.iter().map(|&i| self.prompts[i].0.clone()).collect();
             let cfg = GenerationConfig { row_offset: chunk[0] as u64, ..gen.clone() };
             let samples = generate(lm, None, &queries, &cfg, self.device)?;
-            let texts = super::ppo_loop::decode(self.tokenizer, &samples)?;
+            let texts = super::prompts::decode(self.tokenizer, &samples)?;
             let metas: Vec<&serde_json::Value> = chunk.iter().map(|&i| &self.prompts[i].1.meta).collect();
-            let parts = reward.score_parts(&super::ppo_loop::reward_inputs(&samples, &texts, &metas))?;
+            let parts = reward.score_parts(&super::prompts::reward_inputs(&samples, &texts, &metas))?;
             for (j, s) in samples.iter().enumerate() {
                 let row = &mut local[slot * width..(slot + 1) * width];
                 row[0] = 1.0;
@@ -262,7 +223,7 @@ pub(super) fn encode_eval_prompts(
     config: &RunConfig,
     tokenizer: &Tokenizer,
 ) -> Result<Vec<(Vec<u32>, PromptRow)>> {
-    let prompts = super::ppo_loop::encode_from(config, &config.eval.source, tokenizer)?;
+    let prompts = super::prompts::encode_from(config, &config.eval.source, tokenizer)?;
     if prompts.is_empty() {
         return Err(Error::Input(format!("[eval] source {}: no usable prompt", config.eval.source)));
     }

@@ -9,10 +9,11 @@ pub mod eval;
 pub mod group_config;
 pub mod group_loop;
 pub mod ppo_loop;
+pub mod prompts;
 pub mod reward_config;
 pub mod run_loop;
 
 pub use config::RunConfig;
 pub use group_loop::{GroupRun, GroupTrainer};
-pub use ppo_loop::{PpoRun, StepReport};
-pub use run_loop::Algorithm;
+pub use ppo_loop::PpoRun;
+pub use run_loop::{Algorithm, StepReport};

@@ -19,40 +19,24 @@ use super::checkpoint::{
 };
 use super::config::{AlgorithmKind, RewardSourceConfig, RunConfig};
 use super::episodes::{add_episode_stats, add_eval_stats, log_game_step, EpisodeSource};
+use super::prompts::{decode, encode_prompts, reward_inputs};
+use super::run_loop::StepReport;
 use crate::agent::rollout::rebootstrap;
-use crate::data::prompts::{load_prompts, LengthSampler, PromptRow};
+use crate::data::prompts::{LengthSampler, PromptRow};
 use crate::engine::stats::mean_std;
 use crate::error::{Error, Result};
-use crate::generation::{generate, GenerationConfig, Sample};
+use crate::generation::{generate, GenerationConfig};
 use crate::logging::{RunLogger, SampleRow};
 use crate::models::load::{load_policy_adapted, load_reference, LoadedPolicy};
 use crate::models::CausalLm;
 use crate::ppo::{PpoTrainer, RolloutCache, Stat, StepInput};
 use crate::rewards::{
-    exact_match_reward, ClassifierReward, ClassifierRewardConfig, CommandReward, RewardInput, RewardSource,
-    WeightedSum,
+    exact_match_reward, ClassifierReward, ClassifierRewardConfig, CommandReward, RewardSource, WeightedSum,
 };
 use crate::runtime::Runtime;
 use crate::tokenizer::Tokenizer;
 
 mod rejection;
-
-/// What the loop reports after each step (for progress bars).
-#[derive(Debug, Clone, PartialEq)]
-pub struct StepReport {
-    /// Steps done (1-based).
-    pub step: usize,
-    /// Steps in the run.
-    pub total: usize,
-    /// `env/reward_mean`, or NaN for a skipped batch.
-    pub reward_mean: f64,
-    /// `objective/kl`, or NaN for a skipped batch.
-    pub kl: f64,
-    /// Whether the batch was skipped (a non-finite reward).
-    pub skipped: bool,
-    /// Runs on text games: the fraction of the step's episodes won (`env/win_rate`).
-    pub win_rate: Option<f64>,
-}
 
 /// Where a run's samples come from.
 enum Source {
@@ -480,29 +464,6 @@ impl PpoRun {
     }
 }
 
-/// The prompts of `[data]`, encoded; empty ones are left out.
-pub(super) fn encode_prompts(
-    config: &RunConfig,
-    tokenizer: &Tokenizer,
-) -> Result<Vec<(Vec<u32>, PromptRow)>> {
-    encode_from(config, &config.data.source, tokenizer)
-}
-
-/// [`encode_prompts`] of another file of the same form (`[eval] source`).
-pub(super) fn encode_from(
-    config: &RunConfig,
-    source: &str,
-    tokenizer: &Tokenizer,
-) -> Result<Vec<(Vec<u32>, PromptRow)>> {
-    let rows = load_prompts(source, &config.data.text_column, None)?;
-    let column = &config.data.text_column;
-    let template = crate::data::prompts::template_if_needed(&rows, column, &config.model.path)?;
-    rows.into_iter()
-        .map(|r| Ok((crate::data::prompts::encode_prompt(&r, column, tokenizer, template.as_ref())?, r)))
-        .filter(|r: &Result<(Vec<u32>, PromptRow)>| r.as_ref().map_or(true, |(ids, _)| !ids.is_empty()))
-        .collect()
-}
-
 /// [`encode_prompts`], at least `[ppo] batch_size` of them.
 fn load_encoded_prompts(config: &RunConfig, tokenizer: &Tokenizer) -> Result<Vec<(Vec<u32>, PromptRow)>> {
     let prompts = encode_prompts(config, tokenizer)?;
@@ -515,35 +476,6 @@ fn load_encoded_prompts(config: &RunConfig, tokenizer: &Tokenizer) -> Result<Vec
         )));
     }
     Ok(prompts)
-}
-
-/// The query and response texts of `samples`.
-pub(super) fn decode(tokenizer: &Tokenizer, samples: &[Sample]) -> Result<Vec<(String, String)>> {
-    samples
-        .iter()
-        .map(|s| Ok((tokenizer.decode(&s.query_ids)?, tokenizer.decode(&s.response_ids)?)))
-        .collect()
-}
-
-/// The reward functions' inputs: each sample with its texts ([`decode`]) and `metas[i]`, the
-/// metadata of its prompt row.
-pub(super) fn reward_inputs<'a>(
-    samples: &'a [Sample],
-    texts: &'a [(String, String)],
-    metas: &[&'a serde_json::Value],
-) -> Vec<RewardInput<'a>> {
-    samples
-        .iter()
-        .zip(texts)
-        .zip(metas)
-        .map(|((s, (q, r)), &meta)| RewardInput {
-            query: q,
-            response: r,
-            query_ids: &s.query_ids,
-            response_ids: &s.response_ids,
-            meta,
-        })
-        .collect()
 }
 
 /// TRL `log_stats`'s `env/*` keys, plus rltune's: mean logprobs of policy and reference over the

@@ -12,7 +12,6 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::config::RunConfig;
-use super::ppo_loop::StepReport;
 use crate::error::Result;
 use crate::logging::RunLogger;
 
@@ -83,4 +82,21 @@ pub fn run<A: Algorithm>(
         }
     }
     Ok(step)
+}
+
+/// What the loop reports after each step (for progress bars).
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepReport {
+    /// Steps done (1-based).
+    pub step: usize,
+    /// Steps in the run.
+    pub total: usize,
+    /// `env/reward_mean`, or NaN for a skipped batch.
+    pub reward_mean: f64,
+    /// `objective/kl`, or NaN for a skipped batch.
+    pub kl: f64,
+    /// Whether the batch was skipped (a non-finite reward).
+    pub skipped: bool,
+    /// Runs on text games: the fraction of the step's episodes won (`env/win_rate`).
+    pub win_rate: Option<f64>,
 }

@@ -23,7 +23,7 @@ use crate::envs::play::ActionMode;
 use crate::error::{Error, Result};
 use crate::grpo::TurnBatch;
 use crate::run::episodes::{add_episode_stats, add_eval_stats, log_game_step};
-use crate::run::ppo_loop::StepReport;
+use crate::run::run_loop::StepReport;
 
 impl GroupRun {
     /// One step on text games: play the groups, step on their turns, log, evaluate when due.

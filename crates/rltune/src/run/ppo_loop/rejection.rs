@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use super::{add_env_stats, decode, PpoRun, Source, StepReport};
+use super::{add_env_stats, PpoRun, Source};
 use crate::engine::{Stat, Stats};
 use crate::error::{Error, Result};
 use crate::generation::{generate, GenerationConfig};
@@ -11,6 +11,8 @@ use crate::logging::SampleRow;
 use crate::rejection::{batch_response_logprobs, returns_to_go, select_top, Per};
 use crate::rewards::RewardInput;
 use crate::run::episodes::add_episode_stats;
+use crate::run::prompts::decode;
+use crate::run::run_loop::StepReport;
 use crate::train::sft::{train_sft_examples, SftExample, SftModel};
 use crate::train::{ScheduleKind, TrainingArgs};
 
