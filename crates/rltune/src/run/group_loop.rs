@@ -441,15 +441,7 @@ impl GroupRun {
             }
         }
         self.logger.log_step(step + 1, &stats, &shown)?;
-        let get = |k: &str| stats.get(k).and_then(Stat::as_f64).unwrap_or(f64::NAN);
-        Ok(StepReport {
-            step,
-            total: self.shape.steps,
-            reward_mean: get("reward"),
-            kl: get("kl"),
-            skipped: false,
-            win_rate: None,
-        })
+        Ok(StepReport::of(step, self.shape.steps, &stats, "reward", "kl"))
     }
 
     fn checkpoint(&self, step: usize) -> Result<()> {

@@ -360,15 +360,7 @@ impl PpoRun {
             .map(|((q, r), &reward)| SampleRow { query: q.clone(), response: r.clone(), reward })
             .collect();
         self.logger.log_step(step + 1, &stats, &rows)?;
-        let get = |k: &str| stats.get(k).and_then(Stat::as_f64).unwrap_or(f64::NAN);
-        Ok(StepReport {
-            step,
-            total: self.config.ppo.steps,
-            reward_mean: get("env/reward_mean"),
-            kl: get("objective/kl"),
-            skipped: false,
-            win_rate: None,
-        })
+        Ok(StepReport::of(step, self.config.ppo.steps, &stats, "env/reward_mean", "objective/kl"))
     }
 
     /// On text games, after `step` (from 0) when `eval_every` says so: the policy on held-out
@@ -426,15 +418,7 @@ impl PpoRun {
         add_episode_stats(&mut stats, &batch)?;
         self.eval_if_due(step, &mut stats)?;
         log_game_step(&mut self.logger, &self.tokenizer, &self.config, step, &stats, &batch)?;
-        let get = |k: &str| stats.get(k).and_then(Stat::as_f64).unwrap_or(f64::NAN);
-        Ok(StepReport {
-            step,
-            total: self.config.ppo.steps,
-            reward_mean: get("env/reward_mean"),
-            kl: get("objective/kl"),
-            skipped: false,
-            win_rate: Some(get("env/win_rate")),
-        })
+        Ok(StepReport::of(step, self.config.ppo.steps, &stats, "env/reward_mean", "objective/kl"))
     }
 
     fn checkpoint(&self, step: usize) -> Result<()> {

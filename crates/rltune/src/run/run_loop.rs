@@ -100,3 +100,26 @@ pub struct StepReport {
     /// Runs on text games: the fraction of the step's episodes won (`env/win_rate`).
     pub win_rate: Option<f64>,
 }
+
+impl StepReport {
+    /// The report of step `step` (0-based, as the loop counts) of `total` from its logged
+    /// metrics: the mean reward and the KL under the trainer's keys (NaN when absent), and
+    /// `env/win_rate` when the step played games.
+    pub(crate) fn of(
+        step: usize,
+        total: usize,
+        stats: &crate::engine::Stats,
+        reward: &str,
+        kl: &str,
+    ) -> Self {
+        let get = |k: &str| stats.get(k).and_then(crate::engine::Stat::as_f64);
+        Self {
+            step,
+            total,
+            reward_mean: get(reward).unwrap_or(f64::NAN),
+            kl: get(kl).unwrap_or(f64::NAN),
+            skipped: false,
+            win_rate: get("env/win_rate"),
+        }
+    }
+}

@@ -82,14 +82,6 @@ impl GroupRun {
             add_eval_stats(&mut stats, &r, t.elapsed().as_secs_f64());
         }
         log_game_step(&mut self.logger, &self.tokenizer, &self.config, step, &stats, &batch)?;
-        let get = |k: &str| stats.get(k).and_then(Stat::as_f64).unwrap_or(f64::NAN);
-        Ok(StepReport {
-            step,
-            total: self.shape.steps,
-            reward_mean: get("reward"),
-            kl: get("kl"),
-            skipped: false,
-            win_rate: Some(get("env/win_rate")),
-        })
+        Ok(StepReport::of(step, self.shape.steps, &stats, "reward", "kl"))
     }
 }

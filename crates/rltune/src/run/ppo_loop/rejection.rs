@@ -289,14 +289,6 @@ impl PpoRun {
             })
             .collect();
         self.logger.log_step(step + 1, &stats, &rows)?;
-        let get = |k: &str| stats.get(k).and_then(Stat::as_f64).unwrap_or(f64::NAN);
-        Ok(StepReport {
-            step,
-            total: self.config.ppo.steps,
-            reward_mean: get("env/reward_mean"),
-            kl: get("objective/kl"),
-            skipped: false,
-            win_rate: stats.get("env/win_rate").and_then(Stat::as_f64),
-        })
+        Ok(StepReport::of(step, self.config.ppo.steps, &stats, "env/reward_mean", "objective/kl"))
     }
 }
