@@ -432,7 +432,9 @@ pub fn train_agent<G: AgentGames>(
         on(Event::Start { stage, total: Some(steps) });
         let mut progress = |r: &StepReport| {
             let wins = r.win_rate.map(|w| format!("  wins {:.0}%", 100.0 * w)).unwrap_or_default();
-            let message = format!("reward {:.3}  kl {:.3}{wins}", r.reward_mean, r.kl);
+            // GRPO/RLOO with beta = 0 have no KL to show.
+            let kl = if r.kl.is_nan() { String::new() } else { format!("  kl {:.3}", r.kl) };
+            let message = format!("reward {:.3}{kl}{wins}", r.reward_mean);
             on(Event::Progress { stage, done: r.step, message });
         };
         let done = if cfg.algorithm.is_group() {
