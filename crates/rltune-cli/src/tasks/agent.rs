@@ -38,7 +38,7 @@ use rltune::ppo::PpoConfig;
 use rltune::run::config::{
     AlgorithmKind, CheckpointSection, EpisodesSection, LoggingSection, ModelSection, RunConfig,
 };
-use rltune::run::episodes::evaluate;
+use rltune::run::episodes::{evaluate, training_games};
 use rltune::run::{self, GroupRun, PpoRun, StepReport};
 use rltune::runtime::Runtime;
 use rltune::tokenizer::Tokenizer;
@@ -419,7 +419,8 @@ pub fn train_agent<G: AgentGames>(
     let run_config = rl_config(dir, cfg, runtime)?;
     write_file(&dir.join(format!("{stage}.toml")), run_config.to_toml()?.as_bytes())?;
     let steps = if cfg.algorithm.is_group() {
-        run_config.group_shape(usize::MAX >> 16, 1).map_err(Error::Input)?.steps
+        let games = run_config.env.as_ref().map_or(Ok(0), |e| e.game_count())?;
+        run_config.group_shape(training_games(games), 1).map_err(Error::Input)?.steps
     } else {
         cfg.ppo.steps
     };

@@ -42,29 +42,7 @@ impl Constraint {
         device: &Device,
     ) -> Result<Self> {
         let b = ids.len();
-        if allowed.len() != b {
-            return Err(Error::Input(format!(
-                "StepInput.allowed: {} rows for a batch of {b}",
-                allowed.len()
-            )));
-        }
-        for (i, (a, r)) in allowed.iter().zip(responses).enumerate() {
-            if a.len() != r.len() {
-                return Err(Error::Input(format!(
-                    "StepInput.allowed: sample {i} has {} allowed sets for {} response tokens",
-                    a.len(),
-                    r.len()
-                )));
-            }
-            for (j, (set, tok)) in a.iter().zip(r).enumerate() {
-                if !set.contains(tok) {
-                    return Err(Error::Input(format!(
-                        "StepInput.allowed: sample {i}, response token {j} ({tok}) is not in its allowed \
-                         set {set:?}: the response was not sampled under these sets"
-                    )));
-                }
-            }
-        }
+        check_allowed(responses, allowed, "StepInput.allowed", "sample", "response")?;
         let w = ids.first().map_or(0, Vec::len).saturating_sub(1);
         let k = allowed.iter().flatten().map(Vec::len).max().unwrap_or(1).max(1);
         let (mut idx, mut pad) = (vec![0u32; b * w * k], vec![PAD; b * w * k]);
@@ -99,6 +77,39 @@ impl Constraint {
     pub(crate) fn narrow(&self, start: usize, n: usize) -> Result<Self> {
         Ok(Self { idx: self.idx.narrow(0, start, n)?, pad: self.pad.narrow(0, start, n)? })
     }
+}
+
+/// Checks that `allowed` holds, for each row of `tokens`, one set per token that contains it
+/// (the tokens were sampled under these sets). Messages read `{what}: {row} i, {token} token j
+/// …`, naming the caller's field and words.
+pub(crate) fn check_allowed(
+    tokens: &[Vec<u32>],
+    allowed: &[Vec<Vec<u32>>],
+    what: &str,
+    row: &str,
+    token: &str,
+) -> Result<()> {
+    if allowed.len() != tokens.len() {
+        return Err(Error::Input(format!("{what}: {} rows for a batch of {}", allowed.len(), tokens.len())));
+    }
+    for (i, (a, r)) in allowed.iter().zip(tokens).enumerate() {
+        if a.len() != r.len() {
+            return Err(Error::Input(format!(
+                "{what}: {row} {i} has {} allowed sets for {} {token} tokens",
+                a.len(),
+                r.len()
+            )));
+        }
+        for (j, (set, tok)) in a.iter().zip(r).enumerate() {
+            if !set.contains(tok) {
+                return Err(Error::Input(format!(
+                    "{what}: {row} {i}, {token} token {j} ({tok}) is not in its allowed set {set:?}: the \
+                     {token} was not sampled under these sets"
+                )));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The allowed sets of `N` positions as the gather index and mask `(N, K)` of

@@ -12,7 +12,7 @@
 use candle_core::{DType, Device, Tensor};
 
 use super::math::{nanmean, nanstd};
-use crate::engine::constraint::constrained_logprobs;
+use crate::engine::constraint::{check_allowed, constrained_logprobs};
 use crate::engine::{OptimArgs, Optimizer};
 use crate::engine::{Stat, Stats};
 use crate::error::{Error, Result};
@@ -465,30 +465,11 @@ impl Core {
         c_len: usize,
         sets: &[Vec<Vec<u32>>],
     ) -> Result<RowConstraint> {
-        if sets.len() != completions.len() {
-            return Err(Error::Input(format!(
-                "allowed sets for {} rows but the batch has {}",
-                sets.len(),
-                completions.len()
-            )));
-        }
+        check_allowed(completions, sets, "allowed", "row", "completion")?;
         let mut sel = Vec::new();
         let mut picked: Vec<&[u32]> = Vec::new();
-        for (i, (c, a)) in completions.iter().zip(sets).enumerate() {
-            if a.len() != c.len() {
-                return Err(Error::Input(format!(
-                    "row {i}: {} allowed sets for {} completion tokens; give one per token",
-                    a.len(),
-                    c.len()
-                )));
-            }
-            for (t, (tok, set)) in c.iter().zip(a).enumerate() {
-                if !set.contains(tok) {
-                    return Err(Error::Input(format!(
-                        "row {i}, completion token {t} ({tok}) is not in its allowed set {set:?}: the \
-                         completion was not sampled under these sets"
-                    )));
-                }
+        for (i, a) in sets.iter().enumerate() {
+            for (t, set) in a.iter().enumerate() {
                 if mask[i * c_len + t] == 1.0 {
                     sel.push((i * c_len + t) as u32);
                     picked.push(set);
@@ -547,6 +528,12 @@ impl Core {
             }
         };
         Ok((logp.reshape((b, c))?, entropy.reshape((b, c))?.detach()))
+    }
+
+    /// `xs` (the rows' advantages) as a `(N, 1)` column in the store's dtype.
+    pub fn column(&self, xs: &[f64]) -> Result<Tensor> {
+        let v: Vec<f32> = xs.iter().map(|&x| x as f32).collect();
+        Ok(Tensor::from_vec(v, (xs.len(), 1), &self.device)?.to_dtype(self.store.dtype())?)
     }
 
     /// Logprobs `(B, C)` of `lm` with no gradient.
@@ -676,6 +663,14 @@ pub(crate) fn generation_stats(
     s.insert("reward".into(), Stat::Scalar(nanmean(&r)));
     s.insert("reward_std".into(), Stat::Scalar(nanstd(&r)));
     Ok(s)
+}
+
+/// [`generation_stats`] of a [`TurnBatch`]: its turns' lengths, and the episodes' returns as the
+/// one reward function (`rewards/episode_return/*`, `reward`); no action counts as cut.
+pub(crate) fn turn_generation_stats(core: &mut Core, batch: &TurnBatch) -> Result<Stats> {
+    let table = RewardTable::episode_returns(batch.returns);
+    let no_cut = vec![false; batch.prompts.len()];
+    generation_stats(core, batch.prompts, batch.completions, &table, &no_cut, &[1.0])
 }
 
 /// The reward weights: the configured ones, else 1 per function.

@@ -12,8 +12,8 @@ use candle_core::{Tensor, D};
 
 use super::config::RlooConfig;
 use super::core::{
-    generation_stats, global_rewards, local_rows, reference_or_frozen_policy, rows, weights_or_ones, Core,
-    GroupBatch, Padded, RewardTable, TurnBatch,
+    generation_stats, global_rewards, local_rows, reference_or_frozen_policy, rows, turn_generation_stats,
+    weights_or_ones, Core, GroupBatch, Padded, RewardTable, TurnBatch,
 };
 use super::math::{self, nanmax, nanmean, nanmin};
 use crate::engine::{Stat, Stats};
@@ -125,7 +125,6 @@ impl RlooTrainer {
         let cfg = self.config.clone();
         let g = cfg.num_generations;
         self.core.check_turns(batch, g, cfg.max_completion_length)?;
-        let n = batch.prompts.len();
         let mut rewards = batch.returns.to_vec();
         if let Some((lo, hi)) = cfg.reward_clip_range {
             rewards.iter_mut().for_each(|r| *r = r.clamp(lo, hi));
@@ -148,15 +147,7 @@ impl RlooTrainer {
             .into_iter()
             .map(|(idx, padded, old)| (padded, old, idx.iter().map(|&i| adv[batch.episodes[i]]).collect()))
             .collect();
-        let table = RewardTable::episode_returns(batch.returns);
-        let first = generation_stats(
-            &mut self.core,
-            batch.prompts,
-            batch.completions,
-            &table,
-            &vec![false; n],
-            &[1.0],
-        )?;
+        let first = turn_generation_stats(&mut self.core, batch)?;
         self.update(chunks, first, &group_std, kl_metric)
     }
 
@@ -198,16 +189,7 @@ impl RlooTrainer {
         if let Some(kl) = kl_metric {
             first.insert("kl".into(), Stat::Scalar(kl));
         }
-        let dt = self.core.store.dtype();
-        let mut adv_ts = Vec::with_capacity(chunks.len());
-        for (_, _, adv) in &chunks {
-            let t = Tensor::from_vec(
-                adv.iter().map(|&a| a as f32).collect::<Vec<_>>(),
-                (adv.len(), 1),
-                &self.core.device,
-            )?;
-            adv_ts.push(t.to_dtype(dt)?);
-        }
+        let adv_ts = chunks.iter().map(|c| self.core.column(&c.2)).collect::<Result<Vec<_>>>()?;
         let adv: Vec<f64> = chunks.iter().flat_map(|c| c.2.iter().copied()).collect();
         let (lo, hi) = (1.0 - cfg.epsilon, 1.0 + cfg.epsilon_high());
 

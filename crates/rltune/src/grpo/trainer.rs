@@ -15,8 +15,8 @@ use candle_core::Tensor;
 use super::config::GrpoConfig;
 use super::config::LossType;
 use super::core::{
-    generation_stats, global_rewards, local_rows, reference_or_frozen_policy, rows, weights_or_ones, Core,
-    GroupBatch, Padded, RewardTable, TurnBatch,
+    generation_stats, global_rewards, local_rows, reference_or_frozen_policy, rows, turn_generation_stats,
+    weights_or_ones, Core, GroupBatch, Padded, RewardTable, TurnBatch,
 };
 use super::math::{self, nanmax, nanmin, ObjectiveParams};
 use crate::engine::{Stat, Stats};
@@ -135,9 +135,7 @@ impl GrpoTrainer {
             cfg.scale_rewards,
             cfg.multi_objective_aggregation,
         );
-        let no_cut = vec![false; batch.prompts.len()];
-        let mut first =
-            generation_stats(&mut self.core, batch.prompts, batch.completions, &table, &no_cut, &[1.0])?;
+        let mut first = turn_generation_stats(&mut self.core, batch)?;
         first.insert("frac_reward_zero_std".into(), Stat::Scalar(adv.frac_zero_std()));
         let chunks = self
             .core
@@ -182,7 +180,6 @@ impl GrpoTrainer {
         // dapo's normalizer: TRL's num_items_in_batch (the batch's loss tokens over every
         // process) over the number of processes; the gradients' mean then divides by the total.
         let num_items = crate::dist::sum(total_tokens)? / crate::dist::world_size() as f64;
-        let dt = self.core.store.dtype();
         let mut prepared = Vec::with_capacity(chunks.len());
         for (padded, adv) in chunks {
             // TRL computes old logprobs only when the batch is reused (num_iterations > 1).
@@ -195,12 +192,7 @@ impl GrpoTrainer {
                 Some(r) => Some(self.core.logprobs_no_grad(r, &padded)?),
                 None => None,
             };
-            let adv_t = Tensor::from_vec(
-                adv.iter().map(|&a| a as f32).collect::<Vec<_>>(),
-                (adv.len(), 1),
-                &self.core.device,
-            )?
-            .to_dtype(dt)?;
+            let adv_t = self.core.column(&adv)?;
             // The chunk's share of the normaliser (1 for a single chunk).
             let weight = match cfg.loss_type {
                 LossType::Grpo | LossType::DrGrpo => adv.len() as f64 / total_rows as f64,

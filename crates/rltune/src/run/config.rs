@@ -642,7 +642,7 @@ command = ["cat"]
         let c = RunConfig::load(&p, &[]).unwrap();
         assert_eq!(c.algorithm.kind, AlgorithmKind::Grpo);
         assert_eq!(c.agent.actions, crate::envs::play::ActionMode::Admissible);
-        let shape = c.group_shape(usize::MAX >> 16, 1).unwrap();
+        let shape = c.group_shape(crate::run::episodes::training_games(0), 1).unwrap();
         assert_eq!((shape.prompts_per_step, shape.num_generations, shape.steps), (4, 8, 40));
     }
 

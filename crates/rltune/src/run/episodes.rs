@@ -19,7 +19,7 @@ use rand::SeedableRng;
 use super::config::{AlgorithmKind, EpisodesSection, RunConfig};
 use crate::agent::config::{EnvSection, Split};
 use crate::agent::model_agent::ModelAgent;
-use crate::agent::rollout::{collect_episodes, Actor, RolloutConfig, Transition};
+use crate::agent::rollout::{collect_episodes, Actor, Collected, RolloutConfig, Transition};
 use crate::engine::{Stat, Stats};
 use crate::envs::play::{play, Episode, PlayReport, PromptTemplate};
 use crate::envs::{Reset, TextEnv};
@@ -53,6 +53,30 @@ pub struct EpisodeBatch {
     pub time_generation: Duration,
     /// Time spent in the environments.
     pub time_env: Duration,
+}
+
+/// Turns as token rows: the prompts, the actions, and each action token's allowed set.
+pub type TurnTokens = (Vec<Vec<u32>>, Vec<Vec<u32>>, Vec<Vec<Vec<u32>>>);
+
+impl EpisodeBatch {
+    /// Adds a round's counts and times.
+    fn count(&mut self, got: &Collected) {
+        self.example_turns += got.example_turns;
+        self.dropped += got.dropped;
+        self.time_generation += got.time_generation;
+        self.time_env += got.time_env;
+    }
+
+    /// The turns' prompts, actions and (admissible actions) allowed sets, as the trainers take
+    /// them.
+    pub fn turn_tokens(&self) -> TurnTokens {
+        let turns = &self.transitions;
+        (
+            turns.iter().map(|t| t.query_ids.clone()).collect(),
+            turns.iter().map(|t| t.response_ids.clone()).collect(),
+            turns.iter().map(|t| t.allowed.clone()).collect(),
+        )
+    }
 }
 
 /// The training games, their environments and the evaluation settings of a run.
@@ -94,14 +118,9 @@ impl EpisodeSource {
         Ok(Self { env, section, episodes: cfg.episodes.clone(), rollout, games, seed, rank })
     }
 
-    /// How many training games there are: the game files, or for a generated family as many as
-    /// a run can use (its seeds).
+    /// How many training games there are ([`training_games`]).
     pub fn game_count(&self) -> usize {
-        if self.games > 0 {
-            self.games
-        } else {
-            usize::MAX >> 16
-        }
+        training_games(self.games)
     }
 
     /// Plays rounds of episodes with `policy` until `batch_size` turns are played, then picks
@@ -152,9 +171,10 @@ impl EpisodeSource {
                 )));
             }
             let resets: Vec<Reset> = (0..b).map(|e| self.train_reset(step, round, e)).collect();
-            let seed = mix(self.seed, step as u64, round as u64, u64::MAX - self.rank as u64);
+            let seed = self.round_seed(step, round);
             let got =
                 collect_episodes(self.env.as_mut(), policy, tokenizer, &self.rollout, &resets, seed, device)?;
+            out.count(&got);
             // A round's turns come episode by episode: a new environment index starts a new one.
             let mut last_env = None;
             for t in got.transitions {
@@ -170,10 +190,6 @@ impl EpisodeSource {
             for (k, ep) in out.episodes[first..].iter_mut().enumerate() {
                 ep.episode = first + k;
             }
-            out.example_turns += got.example_turns;
-            out.dropped += got.dropped;
-            out.time_generation += got.time_generation;
-            out.time_env += got.time_env;
             round += 1;
         }
         Ok(out)
@@ -207,9 +223,10 @@ impl EpisodeSource {
                     self.section.reset_for(0, i as usize, self.games)
                 })
                 .collect();
-            let seed = mix(self.seed, step as u64, round as u64, u64::MAX - self.rank as u64);
+            let seed = self.round_seed(step, round);
             let got =
                 collect_episodes(self.env.as_mut(), lm, tokenizer, &self.rollout, &resets, seed, device)?;
+            out.count(&got);
             for t in got.transitions.into_iter().filter(|t| slot(t.env) < total) {
                 out.turn_episodes.push(slot(t.env));
                 out.transitions.push(t);
@@ -221,12 +238,13 @@ impl EpisodeSource {
                     out.episodes.push(ep);
                 }
             }
-            out.example_turns += got.example_turns;
-            out.dropped += got.dropped;
-            out.time_generation += got.time_generation;
-            out.time_env += got.time_env;
         }
         Ok(out)
+    }
+
+    /// The sampling seed of round `round` of `step` (this process's own).
+    fn round_seed(&self, step: usize, round: usize) -> u64 {
+        mix(self.seed, step as u64, round as u64, u64::MAX - self.rank as u64)
     }
 
     /// How environment `e` starts in round `round` of `step`: a training game drawn from the
@@ -240,6 +258,27 @@ impl EpisodeSource {
     /// Whether evaluation is due after `step` steps.
     pub fn eval_due(&self, step: usize) -> bool {
         self.episodes.eval_every > 0 && step.is_multiple_of(self.episodes.eval_every)
+    }
+
+    /// After `step` steps, when `eval_every` says so: plays the held-out games with `policy`
+    /// ([`Self::evaluate`]) and adds the `eval/*` metrics to `stats`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn evaluate_if_due(
+        &self,
+        step: usize,
+        policy: &CausalLm,
+        tokenizer: &Tokenizer,
+        generation: &GenerationConfig,
+        seed: u64,
+        device: &Device,
+        stats: &mut Stats,
+    ) -> Result<()> {
+        if self.eval_due(step) {
+            let t = Instant::now();
+            let r = self.evaluate(policy, tokenizer, generation, seed, device)?;
+            add_eval_stats(stats, &r, t.elapsed().as_secs_f64());
+        }
+        Ok(())
     }
 
     /// Plays `eval_episodes` held-out games with `policy`'s LM (sampling as in training, seed
@@ -273,6 +312,16 @@ impl EpisodeSource {
             s.games = self.episodes.eval_games.clone();
         }
         s
+    }
+}
+
+/// How many training games a run has, from [`EnvSection::game_count`] (`files`): the game
+/// files, or for a generated family (0 files) as many as a run can use (its seeds).
+pub fn training_games(files: usize) -> usize {
+    if files > 0 {
+        files
+    } else {
+        usize::MAX >> 16
     }
 }
 

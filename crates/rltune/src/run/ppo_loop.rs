@@ -18,7 +18,7 @@ use super::checkpoint::{
     clear_stale_writes, latest_checkpoint, load_trainer_state, save_checkpoint, CriticFiles,
 };
 use super::config::{AlgorithmKind, RewardSourceConfig, RunConfig};
-use super::episodes::{add_episode_stats, add_eval_stats, log_game_step, EpisodeSource};
+use super::episodes::{add_episode_stats, log_game_step, EpisodeSource};
 use super::prompts::{decode, encode_prompts, reward_inputs};
 use super::run_loop::StepReport;
 use crate::agent::rollout::rebootstrap;
@@ -367,13 +367,8 @@ impl PpoRun {
     /// games (`eval/*`).
     fn eval_if_due(&self, step: usize, stats: &mut crate::engine::Stats) -> Result<()> {
         let Source::Games(games) = &self.source else { return Ok(()) };
-        if games.eval_due(step + 1) {
-            let t = Instant::now();
-            let (policy, gen) = (&self.trainer.policy, &self.config.generation);
-            let r = games.evaluate(&policy.lm, &self.tokenizer, gen, self.config.ppo.seed, &self.device)?;
-            add_eval_stats(stats, &r, t.elapsed().as_secs_f64());
-        }
-        Ok(())
+        let (lm, gen, seed) = (&self.trainer.policy.lm, &self.config.generation, self.config.ppo.seed);
+        games.evaluate_if_due(step + 1, lm, &self.tokenizer, gen, seed, &self.device, stats)
     }
 
     /// One step on text games: play, step on the turns, log episodes, evaluate when due.
@@ -392,12 +387,10 @@ impl PpoRun {
         }
         let time_rollout = t.elapsed().as_secs_f64();
         let turns = &batch.transitions;
-        let queries: Vec<Vec<u32>> = turns.iter().map(|t| t.query_ids.clone()).collect();
-        let responses: Vec<Vec<u32>> = turns.iter().map(|t| t.response_ids.clone()).collect();
+        let (queries, responses, allowed) = batch.turn_tokens();
         let scores: Vec<f32> = turns.iter().map(|t| t.reward).collect();
         let bootstrap: Vec<f32> = turns.iter().map(|t| t.bootstrap).collect();
         let admissible = self.config.agent.actions == crate::envs::play::ActionMode::Admissible;
-        let allowed: Vec<Vec<Vec<u32>>> = turns.iter().map(|t| t.allowed.clone()).collect();
         let caches: Vec<RolloutCache> = turns
             .iter()
             .map(|t| RolloutCache { logprobs: t.logprobs.clone(), values: t.values.clone() })

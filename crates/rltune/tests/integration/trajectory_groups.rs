@@ -84,6 +84,16 @@ fn rows(groups: usize) -> (Vec<Vec<u32>>, Vec<Vec<u32>>) {
     (prompts, completions)
 }
 
+/// A batch of every turn as given, no allowed sets, in one pass.
+fn turn_batch<'a>(
+    prompts: &'a [Vec<u32>],
+    completions: &'a [Vec<u32>],
+    episodes: &'a [usize],
+    returns: &'a [f64],
+) -> TurnBatch<'a> {
+    TurnBatch { prompts, completions, allowed: None, episodes, returns, micro_batch: 0 }
+}
+
 fn returns(n: usize) -> Vec<f64> {
     (0..n).map(|i| ((i * 7) % 5) as f64 * 0.5 - 0.7).collect()
 }
@@ -132,14 +142,7 @@ fn one_turn_episodes_are_the_prompt_step_bit_for_bit() {
         truncated: Some(&no_cut),
     };
     let episodes: Vec<usize> = (0..prompts.len()).collect();
-    let turns = TurnBatch {
-        prompts: &prompts,
-        completions: &completions,
-        allowed: None,
-        episodes: &episodes,
-        returns: &r,
-        micro_batch: 0,
-    };
+    let turns = turn_batch(&prompts, &completions, &episodes, &r);
 
     let (mut a, mut b) = (grpo(grpo_config()), grpo(grpo_config()));
     let (sa, sb) = (a.step_with(&batch).unwrap(), b.step_turns(&turns).unwrap());
@@ -176,14 +179,7 @@ fn multi_turn() -> Episodes {
 fn the_turns_of_an_episode_share_its_advantage() {
     crate::common::install();
     let (prompts, completions, episodes, r) = multi_turn();
-    let turns = TurnBatch {
-        prompts: &prompts,
-        completions: &completions,
-        allowed: None,
-        episodes: &episodes,
-        returns: &r,
-        micro_batch: 0,
-    };
+    let turns = turn_batch(&prompts, &completions, &episodes, &r);
     let group = |e: usize| &r[e / 4 * 4..e / 4 * 4 + 4];
     let mean = |g: &[f64]| g.iter().sum::<f64>() / 4.0;
     let std = |g: &[f64]| (g.iter().map(|x| (x - mean(g)).powi(2)).sum::<f64>() / 3.0).sqrt();
@@ -221,14 +217,7 @@ fn allowed_sets_renormalise_the_policy() {
     let episodes: Vec<usize> = (0..prompts.len()).collect();
     let every = allowed_sets(&completions, true);
     let one = allowed_sets(&completions, false);
-    let turns = |allowed| TurnBatch {
-        prompts: &prompts,
-        completions: &completions,
-        allowed,
-        episodes: &episodes,
-        returns: &r,
-        micro_batch: 0,
-    };
+    let turns = |allowed| TurnBatch { allowed, ..turn_batch(&prompts, &completions, &episodes, &r) };
     // Every token allowed: the unconstrained step, up to the order of the head's sums (Adam's
     // first steps move each weight by about ±lr whatever its gradient's size, so rounding-level
     // differences of tiny gradients show at 1e-5 of lr = 1e-2).
@@ -266,14 +255,7 @@ fn bad_turn_batches_are_refused_naming_the_turn() {
     let episodes: Vec<usize> = (0..4).collect();
     let mut t = grpo(grpo_config());
     let err = |t: &mut GrpoTrainer, b: TurnBatch| t.step_turns(&b).unwrap_err().to_string();
-    let base = TurnBatch {
-        prompts: &prompts,
-        completions: &completions,
-        allowed: None,
-        episodes: &episodes,
-        returns: &r,
-        micro_batch: 0,
-    };
+    let base = turn_batch(&prompts, &completions, &episodes, &r);
 
     let e = err(&mut t, TurnBatch { returns: &r[..3], ..base });
     assert!(e.contains("3 episodes") && e.contains("num_generations = 4"), "{e}");
@@ -332,12 +314,9 @@ fn micro_batches_are_the_one_batch_step() {
     let (prompts, completions, episodes, r) = multi_turn();
     let every = allowed_sets(&completions, true);
     let batch = |micro_batch: usize, allowed| TurnBatch {
-        prompts: &prompts,
-        completions: &completions,
         allowed,
-        episodes: &episodes,
-        returns: &r,
         micro_batch,
+        ..turn_batch(&prompts, &completions, &episodes, &r)
     };
     let close = |a: &[Stats], b: &[Stats], what: &str| {
         for (x, y) in a.iter().zip(b) {

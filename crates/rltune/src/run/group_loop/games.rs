@@ -22,7 +22,7 @@ use crate::engine::Stat;
 use crate::envs::play::ActionMode;
 use crate::error::{Error, Result};
 use crate::grpo::TurnBatch;
-use crate::run::episodes::{add_episode_stats, add_eval_stats, log_game_step};
+use crate::run::episodes::{add_episode_stats, log_game_step};
 use crate::run::run_loop::StepReport;
 
 impl GroupRun {
@@ -46,10 +46,7 @@ impl GroupRun {
         for (turn, &k) in batch.transitions.iter().zip(&batch.turn_episodes) {
             returns[k] += f64::from(turn.reward);
         }
-        let turns = &batch.transitions;
-        let prompts: Vec<Vec<u32>> = turns.iter().map(|t| t.query_ids.clone()).collect();
-        let actions: Vec<Vec<u32>> = turns.iter().map(|t| t.response_ids.clone()).collect();
-        let allowed: Vec<Vec<Vec<u32>>> = turns.iter().map(|t| t.allowed.clone()).collect();
+        let (prompts, actions, allowed) = batch.turn_tokens();
         let admissible = self.config.agent.actions == ActionMode::Admissible;
         let input = TurnBatch {
             prompts: &prompts,
@@ -73,14 +70,10 @@ impl GroupRun {
         stats.insert(format!("time/{kind}/step"), Stat::Scalar(t.elapsed().as_secs_f64()));
         stats.insert("time/rollout/total".into(), Stat::Scalar(time_rollout));
         stats.insert("time/rollout/generation".into(), Stat::Scalar(batch.time_generation.as_secs_f64()));
-        stats.insert("env/turns".into(), Stat::Scalar(turns.len() as f64));
+        stats.insert("env/turns".into(), Stat::Scalar(prompts.len() as f64));
         add_episode_stats(&mut stats, &batch)?;
-        if games.eval_due(step + 1) {
-            let t = Instant::now();
-            let (lm, gen) = (self.trainer.policy(), &self.config.generation);
-            let r = games.evaluate(lm, &self.tokenizer, gen, seed, &self.device)?;
-            add_eval_stats(&mut stats, &r, t.elapsed().as_secs_f64());
-        }
+        let (lm, gen) = (self.trainer.policy(), &self.config.generation);
+        games.evaluate_if_due(step + 1, lm, &self.tokenizer, gen, seed, &self.device, &mut stats)?;
         log_game_step(&mut self.logger, &self.tokenizer, &self.config, step, &stats, &batch)?;
         Ok(StepReport::of(step, self.shape.steps, &stats, "reward", "kl"))
     }
