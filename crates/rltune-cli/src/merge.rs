@@ -1,11 +1,13 @@
 //! `rltune merge --model BASE --adapter DIR --output DIR`: a LoRA adapter folded into its base,
 //! as PEFT's `merge_and_unload()` then `save_pretrained`: a full Hugging Face model directory.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use candle_core::{DType, Device};
 use rltune::models::load::{copy_side_files, load_lm_adapted, save_pretrained, LoraSpec};
+use rltune::models::lora::ADAPTER_CONFIG;
+use rltune::train::reward_model::RewardModel;
 
 /// Arguments of `rltune merge`.
 #[derive(clap::Args)]
@@ -25,6 +27,9 @@ pub struct Args {
 
 /// Runs `rltune merge`.
 pub fn run(args: Args) -> Result<()> {
+    if RewardModel::is_adapter_dir(&args.adapter) && is_classifier(&args.adapter)? {
+        return merge_classifier(&args);
+    }
     let spec = LoraSpec::from_dir(&args.adapter);
     let loaded = load_lm_adapted(&args.model, Some(&spec), false, DType::F32, &Device::Cpu)
         .with_context(|| format!("cannot apply {} to {}", args.adapter.display(), args.model))?;
@@ -35,6 +40,35 @@ pub fn run(args: Args) -> Result<()> {
     copy_side_files(&loaded.files, &args.output)?;
     println!(
         "wrote {}: {} with {} merged into {modules} layers (config.json, model.safetensors)",
+        args.output.display(),
+        args.model,
+        args.adapter.display()
+    );
+    Ok(())
+}
+
+/// Whether the adapter belongs to a sequence classifier (PEFT's `task_type = "SEQ_CLS"`: a
+/// reward model from `rltune reward` with [lora], or PEFT's own).
+fn is_classifier(adapter: &Path) -> Result<bool> {
+    let path = adapter.join(ADAPTER_CONFIG);
+    let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
+    let value: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", path.display()))?;
+    Ok(value.get("task_type").and_then(|v| v.as_str()) == Some("SEQ_CLS"))
+}
+
+/// A reward model's adapter merged into its base: a full classifier directory (config.json with
+/// the trained labels, model.safetensors, tokenizer.json) that `[reward] model` and
+/// transformers' `AutoModelForSequenceClassification` load.
+fn merge_classifier(args: &Args) -> Result<()> {
+    let model = RewardModel::from_adapter(&args.adapter, Some(&args.model), DType::F32, &Device::Cpu)
+        .with_context(|| format!("cannot apply {} to {}", args.adapter.display(), args.model))?;
+    let modules = model.store.lora_modules().len();
+    let merged = RewardModel { store: model.store.merged()?, ..model };
+    merged.save(&args.output).with_context(|| format!("cannot write {}", args.output.display()))?;
+    println!(
+        "wrote {}: the classifier {} with {} merged into {modules} layers (config.json, \
+         model.safetensors, tokenizer.json)",
         args.output.display(),
         args.model,
         args.adapter.display()

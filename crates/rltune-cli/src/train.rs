@@ -55,6 +55,10 @@ pub struct SftArgs {
 pub struct RewardArgs {
     #[command(flatten)]
     common: Common,
+    /// A LoRA adapter directory of this classifier (PEFT's `SEQ_CLS` format, or an earlier
+    /// `rltune reward` run with [lora]) to start from: trains it, the encoder frozen.
+    #[arg(long)]
+    adapter: Option<PathBuf>,
 }
 
 #[derive(Deserialize, Default)]
@@ -84,7 +88,8 @@ struct RewardFile {
     training: TrainingArgs,
     reward: RewardConfig,
     runtime: RuntimeSection,
-    /// Refused: the reward model trains in full (see docs/lora.md).
+    /// LoRA adapters (PEFT's `LoraConfig` names, `task_type = "SEQ_CLS"`): the encoder frozen,
+    /// the adapters and the classifier head train, the adapter saved.
     lora: Option<LoraConfig>,
     /// `trainable_layers`: partial freezing of the encoder.
     model: FreezeSection,
@@ -101,6 +106,24 @@ fn settings<T: serde::de::DeserializeOwned>(c: &Common) -> Result<T> {
     Ok(parse_toml(&text, &path, &c.set)?)
 }
 
+/// The LoRA of a run: new adapters from `[lora]`, or `--adapter`'s (which wins), or none.
+fn lora_spec(
+    config: &Option<LoraConfig>,
+    adapter: &Option<PathBuf>,
+    c: &Common,
+    seed: u64,
+) -> Result<Option<LoraSpec>> {
+    if config.is_none() && adapter.is_none() {
+        return Ok(None);
+    }
+    if let Some(l) = config {
+        check(l.validate("[lora]"), c)?;
+    }
+    let origin = c.config.as_ref().map_or("--set".to_string(), |p| p.display().to_string());
+    let origin = format!("{origin}: [lora]");
+    Ok(Some(LoraSpec { config: config.clone(), adapter: adapter.clone(), origin, seed }))
+}
+
 fn check(result: std::result::Result<(), String>, c: &Common) -> Result<()> {
     let source = c.config.as_ref().map_or("--set".to_string(), |p| p.display().to_string());
     result.map_err(|m| anyhow::anyhow!("{source}: {m}"))
@@ -115,16 +138,7 @@ pub fn run_sft(args: SftArgs) -> Result<()> {
     let runtime = c.runtime.resolve(file.runtime.clone())?;
     let records = read_sft_records(&c.data)?;
     let origin = c.config.as_ref().map_or("--set".to_string(), |p| p.display().to_string());
-    let lora = match (&file.lora, &args.adapter) {
-        (None, None) => None,
-        (lc, adapter) => {
-            if let Some(l) = lc {
-                check(l.validate("[lora]"), c)?;
-            }
-            let origin = format!("{origin}: [lora]");
-            Some(LoraSpec { config: lc.clone(), adapter: adapter.clone(), origin, seed: file.training.seed })
-        }
-    };
+    let lora = lora_spec(&file.lora, &args.adapter, c, file.training.seed)?;
     let mut model =
         SftModel::from_pretrained_adapted(&c.model, lora.as_ref(), runtime.dtype(), runtime.device())?;
     if let Some(k) = file.model.trainable_layers {
@@ -149,22 +163,24 @@ pub fn run_sft(args: SftArgs) -> Result<()> {
 pub fn run_reward(args: RewardArgs) -> Result<()> {
     let c = &args.common;
     let file: RewardFile = settings(c)?;
-    if file.lora.is_some() {
+    check(file.training.validate(), c)?;
+    check(file.reward.validate(), c)?;
+    let lora = lora_spec(&file.lora, &args.adapter, c, file.training.seed)?;
+    if lora.is_some() && file.model.trainable_layers.is_some() {
         check(
-            Err("[lora] is not supported by `rltune reward` yet: the reward model (a sequence \
-                 classifier) trains in full; remove the [lora] table"
+            Err("[model] trainable_layers with LoRA: the adapters already leave the encoder frozen; \
+                 use one of [lora] (or --adapter) and trainable_layers"
                 .into()),
             c,
         )?;
     }
-    check(file.training.validate(), c)?;
-    check(file.reward.validate(), c)?;
     let runtime = c.runtime.resolve(file.runtime.clone())?;
     let records = read_reward_records(&c.data)?;
     let mut model = RewardModel::from_pretrained_for(
         &c.model,
         &records,
         file.training.seed,
+        lora.as_ref(),
         runtime.dtype(),
         runtime.device(),
     )?;

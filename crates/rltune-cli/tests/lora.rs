@@ -1,6 +1,6 @@
-//! LoRA through the command line, on the tiny quickstart's models: PPO and SFT with `[lora]`
-//! save PEFT-format adapters whose optimizer state holds only the adapters (and the value
-//! head), `--resume` continues bitwise, `rltune merge` gives the adapted model's logprobs, and
+//! LoRA through the command line, on the tiny quickstart's models: PPO, SFT and the reward
+//! model with `[lora]` save PEFT-format adapters whose optimizer state holds only the adapters
+//! (and the value head or classifier head), `--resume` continues bitwise, `rltune merge` gives the adapted model's logprobs, and
 //! bad `[lora]` settings are refused naming the file and field.
 
 use std::path::{Path, PathBuf};
@@ -146,6 +146,53 @@ fn sft_with_lora_writes_an_adapter_that_generate_applies() {
     assert!(greedy_logprobs(&base, Some(&out)) != greedy_logprobs(&base, None));
 }
 
+/// `rltune reward` with `[lora]` writes PEFT's `SEQ_CLS` adapter (the head inside), which PPO
+/// takes as its reward model directly and `rltune merge` folds into a full classifier.
+#[test]
+fn reward_with_lora_writes_a_classifier_adapter_that_ppo_and_merge_take() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = quickstart(&tmp.path().join("qs"));
+    let qs = tmp.path().join("qs");
+    let (base, out, merged) =
+        (qs.join("classifier"), tmp.path().join("rm-lora"), tmp.path().join("rm-merged"));
+    ok(&rltune(&[
+        "reward",
+        "--model",
+        base.to_str().unwrap(),
+        "--data",
+        qs.join("data/reviews.jsonl").to_str().unwrap(),
+        "--output",
+        out.to_str().unwrap(),
+        "--set",
+        "lora.r=2",
+        "--set",
+        "training.num_train_epochs=1",
+    ]));
+    assert!(out.join("adapter_model.safetensors").is_file() && !out.join("model.safetensors").exists());
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("adapter_config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["task_type"], "SEQ_CLS");
+    assert_eq!(cfg["target_modules"], serde_json::json!(["q_lin", "v_lin"]), "PEFT's default for distilbert");
+    assert_eq!(cfg["base_model_name_or_path"], base.to_str().unwrap());
+    let printed = ok(&rltune(&[
+        "merge",
+        "--model",
+        base.to_str().unwrap(),
+        "--adapter",
+        out.to_str().unwrap(),
+        "--output",
+        merged.to_str().unwrap(),
+    ]));
+    assert!(printed.contains("the classifier") && merged.join("model.safetensors").is_file(), "{printed}");
+    // PPO scores with the adapter directory as its classifier: one step runs.
+    let text =
+        std::fs::read_to_string(&config).unwrap().replace(base.to_str().unwrap(), out.to_str().unwrap());
+    let adapted = tmp.path().join("ppo-lora-reward.toml");
+    std::fs::write(&adapted, text).unwrap();
+    let log = format!("logging.dir={:?}", tmp.path().join("run").to_str().unwrap());
+    ok(&rltune(&["ppo", "--config", adapted.to_str().unwrap(), "--set", &log, "--set", "ppo.steps=1"]));
+}
+
 #[test]
 fn bad_lora_settings_are_refused_naming_the_field() {
     let tmp = tempfile::tempdir().unwrap();
@@ -169,8 +216,10 @@ fn bad_lora_settings_are_refused_naming_the_field() {
         tmp.path().join("rm").to_str().unwrap(),
         "--set",
         "lora.r=4",
+        "--set",
+        "model.trainable_layers=1",
     ]);
-    fails_with(&o, &["[lora] is not supported by `rltune reward`"]);
+    fails_with(&o, &["--set", "trainable_layers with LoRA", "use one of"]);
     // An adapter of another base: the GPT-2 fixture's adapter on the quickstart's model.
     let adapter = common::fixture("lora/gpt2/peft_adapter");
     let o = rltune(&[

@@ -22,6 +22,14 @@ pub enum SequenceClassifierConfig {
 }
 
 impl SequenceClassifierConfig {
+    /// The `model_type`: `"bert"` or `"distilbert"`.
+    pub fn model_type(&self) -> &'static str {
+        match self {
+            Self::Bert(_) => "bert",
+            Self::DistilBert(_) => "distilbert",
+        }
+    }
+
     /// Parses and validates a `config.json` value; `path` names the file in errors.
     pub fn from_json(value: &serde_json::Value, path: &Path) -> Result<Self> {
         let model_type = value.get("model_type").and_then(|v| v.as_str()).ok_or_else(|| {
@@ -84,12 +92,14 @@ impl SequenceClassifier {
 
     /// Builds the model from `p`, the checkpoint root.
     pub fn load(p: &Params, cfg: &SequenceClassifierConfig) -> Result<Self> {
-        Ok(match cfg {
+        let model = match cfg {
             SequenceClassifierConfig::Bert(c) => Self::Bert(BertForSequenceClassification::load(p, c)?),
             SequenceClassifierConfig::DistilBert(c) => {
                 Self::DistilBert(DistilBertForSequenceClassification::load(p, c)?)
             }
-        })
+        };
+        p.store().check_lora()?;
+        Ok(model)
     }
 
     /// Loads a frozen classifier from a local directory or hub id (see [`super::load::locate`]).

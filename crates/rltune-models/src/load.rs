@@ -241,9 +241,14 @@ impl LoraSpec {
 
     /// `store` (loaded frozen) as the base of these adapters.
     pub fn apply(&self, store: &ParamStore, config: &CausalLmConfig) -> Result<ParamStore> {
+        self.apply_to(store, config.model_type())
+    }
+
+    /// [`Self::apply`] for a model of any `model_type` (a sequence classifier's too).
+    pub fn apply_to(&self, store: &ParamStore, model_type: &str) -> Result<ParamStore> {
         match (&self.adapter, &self.config) {
             (Some(dir), cfg) => {
-                let s = store.with_adapter(dir, config.model_type())?;
+                let s = store.with_adapter(dir, model_type)?;
                 if let (Some(want), Some(got)) = (cfg, s.lora_config()) {
                     if want.r != got.r
                         || want.target_modules.is_some() && want.target_modules != got.target_modules
@@ -260,7 +265,7 @@ impl LoraSpec {
                 }
                 Ok(s)
             }
-            (None, Some(cfg)) => store.with_lora(cfg, config.model_type(), &self.origin, self.seed),
+            (None, Some(cfg)) => store.with_lora(cfg, model_type, &self.origin, self.seed),
             (None, None) => Ok(store.clone()),
         }
     }

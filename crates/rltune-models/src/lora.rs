@@ -106,6 +106,10 @@ impl Default for LoraConfig {
     }
 }
 
+/// The heads PEFT's `PeftModelForSequenceClassification` adds to `modules_to_save`
+/// (`classifier_module_names`): a sequence classifier's head trains in full beside the adapters.
+pub const SEQ_CLS_MODULES: [&str; 2] = ["classifier", "score"];
+
 /// PEFT's default `target_modules` for a `model_type`
 /// (`TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING`).
 pub fn default_target_modules(model_type: &str) -> Option<Vec<String>> {
@@ -146,6 +150,19 @@ impl LoraConfig {
             }
         }
         Ok(())
+    }
+
+    /// This config as PEFT's `get_peft_model` makes it for `task_type = "SEQ_CLS"`: the
+    /// [`SEQ_CLS_MODULES`] join `modules_to_save`, so the classifier head trains in full.
+    pub fn for_sequence_classification(&self) -> Self {
+        let mut cfg = self.clone();
+        let modules = cfg.modules_to_save.get_or_insert_with(Vec::new);
+        for m in SEQ_CLS_MODULES {
+            if !modules.iter().any(|x| x == m) {
+                modules.push(m.to_string());
+            }
+        }
+        cfg
     }
 
     /// `lora_alpha / r`, or `lora_alpha / √r` with `use_rslora` (PEFT's `update_layer`).
@@ -315,16 +332,14 @@ impl Matcher {
     }
 }
 
-/// Whether the parameter `name` belongs to one of `modules` (PEFT's `modules_to_save` matching:
-/// the module path equals the name or ends with `"." + name`).
+/// Whether the parameter `name` belongs to one of `modules` (PEFT's `modules_to_save` matching,
+/// `_set_trainable`: a module whose path ends with a name, as a plain string, is copied whole; so
+/// `"classifier"` also takes DistilBERT's `pre_classifier`, as in PEFT).
 pub(crate) fn in_modules(name: &str, modules: &[String]) -> bool {
     let module = name.rsplit_once('.').map_or("", |(m, _)| m);
-    modules.iter().any(|n| {
-        module == n
-            || module.ends_with(&format!(".{n}"))
-            || module.starts_with(&format!("{n}."))
-            || module.contains(&format!(".{n}."))
-    })
+    // The module and each of its ancestors: a prefix of the path that ends at a dot.
+    let mut paths = module.match_indices('.').map(|(i, _)| &module[..i]).chain(std::iter::once(module));
+    paths.any(|path| modules.iter().any(|n| path.ends_with(n.as_str())))
 }
 
 /// How the base weight of an adapted layer is stored.
@@ -544,6 +559,14 @@ impl ParamStore {
         }
     }
 
+    /// Records the adapter's `task_type` (`"SEQ_CLS"` for a sequence classifier; PEFT's
+    /// `CAUSAL_LM` when unset).
+    pub fn set_lora_task_type(&self, task_type: &str) {
+        if let Some(l) = self.lock().lora.as_mut() {
+            l.meta.task_type = Some(task_type.to_string());
+        }
+    }
+
     /// Whether this store has LoRA adapters (on or off).
     pub fn has_lora(&self) -> bool {
         self.lock().lora.is_some()
@@ -684,8 +707,11 @@ impl ParamStore {
         }
         if let Some(m) = &l.cfg.modules_to_save {
             let known = |n: &String| inner.tensors.keys().any(|k| in_modules(k, std::slice::from_ref(n)));
+            // PEFT adds both of SEQ_CLS_MODULES to a classifier's adapter; a model has one.
+            let seq_cls = l.meta.task_type.as_deref() == Some("SEQ_CLS");
+            let checked = |n: &&String| !(seq_cls && SEQ_CLS_MODULES.contains(&n.as_str()));
             if !self.fill_missing {
-                if let Some(missing) = m.iter().find(|n| !known(n)) {
+                if let Some(missing) = m.iter().filter(checked).find(|n| !known(n)) {
                     return Err(Error::Input(format!(
                         "{}: modules_to_save names {missing:?}, which is no module of the model",
                         l.origin
@@ -1071,5 +1097,11 @@ mod tests {
         assert!(in_modules("v_head.summary.weight", &m));
         assert!(in_modules("model.score.bias", &m));
         assert!(!in_modules("model.scores.bias", &m));
+        // PEFT matches module paths as strings: "classifier" takes "pre_classifier" too, and a
+        // matched module's children ("classifier.dense").
+        let c = vec!["classifier".to_string()];
+        assert!(in_modules("pre_classifier.weight", &c));
+        assert!(in_modules("classifier.dense.bias", &c));
+        assert!(!in_modules("distilbert.embeddings.word_embeddings.weight", &c));
     }
 }

@@ -14,6 +14,8 @@
 //!
 //! Shape legend: B batch, T positions, L labels.
 
+use std::path::Path;
+
 use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
 
@@ -23,6 +25,7 @@ use crate::models::bert::{SequenceClassifier, SequenceClassifierConfig};
 use crate::models::load::{locate, read_config_json};
 use crate::params::ParamStore;
 use crate::tokenizer::{pad, PaddingSide, Tokenizer};
+use crate::train::reward_model::RewardModel;
 
 /// What a [`ClassifierReward`] returns for its label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -97,13 +100,23 @@ pub struct ClassifierReward {
 }
 
 impl ClassifierReward {
-    /// Loads a frozen classifier and its `tokenizer.json` from a local directory or hub id.
+    /// Loads a frozen classifier and its `tokenizer.json` from a local directory or hub id. A
+    /// directory holding a LoRA reward model (`rltune reward` with `[lora]`, or PEFT's `SEQ_CLS`
+    /// adapter) is applied to its base (`base_model_name_or_path`) and merged.
     pub fn from_pretrained(
         model: &str,
         cfg: ClassifierRewardConfig,
         dtype: DType,
         device: &Device,
     ) -> Result<Self> {
+        if RewardModel::is_adapter_dir(Path::new(model)) {
+            let m = RewardModel::from_adapter(Path::new(model), None, dtype, device)?;
+            let store = m.store.merged()?;
+            let classifier = SequenceClassifier::load(&store.root(), &m.config)?;
+            let max_positions = m.max_positions();
+            m.tokenizer.check_fits(m.vocab_size())?;
+            return Self::new(classifier, &m.tokenizer, max_positions, cfg, device);
+        }
         let files = locate(model)?;
         let config_json = read_config_json(&files.config)?;
         let model_cfg = SequenceClassifierConfig::from_json(&config_json, &files.config)?;

@@ -29,7 +29,13 @@ use super::data::{Label, RewardRecord};
 use super::runner::{self, BatchLoss, EvalResult, Objective, TrainProgress, TrainSummary, TrainingArgs};
 use crate::error::{Error, Result};
 use crate::models::bert::{SequenceClassifier, SequenceClassifierConfig};
-use crate::models::load::{locate, read_config_json, save_pretrained};
+use crate::models::load::{locate, read_config_json, save_dir_atomic, save_pretrained, LoraSpec};
+use crate::models::lora::LoraConfig;
+
+/// The classifier's `config.json` inside a LoRA reward-model directory (its labels; PEFT keeps
+/// no model config beside an adapter, and a `config.json` would make the directory look like a
+/// full model).
+pub const CLASSIFIER_CONFIG: &str = "classifier_config.json";
 use crate::ops;
 use crate::params::ParamStore;
 use crate::tokenizer::{pad, PaddingSide, Tokenizer};
@@ -162,6 +168,21 @@ impl RewardModel {
         dtype: DType,
         device: &Device,
     ) -> Result<Self> {
+        Self::from_pretrained_adapted(model, labels, seed, None, dtype, device)
+    }
+
+    /// [`Self::from_pretrained`], with LoRA adapters when `lora` is given, as PEFT's
+    /// `get_peft_model` with `task_type = "SEQ_CLS"` makes them: the encoder is frozen, the
+    /// adapters train, and the classifier head trains in full (`modules_to_save` gains
+    /// `classifier` and `score`). [`Self::save`] then writes the adapter.
+    pub fn from_pretrained_adapted(
+        model: &str,
+        labels: Option<&[String]>,
+        seed: u64,
+        lora: Option<&LoraSpec>,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
         let files = locate(model)?;
         let mut config_json = read_config_json(&files.config)?;
         if let Some(labels) = labels {
@@ -189,7 +210,20 @@ impl RewardModel {
                 initialized.join(", ")
             );
         }
-        let store = ParamStore::from_tensors(tensors, true, dtype, device, &files.dir)?;
+        let store = ParamStore::from_tensors(tensors, lora.is_none(), dtype, device, &files.dir)?;
+        let store = match lora {
+            Some(spec) => {
+                let spec = LoraSpec {
+                    config: spec.config.as_ref().map(LoraConfig::for_sequence_classification),
+                    ..spec.clone()
+                };
+                let s = spec.apply_to(&store, config.model_type())?;
+                s.set_lora_base(model);
+                s.set_lora_task_type("SEQ_CLS");
+                s
+            }
+            None => store,
+        };
         let model = SequenceClassifier::load(&store.root(), &config)?;
         Ok(Self { store, model, config, config_json, tokenizer, initialized })
     }
@@ -199,6 +233,7 @@ impl RewardModel {
         model: &str,
         records: &[RewardRecord],
         seed: u64,
+        lora: Option<&LoraSpec>,
         dtype: DType,
         device: &Device,
     ) -> Result<Self> {
@@ -206,7 +241,7 @@ impl RewardModel {
         let config = SequenceClassifierConfig::from_json(&read_config_json(&files.config)?, &files.config)?;
         let current = config_labels(&config).map_err(|m| Error::config(&files.config, m))?;
         let labels = labels_for(records, &current);
-        Self::from_pretrained(model, labels.as_deref(), seed, dtype, device)
+        Self::from_pretrained_adapted(model, labels.as_deref(), seed, lora, dtype, device)
     }
 
     /// The longest input the model accepts.
@@ -214,6 +249,14 @@ impl RewardModel {
         match &self.config {
             SequenceClassifierConfig::Bert(c) => c.max_position_embeddings,
             SequenceClassifierConfig::DistilBert(c) => c.max_position_embeddings,
+        }
+    }
+
+    /// The vocabulary size.
+    pub fn vocab_size(&self) -> usize {
+        match &self.config {
+            SequenceClassifierConfig::Bert(c) => c.vocab_size,
+            SequenceClassifierConfig::DistilBert(c) => c.vocab_size,
         }
     }
 
@@ -228,9 +271,64 @@ impl RewardModel {
     /// Saves a Hugging Face directory (config.json, model.safetensors, tokenizer.json) that
     /// [`SequenceClassifier::from_pretrained`] and transformers'
     /// `AutoModelForSequenceClassification` load.
+    ///
+    /// With LoRA: the adapter as PEFT saves it (`adapter_config.json` with `task_type =
+    /// "SEQ_CLS"`, `adapter_model.safetensors` with the head in it) and tokenizer.json, plus
+    /// the classifier's `config.json` under [`CLASSIFIER_CONFIG`] (its labels), so that
+    /// [`Self::from_adapter`] and `rltune merge` rebuild it on the base.
     pub fn save(&self, dir: &Path) -> Result<()> {
+        if self.store.has_lora() {
+            return save_dir_atomic(dir, |tmp| -> crate::models::Result<()> {
+                self.store.save_adapter(tmp, None)?;
+                let text = serde_json::to_string_pretty(&self.config_json)
+                    .map_err(|e| crate::models::Error::Input(format!("config.json: {e}")))?;
+                crate::models::io::write_bytes_atomic(&tmp.join(CLASSIFIER_CONFIG), text.as_bytes())?;
+                self.tokenizer.save(&tmp.join("tokenizer.json"))
+            })
+            .map_err(Into::into);
+        }
         save_pretrained(dir, &self.store, &self.config_json)?;
         Ok(self.tokenizer.save(&dir.join("tokenizer.json"))?)
+    }
+
+    /// A reward model saved with LoRA ([`Self::save`]): its base (`base_model_name_or_path`, or
+    /// `base` when given) with the adapter applied, the labels of its [`CLASSIFIER_CONFIG`], and
+    /// its tokenizer.json (else the base's). Trainable, so training can go on from it.
+    pub fn from_adapter(dir: &Path, base: Option<&str>, dtype: DType, device: &Device) -> Result<Self> {
+        let cfg_path = dir.join(crate::models::lora::ADAPTER_CONFIG);
+        let value: serde_json::Value = crate::models::io::read_json(&cfg_path)?;
+        let (_, meta) = LoraConfig::from_adapter_json(&value, &cfg_path)?;
+        let base = match (base, meta.base_model.as_deref()) {
+            (Some(b), _) | (None, Some(b)) => b.to_string(),
+            (None, None) => {
+                return Err(Error::config(
+                    &cfg_path,
+                    "no base_model_name_or_path: the adapter does not say which model it was trained                      on; pass the base model (e.g. `rltune merge --model BASE --adapter DIR`)",
+                ))
+            }
+        };
+        let labels = match dir.join(CLASSIFIER_CONFIG) {
+            p if p.is_file() => {
+                let cfg = SequenceClassifierConfig::from_json(&read_config_json(&p)?, &p)?;
+                Some(config_labels(&cfg).map_err(|m| Error::config(&p, m))?)
+            }
+            _ => None,
+        };
+        let spec = LoraSpec::from_dir(dir);
+        let mut model =
+            Self::from_pretrained_adapted(&base, labels.as_deref(), 0, Some(&spec), dtype, device).map_err(
+                |e| Error::Input(format!("{}: cannot apply the adapter to {base}: {e}", dir.display())),
+            )?;
+        let tok = dir.join("tokenizer.json");
+        if tok.is_file() {
+            model.tokenizer = Tokenizer::from_file(&tok)?;
+        }
+        Ok(model)
+    }
+
+    /// Whether `dir` holds a LoRA adapter rather than a full model.
+    pub fn is_adapter_dir(dir: &Path) -> bool {
+        dir.join(crate::models::lora::ADAPTER_CONFIG).is_file()
     }
 }
 

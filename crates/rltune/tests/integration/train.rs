@@ -330,7 +330,7 @@ fn check_rm_reload(model: &RewardModel, records: &[RewardRecord]) {
     assert!(d == 0.0, "reloaded logits differ by {d:e}");
     let pairs =
         vec![RewardRecord::Preference { prompt: None, chosen: "good".into(), rejected: "bad".into() }];
-    let bt = RewardModel::from_pretrained_for(out_s, &pairs, 0, DType::F32, &Device::Cpu).unwrap();
+    let bt = RewardModel::from_pretrained_for(out_s, &pairs, 0, None, DType::F32, &Device::Cpu).unwrap();
     assert_eq!(bt.model.num_labels(), 1);
     assert_eq!(bt.initialized, ["classifier.bias", "classifier.weight"]);
     let name = "bert.encoder.layer.0.attention.self.query.weight";
