@@ -52,6 +52,11 @@ pub struct CriticSection {
     /// The critic's Adam learning rate; default: `[ppo] learning_rate`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub learning_rate: Option<f64>,
+    /// LoRA adapters on the critic (`[critic.lora]`, PEFT's `LoraConfig` names; OpenRLHF's
+    /// `--lora_rank` adapts actor and critic alike): its base frozen, the adapters and its value
+    /// head train, its checkpoint holds the adapter. Default: the critic trains in full.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora: Option<crate::models::lora::LoraConfig>,
 }
 
 impl CriticSection {
@@ -447,6 +452,9 @@ impl RunConfig {
             if let Some(lr) = c.learning_rate.filter(|lr| !(lr.is_finite() && *lr > 0.0)) {
                 return Err(format!("[critic] learning_rate must be a positive number, got {lr}"));
             }
+        }
+        if let Some(l) = self.critic.as_ref().and_then(|c| c.lora.as_ref()) {
+            l.validate("[critic.lora]")?;
         }
         if self.critic.is_some() && self.algorithm.kind != AlgorithmKind::Ppo {
             return Err("[critic] works with PPO only (rejection sampling, GRPO and RLOO learn no \

@@ -8,7 +8,11 @@ use candle_core::{DType, Device};
 use super::checkpoint::{CriticFiles, CRITIC_DIR};
 use super::config::RunConfig;
 use crate::error::{Error, Result};
-use crate::models::load::{load_policy_with, LoadedPolicy};
+use crate::models::load::{load_policy_adapted, LoadedPolicy, LoraSpec};
+
+/// Added to `[ppo] seed` for the critic's new LoRA `A` matrices, so that they are not the
+/// policy's when both start from one model.
+const CRITIC_SEED_OFFSET: u64 = 0x5eed_c217;
 use crate::ppo::Critic;
 use crate::tokenizer::Tokenizer;
 
@@ -35,7 +39,15 @@ pub fn load_critic(
         }
         return Ok(None);
     };
+    // With LoRA the base is always `[critic] path`, and a checkpoint holds the adapter.
+    let lora = section.lora.as_ref().map(|l| LoraSpec {
+        config: Some(l.clone()),
+        adapter: saved.clone(),
+        origin: "the run config: [critic.lora]".into(),
+        seed: config.ppo.seed.wrapping_add(CRITIC_SEED_OFFSET),
+    });
     let src = match (ckpt, saved) {
+        _ if lora.is_some() => section.path.clone(),
         (_, Some(dir)) => dir.display().to_string(),
         (Some(dir), None) => {
             return Err(Error::Input(format!(
@@ -48,7 +60,7 @@ pub fn load_critic(
     };
     let spec = Some(config.ppo.value_head_spec());
     let LoadedPolicy { files, config_json, config: cfg, store, model } =
-        load_policy_with(&src, spec, true, dtype, device)
+        load_policy_adapted(&src, spec, lora.as_ref(), true, dtype, device)
             .map_err(|e| Error::Input(format!("[critic] path = {:?}: {e}", section.path)))?;
     if cfg.vocab_size() != policy_vocab_size {
         return Err(Error::Input(format!(

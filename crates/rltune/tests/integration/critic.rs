@@ -456,17 +456,25 @@ fn run_critic_loading_checks_the_tokenizer_and_the_checkpoint() {
 #[test]
 fn a_run_with_a_critic_checkpoints_it_and_resumes_exactly() {
     crate::common::install();
-    critic_run_resumes_exactly(false);
+    critic_run_resumes_exactly(false, false);
+}
+
+/// The same with `[critic.lora]`: the critic's base stays bitwise, its checkpoint holds the
+/// adapter and value head (PEFT's files) with their Adam moments, and the resumed run is exact.
+#[test]
+fn a_run_with_a_lora_critic_checkpoints_the_adapter_and_resumes_exactly() {
+    crate::common::install();
+    critic_run_resumes_exactly(false, true);
 }
 
 /// The same on text games (`[env]`, the letter toy): the turns bootstrap from the critic.
 #[test]
 fn a_run_on_text_games_with_a_critic_checkpoints_it_and_resumes_exactly() {
     crate::common::install();
-    critic_run_resumes_exactly(true);
+    critic_run_resumes_exactly(true, false);
 }
 
-fn critic_run_resumes_exactly(games: bool) {
+fn critic_run_resumes_exactly(games: bool, lora: bool) {
     use rltune::run::{PpoRun, RunConfig};
     use std::sync::atomic::AtomicBool;
     let tmp = tempfile::tempdir().unwrap();
@@ -494,8 +502,9 @@ fn critic_run_resumes_exactly(games: bool) {
                 prompts.to_str().unwrap()
             )
         };
+        let critic_lora = if lora { "[critic.lora]\nr = 2\nlora_alpha = 4\n" } else { "" };
         let text = format!(
-            "[model]\npath = {:?}\n[critic]\npath = {:?}\nlearning_rate = 1e-3\n{source}\
+            "[model]\npath = {:?}\n[critic]\npath = {:?}\nlearning_rate = 1e-3\n{critic_lora}{source}\
              [generation]\nmax_new_tokens = 4\n\
              [ppo]\nbatch_size = 4\nmini_batch_size = 2\nppo_epochs = 2\nlearning_rate = 1e-4\nsteps = {steps}\n\
              [logging]\ndir = {:?}\n[checkpoint]\nevery = 2\noptimizer_state = true\n",
@@ -514,7 +523,17 @@ fn critic_run_resumes_exactly(games: bool) {
     let straight = run(config("straight", 3), false);
     run(config("resumed", 2), false);
     let ckpt = tmp.path().join("resumed/checkpoints/step-2/critic");
-    for f in ["model.safetensors", "config.json", "tokenizer.json", "optimizer.safetensors"] {
+    let files: &[&str] = if lora {
+        &[
+            "adapter_config.json",
+            "adapter_model.safetensors",
+            "value_head.safetensors",
+            "optimizer.safetensors",
+        ]
+    } else {
+        &["model.safetensors", "config.json", "tokenizer.json", "optimizer.safetensors"]
+    };
+    for f in files {
         assert!(ckpt.join(f).is_file(), "no critic/{f} in the checkpoint");
     }
     let resumed = run(config("resumed", 3), true);
@@ -533,9 +552,32 @@ fn critic_run_resumes_exactly(games: bool) {
     assert_eq!(a.len(), 3);
     assert_eq!(a[2]["rltune/critic_learning_rate"], 1e-3);
     assert_eq!(a, b, "the resumed run's metrics differ");
-    let critic_of = |r: &PpoRun| snapshot(&r.trainer.critic().unwrap().store);
+    // With LoRA the value head in the store's tensors is where the critic was loaded from (a
+    // resumed run's, the checkpoint's); the trained one is among the variables, compared below.
+    let critic_of = |r: &PpoRun| {
+        let mut s = snapshot(&r.trainer.critic().unwrap().store);
+        s.retain(|k, _| !(lora && k.starts_with("v_head.")));
+        s
+    };
     let (names, worst) = changed(&critic_of(&straight), &critic_of(&resumed));
     assert!(names.is_empty(), "the critics differ by {worst}: {names:?}");
+    let trained = |r: &PpoRun| -> BTreeMap<String, Tensor> {
+        let vars = r.trainer.critic().unwrap().store.vars();
+        vars.into_iter().map(|(k, v)| (k, v.as_tensor().copy().unwrap())).collect()
+    };
+    let (names, worst) = changed(&trained(&straight), &trained(&resumed));
+    assert!(names.is_empty(), "the critics' trained variables differ by {worst}: {names:?}");
+    if lora {
+        // The base is `[critic] path`'s, bitwise; the variables are the adapters and the head.
+        let (base, _) = tiny_with_head(2, 50, ValueHeadSpec::default());
+        let mut base = snapshot(&base);
+        base.retain(|k, _| !k.starts_with("v_head."));
+        let (moved, _) = changed(&base, &critic_of(&straight));
+        assert!(moved.is_empty(), "the LoRA critic's base moved: {moved:?}");
+        let vars = trained(&straight);
+        assert!(vars.keys().all(|k| k.contains(".lora_") || k.starts_with("v_head.")), "{vars:?}");
+        assert!(vars.keys().any(|k| k.contains(".lora_B.")), "{:?}", vars.keys());
+    }
     let (names, _) = changed(&snapshot(&straight.trainer.store), &snapshot(&resumed.trainer.store));
     assert!(names.is_empty(), "the policies differ: {names:?}");
 }
