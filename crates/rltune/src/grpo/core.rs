@@ -591,6 +591,30 @@ impl Core {
     }
 }
 
+/// Whose rows and tokens normalise the loss of a data-parallel step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Normaliser {
+    /// This process's own, as TRL normalises each process's batch (on prompts the processes
+    /// hold equal numbers of rows).
+    Local,
+    /// Every process's, over the number of processes: the averaged gradient is the global
+    /// batch's even when the processes hold different numbers of rows (the turns of games).
+    Global,
+}
+
+impl Normaliser {
+    /// The rows and loss tokens the normaliser counts, given this process's.
+    pub(crate) fn totals(self, rows: usize, tokens: f64) -> Result<(f64, f64)> {
+        match self {
+            Self::Local => Ok((rows as f64, tokens)),
+            Self::Global => {
+                let world = crate::dist::world_size() as f64;
+                Ok((crate::dist::sum(rows as f64)? / world, crate::dist::sum(tokens)? / world))
+            }
+        }
+    }
+}
+
 /// The rewards of the whole batch, over every process in rank order (as TRL gathers them before
 /// the advantages): on one process, `table` itself.
 pub(crate) fn global_rewards(table: &RewardTable) -> Result<RewardTable> {
@@ -626,9 +650,11 @@ pub(crate) fn generation_stats(
     let mut s = Stats::new();
     let plen = crate::dist::sum(prompts.iter().map(|p| p.len() as f64).sum())?;
     let lens: Vec<f64> = completions.iter().map(|c| c.len() as f64).collect();
-    let lens = crate::dist::gather_f64(&lens)?;
+    // Per row: the processes hold different numbers of turns on games.
+    let lens = crate::dist::gather_var_f64(&lens)?.0;
     let truncated: Vec<bool> =
-        crate::dist::gather_f64(&truncated.iter().map(|&t| f64::from(u8::from(t))).collect::<Vec<_>>())?
+        crate::dist::gather_var_f64(&truncated.iter().map(|&t| f64::from(u8::from(t))).collect::<Vec<_>>())?
+            .0
             .into_iter()
             .map(|t| t != 0.0)
             .collect();
@@ -666,11 +692,15 @@ pub(crate) fn generation_stats(
 }
 
 /// [`generation_stats`] of a [`TurnBatch`]: its turns' lengths, and the episodes' returns as the
-/// one reward function (`rewards/episode_return/*`, `reward`); no action counts as cut.
-pub(crate) fn turn_generation_stats(core: &mut Core, batch: &TurnBatch) -> Result<Stats> {
-    let table = RewardTable::episode_returns(batch.returns);
+/// one reward function (`rewards/episode_return/*`, `reward`; `returns`: every process's, from
+/// [`RewardTable::episode_returns`] of the gathered returns); no action counts as cut.
+pub(crate) fn turn_generation_stats(
+    core: &mut Core,
+    batch: &TurnBatch,
+    returns: &RewardTable,
+) -> Result<Stats> {
     let no_cut = vec![false; batch.prompts.len()];
-    generation_stats(core, batch.prompts, batch.completions, &table, &no_cut, &[1.0])
+    generation_stats(core, batch.prompts, batch.completions, returns, &no_cut, &[1.0])
 }
 
 /// The reward weights: the configured ones, else 1 per function.

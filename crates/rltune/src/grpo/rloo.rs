@@ -13,7 +13,7 @@ use candle_core::{Tensor, D};
 use super::config::RlooConfig;
 use super::core::{
     generation_stats, global_rewards, local_rows, reference_or_frozen_policy, rows, turn_generation_stats,
-    weights_or_ones, Core, GroupBatch, Padded, RewardTable, TurnBatch,
+    weights_or_ones, Core, GroupBatch, Normaliser, Padded, RewardTable, TurnBatch,
 };
 use super::math::{self, nanmax, nanmean, nanmin};
 use crate::engine::{Stat, Stats};
@@ -111,7 +111,7 @@ impl RlooTrainer {
         let adv = adv[local_rows(b)].to_vec();
         let first =
             generation_stats(&mut self.core, batch.prompts, batch.completions, &table, &truncated, &weights)?;
-        self.update(vec![(padded, old_seq, adv)], first, &group_std, kl_metric)
+        self.update(vec![(padded, old_seq, adv)], first, &group_std, kl_metric, Normaliser::Local)
     }
 
     /// One trajectory-level RLOO step on the turns of groups of episodes (text games): an
@@ -119,7 +119,11 @@ impl RlooTrainer {
     /// all its turns' tokens, its advantage the leave-one-out one within its group, and every
     /// turn of the episode gets it; each turn is one sequence of the update of
     /// [`Self::step_with`]. With `allowed`, the policy's distributions are renormalised over
-    /// the admissible actions' tokens. One process only.
+    /// the admissible actions' tokens.
+    ///
+    /// Data-parallel: every process holds whole groups (the same number of episodes); each
+    /// folds the KL of its own episodes into their rewards, the advantages are computed over
+    /// every process's, and the loss is normalised over every process's turns.
     pub fn step_turns(&mut self, batch: &TurnBatch) -> Result<Vec<Stats>> {
         let _awake = self.core.device.is_cpu().then(crate::cpu::keep_pool_awake);
         let cfg = self.config.clone();
@@ -141,14 +145,22 @@ impl RlooTrainer {
             tokens += padded.n_tokens;
             chunks.push((idx, padded, old_seq));
         }
-        let kl_metric = self.core.reference.is_some().then(|| kl_sum / tokens.max(1.0));
+        let kl_metric = match self.core.reference {
+            Some(_) => Some(crate::dist::sum(kl_sum)? / crate::dist::sum(tokens)?.max(1.0)),
+            None => None,
+        };
+        let rewards = crate::dist::gather_f64(&rewards)?;
+        let first_episode = local_rows(batch.returns.len()).start;
         let (adv, group_std) = math::rloo_advantages(&rewards, g, cfg.normalize_advantages);
         let chunks = chunks
             .into_iter()
-            .map(|(idx, padded, old)| (padded, old, idx.iter().map(|&i| adv[batch.episodes[i]]).collect()))
+            .map(|(idx, padded, old)| {
+                (padded, old, idx.iter().map(|&i| adv[first_episode + batch.episodes[i]]).collect())
+            })
             .collect();
-        let first = turn_generation_stats(&mut self.core, batch)?;
-        self.update(chunks, first, &group_std, kl_metric)
+        let returns = RewardTable::episode_returns(&crate::dist::gather_f64(batch.returns)?);
+        let first = turn_generation_stats(&mut self.core, batch, &returns)?;
+        self.update(chunks, first, &group_std, kl_metric, Normaliser::Global)
     }
 
     /// The old sequence logprobs `(B, 1)` and, with a reference, each row's k1 KL `Σ_t (old − ref)`.
@@ -170,19 +182,22 @@ impl RlooTrainer {
     /// `num_iterations` optimizer steps of the sequence-level clipped objective on a batch of
     /// padded micro-batches (`chunks`: each with its old sequence logprobs and its rows'
     /// advantages; their gradients are summed, each chunk's loss being its rows' sum over the
-    /// batch's rows, so one chunk is the plain mean); `first` (the generation-side metrics)
-    /// joins the first step's, with `frac_reward_zero_std` from the groups' `group_std` and `kl`.
+    /// batch's rows — `norm`'s — so one chunk is the plain mean); `first` (the generation-side
+    /// metrics) joins the first step's, with `frac_reward_zero_std` from the groups' `group_std` and `kl`.
     fn update(
         &mut self,
         chunks: Vec<(Padded, Tensor, Vec<f64>)>,
         mut first: Stats,
         group_std: &[f64],
         kl_metric: Option<f64>,
+        norm: Normaliser,
     ) -> Result<Vec<Stats>> {
         let cfg = self.config.clone();
         let total_rows: usize = chunks.iter().map(|c| c.2.len()).sum();
         let total_tokens: f64 = chunks.iter().map(|c| c.0.n_tokens).sum();
-        let single = chunks.len() == 1;
+        // The rows the loss is the mean over: this process's, or (turns) every process's share.
+        let (norm_rows, _) = norm.totals(total_rows, total_tokens)?;
+        let single = chunks.len() == 1 && norm_rows == total_rows as f64;
         let zero =
             group_std.iter().filter(|s| math::is_zero_std(**s)).count() as f64 / group_std.len() as f64;
         first.insert("frac_reward_zero_std".into(), Stat::Scalar(zero));
@@ -204,7 +219,7 @@ impl RlooTrainer {
                 let ratio = (seq - old_seq)?.exp()?; // (B, 1)
                 let clipped = math::clamp(&ratio, lo, hi)?;
                 let obj = math::minimum(&(&ratio * adv_t)?, &(&clipped * adv_t)?)?.neg()?;
-                let loss = if single { obj.mean_all()? } else { (obj.sum_all()? / total_rows as f64)? };
+                let loss = if single { obj.mean_all()? } else { (obj.sum_all()? / norm_rows)? };
                 let ent: f64 = rows(&(&entropy * mask)?)?.iter().flatten().sum();
                 Ok((loss, (ratio.detach(), ent)))
             })?;
@@ -219,9 +234,9 @@ impl RlooTrainer {
                 ratio.extend(rows(&p.0)?.into_iter().map(|r| r[0]));
             }
             let flag = |f: &dyn Fn(f64, f64) -> bool| -> Result<Vec<f64>> {
-                crate::dist::gather_f64(
-                    &ratio.iter().zip(&adv).map(|(&x, &a)| f64::from(u8::from(f(x, a)))).collect::<Vec<_>>(),
-                )
+                let own: Vec<f64> =
+                    ratio.iter().zip(&adv).map(|(&x, &a)| f64::from(u8::from(f(x, a)))).collect();
+                Ok(crate::dist::gather_var_f64(&own)?.0)
             };
             let low = flag(&|x, a| x < lo && a < 0.0)?;
             let high = flag(&|x, a| x > hi && a > 0.0)?;

@@ -16,7 +16,7 @@ use super::config::GrpoConfig;
 use super::config::LossType;
 use super::core::{
     generation_stats, global_rewards, local_rows, reference_or_frozen_policy, rows, turn_generation_stats,
-    weights_or_ones, Core, GroupBatch, Padded, RewardTable, TurnBatch,
+    weights_or_ones, Core, GroupBatch, Normaliser, Padded, RewardTable, TurnBatch,
 };
 use super::math::{self, nanmax, nanmin, ObjectiveParams};
 use crate::engine::{Stat, Stats};
@@ -122,12 +122,18 @@ impl GrpoTrainer {
     /// episode's advantage is its return's, group-relative as [`math::grpo_advantages`] makes
     /// it, and every turn of the episode gets it; then the update of [`Self::step_with`], over
     /// every turn's tokens. With `allowed`, the policy's distributions are renormalised over
-    /// the admissible actions' tokens. One process only.
+    /// the admissible actions' tokens.
+    ///
+    /// Data-parallel: every process holds whole groups (the same number of episodes); the
+    /// advantages are computed over every process's returns, and the loss is normalised over
+    /// every process's turns (rows or tokens, by `loss_type`), so the averaged gradient is the
+    /// global batch's whatever each process's share of the turns.
     pub fn step_turns(&mut self, batch: &TurnBatch) -> Result<Vec<Stats>> {
         let _awake = self.core.device.is_cpu().then(crate::cpu::keep_pool_awake);
         let cfg = self.config.clone();
         self.core.check_turns(batch, cfg.num_generations, cfg.max_completion_length)?;
-        let table = RewardTable::episode_returns(batch.returns);
+        let table = RewardTable::episode_returns(&crate::dist::gather_f64(batch.returns)?);
+        let first_episode = local_rows(batch.returns.len()).start;
         let adv = math::grpo_advantages(
             &table.values,
             &[1.0],
@@ -135,18 +141,18 @@ impl GrpoTrainer {
             cfg.scale_rewards,
             cfg.multi_objective_aggregation,
         );
-        let mut first = turn_generation_stats(&mut self.core, batch)?;
+        let mut first = turn_generation_stats(&mut self.core, batch, &table)?;
         first.insert("frac_reward_zero_std".into(), Stat::Scalar(adv.frac_zero_std()));
         let chunks = self
             .core
             .turn_chunks(batch)?
             .into_iter()
             .map(|(idx, padded)| {
-                let a = idx.iter().map(|&i| adv.advantages[batch.episodes[i]]).collect();
+                let a = idx.iter().map(|&i| adv.advantages[first_episode + batch.episodes[i]]).collect();
                 (padded, a)
             })
             .collect();
-        self.update_chunks(chunks, first)
+        self.update_chunks(chunks, first, Normaliser::Global)
     }
 
     /// The logprobs [`Self::step_turns`] computes for each turn's action tokens under the current
@@ -166,20 +172,27 @@ impl GrpoTrainer {
     /// `num_iterations` optimizer steps of the clipped objective on a padded batch whose rows
     /// have `advantages`; `first` (the generation-side metrics) joins the first step's.
     fn update(&mut self, padded: Padded, advantages: Vec<f64>, first: Stats) -> Result<Vec<Stats>> {
-        self.update_chunks(vec![(padded, advantages)], first)
+        self.update_chunks(vec![(padded, advantages)], first, Normaliser::Local)
     }
 
     /// [`Self::update`] on a batch split into micro-batches (`chunks`, each padded on its own),
     /// whose gradients are summed: each chunk's loss is weighted by its share of the batch's
     /// normaliser (`loss_type`'s rows or tokens), so the sum is the whole batch's loss. One chunk
-    /// is exactly [`Self::update`]'s single batch.
-    fn update_chunks(&mut self, chunks: Vec<(Padded, Vec<f64>)>, mut first: Stats) -> Result<Vec<Stats>> {
+    /// is exactly [`Self::update`]'s single batch. `norm` says whose rows or tokens the
+    /// normaliser counts in a data-parallel run.
+    fn update_chunks(
+        &mut self,
+        chunks: Vec<(Padded, Vec<f64>)>,
+        mut first: Stats,
+        norm: Normaliser,
+    ) -> Result<Vec<Stats>> {
         let cfg = self.config.clone();
-        let total_rows: usize = chunks.iter().map(|(_, a)| a.len()).sum();
-        let total_tokens: f64 = chunks.iter().map(|(p, _)| p.n_tokens).sum();
+        let own_rows: usize = chunks.iter().map(|(_, a)| a.len()).sum();
+        let own_tokens: f64 = chunks.iter().map(|(p, _)| p.n_tokens).sum();
+        let (total_rows, total_tokens) = norm.totals(own_rows, own_tokens)?;
         // dapo's normalizer: TRL's num_items_in_batch (the batch's loss tokens over every
         // process) over the number of processes; the gradients' mean then divides by the total.
-        let num_items = crate::dist::sum(total_tokens)? / crate::dist::world_size() as f64;
+        let num_items = crate::dist::sum(own_tokens)? / crate::dist::world_size() as f64;
         let mut prepared = Vec::with_capacity(chunks.len());
         for (padded, adv) in chunks {
             // TRL computes old logprobs only when the batch is reused (num_iterations > 1).
@@ -195,7 +208,7 @@ impl GrpoTrainer {
             let adv_t = self.core.column(&adv)?;
             // The chunk's share of the normaliser (1 for a single chunk).
             let weight = match cfg.loss_type {
-                LossType::Grpo | LossType::DrGrpo => adv.len() as f64 / total_rows as f64,
+                LossType::Grpo | LossType::DrGrpo => adv.len() as f64 / total_rows,
                 LossType::Bnpo => padded.n_tokens.max(1.0) / total_tokens.max(1.0),
                 _ => 1.0,
             };
@@ -318,8 +331,8 @@ impl GrpoTrainer {
         s.insert("clip_ratio/low_mean".into(), Stat::Scalar(masked_mean(&low)?));
         s.insert("clip_ratio/high_mean".into(), Stat::Scalar(masked_mean(&high)?));
         s.insert("clip_ratio/region_mean".into(), Stat::Scalar(masked_mean(&region)?));
-        let low_seq = crate::dist::gather_f64(&seq_mean(&low))?;
-        let high_seq = crate::dist::gather_f64(&seq_mean(&high))?;
+        let low_seq = crate::dist::gather_var_f64(&seq_mean(&low))?.0;
+        let high_seq = crate::dist::gather_var_f64(&seq_mean(&high))?.0;
         s.insert("clip_ratio/low_min".into(), Stat::Scalar(nanmin(&low_seq)));
         s.insert("clip_ratio/high_max".into(), Stat::Scalar(nanmax(&high_seq)));
         Ok(())

@@ -195,8 +195,9 @@ impl EpisodeSource {
         Ok(out)
     }
 
-    /// Plays `num_generations` episodes of each of `games` training games (trajectory GRPO and
-    /// RLOO): episode `k` of the step (0-based) plays game `k / num_generations`, in rounds of
+    /// Plays `num_generations` episodes of each of the step's training games `games` (global
+    /// indices: a data-parallel process plays its share; trajectory GRPO and RLOO): episode `k`
+    /// (0-based, local) plays game `games.start + k / num_generations`, in rounds of
     /// the environments (a last round's extra environments play and are discarded). Returns the
     /// turns and the episodes, each episode's `episode` field being its index `k`, so
     /// `turn_episodes[i]` is turn `i`'s episode index; an episode lost to a failing environment
@@ -207,23 +208,32 @@ impl EpisodeSource {
         step: usize,
         lm: &CausalLm,
         tokenizer: &Tokenizer,
-        games: usize,
+        games: std::ops::Range<usize>,
         num_generations: usize,
         device: &Device,
     ) -> Result<EpisodeBatch> {
         let b = self.env.num_envs();
+        let (first_game, games) = (games.start, games.len());
         let total = games * num_generations;
+        // When this process's episodes start on a round boundary of the whole step's, its rounds
+        // are those rounds of one process playing every game, seeds included: then N processes
+        // sample what one does. Otherwise each process samples from its own stream.
+        let first_slot = first_game * num_generations;
+        let global_round = first_slot.is_multiple_of(b).then_some(first_slot / b);
         let mut out = EpisodeBatch::default();
         for round in 0..total.div_ceil(b) {
             let slot = |e: usize| round * b + e;
             let resets: Vec<Reset> = (0..b)
                 .map(|e| {
-                    let game = (slot(e) % total) / num_generations;
-                    let i = mix(self.seed, step as u64, game as u64, 0x6a3e ^ self.rank as u64);
+                    let game = first_game + (slot(e) % total) / num_generations;
+                    let i = mix(self.seed, step as u64, game as u64, 0x6a3e);
                     self.section.reset_for(0, i as usize, self.games)
                 })
                 .collect();
-            let seed = self.round_seed(step, round);
+            let seed = match global_round {
+                Some(r0) => mix(self.seed, step as u64, (r0 + round) as u64, u64::MAX),
+                None => self.round_seed(step, round),
+            };
             let got =
                 collect_episodes(self.env.as_mut(), lm, tokenizer, &self.rollout, &resets, seed, device)?;
             out.count(&got);

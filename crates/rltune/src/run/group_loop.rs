@@ -179,13 +179,6 @@ impl GroupRun {
         tokenizer.check_fits(policy.config.vocab_size())?;
         let world = crate::dist::world_size();
         let games = match &config.env {
-            Some(_) if world > 1 => {
-                return Err(Error::Input(format!(
-                    "[algorithm] kind = \"{}\" with [env] runs on one process for now; run it without \
-                     mpirun/torchrun, or train on games with kind = \"ppo\"",
-                    kind.name()
-                )))
-            }
             Some(_) => Some(Box::new(EpisodeSource::new(&config)?)),
             None => None,
         };

@@ -10,6 +10,12 @@
 //! episode, each turn carrying its episode's advantage. With `[agent] actions = "admissible"`
 //! the update renormalises the policy over each token's allowed set, as the sampler did.
 //!
+//! Data-parallel (`mpirun`): process r plays its contiguous share of the step's games (the
+//! games themselves do not depend on the number of processes; the samples do, each process
+//! drawing from its own stream), the advantages are computed over every process's returns, and
+//! the loss is normalised over every process's turns, so the averaged gradient is that of the
+//! global batch.
+//!
 //! Against per-turn PPO on the same games: no value model and no `game_gamma` (a turn is credited
 //! with its whole episode's outcome, compared with the other plays of the same game), and every
 //! played turn trains (PPO picks `batch_size` of them). The metrics are TRL's GRPO/RLOO ones
@@ -32,10 +38,13 @@ impl GroupRun {
         let Some(games) = self.games.as_mut() else {
             return Err(Error::Input("internal: a game step without [env]".into()));
         };
-        let (g, n_games) = (self.shape.num_generations, self.shape.prompts_per_step);
+        // This process's share of the step's games (all of them on one process).
+        let g = self.shape.num_generations;
+        let share = crate::dist::shard(self.shape.prompts_per_step, "the games of a step")?;
+        let n_games = share.len();
         let t = Instant::now();
-        let batch =
-            games.play_groups(step, self.trainer.policy(), &self.tokenizer, n_games, g, &self.device)?;
+        let policy = self.trainer.policy();
+        let batch = games.play_groups(step, policy, &self.tokenizer, share, g, &self.device)?;
         let time_rollout = t.elapsed().as_secs_f64();
 
         // Each episode's return; NaN for an episode lost to a failing environment.
@@ -70,7 +79,7 @@ impl GroupRun {
         stats.insert(format!("time/{kind}/step"), Stat::Scalar(t.elapsed().as_secs_f64()));
         stats.insert("time/rollout/total".into(), Stat::Scalar(time_rollout));
         stats.insert("time/rollout/generation".into(), Stat::Scalar(batch.time_generation.as_secs_f64()));
-        stats.insert("env/turns".into(), Stat::Scalar(prompts.len() as f64));
+        stats.insert("env/turns".into(), Stat::Scalar(crate::dist::sum(prompts.len() as f64)?));
         add_episode_stats(&mut stats, &batch)?;
         let (lm, gen) = (self.trainer.policy(), &self.config.generation);
         games.evaluate_if_due(step + 1, lm, &self.tokenizer, gen, seed, &self.device, &mut stats)?;
