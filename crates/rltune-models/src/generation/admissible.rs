@@ -24,12 +24,12 @@
 //! # Ok::<(), rltune_models::Error>(())
 //! ```
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device};
 use rand::{Rng, SeedableRng};
 
+use super::carried::Carried;
 use super::{row_seed, sampler, GenerationConfig};
 use crate::error::{Error, Result};
-use crate::layers::{causal_bias, position_ids_from_mask};
 use crate::{CausalLm, ValueHead};
 
 /// The token trie of a list of commands, each a token sequence ending in its end token.
@@ -197,14 +197,6 @@ pub fn generate_admissible(
     cfg: &GenerationConfig,
     device: &Device,
 ) -> Result<Vec<ActionSample>> {
-    if cfg.top_k > 1 || cfg.top_p < 1.0 {
-        return Err(Error::Input(format!(
-            "[agent] actions = \"admissible\" samples from the softmax over the allowed commands' tokens: \
-             top_k = {} and top_p = {} cannot apply there; set top_k = 0 (or 1 for greedy) and top_p = 1.0",
-            cfg.top_k, cfg.top_p
-        )));
-    }
-    let temperature = if cfg.top_k == 1 { 0.0 } else { cfg.temperature };
     if prompts.len() != tries.len() {
         return Err(Error::Input(format!("{} prompts but {} admissible lists", prompts.len(), tries.len())));
     }
@@ -214,8 +206,46 @@ pub fn generate_admissible(
     if prompts.iter().any(Vec::is_empty) {
         return Err(Error::Input("an empty prompt: every turn's prompt needs at least one token".into()));
     }
+    let mut carried = Carried::new(lm, prompts.len());
+    let tries: Vec<Option<&ActionTrie>> = tries.iter().map(Some).collect();
+    let out = generate_admissible_carried(lm, v_head, &mut carried, prompts, &tries, cfg, device)?;
+    Ok(out.into_iter().flatten().collect())
+}
+
+/// [`generate_admissible`] on a batch whose KV cache is carried from call to call (multi-turn
+/// transcripts, [`Carried`]): row `i` appends `chunks[i]` (after the tokens its last command
+/// left pending) and samples one command from `tries[i]`. A row without a trie samples
+/// nothing: with a chunk, it returns an empty command whose one value is that of the state
+/// after its chunk (a truncated episode's final state); without one, `None`. Each sample's
+/// `query_ids` is its chunk. The command's last token is left pending: the next call feeds it.
+pub fn generate_admissible_carried(
+    lm: &CausalLm,
+    v_head: Option<&ValueHead>,
+    carried: &mut Carried,
+    chunks: &[Vec<u32>],
+    tries: &[Option<&ActionTrie>],
+    cfg: &GenerationConfig,
+    device: &Device,
+) -> Result<Vec<Option<ActionSample>>> {
+    if cfg.top_k > 1 || cfg.top_p < 1.0 {
+        return Err(Error::Input(format!(
+            "[agent] actions = \"admissible\" samples from the softmax over the allowed commands' tokens: \
+             top_k = {} and top_p = {} cannot apply there; set top_k = 0 (or 1 for greedy) and top_p = 1.0",
+            cfg.top_k, cfg.top_p
+        )));
+    }
+    let temperature = if cfg.top_k == 1 { 0.0 } else { cfg.temperature };
+    let b = carried.rows();
+    if chunks.len() != b || tries.len() != b {
+        return Err(Error::Input(format!(
+            "{} chunks and {} admissible lists for a batch of {b} rows",
+            chunks.len(),
+            tries.len()
+        )));
+    }
     let vocab = lm.vocab_size();
     for (i, trie) in tries.iter().enumerate() {
+        let Some(trie) = trie else { continue };
         if let Some(bad) = trie.nodes.iter().flat_map(|n| &n.tokens).find(|&&t| t as usize >= vocab) {
             return Err(Error::Input(format!(
                 "admissible list {i}: token id {bad} is not below the model's vocab_size {vocab}: \
@@ -223,39 +253,42 @@ pub fn generate_admissible(
             )));
         }
     }
+    if let Some((i, bad)) =
+        chunks.iter().enumerate().find_map(|(i, c)| c.iter().find(|&&t| t as usize >= vocab).map(|t| (i, t)))
+    {
+        return Err(Error::Input(format!(
+            "prompt {i}: token id {bad} is not below the model's vocab_size {vocab}"
+        )));
+    }
+    if let Some(i) = (0..b).find(|&i| tries[i].is_some() && carried.tokens(i) + chunks[i].len() == 0) {
+        return Err(Error::Input(format!(
+            "row {i}: an empty prompt: every turn's prompt needs at least one token"
+        )));
+    }
     let pad = lm.config().pad_token_id().unwrap_or(0);
-    let b = prompts.len();
-    let width = prompts.iter().map(Vec::len).max().unwrap_or(0);
-    let mut mask: Vec<Vec<u8>> =
-        prompts.iter().map(|p| [vec![0u8; width - p.len()], vec![1u8; p.len()]].concat()).collect();
-    let ids: Vec<u32> = prompts
-        .iter()
-        .flat_map(|p| std::iter::repeat_n(pad, width - p.len()).chain(p.iter().copied()))
-        .collect();
     let mut rngs: Vec<rand::rngs::StdRng> = (0..b as u64)
         .map(|i| rand::rngs::StdRng::seed_from_u64(row_seed(cfg.seed, cfg.row_offset + i)))
         .collect();
-    let mut cache = lm.new_cache();
-    let input = Tensor::from_vec(ids, (b, width), device)?;
-    let mut hidden = lm.forward(
-        &input,
-        &position_ids_from_mask(&mask, device)?,
-        &causal_bias(&mask, width, DType::F32, device)?,
-        Some(&mut cache),
-    )?;
+    let Some(mut hidden) = carried.prefill(lm, chunks, pad, device)? else {
+        return Ok(vec![None; b]);
+    };
     let mut node = vec![ActionTrie::ROOT; b];
-    let mut out: Vec<ActionSample> = prompts
+    let mut out: Vec<Option<ActionSample>> = chunks
         .iter()
-        .map(|p| ActionSample {
-            query_ids: p.clone(),
-            response_ids: vec![],
-            logprobs: vec![],
-            allowed: vec![],
-            values: vec![],
-            action: 0,
+        .zip(tries)
+        .map(|(p, t)| {
+            (t.is_some() || !p.is_empty()).then(|| ActionSample {
+                query_ids: p.clone(),
+                response_ids: vec![],
+                logprobs: vec![],
+                allowed: vec![],
+                values: vec![],
+                action: 0,
+            })
         })
         .collect();
-    let mut next_pos: Vec<u32> = prompts.iter().map(|p| p.len() as u32).collect();
+    let allowed_at = |i: usize, node: usize| tries[i].map_or(&[][..], |t| t.allowed(node));
+    let mut first = true;
     loop {
         let last = hidden.narrow(1, hidden.dim(1)? - 1, 1)?;
         let values = match v_head {
@@ -266,46 +299,56 @@ pub fn generate_admissible(
             lm.logits(&last)?.squeeze(1)?.to_dtype(DType::F32)?.to_device(&Device::Cpu)?.to_vec2::<f32>()?;
         let mut next = vec![pad; b];
         for i in 0..b {
-            let allowed = tries[i].allowed(node[i]);
+            let allowed = allowed_at(i, node[i]);
             if allowed.is_empty() {
-                continue; // this row's command is complete
+                // A value-only row: the value of the state after its chunk.
+                if let (true, Some(o), None, Some(v)) = (first, out[i].as_mut(), tries[i], &values) {
+                    o.values.push(v[i]);
+                }
+                continue; // this row's command is complete, or it samples none
             }
+            let o =
+                out[i].as_mut().ok_or_else(|| Error::Input(format!("internal: row {i} has no sample")))?;
             let u: f64 = rngs[i].gen();
             let (tok, lp) = sample_allowed(&logits[i], temperature, allowed, u);
-            out[i].allowed.push(allowed.to_vec());
-            out[i].response_ids.push(tok);
-            out[i].logprobs.push(lp as f32);
+            o.allowed.push(allowed.to_vec());
+            o.response_ids.push(tok);
+            o.logprobs.push(lp as f32);
             if let Some(v) = &values {
-                out[i].values.push(v[i]);
+                o.values.push(v[i]);
             }
-            node[i] = tries[i].step(node[i], tok).ok_or_else(|| {
+            let trie = tries[i].ok_or_else(|| Error::Input(format!("internal: row {i} has no trie")))?;
+            node[i] = trie.step(node[i], tok).ok_or_else(|| {
                 Error::Input(format!("row {i}: sampled token {tok} is not in its allowed set"))
             })?;
-            if let Some(a) = tries[i].action(node[i]) {
-                out[i].action = a;
+            if let Some(a) = trie.action(node[i]) {
+                o.action = a;
             }
             next[i] = tok;
         }
-        let live: Vec<bool> = (0..b).map(|i| !tries[i].allowed(node[i]).is_empty()).collect();
+        first = false;
+        let live: Vec<bool> = (0..b).map(|i| !allowed_at(i, node[i]).is_empty()).collect();
         if !live.iter().any(|&l| l) {
-            return Ok(out);
+            break;
         }
         // Finished rows feed padding that nothing attends to.
-        for (i, m) in mask.iter_mut().enumerate() {
-            m.push(u8::from(live[i]));
-        }
-        let pos = next_pos.clone();
-        next_pos.iter_mut().zip(&live).for_each(|(p, &l)| *p += u32::from(l));
-        let input = Tensor::from_vec(next, (b, 1), device)?;
-        let positions = Tensor::from_vec(pos, (b, 1), device)?;
-        hidden =
-            lm.forward(&input, &positions, &causal_bias(&mask, 1, DType::F32, device)?, Some(&mut cache))?;
+        hidden = carried.feed(lm, next, &live, device)?;
     }
+    // A command's last token was sampled but never fed (mask 0 or the loop's end): the next
+    // turn's chunk starts with it.
+    for (i, o) in out.iter().enumerate() {
+        if let Some(&last) = o.as_ref().and_then(|o| o.response_ids.last()) {
+            carried.set_pending(i, vec![last]);
+        }
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::layers::{causal_bias, position_ids_from_mask};
+    use candle_core::Tensor;
 
     #[test]
     fn temperature_zero_picks_the_most_likely_allowed_token() {
@@ -516,5 +559,66 @@ mod tests {
             let e = one(&cfg).unwrap_err().to_string();
             assert!(e.contains("top_k") && e.contains("top_p = 1.0"), "{e}");
         }
+    }
+
+    /// Three turns on a carried cache (two rows of different lengths; the second row idle on
+    /// turn 2 and value-only on turn 3) sample what one fresh prefill of each row's whole
+    /// sequence samples: the same commands, logprobs and values within 1e-5.
+    #[test]
+    fn a_carried_cache_samples_what_the_whole_sequence_samples() {
+        use crate::value_head::ValueHead;
+        let lm = tiny_lm();
+        let store = ParamStore::random(9, false, DType::F32, &Device::Cpu).unwrap();
+        let head = ValueHead::load(&store.root().pp("v_head"), 16).unwrap();
+        let dev = Device::Cpu;
+        let trie = ActionTrie::new(&[vec![5, 6, 1], vec![5, 7, 1], vec![9, 1]]).unwrap();
+        let cfg = sampling(1.0, 4);
+        let mut carried = Carried::new(&lm, 2);
+        let mut whole: Vec<Vec<u32>> = vec![Vec::new(), Vec::new()];
+        let turns: [[(Vec<u32>, bool); 2]; 3] = [
+            [(vec![2, 3, 4], true), (vec![8, 2], true)],
+            [(vec![11, 12], true), (vec![], false)],
+            [(vec![13], true), (vec![14, 15, 16], false)],
+        ];
+        let mut worst = 0f64;
+        for (t, turn) in turns.iter().enumerate() {
+            let chunks: Vec<Vec<u32>> = turn.iter().map(|(c, _)| c.clone()).collect();
+            let tries: Vec<Option<&ActionTrie>> = turn.iter().map(|(_, s)| s.then_some(&trie)).collect();
+            let got =
+                generate_admissible_carried(&lm, Some(&head), &mut carried, &chunks, &tries, &cfg, &dev)
+                    .unwrap();
+            for i in 0..2 {
+                whole[i].extend(&chunks[i]);
+                let Some(g) = &got[i] else {
+                    assert!(chunks[i].is_empty() && !turn[i].1, "turn {t} row {i}");
+                    continue;
+                };
+                // The same row alone, its whole sequence prefilled, with the same stream.
+                let one = GenerationConfig { row_offset: i as u64, ..cfg.clone() };
+                let fresh = generate_admissible(
+                    &lm,
+                    Some(&head),
+                    &[whole[i].clone()],
+                    std::slice::from_ref(&trie),
+                    &one,
+                    &dev,
+                )
+                .unwrap();
+                if turn[i].1 {
+                    assert_eq!(g.response_ids, fresh[0].response_ids, "turn {t} row {i}");
+                    for (a, b) in
+                        g.logprobs.iter().zip(&fresh[0].logprobs).chain(g.values.iter().zip(&fresh[0].values))
+                    {
+                        worst = worst.max((a - b).abs() as f64);
+                    }
+                    whole[i].extend(&g.response_ids);
+                } else {
+                    assert!(g.response_ids.is_empty() && g.values.len() == 1, "turn {t} row {i}: value only");
+                    worst = worst.max((g.values[0] - fresh[0].values[0]).abs() as f64);
+                }
+            }
+        }
+        assert!(worst < 1e-5, "carried vs whole sequence: {worst:e}");
+        assert_eq!(carried.tokens(0), whole[0].len());
     }
 }

@@ -11,6 +11,7 @@
 //! KL estimate (TRL's documented cause of negative KL); turning them on logs a warning.
 
 pub mod admissible;
+pub mod carried;
 pub mod sampler;
 
 use candle_core::{DType, Device, Tensor};
