@@ -5,8 +5,8 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use rltune::agent::config::{agent_generation, EnvConfig};
-use rltune::agent::model_agent::ModelAgent;
-use rltune::envs::play::{play, Agent, Episode, PlayReport, RandomAgent};
+use rltune::agent::model_agent::play_model;
+use rltune::envs::play::{play, Episode, PlayReport, RandomAgent};
 use rltune::models::load::{load_policy_adapted, LoraSpec};
 use rltune::tokenizer::Tokenizer;
 
@@ -75,14 +75,9 @@ pub fn run(args: Args) -> Result<()> {
                 format!("{model}: no tokenizer.json; a model agent needs one to read the game")
             })?;
             let tokenizer = Tokenizer::from_file(&tok_path)?;
-            let mut agent: Box<dyn Agent> = Box::new(ModelAgent::new(
-                &policy.model.lm,
-                &tokenizer,
-                cfg.agent.clone(),
-                agent_generation(&cfg, args.seed),
-                device,
-            )?);
-            play(env.as_mut(), agent.as_mut(), args.episodes, &resets)?
+            let generation = agent_generation(&cfg, args.seed);
+            let lm = &policy.model.lm;
+            play_model(env.as_mut(), lm, &tokenizer, &cfg.agent, &generation, args.episodes, &resets, device)?
         }
     };
     let report = PlayReport::of(&episodes, dropped, started.elapsed().as_secs_f64());

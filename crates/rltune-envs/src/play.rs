@@ -27,6 +27,24 @@ pub struct PromptTemplate {
     pub instruction: String,
     /// How a model agent writes its action: free text, or one of the admissible commands.
     pub actions: ActionMode,
+    /// What the model reads each turn: a re-rendered window of the last `memory_turns`, or the
+    /// whole episode as one growing token sequence (issue #39).
+    pub memory: Memory,
+}
+
+/// What a model agent reads each turn (`[agent] memory`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Memory {
+    /// The prompt is rendered anew each turn: the objective, the last `memory_turns` turns, the
+    /// state (the textworld fork's sliding memory).
+    #[default]
+    Window,
+    /// The episode is one token sequence, token in, token out: the first turn's prompt, then
+    /// each action's tokens as sampled and each later state's [`PromptTemplate::render_next`],
+    /// never re-tokenized; the sampler carries its KV cache from turn to turn, so a turn only
+    /// prefills the new state. Admissible actions only.
+    Transcript,
 }
 
 impl Default for PromptTemplate {
@@ -37,6 +55,7 @@ impl Default for PromptTemplate {
             show_inventory: true,
             instruction: "What do you do next?\n>".into(),
             actions: ActionMode::Free,
+            memory: Memory::Window,
         }
     }
 }
@@ -97,6 +116,38 @@ impl PromptTemplate {
         }
         s.push_str(&self.instruction);
         s
+    }
+
+    /// A later turn's part of a transcript ([`Memory::Transcript`]): the state `now` as
+    /// [`Self::render`] shows it, without the objective (the first turn showed it) and without
+    /// memory (the transcript holds the earlier turns). It follows the previous action's end
+    /// token, a line break.
+    pub fn render_next(&self, now: &EnvStep) -> String {
+        let mut s = String::new();
+        if now.observation.trim().is_empty() {
+            s.push_str("Observation: (nothing)\n");
+        } else {
+            s.push_str(&format!("Observation: {}\n", now.observation.trim()));
+        }
+        if self.show_inventory && !now.inventory.is_empty() {
+            s.push_str(&format!("Inventory: {}\n", now.inventory.trim()));
+        }
+        if self.show_admissible && !now.admissible_commands.is_empty() {
+            s.push_str(&format!("Your possible actions are {}.\n", or_list(&now.admissible_commands)));
+        }
+        s.push_str(&self.instruction);
+        s
+    }
+
+    /// Checks that the settings work together; the message names the field.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        if self.memory == Memory::Transcript && self.actions != ActionMode::Admissible {
+            return Err("[agent] memory = \"transcript\" needs actions = \"admissible\": a free-text \
+                        action's sampled tokens run past its end, and the transcript keeps exactly \
+                        the tokens sampled; set actions = \"admissible\" or memory = \"window\""
+                .into());
+        }
+        Ok(())
     }
 
     /// The prompt's token ids, at most `max_tokens` long: memory turns are dropped oldest first

@@ -133,6 +133,7 @@ impl Default for AgentQuickstartConfig<EssaysConfig> {
                 instruction: "Label:\n>".into(),
                 // The label is drawn from the 15 admissible commands (issue #39): never invalid.
                 actions: ActionMode::Admissible,
+                ..PromptTemplate::default()
             },
             max_new_tokens: 6,
             max_steps: 64,

@@ -103,11 +103,14 @@ impl Carried {
                 .extend(std::iter::repeat_n(0u8, width - c.len()).chain(std::iter::repeat_n(1u8, c.len())));
             self.next_pos[i] += c.len() as u32;
         }
+        let started = std::time::Instant::now();
         let total = self.cached_positions();
         let input = Tensor::from_vec(ids, (full.len(), width), device)?;
         let positions = position_ids_from_mask(&self.mask, device)?.narrow(1, total - width, width)?;
         let bias = causal_bias(&self.mask, width, DType::F32, device)?;
-        Ok(Some(lm.forward(&input, &positions, &bias, Some(&mut self.cache))?))
+        let hidden = lm.forward(&input, &positions, &bias, Some(&mut self.cache))?;
+        super::add_prefill(started.elapsed(), full.iter().map(Vec::len).sum());
+        Ok(Some(hidden))
     }
 
     /// One decoding step: feeds `next[i]` to every row, visible where `live[i]` (a finished row

@@ -25,6 +25,28 @@ use crate::layers::causal_bias;
 use crate::tokenizer::{pad, PaddingSide};
 use crate::{CausalLm, ValueHead};
 
+thread_local! {
+    /// Time spent and real tokens run in prefills on this thread, since the last
+    /// [`take_prefill`].
+    static PREFILL: std::cell::Cell<(std::time::Duration, usize)> =
+        const { std::cell::Cell::new((std::time::Duration::ZERO, 0)) };
+}
+
+/// Counts a prefill of `tokens` real tokens that took `elapsed`.
+pub(crate) fn add_prefill(elapsed: std::time::Duration, tokens: usize) {
+    PREFILL.with(|p| {
+        let (t, n) = p.get();
+        p.set((t + elapsed, n + tokens));
+    });
+}
+
+/// The time spent and the real (unpadded) tokens run in the prompt prefills of this thread's
+/// sampling calls ([`generate`], [`admissible::generate_admissible`] and its carried form)
+/// since the last call, which resets them: what a rollout reports as its prefill share.
+pub fn take_prefill() -> (std::time::Duration, usize) {
+    PREFILL.with(|p| p.replace((std::time::Duration::ZERO, 0)))
+}
+
 /// Generation settings.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -205,10 +227,12 @@ pub fn generate_with(
     // Next position id of each row = number of real tokens so far.
     let mut next_pos: Vec<u32> = mask.iter().map(|m| m.iter().map(|&x| x as u32).sum()).collect();
 
+    let started = std::time::Instant::now();
     let input = Tensor::new(ids, device)?;
     let positions = crate::layers::position_ids_from_mask(&mask, device)?;
     let bias = causal_bias(&mask, prompt_len, DType::F32, device)?;
     let mut hidden = lm.forward(&input, &positions, &bias, Some(&mut cache))?;
+    add_prefill(started.elapsed(), prompts.iter().map(Vec::len).sum());
     // Every decoding step multiplies the same weights by B rows: pack them once.
     let _packed = rltune_kernels::gemm::pack_scope(&lm.weight_matrices());
     for step in 0..cfg.max_new_tokens {

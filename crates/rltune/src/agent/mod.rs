@@ -4,10 +4,12 @@
 //!   prompt and generation settings.
 //! - [`model_agent`]: a causal LM as an [`crate::envs::play::Agent`], for `rltune play`.
 //! - [`rollout`]: episodes played by the policy under training, turned into PPO transitions with
-//!   per-turn discounting.
+//!   per-turn discounting; with `[agent] memory = "transcript"`, one growing token sequence per
+//!   episode with the KV cache carried across turns (`transcript`).
 
 pub mod config;
 pub mod model_agent;
 pub mod rollout;
+mod transcript;
 
 pub use model_agent::prompt_budget;

@@ -6,13 +6,40 @@
 
 use candle_core::Device;
 
-use crate::envs::play::{extract_action, ActionMode, Agent, PromptTemplate, Turn};
+use crate::envs::play::{extract_action, ActionMode, Agent, Memory, PromptTemplate, Turn};
 use crate::envs::EnvStep;
 use crate::error::{Error, Result};
 use crate::generation::admissible::{generate_admissible, ActionTrie};
 use crate::generation::{generate, GenerationConfig};
 use crate::models::CausalLm;
 use crate::tokenizer::Tokenizer;
+
+/// Plays `episodes` episodes with `lm`: as [`crate::envs::play::play`] plays them with a
+/// [`ModelAgent`], or with `[agent] memory = "transcript"` as one token sequence per episode on
+/// a KV cache carried from turn to turn ([`super::transcript`]), in rounds of the environments.
+/// Returns the episodes in order and the number dropped by failing environments.
+#[allow(clippy::too_many_arguments)]
+pub fn play_model(
+    env: &mut dyn crate::envs::TextEnv,
+    lm: &CausalLm,
+    tokenizer: &Tokenizer,
+    template: &PromptTemplate,
+    generation: &GenerationConfig,
+    episodes: usize,
+    resets: crate::envs::play::ResetPlan,
+    device: &Device,
+) -> Result<(Vec<crate::envs::play::Episode>, usize)> {
+    template.validate().map_err(Error::Input)?;
+    match template.memory {
+        Memory::Transcript => super::transcript::play_transcripts(
+            env, lm, tokenizer, template, generation, episodes, resets, device,
+        ),
+        Memory::Window => {
+            let mut agent = ModelAgent::new(lm, tokenizer, template.clone(), generation.clone(), device)?;
+            Ok(crate::envs::play::play(env, &mut agent, episodes, resets)?)
+        }
+    }
+}
 
 /// A language model as an [`Agent`].
 pub struct ModelAgent<'a> {

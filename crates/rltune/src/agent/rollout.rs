@@ -21,7 +21,7 @@ use rand::{Rng, SeedableRng};
 use super::model_agent::command_trie;
 use super::prompt_budget;
 use crate::envs::letters::count_e;
-use crate::envs::play::{ActionMode, Episode, PromptTemplate, Turn, ACTION_STOPS};
+use crate::envs::play::{ActionMode, Episode, Memory, PromptTemplate, Turn, ACTION_STOPS};
 use crate::envs::{EnvStep, Reset, TextEnv};
 use crate::error::{Error, Result};
 use crate::generation::admissible::{generate_admissible, ActionTrie};
@@ -151,6 +151,12 @@ pub struct Collected {
     pub time_generation: Duration,
     /// Time spent in the environments (resets and steps).
     pub time_env: Duration,
+    /// Of `time_generation`, the time spent prefilling prompts (the new states' tokens with
+    /// transcript memory).
+    pub time_prefill: Duration,
+    /// Real tokens prefilled: every turn's whole prompt with window memory, only each turn's
+    /// new tokens with transcript memory.
+    pub prefill_tokens: usize,
 }
 
 /// Plays one episode in each of `env`'s environments (reset with `resets`) with `policy`, and
@@ -159,6 +165,9 @@ pub struct Collected {
 /// An environment whose step fails (its own error, e.g. a restarted program) drops its
 /// episode, transitions included, and the others carry on; an error of the whole batch is
 /// returned.
+///
+/// With `[agent] memory = "transcript"` each episode is one growing token sequence and the
+/// sampler's KV cache is carried from turn to turn ([`super::transcript`]).
 pub fn collect_episodes<'a>(
     env: &mut dyn TextEnv,
     policy: impl Into<Actor<'a>>,
@@ -169,6 +178,34 @@ pub fn collect_episodes<'a>(
     device: &Device,
 ) -> Result<Collected> {
     let policy: Actor = policy.into();
+    crate::generation::take_prefill();
+    let mut got = match cfg.template.memory {
+        Memory::Window => collect_windows(env, policy, tokenizer, cfg, resets, seed, device)?,
+        Memory::Transcript => {
+            cfg.template.validate().map_err(Error::Input)?;
+            if cfg.example_turn_prob > 0.0 {
+                return Err(Error::Input(
+                    "[agent] memory = \"transcript\" plays no example turns; set example_turn_prob = 0"
+                        .into(),
+                ));
+            }
+            super::transcript::collect_transcripts(env, policy, tokenizer, cfg, resets, seed, device)?
+        }
+    };
+    (got.time_prefill, got.prefill_tokens) = crate::generation::take_prefill();
+    Ok(got)
+}
+
+/// [`collect_episodes`] with window memory: each turn's prompt rendered anew.
+fn collect_windows(
+    env: &mut dyn TextEnv,
+    policy: Actor,
+    tokenizer: &Tokenizer,
+    cfg: &RolloutConfig,
+    resets: &[Reset],
+    seed: u64,
+    device: &Device,
+) -> Result<Collected> {
     let b = env.num_envs();
     let envs: Vec<usize> = (0..b).collect();
     if resets.len() != b {
@@ -339,6 +376,8 @@ pub fn collect_episodes<'a>(
         dropped,
         time_generation,
         time_env,
+        time_prefill: Duration::ZERO,
+        prefill_tokens: 0,
     })
 }
 

@@ -15,7 +15,7 @@ pub use super::reward_config::{RewardSection, RewardSourceConfig};
 use crate::agent::config::EnvSection;
 use crate::agent::rollout::Shaping;
 use crate::config_file::parse_toml;
-use crate::envs::play::PromptTemplate;
+use crate::envs::play::{Memory, PromptTemplate};
 use crate::error::{Error, Result};
 use crate::generation::GenerationConfig;
 use crate::grpo::{GrpoConfig, RlooConfig};
@@ -406,6 +406,15 @@ impl RunConfig {
     pub(super) fn validate_games(&self, env: &EnvSection) -> std::result::Result<(), String> {
         env.validate()?;
         self.episodes.validate()?;
+        self.agent.validate()?;
+        if self.agent.memory == Memory::Transcript && self.episodes.example_turn_prob > 0.0 {
+            return Err(format!(
+                "[episodes] example_turn_prob = {} with [agent] memory = \"transcript\": an example \
+                 command is not sampled, so the transcript would hold tokens the policy never wrote; \
+                 set it to 0 or use memory = \"window\"",
+                self.episodes.example_turn_prob
+            ));
+        }
         if !self.data.source.is_empty() {
             return Err("both [data] source and [env] are set; a run trains on prompts or on text \
                         games, not both: remove one"

@@ -18,10 +18,10 @@ use rand::SeedableRng;
 
 use super::config::{AlgorithmKind, EpisodesSection, RunConfig};
 use crate::agent::config::{EnvSection, Split};
-use crate::agent::model_agent::ModelAgent;
+use crate::agent::model_agent::play_model;
 use crate::agent::rollout::{collect_episodes, Actor, Collected, RolloutConfig, Transition};
 use crate::engine::{Stat, Stats};
-use crate::envs::play::{play, Episode, PlayReport, PromptTemplate};
+use crate::envs::play::{Episode, PlayReport, PromptTemplate};
 use crate::envs::{Reset, TextEnv};
 use crate::error::{Error, Result};
 use crate::generation::GenerationConfig;
@@ -53,6 +53,10 @@ pub struct EpisodeBatch {
     pub time_generation: Duration,
     /// Time spent in the environments.
     pub time_env: Duration,
+    /// Of `time_generation`, the prompts' prefills.
+    pub time_prefill: Duration,
+    /// Real tokens prefilled.
+    pub prefill_tokens: usize,
 }
 
 /// Turns as token rows: the prompts, the actions, and each action token's allowed set.
@@ -65,6 +69,8 @@ impl EpisodeBatch {
         self.dropped += got.dropped;
         self.time_generation += got.time_generation;
         self.time_env += got.time_env;
+        self.time_prefill += got.time_prefill;
+        self.prefill_tokens += got.prefill_tokens;
     }
 
     /// The turns' prompts, actions and (admissible actions) allowed sets, as the trainers take
@@ -351,9 +357,10 @@ pub fn evaluate(
     let games = section.game_count()?;
     let mut env = section.build()?;
     let gen = GenerationConfig { seed, ..generation.clone() };
-    let mut agent = ModelAgent::new(policy, tokenizer, template.clone(), gen, device)?;
     let t = Instant::now();
-    let (done, dropped) = play(env.as_mut(), &mut agent, episodes, &|i| section.reset_for(seed, i, games))?;
+    let resets = |i| section.reset_for(seed, i, games);
+    let (done, dropped) =
+        play_model(env.as_mut(), policy, tokenizer, template, &gen, episodes, &resets, device)?;
     Ok(PlayReport::of(&done, dropped, t.elapsed().as_secs_f64()))
 }
 
@@ -377,7 +384,13 @@ fn mix(a: u64, b: u64, c: u64, d: u64) -> u64 {
 pub fn add_episode_stats(stats: &mut Stats, batch: &EpisodeBatch) -> Result<()> {
     let mut own = Stats::new();
     add_own_episode_stats(&mut own, batch);
-    let counts = ["env/episodes", "env/unused_turns", "env/example_turns", "env/dropped_episodes"];
+    let counts = [
+        "env/episodes",
+        "env/unused_turns",
+        "env/example_turns",
+        "env/dropped_episodes",
+        "env/prefill_tokens",
+    ];
     crate::dist::reduce_stats(&mut own, &counts)?;
     stats.extend(own);
     Ok(())
@@ -398,6 +411,8 @@ fn add_own_episode_stats(stats: &mut Stats, batch: &EpisodeBatch) {
         ("env/example_turns", batch.example_turns as f64),
         ("env/dropped_episodes", batch.dropped as f64),
         ("time/rollout/env", batch.time_env.as_secs_f64()),
+        ("time/rollout/prefill", batch.time_prefill.as_secs_f64()),
+        ("env/prefill_tokens", batch.prefill_tokens as f64),
     ] {
         stats.insert(k.into(), Stat::Scalar(v));
     }

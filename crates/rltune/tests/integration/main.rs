@@ -21,3 +21,4 @@ mod ppo_behaviour;
 mod ppo_parity;
 mod train;
 mod trajectory_groups;
+mod transcript;
