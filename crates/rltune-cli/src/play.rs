@@ -63,6 +63,7 @@ pub fn run(args: Args) -> Result<()> {
     let games = cfg.env.game_count()?;
     let resets = |i: usize| cfg.env.reset_for(args.seed, i, games);
     let started = std::time::Instant::now();
+    let (prefill0, tokens0) = rltune::generation::prefill_counters();
     let (episodes, dropped) = match &args.model {
         None => play(env.as_mut(), &mut RandomAgent::new(args.seed), args.episodes, &resets)?,
         Some(model) => {
@@ -81,6 +82,18 @@ pub fn run(args: Args) -> Result<()> {
         }
     };
     let report = PlayReport::of(&episodes, dropped, started.elapsed().as_secs_f64());
+    let (prefill1, tokens1) = rltune::generation::prefill_counters();
+    let (prefill, prefill_tokens) = (prefill1 - prefill0, tokens1 - tokens0);
+    if args.model.is_some() {
+        let turns: usize = episodes.iter().map(|e| e.steps).sum();
+        eprintln!(
+            "prefill: {:.2} s of {:.2} s ({:.0}%), {prefill_tokens} tokens ({:.1} per turn)",
+            prefill.as_secs_f64(),
+            started.elapsed().as_secs_f64(),
+            100.0 * prefill.as_secs_f64() / started.elapsed().as_secs_f64().max(1e-9),
+            prefill_tokens as f64 / turns.max(1) as f64
+        );
+    }
     if let Some(path) = &args.transcripts {
         let mut text = String::new();
         for e in &episodes {

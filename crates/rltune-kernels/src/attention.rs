@@ -538,6 +538,8 @@ pub struct KvBlock {
     k: Vec<Vec<f32>>,
     v: Vec<Vec<f32>>,
     len: usize,
+    /// Heads per sequence (set by the first append).
+    heads: usize,
 }
 
 impl KvBlock {
@@ -549,6 +551,53 @@ impl KvBlock {
     /// Whether nothing is cached yet.
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// Keeps the sequences `rows` (indices among the cached ones, in the order given): the
+    /// batch shrinks to them, their cached keys and values untouched.
+    pub fn select_rows(&mut self, rows: &[usize]) -> CResult<()> {
+        if self.k.is_empty() {
+            return Ok(());
+        }
+        // Sequence × head slots; the heads of a sequence are consecutive.
+        let h = self.heads.max(1);
+        let b = self.k.len() / h;
+        if let Some(&bad) = rows.iter().find(|&&r| r >= b) {
+            candle_core::bail!("KV block: row {bad} of {b} cached sequences");
+        }
+        let pick = |slots: &mut Vec<Vec<f32>>| {
+            let mut old: Vec<Option<Vec<f32>>> = std::mem::take(slots).into_iter().map(Some).collect();
+            for &r in rows {
+                for i in 0..h {
+                    slots.push(old[r * h + i].take().unwrap_or_default());
+                }
+            }
+        };
+        pick(&mut self.k);
+        pick(&mut self.v);
+        Ok(())
+    }
+
+    /// Keeps the cached positions `keep` (increasing indices) of every sequence.
+    pub fn select_positions(&mut self, keep: &[usize]) -> CResult<()> {
+        if self.len == 0 {
+            return Ok(());
+        }
+        if let Some(&bad) = keep.iter().find(|&&p| p >= self.len) {
+            candle_core::bail!("KV block: position {bad} of {}", self.len);
+        }
+        let d = self.k.first().map_or(0, |k| k.len() / self.len);
+        let pick = |slot: &mut Vec<f32>| {
+            let old = std::mem::take(slot);
+            slot.reserve(keep.len() * d);
+            for &p in keep {
+                slot.extend_from_slice(&old[p * d..(p + 1) * d]);
+            }
+        };
+        self.k.iter_mut().for_each(pick);
+        self.v.iter_mut().for_each(pick);
+        self.len = keep.len();
+        Ok(())
     }
 }
 
@@ -618,6 +667,7 @@ impl CustomOp2 for CachedSelfAttention<'_> {
         if cache.k.is_empty() {
             cache.k = vec![Vec::new(); b * h];
             cache.v = vec![Vec::new(); b * h];
+            cache.heads = h;
         }
         if cache.k.len() != b * h {
             candle_core::bail!(

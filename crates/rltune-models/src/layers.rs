@@ -182,6 +182,34 @@ impl KvCache {
         self.blocks.get_mut(layer).ok_or_else(|| Error::Input(format!("KV cache has no layer {layer}")))
     }
 
+    /// Keeps the sequences `rows` (indices into the cached batch, in the order given), dropping
+    /// the others: a batch of growing sequences sheds the finished ones.
+    pub fn select_rows(&mut self, rows: &[usize]) -> Result<()> {
+        for (k, v) in self.layers.iter_mut().flatten() {
+            let idx = Tensor::new(rows.iter().map(|&r| r as u32).collect::<Vec<_>>(), k.device())?;
+            *k = k.index_select(&idx, 0)?;
+            *v = v.index_select(&idx, 0)?;
+        }
+        for block in &mut self.blocks {
+            block.select_rows(rows)?;
+        }
+        Ok(())
+    }
+
+    /// Keeps the cached positions `keep` (increasing indices) of every sequence: positions that
+    /// every sequence masks out can go.
+    pub fn select_positions(&mut self, keep: &[usize]) -> Result<()> {
+        for (k, v) in self.layers.iter_mut().flatten() {
+            let idx = Tensor::new(keep.iter().map(|&p| p as u32).collect::<Vec<_>>(), k.device())?;
+            *k = k.index_select(&idx, 2)?;
+            *v = v.index_select(&idx, 2)?;
+        }
+        for block in &mut self.blocks {
+            block.select_positions(keep)?;
+        }
+        Ok(())
+    }
+
     /// Appends this step's keys and values for `layer` and returns the full ones.
     ///
     /// The cache is for inference: it keeps the values only, detached from the autograd graph.

@@ -134,6 +134,29 @@ impl Carried {
         lm.forward(&input, &positions, &bias, Some(&mut self.cache))
     }
 
+    /// Keeps the rows `rows` (distinct indices into this batch, in the order given) and drops
+    /// the others with their cache: the batch shrinks as its sequences finish. Then the
+    /// positions that every row left masks out (the padding of the dropped rows' longer chunks)
+    /// leave the cache too, so later turns do not attend over them.
+    pub fn retain(&mut self, rows: &[usize]) -> Result<()> {
+        if let Some(&bad) = rows.iter().find(|&&r| r >= self.rows()) {
+            return Err(Error::Input(format!("carried batch: row {bad} of {}", self.rows())));
+        }
+        self.cache.select_rows(rows)?;
+        self.mask = rows.iter().map(|&r| std::mem::take(&mut self.mask[r])).collect();
+        self.next_pos = rows.iter().map(|&r| self.next_pos[r]).collect();
+        self.pending = rows.iter().map(|&r| std::mem::take(&mut self.pending[r])).collect();
+        let keep: Vec<usize> =
+            (0..self.cached_positions()).filter(|&j| self.mask.iter().any(|m| m[j] == 1)).collect();
+        if keep.len() < self.cached_positions() {
+            self.cache.select_positions(&keep)?;
+            for m in &mut self.mask {
+                *m = keep.iter().map(|&j| m[j]).collect();
+            }
+        }
+        Ok(())
+    }
+
     /// Marks `tokens` as sampled for `row` but not yet in the cache: the next
     /// [`Self::prefill`] feeds them before the row's new chunk.
     pub(crate) fn set_pending(&mut self, row: usize, tokens: Vec<u32>) {

@@ -26,8 +26,7 @@ use crate::tokenizer::{pad, PaddingSide};
 use crate::{CausalLm, ValueHead};
 
 thread_local! {
-    /// Time spent and real tokens run in prefills on this thread, since the last
-    /// [`take_prefill`].
+    /// Time spent and real tokens run in prefills on this thread, since it started.
     static PREFILL: std::cell::Cell<(std::time::Duration, usize)> =
         const { std::cell::Cell::new((std::time::Duration::ZERO, 0)) };
 }
@@ -42,9 +41,10 @@ pub(crate) fn add_prefill(elapsed: std::time::Duration, tokens: usize) {
 
 /// The time spent and the real (unpadded) tokens run in the prompt prefills of this thread's
 /// sampling calls ([`generate`], [`admissible::generate_admissible`] and its carried form)
-/// since the last call, which resets them: what a rollout reports as its prefill share.
-pub fn take_prefill() -> (std::time::Duration, usize) {
-    PREFILL.with(|p| p.replace((std::time::Duration::ZERO, 0)))
+/// since the thread started: a caller takes the difference over a stretch of work, e.g. a
+/// rollout's prefill share.
+pub fn prefill_counters() -> (std::time::Duration, usize) {
+    PREFILL.with(std::cell::Cell::get)
 }
 
 /// Generation settings.

@@ -178,7 +178,7 @@ pub fn collect_episodes<'a>(
     device: &Device,
 ) -> Result<Collected> {
     let policy: Actor = policy.into();
-    crate::generation::take_prefill();
+    let (t0, n0) = crate::generation::prefill_counters();
     let mut got = match cfg.template.memory {
         Memory::Window => collect_windows(env, policy, tokenizer, cfg, resets, seed, device)?,
         Memory::Transcript => {
@@ -192,7 +192,8 @@ pub fn collect_episodes<'a>(
             super::transcript::collect_transcripts(env, policy, tokenizer, cfg, resets, seed, device)?
         }
     };
-    (got.time_prefill, got.prefill_tokens) = crate::generation::take_prefill();
+    let (t1, n1) = crate::generation::prefill_counters();
+    (got.time_prefill, got.prefill_tokens) = (t1 - t0, n1 - n0);
     Ok(got)
 }
 

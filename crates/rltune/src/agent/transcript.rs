@@ -10,7 +10,8 @@
 //! credit is the window mode's: `game_gamma` across turns, GAE within a turn.
 //!
 //! The environments of a round share one [`Carried`] batch: each turn prefills only each
-//! episode's new state (after its previous action's last token), then samples the commands.
+//! episode's new state (after its previous action's last token), then samples the commands; a
+//! finished episode's row leaves the batch with its cache.
 //!
 //! **A full context ends the episode.** When a state's tokens plus its longest command no
 //! longer fit the model's positions, the episode stops there, counted as truncated, and its
@@ -27,7 +28,7 @@ use super::rollout::{Actor, Collected, RolloutConfig, Transition};
 use crate::envs::play::{extract_action, Episode, Turn};
 use crate::envs::{EnvStep, Reset, TextEnv};
 use crate::error::{Error, Result};
-use crate::generation::admissible::{generate_admissible_carried, ActionTrie};
+use crate::generation::admissible::{generate_admissible_carried, ActionSample, ActionTrie};
 use crate::generation::carried::Carried;
 use crate::generation::{generate, GenerationConfig};
 use crate::tokenizer::Tokenizer;
@@ -59,6 +60,8 @@ pub(crate) fn collect_transcripts(
     let mut out: Vec<Vec<Transition>> = vec![Vec::new(); b];
     let mut waiting: Vec<Option<usize>> = vec![None; b];
     let mut carried = Carried::new(policy.lm, b);
+    // The environment of each row of the carried batch: finished episodes leave it.
+    let mut rows: Vec<usize> = (0..b).collect();
     let mut dropped = 0usize;
     let mut turn = 0u64;
     loop {
@@ -118,16 +121,29 @@ pub(crate) fn collect_transcripts(
         };
         turn += 1;
         let t = Instant::now();
-        let trie_refs: Vec<Option<&ActionTrie>> = tries.iter().map(Option::as_ref).collect();
-        let samples = generate_admissible_carried(
+        // Shed the rows of finished episodes (their cache too) before this turn's forward.
+        let need: Vec<usize> =
+            rows.iter().copied().filter(|&e| live[e].is_some() || finals[e].is_some()).collect();
+        if need.len() < rows.len() {
+            let keep: Vec<usize> = (0..rows.len()).filter(|&k| need.contains(&rows[k])).collect();
+            carried.retain(&keep)?;
+            rows = need;
+        }
+        let row_chunks: Vec<Vec<u32>> = rows.iter().map(|&e| std::mem::take(&mut chunks[e])).collect();
+        let row_tries: Vec<Option<&ActionTrie>> = rows.iter().map(|&e| tries[e].as_ref()).collect();
+        let got = generate_admissible_carried(
             policy.lm,
             policy.v_head,
             &mut carried,
-            &chunks,
-            &trie_refs,
+            &row_chunks,
+            &row_tries,
             &gen,
             device,
         )?;
+        let mut samples: Vec<Option<ActionSample>> = vec![None; b];
+        for (&e, s) in rows.iter().zip(got) {
+            samples[e] = s;
+        }
         let full_values: Vec<f32> = if full.is_empty() || policy.v_head.is_none() {
             vec![0.0; full.len()]
         } else {

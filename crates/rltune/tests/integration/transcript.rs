@@ -49,11 +49,17 @@ fn policy(positions: usize) -> CausalLmWithValueHead {
     CausalLmWithValueHead::load(&store.root(), lm).unwrap()
 }
 
-/// Three commands each turn; "go" earns 1; the episode ends after `turns` turns, truncated
-/// (so the last turn bootstraps from the final state).
+/// Three commands each turn; "go" earns 1; environment e's episode ends after `turns[e]`
+/// turns, truncated (so the last turn bootstraps from the final state).
 struct Hall {
-    turns: usize,
+    turns: Vec<usize>,
     at: Vec<usize>,
+}
+
+impl Hall {
+    fn new(turns: &[usize]) -> Self {
+        Self { turns: turns.to_vec(), at: vec![0; turns.len()] }
+    }
 }
 
 fn state(k: usize) -> EnvStep {
@@ -86,7 +92,7 @@ impl TextEnv for Hall {
             .map(|(e, a)| {
                 self.at[*e] += 1;
                 let k = self.at[*e];
-                Ok(EnvStep { reward: f64::from(u8::from(a == "go")), truncated: k == self.turns, ..state(k) })
+                Ok(EnvStep { reward: f64::from(u8::from(a == "go")), truncated: k == self.turns[*e], ..state(k) })
             })
             .collect())
     }
@@ -111,9 +117,9 @@ fn config() -> RolloutConfig {
     }
 }
 
-fn collect(model: &CausalLmWithValueHead, envs: usize, turns: usize) -> Collected {
-    let mut env = Hall { turns, at: vec![0; envs] };
-    let resets = vec![Reset::default(); envs];
+fn collect(model: &CausalLmWithValueHead, turns: &[usize]) -> Collected {
+    let mut env = Hall::new(turns);
+    let resets = vec![Reset::default(); turns.len()];
     collect_episodes(&mut env, model, &byte_tokenizer(), &config(), &resets, 11, &Device::Cpu).unwrap()
 }
 
@@ -139,7 +145,7 @@ fn turns_extend_one_token_sequence_tokenized_once() {
     crate::common::install();
     let model = policy(512);
     let tok = byte_tokenizer();
-    let got = collect(&model, 3, 4);
+    let got = collect(&model, &[4, 4, 4]);
     assert_eq!(got.transitions.len(), 12, "3 episodes of 4 turns");
     assert_eq!(got.episodes.len(), 3);
     let first = tok.encode(&template().render(&state(0), &[], 0)).unwrap();
@@ -166,7 +172,9 @@ fn turns_extend_one_token_sequence_tokenized_once() {
 fn logprobs_values_and_bootstraps_equal_an_uncached_forward() {
     crate::common::install();
     let model = policy(512);
-    let got = collect(&model, 2, 4);
+    // Episodes of 4, 2 and 3 turns: finished rows leave the carried batch mid-round.
+    let got = collect(&model, &[4, 2, 3]);
+    assert_eq!(got.transitions.len(), 9);
     let mut worst = 0f64;
     for (i, t) in got.transitions.iter().enumerate() {
         let mut ids = t.query_ids.clone();
@@ -201,7 +209,7 @@ fn a_full_context_ends_the_episode_truncated() {
     crate::common::install();
     // 96 positions: the first prompt (~60 bytes) and two or three turns fit, not twenty.
     let model = policy(96);
-    let got = collect(&model, 2, 20);
+    let got = collect(&model, &[20, 20]);
     assert_eq!(got.episodes.len(), 2);
     for ep in &got.episodes {
         assert!(ep.truncated && ep.steps < 20, "steps {}", ep.steps);
@@ -221,7 +229,7 @@ fn a_full_context_ends_the_episode_truncated() {
 fn play_model_plays_transcripts_in_rounds() {
     crate::common::install();
     let model = policy(512);
-    let mut env = Hall { turns: 3, at: vec![0; 2] };
+    let mut env = Hall::new(&[3, 3]);
     let gen = GenerationConfig { seed: 1, ..GenerationConfig::default() };
     let tok = byte_tokenizer();
     let resets = |_: usize| Reset::default();
