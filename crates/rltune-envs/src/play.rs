@@ -95,6 +95,21 @@ pub struct Turn {
     pub logprob: Option<f64>,
 }
 
+impl Turn {
+    /// The turn that played `action` from `before` and led to `after`, with the action's
+    /// logprob when the agent reports one.
+    pub fn played(before: EnvStep, action: String, after: &EnvStep, logprob: Option<f64>) -> Self {
+        Self {
+            observation: before.observation,
+            action,
+            reward: after.reward,
+            invalid: after.invalid,
+            admissible: before.admissible_commands,
+            logprob,
+        }
+    }
+}
+
 impl PromptTemplate {
     /// The prompt for the state `now`, after the turns `memory` (oldest first), with the last
     /// `keep` of those turns shown (at most `memory_turns`).
@@ -108,6 +123,12 @@ impl PromptTemplate {
             s.push_str(&format!("> {}\n{}\n", t.action, t.observation.trim()));
         }
         s.push_str(&format!("Observation: {}\n", now.observation.trim()));
+        self.push_state(&mut s, now);
+        s
+    }
+
+    /// The inventory, the command list and the instruction, as [`Self::render`] ends.
+    fn push_state(&self, s: &mut String, now: &EnvStep) {
         if self.show_inventory && !now.inventory.is_empty() {
             s.push_str(&format!("Inventory: {}\n", now.inventory.trim()));
         }
@@ -115,7 +136,6 @@ impl PromptTemplate {
             s.push_str(&format!("Your possible actions are {}.\n", or_list(&now.admissible_commands)));
         }
         s.push_str(&self.instruction);
-        s
     }
 
     /// A later turn's part of a transcript ([`Memory::Transcript`]): the state `now` as
@@ -123,19 +143,8 @@ impl PromptTemplate {
     /// memory (the transcript holds the earlier turns). It follows the previous action's end
     /// token, a line break.
     pub fn render_next(&self, now: &EnvStep) -> String {
-        let mut s = String::new();
-        if now.observation.trim().is_empty() {
-            s.push_str("Observation: (nothing)\n");
-        } else {
-            s.push_str(&format!("Observation: {}\n", now.observation.trim()));
-        }
-        if self.show_inventory && !now.inventory.is_empty() {
-            s.push_str(&format!("Inventory: {}\n", now.inventory.trim()));
-        }
-        if self.show_admissible && !now.admissible_commands.is_empty() {
-            s.push_str(&format!("Your possible actions are {}.\n", or_list(&now.admissible_commands)));
-        }
-        s.push_str(&self.instruction);
+        let mut s = format!("Observation: {}\n", now.observation.trim());
+        self.push_state(&mut s, now);
         s
     }
 
@@ -413,15 +422,7 @@ pub fn play(
                     finished.push(e);
                 }
                 Ok(after) => {
-                    let turn = Turn {
-                        observation: before.observation,
-                        action,
-                        reward: after.reward,
-                        invalid: after.invalid,
-                        admissible: before.admissible_commands,
-                        logprob: logprobs.as_ref().map(|l| l[k]),
-                    };
-                    ep.record(turn, &after);
+                    ep.record(Turn::played(before, action, &after, logprobs.as_ref().map(|l| l[k])), &after);
                     if after.done() {
                         done.push(ep);
                         finished.push(e);

@@ -314,10 +314,7 @@ fn collect_windows(
             let after = match result {
                 Ok(after) => after,
                 Err(err) => {
-                    tracing::warn!("environment {e}: episode dropped ({err})");
-                    out[e].clear();
-                    waiting[e] = None;
-                    episodes[e] = None;
+                    drop_episode(e, &err, &mut out, &mut waiting, &mut episodes);
                     dropped += 1;
                     continue;
                 }
@@ -349,14 +346,7 @@ fn collect_windows(
             // The transcript's turn: the admissible set and, for a sampled action, its logprob
             // (None for an example turn).
             let logprob = cuts[k].map(|cut| samples[k].logprobs[..cut].iter().map(|&l| f64::from(l)).sum());
-            let turn = Turn {
-                observation: before.observation,
-                action: action.clone(),
-                reward: after.reward,
-                invalid: after.invalid,
-                admissible: before.admissible_commands,
-                logprob,
-            };
+            let turn = Turn::played(before, action.clone(), &after, logprob);
             if let Some(ep) = episodes[e].as_mut() {
                 ep.record(turn.clone(), &after);
             }
@@ -380,6 +370,21 @@ fn collect_windows(
         time_prefill: Duration::ZERO,
         prefill_tokens: 0,
     })
+}
+
+/// Drops environment `e`'s episode after its step failed: its transitions, its waiting
+/// bootstrap and its summary go (the caller counts it).
+pub(super) fn drop_episode(
+    e: usize,
+    err: &dyn std::fmt::Display,
+    out: &mut [Vec<Transition>],
+    waiting: &mut [Option<usize>],
+    episodes: &mut [Option<Episode>],
+) {
+    tracing::warn!("environment {e}: episode dropped ({err})");
+    out[e].clear();
+    waiting[e] = None;
+    episodes[e] = None;
 }
 
 /// The tokens allowed at each position of one sampled command.

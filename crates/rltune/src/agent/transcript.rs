@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use candle_core::Device;
 
 use super::model_agent::command_trie;
-use super::rollout::{Actor, Collected, RolloutConfig, Transition};
+use super::rollout::{drop_episode, Actor, Collected, RolloutConfig, Transition};
 use crate::envs::play::{extract_action, Episode, Turn};
 use crate::envs::{EnvStep, Reset, TextEnv};
 use crate::error::{Error, Result};
@@ -196,10 +196,7 @@ pub(crate) fn collect_transcripts(
             let after = match result {
                 Ok(after) => after,
                 Err(err) => {
-                    tracing::warn!("environment {e}: episode dropped ({err})");
-                    out[e].clear();
-                    waiting[e] = None;
-                    episodes[e] = None;
+                    drop_episode(e, &err, &mut out, &mut waiting, &mut episodes);
                     dropped += 1;
                     continue;
                 }
@@ -221,16 +218,9 @@ pub(crate) fn collect_transcripts(
             if !after.terminated {
                 waiting[e] = Some(out[e].len() - 1);
             }
-            let turn = Turn {
-                observation: before.observation,
-                action,
-                reward: after.reward,
-                invalid: after.invalid,
-                admissible: before.admissible_commands,
-                logprob: Some(s.logprobs.iter().map(|&l| f64::from(l)).sum()),
-            };
+            let logprob = Some(s.logprobs.iter().map(|&l| f64::from(l)).sum());
             if let Some(ep) = episodes[e].as_mut() {
-                ep.record(turn, &after);
+                ep.record(Turn::played(before, action, &after, logprob), &after);
             }
             if !after.done() {
                 live[e] = Some(after);

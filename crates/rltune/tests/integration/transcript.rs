@@ -92,7 +92,11 @@ impl TextEnv for Hall {
             .map(|(e, a)| {
                 self.at[*e] += 1;
                 let k = self.at[*e];
-                Ok(EnvStep { reward: f64::from(u8::from(a == "go")), truncated: k == self.turns[*e], ..state(k) })
+                Ok(EnvStep {
+                    reward: f64::from(u8::from(a == "go")),
+                    truncated: k == self.turns[*e],
+                    ..state(k)
+                })
             })
             .collect())
     }
