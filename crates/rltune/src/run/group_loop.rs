@@ -103,18 +103,26 @@ pub struct GroupRun {
     policy_files: ModelFiles,
     config_json: serde_json::Value,
     tokenizer: Tokenizer,
-    prompts: Vec<(Vec<u32>, PromptRow)>,
-    /// The reward functions (`None` on games: the episodes' returns are the rewards).
-    reward: Option<WeightedSum>,
-    reward_names: Vec<String>,
+    source: Source,
     eos_ids: Vec<u32>,
     logger: RunLogger,
     start_step: usize,
     device: Device,
-    /// `[eval] source`, encoded (empty without `[eval]`).
-    eval_prompts: Vec<(Vec<u32>, PromptRow)>,
-    /// With `[env]`: the text games (trajectory-level GRPO/RLOO, [`games`]).
-    games: Option<Box<EpisodeSource>>,
+}
+
+/// Where a group run's samples and rewards come from.
+enum Source {
+    /// `[data]` prompts scored by reward functions (TRL's GRPO and RLOO).
+    Prompts {
+        prompts: Vec<(Vec<u32>, PromptRow)>,
+        reward: WeightedSum,
+        reward_names: Vec<String>,
+        /// `[eval] source`, encoded (empty without `[eval]`).
+        eval_prompts: Vec<(Vec<u32>, PromptRow)>,
+    },
+    /// `[env]` text games: the episodes' returns are the rewards (trajectory-level GRPO and
+    /// RLOO, [`games`]).
+    Games(Box<EpisodeSource>),
 }
 
 impl GroupRun {
@@ -178,14 +186,41 @@ impl GroupRun {
         let tokenizer = Tokenizer::from_file(&tok_path)?;
         tokenizer.check_fits(policy.config.vocab_size())?;
         let world = crate::dist::world_size();
-        let games = match &config.env {
-            Some(_) => Some(Box::new(EpisodeSource::new(&config)?)),
-            None => None,
+        let source = match &config.env {
+            Some(_) if !extra_rewards.is_empty() => {
+                return Err(Error::Input(
+                    "reward functions were given with [env]: episodes are scored by the game".into(),
+                ))
+            }
+            Some(_) => Source::Games(Box::new(EpisodeSource::new(&config)?)),
+            None => {
+                let mut reward_names: Vec<String> =
+                    config.reward.sources.iter().map(|s| s.metric_name()).collect();
+                reward_names.extend(extra_rewards.iter().map(|(_, r)| r.name().to_string()));
+                if let Some(i) =
+                    (1..reward_names.len()).find(|&i| reward_names[..i].contains(&reward_names[i]))
+                {
+                    return Err(Error::Input(format!(
+                        "two reward functions are named {:?}; the metrics rewards/<name>/mean need distinct names",
+                        reward_names[i]
+                    )));
+                }
+                Source::Prompts {
+                    prompts: encode_prompts(&config, &tokenizer)?,
+                    reward: build_reward_sum(&config, extra_rewards, runtime)?,
+                    reward_names,
+                    eval_prompts: if config.eval.enabled() {
+                        encode_eval_prompts(&config, &tokenizer)?
+                    } else {
+                        Vec::new()
+                    },
+                }
+            }
         };
-        let prompts = if games.is_some() { Vec::new() } else { encode_prompts(&config, &tokenizer)? };
-        let eval_prompts =
-            if config.eval.enabled() { encode_eval_prompts(&config, &tokenizer)? } else { Vec::new() };
-        let n_data = games.as_ref().map_or(prompts.len(), |g| g.game_count());
+        let n_data = match &source {
+            Source::Prompts { prompts, .. } => prompts.len(),
+            Source::Games(g) => g.game_count(),
+        };
         let shape = config.group_shape(n_data, world).map_err(Error::Input)?;
         if world > 1 {
             let bs = config.group_batch_size();
@@ -196,27 +231,11 @@ impl GroupRun {
                 shape.prompts_per_step
             );
         }
-
-        let mut reward_names: Vec<String> = config.reward.sources.iter().map(|s| s.metric_name()).collect();
-        reward_names.extend(extra_rewards.iter().map(|(_, r)| r.name().to_string()));
-        if let Some(i) = (1..reward_names.len()).find(|&i| reward_names[..i].contains(&reward_names[i])) {
-            return Err(Error::Input(format!(
-                "two reward functions are named {:?}; the metrics rewards/<name>/mean need distinct names",
-                reward_names[i]
-            )));
-        }
         // On games the one reward is the episode's return.
-        let reward = match &games {
-            Some(_) if !extra_rewards.is_empty() => {
-                return Err(Error::Input(
-                    "reward functions were given with [env]: episodes are scored by the game".into(),
-                ))
-            }
-            Some(_) => None,
-            None => Some(build_reward_sum(&config, extra_rewards, runtime)?),
+        let weights: Option<Vec<f64>> = match &source {
+            Source::Prompts { reward, .. } => Some(reward.parts().map(|(w, _)| f64::from(w)).collect()),
+            Source::Games(_) => None,
         };
-        let weights: Option<Vec<f64>> =
-            reward.as_ref().map(|r| r.parts().map(|(w, _)| f64::from(w)).collect());
         let optimizer_steps = (shape.steps * shape.num_iterations) as i64;
         let bs = Some(config.group_batch_size());
         let beta = match kind {
@@ -283,15 +302,11 @@ impl GroupRun {
             policy_files: policy.files,
             config_json: policy.config_json,
             tokenizer,
-            prompts,
-            reward,
-            reward_names,
+            source,
             eos_ids,
             logger,
             start_step,
             device: runtime.device().clone(),
-            eval_prompts,
-            games,
         })
     }
 
@@ -324,17 +339,20 @@ impl GroupRun {
     /// Scores the policy on `[eval] source` after `step` steps ([`super::eval`]): logged, and
     /// appended to `eval.jsonl` by rank 0.
     pub fn evaluate(&mut self, step: usize) -> Result<EvalResult> {
+        let Source::Prompts { reward, reward_names, eval_prompts, .. } = &mut self.source else {
+            return Err(Error::Input(
+                "[eval] scores prompts; a run on games evaluates with [episodes]".into(),
+            ));
+        };
         let evaluator = Evaluator {
             section: &self.config.eval,
-            prompts: &self.eval_prompts,
+            prompts: eval_prompts,
             tokenizer: &self.tokenizer,
             generation: &self.config.generation,
             eos_ids: &self.eos_ids,
             device: &self.device,
         };
-        let reward =
-            self.reward.as_mut().ok_or_else(|| Error::Input("internal: [eval] without rewards".into()))?;
-        let result = evaluator.run(step, self.trainer.policy(), reward, &self.reward_names)?;
+        let result = evaluator.run(step, self.trainer.policy(), reward, reward_names)?;
         tracing::info!("{}", result.describe());
         if crate::dist::is_main() {
             record(&self.config.logging.dir, &result, step)?;
@@ -345,12 +363,12 @@ impl GroupRun {
     /// The next `prompts_per_step` prompt indices: a new permutation each epoch, whose last
     /// incomplete batch is dropped (TRL's `RepeatSampler` with `drop_last`).
     fn next_prompts(&self, order: &mut Vec<usize>, rng: &mut rand::rngs::StdRng) -> Vec<usize> {
-        if self.games.is_some() {
+        let Source::Prompts { prompts, .. } = &self.source else {
             return Vec::new(); // each step draws its games from the seed and the step
-        }
+        };
         let k = self.shape.prompts_per_step;
         if order.len() < k {
-            *order = (0..self.prompts.len()).collect();
+            *order = (0..prompts.len()).collect();
             order.shuffle(rng);
             order.reverse();
         }
@@ -366,7 +384,10 @@ impl GroupRun {
         let batch = &batch[share];
         // (B·G) rows: each prompt repeated G times, consecutively.
         let rows: Vec<usize> = batch.iter().flat_map(|&i| std::iter::repeat_n(i, g)).collect();
-        let queries: Vec<Vec<u32>> = rows.iter().map(|&i| self.prompts[i].0.clone()).collect();
+        let Source::Prompts { prompts, reward, reward_names, .. } = &mut self.source else {
+            return Err(Error::Input("internal: a prompt step on games".into()));
+        };
+        let queries: Vec<Vec<u32>> = rows.iter().map(|&i| prompts[i].0.clone()).collect();
         let t = Instant::now();
         let gen_cfg = GenerationConfig {
             seed: self.config.generation.seed.wrapping_add(step as u64),
@@ -378,19 +399,15 @@ impl GroupRun {
 
         let t = Instant::now();
         let texts = decode(&self.tokenizer, &samples)?;
-        let metas: Vec<&serde_json::Value> = rows.iter().map(|&i| &self.prompts[i].1.meta).collect();
+        let metas: Vec<&serde_json::Value> = rows.iter().map(|&i| &prompts[i].1.meta).collect();
         let inputs = reward_inputs(&samples, &texts, &metas);
         // [part][sample] → values[sample][part]; NaN stays: a missing reward.
-        let reward = self
-            .reward
-            .as_mut()
-            .ok_or_else(|| Error::Input("internal: a prompt step without rewards".into()))?;
         let parts = reward.score_parts(&inputs)?;
         let weights: Vec<f64> = reward.parts().map(|(w, _)| f64::from(w)).collect();
         let values: Vec<Vec<f64>> =
             (0..inputs.len()).map(|i| parts.iter().map(|p| f64::from(p[i])).collect()).collect();
         let time_reward = t.elapsed().as_secs_f64();
-        let table = RewardTable { names: self.reward_names.clone(), values };
+        let table = RewardTable { names: reward_names.clone(), values };
 
         let t = Instant::now();
         let completions: Vec<Vec<u32>> = samples.iter().map(|s| s.response_ids.clone()).collect();
@@ -510,10 +527,10 @@ impl super::run_loop::Algorithm for GroupRun {
     }
 
     fn step(&mut self, step: usize, batch: &Vec<usize>) -> Result<StepReport> {
-        if self.games.is_some() {
-            return self.game_step(step);
+        match self.source {
+            Source::Games(_) => self.game_step(step),
+            Source::Prompts { .. } => self.one_step(step, batch),
         }
-        self.one_step(step, batch)
     }
 
     fn checkpoint(&self, step: usize) -> Result<()> {

@@ -35,7 +35,7 @@ impl GroupRun {
     /// One step on text games: play the groups, step on their turns, log, evaluate when due.
     pub(super) fn game_step(&mut self, step: usize) -> Result<StepReport> {
         let seed = self.seed();
-        let Some(games) = self.games.as_mut() else {
+        let super::Source::Games(games) = &mut self.source else {
             return Err(Error::Input("internal: a game step without [env]".into()));
         };
         // This process's share of the step's games (all of them on one process).
