@@ -266,8 +266,9 @@ pub fn generate_admissible_carried(
         )));
     }
     let pad = lm.config().pad_token_id().unwrap_or(0);
-    let mut rngs: Vec<rand::rngs::StdRng> = (0..b as u64)
-        .map(|i| rand::rngs::StdRng::seed_from_u64(row_seed(cfg.seed, cfg.row_offset + i)))
+    // Row i draws from stream `row_offset + carried.stream(i)`: its index in the batch as made.
+    let mut rngs: Vec<rand::rngs::StdRng> = (0..b)
+        .map(|i| rand::rngs::StdRng::seed_from_u64(row_seed(cfg.seed, cfg.row_offset + carried.stream(i))))
         .collect();
     let Some(mut hidden) = carried.prefill(lm, chunks, pad, device)? else {
         return Ok(vec![None; b]);

@@ -25,6 +25,9 @@ pub struct Carried {
     mask: Vec<Vec<u8>>,
     next_pos: Vec<u32>,
     pending: Vec<Vec<u32>>,
+    /// Each row's sampling stream: its index when the batch was made, kept by
+    /// [`Self::retain`], so a row draws from the same stream however the batch shrinks.
+    stream: Vec<u64>,
 }
 
 impl Carried {
@@ -35,7 +38,13 @@ impl Carried {
             mask: vec![Vec::new(); rows],
             next_pos: vec![0; rows],
             pending: vec![Vec::new(); rows],
+            stream: (0..rows as u64).collect(),
         }
+    }
+
+    /// Row `row`'s sampling stream (its index in the batch as made).
+    pub fn stream(&self, row: usize) -> u64 {
+        self.stream[row]
     }
 
     /// The number of rows.
@@ -146,6 +155,7 @@ impl Carried {
         self.mask = rows.iter().map(|&r| std::mem::take(&mut self.mask[r])).collect();
         self.next_pos = rows.iter().map(|&r| self.next_pos[r]).collect();
         self.pending = rows.iter().map(|&r| std::mem::take(&mut self.pending[r])).collect();
+        self.stream = rows.iter().map(|&r| self.stream[r]).collect();
         let keep: Vec<usize> =
             (0..self.cached_positions()).filter(|&j| self.mask.iter().any(|m| m[j] == 1)).collect();
         if keep.len() < self.cached_positions() {

@@ -11,7 +11,8 @@
 //!
 //! The environments of a round share one [`Carried`] batch: each turn prefills only each
 //! episode's new state (after its previous action's last token), then samples the commands; a
-//! finished episode's row leaves the batch with its cache.
+//! finished episode's row leaves the batch with its cache, and each row keeps its environment's
+//! sampling stream.
 //!
 //! **A full context ends the episode.** When a state's tokens plus its longest command no
 //! longer fit the model's positions, the episode stops there, counted as truncated, and its

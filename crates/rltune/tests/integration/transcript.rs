@@ -263,3 +263,25 @@ fn run_configs_refuse_what_a_transcript_cannot_hold() {
     let ok = ["agent.actions=\"admissible\"".to_string()];
     assert!(RunConfig::from_toml(base, std::path::Path::new("run.toml"), &ok).is_ok());
 }
+
+/// A row keeps its environment's sampling stream as the batch sheds finished episodes: an
+/// episode plays the same actions whether the others in its round end early or not.
+#[test]
+fn an_episode_does_not_depend_on_when_the_others_end() {
+    crate::common::install();
+    let model = policy(512);
+    // Environment 2 becomes row 0 once 0 and 1 have ended.
+    let (a, b) = (collect(&model, &[5, 5, 5]), collect(&model, &[1, 2, 5]));
+    for e in [2usize] {
+        let (ta, tb): (Vec<_>, Vec<_>) = (
+            a.transitions.iter().filter(|t| t.env == e).collect(),
+            b.transitions.iter().filter(|t| t.env == e).collect(),
+        );
+        assert_eq!(ta.len(), tb.len());
+        for (x, y) in ta.iter().zip(&tb) {
+            assert_eq!((&x.query_ids, &x.response_ids), (&y.query_ids, &y.response_ids));
+            let d = x.logprobs.iter().zip(&y.logprobs).map(|(p, q)| (p - q).abs()).fold(0f32, f32::max);
+            assert!(d < 1e-5, "{d}");
+        }
+    }
+}
