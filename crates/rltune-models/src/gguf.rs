@@ -13,7 +13,8 @@
 //! - every tensor type candle dequantizes: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1,
 //!   Q2_K … Q8_K;
 //! - byte-level BPE tokenizers (`tokenizer.ggml.model = "gpt2"`), with the pre-tokenizer named by
-//!   `tokenizer.ggml.pre` (`smollm`, `qwen2`, `llama-bpe`, `gpt-2`/`default`).
+//!   `tokenizer.ggml.pre` (`smollm`, `qwen2`, `llama-bpe`, `gpt-2`/`default`), and sentencepiece
+//!   BPE tokenizers (`"llama"`: Llama 2, Mistral, TinyLlama), as transformers 5 builds both.
 //!
 //! llama.cpp's converter (`convert_hf_to_gguf.py`, `LlamaModel.permute`) reorders the rows of
 //! Llama's `q_proj` and `k_proj` from the rotate-half RoPE layout to the interleaved one: per head,
@@ -133,6 +134,20 @@ impl Gguf {
         }
     }
 
+    fn floats(&self, key: &str) -> Option<Vec<f64>> {
+        match self.get(key)? {
+            Value::Array(a) => a
+                .iter()
+                .map(|v| match v {
+                    Value::F32(x) => Some(f64::from(*x)),
+                    Value::F64(x) => Some(*x),
+                    _ => None,
+                })
+                .collect(),
+            _ => None,
+        }
+    }
+
     /// `general.architecture`, checked to be one rltune loads.
     pub fn architecture(&self) -> Result<String> {
         let arch = self.string("general.architecture").ok_or_else(|| self.missing("general.architecture"))?;
@@ -225,25 +240,28 @@ impl Gguf {
         self.uint(key).and_then(|i| tokens.get(i as usize).cloned())
     }
 
-    /// `tokenizer.json` (tokenizers' serialization) for the byte-level BPE in the metadata.
+    /// `tokenizer.json` (tokenizers' serialization) for the tokenizer in the metadata: byte-level
+    /// BPE (`"gpt2"`) or sentencepiece BPE (`"llama"`).
     pub fn tokenizer_json(&self) -> Result<serde_json::Value> {
         let model = self.string("tokenizer.ggml.model").unwrap_or_default();
-        if model != "gpt2" {
-            return Err(Error::Tokenizer(format!(
+        match model.as_str() {
+            "gpt2" => self.byte_level_tokenizer(),
+            "llama" => self.sentencepiece_tokenizer(),
+            _ => Err(Error::Tokenizer(format!(
                 "{}: GGUF tokenizer.ggml.model {model:?} is not supported; rltune builds byte-level BPE \
-                 tokenizers (\"gpt2\", as Llama 3, Qwen2 and SmolLM use). Put the model's tokenizer.json \
-                 beside a converted copy instead (rltune convert FILE.gguf --output DIR, then copy it into DIR)",
+                 (\"gpt2\": Llama 3, Qwen2, SmolLM) and sentencepiece BPE (\"llama\": Llama 2, Mistral, \
+                 TinyLlama) tokenizers. Put the model's tokenizer.json beside a converted copy instead \
+                 (rltune convert FILE.gguf --output DIR, then copy it into DIR)",
                 self.path.display()
-            )));
+            ))),
         }
-        let tokens = self.tokens()?;
-        let merges =
-            self.strings("tokenizer.ggml.merges").ok_or_else(|| self.missing("tokenizer.ggml.merges"))?;
+    }
+
+    /// The added tokens of the metadata: type 3 (CONTROL) special, 4 (USER_DEFINED) not; each
+    /// matched whole.
+    fn added_tokens(&self, tokens: &[String]) -> Vec<serde_json::Value> {
         let types = self.ints("tokenizer.ggml.token_type").unwrap_or_default();
-        let vocab: serde_json::Map<String, serde_json::Value> =
-            tokens.iter().enumerate().map(|(i, t)| (t.clone(), json!(i))).collect();
-        // 3 = CONTROL (special, matched whole), 4 = USER_DEFINED (matched whole, not special).
-        let added: Vec<serde_json::Value> = tokens
+        tokens
             .iter()
             .zip(&types)
             .enumerate()
@@ -252,7 +270,97 @@ impl Gguf {
                 json!({"id": i, "content": tok, "single_word": false, "lstrip": false, "rstrip": false,
                        "normalized": false, "special": t == 3})
             })
-            .collect();
+            .collect()
+    }
+
+    /// BOS before each sequence when `add_bos` (a `TemplateProcessing`), else `otherwise`.
+    fn bos_processor(
+        &self,
+        tokens: &[String],
+        add_bos: bool,
+        otherwise: serde_json::Value,
+    ) -> serde_json::Value {
+        match self.special("tokenizer.ggml.bos_token_id", tokens).filter(|_| add_bos) {
+            Some(bos) => {
+                let id = self.uint("tokenizer.ggml.bos_token_id").unwrap_or(0);
+                json!({"type": "TemplateProcessing",
+                    "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+                    "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                             {"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                    "special_tokens": {bos.clone(): {"id": bos, "ids": [id], "tokens": [bos]}}})
+            }
+            None => otherwise,
+        }
+    }
+
+    /// Whether a sequence starts with BOS: the metadata's flag, which sentencepiece (`"llama"`)
+    /// vocabularies default to true (llama.cpp and transformers add BOS when a file says nothing).
+    fn add_bos(&self) -> bool {
+        match self.get("tokenizer.ggml.add_bos_token") {
+            Some(Value::Bool(b)) => *b,
+            _ => self.string("tokenizer.ggml.model").as_deref() == Some("llama"),
+        }
+    }
+
+    /// Sentencepiece BPE (`tokenizer.ggml.model = "llama"`), as transformers 5's GGUF loader
+    /// builds it (`LlamaTokenizer` over the file's vocabulary): BPE with byte fallback and fused
+    /// unknowns, the merges the file lists or else the ones its vocabulary and scores imply
+    /// ([`spm_merges`], transformers' `generate_merges`), `Metaspace` (`▁`, prepended to the first
+    /// word only), and a decoder that maps `▁` back to spaces, bytes back to text and strips the
+    /// one leading space. `tokenizer.ggml.add_space_prefix` is not read, as transformers does not.
+    fn sentencepiece_tokenizer(&self) -> Result<serde_json::Value> {
+        let tokens = self.tokens()?;
+        let merges: Vec<(String, String)> = match self.strings("tokenizer.ggml.merges") {
+            Some(m) => {
+                m.iter().filter_map(|x| x.split_once(' ').map(|(a, b)| (a.into(), b.into()))).collect()
+            }
+            None => {
+                let scores = self
+                    .floats("tokenizer.ggml.scores")
+                    .ok_or_else(|| self.missing("tokenizer.ggml.scores"))?;
+                if scores.len() != tokens.len() {
+                    return Err(Error::Tokenizer(format!(
+                        "{}: {} tokenizer.ggml.scores for {} tokens; the file is damaged",
+                        self.path.display(),
+                        scores.len(),
+                        tokens.len()
+                    )));
+                }
+                spm_merges(&tokens, &scores)
+            }
+        };
+        // {token: index}: a repeated token keeps its last index, as in transformers.
+        let vocab: serde_json::Map<String, serde_json::Value> =
+            tokens.iter().enumerate().map(|(i, t)| (t.clone(), json!(i))).collect();
+        let merges: Vec<serde_json::Value> = merges.into_iter().map(|(a, b)| json!([a, b])).collect();
+        Ok(json!({
+            "version": "1.0",
+            "truncation": null,
+            "padding": null,
+            "added_tokens": self.added_tokens(&tokens),
+            "normalizer": null,
+            "pre_tokenizer": {"type": "Metaspace", "replacement": "\u{2581}", "prepend_scheme": "first", "split": false},
+            "post_processor": self.bos_processor(&tokens, self.add_bos(), serde_json::Value::Null),
+            "decoder": {"type": "Sequence", "decoders": [
+                {"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "},
+                {"type": "ByteFallback"},
+                {"type": "Fuse"},
+                {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+            "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                      "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true,
+                      "ignore_merges": false, "vocab": vocab, "merges": merges},
+        }))
+    }
+
+    /// Byte-level BPE (`tokenizer.ggml.model = "gpt2"`) with the pre-tokenizer named by
+    /// `tokenizer.ggml.pre`.
+    fn byte_level_tokenizer(&self) -> Result<serde_json::Value> {
+        let tokens = self.tokens()?;
+        let merges =
+            self.strings("tokenizer.ggml.merges").ok_or_else(|| self.missing("tokenizer.ggml.merges"))?;
+        let vocab: serde_json::Map<String, serde_json::Value> =
+            tokens.iter().enumerate().map(|(i, t)| (t.clone(), json!(i))).collect();
+        let added = self.added_tokens(&tokens);
         let pre = self.string("tokenizer.ggml.pre").unwrap_or_else(|| "default".into());
         let byte_level = |use_regex: bool| json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": use_regex});
         let split = |regex: &str| {
@@ -276,20 +384,11 @@ impl Gguf {
                 byte_level(true)
             }
         };
-        let add_bos = matches!(self.get("tokenizer.ggml.add_bos_token"), Some(Value::Bool(true)));
-        let post_processor = match self.special("tokenizer.ggml.bos_token_id", &tokens).filter(|_| add_bos) {
-            Some(bos) => {
-                let id = self.uint("tokenizer.ggml.bos_token_id").unwrap_or(0);
-                json!({"type": "TemplateProcessing",
-                    "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-                    "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
-                             {"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
-                    "special_tokens": {bos.clone(): {"id": bos, "ids": [id], "tokens": [bos]}}})
-            }
-            None => {
-                json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false})
-            }
-        };
+        let post_processor = self.bos_processor(
+            &tokens,
+            self.add_bos(),
+            json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false}),
+        );
         Ok(json!({
             "version": "1.0",
             "truncation": null,
@@ -311,7 +410,7 @@ impl Gguf {
         let mut c = json!({
             "tokenizer_class": "PreTrainedTokenizerFast",
             "clean_up_tokenization_spaces": false,
-            "add_bos_token": matches!(self.get("tokenizer.ggml.add_bos_token"), Some(Value::Bool(true))),
+            "add_bos_token": self.add_bos(),
             "add_eos_token": matches!(self.get("tokenizer.ggml.add_eos_token"), Some(Value::Bool(true))),
         });
         for (name, key) in [
@@ -388,6 +487,45 @@ const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}
 const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// The error for a header candle cannot read, with the fix.
+/// The merges a sentencepiece vocabulary implies (transformers' `generate_merges` with scores):
+/// every split of every token into two tokens, ranked by the whole token's score (best first),
+/// then the left and right parts' lengths (longer first); a token's own splits in the order of
+/// their parts' ids. Lengths count characters, as Python's do.
+pub fn spm_merges(tokens: &[String], scores: &[f64]) -> Vec<(String, String)> {
+    // Python's dict(zip(tokens, scores)): a repeated token keeps its first place, its last score.
+    let mut order: Vec<&str> = Vec::with_capacity(tokens.len());
+    let mut score: HashMap<&str, f64> = HashMap::with_capacity(tokens.len());
+    for (t, &s) in tokens.iter().zip(scores) {
+        if score.insert(t.as_str(), s).is_none() {
+            order.push(t);
+        }
+    }
+    // {token: index}: a repeated token keeps its last index.
+    let id: HashMap<&str, usize> = tokens.iter().enumerate().map(|(i, t)| (t.as_str(), i)).collect();
+    let mut merges: Vec<(&str, &str, f64)> = Vec::new();
+    for t in order {
+        let s = score[t];
+        let mut local: Vec<(&str, &str, f64)> = t
+            .char_indices()
+            .skip(1)
+            .map(|(i, _)| (&t[..i], &t[i..]))
+            .filter(|(l, r)| id.contains_key(l) && id.contains_key(r))
+            .map(|(l, r)| (l, r, s))
+            .collect();
+        local.sort_by_key(|(l, r, _)| (id[l], id[r]));
+        merges.extend(local);
+    }
+    let chars = |x: &str| x.chars().count();
+    // Python's sorted(..., reverse=True) is stable: equal keys keep their order.
+    merges.sort_by(|a, b| {
+        b.2.partial_cmp(&a.2)
+            .unwrap_or(std::cmp::Ordering::Equal)
+            .then_with(|| chars(b.0).cmp(&chars(a.0)))
+            .then_with(|| chars(b.1).cmp(&chars(a.1)))
+    });
+    merges.into_iter().map(|(l, r, _)| (l.to_string(), r.to_string())).collect()
+}
+
 fn header_error(path: &Path, e: &str) -> Error {
     let fix = if e.contains("unknown dtype") {
         "a tensor uses a quantization type candle cannot dequantize (supported: F32, F16, BF16, Q4_0, \

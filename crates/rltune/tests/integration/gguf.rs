@@ -350,3 +350,59 @@ fn smollm2_greedy_answer_names_paris() {
     assert_eq!(out[0].response_ids, want, "greedy ids differ from transformers' ({answer:?})");
     assert!(answer.contains("Paris"), "{answer:?}");
 }
+
+/// A sentencepiece GGUF (`tokenizer.ggml.model = "llama"`, 1000 pieces with byte fallback, no
+/// merges in the file: `tools/fixtures/make_gguf_spm_fixture.py`) tokenizes and decodes as
+/// transformers 5.24's GGUF loader does: the same ids (BOS first; leading spaces, newlines, tabs,
+/// accents, CJK and an emoji through byte fallback; "<s>" typed as text is the control token)
+/// and the same decoded text.
+#[test]
+fn a_sentencepiece_gguf_tokenizes_as_transformers() {
+    let dir = fixture("gguf_spm");
+    let g = rltune::models::gguf::Gguf::open(&dir.join("tiny-spm.gguf")).unwrap();
+    let json = g.tokenizer_json().unwrap();
+    let tok: tokenizers::Tokenizer = json.to_string().parse().unwrap();
+    let expected: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
+    assert_eq!(expected.len(), 8);
+    for e in &expected {
+        let text = e["text"].as_str().unwrap();
+        let want: Vec<u32> =
+            e["ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
+        let got = tok.encode(text, true).unwrap().get_ids().to_vec();
+        assert_eq!(got, want, "{text:?}");
+        let decoded = tok.decode(&got, true).unwrap();
+        assert_eq!(decoded, e["decoded"].as_str().unwrap(), "{text:?}");
+    }
+    let cfg = g.tokenizer_config().unwrap();
+    assert_eq!(cfg["add_bos_token"], true, "a sentencepiece file without the flag adds BOS");
+    assert_eq!((cfg["bos_token"].as_str(), cfg["unk_token"].as_str()), (Some("<s>"), Some("<unk>")));
+}
+
+/// The merges of a sentencepiece vocabulary, as transformers' `generate_merges` orders them: by
+/// the whole token's score, then the parts' lengths in characters, ties in the vocabulary's order
+/// (the expected list is Python's output for this input).
+#[test]
+fn sentencepiece_merges_follow_the_scores() {
+    let tokens: Vec<String> = ["▁", "t", "h", "e", "th", "▁t", "he", "the", "▁the", "é", "▁é"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let scores = [0.0, 0.0, 0.0, 0.0, -1.0, -2.0, -3.0, -4.0, -5.0, 0.0, -6.0];
+    let m = rltune::models::gguf::spm_merges(&tokens, &scores);
+    let m: Vec<(&str, &str)> = m.iter().map(|(a, b)| (a.as_str(), b.as_str())).collect();
+    assert_eq!(
+        m,
+        vec![
+            ("t", "h"),
+            ("▁", "t"),
+            ("h", "e"),
+            ("th", "e"),
+            ("t", "he"),
+            ("▁t", "he"),
+            ("▁", "the"),
+            ("▁", "é"),
+        ],
+        "transformers 5.24's generate_merges on the same vocabulary"
+    );
+}
