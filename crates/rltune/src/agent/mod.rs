@@ -6,10 +6,13 @@
 //! - [`rollout`]: episodes played by the policy under training, turned into PPO transitions with
 //!   per-turn discounting; with `[agent] memory = "transcript"`, one growing token sequence per
 //!   episode with the KV cache carried across turns (`transcript`).
+//! - [`turns`]: what both memories share: the transitions, the settings, the actor, the
+//!   admissible commands' trie.
 
 pub mod config;
 pub mod model_agent;
 pub mod rollout;
 mod transcript;
+pub mod turns;
 
-pub use model_agent::prompt_budget;
+pub use turns::prompt_budget;

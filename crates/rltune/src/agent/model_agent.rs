@@ -6,6 +6,7 @@
 
 use candle_core::Device;
 
+use super::turns::{command_trie, prompt_budget};
 use crate::envs::play::{extract_action, ActionMode, Agent, Memory, PromptTemplate, Turn};
 use crate::envs::EnvStep;
 use crate::error::{Error, Result};
@@ -134,42 +135,4 @@ impl ModelAgent<'_> {
     fn trie(&self, commands: &[String]) -> Result<(ActionTrie, usize)> {
         command_trie(self.tokenizer, commands)
     }
-}
-
-/// The trie of a state's admissible commands, each tokenized as `" {command}\n"` (what the
-/// policy writes after its prompt), and the longest command's token count.
-pub(crate) fn command_trie(tokenizer: &Tokenizer, commands: &[String]) -> Result<(ActionTrie, usize)> {
-    if commands.is_empty() {
-        return Err(Error::Input(
-            "[agent] actions = \"admissible\": the game lists no admissible command for this state; \
-             use actions = \"free\" with environments that do not list their commands"
-                .into(),
-        ));
-    }
-    let tokens = commands
-        .iter()
-        .map(|c| {
-            let ids = tokenizer.encode(&format!(" {c}\n"))?;
-            if ids.is_empty() {
-                return Err(Error::Input(format!("admissible command {c:?} encodes to no token")));
-            }
-            Ok(ids)
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let longest = tokens.iter().map(Vec::len).max().unwrap_or(0);
-    let trie = ActionTrie::new(&tokens).map_err(|e| {
-        Error::Input(format!("[agent] actions = \"admissible\": the commands {commands:?}: {e}"))
-    })?;
-    Ok((trie, longest))
-}
-
-/// The longest prompt a model can read when it samples `max_new_tokens` after it: its context
-/// less those tokens; an error when nothing is left.
-pub fn prompt_budget(lm: &CausalLm, max_new_tokens: usize) -> Result<usize> {
-    let context = lm.config().max_positions().unwrap_or(usize::MAX);
-    context.checked_sub(max_new_tokens).filter(|&n| n > 0).ok_or_else(|| {
-        Error::Input(format!(
-            "generation.max_new_tokens = {max_new_tokens} leaves no room for a prompt in the model's {context} positions"
-        ))
-    })
 }

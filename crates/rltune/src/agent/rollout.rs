@@ -18,88 +18,14 @@ use candle_core::Device;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 
-use super::model_agent::command_trie;
-use super::prompt_budget;
-use crate::envs::letters::count_e;
-use crate::envs::play::{ActionMode, Episode, Memory, PromptTemplate, Turn, ACTION_STOPS};
+use super::turns::{command_trie, drop_episode, prompt_budget};
+pub use super::turns::{Actor, Collected, RolloutConfig, Shaping, Transition};
+use crate::envs::play::{ActionMode, Episode, Memory, Turn, ACTION_STOPS};
 use crate::envs::{EnvStep, Reset, TextEnv};
 use crate::error::{Error, Result};
 use crate::generation::admissible::{generate_admissible, ActionTrie};
 use crate::generation::{generate, GenerationConfig, Sample};
-use crate::models::{CausalLm, CausalLmWithValueHead, ValueHead};
 use crate::tokenizer::Tokenizer;
-
-/// Reward shaping, added to the environment's reward (the score's change); every part 0 by
-/// default.
-#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct Shaping {
-    /// Added on the turn that wins.
-    pub win_bonus: f64,
-    /// Subtracted on the turn that loses.
-    pub loss_penalty: f64,
-    /// Subtracted for an action the game did not understand.
-    pub invalid_penalty: f64,
-    /// Subtracted every turn.
-    pub step_cost: f64,
-    /// The fork's toy reward: this much per letter "e" in the action (0: off).
-    pub per_letter_e: f64,
-}
-
-impl Shaping {
-    /// The shaped reward of a turn that played `action` and got `step`.
-    pub fn reward(&self, action: &str, step: &EnvStep) -> f64 {
-        let e = count_e(action) as f64;
-        step.reward + self.win_bonus * f64::from(u8::from(step.won))
-            - self.loss_penalty * f64::from(u8::from(step.lost))
-            - self.invalid_penalty * f64::from(u8::from(step.invalid))
-            - self.step_cost
-            + self.per_letter_e * e
-    }
-}
-
-/// How turns are collected.
-#[derive(Debug, Clone, PartialEq)]
-pub struct RolloutConfig {
-    /// The prompt.
-    pub template: PromptTemplate,
-    /// Sampling (its `seed` starts the per-turn seeds).
-    pub generation: GenerationConfig,
-    /// The discount between turns (the fork's `game_gamma`, 0.6).
-    pub game_gamma: f64,
-    /// Probability that a turn plays a random admissible command (memory only, no training).
-    pub example_turn_prob: f64,
-    /// Reward shaping.
-    pub shaping: Shaping,
-}
-
-/// One turn the policy played.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Transition {
-    /// The environment it was played in.
-    pub env: usize,
-    /// The prompt's tokens.
-    pub query_ids: Vec<u32>,
-    /// The action's tokens, cut after the one that ends the action.
-    pub response_ids: Vec<u32>,
-    /// Their logprobs under the sampling distribution.
-    pub logprobs: Vec<f32>,
-    /// The value of the state before each of them.
-    pub values: Vec<f32>,
-    /// The action played.
-    pub action: String,
-    /// The shaped reward.
-    pub reward: f32,
-    /// `game_gamma · V(next state)` under the policy's value head, or 0 after the episode
-    /// terminated.
-    pub bootstrap: f32,
-    /// The prompt of the next state, whose value `bootstrap` reads; empty after the episode
-    /// terminated. A separate critic recomputes the bootstrap from it ([`rebootstrap`]).
-    pub next_query_ids: Vec<u32>,
-    /// With `[agent] actions = "admissible"`: the tokens allowed at each response position
-    /// (the action's trie), over which PPO renormalises the policy; empty for free text.
-    pub allowed: Vec<Vec<u32>>,
-}
 
 /// Where an action ends in a response: the number of tokens up to and including the one whose
 /// text completes the first line or sentence (all of them when none does).
@@ -111,52 +37,6 @@ pub fn action_cut(response_ids: &[u32], tokenizer: &Tokenizer) -> Result<usize> 
         }
     }
     Ok(response_ids.len())
-}
-
-/// The model that plays: a language model and, for PPO, the value head whose values the turns
-/// carry (without one, `values` are empty and every `bootstrap` is 0: GRPO and RLOO on games).
-#[derive(Clone, Copy)]
-pub struct Actor<'a> {
-    /// The policy.
-    pub lm: &'a CausalLm,
-    /// The value head.
-    pub v_head: Option<&'a ValueHead>,
-}
-
-impl<'a> From<&'a CausalLmWithValueHead> for Actor<'a> {
-    fn from(p: &'a CausalLmWithValueHead) -> Self {
-        Self { lm: &p.lm, v_head: Some(&p.v_head) }
-    }
-}
-
-impl<'a> From<&'a CausalLm> for Actor<'a> {
-    fn from(lm: &'a CausalLm) -> Self {
-        Self { lm, v_head: None }
-    }
-}
-
-/// What one round of [`collect_episodes`] produced.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Collected {
-    /// Every turn the policy played, episode by episode, in turn order.
-    pub transitions: Vec<Transition>,
-    /// The finished episodes (the env's rewards, not the shaped ones), by environment.
-    pub episodes: Vec<Episode>,
-    /// Turns that played a random admissible command (memory only).
-    pub example_turns: usize,
-    /// Episodes dropped because their environment failed (a restarted program); their turns
-    /// are not in `transitions`.
-    pub dropped: usize,
-    /// Time spent sampling actions (and values).
-    pub time_generation: Duration,
-    /// Time spent in the environments (resets and steps).
-    pub time_env: Duration,
-    /// Of `time_generation`, the time spent prefilling prompts (the new states' tokens with
-    /// transcript memory).
-    pub time_prefill: Duration,
-    /// Real tokens prefilled: every turn's whole prompt with window memory, only each turn's
-    /// new tokens with transcript memory.
-    pub prefill_tokens: usize,
 }
 
 /// Plays one episode in each of `env`'s environments (reset with `resets`) with `policy`, and
@@ -370,21 +250,6 @@ fn collect_windows(
         time_prefill: Duration::ZERO,
         prefill_tokens: 0,
     })
-}
-
-/// Drops environment `e`'s episode after its step failed: its transitions, its waiting
-/// bootstrap and its summary go (the caller counts it).
-pub(super) fn drop_episode(
-    e: usize,
-    err: &dyn std::fmt::Display,
-    out: &mut [Vec<Transition>],
-    waiting: &mut [Option<usize>],
-    episodes: &mut [Option<Episode>],
-) {
-    tracing::warn!("environment {e}: episode dropped ({err})");
-    out[e].clear();
-    waiting[e] = None;
-    episodes[e] = None;
 }
 
 /// The tokens allowed at each position of one sampled command.

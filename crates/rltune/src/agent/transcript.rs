@@ -24,8 +24,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::Device;
 
-use super::model_agent::command_trie;
-use super::rollout::{drop_episode, Actor, Collected, RolloutConfig, Transition};
+use super::turns::{command_trie, drop_episode, Actor, Collected, RolloutConfig, Transition};
 use crate::envs::play::{extract_action, Episode, Turn};
 use crate::envs::{EnvStep, Reset, TextEnv};
 use crate::error::{Error, Result};
@@ -270,8 +269,7 @@ pub(crate) fn play_transcripts(
     for round in 0..episodes.div_ceil(b) {
         let first = round * b;
         let plan: Vec<Reset> = (0..b).map(|e| resets((first + e).min(episodes - 1))).collect();
-        let got =
-            super::rollout::collect_episodes(env, lm, tokenizer, &cfg, &plan, (round as u64) << 20, device)?;
+        let got = collect_transcripts(env, lm.into(), tokenizer, &cfg, &plan, (round as u64) << 20, device)?;
         dropped += got.dropped;
         for mut ep in got.episodes {
             if first + ep.episode < episodes {
