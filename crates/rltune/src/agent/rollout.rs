@@ -18,9 +18,9 @@ use candle_core::Device;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 
-use super::turns::{command_trie, drop_episode, prompt_budget};
+use super::turns::{command_trie, drop_episode, prompt_budget, start_round};
 pub use super::turns::{Actor, Collected, RolloutConfig, Shaping, Transition};
-use crate::envs::play::{ActionMode, Episode, Memory, Turn, ACTION_STOPS};
+use crate::envs::play::{ActionMode, Memory, Turn, ACTION_STOPS};
 use crate::envs::{EnvStep, Reset, TextEnv};
 use crate::error::{Error, Result};
 use crate::generation::admissible::{generate_admissible, ActionTrie};
@@ -88,18 +88,10 @@ fn collect_windows(
     device: &Device,
 ) -> Result<Collected> {
     let b = env.num_envs();
-    let envs: Vec<usize> = (0..b).collect();
-    if resets.len() != b {
-        return Err(Error::Input(format!("collect_episodes: {} resets for {b} environments", resets.len())));
-    }
     let max_prompt = prompt_budget(policy.lm, cfg.generation.max_new_tokens)?;
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0xe4a3);
-    let (mut time_generation, mut time_env) = (Duration::ZERO, Duration::ZERO);
-    let t = Instant::now();
-    let firsts = env.reset(&envs, resets)?;
-    time_env += t.elapsed();
-    let mut episodes: Vec<Option<Episode>> =
-        firsts.iter().zip(resets).enumerate().map(|(e, (s, r))| Some(Episode::start(e, r, s))).collect();
+    let (firsts, mut episodes, mut time_env) = start_round(env, resets)?;
+    let mut time_generation = Duration::ZERO;
     // Per env: its state and memory while the episode runs; its transitions; the index of its
     // last transition, whose bootstrap waits for the next state's value.
     let mut live: Vec<Option<(EnvStep, Vec<Turn>)>> =

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::Device;
 
-use super::turns::{command_trie, drop_episode, Actor, Collected, RolloutConfig, Transition};
+use super::turns::{command_trie, drop_episode, start_round, Actor, Collected, RolloutConfig, Transition};
 use crate::envs::play::{extract_action, Episode, Turn};
 use crate::envs::{EnvStep, Reset, TextEnv};
 use crate::error::{Error, Result};
@@ -44,14 +44,9 @@ pub(crate) fn collect_transcripts(
     device: &Device,
 ) -> Result<Collected> {
     let b = env.num_envs();
-    let envs: Vec<usize> = (0..b).collect();
     let context = policy.lm.config().max_positions().unwrap_or(usize::MAX);
-    let (mut time_generation, mut time_env) = (Duration::ZERO, Duration::ZERO);
-    let t = Instant::now();
-    let firsts = env.reset(&envs, resets)?;
-    time_env += t.elapsed();
-    let mut episodes: Vec<Option<Episode>> =
-        firsts.iter().zip(resets).enumerate().map(|(e, (s, r))| Some(Episode::start(e, r, s))).collect();
+    let (firsts, mut episodes, mut time_env) = start_round(env, resets)?;
+    let mut time_generation = Duration::ZERO;
     // Per env: the state awaiting an action; a truncated episode's final state awaiting its
     // value; the sequence so far; its transitions; the one whose bootstrap waits.
     let mut live: Vec<Option<EnvStep>> = firsts.into_iter().map(Some).collect();

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use crate::envs::letters::count_e;
 use crate::envs::play::{Episode, PromptTemplate};
-use crate::envs::EnvStep;
+use crate::envs::{EnvStep, Reset, TextEnv};
 use crate::error::{Error, Result};
 use crate::generation::admissible::ActionTrie;
 use crate::generation::GenerationConfig;
@@ -182,4 +182,23 @@ pub fn prompt_budget(lm: &CausalLm, max_new_tokens: usize) -> Result<usize> {
             "generation.max_new_tokens = {max_new_tokens} leaves no room for a prompt in the model's {context} positions"
         ))
     })
+}
+
+/// A round's start: every environment reset with `resets` (one each), their first states, each
+/// one's episode record, and the time the resets took.
+pub(crate) fn start_round(
+    env: &mut dyn TextEnv,
+    resets: &[Reset],
+) -> Result<(Vec<EnvStep>, Vec<Option<Episode>>, Duration)> {
+    let b = env.num_envs();
+    if resets.len() != b {
+        return Err(Error::Input(format!("collect_episodes: {} resets for {b} environments", resets.len())));
+    }
+    let envs: Vec<usize> = (0..b).collect();
+    let t = std::time::Instant::now();
+    let firsts = env.reset(&envs, resets)?;
+    let took = t.elapsed();
+    let episodes =
+        firsts.iter().zip(resets).enumerate().map(|(e, (s, r))| Some(Episode::start(e, r, s))).collect();
+    Ok((firsts, episodes, took))
 }
