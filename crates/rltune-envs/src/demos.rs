@@ -6,11 +6,14 @@
 //! admissible one instead (DART-style noise injection, Laskey et al. 2017): the demonstrations
 //! then also show how to recover from states off the shortest path, which a policy that cannot
 //! see the map will reach.
+//!
+//! With `[agent] memory = "transcript"` a prompt is the episode's text so far, as the agent reads
+//! it then: the first state, then each command played (`" {command}\n"`) and the next state.
 
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 
-use super::play::{PromptTemplate, Turn};
+use super::play::{Memory, PromptTemplate, Turn};
 use super::{Reset, TextEnv};
 use crate::error::{Error, Result};
 
@@ -35,15 +38,20 @@ pub fn demonstrations(
 ) -> Result<Vec<Demonstration>> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let mut out = Vec::new();
+    let transcript = template.memory == Memory::Transcript;
     for reset in resets {
         let mut state = env.reset(&[0], std::slice::from_ref(reset))?.remove(0);
         let mut memory: Vec<Turn> = Vec::new();
+        // With transcript memory: the episode's text so far, as the agent reads it.
+        let mut text = template.render(&state, &[], 0);
         for _ in 0..max_steps {
             let Some(expert) = env.walkthrough(0).and_then(|w| w.into_iter().next()) else { break };
-            out.push(Demonstration {
-                prompt: template.render(&state, &memory, template.memory_turns),
-                action: expert.clone(),
-            });
+            let prompt = if transcript {
+                text.clone()
+            } else {
+                template.render(&state, &memory, template.memory_turns)
+            };
+            out.push(Demonstration { prompt, action: expert.clone() });
             let played = if rng.gen::<f64>() < noise {
                 state.admissible_commands.choose(&mut rng).cloned().unwrap_or(expert)
             } else {
@@ -59,6 +67,14 @@ pub fn demonstrations(
                 invalid: after.invalid,
                 ..Turn::default()
             });
+            if transcript {
+                // The command as the agent writes it, then the new state (PromptTemplate's transcript).
+                text.push_str(&format!(
+                    " {}\n{}",
+                    memory.last().map_or("", |t| t.action.as_str()),
+                    template.render_next(&after)
+                ));
+            }
             let done = after.done();
             state = after;
             if done {
@@ -88,5 +104,24 @@ mod tests {
         // With noise, every label is still the walkthrough's first command from that state.
         let noisy = demonstrations(&mut env, &t, &[reset], 50, 0.5, 2).unwrap();
         assert!(noisy.len() >= demos.len(), "detours make episodes longer");
+    }
+
+    #[test]
+    fn transcript_demonstrations_extend_the_episode_text() {
+        use crate::play::{ActionMode, Memory};
+        let mut env = Adventure::new(1, AdventureConfig::default()).unwrap();
+        let t = PromptTemplate {
+            actions: ActionMode::Admissible,
+            memory: Memory::Transcript,
+            ..PromptTemplate::default()
+        };
+        let reset = Reset { seed: Some(train_seed(3)), game: None };
+        let demos = demonstrations(&mut env, &t, &[reset], 50, 0.0, 1).unwrap();
+        assert!(demos.len() >= 2);
+        for w in demos.windows(2) {
+            let head = format!("{} {}\n", w[0].prompt, w[0].action);
+            assert!(w[1].prompt.starts_with(&head), "{:?} does not extend {head:?}", w[1].prompt);
+            assert!(w[1].prompt[head.len()..].starts_with("Observation: "));
+        }
     }
 }
