@@ -125,31 +125,30 @@ pub struct AgentQuickstartConfig<G> {
     pub rloo: RlooConfig,
 }
 
-/// The agent quickstarts' trajectory GRPO (`configs/adventure-grpo.toml`): 4 games × 8 plays a
-/// step, 40 steps of 2 optimizer steps at lr 2e-4, no KL term.
+/// The agent quickstarts' trajectory settings, for GRPO's or RLOO's table (they share TRL's
+/// field names): 4 games × 8 plays a step, 40 steps of 2 optimizer steps at lr 2e-4, no KL term.
+macro_rules! agent_group {
+    ($config:ident) => {
+        $config {
+            num_generations: 8,
+            per_device_train_batch_size: Some(32),
+            max_steps: 80,
+            num_iterations: 2,
+            learning_rate: 2e-4,
+            beta: 0.0,
+            ..$config::default()
+        }
+    };
+}
+
+/// The agent quickstarts' trajectory GRPO (`configs/adventure-grpo.toml`, `agent_group!`).
 pub fn agent_grpo() -> GrpoConfig {
-    GrpoConfig {
-        num_generations: 8,
-        per_device_train_batch_size: Some(32),
-        max_steps: 80,
-        num_iterations: 2,
-        learning_rate: 2e-4,
-        beta: 0.0,
-        ..GrpoConfig::default()
-    }
+    agent_group!(GrpoConfig)
 }
 
 /// The agent quickstarts' trajectory RLOO: [`agent_grpo`]'s batch and length.
 pub fn agent_rloo() -> RlooConfig {
-    RlooConfig {
-        num_generations: 8,
-        per_device_train_batch_size: Some(32),
-        max_steps: 80,
-        num_iterations: 2,
-        learning_rate: 2e-4,
-        beta: 0.0,
-        ..RlooConfig::default()
-    }
+    agent_group!(RlooConfig)
 }
 
 /// The keys of [`AgentQuickstartConfig`] that only the RL stage reads.
