@@ -19,7 +19,7 @@ use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 
 use super::turns::{command_trie, drop_episode, prompt_budget, start_round};
-pub use super::turns::{Actor, Collected, RolloutConfig, Shaping, Transition};
+pub use super::turns::{Actor, Collected, RolloutConfig, RoundCounts, Shaping, Transition};
 use crate::envs::play::{ActionMode, Memory, Turn, ACTION_STOPS};
 use crate::envs::{EnvStep, Reset, TextEnv};
 use crate::error::{Error, Result};
@@ -73,7 +73,7 @@ pub fn collect_episodes<'a>(
         }
     };
     let (t1, n1) = crate::generation::prefill_counters();
-    (got.time_prefill, got.prefill_tokens) = (t1 - t0, n1 - n0);
+    (got.counts.time_prefill, got.counts.prefill_tokens) = (t1 - t0, n1 - n0);
     Ok(got)
 }
 
@@ -232,15 +232,11 @@ fn collect_windows(
             }
         }
     }
+    let counts = RoundCounts { example_turns, dropped, time_generation, time_env, ..RoundCounts::default() };
     Ok(Collected {
         transitions: out.into_iter().flatten().collect(),
         episodes: episodes.into_iter().flatten().collect(),
-        example_turns,
-        dropped,
-        time_generation,
-        time_env,
-        time_prefill: Duration::ZERO,
-        prefill_tokens: 0,
+        counts,
     })
 }
 

@@ -24,7 +24,9 @@ use std::time::{Duration, Instant};
 
 use candle_core::Device;
 
-use super::turns::{command_trie, drop_episode, start_round, Actor, Collected, RolloutConfig, Transition};
+use super::turns::{
+    command_trie, drop_episode, start_round, Actor, Collected, RolloutConfig, RoundCounts, Transition,
+};
 use crate::envs::play::{extract_action, Episode, Turn};
 use crate::envs::{EnvStep, Reset, TextEnv};
 use crate::error::{Error, Result};
@@ -226,15 +228,11 @@ pub(crate) fn collect_transcripts(
             }
         }
     }
+    let counts = RoundCounts { dropped, time_generation, time_env, ..RoundCounts::default() };
     Ok(Collected {
         transitions: out.into_iter().flatten().collect(),
         episodes: episodes.into_iter().flatten().collect(),
-        example_turns: 0,
-        dropped,
-        time_generation,
-        time_env,
-        time_prefill: Duration::ZERO,
-        prefill_tokens: 0,
+        counts,
     })
 }
 
@@ -265,7 +263,7 @@ pub(crate) fn play_transcripts(
         let first = round * b;
         let plan: Vec<Reset> = (0..b).map(|e| resets((first + e).min(episodes - 1))).collect();
         let got = collect_transcripts(env, lm.into(), tokenizer, &cfg, &plan, (round as u64) << 20, device)?;
-        dropped += got.dropped;
+        dropped += got.counts.dropped;
         for mut ep in got.episodes {
             if first + ep.episode < episodes {
                 ep.episode += first;

@@ -114,10 +114,17 @@ pub struct Collected {
     pub transitions: Vec<Transition>,
     /// The finished episodes (the env's rewards, not the shaped ones), by environment.
     pub episodes: Vec<Episode>,
+    /// The round's counts and times.
+    pub counts: RoundCounts,
+}
+
+/// What a round of episodes counted and took (summed over a step's rounds).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct RoundCounts {
     /// Turns that played a random admissible command (memory only).
     pub example_turns: usize,
     /// Episodes dropped because their environment failed (a restarted program); their turns
-    /// are not in `transitions`.
+    /// are not among the transitions.
     pub dropped: usize,
     /// Time spent sampling actions (and values).
     pub time_generation: Duration,
@@ -129,6 +136,17 @@ pub struct Collected {
     /// Real tokens prefilled: every turn's whole prompt with window memory, only each turn's
     /// new tokens with transcript memory.
     pub prefill_tokens: usize,
+}
+
+impl std::ops::AddAssign for RoundCounts {
+    fn add_assign(&mut self, o: Self) {
+        self.example_turns += o.example_turns;
+        self.dropped += o.dropped;
+        self.time_generation += o.time_generation;
+        self.time_env += o.time_env;
+        self.time_prefill += o.time_prefill;
+        self.prefill_tokens += o.prefill_tokens;
+    }
 }
 
 /// Drops environment `e`'s episode after its step failed: its transitions, its waiting

@@ -10,7 +10,7 @@
 //! in evaluation. A step's games depend only on the run's seed and the step, so `--resume`
 //! replays them.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use candle_core::Device;
 use rand::seq::index::sample;
@@ -19,7 +19,7 @@ use rand::SeedableRng;
 use super::config::{AlgorithmKind, EpisodesSection, RunConfig};
 use crate::agent::config::{EnvSection, Split};
 use crate::agent::model_agent::play_model;
-use crate::agent::rollout::{collect_episodes, Actor, Collected, RolloutConfig, Transition};
+use crate::agent::rollout::{collect_episodes, Actor, Collected, RolloutConfig, RoundCounts, Transition};
 use crate::engine::{Stat, Stats};
 use crate::envs::play::{Episode, PlayReport, PromptTemplate};
 use crate::envs::{Reset, TextEnv};
@@ -45,18 +45,8 @@ pub struct EpisodeBatch {
     pub episodes: Vec<Episode>,
     /// Turns played but not picked.
     pub unused_turns: usize,
-    /// Turns that played a random admissible command.
-    pub example_turns: usize,
-    /// Episodes dropped by failing environments.
-    pub dropped: usize,
-    /// Time spent sampling actions (and values).
-    pub time_generation: Duration,
-    /// Time spent in the environments.
-    pub time_env: Duration,
-    /// Of `time_generation`, the prompts' prefills.
-    pub time_prefill: Duration,
-    /// Real tokens prefilled.
-    pub prefill_tokens: usize,
+    /// The rounds' counts and times, summed.
+    pub counts: RoundCounts,
 }
 
 /// Turns as token rows: the prompts, the actions, and each action token's allowed set.
@@ -65,12 +55,7 @@ pub type TurnTokens = (Vec<Vec<u32>>, Vec<Vec<u32>>, Vec<Vec<Vec<u32>>>);
 impl EpisodeBatch {
     /// Adds a round's counts and times.
     fn count(&mut self, got: &Collected) {
-        self.example_turns += got.example_turns;
-        self.dropped += got.dropped;
-        self.time_generation += got.time_generation;
-        self.time_env += got.time_env;
-        self.time_prefill += got.time_prefill;
-        self.prefill_tokens += got.prefill_tokens;
+        self.counts += got.counts;
     }
 
     /// The turns' prompts, actions and (admissible actions) allowed sets, as the trainers take
@@ -397,7 +382,7 @@ pub fn add_episode_stats(stats: &mut Stats, batch: &EpisodeBatch) -> Result<()> 
 }
 
 fn add_own_episode_stats(stats: &mut Stats, batch: &EpisodeBatch) {
-    let r = PlayReport::of(&batch.episodes, batch.dropped, 1.0);
+    let r = PlayReport::of(&batch.episodes, batch.counts.dropped, 1.0);
     let n = batch.episodes.len().max(1) as f64;
     let mean_return = batch.episodes.iter().map(|e| e.episode_return).sum::<f64>() / n;
     for (k, v) in [
@@ -408,11 +393,11 @@ fn add_own_episode_stats(stats: &mut Stats, batch: &EpisodeBatch) {
         ("env/episode_length_mean", r.mean_steps),
         ("env/invalid_action_rate", r.invalid_action_rate),
         ("env/unused_turns", batch.unused_turns as f64),
-        ("env/example_turns", batch.example_turns as f64),
-        ("env/dropped_episodes", batch.dropped as f64),
-        ("time/rollout/env", batch.time_env.as_secs_f64()),
-        ("time/rollout/prefill", batch.time_prefill.as_secs_f64()),
-        ("env/prefill_tokens", batch.prefill_tokens as f64),
+        ("env/example_turns", batch.counts.example_turns as f64),
+        ("env/dropped_episodes", batch.counts.dropped as f64),
+        ("time/rollout/env", batch.counts.time_env.as_secs_f64()),
+        ("time/rollout/prefill", batch.counts.time_prefill.as_secs_f64()),
+        ("env/prefill_tokens", batch.counts.prefill_tokens as f64),
     ] {
         stats.insert(k.into(), Stat::Scalar(v));
     }

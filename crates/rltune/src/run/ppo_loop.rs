@@ -405,7 +405,7 @@ impl PpoRun {
             allowed: admissible.then_some(allowed.as_slice()),
         })?;
         let logprobs: Vec<&[f32]> = turns.iter().map(|t| t.logprobs.as_slice()).collect();
-        let time_gen = batch.time_generation.as_secs_f64();
+        let time_gen = batch.counts.time_generation.as_secs_f64();
         add_env_stats(&mut stats, &logprobs, &scores, &queries, time_gen, 0.0, self.skipped)?;
         stats.insert("time/rollout/total".into(), Stat::Scalar(time_rollout));
         add_episode_stats(&mut stats, &batch)?;

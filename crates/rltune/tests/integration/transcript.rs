@@ -168,8 +168,8 @@ fn turns_extend_one_token_sequence_tokenized_once() {
     }
     // Each turn prefilled its new state only (and its previous action's last token).
     let whole: usize = got.transitions.iter().map(|t| t.query_ids.len()).sum();
-    println!("prefilled {} tokens; window-style prompts would be {whole}", got.prefill_tokens);
-    assert!(got.prefill_tokens < whole / 2, "{} of {whole}", got.prefill_tokens);
+    println!("prefilled {} tokens; window-style prompts would be {whole}", got.counts.prefill_tokens);
+    assert!(got.counts.prefill_tokens < whole / 2, "{} of {whole}", got.counts.prefill_tokens);
 }
 
 #[test]

@@ -78,7 +78,10 @@ impl GroupRun {
         let kind = self.config.algorithm.kind.name();
         stats.insert(format!("time/{kind}/step"), Stat::Scalar(t.elapsed().as_secs_f64()));
         stats.insert("time/rollout/total".into(), Stat::Scalar(time_rollout));
-        stats.insert("time/rollout/generation".into(), Stat::Scalar(batch.time_generation.as_secs_f64()));
+        stats.insert(
+            "time/rollout/generation".into(),
+            Stat::Scalar(batch.counts.time_generation.as_secs_f64()),
+        );
         stats.insert("env/turns".into(), Stat::Scalar(crate::dist::sum(prompts.len() as f64)?));
         add_episode_stats(&mut stats, &batch)?;
         let (lm, gen) = (self.trainer.policy(), &self.config.generation);
