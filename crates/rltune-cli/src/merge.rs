@@ -5,8 +5,9 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use candle_core::{DType, Device};
+use rltune::models::io::read_json;
 use rltune::models::load::{copy_side_files, load_lm_adapted, save_pretrained, LoraSpec};
-use rltune::models::lora::ADAPTER_CONFIG;
+use rltune::models::lora::{LoraConfig, ADAPTER_CONFIG};
 use rltune::train::reward_model::RewardModel;
 
 /// Arguments of `rltune merge`.
@@ -51,10 +52,8 @@ pub fn run(args: Args) -> Result<()> {
 /// reward model from `rltune reward` with [lora], or PEFT's own).
 fn is_classifier(adapter: &Path) -> Result<bool> {
     let path = adapter.join(ADAPTER_CONFIG);
-    let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
-    let value: serde_json::Value =
-        serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", path.display()))?;
-    Ok(value.get("task_type").and_then(|v| v.as_str()) == Some("SEQ_CLS"))
+    let (_, meta) = LoraConfig::from_adapter_json(&read_json(&path)?, &path)?;
+    Ok(meta.task_type.as_deref() == Some("SEQ_CLS"))
 }
 
 /// A reward model's adapter merged into its base: a full classifier directory (config.json with

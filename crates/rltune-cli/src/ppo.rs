@@ -71,9 +71,7 @@ impl Progress {
             "batch skipped (non-finite reward)".to_string()
         } else {
             let wins = r.win_rate.map(|w| format!("  wins {:.0}%", 100.0 * w)).unwrap_or_default();
-            // GRPO with beta = 0 has no KL.
-            let kl = if r.kl.is_nan() { String::new() } else { format!("  kl {:.3}", r.kl) };
-            format!("reward {:.3}{kl}{wins}", r.reward_mean)
+            format!("reward {:.3}{}{wins}", r.reward_mean, r.kl_text(3))
         };
         match &self.bar {
             Some(bar) => {

@@ -13,7 +13,7 @@
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 
-use super::play::{Memory, PromptTemplate, Turn};
+use super::play::{action_text, Memory, PromptTemplate, Turn};
 use super::{Reset, TextEnv};
 use crate::error::{Error, Result};
 
@@ -69,11 +69,8 @@ pub fn demonstrations(
             });
             if transcript {
                 // The command as the agent writes it, then the new state (PromptTemplate's transcript).
-                text.push_str(&format!(
-                    " {}\n{}",
-                    memory.last().map_or("", |t| t.action.as_str()),
-                    template.render_next(&after)
-                ));
+                text.push_str(&action_text(memory.last().map_or("", |t| t.action.as_str())));
+                text.push_str(&template.render_next(&after));
             }
             let done = after.done();
             state = after;

@@ -182,6 +182,13 @@ impl PromptTemplate {
     }
 }
 
+/// A command as a model agent writes it after its prompt: a leading space, then a line break
+/// that ends it. The demonstrations' completions, the admissible commands' tries and a
+/// transcript's actions are all written so, which keeps their tokens the same.
+pub fn action_text(command: &str) -> String {
+    format!(" {command}\n")
+}
+
 /// "a, b, or c" (TextWorld's fork writes the list this way).
 fn or_list(items: &[String]) -> String {
     match items {

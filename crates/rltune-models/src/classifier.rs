@@ -22,6 +22,22 @@ pub enum SequenceClassifierConfig {
 }
 
 impl SequenceClassifierConfig {
+    /// The vocabulary size.
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            Self::Bert(c) => c.vocab_size,
+            Self::DistilBert(c) => c.vocab_size,
+        }
+    }
+
+    /// The longest input the model accepts (`max_position_embeddings`).
+    pub fn max_positions(&self) -> usize {
+        match self {
+            Self::Bert(c) => c.max_position_embeddings,
+            Self::DistilBert(c) => c.max_position_embeddings,
+        }
+    }
+
     /// The `model_type`: `"bert"` or `"distilbert"`.
     pub fn model_type(&self) -> &'static str {
         match self {

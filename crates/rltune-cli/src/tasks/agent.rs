@@ -28,7 +28,7 @@ use super::pipeline::{
 };
 use rltune::agent::config::{EnvSection, Split};
 use rltune::envs::demos::{demonstrations, Demonstration};
-use rltune::envs::play::{play, PlayReport, PromptTemplate, RandomAgent};
+use rltune::envs::play::{action_text, play, PlayReport, PromptTemplate, RandomAgent};
 use rltune::envs::{Reset, TextEnv};
 use rltune::error::{Error, Result};
 use rltune::generation::GenerationConfig;
@@ -400,7 +400,7 @@ pub fn train_agent<G: AgentGames>(
             .iter()
             .map(|d| SftRecord::PromptCompletion {
                 prompt: d.prompt.clone(),
-                completion: format!(" {}\n", d.action),
+                completion: action_text(&d.action),
             })
             .collect();
         let total =
@@ -432,9 +432,7 @@ pub fn train_agent<G: AgentGames>(
         on(Event::Start { stage, total: Some(steps) });
         let mut progress = |r: &StepReport| {
             let wins = r.win_rate.map(|w| format!("  wins {:.0}%", 100.0 * w)).unwrap_or_default();
-            // GRPO/RLOO with beta = 0 have no KL to show.
-            let kl = if r.kl.is_nan() { String::new() } else { format!("  kl {:.3}", r.kl) };
-            let message = format!("reward {:.3}{kl}{wins}", r.reward_mean);
+            let message = format!("reward {:.3}{}{wins}", r.reward_mean, r.kl_text(3));
             on(Event::Progress { stage, done: r.step, message });
         };
         let done = if cfg.algorithm.is_group() {

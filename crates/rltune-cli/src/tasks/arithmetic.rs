@@ -397,8 +397,7 @@ pub fn run_arithmetic_quickstart(
         let mut run = GroupRun::prepare_on(run_config.clone(), runtime, Vec::new(), resume)?;
         on(Event::Start { stage, total: Some(steps) });
         let done = run.run(stop, &mut |r: &StepReport| {
-            let kl = if r.kl.is_nan() { String::new() } else { format!("  kl {:.4}", r.kl) };
-            let message = format!("reward {:.3}{kl}", r.reward_mean);
+            let message = format!("reward {:.3}{}", r.reward_mean, r.kl_text(4));
             on(Event::Progress { stage, done: r.step, message });
         })?;
         if done < steps {

@@ -30,7 +30,7 @@ use rltune::agent::model_agent::ModelAgent;
 use rltune::envs::adventure::{heldout_seed, train_seed};
 use rltune::envs::demos::Demonstration;
 use rltune::envs::ner::{Ner, NerConfig, NerData};
-use rltune::envs::play::{play, Agent, Episode, PromptTemplate, Turn};
+use rltune::envs::play::{action_text, play, Agent, Episode, PromptTemplate, Turn};
 use rltune::envs::{EnvStep, Reset, TextEnv};
 use rltune::error::{Error, Result};
 use rltune::generation::GenerationConfig;
@@ -362,7 +362,7 @@ pub fn run_wnut_quickstart(
             .iter()
             .map(|d| SftRecord::PromptCompletion {
                 prompt: d.prompt.clone(),
-                completion: format!(" {}\n", d.action),
+                completion: action_text(&d.action),
             })
             .collect();
         let records = fit_prompts(records, &tokenizer, cfg.context - cfg.max_new_tokens)?;

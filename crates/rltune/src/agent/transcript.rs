@@ -27,7 +27,7 @@ use candle_core::Device;
 use super::turns::{
     command_trie, drop_episode, start_round, Actor, Collected, RolloutConfig, RoundCounts, Transition,
 };
-use crate::envs::play::{extract_action, Episode, Turn};
+use crate::envs::play::{Episode, Turn};
 use crate::envs::{EnvStep, Reset, TextEnv};
 use crate::error::{Error, Result};
 use crate::generation::admissible::{generate_admissible_carried, ActionSample, ActionTrie};
@@ -167,16 +167,17 @@ pub(crate) fn collect_transcripts(
             let Some(s) = &samples[e] else { continue };
             let v = s.values.first().copied().unwrap_or(0.0);
             bootstrap(e, v, &ids[e]);
-            if finals[e].take().is_some() || live[e].is_none() {
+            if finals[e].take().is_some() {
                 continue; // a final state: only its value was read
             }
-            let state =
-                live[e].as_ref().ok_or_else(|| Error::Input(format!("internal: env {e} has no state")))?;
-            let command = state.admissible_commands.get(s.action).cloned();
-            let command = match command {
-                Some(c) => c,
-                None => extract_action(&tokenizer.decode(&s.response_ids)?),
-            };
+            let Some(state) = &live[e] else { continue };
+            let command = state.admissible_commands.get(s.action).cloned().ok_or_else(|| {
+                Error::Input(format!(
+                    "internal: env {e} sampled command {} of {}",
+                    s.action,
+                    state.admissible_commands.len()
+                ))
+            })?;
             sent.push((e, command));
         }
         if sent.is_empty() {

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use crate::envs::letters::count_e;
-use crate::envs::play::{Episode, PromptTemplate};
+use crate::envs::play::{action_text, Episode, PromptTemplate};
 use crate::envs::{EnvStep, Reset, TextEnv};
 use crate::error::{Error, Result};
 use crate::generation::admissible::ActionTrie;
@@ -177,7 +177,7 @@ pub(crate) fn command_trie(tokenizer: &Tokenizer, commands: &[String]) -> Result
     let tokens = commands
         .iter()
         .map(|c| {
-            let ids = tokenizer.encode(&format!(" {c}\n"))?;
+            let ids = tokenizer.encode(&action_text(c))?;
             if ids.is_empty() {
                 return Err(Error::Input(format!("admissible command {c:?} encodes to no token")));
             }

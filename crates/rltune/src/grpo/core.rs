@@ -609,7 +609,9 @@ impl Normaliser {
             Self::Local => Ok((rows as f64, tokens)),
             Self::Global => {
                 let world = crate::dist::world_size() as f64;
-                Ok((crate::dist::sum(rows as f64)? / world, crate::dist::sum(tokens)? / world))
+                let mut sums = [rows as f64, tokens];
+                crate::dist::sum_f64(&mut sums)?;
+                Ok((sums[0] / world, sums[1] / world))
             }
         }
     }

@@ -146,7 +146,7 @@ impl RlooTrainer {
             chunks.push((idx, padded, old_seq));
         }
         let kl_metric = match self.core.reference {
-            Some(_) => Some(crate::dist::sum(kl_sum)? / crate::dist::sum(tokens)?.max(1.0)),
+            Some(_) => Some(crate::dist::mean_of(kl_sum, tokens)?),
             None => None,
         };
         let rewards = crate::dist::gather_f64(&rewards)?;

@@ -113,17 +113,13 @@ impl ClassifierReward {
             let m = RewardModel::from_adapter(Path::new(model), None, dtype, device)?;
             let store = m.store.merged()?;
             let classifier = SequenceClassifier::load(&store.root(), &m.config)?;
-            let max_positions = m.max_positions();
-            m.tokenizer.check_fits(m.vocab_size())?;
-            return Self::new(classifier, &m.tokenizer, max_positions, cfg, device);
+            m.tokenizer.check_fits(m.config.vocab_size())?;
+            return Self::new(classifier, &m.tokenizer, m.config.max_positions(), cfg, device);
         }
         let files = locate(model)?;
         let config_json = read_config_json(&files.config)?;
         let model_cfg = SequenceClassifierConfig::from_json(&config_json, &files.config)?;
-        let (vocab_size, max_positions) = match &model_cfg {
-            SequenceClassifierConfig::Bert(c) => (c.vocab_size, c.max_position_embeddings),
-            SequenceClassifierConfig::DistilBert(c) => (c.vocab_size, c.max_position_embeddings),
-        };
+        let (vocab_size, max_positions) = (model_cfg.vocab_size(), model_cfg.max_positions());
         let tokenizer_path = files.tokenizer.as_ref().ok_or_else(|| {
             Error::Tokenizer(format!(
                 "{}: no tokenizer.json; the classifier reward encodes text with the classifier's own \

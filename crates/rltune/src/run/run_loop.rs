@@ -102,6 +102,16 @@ pub struct StepReport {
 }
 
 impl StepReport {
+    /// `"  kl X"` with `digits` decimals for a progress line, or nothing when the step has no
+    /// KL (GRPO and RLOO with `beta = 0`).
+    pub fn kl_text(&self, digits: usize) -> String {
+        if self.kl.is_nan() {
+            String::new()
+        } else {
+            format!("  kl {:.digits$}", self.kl)
+        }
+    }
+
     /// The report of step `step` (0-based, as the loop counts) of `total` from its logged
     /// metrics: the mean reward and the KL under the trainer's keys (NaN when absent), and
     /// `env/win_rate` when the step played games.

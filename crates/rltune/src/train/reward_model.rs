@@ -246,18 +246,7 @@ impl RewardModel {
 
     /// The longest input the model accepts.
     pub fn max_positions(&self) -> usize {
-        match &self.config {
-            SequenceClassifierConfig::Bert(c) => c.max_position_embeddings,
-            SequenceClassifierConfig::DistilBert(c) => c.max_position_embeddings,
-        }
-    }
-
-    /// The vocabulary size.
-    pub fn vocab_size(&self) -> usize {
-        match &self.config {
-            SequenceClassifierConfig::Bert(c) => c.vocab_size,
-            SequenceClassifierConfig::DistilBert(c) => c.vocab_size,
-        }
+        self.config.max_positions()
     }
 
     fn pad_id(&self) -> u32 {
