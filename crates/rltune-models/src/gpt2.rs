@@ -374,6 +374,7 @@ impl Gpt2 {
         for i in range {
             let rows = rows.filter(|_| i == last);
             x = self.h[i].forward(&x, bias, cache.as_deref_mut().map(|c| (c, i)), rows)?;
+            x = KvCache::cut(cache.as_deref(), x);
         }
         Ok(x)
     }

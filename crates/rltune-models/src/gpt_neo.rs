@@ -360,6 +360,7 @@ impl GptNeo {
             let block = &self.h[i];
             let b = if block.attn.local { &local_bias } else { bias };
             x = block.forward(&x, b, cache.as_deref_mut().map(|c| (c, i)))?;
+            x = KvCache::cut(cache.as_deref(), x);
         }
         Ok(x)
     }

@@ -427,6 +427,7 @@ impl GptNeoX {
                 bias,
                 cache.as_deref_mut().map(|c| (c, i)),
             )?;
+            x = KvCache::cut(cache.as_deref(), x);
         }
         Ok(x)
     }

@@ -689,6 +689,7 @@ impl Llama {
         let bias = self.window_bias(bias)?;
         for i in range {
             x = self.layers[i].forward(&x, (&cos, &sin), &bias, cache.as_deref_mut().map(|c| (c, i)))?;
+            x = KvCache::cut(cache.as_deref(), x);
         }
         Ok(x)
     }
@@ -840,7 +841,7 @@ mod tests {
     /// left-padded batch; compared at real tokens.
     fn check_cached_matches_uncached(cfg: &LlamaConfig) {
         let dev = Device::Cpu;
-        let store = ParamStore::random(3, false, DType::F32, &dev).unwrap();
+        let store = ParamStore::random(3, true, DType::F32, &dev).unwrap();
         let model = Llama::load(&store.root(), cfg).unwrap();
         let mask: Vec<Vec<u8>> = vec![vec![1; 8], vec![0, 0, 1, 1, 1, 1, 1, 1]];
         let ids = Tensor::new(&[[5u32, 7, 1, 9, 11, 2, 3, 4], [0, 0, 8, 6, 13, 17, 19, 22]], &dev).unwrap();
@@ -865,6 +866,21 @@ mod tests {
         let d = masked_max_diff(&full, &inc, &m);
         println!("{}: cached vs uncached maxdiff {d:.3e}", cfg.model_type);
         assert!(d < 1e-5, "cached vs uncached maxdiff {d:.3e}");
+
+        // A cached forward is inference: each block's output is cut from the graph
+        // (`KvCache::cut`), so no block's weights are reached from it; the full forward's are.
+        let reached = |out: &Tensor| -> Vec<String> {
+            let grads = out.sum_all().unwrap().backward().unwrap();
+            store
+                .vars()
+                .into_iter()
+                .filter(|(_, v)| grads.get(v.as_tensor()).is_some())
+                .map(|(n, _)| n)
+                .collect()
+        };
+        let cached = reached(steps.last().unwrap());
+        assert!(!cached.is_empty() && cached.iter().all(|n| !n.contains("layers.")), "{cached:?}");
+        assert!(reached(&full).iter().any(|n| n.contains("layers.0.")));
     }
 
     #[test]
