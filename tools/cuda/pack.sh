@@ -56,6 +56,37 @@ xz -T0 -6 -f "$OUT_DIR/rltune" # -> rltune.xz, the uncompressed copy removed
   | paste -sd' ' >"$OUT_DIR/COMMIT"
 echo "$([ "$CPU" = 1 ] && echo cpu || echo cuda)$([ "$NCCL" = 1 ] && echo ,nccl)" >"$OUT_DIR/FEATURES"
 
+# The kernel tracer (tools/cuda/kernel_trace.c, verify.sh's profile steps), against CUPTI 13.0's
+# headers from PyPI and the CUDA headers of the build's venv; skipped with a note where either
+# is missing (the CPU rehearsal does not need it).
+if [ "$CPU" = 0 ]; then
+  CUPTI="target/cupti"
+  if [ ! -f "$CUPTI/nvidia/cu13/include/cupti.h" ]; then
+    mkdir -p "$CUPTI"
+    python3 -m pip download --quiet --disable-pip-version-check --no-deps -d "$CUPTI" "nvidia-cuda-cupti==13.0.85" &&
+      python3 -c 'import glob, sys, zipfile; zipfile.ZipFile(glob.glob(sys.argv[1] + "/*.whl")[0]).extractall(sys.argv[1])' "$CUPTI" ||
+      echo "pack.sh: CUPTI 13.0 could not be fetched: no kernel tracer" >&2
+  fi
+  CUDA_INC="$(ls -d "${RLTUNE_CUDA_VENV:-.venv-cuda}"/lib/python3*/site-packages/nvidia/cu13/include 2>/dev/null | head -1)"
+  if [ -f "$CUPTI/nvidia/cu13/include/cupti.h" ] && [ -n "$CUDA_INC" ]; then
+    flags=(-O2 -Wall -Wextra -I "$CUPTI/nvidia/cu13/include" -I "$CUDA_INC" -L "$CUPTI/nvidia/cu13/lib")
+    gcc -shared -fPIC "${flags[@]}" tools/cuda/kernel_trace.c -l:libcupti.so.13 -lpthread -o "$OUT_DIR/kernel_trace.so"
+    gcc "${flags[@]}" -I tools/cuda tools/cuda/kernel_trace_check.c -l:libcupti.so.13 -lpthread -o target/kernel_trace_check
+    LD_LIBRARY_PATH="$CUPTI/nvidia/cu13/lib" RLTUNE_KERNEL_TRACE=target/kernel_trace_check.json target/kernel_trace_check 2>/dev/null
+    python3 - target/kernel_trace_check.json <<'EOF'
+import json, sys
+r = json.load(open(sys.argv[1]))
+k = {x["name"]: x for x in r["kernels"]}
+assert r["kernel_launches"] == 4 and r["span_ms"] == 5.5 and k["ucopy_f32"]["count"] == 2, r
+assert r["kernels"][0]["name"] == "ucopy_f32" and abs(r["busy"] - 5000 / 5500) < 1e-4, r
+assert 'sm90_xmma_gemm "bf16"\\x' in k and "?" in k, k
+EOF
+    echo "pack.sh: kernel tracer built and checked"
+  else
+    echo "pack.sh: no kernel tracer (CUPTI or the CUDA headers missing)" >&2
+  fi
+fi
+
 if [ "$WHEELS" = 1 ]; then
   download() { # download DIR SPEC...
     local dir="$OUT_DIR/wheels/$1"; shift

@@ -105,7 +105,7 @@ import json, os, sys, datetime
 steps, out, gpu, driver, commit, rehearse = sys.argv[1:]
 rep = {"device": gpu, "driver": driver, "commit": commit, "rehearsal": rehearse == "1",
        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-       "checks": {}, "bench": {}, "skipped": {}}
+       "checks": {}, "bench": {}, "profile": {}, "skipped": {}}
 for line in open(steps):
     line = line.strip()
     if line:
@@ -341,7 +341,36 @@ EOF
       fi
     done
   }
+  # profile_ppo PRESET DTYPE ITERATIONS LIMIT: rltune's PPO benchmark again under the kernel
+  # tracer (tools/cuda/kernel_trace.c, LD_PRELOAD): the whole process's GPU time by kernel, how
+  # busy the GPU was, the copies. The trace goes to OUT/profile-*.json, its summary to the report.
+  profile_ppo() {
+    local name="profile-ppo-$1-$2"
+    wanted "$name" || return 0
+    if [ ! -f "$PACK/kernel_trace.so" ] || [ "$REHEARSE" = 1 ]; then
+      skip "$name" "no kernel tracer on this device (tools/cuda/pack.sh builds $PACK/kernel_trace.so)"
+      return 0
+    fi
+    if run "$name" "$4" env LD_PRELOAD="$PACK/kernel_trace.so" RLTUNE_KERNEL_TRACE="$OUTDIR/$name.json" \
+      "$BIN" bench ppo --preset "$1" --device "$DEVICE" --dtype "$2" --iters "$3" --json; then
+      record profile "$name" "$(python3 - "$OUTDIR/$name.json" "$LOGS/$name.log" "$RC" <<'EOF'
+import json, sys
+path, log, rc = sys.argv[1], sys.argv[2], int(sys.argv[3])
+try:
+    t = json.load(open(path))
+except (OSError, ValueError) as e:
+    t = {"error": f"no trace: {e}"}
+bench = next((json.loads(l) for l in open(log) if l.startswith("{")), {})
+t["kernels"] = t.get("kernels", [])[:20]
+t["exit"] = rc
+t["bench"] = {k: bench.get(k) for k in ("median_total_s", "median_generation_s", "median_forward_pass_s", "median_optimize_step_s")}
+print(json.dumps(t))
+EOF
+)"
+    fi
+  }
   bench_ppo "small:f32 3 90" "gpt2:f32 3 90" "gpt2:bf16 3 90"
+  profile_ppo gpt2 bf16 3 90
 
   # 6. The quickstart's default preset with its acceptance checks.
   #    Then the same with bf16 matrix products: learning must pass the same acceptance checks.
@@ -354,6 +383,7 @@ EOF
 
   # 7. The 0.5B preset, slowest last, so that a spent budget costs only the largest benchmark.
   bench_ppo "qwen2-0.5b:bf16 1 180" "qwen2-0.5b:bf16 1 150 2"
+  profile_ppo qwen2-0.5b bf16 1 150
 fi
 
 wanted "bench-grpo" && skip "bench grpo 0.5b" "not built yet (issue #36 part 3)"
@@ -372,6 +402,9 @@ for n, c in sorted(r["checks"].items()):
     print(f"  {'PASS' if c.get('pass') else 'FAIL'}  {n:28s}" + (f" max diff {d:.2e} (tol {c.get('tolerance'):.0e})" if isinstance(d, float) else ""))
 for n, b in sorted(r["bench"].items()):
     print(f"  bench {n:22s} rltune {b.get('rltune_s')} s, TRL {b.get('trl_s')} s, ratio {b.get('ratio')}")
+for n, p in sorted(r.get("profile", {}).items()):
+    top = ", ".join(f"{k['name'][:40]} {k['share']:.0%}" for k in p.get("kernels", [])[:3])
+    print(f"  profile {n:20s} GPU busy {p.get('busy')}, {p.get('kernel_launches')} kernels; top: {top}")
 for n, s in sorted(r["skipped"].items()):
     print(f"  skip  {n:28s} {s['why']}")
 n_pass = sum(1 for c in r["checks"].values() if c.get("pass"))
