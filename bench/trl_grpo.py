@@ -8,6 +8,9 @@ Workload (the Rust side, ``rltune bench grpo``, does identical work):
   small  | GPT-2, 4 layers, 4 heads, d=256, vocab 8192,  | per_device_train_batch_size 64 completions
          | n_positions 64 (~5.27M params), dropouts 0     | = 8 prompts x num_generations 8;
          |                                               | 8 prompt + 24 completion tokens
+  qwen2- | Qwen2-0.5B's shape (494M, tied embeddings,    | 16 completions = 2 prompts x 8;
+  0.5b   | random), as bench/trl_ppo.py builds it         | 128 prompt + 128 completion tokens
+                                                           (for the GPU: --device cuda --bf16)
 
 * The model is built in-process (``torch.manual_seed(0)``, random ``GPT2LMHeadModel``), never
   loaded from the hub. f32 on the CPU (``bf16=False``; TRL's default would autocast to bf16).
@@ -27,7 +30,9 @@ Workload (the Rust side, ``rltune bench grpo``, does identical work):
   ``_generate_and_score_completions`` with the patched generator (rewards, advantages,
   metrics), ``compute_loss`` forward, backward, gradient clipping, ``optimizer.step``,
   scheduler. After ``--warmup`` steps (default 1), ``--iters`` steps (default 5): the median.
-* ``torch.set_num_threads(--threads)`` (default 2).
+* ``torch.set_num_threads(--threads)`` (default 2). ``--device cuda`` runs on the GPU
+  (accelerate's device; CUDA stays hidden otherwise) and ``--bf16`` sets GRPOConfig's ``bf16``
+  (autocast with f32 master weights, as rltune's ``--dtype bf16``).
 
 Usage::
 
@@ -48,7 +53,10 @@ import warnings
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+# Hide CUDA from torch (and so from accelerate) unless --device cuda was asked for.
+_argv = " ".join(sys.argv[1:]).replace("=", " ").split()
+if "cuda" not in (_argv[_argv.index("--device") + 1] if "--device" in _argv[:-1] else "cpu"):
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
@@ -56,14 +64,41 @@ import transformers  # noqa: E402
 import trl  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast, TrainerCallback  # noqa: E402
+from transformers import (  # noqa: E402
+    GPT2Config,
+    GPT2LMHeadModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    TrainerCallback,
+)
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 PRESETS = {
-    "small": dict(n_layer=4, n_head=4, n_embd=256, vocab_size=8192, n_positions=64, batch=64, generations=8),
+    "small": dict(n_layer=4, n_head=4, n_embd=256, vocab_size=8192, n_positions=64, batch=64, generations=8,
+                  prompt_len=8, completion_len=24),
+    "qwen2-0.5b": dict(arch="qwen2", n_layer=24, n_head=14, n_kv_head=2, n_embd=896, intermediate=4864,
+                       vocab_size=151936, n_positions=32768, batch=16, generations=8,
+                       prompt_len=128, completion_len=128),
 }
-PROMPT_LEN = 8
-COMPLETION_LEN = 24
+
+
+def build_model(p):
+    V, eos = p["vocab_size"], p["vocab_size"] - 1
+    torch.manual_seed(0)
+    if p.get("arch") == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(
+            vocab_size=V, hidden_size=p["n_embd"], intermediate_size=p["intermediate"],
+            num_hidden_layers=p["n_layer"], num_attention_heads=p["n_head"],
+            num_key_value_heads=p["n_kv_head"], max_position_embeddings=p["n_positions"],
+            rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True, attention_dropout=0.0,
+            bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+        ))
+    return GPT2LMHeadModel(GPT2Config(
+        vocab_size=V, n_positions=p["n_positions"], n_embd=p["n_embd"], n_layer=p["n_layer"],
+        n_head=p["n_head"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+    ))
 
 
 def build_tokenizer(vocab_size):
@@ -78,14 +113,17 @@ def build_tokenizer(vocab_size):
 
 
 class StepTimer(TrainerCallback):
-    def __init__(self):
+    def __init__(self, cuda=False):
         self.t0 = None
         self.times = []
+        self.sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     def on_step_begin(self, args, state, control, **kwargs):
+        self.sync()
         self.t0 = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
+        self.sync()
         self.times.append(time.perf_counter() - self.t0)
 
 
@@ -98,18 +136,17 @@ def main():
     ap.add_argument("--beta", type=float, default=0.0, help="KL coefficient (0: no reference model)")
     ap.add_argument("--gradient-checkpointing", action="store_true", help="TRL 1.16.0's default")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda (accelerate's GPU)")
+    ap.add_argument("--bf16", action="store_true", help="GRPOConfig bf16: autocast, f32 weights")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    cuda = args.device.startswith("cuda")
     p = PRESETS[args.preset]
     V, B, G = p["vocab_size"], p["batch"], p["generations"]
+    PROMPT_LEN, COMPLETION_LEN = p["prompt_len"], p["completion_len"]
     eos = V - 1
-    cfg = GPT2Config(
-        vocab_size=V, n_positions=p["n_positions"], n_embd=p["n_embd"], n_layer=p["n_layer"],
-        n_head=p["n_head"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-        bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
-    )
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(cfg)
+    model = build_model(p)
+    n_params = sum(t.numel() for t in model.parameters())
     steps = args.warmup + args.iters
     n_prompts = B // G
     gen = torch.Generator().manual_seed(1234)
@@ -128,7 +165,7 @@ def main():
 
     with tempfile.TemporaryDirectory() as tmp:
         config = GRPOConfig(
-            output_dir=tmp, use_cpu=True, bf16=False, report_to="none", disable_tqdm=True,
+            output_dir=tmp, use_cpu=not cuda, bf16=args.bf16, report_to="none", disable_tqdm=True,
             save_strategy="no", logging_steps=1, seed=0, shuffle_dataset=False,
             per_device_train_batch_size=B, num_generations=G, max_completion_length=COMPLETION_LEN,
             learning_rate=1e-5, beta=args.beta, max_steps=steps,
@@ -141,7 +178,7 @@ def main():
         )
         trainer._tokenize_prompts = tokenize
         trainer._generate_single_turn = generate
-        timer = StepTimer()
+        timer = StepTimer(cuda)
         trainer.add_callback(timer)
         with contextlib.redirect_stdout(sys.stderr):  # the trainer prints its summary
             trainer.train()
@@ -156,12 +193,19 @@ def main():
         "median_step_s": statistics.median(times),
         "steps_s": times,
         "tokens_per_s": B * COMPLETION_LEN / statistics.median(times),
+        "n_params": n_params,
+        "train_tokens": B * (PROMPT_LEN + COMPLETION_LEN),
+        "device": args.device,
+        "bf16": args.bf16,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "trl": trl.__version__,
         "threads": torch.get_num_threads(),
     }
+    if cuda:
+        out["gpu"] = torch.cuda.get_device_name()
+        out["peak_gpu_mib"] = torch.cuda.max_memory_reserved() / 1048576
     print(json.dumps(out) if args.json else json.dumps(out, indent=2))
 
 

@@ -383,10 +383,56 @@ EOF
 
   # 7. The 0.5B preset, slowest last, so that a spent budget costs only the largest benchmark.
   bench_ppo "qwen2-0.5b:bf16 1 180" "qwen2-0.5b:bf16 1 150 2"
+  # 8. One GRPO step on the 0.5B shape (16 completions of 128 + 128 tokens) beside TRL 1.16.0
+  #    (wheels/trl116 on the machine's own transformers), both in bf16.
+  bench_grpo() { # bench_grpo PRESET DTYPE ITERATIONS LIMIT
+    local name="grpo-$1$([ "$2" = bf16 ] && echo -bf16)"
+    wanted "bench-$name" || return 0
+    local trl116="$WORK/site-trl116"
+    if [ -d "$PACK/wheels/trl116" ] && [ ! -d "$trl116" ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --target "$trl116" "$PACK"/wheels/trl116/*.whl >>"$LOGS/wheels.log" 2>&1 || true
+    fi
+    gpu_mem_start
+    if run "bench-$name-rltune" "$4" "$BIN" bench grpo --preset "$1" --device "$DEVICE" --dtype "$2" --iters "$3" --json; then
+      local ours theirs='{}' ours_peak theirs_peak=null
+      ours="$(grep -m1 '^{' "$LOGS/bench-$name-rltune.log" || echo '{}')"
+      ours_peak="$(gpu_mem_stop)"
+      if PYTHONPATH="$trl116" python3 -c 'import trl; assert trl.__version__ == "1.16.0"' >/dev/null 2>&1; then
+        gpu_mem_start
+        if run "bench-$name-trl" "$4" env PYTHONPATH="$trl116" python3 "$ROOT/bench/trl_grpo.py" --preset "$1" --device "$DEVICE" --iters "$3" $([ "$2" = bf16 ] && echo --bf16) --json; then
+          theirs="$(grep -m1 '^{' "$LOGS/bench-$name-trl.log" || echo '{}')"
+        fi
+        theirs_peak="$(gpu_mem_stop)"
+      else
+        skip "bench-$name-trl" "trl 1.16.0 is not importable (tools/cuda/pack.sh ships it as wheels)"
+      fi
+      record bench "$name" "$(python3 - "$ours" "$theirs" "$ours_peak" "$theirs_peak" "$GPU" <<'EOF'
+import json, sys
+o, t, op, tp = (json.loads(x) for x in sys.argv[1:5])
+gpu = sys.argv[5]
+r = {"rltune_s": o.get("median_step_s"), "trl_s": t.get("median_step_s"),
+     "rltune_peak_mib": op, "trl_peak_mib": tp,
+     "tokens_per_s": o.get("tokens_per_s"), "trl_tokens_per_s": t.get("tokens_per_s"),
+     "rltune": o, "trl": t}
+# MFU of the whole step (forward, backward, update): 6 * parameters * trained tokens per second,
+# against the H100/H200's dense bf16 peak; attention's T^2 term left out.
+peak = 989.4e12 if ("H100" in gpu or "H200" in gpu) else None
+def mfu(d):
+    n, tok, s = d.get("n_params"), d.get("train_tokens"), d.get("median_step_s")
+    return round(6 * n * tok / s / peak, 4) if peak and n and tok and s else None
+r["mfu"], r["trl_mfu"] = mfu(o), mfu(t)
+r["ratio"] = round(r["rltune_s"] / r["trl_s"], 3) if r["rltune_s"] and r["trl_s"] else None
+print(json.dumps(r))
+EOF
+)"
+    else
+      gpu_mem_stop >/dev/null
+    fi
+  }
+  bench_grpo qwen2-0.5b bf16 2 150
   profile_ppo qwen2-0.5b bf16 1 150
 fi
 
-wanted "bench-grpo" && skip "bench grpo 0.5b" "not built yet (issue #36 part 3)"
 
 
 tar -C "$WORK" -czf "$OUTDIR/logs.tar.gz" logs 2>/dev/null

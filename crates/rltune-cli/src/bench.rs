@@ -240,7 +240,9 @@ fn rayon_threads() -> usize {
 #[derive(clap::Args)]
 pub struct GrpoArgs {
     /// `small`: the `ppo` preset's GPT-2 (4 layers, d=256, vocab 8192); 64 completions a step,
-    /// 8 prompts × `num_generations` 8, 8 prompt + 24 completion tokens.
+    /// 8 prompts × `num_generations` 8, 8 prompt + 24 completion tokens. `qwen2-0.5b`:
+    /// Qwen2-0.5B's shape; 16 completions, 2 prompts × 8, 128 + 128 tokens (for the GPU, with
+    /// `--dtype bf16`).
     #[arg(long, default_value = "small")]
     preset: String,
     /// Timed steps (after one warm-up).
@@ -263,21 +265,25 @@ pub fn run_grpo(args: GrpoArgs) -> Result<()> {
     if args.iters == 0 {
         bail!("--iters must be at least 1");
     }
-    let p = preset(&args.preset)?;
-    if args.preset != "small" {
-        bail!("bench grpo has only the small preset (bench/trl_grpo.py's)");
+    let mut p = preset(&args.preset)?;
+    match args.preset.as_str() {
+        "small" => {}
+        // One step of 16 completions: TRL's per-device batch in one forward and backward.
+        "qwen2-0.5b" => p.batch = 16,
+        _ => bail!("bench grpo has the small and qwen2-0.5b presets (bench/trl_grpo.py's)"),
     }
     let runtime = args.runtime.resolve(RuntimeSection::default())?;
     let dev = runtime.device().clone();
     let cfg = p.cfg.clone();
     let store = ParamStore::random(0, true, runtime.dtype(), &dev)?;
     let lm = CausalLm::load(&store.root(), &cfg)?;
+    let n_params = store.vars().iter().map(|(_, v)| v.elem_count()).sum::<usize>();
     let reference =
         (args.beta != 0.0).then(|| CausalLm::load(&store.frozen_copy()?.root(), &cfg)).transpose()?;
     let grpo = GrpoConfig {
         per_device_train_batch_size: Some(p.batch),
         num_generations: GENERATIONS,
-        max_completion_length: RESPONSE_LEN,
+        max_completion_length: p.response_len,
         learning_rate: 1e-5,
         beta: args.beta,
         ..GrpoConfig::default()
@@ -289,9 +295,9 @@ pub fn run_grpo(args: GrpoArgs) -> Result<()> {
     let mut steps = Vec::new();
     for it in 0..=args.iters {
         let prompts: Vec<Vec<u32>> = (0..p.batch / GENERATIONS)
-            .flat_map(|_| std::iter::repeat_n(ids(QUERY_LEN), GENERATIONS))
+            .flat_map(|_| std::iter::repeat_n(ids(p.query_len), GENERATIONS))
             .collect();
-        let completions: Vec<Vec<u32>> = (0..p.batch).map(|_| ids(RESPONSE_LEN)).collect();
+        let completions: Vec<Vec<u32>> = (0..p.batch).map(|_| ids(p.response_len)).collect();
         let rewards: Vec<f32> = (0..p.batch).map(|k| ((k * 7919) % 13) as f32 / 6.0 - 1.0).collect();
         let table = RewardTable::single(&rewards);
         let t = Instant::now();
@@ -318,7 +324,9 @@ pub fn run_grpo(args: GrpoArgs) -> Result<()> {
         "runtime": runtime.to_string(),
         "median_step_s": step,
         "steps_s": all,
-        "tokens_per_s": (p.batch * RESPONSE_LEN) as f64 / step,
+        "tokens_per_s": (p.batch * p.response_len) as f64 / step,
+        "n_params": n_params,
+        "train_tokens": p.batch * (p.query_len + p.response_len),
         "peak_rss_mib": peak_rss_mib(),
         "threads": rayon_threads(),
     });
