@@ -175,6 +175,32 @@ gpu_mem_stop() {
   sort -n "$MEMLOG" 2>/dev/null | tail -1 | grep -E '^[0-9]+$' || echo null
 }
 
+# side_by_side OURS THEIRS OURS_PEAK THEIRS_PEAK TIME_KEY MFU_TIME_KEY: one benchmark's report
+# entry from both sides' JSON lines. Peak GPU memory: the device's memory in use, sampled every
+# 100 ms by nvidia-smi while each side ran (the same measure for both; CUDA context included).
+# MFU: 6 * parameters * trained tokens (PPO: batch x (query + response) x 4 epochs; GRPO: the
+# step's tokens) over the seconds under MFU_TIME_KEY (PPO: its optimize phase; GRPO: the whole
+# step), against the GPU's dense bf16 peak (H100 and H200 SXM: 989.4 TFLOP/s); attention's T^2
+# term is left out.
+side_by_side() {
+  python3 - "$@" "$GPU" <<'EOF'
+import json, sys
+o, t, op, tp = (json.loads(x) for x in sys.argv[1:5])
+time_key, mfu_key, gpu = sys.argv[5:8]
+r = {"rltune_s": o.get(time_key), "trl_s": t.get(time_key),
+     "rltune_peak_mib": op, "trl_peak_mib": tp,
+     "tokens_per_s": o.get("tokens_per_s"), "trl_tokens_per_s": t.get("tokens_per_s"),
+     "rltune": o, "trl": t}
+peak = 989.4e12 if ("H100" in gpu or "H200" in gpu) else None
+def mfu(d):
+    n, tok, s = d.get("n_params"), d.get("train_tokens"), d.get(mfu_key)
+    return round(6 * n * tok / s / peak, 4) if peak and n and tok and s else None
+r["mfu"], r["trl_mfu"] = mfu(o), mfu(t)
+r["ratio"] = round(r["rltune_s"] / r["trl_s"], 3) if r["rltune_s"] and r["trl_s"] else None
+print(json.dumps(r))
+EOF
+}
+
 check() { # check NAME JSON: records a check; a failed one fails the run
   record checks "$1" "$2"
   if ! python3 -c 'import json,sys; sys.exit(0 if json.loads(sys.argv[1]).get("pass") else 1)' "$2"; then FAILED=1; fi
@@ -314,28 +340,7 @@ if [ "$QUICK" = 0 ]; then
         else
           skip "bench-$name-trl" "trl 0.11.4 is not importable (tools/cuda/pack.sh ships it as wheels)"
         fi
-        record bench "$name" "$(python3 - "$OURS" "$THEIRS" "$OURS_PEAK" "$THEIRS_PEAK" "$GPU" <<'EOF'
-import json, sys
-o, t, op, tp = (json.loads(x) for x in sys.argv[1:5])
-gpu = sys.argv[5]
-# Peak GPU memory: the device's memory in use, sampled every 100 ms by nvidia-smi while each
-# benchmark ran (the same measure for both; CUDA context included).
-r = {"rltune_s": o.get("median_total_s"), "trl_s": t.get("median_total_s"),
-     "rltune_peak_mib": op, "trl_peak_mib": tp,
-     "tokens_per_s": o.get("tokens_per_s"), "trl_tokens_per_s": t.get("tokens_per_s"),
-     "rltune": o, "trl": t}
-# MFU of the optimize phase: 6 * parameters * trained tokens (batch x (query + response) x
-# 4 PPO epochs) FLOPs over time/ppo/optimize_step, against the GPU's dense bf16 peak (H100 and
-# H200 SXM: 989.4 TFLOP/s); attention's T^2 term is left out.
-peak = 989.4e12 if ("H100" in gpu or "H200" in gpu) else None
-def mfu(d):
-    n, tok, s = d.get("n_params"), d.get("train_tokens"), d.get("median_optimize_step_s")
-    return round(6 * n * tok / s / peak, 4) if peak and n and tok and s else None
-r["mfu"], r["trl_mfu"] = mfu(o), mfu(t)
-r["ratio"] = round(r["rltune_s"] / r["trl_s"], 3) if r["rltune_s"] and r["trl_s"] else None
-print(json.dumps(r))
-EOF
-  )"
+        record bench "$name" "$(side_by_side "$OURS" "$THEIRS" "$OURS_PEAK" "$THEIRS_PEAK" median_total_s median_optimize_step_s)"
       else
         gpu_mem_stop >/dev/null
       fi
@@ -406,25 +411,7 @@ EOF
       else
         skip "bench-$name-trl" "trl 1.16.0 is not importable (tools/cuda/pack.sh ships it as wheels)"
       fi
-      record bench "$name" "$(python3 - "$ours" "$theirs" "$ours_peak" "$theirs_peak" "$GPU" <<'EOF'
-import json, sys
-o, t, op, tp = (json.loads(x) for x in sys.argv[1:5])
-gpu = sys.argv[5]
-r = {"rltune_s": o.get("median_step_s"), "trl_s": t.get("median_step_s"),
-     "rltune_peak_mib": op, "trl_peak_mib": tp,
-     "tokens_per_s": o.get("tokens_per_s"), "trl_tokens_per_s": t.get("tokens_per_s"),
-     "rltune": o, "trl": t}
-# MFU of the whole step (forward, backward, update): 6 * parameters * trained tokens per second,
-# against the H100/H200's dense bf16 peak; attention's T^2 term left out.
-peak = 989.4e12 if ("H100" in gpu or "H200" in gpu) else None
-def mfu(d):
-    n, tok, s = d.get("n_params"), d.get("train_tokens"), d.get("median_step_s")
-    return round(6 * n * tok / s / peak, 4) if peak and n and tok and s else None
-r["mfu"], r["trl_mfu"] = mfu(o), mfu(t)
-r["ratio"] = round(r["rltune_s"] / r["trl_s"], 3) if r["rltune_s"] and r["trl_s"] else None
-print(json.dumps(r))
-EOF
-)"
+      record bench "$name" "$(side_by_side "$ours" "$theirs" "$ours_peak" "$theirs_peak" median_step_s median_step_s)"
     else
       gpu_mem_stop >/dev/null
     fi
