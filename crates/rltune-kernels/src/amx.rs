@@ -17,7 +17,7 @@
 //! Linux only: a process must ask the kernel for the tile state (`arch_prctl`) before its
 //! first tile instruction; [`available`] does that once.
 
-use super::gemm::MatRef;
+use super::gemm::view::MatRef;
 
 /// Whether this CPU and OS run AMX-BF16 tiles (checked, and the tile state requested, once).
 pub(crate) fn available() -> bool {
@@ -51,7 +51,7 @@ mod imp {
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
 mod imp {
     use super::MatRef;
-    use crate::gemm::{with_buffer, SendPtr};
+    use crate::gemm::view::{with_buffer, SendPtr};
     use crate::simd::avx512::transpose16;
     use rayon::prelude::*;
     use std::arch::asm;

@@ -20,6 +20,8 @@ use rand::{Rng, SeedableRng};
 use crate::error::{Error, Result};
 use crate::lora::{LoraLinear, LoraState, WeightLayout};
 
+mod adapters;
+
 /// How a missing parameter is initialized.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Init {

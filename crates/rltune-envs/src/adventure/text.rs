@@ -181,6 +181,32 @@ pub(super) fn feedback(world: &World, state: &State, cmd: Command) -> String {
     }
 }
 
+impl World {
+    /// The whole game as text, for debugging and determinism tests.
+    pub(super) fn describe(&self) -> String {
+        let mut out = String::new();
+        for (r, room) in self.rooms.iter().enumerate() {
+            let exits: Vec<String> = room
+                .exits()
+                .map(|(d, e)| match e.door {
+                    Some(k) => format!("{} -> {} ({})", d.name(), self.rooms[e.to].name, self.doors[k].name),
+                    None => format!("{} -> {}", d.name(), self.rooms[e.to].name),
+                })
+                .collect();
+            out += &format!("room {r} {}: {}\n", room.name, exits.join(", "));
+        }
+        for (i, o) in self.objects.iter().enumerate() {
+            out += &format!("object {i} {} ({:?}) at {:?}\n", o.name, o.kind, self.start.locs[i]);
+        }
+        for (k, d) in self.doors.iter().enumerate() {
+            out += &format!("door {k} {} {:?}\n", d.name, self.start.doors[k]);
+        }
+        out += &format!("start in {}\nquest {:?}\n", self.rooms[self.start.room].name, self.quest);
+        out += &format!("first view: {}\n", describe_room(self, &self.start));
+        out
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -34,6 +34,7 @@
 //! `prepack.rs` the [`PackScope`](prepack::PackScope).
 
 mod prepack;
+pub(crate) mod view;
 // The AVX-512 intrinsics are stable since Rust 1.89; the workspace still declares 1.85.
 #[cfg(target_arch = "x86_64")]
 mod x86;
@@ -43,50 +44,10 @@ use rayon::prelude::*;
 #[cfg(target_arch = "x86_64")]
 use prepack::prepacked;
 pub use prepack::{pack_scope, PackScope};
+pub(crate) use view::{with_buffer, MatRef, SendPtr};
 
 /// Depth of one packed block.
 const KC: usize = 256;
-
-/// A strided read-only matrix: element `(i, j)` is `data[off + i·rs + j·cs]`.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct MatRef<'a> {
-    pub data: &'a [f32],
-    pub off: usize,
-    pub rows: usize,
-    pub cols: usize,
-    pub rs: usize,
-    pub cs: usize,
-}
-
-impl<'a> MatRef<'a> {
-    /// A row-major `rows × cols` matrix.
-    #[cfg(test)]
-    pub fn row_major(data: &'a [f32], rows: usize, cols: usize) -> Self {
-        Self { data, off: 0, rows, cols, rs: cols, cs: 1 }
-    }
-
-    /// The transpose (a view; nothing moves).
-    pub fn t(self) -> Self {
-        Self { rows: self.cols, cols: self.rows, rs: self.cs, cs: self.rs, ..self }
-    }
-
-    /// Whether every element the view addresses lies inside `data`.
-    fn in_bounds(&self) -> bool {
-        if self.rows == 0 || self.cols == 0 {
-            return true;
-        }
-        let last = (self.rows - 1)
-            .checked_mul(self.rs)
-            .and_then(|r| (self.cols - 1).checked_mul(self.cs).and_then(|c| r.checked_add(c)))
-            .and_then(|x| x.checked_add(self.off));
-        matches!(last, Some(l) if l < self.data.len())
-    }
-
-    #[inline(always)]
-    fn at(&self, i: usize, j: usize) -> f32 {
-        self.data[self.off + i * self.rs + j * self.cs]
-    }
-}
 
 /// How f32 matrix products run on the CPU (process-wide; see [`set_matmul_precision`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
@@ -258,7 +219,8 @@ pub(crate) fn sgemm(a: MatRef, b: MatRef, c: &mut [f32], bias: Option<&[f32]>, a
             unsafe { super::amx::sgemm(a, b, c.as_mut_ptr(), bias, accumulate) };
             return;
         }
-        if let Some(pb) = prepacked(&b, isa) {
+        // SAFETY (the packing): the CPU has `isa` (from `isa()`); the views were checked above.
+        if let Some(pb) = prepacked(&b, isa, || unsafe { x86::pack_whole(isa, &b) }) {
             // SAFETY: as below; `pb` is `b` packed for `isa`.
             unsafe { x86::sgemm_prepacked(isa, a, b, pb.values(), c.as_mut_ptr(), bias, accumulate) };
             return;
@@ -405,7 +367,10 @@ pub(crate) fn sgemm_new(a: MatRef, b: MatRef, bias: Option<&[f32]>) -> Vec<f32> 
     #[cfg(target_arch = "x86_64")]
     let amx = on_amx(m, k, n);
     #[cfg(target_arch = "x86_64")]
-    let packed = isa().filter(|_| m > 0 && n > 0 && k > 0 && !amx).and_then(|isa| prepacked(&b, isa));
+    // SAFETY (the packing): the CPU has `isa` (from `isa()`); `check_args` checked the views.
+    let packed = isa()
+        .filter(|_| m > 0 && n > 0 && k > 0 && !amx)
+        .and_then(|isa| prepacked(&b, isa, || unsafe { x86::pack_whole(isa, &b) }));
     #[cfg(target_arch = "x86_64")]
     if let Some(isa) = isa()
         .filter(|&isa| m > 0 && n > 0 && k > 0 && (amx || packed.is_some() || !swap_pays(&a, &b, isa.nr())))
@@ -472,20 +437,6 @@ pub(crate) fn sgemm_ref(a: MatRef, b: MatRef, c: &mut [f32], bias: Option<&[f32]
                 (false, None) => s,
             };
         }
-    }
-}
-
-/// A raw pointer that rayon tasks may share; they write disjoint tiles.
-#[derive(Clone, Copy)]
-pub(super) struct SendPtr<T>(pub(super) *mut T);
-// SAFETY: tasks write disjoint regions, and the owner outlives the parallel section.
-unsafe impl<T> Send for SendPtr<T> {}
-unsafe impl<T> Sync for SendPtr<T> {}
-
-impl<T> SendPtr<T> {
-    /// The pointer (a method, so closures capture the whole `Send` wrapper).
-    pub(super) fn get(self) -> *mut T {
-        self.0
     }
 }
 
@@ -561,28 +512,6 @@ thread_local! {
     static PACKED_B: Buffer = const { Buffer::new(Vec::new()) };
     /// Packed A, on each task's thread.
     static PACKED_A: Buffer = const { Buffer::new(Vec::new()) };
-}
-
-/// A buffer of at least `len` values whose start is 64-byte aligned, reused per thread.
-pub(super) fn with_buffer<T: Copy + Default, R>(
-    key: &'static std::thread::LocalKey<std::cell::RefCell<Vec<T>>>,
-    len: usize,
-    f: impl FnOnce(&mut [T]) -> R,
-) -> R {
-    // Values per 64 bytes: enough slack to align the start.
-    let pad = 64 / std::mem::size_of::<T>();
-    let run = |v: &mut Vec<T>| {
-        if v.len() < len + pad {
-            *v = vec![T::default(); len + pad];
-        }
-        let skip = v.as_ptr().align_offset(64).min(pad - 1);
-        f(&mut v[skip..skip + len])
-    };
-    key.with(|b| match b.try_borrow_mut() {
-        Ok(mut v) => run(&mut v),
-        // Re-entered on this thread (a rayon task nested in another): use a fresh buffer.
-        Err(_) => run(&mut Vec::new()),
-    })
 }
 
 /// Packs rows `i0..i0 + mc` × columns `p0..p0 + kc` of `a` into `MR`-row panels: panel `t`,

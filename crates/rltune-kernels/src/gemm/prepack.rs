@@ -1,7 +1,5 @@
 //! Weights packed once for many products ([`PackScope`]), as in generation's decoding steps.
 
-#[cfg(target_arch = "x86_64")]
-use super::x86;
 use super::{Isa, MatRef};
 
 /// B packed once, in the layout `x86::drive` packs all of B into (`KC`-deep blocks of `NR`-wide
@@ -118,9 +116,14 @@ fn spare_buffer(len: usize) -> Vec<f32> {
     })
 }
 
-/// `b` packed for `isa`, when a [`PackScope`] registered its storage (packed now on first use).
+/// `b` packed for `isa`, when a [`PackScope`] registered its storage: packed now by `pack`
+/// (`x86::pack_whole`) on first use.
 #[cfg(target_arch = "x86_64")]
-pub(super) fn prepacked(b: &MatRef, isa: Isa) -> Option<std::rc::Rc<PackedB>> {
+pub(super) fn prepacked(
+    b: &MatRef,
+    isa: Isa,
+    pack: impl FnOnce() -> PackedB,
+) -> Option<std::rc::Rc<PackedB>> {
     PREPACKED.with(|p| {
         let mut p = p.try_borrow_mut().ok()?;
         let p = p.as_mut()?;
@@ -141,8 +144,7 @@ pub(super) fn prepacked(b: &MatRef, isa: Isa) -> Option<std::rc::Rc<PackedB>> {
         if let Some((_, v)) = p.done.iter().find(|(k, _)| *k == key) {
             return Some(v.clone());
         }
-        // SAFETY: the CPU has `isa` (from `isa()`); the caller checked the view's bounds.
-        let v = std::rc::Rc::new(unsafe { x86::pack_whole(isa, b) });
+        let v = std::rc::Rc::new(pack());
         p.done.push((key, v.clone()));
         Some(v)
     })

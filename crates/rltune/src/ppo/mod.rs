@@ -8,6 +8,7 @@
 
 pub mod config;
 pub mod critic;
+mod forward;
 pub mod kl_control;
 pub mod math;
 pub mod trainer;

@@ -30,6 +30,7 @@ use rand::SeedableRng;
 
 use super::config::PpoConfig;
 use super::critic::Critic;
+use super::forward::{hidden_states, inputs};
 use super::kl_control::KlController;
 use super::math::{self, KlPenalty};
 use crate::engine::{Stat, Stats};
@@ -41,6 +42,7 @@ use crate::optim::{Adam, AdamConfig, Grads};
 use crate::params::ParamStore;
 use crate::tokenizer::{pad, PaddingSide};
 
+mod critic;
 mod data_parallel;
 mod optimize;
 
@@ -733,31 +735,6 @@ impl PpoTrainer {
             Tensor::from_vec(v, (b, w), &self.device)?.to_dtype(dt)?,
         ))
     }
-}
-
-/// Hidden states `(B, L−1, C)` of the model's inputs (`ids[:, :L−1]`); with `select (B, L−1)`,
-/// only the marked positions are computed in full (the others are unspecified, see
-/// [`CausalLm::forward_rows`]).
-pub(super) fn hidden_states(
-    lm: &CausalLm,
-    ids: &Tensor,
-    pos: &Tensor,
-    bias: &Tensor,
-    select: Option<&Tensor>,
-) -> Result<Tensor> {
-    match select {
-        Some(sel) => {
-            let flat = sel.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-            let rows: Vec<usize> = (0..flat.len()).filter(|&r| flat[r] != 0.0).collect();
-            Ok(lm.forward_rows(&inputs(ids)?, pos, bias, &rows)?)
-        }
-        None => Ok(lm.forward(&inputs(ids)?, pos, bias, None)?),
-    }
-}
-
-/// The models' input `ids[:, :L−1]` (see [`Batch`]).
-fn inputs(ids: &Tensor) -> Result<Tensor> {
-    Ok(ids.narrow(1, 0, ids.dim(1)? - 1)?)
 }
 
 fn flat(t: &Tensor) -> Result<Vec<f64>> {
