@@ -47,13 +47,21 @@ fn mpirun(bin: &Path, apps: &[(usize, Vec<String>)]) -> Output {
         }
         cmd.args(["-np", &n.to_string()]).arg(bin).args(args);
     }
-    cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    // A session directory of its own for each launch: the tests run concurrently, and under load
+    // Open MPI's shared one failed once ("orte_session_dir failed").
+    static LAUNCH: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = LAUNCH.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let session = std::env::temp_dir().join(format!("rltune-mpirun-{}-{n}", std::process::id()));
+    std::fs::create_dir_all(&session).expect("create the mpirun session directory");
+    cmd.env("OMPI_MCA_orte_tmpdir_base", &session)
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
         .env("HF_HUB_OFFLINE", "1")
         .env("RUST_LOG", "warn")
-        .env("RLTUNE_DIST_TIMEOUT_S", "60")
-        .output()
-        .expect("run mpirun")
+        .env("RLTUNE_DIST_TIMEOUT_S", "60");
+    let out = cmd.output().expect("run mpirun");
+    let _ = std::fs::remove_dir_all(&session);
+    out
 }
 
 /// The tiny arithmetic quickstart's SFT policy and GRPO config, with a reward that varies
