@@ -54,11 +54,8 @@ case "$cmd" in
     cp "$CARRY"/train.jsonl "$CARRY"/heldout.jsonl target/smollm2-grpo/
     BIN="$(mktemp -d)/rltune"
     xz -dc .gpu/rltune.xz >"$BIN" && chmod +x "$BIN"
-    # CUDA's libraries: the pip packages of the machine's PyTorch, as tools/cuda/verify.sh does.
-    NV_LIBS="$(python3 -c 'import glob, os, site
-dirs = {os.path.dirname(p) for r in site.getsitepackages() for p in glob.glob(os.path.join(r, "nvidia", "**", "lib", "*.so*"), recursive=True)}
-print(":".join(sorted(dirs)))')"
-    export LD_LIBRARY_PATH="${NV_LIBS}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    # shellcheck source=tools/cuda/cuda_libs.sh
+    . tools/cuda/cuda_libs.sh
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >"$OUTDIR/device.txt" 2>&1 || true
     RUN=/tmp/smollm2-run
     t0=$(date +%s)

@@ -76,17 +76,8 @@ BIN="$(cd "$(dirname "$BIN")" && pwd)/$(basename "$BIN")"
 
 # --- CUDA's libraries: the pip packages of the machine's PyTorch (cuBLAS, cuRAND, NVRTC) --------
 if [ "$REHEARSE" = 0 ]; then
-  NV_LIBS="$(python3 - <<'EOF' 2>/dev/null
-import glob, os, site
-roots = site.getsitepackages() + [site.getusersitepackages()]
-dirs = set()
-for r in roots:
-    for so in glob.glob(os.path.join(r, "nvidia", "**", "lib", "*.so*"), recursive=True):
-        dirs.add(os.path.dirname(so))
-print(":".join(sorted(dirs)))
-EOF
-)"
-  export LD_LIBRARY_PATH="${NV_LIBS}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  # shellcheck source=tools/cuda/cuda_libs.sh
+  . "$ROOT/tools/cuda/cuda_libs.sh"
 fi
 
 # --- the report ----------------------------------------------------------------------------------
@@ -308,11 +299,39 @@ if [ "$QUICK" = 0 ]; then
     check quickstart-tiny-bf16 "{\"pass\": $([ $RC = 0 ] && echo true || echo false), \"exit\": $RC, \"seconds\": $SECS, \"error\": $(grep -m1 '^error' "$LOGS/quickstart-tiny-bf16.log" | python3 -c 'import json,sys; print(json.dumps(sys.stdin.read().strip()))')}"
   fi
 
-  # 5. Benchmarks, rltune and TRL 0.11.4 on the same device in the same run.
-  TRL011="$WORK/site-trl011"
-  if [ -d "$PACK/wheels/trl011" ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target "$TRL011" "$PACK"/wheels/trl011/*.whl >"$LOGS/wheels.log" 2>&1 || true
-  fi
+  # 5. Benchmarks, rltune and TRL on the same device in the same run.
+  # trl_site NAME: WORK/site-NAME, with the wheels of PACK/wheels/NAME installed (once).
+  trl_site() {
+    local site="$WORK/site-$1"
+    if [ -d "$PACK/wheels/$1" ] && [ ! -d "$site" ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" "$PACK/wheels/$1"/*.whl >>"$LOGS/wheels.log" 2>&1 || true
+    fi
+    echo "$site"
+  }
+  # bench_pair NAME LIMIT SITE TRL_VERSION TIME_KEY MFU_TIME_KEY: runs "${OURS_CMD[@]}" and, when
+  # TRL TRL_VERSION imports from SITE, python3 "${THEIRS_CMD[@]}" with it, each under LIMIT with
+  # its peak GPU memory sampled, and records the pair (side_by_side). Returns 1 when rltune's run
+  # did not start (the budget is spent or NAME is not wanted).
+  bench_pair() {
+    local name="$1" limit="$2" site="$3" version="$4" ours theirs='{}' ours_peak theirs_peak=null
+    gpu_mem_start
+    if ! run "bench-$name-rltune" "$limit" "${OURS_CMD[@]}"; then
+      gpu_mem_stop >/dev/null
+      return 1
+    fi
+    ours="$(grep -m1 '^{' "$LOGS/bench-$name-rltune.log" || echo '{}')"
+    ours_peak="$(gpu_mem_stop)"
+    if PYTHONPATH="$site" python3 -c "import trl; assert trl.__version__ == '$version'" >/dev/null 2>&1; then
+      gpu_mem_start
+      if run "bench-$name-trl" "$limit" env PYTHONPATH="$site" python3 "${THEIRS_CMD[@]}"; then
+        theirs="$(grep -m1 '^{' "$LOGS/bench-$name-trl.log" || echo '{}')"
+      fi
+      theirs_peak="$(gpu_mem_stop)"
+    else
+      skip "bench-$name-trl" "trl $version is not importable (tools/cuda/pack.sh ships it as wheels)"
+    fi
+    record bench "$name" "$(side_by_side "$ours" "$theirs" "$ours_peak" "$theirs_peak" "$5" "$6")"
+  }
   # PRESET:DTYPE ITERATIONS LIMIT [MINI-BATCH]: the 0.5B preset times one iteration after its
   # warm-up; where rltune runs out of memory at the preset's mini-batch (8), both sides run
   # again at 2 (named ...-mb2).
@@ -325,25 +344,10 @@ if [ "$QUICK" = 0 ]; then
       name="ppo-$preset$([ "$dtype" = bf16 ] && echo -bf16)${mb:+-mb$mb}"
       wanted "bench-$name" || wanted "bench-${name%-mb*}" || continue
       [ -n "$mb" ] && [ "$OOM" = 0 ] && continue
-      gpu_mem_start
-      if run "bench-$name-rltune" "$limit" "$BIN" bench ppo --preset "$preset" --device "$DEVICE" --dtype "$dtype" --iters "$iters" ${mb:+--mini-batch $mb} --json; then
-        grep -q "out of memory\|OUT_OF_MEMORY" "$LOGS/bench-$name-rltune.log" && OOM=1
-        OURS="$(grep -m1 '^{' "$LOGS/bench-$name-rltune.log" || echo '{}')"
-        OURS_PEAK="$(gpu_mem_stop)"
-        THEIRS='{}' THEIRS_PEAK=null
-        if PYTHONPATH="$TRL011" python3 -c 'import trl' >/dev/null 2>&1; then
-          gpu_mem_start
-          if run "bench-$name-trl" "$limit" env PYTHONPATH="$TRL011" python3 "$ROOT/bench/trl_ppo.py" --preset "$preset" --device "$DEVICE" --iters "$iters" $([ "$dtype" = bf16 ] && echo --bf16) ${mb:+--mini-batch $mb} --json; then
-            THEIRS="$(grep -m1 '^{' "$LOGS/bench-$name-trl.log" || echo '{}')"
-          fi
-          THEIRS_PEAK="$(gpu_mem_stop)"
-        else
-          skip "bench-$name-trl" "trl 0.11.4 is not importable (tools/cuda/pack.sh ships it as wheels)"
-        fi
-        record bench "$name" "$(side_by_side "$OURS" "$THEIRS" "$OURS_PEAK" "$THEIRS_PEAK" median_total_s median_optimize_step_s)"
-      else
-        gpu_mem_stop >/dev/null
-      fi
+      OURS_CMD=("$BIN" bench ppo --preset "$preset" --device "$DEVICE" --dtype "$dtype" --iters "$iters" ${mb:+--mini-batch $mb} --json)
+      THEIRS_CMD=("$ROOT/bench/trl_ppo.py" --preset "$preset" --device "$DEVICE" --iters "$iters" $([ "$dtype" = bf16 ] && echo --bf16) ${mb:+--mini-batch $mb} --json)
+      bench_pair "$name" "$limit" "$(trl_site trl011)" 0.11.4 median_total_s median_optimize_step_s || continue
+      grep -qs "out of memory\|OUT_OF_MEMORY" "$LOGS/bench-$name-rltune.log" && OOM=1
     done
   }
   # profile_ppo PRESET DTYPE ITERATIONS LIMIT: rltune's PPO benchmark again under the kernel
@@ -393,28 +397,9 @@ EOF
   bench_grpo() { # bench_grpo PRESET DTYPE ITERATIONS LIMIT
     local name="grpo-$1$([ "$2" = bf16 ] && echo -bf16)"
     wanted "bench-$name" || return 0
-    local trl116="$WORK/site-trl116"
-    if [ -d "$PACK/wheels/trl116" ] && [ ! -d "$trl116" ]; then
-      python3 -m pip install -q --no-index --no-deps --no-compile --target "$trl116" "$PACK"/wheels/trl116/*.whl >>"$LOGS/wheels.log" 2>&1 || true
-    fi
-    gpu_mem_start
-    if run "bench-$name-rltune" "$4" "$BIN" bench grpo --preset "$1" --device "$DEVICE" --dtype "$2" --iters "$3" --json; then
-      local ours theirs='{}' ours_peak theirs_peak=null
-      ours="$(grep -m1 '^{' "$LOGS/bench-$name-rltune.log" || echo '{}')"
-      ours_peak="$(gpu_mem_stop)"
-      if PYTHONPATH="$trl116" python3 -c 'import trl; assert trl.__version__ == "1.16.0"' >/dev/null 2>&1; then
-        gpu_mem_start
-        if run "bench-$name-trl" "$4" env PYTHONPATH="$trl116" python3 "$ROOT/bench/trl_grpo.py" --preset "$1" --device "$DEVICE" --iters "$3" $([ "$2" = bf16 ] && echo --bf16) --json; then
-          theirs="$(grep -m1 '^{' "$LOGS/bench-$name-trl.log" || echo '{}')"
-        fi
-        theirs_peak="$(gpu_mem_stop)"
-      else
-        skip "bench-$name-trl" "trl 1.16.0 is not importable (tools/cuda/pack.sh ships it as wheels)"
-      fi
-      record bench "$name" "$(side_by_side "$ours" "$theirs" "$ours_peak" "$theirs_peak" median_step_s median_step_s)"
-    else
-      gpu_mem_stop >/dev/null
-    fi
+    OURS_CMD=("$BIN" bench grpo --preset "$1" --device "$DEVICE" --dtype "$2" --iters "$3" --json)
+    THEIRS_CMD=("$ROOT/bench/trl_grpo.py" --preset "$1" --device "$DEVICE" --iters "$3" $([ "$2" = bf16 ] && echo --bf16) --json)
+    bench_pair "$name" "$4" "$(trl_site trl116)" 1.16.0 median_step_s median_step_s || true
   }
   bench_grpo qwen2-0.5b bf16 2 150
   profile_ppo qwen2-0.5b bf16 1 150
