@@ -308,6 +308,11 @@ if [ "$QUICK" = 0 ]; then
     fi
     echo "$site"
   }
+  # result_line LOG: a benchmark's JSON result, its last line that opens a JSON object (`{"`), or
+  # {}. (The Trainer's own log lines are Python dicts, `{'loss': ...`, in the same log.)
+  result_line() {
+    grep '^{"' "$1" 2>/dev/null | tail -n1 | grep . || echo '{}'
+  }
   # bench_pair NAME LIMIT SITE TRL_VERSION TIME_KEY MFU_TIME_KEY: runs "${OURS_CMD[@]}" and, when
   # TRL TRL_VERSION imports from SITE, python3 "${THEIRS_CMD[@]}" with it, each under LIMIT with
   # its peak GPU memory sampled, and records the pair (side_by_side). Returns 1 when rltune's run
@@ -319,12 +324,12 @@ if [ "$QUICK" = 0 ]; then
       gpu_mem_stop >/dev/null
       return 1
     fi
-    ours="$(grep -m1 '^{' "$LOGS/bench-$name-rltune.log" || echo '{}')"
+    ours="$(result_line "$LOGS/bench-$name-rltune.log")"
     ours_peak="$(gpu_mem_stop)"
     if PYTHONPATH="$site" python3 -c "import trl; assert trl.__version__ == '$version'" >/dev/null 2>&1; then
       gpu_mem_start
       if run "bench-$name-trl" "$limit" env PYTHONPATH="$site" python3 "${THEIRS_CMD[@]}"; then
-        theirs="$(grep -m1 '^{' "$LOGS/bench-$name-trl.log" || echo '{}')"
+        theirs="$(result_line "$LOGS/bench-$name-trl.log")"
       fi
       theirs_peak="$(gpu_mem_stop)"
     else
