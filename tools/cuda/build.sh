@@ -4,7 +4,9 @@
 # (.venv-cuda), then runs cargo with them.
 #
 #   tools/cuda/build.sh                      # cargo build --release --features cuda -p rltune-cli
-#   tools/cuda/build.sh check --workspace    # cargo check --features cuda --workspace (what CI runs)
+#   tools/cuda/build.sh check --workspace    # cargo check --features cuda --workspace
+#   tools/cuda/build.sh check --stub-kernels --workspace   # the same with candle's kernels stubbed
+#                                            # (what CI runs; see tools/cuda/stub_nvcc.sh)
 #   tools/cuda/build.sh env                  # print the exports, e.g.: eval "$(tools/cuda/build.sh env)"
 #   tools/cuda/build.sh setup                # only install the toolchain (what `check` needs)
 #   tools/cuda/build.sh cargo test ...       # any cargo command with the toolkit's environment
@@ -92,7 +94,18 @@ eval "$(exports)"
 case "${1:-build}" in
   setup) ;; # the toolchain only (CI: a failed download is told apart from a compile error)
   env) exports ;;
-  check) shift; exec cargo check --features cuda "$@" ;;
+  check)
+    shift
+    if [ "${1:-}" = --stub-kernels ]; then
+      # Type-checks without compiling candle's kernels (13.5 of the check's minutes): nvcc's
+      # outputs are written empty, in a target folder of their own so that no build that runs
+      # ever links them.
+      shift
+      export RLTUNE_REAL_NVCC="$NVCC" NVCC="$PWD/tools/cuda/stub_nvcc.sh"
+      export CARGO_TARGET_DIR="$PWD/target/cuda-typecheck"
+    fi
+    exec cargo check --features cuda "$@"
+    ;;
   build) shift || true; exec cargo build --release --features cuda -p rltune-cli "$@" ;;
   cargo) shift; exec cargo "$@" ;;
   *) echo "usage: tools/cuda/build.sh [build [ARGS]] | check [ARGS] | setup | env | cargo ARGS" >&2; exit 2 ;;
