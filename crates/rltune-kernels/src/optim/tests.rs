@@ -130,6 +130,24 @@ fn clipping_scales_to_max_norm_in_buffers_and_tensors() {
     assert!(!g.has(0) && !g.has(1));
 }
 
+/// The device path of the gradient norm (rows first, then their sums) equals the CPU's single
+/// pass to f64 rounding, for every rank and for 1-D lengths that do and do not split in rows.
+#[test]
+fn the_norm_summed_by_rows_equals_the_single_pass() {
+    let dev = Device::Cpu;
+    let shapes: [&[usize]; 6] = [&[], &[5], &[3 * 1024], &[7, 300], &[3, 4, 1030], &[2, 3, 4, 5]];
+    for (k, shape) in shapes.into_iter().enumerate() {
+        let n: usize = shape.iter().product();
+        let data: Vec<f32> = (0..n).map(|i| ((i * 7919 + k * 31) % 1000) as f32 / 97.0 - 5.0).collect();
+        let g = Tensor::from_vec(data.clone(), shape, &dev).unwrap();
+        let by_rows = super::grads::sum_sq_by_rows(&g).unwrap();
+        assert_eq!(by_rows.rank(), 0, "shape {shape:?}");
+        let by_rows = by_rows.to_scalar::<f64>().unwrap();
+        let single: f64 = data.iter().map(|&x| x as f64 * x as f64).sum();
+        assert!((by_rows - single).abs() <= 1e-12 * single, "shape {shape:?}: {by_rows} vs {single}");
+    }
+}
+
 /// A tiny model through every op that writes into gradient buffers (the linear layers, layer
 /// norm, the embedding and the LM head, tied), plus a candle matmul whose gradient arrives in
 /// candle's store: two backward passes into [`Grads`] give the sums of candle's own gradients.
