@@ -761,6 +761,46 @@ fn ppo_on_text_games_logs_episodes_evaluates_and_resumes() {
     assert!(err.contains("[data] source and [env]"), "{err}");
 }
 
+/// `[episodes] turn_lambda` changes the credit across turns and nothing else: the same first
+/// step on the letter toy (3-turn episodes) plays the same turns with the same logprobs, and
+/// its returns differ (with `game_gamma` ½, λ = 1 discounts the final state's value once per
+/// later turn, where λ = 0 reads each next state's value once; the tiny model's head gives
+/// every state about the same value, so the two differ wherever a turn has a successor). A value
+/// outside [0, 1] is refused, naming the key.
+#[test]
+fn turn_lambda_changes_the_returns_not_the_rollout() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = quickstart().join("sft");
+    let first_step = |lambda: &str| {
+        let run = tmp.path().join(format!("lambda-{lambda}"));
+        let config = tmp.path().join(format!("lambda-{lambda}.toml"));
+        std::fs::write(
+            &config,
+            format!(
+                "[model]\npath = {model:?}\n[env]\nkind = \"letters\"\nnum_envs = 8\nturns = 3\n\
+                 [agent]\nmemory_turns = 1\n[generation]\nmax_new_tokens = 4\n\
+                 [ppo]\nbatch_size = 8\nmini_batch_size = 4\nsteps = 1\n\
+                 [episodes]\ngame_gamma = 0.5\nturn_lambda = {lambda}\n\
+                 [logging]\ndir = {run:?}\n",
+                model = s(&model),
+                run = s(&run)
+            ),
+        )
+        .unwrap();
+        ok(rltune(&["ppo", "--config", s(&config)]));
+        metrics(&run).remove(0)
+    };
+    let (td0, mc) = (first_step("0.0"), first_step("1.0"));
+    for key in ["rltune/logprobs_mean", "env/reward_mean", "tokens/responses_len_mean"] {
+        assert_eq!(td0[key], mc[key], "{key}: the rollout must not change");
+    }
+    assert_ne!(td0["ppo/returns/mean"], mc["ppo/returns/mean"], "the returns must change");
+
+    let bad = tmp.path().join("lambda-0.0.toml");
+    let err = fails(rltune(&["ppo", "--config", s(&bad), "--set", "episodes.turn_lambda=1.5"]));
+    assert!(err.contains("turn_lambda") && err.contains("[0, 1]"), "{err}");
+}
+
 /// Issue #29: rejection sampling as a trainer of its own (`[algorithm] kind =
 /// "rejection_sampling"`). On the letter toy, keeping the best quarter of the turns by return
 /// and fine-tuning on them raises the reward (measured: 0.020 over the first 4 of 20 steps,

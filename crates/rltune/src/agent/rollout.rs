@@ -315,6 +315,36 @@ pub fn rebootstrap(
     Ok(())
 }
 
+/// λ-returns across turns (`[episodes] turn_lambda`): turns `bootstrap` from
+/// `game_gamma · V(next state)` (TD(0) between turns, the fork's) into
+/// `game_gamma · G^λ(next state)`, where `G^λ(s_{t+1}) = (1 − λ)·V(s_{t+1}) + λ·(r_{t+1} +
+/// G^λ(s_{t+2}))` with `G^λ` of a turn's end read from its own bootstrap. With λ = 1 a turn's
+/// last token sees the discounted sum of the episode's later shaped rewards (Monte Carlo, no
+/// critic bias); within a turn GAE is unchanged. The chain runs backwards over each episode's
+/// consecutive turns: turn `i + 1` continues turn `i` when it was played in the same
+/// environment from the state turn `i` bootstraps from (`next_query_ids`); an example turn in
+/// between, an episode split between batches, or the episode's end cuts it, and that turn keeps
+/// its own bootstrap (0 after termination, the value of the final state after truncation).
+/// The turns' KL penalties stay in their own turn: the chain adds the shaped rewards only.
+///
+/// Must run after the bootstraps are final (after [`rebootstrap`] with a separate critic).
+pub fn lambda_bootstraps(turns: &mut [Transition], game_gamma: f64, turn_lambda: f64) {
+    if turn_lambda == 0.0 {
+        return;
+    }
+    for i in (0..turns.len().saturating_sub(1)).rev() {
+        let (head, tail) = turns.split_at_mut(i + 1);
+        let (t, next) = (&mut head[i], &tail[0]);
+        let continues =
+            next.env == t.env && !t.next_query_ids.is_empty() && next.query_ids == t.next_query_ids;
+        if continues {
+            let ahead = f64::from(next.reward) + f64::from(next.bootstrap);
+            let b = (1.0 - turn_lambda) * f64::from(t.bootstrap) + turn_lambda * game_gamma * ahead;
+            t.bootstrap = b as f32;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -331,5 +361,55 @@ mod tests {
         };
         assert!((s.reward("see", &step) - (1.0 + 10.0 - 0.5 - 0.1 + 0.2)).abs() < 1e-12);
         assert_eq!(Shaping::default().reward("eee", &step), 1.0);
+    }
+
+    /// A turn of environment `env` from state `state` to `next` (empty: terminated).
+    fn turn(env: usize, state: u32, next: Option<u32>, reward: f32, bootstrap: f32) -> Transition {
+        Transition {
+            env,
+            query_ids: vec![state],
+            response_ids: vec![1],
+            logprobs: vec![0.0],
+            values: vec![0.0],
+            action: String::new(),
+            reward,
+            bootstrap,
+            next_query_ids: next.map(|n| vec![n]).unwrap_or_default(),
+            allowed: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn lambda_bootstraps_chain_consecutive_turns_only() {
+        let g: f32 = 0.9;
+        let gd = f64::from(g);
+        // Environment 0: states 10 → 11 → 12 → terminal; V(11) = 2, V(12) = 4 (bootstraps are
+        // γ·V). Environment 1: state 20 → 21, truncated there with V(21) = 5. Environment 2:
+        // state 30 → 31, then a turn from 32 (an example turn played 31 → 32 in between).
+        let turns = vec![
+            turn(0, 10, Some(11), 0.0, g * 2.0),
+            turn(0, 11, Some(12), 1.0, g * 4.0),
+            turn(0, 12, None, 3.0, 0.0),
+            turn(1, 20, Some(21), 0.5, g * 5.0),
+            turn(2, 30, Some(31), 0.0, g * 7.0),
+            turn(2, 32, None, 1.0, 0.0),
+        ];
+        let run = |lambda: f64| {
+            let mut t = turns.clone();
+            lambda_bootstraps(&mut t, gd, lambda);
+            t.iter().map(|t| f64::from(t.bootstrap)).collect::<Vec<_>>()
+        };
+        let close = |a: &[f64], b: &[f64]| a.iter().zip(b).all(|(x, y)| (x - y).abs() < 1e-5);
+        // λ = 0: the fork's TD(0), unchanged.
+        let td0: Vec<f64> = turns.iter().map(|t| f64::from(t.bootstrap)).collect();
+        assert_eq!(run(0.0), td0);
+        // λ = 1: the discounted sum of the later rewards; the last turn keeps its own bootstrap,
+        // and so does a turn whose successor is not in the list (the example turn's cut).
+        let mc = [gd * (1.0 + gd * 3.0), gd * 3.0, 0.0, gd * 5.0, gd * 7.0, 0.0];
+        assert!(close(&run(1.0), &mc), "{:?}", run(1.0));
+        // λ = ½: each step mixes the value and the return ahead.
+        let b1 = 0.5 * gd * 4.0 + 0.5 * gd * 3.0;
+        let b0 = 0.5 * gd * 2.0 + 0.5 * gd * (1.0 + b1);
+        assert!(close(&run(0.5), &[b0, b1, 0.0, gd * 5.0, gd * 7.0, 0.0]), "{:?}", run(0.5));
     }
 }

@@ -170,6 +170,11 @@ pub struct EpisodesSection {
     /// The discount between turns: a turn's last token bootstraps from `game_gamma · V(next
     /// turn's prompt)` (the textworld fork's `game_gamma`, 0.6).
     pub game_gamma: f64,
+    /// PPO: λ of the returns across turns (0: each turn bootstraps from `game_gamma · V(next
+    /// turn's prompt)`, the fork's TD(0); 1: from the discounted sum of the episode's later
+    /// shaped rewards, Monte Carlo; between: the λ-return). Within a turn GAE keeps `[ppo] lam`.
+    /// See [`crate::agent::rollout::lambda_bootstraps`].
+    pub turn_lambda: f64,
     /// Probability that a turn plays a random admissible command instead of the policy's
     /// (the fork's "example turns": memory only, not trained on).
     pub example_turn_prob: f64,
@@ -193,6 +198,7 @@ impl Default for EpisodesSection {
     fn default() -> Self {
         Self {
             game_gamma: 0.6,
+            turn_lambda: 0.0,
             example_turn_prob: 0.0,
             shaping: Shaping::default(),
             eval_every: 0,
@@ -208,6 +214,9 @@ impl EpisodesSection {
     pub(super) fn validate(&self) -> std::result::Result<(), String> {
         if !(0.0..=1.0).contains(&self.game_gamma) {
             return Err(format!("[episodes] game_gamma must be in [0, 1], got {}", self.game_gamma));
+        }
+        if !(0.0..=1.0).contains(&self.turn_lambda) {
+            return Err(format!("[episodes] turn_lambda must be in [0, 1], got {}", self.turn_lambda));
         }
         if !(0.0..1.0).contains(&self.example_turn_prob) {
             return Err(format!(

@@ -124,8 +124,23 @@ impl EpisodeSource {
         batch_size: usize,
         device: &Device,
     ) -> Result<EpisodeBatch> {
+        self.collect_with(step, policy, tokenizer, batch_size, device, |_| Ok(()))
+    }
+
+    /// [`Self::collect`], with `prepare` run on every turn played, whole episodes in turn
+    /// order, before the pick (what needs an episode's later turns: λ-returns across turns).
+    pub fn collect_with<'a>(
+        &mut self,
+        step: usize,
+        policy: impl Into<Actor<'a>>,
+        tokenizer: &Tokenizer,
+        batch_size: usize,
+        device: &Device,
+        prepare: impl FnOnce(&mut [Transition]) -> Result<()>,
+    ) -> Result<EpisodeBatch> {
         let mut batch = self.play_rounds(step, policy, tokenizer, batch_size, device)?;
-        let turns: Vec<Transition> = std::mem::take(&mut batch.transitions);
+        let mut turns: Vec<Transition> = std::mem::take(&mut batch.transitions);
+        prepare(&mut turns)?;
         // Which turns train: a random subset, kept in play order.
         let mut rng =
             rand::rngs::StdRng::seed_from_u64(mix(self.seed, step as u64, self.rank as u64, 0x7e4d));

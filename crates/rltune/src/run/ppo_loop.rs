@@ -21,7 +21,7 @@ use super::config::{AlgorithmKind, RewardSourceConfig, RunConfig};
 use super::episodes::{add_episode_stats, log_game_step, EpisodeSource};
 use super::prompts::{decode, encode_prompts, reward_inputs};
 use super::run_loop::StepReport;
-use crate::agent::rollout::rebootstrap;
+use crate::agent::rollout::{lambda_bootstraps, rebootstrap, Transition};
 use crate::data::prompts::{LengthSampler, PromptRow};
 use crate::engine::stats::mean_std;
 use crate::error::{Error, Result};
@@ -378,13 +378,28 @@ impl PpoRun {
         };
         let b = self.config.ppo.batch_size;
         let t = Instant::now();
-        let mut batch = games.collect(step, &self.trainer.policy, &self.tokenizer, b, &self.device)?;
-        if self.trainer.critic().is_some() {
-            // The turns bootstrap from the critic's value of the next state, not the policy head's.
-            let trainer = &self.trainer;
-            let gamma = self.config.episodes.game_gamma;
-            rebootstrap(&mut batch.transitions, gamma, trainer.pad_id(), |q, r| trainer.values(q, r))?;
-        }
+        let trainer = &self.trainer;
+        let (gamma, lambda) = (self.config.episodes.game_gamma, self.config.episodes.turn_lambda);
+        // With a separate critic, the turns bootstrap from its value of the next state, not
+        // the policy head's; λ-returns chain every turn played, so they come before the pick.
+        let critic = trainer.critic().is_some();
+        let rebootstrap_all = |turns: &mut [Transition]| -> Result<()> {
+            if critic {
+                rebootstrap(turns, gamma, trainer.pad_id(), |q, r| trainer.values(q, r))?;
+            }
+            Ok(())
+        };
+        let batch = if lambda > 0.0 {
+            games.collect_with(step, &trainer.policy, &self.tokenizer, b, &self.device, |turns| {
+                rebootstrap_all(turns)?;
+                lambda_bootstraps(turns, gamma, lambda);
+                Ok(())
+            })?
+        } else {
+            let mut batch = games.collect(step, &trainer.policy, &self.tokenizer, b, &self.device)?;
+            rebootstrap_all(&mut batch.transitions)?;
+            batch
+        };
         let time_rollout = t.elapsed().as_secs_f64();
         let turns = &batch.transitions;
         let (queries, responses, allowed) = batch.turn_tokens();
