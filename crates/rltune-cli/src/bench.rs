@@ -44,6 +44,11 @@ pub struct Args {
     /// (compare with `bench/trl_ppo.py --bf16`, TRL under CPU autocast).
     #[arg(long, default_value = "f32")]
     matmul_precision: rltune::ops::MatmulPrecision,
+    /// Run the GPU's code path on the CPU: candle's composed ops instead of the fused CPU
+    /// kernels, device-side Adam moments. With the resident memory printed at each phase, it
+    /// shows what the GPU path keeps alive, here (use a small `--batch`).
+    #[arg(long)]
+    composed: bool,
     #[command(flatten)]
     runtime: crate::runtime::RuntimeArgs,
     /// Print one JSON object.
@@ -105,10 +110,15 @@ const RESPONSE_LEN: usize = 24;
 
 /// Peak resident set size of this process, in MiB (Linux `VmHWM`).
 fn peak_rss_mib() -> f64 {
+    proc_status_mib("VmHWM:")
+}
+
+/// A memory line of `/proc/self/status` in MiB (`VmHWM:` the peak, `VmRSS:` now); NaN elsewhere.
+fn proc_status_mib(key: &str) -> f64 {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
     status
         .lines()
-        .find(|l| l.starts_with("VmHWM:"))
+        .find(|l| l.starts_with(key))
         .and_then(|l| l.split_whitespace().nth(1))
         .and_then(|kb| kb.parse::<f64>().ok())
         .map_or(f64::NAN, |kb| kb / 1024.0)
@@ -130,6 +140,7 @@ pub fn run(args: Args) -> Result<()> {
     let section = RuntimeSection { matmul_precision: args.matmul_precision, ..RuntimeSection::default() };
     let runtime = args.runtime.resolve(section)?;
     let dev = runtime.device().clone();
+    let _composed = args.composed.then(rltune::ops::composed_scope);
     let cfg = p.cfg.clone();
     let store = ParamStore::random(0, true, runtime.dtype(), &dev)?;
     let lm = CausalLm::load(&store.root(), &cfg)?;
@@ -147,10 +158,13 @@ pub fn run(args: Args) -> Result<()> {
             (0..p.batch).map(|_| (0..p.query_len).map(|_| rng.gen_range(0..eos)).collect()).collect();
         // Device memory at the phase boundaries (stderr: a run that runs out of memory shows
         // which phase did).
-        let mem = |what: &str| {
-            if let Some(m) = rltune::runtime::device_memory_used_mib(&dev) {
-                eprintln!("iteration {it}: {m:.0} MiB of device memory in use {what}");
-            }
+        let mem = |what: &str| match rltune::runtime::device_memory_used_mib(&dev) {
+            Some(m) => eprintln!("iteration {it}: {m:.0} MiB of device memory in use {what}"),
+            None => eprintln!(
+                "iteration {it}: {:.0} MiB resident {what} (peak so far {:.0} MiB)",
+                proc_status_mib("VmRSS:"),
+                peak_rss_mib()
+            ),
         };
         mem("before generation");
         let t0 = Instant::now();
@@ -206,6 +220,7 @@ pub fn run(args: Args) -> Result<()> {
         "impl": "rltune",
         "preset": args.preset,
         "rollout_cache": !args.no_rollout_cache,
+        "composed": args.composed,
         "matmul_precision": runtime.matmul_precision().as_str(),
         "runtime": runtime.to_string(),
         "median_total_s": total,

@@ -302,3 +302,33 @@ fn a_bad_device_or_dtype_names_the_choices() {
     assert_eq!(out.status.code(), Some(2));
     assert!(stderr(&out).contains("\"bf16\""), "{}", stderr(&out));
 }
+
+/// `bench ppo --composed` runs the GPU's code path (composed ops, device-side Adam) on the CPU
+/// and reports the resident memory at each phase boundary, so the GPU path's memory can be
+/// studied without a GPU.
+#[test]
+fn bench_composed_runs_the_gpu_path_and_reports_memory_by_phase() {
+    let out = common::rltune(&[
+        "bench",
+        "ppo",
+        "--preset",
+        "small",
+        "--composed",
+        "--iters",
+        "1",
+        "--batch",
+        "4",
+        "--mini-batch",
+        "2",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let lines = json_lines(&out);
+    let result = lines.last().unwrap();
+    assert_eq!(result["composed"], true, "{result}");
+    assert!(result["median_optimize_step_s"].as_f64().is_some_and(|s| s > 0.0), "{result}");
+    let err = stderr(&out);
+    for phase in ["before generation", "after generation", "after the step"] {
+        assert!(err.contains(&format!("MiB resident {phase}")), "{phase}: {err}");
+    }
+}
