@@ -114,22 +114,10 @@ impl EpisodeSource {
         training_games(self.games)
     }
 
-    /// Plays rounds of episodes with `policy` until `batch_size` turns are played, then picks
-    /// `batch_size` of them at random.
+    /// Plays rounds of episodes with `policy` until `batch_size` turns are played, runs
+    /// `prepare` on every turn played (whole episodes, in turn order: what needs an episode's
+    /// later turns, such as λ-returns across turns), then picks `batch_size` of them at random.
     pub fn collect<'a>(
-        &mut self,
-        step: usize,
-        policy: impl Into<Actor<'a>>,
-        tokenizer: &Tokenizer,
-        batch_size: usize,
-        device: &Device,
-    ) -> Result<EpisodeBatch> {
-        self.collect_with(step, policy, tokenizer, batch_size, device, |_| Ok(()))
-    }
-
-    /// [`Self::collect`], with `prepare` run on every turn played, whole episodes in turn
-    /// order, before the pick (what needs an episode's later turns: λ-returns across turns).
-    pub fn collect_with<'a>(
         &mut self,
         step: usize,
         policy: impl Into<Actor<'a>>,

@@ -381,25 +381,25 @@ impl PpoRun {
         let trainer = &self.trainer;
         let (gamma, lambda) = (self.config.episodes.game_gamma, self.config.episodes.turn_lambda);
         // With a separate critic, the turns bootstrap from its value of the next state, not
-        // the policy head's; λ-returns chain every turn played, so they come before the pick.
+        // the policy head's: of the picked turns only, unless λ-returns chain every turn played
+        // (then before the pick, and before the chain).
         let critic = trainer.critic().is_some();
-        let rebootstrap_all = |turns: &mut [Transition]| -> Result<()> {
+        let critic_bootstraps = |turns: &mut [Transition]| -> Result<()> {
             if critic {
                 rebootstrap(turns, gamma, trainer.pad_id(), |q, r| trainer.values(q, r))?;
             }
             Ok(())
         };
-        let batch = if lambda > 0.0 {
-            games.collect_with(step, &trainer.policy, &self.tokenizer, b, &self.device, |turns| {
-                rebootstrap_all(turns)?;
+        let mut batch = games.collect(step, &trainer.policy, &self.tokenizer, b, &self.device, |turns| {
+            if lambda > 0.0 {
+                critic_bootstraps(turns)?;
                 lambda_bootstraps(turns, gamma, lambda);
-                Ok(())
-            })?
-        } else {
-            let mut batch = games.collect(step, &trainer.policy, &self.tokenizer, b, &self.device)?;
-            rebootstrap_all(&mut batch.transitions)?;
-            batch
-        };
+            }
+            Ok(())
+        })?;
+        if lambda == 0.0 {
+            critic_bootstraps(&mut batch.transitions)?;
+        }
         let time_rollout = t.elapsed().as_secs_f64();
         let turns = &batch.transitions;
         let (queries, responses, allowed) = batch.turn_tokens();
