@@ -355,6 +355,47 @@ impl PlayReport {
     }
 }
 
+/// How much more often one agent won than another on the same episodes: the mean of the
+/// per-episode differences of `won`, and its standard error (the sample variance, n − 1, over
+/// √n), as `tools/compare_transcripts.py` prints it. Pairing removes the games' own difficulty
+/// from the error, so it is smaller than the two win rates' unpaired errors combined.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct PairedDifference {
+    /// Episodes that both agents finished (one dropped by either is left out).
+    pub episodes: usize,
+    /// `other`'s win rate minus `base`'s, over those episodes.
+    pub delta: f64,
+    /// The standard error of `delta`.
+    pub se: f64,
+}
+
+impl PairedDifference {
+    /// The difference `other − base`, pairing the episodes by their index. Refuses episodes of
+    /// the same index that were not the same game (another reset seed or game file): those
+    /// were not played with the same `--seed` and episode plan.
+    pub fn win_rate(base: &[Episode], other: &[Episode]) -> Result<Self> {
+        let by_index: std::collections::HashMap<usize, &Episode> =
+            base.iter().map(|e| (e.episode, e)).collect();
+        let mut diffs = Vec::with_capacity(other.len());
+        for o in other {
+            let Some(b) = by_index.get(&o.episode) else { continue };
+            if (b.seed, b.game) != (o.seed, o.game) {
+                return Err(Error::Call(format!(
+                    "episode {}: one agent played seed {:?} (game {:?}), the other seed {:?} (game {:?}); \
+                     a paired comparison needs the same games: play both with the same seed and episodes",
+                    o.episode, b.seed, b.game, o.seed, o.game
+                )));
+            }
+            diffs.push(f64::from(u8::from(o.won)) - f64::from(u8::from(b.won)));
+        }
+        let n = diffs.len();
+        let delta = diffs.iter().sum::<f64>() / n.max(1) as f64;
+        let var =
+            if n > 1 { diffs.iter().map(|d| (d - delta).powi(2)).sum::<f64>() / (n - 1) as f64 } else { 0.0 };
+        Ok(Self { episodes: n, delta, se: (var / n.max(1) as f64).sqrt() })
+    }
+}
+
 /// How the episodes of a run are reset: episode `i` gets `resets(i)`.
 pub type ResetPlan<'a> = &'a dyn Fn(usize) -> Reset;
 
@@ -511,5 +552,29 @@ mod tests {
         assert_eq!(eps.iter().map(|e| e.seed).collect::<Vec<_>>(), (0..5).map(Some).collect::<Vec<_>>());
         let r = PlayReport::of(&eps, dropped, 1.0);
         assert_eq!((r.episodes, r.win_rate, r.mean_steps, r.invalid_action_rate), (5, 0.0, 2.0, 0.0));
+    }
+
+    fn outcome(episode: usize, won: bool) -> Episode {
+        let reset = Reset { seed: Some(100 + episode as u64), game: None };
+        Episode { won, ..Episode::start(episode, &reset, &EnvStep::default()) }
+    }
+
+    /// By hand: 4 shared episodes, differences (0, 1, 1, 0): mean ½, sample variance
+    /// 4·(½)²/3 = ⅓, so the error is √(⅓/4) = √(1/12). An episode only one agent finished is
+    /// left out; another game under the same index is refused.
+    #[test]
+    fn paired_difference_matches_hand_values_and_refuses_other_games() {
+        let base =
+            [outcome(0, true), outcome(1, false), outcome(2, false), outcome(3, true), outcome(4, true)];
+        let other = [outcome(0, true), outcome(1, true), outcome(2, true), outcome(3, true)];
+        let d = PairedDifference::win_rate(&base, &other).unwrap();
+        assert_eq!(d.episodes, 4);
+        assert!((d.delta - 0.5).abs() < 1e-12 && (d.se - (1.0f64 / 12.0).sqrt()).abs() < 1e-12, "{d:?}");
+        let same = PairedDifference::win_rate(&base, &base).unwrap();
+        assert_eq!((same.delta, same.se), (0.0, 0.0));
+        let mut moved = other.clone();
+        moved[2].seed = Some(7);
+        let err = PairedDifference::win_rate(&base, &moved).unwrap_err().to_string();
+        assert!(err.contains("episode 2") && err.contains("same games"), "{err}");
     }
 }

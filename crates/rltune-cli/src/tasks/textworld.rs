@@ -173,7 +173,8 @@ impl Default for AgentQuickstartConfig<TextworldGames> {
             // A round of 8 episodes of 5 to 20 turns fills a batch of 64 turns with few left over.
             num_envs: 8,
             bc: d.bc,
-            ppo: d.ppo,
+            // TextWorld's measured runs (docs/quickstarts.md): 64 turns a step, 4 epochs.
+            ppo: PpoConfig { batch_size: 64, mini_batch_size: 16, ppo_epochs: 4, ..d.ppo },
             // Quests take up to 15 moves and pay only at the coin: 0.6 (the fork's) would leave
             // the first move 0.6^14 = 8e-4 of it, 0.9 leaves 0.23.
             episodes: EpisodesSection { game_gamma: 0.9, ..d.episodes },

@@ -656,6 +656,14 @@ command = ["cat"]
         let c = RunConfig::load(&p, &[]).unwrap();
         assert_eq!(c.env.as_ref().map(|e| e.kind), Some(crate::agent::config::EnvKind::Adventure));
         assert_eq!((c.episodes.shaping.invalid_penalty, c.episodes.game_gamma), (0.1, 0.6));
+        // The quickstart's family and PPO settings (its BC policy is trained on that family).
+        let e = c.env.as_ref().unwrap();
+        assert_eq!(
+            (e.adventure.rooms, e.adventure.doors, e.adventure.distractors, e.adventure.quest_length),
+            (5, true, 3, 4)
+        );
+        assert_eq!(c.agent.actions, crate::envs::play::ActionMode::Admissible);
+        assert_eq!((c.ppo.batch_size, c.ppo.mini_batch_size, c.ppo.ppo_epochs), (256, 16, 1));
         let rs = RunConfig::load(&p, &["algorithm.kind=rejection_sampling".into()]).unwrap();
         assert_eq!(rs.algorithm.kind, AlgorithmKind::RejectionSampling);
         let e = RunConfig::load(&p, &["algorithm.kind=dpo".into()]).unwrap_err().to_string();

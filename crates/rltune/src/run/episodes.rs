@@ -306,6 +306,7 @@ impl EpisodeSource {
             seed,
             device,
         )
+        .map(|(report, _)| report)
     }
 
     /// The evaluation games: the held-out split, or `eval_games`.
@@ -330,7 +331,8 @@ pub fn training_games(files: usize) -> usize {
 }
 
 /// Plays `episodes` episodes of `section` with `policy`'s LM and summarizes them (the
-/// evaluation of `rltune play --model … --seed SEED`).
+/// evaluation of `rltune play --model … --seed SEED`); the episodes come back too, in index
+/// order, for paired comparisons ([`crate::envs::play::PairedDifference`]).
 #[allow(clippy::too_many_arguments)]
 pub fn evaluate(
     section: &EnvSection,
@@ -341,7 +343,7 @@ pub fn evaluate(
     episodes: usize,
     seed: u64,
     device: &Device,
-) -> Result<PlayReport> {
+) -> Result<(PlayReport, Vec<Episode>)> {
     let games = section.game_count()?;
     let mut env = section.build()?;
     let gen = GenerationConfig { seed, ..generation.clone() };
@@ -349,7 +351,7 @@ pub fn evaluate(
     let resets = |i| section.reset_for(seed, i, games);
     let (done, dropped) =
         play_model(env.as_mut(), policy, tokenizer, template, &gen, episodes, &resets, device)?;
-    Ok(PlayReport::of(&done, dropped, t.elapsed().as_secs_f64()))
+    Ok((PlayReport::of(&done, dropped, t.elapsed().as_secs_f64()), done))
 }
 
 /// A 64-bit hash of four numbers (splitmix64 steps).
