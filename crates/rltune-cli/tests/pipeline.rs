@@ -801,6 +801,41 @@ fn turn_lambda_changes_the_returns_not_the_rollout() {
     assert!(err.contains("turn_lambda") && err.contains("[0, 1]"), "{err}");
 }
 
+/// `[episodes] train_turns = "round"`: a step trains on every turn of one round less the
+/// remainder modulo the minibatch. On the letter toy (8 episodes of 3 turns: 24 turns a round)
+/// with minibatches of 5, it trains on 20 turns and leaves 4, where `"batch"` takes exactly
+/// `batch_size` = 10 and leaves 14; both play one round.
+#[test]
+fn round_train_turns_trains_on_every_turn_of_a_round() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = quickstart().join("sft");
+    let first_step = |turns: &str| {
+        let run = tmp.path().join(format!("turns-{turns}"));
+        let config = tmp.path().join(format!("turns-{turns}.toml"));
+        std::fs::write(
+            &config,
+            format!(
+                "[model]\npath = {model:?}\n[env]\nkind = \"letters\"\nnum_envs = 8\nturns = 3\n\
+                 [agent]\nmemory_turns = 1\n[generation]\nmax_new_tokens = 4\n\
+                 [ppo]\nbatch_size = 10\nmini_batch_size = 5\nsteps = 1\n\
+                 [episodes]\ntrain_turns = \"{turns}\"\n\
+                 [logging]\ndir = {run:?}\n",
+                model = s(&model),
+                run = s(&run)
+            ),
+        )
+        .unwrap();
+        ok(rltune(&["ppo", "--config", s(&config)]));
+        metrics(&run).remove(0)
+    };
+    let (batch, round) = (first_step("batch"), first_step("round"));
+    let counts = |m: &serde_json::Value| {
+        ["env/episodes", "env/trained_turns", "env/unused_turns"].map(|k| m[k].as_f64().unwrap())
+    };
+    assert_eq!(counts(&batch), [8.0, 10.0, 14.0]);
+    assert_eq!(counts(&round), [8.0, 20.0, 4.0]);
+}
+
 /// Issue #29: rejection sampling as a trainer of its own (`[algorithm] kind =
 /// "rejection_sampling"`). On the letter toy, keeping the best quarter of the turns by return
 /// and fine-tuning on them raises the reward (measured: 0.020 over the first 4 of 20 steps,

@@ -318,6 +318,26 @@ impl PpoTrainer {
         })
     }
 
+    /// [`Self::step_with`] on however many samples `input` holds rather than `ppo.batch_size`
+    /// (a game step that trains on every turn of a round, `[episodes] train_turns = "round"`):
+    /// a positive multiple of `mini_batch_size × gradient_accumulation_steps`, the same on every
+    /// process. Everything that TRL sizes by `batch_size` is sized by it for this step: the
+    /// forward chunks, the minibatch permutation and the adaptive KL controller's count.
+    pub fn step_sized(&mut self, input: StepInput) -> Result<Stats> {
+        let n = input.queries.len();
+        let unit = self.config.backward_batch_size();
+        if n == 0 || !n.is_multiple_of(unit) {
+            return Err(Error::Input(format!(
+                "a step of {n} samples: it must be a positive multiple of mini_batch_size × \
+                 gradient_accumulation_steps ({unit}) so that every minibatch is whole"
+            )));
+        }
+        let configured = std::mem::replace(&mut self.config.batch_size, n);
+        let stats = self.step_with(input);
+        self.config.batch_size = configured;
+        stats
+    }
+
     /// One PPO step with optional response masks and rollout caches.
     pub fn step_with(&mut self, input: StepInput) -> Result<Stats> {
         let t0 = Instant::now();

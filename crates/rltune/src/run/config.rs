@@ -192,6 +192,25 @@ pub struct EpisodesSection {
     /// GRPO/RLOO on games: turns per forward and backward pass of the update (0: all of a
     /// step's turns at once); the turns are ordered by length and their gradients summed.
     pub micro_batch_turns: usize,
+    /// PPO on games: which of the turns a step plays it trains on.
+    pub train_turns: TrainTurns,
+}
+
+/// Which of the turns a PPO game step plays it trains on (`[episodes] train_turns`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TrainTurns {
+    /// `[ppo] batch_size` turns, picked at random from as many rounds of `num_envs` episodes as
+    /// it takes to play that many: TRL's step, always `batch_size` samples. The rest of the
+    /// last round is not trained on (`env/unused_turns`).
+    #[default]
+    Batch,
+    /// Every turn of one round of `num_envs` episodes, less fewer than `mini_batch_size ×
+    /// gradient_accumulation_steps` of them dropped at random so that the minibatches are
+    /// whole: the step's size follows what the games played, and `[ppo] batch_size` is not
+    /// used. (A round with fewer turns than one minibatch is followed by another.) On several
+    /// processes each trains on as many turns as the process that played the fewest.
+    Round,
 }
 
 impl Default for EpisodesSection {
@@ -206,6 +225,7 @@ impl Default for EpisodesSection {
             eval_games: Vec::new(),
             transcripts_per_step: 1,
             micro_batch_turns: 64,
+            train_turns: TrainTurns::Batch,
         }
     }
 }
@@ -447,6 +467,11 @@ impl RunConfig {
         }
         if self.algorithm.kind == AlgorithmKind::RejectionSampling {
             self.rejection.validate()?;
+            if self.env.is_some() && self.episodes.train_turns == TrainTurns::Round {
+                return Err("[episodes] train_turns = \"round\" is for PPO steps; rejection sampling \
+                            keeps its best turns of [ppo] batch_size: remove train_turns"
+                    .into());
+            }
         }
         self.generation.validate().map_err(|e| e.to_string())?;
         if self.ppo.temperature != self.generation.temperature {
@@ -668,6 +693,25 @@ command = ["cat"]
         assert_eq!(rs.algorithm.kind, AlgorithmKind::RejectionSampling);
         let e = RunConfig::load(&p, &["algorithm.kind=dpo".into()]).unwrap_err().to_string();
         assert!(e.contains("rejection_sampling"), "{e}");
+    }
+
+    /// `[episodes] train_turns = "round"` sizes PPO steps; GRPO/RLOO and rejection sampling,
+    /// which choose their turns otherwise, refuse it naming the key.
+    #[test]
+    fn round_train_turns_is_for_ppo_steps() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs");
+        let round = "episodes.train_turns=round".to_string();
+        let c = RunConfig::load(&dir.join("adventure-ppo.toml"), std::slice::from_ref(&round)).unwrap();
+        assert_eq!(c.episodes.train_turns, TrainTurns::Round);
+        let rs = ["algorithm.kind=rejection_sampling".to_string(), round.clone()];
+        let err = RunConfig::load(&dir.join("adventure-ppo.toml"), &rs).unwrap_err().to_string();
+        assert!(err.contains("train_turns") && err.contains("rejection sampling"), "{err}");
+        let err = RunConfig::load(&dir.join("adventure-grpo.toml"), &[round]).unwrap_err().to_string();
+        assert!(err.contains("train_turns") && err.contains("grpo"), "{err}");
+        let err = RunConfig::load(&dir.join("adventure-ppo.toml"), &["episodes.train_turns=all".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("all") && err.contains("round"), "{err}");
     }
 
     #[test]

@@ -70,6 +70,28 @@ impl EpisodeBatch {
     }
 }
 
+/// How many of the turns played a game step trains on ([`EpisodeSource::collect`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pick {
+    /// Exactly this many (`[episodes] train_turns = "batch"`: `[ppo] batch_size`), from as many
+    /// rounds as it takes to play them.
+    Exactly(usize),
+    /// All of one round but the remainder modulo this unit (`train_turns = "round"`: the
+    /// backward batch), from one round, or more while a round plays fewer than one unit. On
+    /// several processes, the least such count of any process, so that each trains as many.
+    Multiple(usize),
+}
+
+/// The number of turns every process trains on: the least of the processes' `own` (itself on
+/// one process). Each process's count is a multiple of the same unit, and so is the least.
+fn common_size(own: usize) -> Result<usize> {
+    if !crate::dist::active() {
+        return Ok(own);
+    }
+    let all = crate::dist::gather_f64(&[own as f64])?;
+    Ok(all.into_iter().fold(own as f64, f64::min) as usize)
+}
+
 /// The training games, their environments and the evaluation settings of a run.
 pub struct EpisodeSource {
     env: Box<dyn TextEnv>,
@@ -114,27 +136,34 @@ impl EpisodeSource {
         training_games(self.games)
     }
 
-    /// Plays rounds of episodes with `policy` until `batch_size` turns are played, runs
-    /// `prepare` on every turn played (whole episodes, in turn order: what needs an episode's
-    /// later turns, such as λ-returns across turns), then picks `batch_size` of them at random.
+    /// Plays rounds of episodes with `policy` until `pick` has enough turns, runs `prepare` on
+    /// every turn played (whole episodes, in turn order: what needs an episode's later turns,
+    /// such as λ-returns across turns), then picks the step's turns at random, kept in play
+    /// order ([`Pick`]).
     pub fn collect<'a>(
         &mut self,
         step: usize,
         policy: impl Into<Actor<'a>>,
         tokenizer: &Tokenizer,
-        batch_size: usize,
+        pick: Pick,
         device: &Device,
         prepare: impl FnOnce(&mut [Transition]) -> Result<()>,
     ) -> Result<EpisodeBatch> {
-        let mut batch = self.play_rounds(step, policy, tokenizer, batch_size, device)?;
+        let min_turns = match pick {
+            Pick::Exactly(n) | Pick::Multiple(n) => n,
+        };
+        let mut batch = self.play_rounds(step, policy, tokenizer, min_turns, device)?;
         let mut turns: Vec<Transition> = std::mem::take(&mut batch.transitions);
         prepare(&mut turns)?;
-        // Which turns train: a random subset, kept in play order.
+        let size = match pick {
+            Pick::Exactly(n) => n,
+            Pick::Multiple(unit) => common_size(turns.len() / unit * unit)?,
+        };
         let mut rng =
             rand::rngs::StdRng::seed_from_u64(mix(self.seed, step as u64, self.rank as u64, 0x7e4d));
-        let mut picked = sample(&mut rng, turns.len(), batch_size).into_vec();
+        let mut picked = sample(&mut rng, turns.len(), size).into_vec();
         picked.sort_unstable();
-        batch.unused_turns = turns.len() - batch_size;
+        batch.unused_turns = turns.len() - size;
         let mut slots: Vec<Option<Transition>> = turns.into_iter().map(Some).collect();
         batch.transitions = picked.into_iter().filter_map(|i| slots[i].take()).collect();
         Ok(batch)

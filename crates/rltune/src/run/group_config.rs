@@ -287,6 +287,13 @@ impl RunConfig {
                 self.episodes.example_turn_prob
             ));
         }
+        if self.episodes.train_turns == super::config::TrainTurns::Round {
+            return Err(format!(
+                "[episodes] train_turns = \"round\" with [algorithm] kind = \"{kind}\": it chooses the \
+                 turns of a PPO step; a {kind} step trains on every episode of its groups already. \
+                 Remove train_turns"
+            ));
+        }
         with_table!(self, c, t, {
             if c.max_steps <= 0 {
                 return Err(format!(

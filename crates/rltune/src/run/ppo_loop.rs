@@ -17,8 +17,8 @@ use rand::SeedableRng;
 use super::checkpoint::{
     clear_stale_writes, latest_checkpoint, load_trainer_state, save_checkpoint, CriticFiles,
 };
-use super::config::{AlgorithmKind, RewardSourceConfig, RunConfig};
-use super::episodes::{add_episode_stats, log_game_step, EpisodeSource};
+use super::config::{AlgorithmKind, RewardSourceConfig, RunConfig, TrainTurns};
+use super::episodes::{add_episode_stats, log_game_step, EpisodeSource, Pick};
 use super::prompts::{decode, encode_prompts, reward_inputs};
 use super::run_loop::StepReport;
 use crate::agent::rollout::{lambda_bootstraps, rebootstrap, Transition};
@@ -390,13 +390,17 @@ impl PpoRun {
             }
             Ok(())
         };
-        let mut batch = games.collect(step, &trainer.policy, &self.tokenizer, b, &self.device, |turns| {
-            if lambda > 0.0 {
-                critic_bootstraps(turns)?;
-                lambda_bootstraps(turns, gamma, lambda);
-            }
-            Ok(())
-        })?;
+        let round = self.config.episodes.train_turns == TrainTurns::Round;
+        let pick =
+            if round { Pick::Multiple(self.config.ppo.backward_batch_size()) } else { Pick::Exactly(b) };
+        let mut batch =
+            games.collect(step, &trainer.policy, &self.tokenizer, pick, &self.device, |turns| {
+                if lambda > 0.0 {
+                    critic_bootstraps(turns)?;
+                    lambda_bootstraps(turns, gamma, lambda);
+                }
+                Ok(())
+            })?;
         if lambda == 0.0 {
             critic_bootstraps(&mut batch.transitions)?;
         }
@@ -410,7 +414,7 @@ impl PpoRun {
             .iter()
             .map(|t| RolloutCache { logprobs: t.logprobs.clone(), values: t.values.clone() })
             .collect();
-        let mut stats = self.trainer.step_with(StepInput {
+        let input = StepInput {
             queries: &queries,
             responses: &responses,
             scores: &scores,
@@ -418,7 +422,10 @@ impl PpoRun {
             rollout: self.config.ppo.rollout_cache.then_some(caches.as_slice()),
             bootstrap: Some(&bootstrap),
             allowed: admissible.then_some(allowed.as_slice()),
-        })?;
+        };
+        let mut stats =
+            if round { self.trainer.step_sized(input)? } else { self.trainer.step_with(input)? };
+        stats.insert("env/trained_turns".into(), Stat::Scalar(turns.len() as f64));
         let logprobs: Vec<&[f32]> = turns.iter().map(|t| t.logprobs.as_slice()).collect();
         let time_gen = batch.counts.time_generation.as_secs_f64();
         add_env_stats(&mut stats, &logprobs, &scores, &queries, time_gen, 0.0, self.skipped)?;

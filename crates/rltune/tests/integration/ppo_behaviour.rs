@@ -529,6 +529,39 @@ fn minibatch_order_follows_the_seed() {
     assert!(d > 1e-6, "another seed gave the same minibatch order");
 }
 
+/// `step_sized` (a game step on every turn of a round) is `step_with` with `batch_size` set to
+/// the input's size: 12 samples through a trainer configured for 8 give bitwise the weights and
+/// the KL coefficient of a trainer configured for 12, the configured size comes back after the
+/// step, and a size that is not a multiple of the minibatch is refused.
+#[test]
+fn step_sized_is_a_step_of_the_inputs_size() {
+    crate::common::install();
+    let base = PpoConfig { batch_size: 8, mini_batch_size: 2, learning_rate: 1e-3, ..Default::default() };
+    let (queries, resp, scores) = synthetic(12, 40);
+    let input = || StepInput {
+        queries: &queries,
+        responses: &resp,
+        scores: &scores,
+        response_masks: None,
+        rollout: None,
+        bootstrap: None,
+        allowed: None,
+    };
+    let mut sized = trainer(41, base.clone());
+    let a = sized.step_sized(input()).unwrap();
+    assert_eq!(sized.config.batch_size, 8, "the configured batch size must come back");
+    let mut fixed = trainer(41, PpoConfig { batch_size: 12, ..base.clone() });
+    let b = fixed.step_with(input()).unwrap();
+    assert_eq!(weights_diff(&weights(&sized), &weights(&fixed)), 0.0);
+    assert_eq!(scalar(&a, "objective/kl_coef"), scalar(&b, "objective/kl_coef"));
+    assert_eq!(sized.kl_controller().value(), fixed.kl_controller().value());
+    assert_eq!(scalar(&a, "ppo/loss/total"), scalar(&b, "ppo/loss/total"));
+
+    let seven = StepInput { queries: &queries[..7], responses: &resp[..7], scores: &scores[..7], ..input() };
+    let err = sized.step_sized(seven).unwrap_err().to_string();
+    assert!(err.contains("7 samples") && err.contains("multiple") && err.contains("(2)"), "{err}");
+}
+
 #[test]
 fn bad_input_is_rejected_naming_the_sample() {
     crate::common::install();
