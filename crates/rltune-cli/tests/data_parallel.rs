@@ -369,7 +369,7 @@ fn ppo_on_games_runs_on_two_processes() {
     .iter()
     .map(|x| x.to_string())
     .collect();
-    let out = mpirun(&bin, &[(2, args)]);
+    let out = mpirun(&bin, &[(2, args.clone())]);
     assert!(out.status.success(), "{}", text(&out));
     let m = metrics(&run);
     assert_eq!(m.len(), 2, "rank 0 alone logs");
@@ -380,6 +380,19 @@ fn ppo_on_games_runs_on_two_processes() {
         assert!(line["time/dist/all_reduce"].as_f64().is_some_and(|t| t >= 0.0));
     }
     assert!(run.join("checkpoints/step-2/model.safetensors").is_file());
+
+    // `[episodes] train_turns = "round"`: each process trains on every turn of its round but the
+    // remainder, as many as the process that played the fewest (agreed through the collective).
+    let round_run = tmp.path().join("round");
+    let mut round_args = args.clone();
+    round_args[4] = format!("logging.dir={:?}", s(&round_run));
+    round_args.extend(["--set".to_string(), "episodes.train_turns=\"round\"".to_string()]);
+    let out = mpirun(&bin, &[(2, round_args)]);
+    assert!(out.status.success(), "{}", text(&out));
+    for line in &metrics(&round_run) {
+        let trained = line["env/trained_turns"].as_f64().unwrap();
+        assert!(trained >= 2.0 && trained % 2.0 == 0.0, "whole minibatches of 2: {trained}");
+    }
 }
 
 /// Trajectory GRPO and RLOO on text games (the tiny adventure quickstart, `--algorithm grpo` /
@@ -410,7 +423,8 @@ fn trajectory_grpo_and_rloo_on_games_on_two_processes_equal_one_process() {
         assert!(out.status.success(), "{}", text(&out));
         let config = qs.join(format!("{algorithm}.toml"));
         let steps = format!("{algorithm}.max_steps=6");
-        // Admissible actions in one-room, one-object games: some plays of a game win and some
+        // Admissible actions in one-room, one-object games (no doors: the quickstart's family
+        // has them, and one room has none to close): some plays of a game win and some
         // do not, so the groups have advantages (the free-text tiny agent never acts validly).
         let base = [
             "ppo",
@@ -424,6 +438,8 @@ fn trajectory_grpo_and_rloo_on_games_on_two_processes_equal_one_process() {
             "env.adventure.quest_length=1",
             "--set",
             "env.adventure.rooms=1",
+            "--set",
+            "env.adventure.doors=false",
             "--set",
             "env.adventure.distractors=0",
         ];
