@@ -761,6 +761,28 @@ fn ppo_on_text_games_logs_episodes_evaluates_and_resumes() {
     assert!(err.contains("[data] source and [env]"), "{err}");
 }
 
+/// One PPO step on the letter toy (8 episodes of 3 turns a round) from the quickstart's SFT
+/// policy, in `dir/NAME`, with `ppo` and `episodes` as the bodies of those tables (`steps = 1`
+/// is added). Returns the config file and the step's metrics.
+fn letters_first_step(dir: &Path, name: &str, ppo: &str, episodes: &str) -> (PathBuf, serde_json::Value) {
+    let model = quickstart().join("sft");
+    let run = dir.join(name);
+    let config = dir.join(format!("{name}.toml"));
+    std::fs::write(
+        &config,
+        format!(
+            "[model]\npath = {model:?}\n[env]\nkind = \"letters\"\nnum_envs = 8\nturns = 3\n\
+             [agent]\nmemory_turns = 1\n[generation]\nmax_new_tokens = 4\n\
+             [ppo]\n{ppo}\nsteps = 1\n[episodes]\n{episodes}\n[logging]\ndir = {run:?}\n",
+            model = s(&model),
+            run = s(&run)
+        ),
+    )
+    .unwrap();
+    ok(rltune(&["ppo", "--config", s(&config)]));
+    (config, metrics(&run).remove(0))
+}
+
 /// `[episodes] turn_lambda` changes the credit across turns and nothing else: the same first
 /// step on the letter toy (3-turn episodes) plays the same turns with the same logprobs, and
 /// its returns differ (with `game_gamma` ½, λ = 1 discounts the final state's value once per
@@ -770,33 +792,21 @@ fn ppo_on_text_games_logs_episodes_evaluates_and_resumes() {
 #[test]
 fn turn_lambda_changes_the_returns_not_the_rollout() {
     let tmp = tempfile::tempdir().unwrap();
-    let model = quickstart().join("sft");
     let first_step = |lambda: &str| {
-        let run = tmp.path().join(format!("lambda-{lambda}"));
-        let config = tmp.path().join(format!("lambda-{lambda}.toml"));
-        std::fs::write(
-            &config,
-            format!(
-                "[model]\npath = {model:?}\n[env]\nkind = \"letters\"\nnum_envs = 8\nturns = 3\n\
-                 [agent]\nmemory_turns = 1\n[generation]\nmax_new_tokens = 4\n\
-                 [ppo]\nbatch_size = 8\nmini_batch_size = 4\nsteps = 1\n\
-                 [episodes]\ngame_gamma = 0.5\nturn_lambda = {lambda}\n\
-                 [logging]\ndir = {run:?}\n",
-                model = s(&model),
-                run = s(&run)
-            ),
+        let episodes = format!("game_gamma = 0.5\nturn_lambda = {lambda}");
+        letters_first_step(
+            tmp.path(),
+            &format!("lambda-{lambda}"),
+            "batch_size = 8\nmini_batch_size = 4",
+            &episodes,
         )
-        .unwrap();
-        ok(rltune(&["ppo", "--config", s(&config)]));
-        metrics(&run).remove(0)
     };
-    let (td0, mc) = (first_step("0.0"), first_step("1.0"));
+    let ((bad, td0), (_, mc)) = (first_step("0.0"), first_step("1.0"));
     for key in ["rltune/logprobs_mean", "env/reward_mean", "tokens/responses_len_mean"] {
         assert_eq!(td0[key], mc[key], "{key}: the rollout must not change");
     }
     assert_ne!(td0["ppo/returns/mean"], mc["ppo/returns/mean"], "the returns must change");
 
-    let bad = tmp.path().join("lambda-0.0.toml");
     let err = fails(rltune(&["ppo", "--config", s(&bad), "--set", "episodes.turn_lambda=1.5"]));
     assert!(err.contains("turn_lambda") && err.contains("[0, 1]"), "{err}");
 }
@@ -808,32 +818,18 @@ fn turn_lambda_changes_the_returns_not_the_rollout() {
 #[test]
 fn round_train_turns_trains_on_every_turn_of_a_round() {
     let tmp = tempfile::tempdir().unwrap();
-    let model = quickstart().join("sft");
-    let first_step = |turns: &str| {
-        let run = tmp.path().join(format!("turns-{turns}"));
-        let config = tmp.path().join(format!("turns-{turns}.toml"));
-        std::fs::write(
-            &config,
-            format!(
-                "[model]\npath = {model:?}\n[env]\nkind = \"letters\"\nnum_envs = 8\nturns = 3\n\
-                 [agent]\nmemory_turns = 1\n[generation]\nmax_new_tokens = 4\n\
-                 [ppo]\nbatch_size = 10\nmini_batch_size = 5\nsteps = 1\n\
-                 [episodes]\ntrain_turns = \"{turns}\"\n\
-                 [logging]\ndir = {run:?}\n",
-                model = s(&model),
-                run = s(&run)
-            ),
-        )
-        .unwrap();
-        ok(rltune(&["ppo", "--config", s(&config)]));
-        metrics(&run).remove(0)
-    };
-    let (batch, round) = (first_step("batch"), first_step("round"));
-    let counts = |m: &serde_json::Value| {
+    let counts = |turns: &str| {
+        let episodes = format!("train_turns = \"{turns}\"");
+        let (_, m) = letters_first_step(
+            tmp.path(),
+            &format!("turns-{turns}"),
+            "batch_size = 10\nmini_batch_size = 5",
+            &episodes,
+        );
         ["env/episodes", "env/trained_turns", "env/unused_turns"].map(|k| m[k].as_f64().unwrap())
     };
-    assert_eq!(counts(&batch), [8.0, 10.0, 14.0]);
-    assert_eq!(counts(&round), [8.0, 20.0, 4.0]);
+    assert_eq!(counts("batch"), [8.0, 10.0, 14.0]);
+    assert_eq!(counts("round"), [8.0, 20.0, 4.0]);
 }
 
 /// Issue #29: rejection sampling as a trainer of its own (`[algorithm] kind =
