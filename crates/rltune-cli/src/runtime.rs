@@ -2,7 +2,7 @@
 //! table (where the command has one) and resolve to the one [`Runtime`] the command passes down.
 
 use anyhow::{Context, Result};
-use rltune::runtime::{DeviceChoice, Precision, Runtime, RuntimeSection};
+use rltune::runtime::{CudaHost, DeviceChoice, Precision, Runtime, RuntimeSection};
 
 /// The runtime flags of a command.
 #[derive(clap::Args, Clone, Debug, Default)]
@@ -15,12 +15,17 @@ pub struct RuntimeArgs {
     /// [runtime] dtype.
     #[arg(long, value_name = "DTYPE")]
     pub dtype: Option<Precision>,
+    /// CUDA only: tuned (default: no per-allocation events, the memory pool kept), events,
+    /// trim or candle (candle's defaults), to measure the host settings. Overrides [runtime]
+    /// cuda_host.
+    #[arg(long, value_name = "MODE")]
+    pub cuda_host: Option<CudaHost>,
 }
 
 impl RuntimeArgs {
     /// `section` with these flags in place of its values.
     pub fn apply(&self, section: RuntimeSection) -> RuntimeSection {
-        section.with_overrides(self.device, self.dtype)
+        section.with_overrides(self.device, self.dtype).with_cuda_host(self.cuda_host)
     }
 
     /// Resolves `section` with the flags applied, and installs its process-wide settings.

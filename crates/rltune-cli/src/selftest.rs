@@ -18,6 +18,7 @@
 //! | `ppo/trl-0.11.4` | two `PPOTrainer.step`s: stats and weights | stats 1e-5, weights 2e-5 |
 //! | `grpo/<variant>`, `rloo/<variant>` | `grpo-step` / `rloo-step` against TRL 1.16.0: weights and metrics | 1e-5 |
 //! | `dpo/hinge` | `dpo` against TRL 1.16.0: weights and metrics | 1e-5 |
+//! | `kernels/adam` | three Adam steps on the device (CUDA: the in-place kernel) against the CPU's fused kernel, on odd sizes: weights and moments | 0 (bit for bit) |
 //!
 //! The tolerances are those of the CPU test suite, which runs these fixtures too; a GPU's
 //! cuBLAS sums in another order than the CPU kernels, which moves f32 results by about 1e-6.
@@ -121,6 +122,8 @@ pub fn run(args: Args) -> Result<()> {
     }
     let d = device_arg.clone();
     checks.push(("dpo/hinge".into(), Box::new(move || dpo_fixture(fx, &d))));
+    let dev = device.clone();
+    checks.push(("kernels/adam".into(), Box::new(move || kernel_adam(&dev))));
 
     let mut lines = Vec::new();
     let mut failed = Vec::new();
@@ -159,6 +162,68 @@ pub fn run(args: Args) -> Result<()> {
     }
     eprintln!("selftest: {} checks passed on {}", lines.len(), device_flag(&device));
     Ok(())
+}
+
+/// The device's Adam (on CUDA the in-place kernel, `rltune_kernels::cuda`) against the CPU's
+/// fused kernel: three steps over variables of odd sizes from the same random weights and
+/// gradients (some zero, some large), then weights and both moments compared. Both compute
+/// torch's order of operations without contracted multiply-adds, so they agree bit for bit.
+fn kernel_adam(device: &Device) -> Result<Outcome> {
+    use rand::{Rng, SeedableRng};
+    use rltune::optim::{Adam, AdamConfig, Grads};
+    let sizes = [1usize, 7, 255, 4099, 65_537, 1_000_003];
+    let mut rng = rand::rngs::StdRng::seed_from_u64(53);
+    let mut draw = |n: usize, scale: f32| -> Vec<f32> {
+        (0..n)
+            .map(|_| match rng.gen_range(0..20) {
+                0 => 0.0,
+                1 => rng.gen_range(-1e3f32..1e3),
+                _ => rng.gen_range(-scale..scale),
+            })
+            .collect()
+    };
+    let init: Vec<Vec<f32>> = sizes.iter().map(|&n| draw(n, 1.0)).collect();
+    let vars = |dev: &Device| -> Result<Vec<candle_core::Var>> {
+        init.iter().map(|x| Ok(candle_core::Var::from_vec(x.clone(), x.len(), dev)?)).collect()
+    };
+    let (cpu_vars, dev_vars) = (vars(&Device::Cpu)?, vars(device)?);
+    let cfg = AdamConfig { lr: 3e-3, ..AdamConfig::default() };
+    let (mut cpu, mut dev) = (Adam::new(cpu_vars.clone(), cfg)?, Adam::new(dev_vars.clone(), cfg)?);
+    for _ in 0..3 {
+        let (mut gc, mut gd) = (Grads::new(&cpu_vars), Grads::new(&dev_vars));
+        for (i, &n) in sizes.iter().enumerate() {
+            let g = draw(n, 0.1);
+            gc.add(i, &Tensor::from_slice(&g, n, &Device::Cpu)?)?;
+            gd.add(i, &Tensor::from_slice(&g, n, device)?)?;
+        }
+        cpu.step(&gc)?;
+        dev.step(&gd)?;
+    }
+    let (mut worst, mut differing, mut total) = (0f64, 0usize, 0usize);
+    for i in 0..sizes.len() {
+        let (mc, vc) = cpu.moments(i)?;
+        let (md, vd) = dev.moments(i)?;
+        for (a, b) in [(cpu_vars[i].as_tensor().clone(), dev_vars[i].as_tensor().clone()), (mc, md), (vc, vd)]
+        {
+            let (a, b) =
+                (a.to_device(&Device::Cpu)?.to_vec1::<f32>()?, b.to_device(&Device::Cpu)?.to_vec1::<f32>()?);
+            total += a.len();
+            for (x, y) in a.iter().zip(&b) {
+                if x.to_bits() != y.to_bits() {
+                    differing += 1;
+                    worst = worst.max((*x as f64 - *y as f64).abs()).max(if x.is_nan() != y.is_nan() {
+                        f64::INFINITY
+                    } else {
+                        0.0
+                    });
+                }
+            }
+        }
+    }
+    let mut o = Outcome::new(worst, 0.0);
+    o.extra =
+        json!({"values": total, "differing_bits": differing, "kernel": rltune::ops::cuda_kernels(device)});
+    Ok(o)
 }
 
 /// The `--device` value that names `device`.

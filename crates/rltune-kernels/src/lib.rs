@@ -83,6 +83,8 @@ mod softmax;
 pub use softmax::exp_row_f32;
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod error;
 mod mask;
 pub mod optim;
@@ -208,6 +210,13 @@ pub fn composed_scope() -> ComposedScope {
 /// Whether tensors on `device` run the fused CPU kernels: the CPU, outside a [`ComposedScope`].
 pub fn cpu_kernels(device: &candle_core::Device) -> bool {
     device.is_cpu() && !COMPOSED.with(|c| c.get())
+}
+
+/// Whether tensors on `device` run the CUDA twins of the fused kernels ([`cuda`]): a CUDA
+/// device, in a build with the `cuda` feature, outside a [`ComposedScope`] (which keeps the
+/// composed candle ops, to measure the kernels against them).
+pub fn cuda_kernels(device: &candle_core::Device) -> bool {
+    cfg!(feature = "cuda") && device.is_cuda() && !COMPOSED.with(|c| c.get())
 }
 
 /// Whether `t` is an f32 tensor on the CPU (what the fused f32 kernels take).

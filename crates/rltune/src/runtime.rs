@@ -133,6 +133,7 @@ macro_rules! serde_as_string {
 }
 serde_as_string!(DeviceChoice);
 serde_as_string!(Precision);
+serde_as_string!(CudaHost);
 
 /// `[runtime]`: how the computation runs (not what it computes). Every field has a default, so
 /// the table may be left out.
@@ -147,18 +148,91 @@ pub struct RuntimeSection {
     /// CPU only: `"f32"` (default) or `"bf16"`, matrix products on AMX tiles with bf16 inputs
     /// and f32 accumulation (see [`crate::ops::MatmulPrecision`]); `dtype = "bf16"` implies it.
     pub matmul_precision: MatmulPrecision,
+    /// CUDA only: how the device's memory is managed between ops ([`CudaHost`]); the default
+    /// (`"tuned"`) keeps the pool's memory and skips cudarc's per-allocation events. Left out of
+    /// a written config at its default.
+    #[serde(skip_serializing_if = "CudaHost::is_default")]
+    pub cuda_host: CudaHost,
+}
+
+/// CUDA only, `[runtime] cuda_host`: the host-side settings of the device's memory, kept
+/// switchable so that a benchmark can measure them against candle's defaults (issue #53, step 1).
+///
+/// - `"tuned"` (default): cudarc's per-allocation event tracking off (two `cuEventCreate` per
+///   tensor, and a wait on each at free, which synchronize nothing when one stream does all the
+///   work, as rltune's does), and the memory pool's release threshold at its maximum, so that
+///   freed memory stays in the pool across synchronizations instead of going back to the driver
+///   at each one (PyTorch's caching allocator keeps it the same way).
+/// - `"events"`: the pool kept, event tracking on. `"trim"`: events off, the pool trimmed at
+///   every synchronization. `"candle"`: both as candle leaves them (tracking on, threshold 0).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CudaHost {
+    /// Events off, the pool kept (the default).
+    #[default]
+    Tuned,
+    /// Event tracking on, the pool kept.
+    Events,
+    /// Events off, the pool trimmed at each synchronization.
+    Trim,
+    /// candle's defaults: event tracking on, the pool trimmed.
+    Candle,
+}
+
+impl CudaHost {
+    fn is_default(&self) -> bool {
+        *self == Self::default()
+    }
+
+    /// Whether cudarc tracks every allocation's reads and writes with events.
+    pub fn event_tracking(self) -> bool {
+        matches!(self, Self::Events | Self::Candle)
+    }
+
+    /// Whether the memory pool keeps freed memory across synchronizations.
+    pub fn keep_pool(self) -> bool {
+        matches!(self, Self::Tuned | Self::Events)
+    }
+}
+
+impl fmt::Display for CudaHost {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Tuned => "tuned",
+            Self::Events => "events",
+            Self::Trim => "trim",
+            Self::Candle => "candle",
+        })
+    }
+}
+
+impl FromStr for CudaHost {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "tuned" => Ok(Self::Tuned),
+            "events" => Ok(Self::Events),
+            "trim" => Ok(Self::Trim),
+            "candle" => Ok(Self::Candle),
+            _ => Err(format!(
+                "unknown cuda_host {s:?}: expected \"tuned\" (default), \"events\", \"trim\" or \"candle\""
+            )),
+        }
+    }
 }
 
 impl RuntimeSection {
     /// This section with the command line's `--device` / `--dtype` (where given) in place of its
     /// own values.
     pub fn with_overrides(mut self, device: Option<DeviceChoice>, dtype: Option<Precision>) -> Self {
-        if let Some(d) = device {
-            self.device = d;
-        }
-        if let Some(d) = dtype {
-            self.dtype = d;
-        }
+        self.device = device.unwrap_or(self.device);
+        self.dtype = dtype.unwrap_or(self.dtype);
+        self
+    }
+
+    /// This section with `cuda_host` in place of its own (where given).
+    pub fn with_cuda_host(mut self, cuda_host: Option<CudaHost>) -> Self {
+        self.cuda_host = cuda_host.unwrap_or(self.cuda_host);
         self
     }
 
@@ -189,6 +263,7 @@ pub struct Runtime {
     choice: DeviceChoice,
     precision: Precision,
     matmul_precision: MatmulPrecision,
+    cuda_host: CudaHost,
 }
 
 impl Runtime {
@@ -199,6 +274,7 @@ impl Runtime {
             choice: DeviceChoice::Cpu,
             precision: Precision::F32,
             matmul_precision: MatmulPrecision::F32,
+            cuda_host: CudaHost::default(),
         }
     }
 
@@ -225,7 +301,13 @@ impl Runtime {
         } else {
             MatmulPrecision::F32
         };
-        Ok(Self { device, choice: section.device, precision: section.dtype, matmul_precision })
+        Ok(Self {
+            device,
+            choice: section.device,
+            precision: section.dtype,
+            matmul_precision,
+            cuda_host: section.cuda_host,
+        })
     }
 
     /// The device every tensor of the run lives on.
@@ -256,7 +338,12 @@ impl Runtime {
 
     /// The section that resolves to this runtime again (the device as chosen, e.g. `auto`).
     pub fn section(&self) -> RuntimeSection {
-        RuntimeSection { device: self.choice, dtype: self.precision, matmul_precision: self.matmul_precision }
+        RuntimeSection {
+            device: self.choice,
+            dtype: self.precision,
+            matmul_precision: self.matmul_precision,
+            cuda_host: self.cuda_host,
+        }
     }
 
     /// Makes the process-wide settings this runtime implies, on the CPU: FTZ/DAZ on the calling
@@ -273,6 +360,7 @@ impl Runtime {
             crate::ops::set_matmul_precision(self.matmul_precision)?;
         } else {
             crate::ops::set_device_matmul_precision(self.matmul_precision);
+            apply_cuda_host(&self.device, self.cuda_host)?;
         }
         Ok(())
     }
@@ -287,6 +375,9 @@ impl fmt::Display for Runtime {
             } else {
                 " (bf16 matrix products, f32 weights)"
             })?;
+        }
+        if !self.device.is_cpu() && self.cuda_host != CudaHost::Tuned {
+            write!(f, ", cuda_host = {}", self.cuda_host)?;
         }
         Ok(())
     }
@@ -304,6 +395,45 @@ pub fn device_memory_used_mib(device: &Device) -> Option<f64> {
     }
     let _ = device;
     None
+}
+
+/// Applies [`CudaHost`] to a CUDA device: event tracking for the allocations made from now on,
+/// and the release threshold of the device's default memory pool (the pool that candle's
+/// stream-ordered allocations draw from). Nothing on the CPU.
+fn apply_cuda_host(device: &Device, host: CudaHost) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = device {
+        use candle_core::cuda_backend::cudarc::driver::{result, sys};
+        let failed = |what: &str, e: &dyn fmt::Display| {
+            Error::Unsupported(format!("[runtime] cuda_host = \"{host}\": cannot {what} ({e})"))
+        };
+        // SAFETY: rltune computes on the device's one stream (candle's per-thread stream), so
+        // cudarc's events, which order uses across streams, order nothing here.
+        unsafe {
+            if host.event_tracking() {
+                d.cuda_stream().context().enable_event_tracking();
+            } else {
+                d.disable_event_tracking();
+            }
+        }
+        let ctx = d.cuda_stream().context().clone();
+        ctx.bind_to_thread().map_err(|e| failed("bind the CUDA context", &e))?;
+        let mut threshold: u64 = if host.keep_pool() { u64::MAX } else { 0 };
+        // SAFETY: the pool is the device's own default pool, and the release threshold's value
+        // is a cuuint64_t, which `threshold` is.
+        unsafe {
+            let pool = result::device::get_default_mem_pool(ctx.cu_device())
+                .map_err(|e| failed("get the memory pool", &e))?;
+            result::mem_pool::set_attribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&mut threshold as *mut u64).cast(),
+            )
+            .map_err(|e| failed("set the memory pool's release threshold", &e))?;
+        }
+    }
+    let _ = (device, host);
+    Ok(())
 }
 
 fn describe(device: &Device) -> String {
@@ -448,6 +578,33 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn cuda_host_parses_round_trips_and_stays_out_of_written_configs() {
+        for (s, h, events, keep) in [
+            ("tuned", CudaHost::Tuned, false, true),
+            ("events", CudaHost::Events, true, true),
+            ("trim", CudaHost::Trim, false, false),
+            ("candle", CudaHost::Candle, true, false),
+        ] {
+            assert_eq!(s.parse::<CudaHost>().unwrap(), h);
+            assert_eq!(h.to_string(), s);
+            assert_eq!((h.event_tracking(), h.keep_pool()), (events, keep));
+        }
+        let e = "fast".parse::<CudaHost>().unwrap_err();
+        assert!(e.contains("\"fast\"") && e.contains("\"candle\""), "{e}");
+        let written = toml::to_string(&RuntimeSection::default()).unwrap();
+        assert!(!written.contains("cuda_host"), "{written}");
+        let section = RuntimeSection { cuda_host: CudaHost::Candle, ..RuntimeSection::default() };
+        let text = format!("[runtime]\n{}", toml::to_string(&section).unwrap());
+        let back = RuntimeSection::from_toml_table(&text, std::path::Path::new("x.toml")).unwrap();
+        assert_eq!(back, section);
+        // On the CPU the setting is accepted and changes nothing.
+        let cpu = RuntimeSection { device: DeviceChoice::Cpu, ..section };
+        let rt = Runtime::resolve(&cpu).unwrap();
+        rt.install().unwrap();
+        assert_eq!(rt.section(), cpu);
     }
 
     #[test]

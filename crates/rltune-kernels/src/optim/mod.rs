@@ -6,9 +6,11 @@
 //! operations, so results agree to float rounding. f32 parameters on the CPU are updated in place
 //! (a candle in-place op) from their gradient buffers, with no copy of either.
 //!
-//! Variables on another device (CUDA) keep their moments as f32 tensors on that device and are
-//! updated with candle's element-wise ops ([`Adam::with_device_moments`] takes that path on the
-//! CPU too, for tests): nothing crosses to the host during a step.
+//! Variables on another device (CUDA) keep their moments as f32 tensors on that device: nothing
+//! crosses to the host during a step. On CUDA each f32 variable is updated in place by one
+//! kernel, the CPU kernel's twin ([`crate::cuda`]); elsewhere, and inside a composed scope, with
+//! candle's element-wise ops ([`Adam::with_device_moments`] takes that path on the CPU too, for
+//! tests).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -384,6 +386,13 @@ impl AdamConsts {
         let AdamConsts { step_size, b1, b2, eps, bc2s } = *self;
         let (one, f) = (1f32, |x: f32| x as f64);
         let g = g.to_dtype(DType::F32)?;
+        // On CUDA, one in-place kernel (the CPU kernel's twin, bit for bit) instead of the ops.
+        #[cfg(feature = "cuda")]
+        if crate::cuda_kernels(var.device())
+            && crate::cuda::adam_inplace(var, &g.contiguous()?, m, v, [step_size, b1, b2, eps, bc2s])?
+        {
+            return Ok(());
+        }
         // m + (g − m)(1 − β₁): torch's `lerp_`.
         *m = (&*m + ((&g - &*m)? * f(one - b1))?)?;
         // v·β₂ + (1 − β₂)·g·g: `mul_(β₂).addcmul_(g, g, 1 − β₂)`.
