@@ -18,6 +18,7 @@
 //! | `ppo/trl-0.11.4` | two `PPOTrainer.step`s: stats and weights | stats 1e-5, weights 2e-5 |
 //! | `grpo/<variant>`, `rloo/<variant>` | `grpo-step` / `rloo-step` against TRL 1.16.0: weights and metrics | 1e-5 |
 //! | `dpo/hinge` | `dpo` against TRL 1.16.0: weights and metrics | 1e-5 |
+//! | `kernels/layer_norm`, `kernels/rms_norm`, `kernels/gelu` | the op on the device (CUDA: its twin in `rltune_kernels::cuda`) against the CPU's fused kernel, on odd shapes: outputs and every input's gradient, as max \|a − b\| / max(1, max \|b\|) | 1e-5 |
 //! | `kernels/adam` | three Adam steps on the device (CUDA: the in-place kernel) against the CPU's fused kernel, on odd sizes: weights and moments | 0 (bit for bit) |
 //!
 //! The tolerances are those of the CPU test suite, which runs these fixtures too; a GPU's
@@ -122,6 +123,10 @@ pub fn run(args: Args) -> Result<()> {
     }
     let d = device_arg.clone();
     checks.push(("dpo/hinge".into(), Box::new(move || dpo_fixture(fx, &d))));
+    for op in KERNEL_OPS {
+        let dev = device.clone();
+        checks.push((format!("kernels/{op}"), Box::new(move || kernel_op(op, &dev))));
+    }
     let dev = device.clone();
     checks.push(("kernels/adam".into(), Box::new(move || kernel_adam(&dev))));
 
@@ -162,6 +167,62 @@ pub fn run(args: Args) -> Result<()> {
     }
     eprintln!("selftest: {} checks passed on {}", lines.len(), device_flag(&device));
     Ok(())
+}
+
+/// The differentiable fused ops compared by `kernels/<op>`.
+const KERNEL_OPS: [&str; 3] = ["layer_norm", "rms_norm", "gelu"];
+
+/// Op `op` on `device` against the CPU's fused kernel: on shapes with odd sizes (one row, rows
+/// shorter than a warp, GPT-2's and Qwen2-0.5B's widths), uniform random inputs, the output and the
+/// gradients of `Σ y·r` (random `r`) for every input. The measure is max |a − b| over
+/// max(1, max |b|), per tensor, the worst of all.
+fn kernel_op(op: &str, device: &Device) -> Result<Outcome> {
+    use candle_core::Var;
+    let shapes: [&[usize]; 5] = [&[1, 1], &[3, 7, 33], &[5, 768], &[2, 64, 896], &[129, 2049]];
+    let mut worst = 0f64;
+    for (case, dims) in shapes.iter().enumerate() {
+        let n = *dims.last().unwrap_or(&1);
+        let seed = 1000 * case as u64;
+        let randn = |shape: &[usize], k: u64| -> Result<Tensor> {
+            use rand::{Rng, SeedableRng};
+            let mut rng = rand::rngs::StdRng::seed_from_u64(seed + k);
+            let len = shape.iter().product::<usize>();
+            let v: Vec<f32> = (0..len).map(|_| rng.gen_range(-2.0f32..2.0)).collect();
+            Ok(Tensor::from_vec(v, shape, &Device::Cpu)?)
+        };
+        let (x, w, b, r) = (randn(dims, 1)?, (randn(&[n], 2)? + 1.0)?, randn(&[n], 3)?, randn(dims, 4)?);
+        let run = |dev: &Device| -> Result<Vec<Tensor>> {
+            let vars = [&x, &w, &b].map(|t| t.to_device(dev).and_then(|t| Var::from_tensor(&t)));
+            let [x, w, b] = vars;
+            let (x, w, b) = (x?, w?, b?);
+            let y = match op {
+                "layer_norm" => rltune::ops::layer_norm(x.as_tensor(), w.as_tensor(), b.as_tensor(), 1e-5)?,
+                "rms_norm" => rltune::ops::rms_norm(x.as_tensor(), w.as_tensor(), 1e-6)?,
+                "gelu" => rltune::ops::gelu_tanh(&(x.as_tensor() * 3.0)?)?,
+                other => bail!("no kernel check for {other}"),
+            };
+            let grads = (&y * r.to_device(dev)?)?.sum_all()?.backward()?;
+            let mut out = vec![y];
+            for v in [&x, &w, &b] {
+                if let Some(g) = grads.get(v.as_tensor()) {
+                    out.push(g.clone());
+                }
+            }
+            Ok(out)
+        };
+        let (cpu, dev) = (run(&Device::Cpu)?, run(device)?);
+        if cpu.len() != dev.len() {
+            bail!("{op} {dims:?}: {} gradients on the device, {} on the CPU", dev.len() - 1, cpu.len() - 1);
+        }
+        for (a, b) in dev.iter().zip(&cpu) {
+            let scale = b.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?.max(1.0) as f64;
+            worst = worst.max(max_diff(a, b)? / scale);
+        }
+    }
+    let mut o = Outcome::new(worst, 1e-5);
+    o.extra =
+        json!({"measure": "max |a - b| / max(1, max |cpu|)", "kernel": rltune::ops::cuda_kernels(device)});
+    Ok(o)
 }
 
 /// The device's Adam (on CUDA the in-place kernel, `rltune_kernels::cuda`) against the CPU's

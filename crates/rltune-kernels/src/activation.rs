@@ -310,6 +310,15 @@ impl CustomOp1 for GeluTanh {
         by_dtype!(s, "gelu", gelu_fwd(s, l))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> CResult<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::gelu_fwd(s, l)
+    }
+
     fn bwd(&self, x: &Tensor, _y: &Tensor, g: &Tensor) -> CResult<Option<Tensor>> {
         Ok(Some(gelu_tanh_bwd(x, g)?))
     }
@@ -329,11 +338,24 @@ impl CustomOp2 for GeluTanhBwd {
     ) -> CResult<(CpuStorage, Shape)> {
         by_dtype!(s1, "gelu-bwd", gelu_bwd(s1, l1, s2, l2))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> CResult<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::gelu_bwd((s1, l1), (s2, l2))
+    }
 }
 
 /// GELU with the tanh approximation (transformers' `gelu_new`), differentiable.
 pub fn gelu_tanh(x: &Tensor) -> CResult<Tensor> {
-    if super::cpu_kernels(x.device()) && matches!(x.dtype(), DType::F32 | DType::F64) {
+    if (super::cpu_kernels(x.device()) && matches!(x.dtype(), DType::F32 | DType::F64))
+        || super::cuda_f32(&[x])
+    {
         x.contiguous()?.apply_op1(GeluTanh)
     } else {
         x.gelu()

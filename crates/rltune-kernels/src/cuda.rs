@@ -7,16 +7,30 @@
 //! | kernel | CPU twin | launches |
 //! |---|---|---|
 //! | [`adam_inplace`] (`adam.cu`) | `optim::adam_rows` | one per tensor, in place: parameter and both moments in one pass, no allocation (candle's ops: 13 kernels, 13 allocations and a copy) |
+//! | layer norm, RMS norm (`norms.cu`) | `norm.rs` | forward 1 (composed: 9); backward 3 (dx and row statistics, per-chunk weight gradients, their sum) |
+//! | GELU, tanh form (`gelu.cu`) | `activation.rs` | forward 1; backward 1 (candle's `gelu` backward: about 12) |
+//!
+//! All take contiguous f32 tensors; the ops fall back to candle's composed ops for others.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaStream, CudaView, DevicePtr, LaunchConfig, PushKernelArg,
+};
 use candle_core::cuda_backend::WrapErr;
-use candle_core::{CpuStorage, CudaStorage, DType, InplaceOp1, Layout, Storage, Tensor, Var};
+use candle_core::{
+    CpuStorage, CudaDevice, CudaStorage, DType, InplaceOp1, Layout, Shape, Storage, Tensor, Var,
+};
 
 use crate::error::Result;
 
 /// `adam.cu`, as PTX.
 const ADAM_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/adam.ptx"));
+/// `norms.cu`, as PTX.
+const NORMS_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/norms.ptx"));
+/// `gelu.cu`, as PTX.
+const GELU_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gelu.ptx"));
+
+type CResult<T> = candle_core::Result<T>;
 
 /// Threads per block of the element-wise kernels.
 const THREADS: u32 = 256;
@@ -99,8 +113,7 @@ impl InplaceOp1 for AdamOp {
         }
         drop(_sync);
         let func = dev.get_or_load_custom_func("rltune_adam_f32", "rltune_adam", ADAM_PTX)?;
-        let blocks = (n as u32).div_ceil(THREADS).clamp(1, 132 * 16);
-        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+        let cfg = elementwise(n);
         let [step_size, b1, b2, eps, bc2s] = self.k;
         let mut b = func.builder();
         b.arg(&mut p);
@@ -118,4 +131,181 @@ impl InplaceOp1 for AdamOp {
         unsafe { b.launch(cfg) }.w()?;
         Ok(())
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Row-wise and element-wise ops: called from the CPU ops' `cuda_fwd`.
+
+/// The contiguous f32 values a layout views, or an error naming the op.
+fn input<'a>(s: &'a CudaStorage, l: &Layout, op: &str) -> CResult<CudaView<'a, f32>> {
+    let Some((a, b)) = l.contiguous_offsets() else { candle_core::bail!("{op}: input must be contiguous") };
+    Ok(s.as_cuda_slice::<f32>()?.slice(a..b))
+}
+
+/// Rows of length `n` in a layout whose last dimension must be `n`.
+fn rows_of(l: &Layout, n: usize, op: &str) -> CResult<usize> {
+    let last = l.dims().last().copied().unwrap_or(1);
+    if last != n || n == 0 {
+        candle_core::bail!("{op}: parameter length {n} differs from the last dimension {last}");
+    }
+    Ok(l.shape().elem_count() / n)
+}
+
+/// A grid of whole blocks of [`THREADS`] over `n` elements (grid-stride kernels), at most 16
+/// blocks per multiprocessor of an H100.
+fn elementwise(n: usize) -> LaunchConfig {
+    let blocks = (n as u32).div_ceil(THREADS).clamp(1, 132 * 16);
+    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// One block per row.
+fn per_row(rows: usize) -> LaunchConfig {
+    LaunchConfig { grid_dim: (rows.max(1) as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// Layer norm (`k = 2`, with bias `b`) or RMS norm (`k = 1`) of `x` `(…, n)` with weight `w`.
+pub(crate) fn norm_fwd(
+    eps: f64,
+    (xs, xl): (&CudaStorage, &Layout),
+    (ws, wl): (&CudaStorage, &Layout),
+    b: Option<(&CudaStorage, &Layout)>,
+) -> CResult<(CudaStorage, Shape)> {
+    let op = if b.is_some() { "layer-norm" } else { "rms-norm" };
+    let dev = xs.device().clone();
+    let (x, w) = (input(xs, xl, op)?, input(ws, wl, op)?);
+    let n = w.len();
+    let rows = rows_of(xl, n, op)?;
+    // SAFETY: every element is written by the kernel (one block per row, each row in full).
+    let mut out = unsafe { dev.alloc::<f32>(rows * n)? };
+    if rows > 0 {
+        let eps = eps as f32;
+        match b {
+            Some((bs, bl)) => {
+                let b = input(bs, bl, op)?;
+                let func = dev.get_or_load_custom_func("rltune_layer_norm_f32", "rltune_norms", NORMS_PTX)?;
+                let mut l = func.builder();
+                l.arg(&mut out).arg(&x).arg(&w).arg(&b).arg(&rows).arg(&n).arg(&eps);
+                // SAFETY: the arguments match the kernel's parameters; sizes checked above.
+                unsafe { l.launch(per_row(rows)) }.w()?;
+            }
+            None => {
+                let func = dev.get_or_load_custom_func("rltune_rms_norm_f32", "rltune_norms", NORMS_PTX)?;
+                let mut l = func.builder();
+                l.arg(&mut out).arg(&x).arg(&w).arg(&rows).arg(&n).arg(&eps);
+                // SAFETY: as above.
+                unsafe { l.launch(per_row(rows)) }.w()?;
+            }
+        }
+    }
+    Ok((CudaStorage::wrap_cuda_slice(out, dev), xl.shape().clone()))
+}
+
+/// Rows per chunk of the weight gradients' partial sums.
+const CHUNK_ROWS: usize = 64;
+
+/// The backward of [`norm_fwd`]: one `(rows + k, n)` tensor, `dx` rows then `dw` (and `db`),
+/// as the CPU op returns it.
+pub(crate) fn norm_bwd(
+    eps: f64,
+    k: usize,
+    (xs, xl): (&CudaStorage, &Layout),
+    (ws, wl): (&CudaStorage, &Layout),
+    (gs, gl): (&CudaStorage, &Layout),
+) -> CResult<(CudaStorage, Shape)> {
+    let op = if k == 2 { "layer-norm-bwd" } else { "rms-norm-bwd" };
+    let dev: CudaDevice = xs.device().clone();
+    let (x, w, g) = (input(xs, xl, op)?, input(ws, wl, op)?, input(gs, gl, op)?);
+    let n = w.len();
+    let rows = rows_of(xl, n, op)?;
+    if g.len() != x.len() {
+        candle_core::bail!("{op}: {} gradients for {} inputs", g.len(), x.len());
+    }
+    let mut out = dev.alloc_zeros::<f32>((rows + k) * n)?;
+    if rows > 0 {
+        let eps = eps as f32;
+        // SAFETY: both scratch buffers are written in full before they are read: stats by the
+        // dx kernel (thread 0 of every row), partial by the chunk kernel (every column of
+        // every chunk and of each of the k sums).
+        let mut stats = unsafe { dev.alloc::<f32>(2 * rows)? };
+        let chunks = rows.div_ceil(CHUNK_ROWS);
+        let mut partial = unsafe { dev.alloc::<f32>(chunks * k * n)? };
+        {
+            let name = if k == 2 { "rltune_layer_norm_bwd_dx_f32" } else { "rltune_rms_norm_bwd_dx_f32" };
+            let func = dev.get_or_load_custom_func(name, "rltune_norms", NORMS_PTX)?;
+            let mut dx = out.slice_mut(0..rows * n);
+            let mut l = func.builder();
+            l.arg(&mut dx).arg(&mut stats).arg(&x).arg(&w).arg(&g).arg(&rows).arg(&n).arg(&eps);
+            // SAFETY: the arguments match the kernel's parameters; sizes checked above.
+            unsafe { l.launch(per_row(rows)) }.w()?;
+        }
+        {
+            let func =
+                dev.get_or_load_custom_func("rltune_norm_bwd_params_f32", "rltune_norms", NORMS_PTX)?;
+            let cfg = LaunchConfig {
+                grid_dim: ((n as u32).div_ceil(THREADS), chunks as u32, 1),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let k32 = k as i32;
+            let mut l = func.builder();
+            l.arg(&mut partial).arg(&stats).arg(&x).arg(&g).arg(&rows).arg(&n).arg(&CHUNK_ROWS).arg(&k32);
+            // SAFETY: as above; partial holds chunks × k × n values.
+            unsafe { l.launch(cfg) }.w()?;
+        }
+        {
+            let func = dev.get_or_load_custom_func("rltune_sum_chunks_f32", "rltune_norms", NORMS_PTX)?;
+            let len = k * n;
+            let mut params = out.slice_mut(rows * n..(rows + k) * n);
+            let cfg = LaunchConfig {
+                grid_dim: ((len as u32).div_ceil(THREADS), 1, 1),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut l = func.builder();
+            l.arg(&mut params).arg(&partial).arg(&chunks).arg(&len);
+            // SAFETY: as above; params holds k × n values.
+            unsafe { l.launch(cfg) }.w()?;
+        }
+    }
+    Ok((CudaStorage::wrap_cuda_slice(out, dev), (rows + k, n).into()))
+}
+
+/// GELU (tanh form) of `x`.
+pub(crate) fn gelu_fwd(xs: &CudaStorage, xl: &Layout) -> CResult<(CudaStorage, Shape)> {
+    let dev = xs.device().clone();
+    let x = input(xs, xl, "gelu")?;
+    let n = x.len();
+    // SAFETY: every element is written (grid-stride loop over n).
+    let mut out = unsafe { dev.alloc::<f32>(n)? };
+    if n > 0 {
+        let func = dev.get_or_load_custom_func("rltune_gelu_f32", "rltune_gelu", GELU_PTX)?;
+        let mut l = func.builder();
+        l.arg(&mut out).arg(&x).arg(&n);
+        // SAFETY: the arguments match the kernel's parameters.
+        unsafe { l.launch(elementwise(n)) }.w()?;
+    }
+    Ok((CudaStorage::wrap_cuda_slice(out, dev), xl.shape().clone()))
+}
+
+/// `g · gelu'(x)`.
+pub(crate) fn gelu_bwd(
+    (xs, xl): (&CudaStorage, &Layout),
+    (gs, gl): (&CudaStorage, &Layout),
+) -> CResult<(CudaStorage, Shape)> {
+    let dev = xs.device().clone();
+    let (x, g) = (input(xs, xl, "gelu-bwd")?, input(gs, gl, "gelu-bwd")?);
+    let n = x.len();
+    if g.len() != n {
+        candle_core::bail!("gelu-bwd: {} gradients for {n} inputs", g.len());
+    }
+    // SAFETY: every element is written (grid-stride loop over n).
+    let mut out = unsafe { dev.alloc::<f32>(n)? };
+    if n > 0 {
+        let func = dev.get_or_load_custom_func("rltune_gelu_bwd_f32", "rltune_gelu", GELU_PTX)?;
+        let mut l = func.builder();
+        l.arg(&mut out).arg(&x).arg(&g).arg(&n);
+        // SAFETY: the arguments match the kernel's parameters.
+        unsafe { l.launch(elementwise(n)) }.w()?;
+    }
+    Ok((CudaStorage::wrap_cuda_slice(out, dev), xl.shape().clone()))
 }

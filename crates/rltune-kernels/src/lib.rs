@@ -219,6 +219,11 @@ pub fn cuda_kernels(device: &candle_core::Device) -> bool {
     cfg!(feature = "cuda") && device.is_cuda() && !COMPOSED.with(|c| c.get())
 }
 
+/// Whether every tensor is f32 on a device where the CUDA twins run ([`cuda_kernels`]).
+pub(crate) fn cuda_f32(ts: &[&Tensor]) -> bool {
+    ts.iter().all(|t| t.dtype() == DType::F32 && cuda_kernels(t.device()))
+}
+
 /// Whether `t` is an f32 tensor on the CPU (what the fused f32 kernels take).
 pub(crate) fn f32_cpu(t: &Tensor) -> bool {
     t.dtype() == DType::F32 && cpu_kernels(t.device())

@@ -2,6 +2,8 @@
 //!
 //! The backward ops return one `(R + k, C)` tensor: the rows of `dx`, then the parameter
 //! gradients (`dw`, and `db` for layer norm), which the caller slices without copying.
+//!
+//! On CUDA (f32) the same ops run the twins in `src/cuda/norms.cu` ([`crate::cuda`]).
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor, D};
@@ -208,6 +210,19 @@ impl CustomOp3 for LayerNorm {
         by_dtype!(s1, "layer-norm", layer_norm_fwd(self.eps, (s1, l1), (s2, l2), (s3, l3)))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> CResult<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::norm_fwd(self.eps, (s1, l1), (s2, l2), Some((s3, l3)))
+    }
+
     fn bwd(
         &self,
         x: &Tensor,
@@ -237,6 +252,19 @@ impl CustomOp3 for LayerNormBwd {
     ) -> CResult<(CpuStorage, Shape)> {
         by_dtype!(s1, "layer-norm-bwd", layer_norm_bwd(self.eps, (s1, l1), (s2, l2), (s3, l3)))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> CResult<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::norm_bwd(self.eps, 2, (s1, l1), (s2, l2), (s3, l3))
+    }
 }
 
 /// Layer norm's `(dx, dw, db)` for upstream gradient `g` (no graph; CPU, f32 or f64).
@@ -256,7 +284,7 @@ pub(crate) fn layer_norm_bwd_parts(
 
 /// Layer norm over the last dimension with weight and bias (torch's `nn.LayerNorm`), differentiable.
 pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> CResult<Tensor> {
-    if super::cpu_kernels(x.device()) {
+    if super::cpu_kernels(x.device()) || super::cuda_f32(&[x, w, b]) {
         x.contiguous()?.apply_op3(&w.contiguous()?, &b.contiguous()?, LayerNorm { eps })
     } else {
         layer_norm_composed(x, w, b, eps)
@@ -379,6 +407,17 @@ impl CustomOp2 for RmsNorm {
         by_dtype!(s1, "rms-norm", rms_norm_fwd(self.eps, (s1, l1), (s2, l2)))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> CResult<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::norm_fwd(self.eps, (s1, l1), (s2, l2), None)
+    }
+
     fn bwd(
         &self,
         x: &Tensor,
@@ -410,11 +449,24 @@ impl CustomOp3 for RmsNormBwd {
     ) -> CResult<(CpuStorage, Shape)> {
         by_dtype!(s1, "rms-norm-bwd", rms_norm_bwd(self.eps, (s1, l1), (s2, l2), (s3, l3)))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> CResult<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::norm_bwd(self.eps, 1, (s1, l1), (s2, l2), (s3, l3))
+    }
 }
 
 /// RMS norm over the last dimension (Llama's `LlamaRMSNorm`), differentiable.
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> CResult<Tensor> {
-    if super::cpu_kernels(x.device()) {
+    if super::cpu_kernels(x.device()) || super::cuda_f32(&[x, w]) {
         x.contiguous()?.apply_op2(&w.contiguous()?, RmsNorm { eps })
     } else {
         rms_norm_composed(x, w, eps)

@@ -1,0 +1,29 @@
+// Helpers shared by rltune's CUDA kernels.
+#pragma once
+#include <stddef.h>
+
+// The sum of v over a warp, in every lane.
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// The sum of v over the block (blockDim.x a multiple of 32, at most 1024), in every thread.
+// Every thread of the block must call it; it may be called again right after.
+__device__ __forceinline__ float block_sum(float v) {
+  __shared__ float partial[32];
+  const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+  v = warp_sum(v);
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    const unsigned warps = (blockDim.x + 31u) >> 5;
+    float t = lane < warps ? partial[lane] : 0.0f;
+    t = warp_sum(t);
+    if (lane == 0) partial[0] = t;
+  }
+  __syncthreads();
+  const float total = partial[0];
+  __syncthreads(); // the next call writes partial again
+  return total;
+}
