@@ -19,6 +19,7 @@
 //! | `grpo/<variant>`, `rloo/<variant>` | `grpo-step` / `rloo-step` against TRL 1.16.0: weights and metrics | 1e-5 |
 //! | `dpo/hinge` | `dpo` against TRL 1.16.0: weights and metrics | 1e-5 |
 //! | `kernels/layer_norm`, `kernels/rms_norm`, `kernels/gelu` | the op on the device (CUDA: its twin in `rltune_kernels::cuda`) against the CPU's fused kernel, on odd shapes: outputs and every input's gradient, as max \|a − b\| / max(1, max \|b\|) | 1e-5 |
+//! | `kernels/grad_norm` | the global gradient norm of gradients on the device (CUDA: one sum-of-squares kernel per tensor) against the CPU's, relative difference | 1e-12 |
 //! | `kernels/adam` | three Adam steps on the device (CUDA: the in-place kernel) against the CPU's fused kernel, on odd sizes: weights and moments | 0 (bit for bit) |
 //!
 //! The tolerances are those of the CPU test suite, which runs these fixtures too; a GPU's
@@ -129,6 +130,8 @@ pub fn run(args: Args) -> Result<()> {
     }
     let dev = device.clone();
     checks.push(("kernels/adam".into(), Box::new(move || kernel_adam(&dev))));
+    let dev = device.clone();
+    checks.push(("kernels/grad_norm".into(), Box::new(move || kernel_grad_norm(&dev))));
 
     let mut lines = Vec::new();
     let mut failed = Vec::new();
@@ -167,6 +170,32 @@ pub fn run(args: Args) -> Result<()> {
     }
     eprintln!("selftest: {} checks passed on {}", lines.len(), device_flag(&device));
     Ok(())
+}
+
+/// The global gradient norm (f64) of the same gradients on the device and on the CPU, on
+/// tensors of odd sizes (empty ones too): relative difference.
+fn kernel_grad_norm(device: &Device) -> Result<Outcome> {
+    use rand::{Rng, SeedableRng};
+    use rltune::optim::Grads;
+    let sizes = [0usize, 1, 31, 1000, 65_537, 2_000_003];
+    let mut rng = rand::rngs::StdRng::seed_from_u64(54);
+    let grads: Vec<Vec<f32>> =
+        sizes.iter().map(|&n| (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect()).collect();
+    let norm = |dev: &Device| -> Result<f64> {
+        let vars = sizes
+            .iter()
+            .map(|&n| Ok(candle_core::Var::zeros(n, DType::F32, dev)?))
+            .collect::<Result<Vec<_>>>()?;
+        let mut g = Grads::new(&vars);
+        for (i, v) in grads.iter().enumerate() {
+            g.add(i, &Tensor::from_slice(v, v.len(), dev)?)?;
+        }
+        Ok(g.global_norm()?)
+    };
+    let (cpu, dev) = (norm(&Device::Cpu)?, norm(device)?);
+    let mut o = Outcome::new(((dev - cpu) / cpu).abs(), 1e-12);
+    o.extra = json!({"norm": dev, "cpu_norm": cpu, "measure": "relative", "kernel": rltune::ops::cuda_kernels(device)});
+    Ok(o)
 }
 
 /// The differentiable fused ops compared by `kernels/<op>`.

@@ -9,6 +9,7 @@
 //! | [`adam_inplace`] (`adam.cu`) | `optim::adam_rows` | one per tensor, in place: parameter and both moments in one pass, no allocation (candle's ops: 13 kernels, 13 allocations and a copy) |
 //! | layer norm, RMS norm (`norms.cu`) | `norm.rs` | forward 1 (composed: 9); backward 3 (dx and row statistics, per-chunk weight gradients, their sum) |
 //! | GELU, tanh form (`gelu.cu`) | `activation.rs` | forward 1; backward 1 (candle's `gelu` backward: about 12) |
+//! | [`sums_of_squares`] (`sumsq.cu`) | the gradient norm's f64 sums (`Grads::global_norm`) | one per tensor and one for all, one read back (candle's ops: 4 per tensor) |
 //!
 //! All take contiguous f32 tensors; the ops fall back to candle's composed ops for others.
 
@@ -27,6 +28,8 @@ use crate::error::Result;
 const ADAM_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/adam.ptx"));
 /// `norms.cu`, as PTX.
 const NORMS_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/norms.ptx"));
+/// `sumsq.cu`, as PTX.
+const SUMSQ_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/sumsq.ptx"));
 /// `gelu.cu`, as PTX.
 const GELU_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gelu.ptx"));
 
@@ -308,4 +311,67 @@ pub(crate) fn gelu_bwd(
         unsafe { l.launch(elementwise(n)) }.w()?;
     }
     Ok((CudaStorage::wrap_cuda_slice(out, dev), xl.shape().clone()))
+}
+
+/// Blocks per tensor of [`sums_of_squares`]: about 8 values a thread, at most two waves of an
+/// H100's 132 multiprocessors.
+fn sumsq_blocks(n: usize) -> usize {
+    n.div_ceil(THREADS as usize * 8).clamp(1, 264)
+}
+
+/// The sum of squares of each tensor's values, in f64, read back in one transfer: for the
+/// global gradient norm. `None` (nothing launched) unless every tensor is a contiguous f32
+/// tensor on one CUDA device. Deterministic: each tensor is split among a fixed number of
+/// blocks and their partial sums are added in order.
+pub fn sums_of_squares(ts: &[Tensor]) -> Result<Option<Vec<f64>>> {
+    let Some(first) = ts.first() else { return Ok(Some(Vec::new())) };
+    let candle_core::Device::Cuda(dev) = first.device() else { return Ok(None) };
+    if !ts
+        .iter()
+        .all(|t| t.dtype() == DType::F32 && t.is_contiguous() && t.device().same_device(first.device()))
+    {
+        return Ok(None);
+    }
+    let mut offsets = vec![0u64];
+    for t in ts {
+        offsets.push(offsets[offsets.len() - 1] + sumsq_blocks(t.elem_count()) as u64);
+    }
+    let total = offsets[ts.len()] as usize;
+    // SAFETY: every slot is written: each tensor's kernel runs exactly its share of blocks,
+    // and each block writes its slot (zero for an empty tensor).
+    let mut partial = unsafe { dev.alloc::<f64>(total)? };
+    let func = dev.get_or_load_custom_func("rltune_sumsq_partial_f32", "rltune_sumsq", SUMSQ_PTX)?;
+    for (i, t) in ts.iter().enumerate() {
+        let (s, l) = t.storage_and_layout();
+        let Storage::Cuda(c) = &*s else { return Ok(None) };
+        let g = input(c, l, "sum of squares")?;
+        let n = g.len();
+        let (a, b) = (offsets[i] as usize, offsets[i + 1] as usize);
+        let mut slots = partial.slice_mut(a..b);
+        let cfg = LaunchConfig {
+            grid_dim: ((b - a) as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut launch = func.builder();
+        launch.arg(&mut slots).arg(&g).arg(&n);
+        // SAFETY: the arguments match the kernel's parameters; one slot per block.
+        unsafe { launch.launch(cfg) }.w()?;
+    }
+    let stream = dev.cuda_stream();
+    let offsets_dev = stream.clone_htod(&offsets).w()?;
+    // SAFETY: one thread per tensor writes its sum.
+    let mut out = unsafe { dev.alloc::<f64>(ts.len())? };
+    let finish = dev.get_or_load_custom_func("rltune_sumsq_finish", "rltune_sumsq", SUMSQ_PTX)?;
+    let len = ts.len();
+    let cfg = LaunchConfig {
+        grid_dim: ((len as u32).div_ceil(THREADS), 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut launch = finish.builder();
+    launch.arg(&mut out).arg(&partial).arg(&offsets_dev).arg(&len);
+    // SAFETY: the arguments match the kernel's parameters.
+    unsafe { launch.launch(cfg) }.w()?;
+    Ok(Some(stream.clone_dtoh(&out).w()?))
 }

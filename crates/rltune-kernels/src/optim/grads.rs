@@ -228,7 +228,18 @@ impl Grads {
                 None => sq += s.buf.par_chunks(1 << 16).map(sum_sq).sum::<f64>(),
             }
         }
-        // Off the CPU, one transfer for all of them (each `to_scalar` is a device sync).
+        // Off the CPU, one transfer for all of them (each `to_scalar` is a device sync); on
+        // CUDA one kernel per tensor ([`crate::cuda::sums_of_squares`]).
+        #[cfg(feature = "cuda")]
+        {
+            let cuda: Vec<Tensor> =
+                self.tensors.iter().flatten().filter(|g| crate::cuda_kernels(g.device())).cloned().collect();
+            if cuda.len() == self.tensors.iter().flatten().count() {
+                if let Some(sums) = crate::cuda::sums_of_squares(&cuda)? {
+                    return Ok((sq + sums.iter().sum::<f64>()).sqrt());
+                }
+            }
+        }
         let mut on_device = Vec::new();
         for g in self.tensors.iter().flatten() {
             if g.device().is_cpu() {
