@@ -548,7 +548,12 @@ fn ppo_config<G: AgentGames>(dir: &Path, cfg: &AgentQuickstartConfig<G>) -> RunC
         generation,
         eval: Default::default(),
         ppo: cfg.ppo.clone(),
-        logging: LoggingSection { dir: dir.join("ppo"), samples_per_step: 4, report_every: 10 },
+        logging: LoggingSection {
+            dir: dir.join("ppo"),
+            samples_per_step: 4,
+            report_every: 10,
+            ..Default::default()
+        },
         checkpoint: CheckpointSection { every: 10, optimizer_state: true },
         runtime: Default::default(),
         lora: None,

@@ -8,6 +8,9 @@
 //! | `DIR/samples.jsonl` | per step, the samples (query, response, reward) passed to [`RunLogger::log_step`] |
 //! | `DIR/tb/events.out.tfevents.<unix_ts>.<hostname>` | TensorBoard scalars for every scalar stat, histograms for the `*_dist` arrays ([`tensorboard`]) |
 //! | `DIR/report.html` | a self-contained page with plots and the samples table ([`report`]) |
+//! | `DIR/wandb/offline-run-*/` | with `[logging] wandb = "offline"`: a W&B offline run for `wandb sync` ([`wandb`]) |
+//! | `[logging] mlflow` | an MLflow file store (under `DIR` unless absolute) for `mlflow ui` ([`mlflow`]) |
+//! | `DIR/trackers.json` | the ids of the tracker runs, so that a resumed run continues them ([`trackers`]) |
 //!
 //! Every line and event is flushed as it is written, so a crash loses at most the step being
 //! written. With `resume`, the logger appends to the existing files (TensorBoard gets a new event
@@ -36,10 +39,13 @@
 //! ```
 
 pub mod jsonl;
+pub mod mlflow;
 pub mod plots;
 pub mod report;
 pub mod tensorboard;
 pub mod tfrecord;
+pub mod trackers;
+pub mod wandb;
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -48,6 +54,7 @@ use crate::engine::stats::Stats;
 use crate::error::{Error, Result};
 use jsonl::{JsonlWriter, MetricRow};
 use tensorboard::{EventWriter, Histogram, SummaryValue};
+pub use trackers::{RunEnd, Trackers};
 
 /// One sample shown in the report: the query, the response and its reward.
 #[derive(Debug, Clone, PartialEq)]
@@ -70,6 +77,8 @@ pub struct RunLogger {
     transcripts: Option<JsonlWriter>,
     /// Opened at the first logged step, so that re-reading a run adds no empty event file.
     tb: Option<EventWriter>,
+    /// MLflow and W&B, when configured (rank 0 only).
+    trackers: Option<trackers::TrackerRuns>,
     rows: Vec<MetricRow>,
     samples: Vec<(usize, Vec<SampleRow>)>,
     max_samples: usize,
@@ -89,12 +98,20 @@ impl RunLogger {
     /// On a rank other than 0 of a data-parallel run ([`crate::dist::is_main`]) it touches no
     /// file and logs nothing: rank 0 writes the run directory.
     pub fn create(dir: &Path, resume_from: Option<usize>) -> Result<Self> {
+        Self::create_with(dir, resume_from, &Trackers::default())
+    }
+
+    /// [`RunLogger::create`], also logging to the experiment trackers of `trackers` (MLflow, W&B).
+    /// End the run with [`RunLogger::finish`]; a logger dropped without it marks the tracker runs
+    /// failed.
+    pub fn create_with(dir: &Path, resume_from: Option<usize>, trackers: &Trackers) -> Result<Self> {
         if !crate::dist::is_main() {
             return Ok(RunLogger {
                 dir: dir.to_path_buf(),
                 files: None,
                 transcripts: None,
                 tb: None,
+                trackers: None,
                 rows: Vec::new(),
                 samples: Vec::new(),
                 max_samples: 0,
@@ -129,11 +146,17 @@ impl RunLogger {
                 thin(&mut rows);
             }
         }
+        let files = (JsonlWriter::append(&metrics_path)?, JsonlWriter::append(&samples_path)?);
+        let runs = match trackers.any() {
+            true => Some(trackers::TrackerRuns::open(dir, resume_from, trackers)?),
+            false => None,
+        };
         Ok(RunLogger {
             dir: dir.to_path_buf(),
-            files: Some((JsonlWriter::append(&metrics_path)?, JsonlWriter::append(&samples_path)?)),
+            files: Some(files),
             transcripts: None,
             tb: None,
+            trackers: runs,
             rows,
             samples,
             max_samples: usize::MAX,
@@ -182,11 +205,25 @@ impl RunLogger {
             None => self.tb.insert(EventWriter::create(&self.dir.join("tb"))?),
         };
         tb.write_summary(step, summary_values(&row))?;
+        if let Some(t) = &mut self.trackers {
+            t.log(&row)?;
+        }
         jsonl::push_step(&mut self.rows, report_row(row));
         if self.rows.len() > REPORT_ROWS_MAX {
             thin(&mut self.rows);
         }
         Ok(())
+    }
+
+    /// Ends the experiment trackers' runs (MLflow status, W&B exit record); nothing to do without
+    /// trackers. Once: later calls do nothing.
+    pub fn finish(&mut self, end: RunEnd) -> Result<()> {
+        self.trackers.as_mut().map_or(Ok(()), |t| t.finish(end))
+    }
+
+    /// The open tracker runs (rank 0, when configured).
+    pub fn trackers(&self) -> Option<&trackers::TrackerRuns> {
+        self.trackers.as_ref()
     }
 
     /// Appends episodes played at `step` to `transcripts.jsonl`, one line each:

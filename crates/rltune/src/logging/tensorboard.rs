@@ -358,7 +358,7 @@ fn wall_time() -> f64 {
 
 /// The kernel's host name (as TensorBoard's writer, `socket.gethostname()`), reduced to characters
 /// safe in a file name; `localhost` if unknown. Read from the system, not the environment.
-fn hostname() -> String {
+pub(crate) fn hostname() -> String {
     let raw = std::fs::read_to_string("/proc/sys/kernel/hostname")
         .ok()
         .or_else(|| std::fs::read_to_string("/etc/hostname").ok())

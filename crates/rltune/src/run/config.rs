@@ -11,6 +11,7 @@
 
 use std::path::{Path, PathBuf};
 
+pub use super::logging_config::LoggingSection;
 pub use super::reward_config::{RewardSection, RewardSourceConfig};
 use crate::agent::config::EnvSection;
 use crate::agent::rollout::Shaping;
@@ -83,24 +84,6 @@ pub struct DataSection {
 impl Default for DataSection {
     fn default() -> Self {
         Self { source: String::new(), text_column: "text".into(), min_query_tokens: 2, max_query_tokens: 8 }
-    }
-}
-
-/// `[logging]`
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct LoggingSection {
-    /// The run directory (metrics.jsonl, report.html, tb/, checkpoints/).
-    pub dir: PathBuf,
-    /// Samples per step shown in the report's table.
-    pub samples_per_step: usize,
-    /// Rewrite report.html every this many steps (and at the end).
-    pub report_every: usize,
-}
-
-impl Default for LoggingSection {
-    fn default() -> Self {
-        Self { dir: PathBuf::from("runs/ppo"), samples_per_step: 4, report_every: 10 }
     }
 }
 
@@ -459,6 +442,7 @@ impl RunConfig {
 
     /// Checks the sections; messages name the field.
     pub fn validate(&self) -> std::result::Result<(), String> {
+        self.logging.validate()?;
         self.ppo.validate()?;
         self.validate_lora()?;
         self.validate_reward_names()?;

@@ -290,7 +290,9 @@ impl GroupRun {
         } else {
             config.generation.eos_token_ids.clone()
         };
-        let logger = RunLogger::create(&config.logging.dir, ckpt.as_ref().map(|(step, _)| *step))?;
+        let resume_from = ckpt.as_ref().map(|(step, _)| *step);
+        let logger =
+            RunLogger::create_with(&config.logging.dir, resume_from, &super::tracking::trackers(&config)?)?;
         if crate::dist::is_main() {
             let resolved = config.to_toml()?;
             crate::io::write_bytes_atomic(&config.logging.dir.join("config.toml"), resolved.as_bytes())?;

@@ -8,10 +8,12 @@ pub mod episodes;
 pub mod eval;
 pub mod group_config;
 pub mod group_loop;
+pub mod logging_config;
 pub mod ppo_loop;
 pub mod prompts;
 pub mod reward_config;
 pub mod run_loop;
+pub mod tracking;
 
 pub use config::RunConfig;
 pub use group_loop::{GroupRun, GroupTrainer};

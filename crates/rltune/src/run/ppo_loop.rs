@@ -225,7 +225,9 @@ impl PpoRun {
         };
         // Lines logged after the checkpoint (a run killed between two checkpoints) are dropped:
         // those steps run again.
-        let logger = RunLogger::create(&config.logging.dir, ckpt.as_ref().map(|(step, _)| *step))?;
+        let resume_from = ckpt.as_ref().map(|(step, _)| *step);
+        let logger =
+            RunLogger::create_with(&config.logging.dir, resume_from, &super::tracking::trackers(&config)?)?;
         if crate::dist::is_main() {
             let resolved = config.to_toml()?;
             crate::io::write_bytes_atomic(&config.logging.dir.join("config.toml"), resolved.as_bytes())?;

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::config::RunConfig;
 use crate::error::Result;
-use crate::logging::RunLogger;
+use crate::logging::{RunEnd, RunLogger};
 
 /// One algorithm inside the run loop.
 pub trait Algorithm {
@@ -42,7 +42,27 @@ pub trait Algorithm {
 
 /// Runs the remaining steps of `alg`. `stop` (set by Ctrl-C) ends the run after the current step
 /// with a checkpoint. Returns the number of steps done in total.
+///
+/// The experiment trackers' runs end here: finished, killed (stopped by Ctrl-C before the last
+/// step) or failed (an error).
 pub fn run<A: Algorithm>(
+    alg: &mut A,
+    stop: &AtomicBool,
+    progress: &mut dyn FnMut(&StepReport),
+) -> Result<usize> {
+    let result = run_steps(alg, stop, progress);
+    let end = match &result {
+        Ok(done) if *done < alg.total_steps() => RunEnd::Killed,
+        Ok(_) => RunEnd::Finished,
+        Err(_) => RunEnd::Failed,
+    };
+    let ended = alg.logger().finish(end);
+    let done = result?;
+    ended?;
+    Ok(done)
+}
+
+fn run_steps<A: Algorithm>(
     alg: &mut A,
     stop: &AtomicBool,
     progress: &mut dyn FnMut(&StepReport),
