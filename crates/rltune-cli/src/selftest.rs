@@ -18,7 +18,7 @@
 //! | `ppo/trl-0.11.4` | two `PPOTrainer.step`s: stats and weights | stats 1e-5, weights 2e-5 |
 //! | `grpo/<variant>`, `rloo/<variant>` | `grpo-step` / `rloo-step` against TRL 1.16.0: weights and metrics | 1e-5 |
 //! | `dpo/hinge` | `dpo` against TRL 1.16.0: weights and metrics | 1e-5 |
-//! | `kernels/layer_norm`, `kernels/rms_norm`, `kernels/gelu` | the op on the device (CUDA: its twin in `rltune_kernels::cuda`) against the CPU's fused kernel, on odd shapes: outputs and every input's gradient, as max \|a − b\| / max(1, max \|b\|) | 1e-5 |
+//! | `kernels/layer_norm`, `rms_norm`, `gelu`, `softmax`, `log_softmax`, `logprobs`, `entropy` | the op on the device (CUDA: its twin in `rltune_kernels::cuda`) against the CPU's fused kernel, on odd shapes: outputs and every input's gradient, as max \|a − b\| / max(1, max \|b\|) | 1e-5 |
 //! | `kernels/grad_norm` | the global gradient norm of gradients on the device (CUDA: one sum-of-squares kernel per tensor) against the CPU's, relative difference | 1e-12 |
 //! | `kernels/adam` | three Adam steps on the device (CUDA: the in-place kernel) against the CPU's fused kernel, on odd sizes: weights and moments | 0 (bit for bit) |
 //!
@@ -199,7 +199,8 @@ fn kernel_grad_norm(device: &Device) -> Result<Outcome> {
 }
 
 /// The differentiable fused ops compared by `kernels/<op>`.
-const KERNEL_OPS: [&str; 3] = ["layer_norm", "rms_norm", "gelu"];
+const KERNEL_OPS: [&str; 7] =
+    ["layer_norm", "rms_norm", "gelu", "softmax", "log_softmax", "logprobs", "entropy"];
 
 /// Op `op` on `device` against the CPU's fused kernel: on shapes with odd sizes (one row, rows
 /// shorter than a warp, GPT-2's and Qwen2-0.5B's widths), uniform random inputs, the output and the
@@ -207,7 +208,7 @@ const KERNEL_OPS: [&str; 3] = ["layer_norm", "rms_norm", "gelu"];
 /// max(1, max |b|), per tensor, the worst of all.
 fn kernel_op(op: &str, device: &Device) -> Result<Outcome> {
     use candle_core::Var;
-    let shapes: [&[usize]; 5] = [&[1, 1], &[3, 7, 33], &[5, 768], &[2, 64, 896], &[129, 2049]];
+    let shapes: [&[usize]; 6] = [&[1, 1], &[3, 7, 33], &[5, 768], &[2, 64, 896], &[129, 2049], &[3, 50257]];
     let mut worst = 0f64;
     for (case, dims) in shapes.iter().enumerate() {
         let n = *dims.last().unwrap_or(&1);
@@ -219,7 +220,8 @@ fn kernel_op(op: &str, device: &Device) -> Result<Outcome> {
             let v: Vec<f32> = (0..len).map(|_| rng.gen_range(-2.0f32..2.0)).collect();
             Ok(Tensor::from_vec(v, shape, &Device::Cpu)?)
         };
-        let (x, w, b, r) = (randn(dims, 1)?, (randn(&[n], 2)? + 1.0)?, randn(&[n], 3)?, randn(dims, 4)?);
+        let out_dims = if matches!(op, "logprobs" | "entropy") { &dims[..dims.len() - 1] } else { dims };
+        let (x, w, b, r) = (randn(dims, 1)?, (randn(&[n], 2)? + 1.0)?, randn(&[n], 3)?, randn(out_dims, 4)?);
         let run = |dev: &Device| -> Result<Vec<Tensor>> {
             let vars = [&x, &w, &b].map(|t| t.to_device(dev).and_then(|t| Var::from_tensor(&t)));
             let [x, w, b] = vars;
@@ -228,6 +230,16 @@ fn kernel_op(op: &str, device: &Device) -> Result<Outcome> {
                 "layer_norm" => rltune::ops::layer_norm(x.as_tensor(), w.as_tensor(), b.as_tensor(), 1e-5)?,
                 "rms_norm" => rltune::ops::rms_norm(x.as_tensor(), w.as_tensor(), 1e-6)?,
                 "gelu" => rltune::ops::gelu_tanh(&(x.as_tensor() * 3.0)?)?,
+                "softmax" => rltune::ops::softmax_last_dim(&(x.as_tensor() * 4.0)?)?,
+                "log_softmax" => rltune::ops::log_softmax_last_dim(&(x.as_tensor() * 4.0)?)?,
+                "entropy" => rltune::ops::entropy_from_logits(&(x.as_tensor() * 4.0)?)?,
+                "logprobs" => {
+                    let rows = dims[..dims.len() - 1].to_vec();
+                    let count = rows.iter().product::<usize>();
+                    let ids: Vec<u32> = (0..count).map(|i| ((i * 7919 + case) % n) as u32).collect();
+                    let t = Tensor::from_vec(ids, rows, dev)?;
+                    rltune::ops::logprobs_of(&(x.as_tensor() * 4.0)?, &t)?
+                }
                 other => bail!("no kernel check for {other}"),
             };
             let grads = (&y * r.to_device(dev)?)?.sum_all()?.backward()?;

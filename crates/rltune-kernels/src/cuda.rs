@@ -9,6 +9,7 @@
 //! | [`adam_inplace`] (`adam.cu`) | `optim::adam_rows` | one per tensor, in place: parameter and both moments in one pass, no allocation (candle's ops: 13 kernels, 13 allocations and a copy) |
 //! | layer norm, RMS norm (`norms.cu`) | `norm.rs` | forward 1 (composed: 9); backward 3 (dx and row statistics, per-chunk weight gradients, their sum) |
 //! | GELU, tanh form (`gelu.cu`) | `activation.rs` | forward 1; backward 1 (candle's `gelu` backward: about 12) |
+//! | softmax, log-softmax, the logprob of a target, entropy (`softmax.cu`) | `softmax.rs` | 1 per op and per backward, one block per row; the logprob keeps no `(rows, V)` log-softmax (composed: a log-softmax, a gather, and ~10 ops backward) |
 //! | [`sums_of_squares`] (`sumsq.cu`) | the gradient norm's f64 sums (`Grads::global_norm`) | one per tensor and one for all, one read back (candle's ops: 4 per tensor) |
 //!
 //! All take contiguous f32 tensors; the ops fall back to candle's composed ops for others.
@@ -30,6 +31,8 @@ const ADAM_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/adam.ptx"));
 const NORMS_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/norms.ptx"));
 /// `sumsq.cu`, as PTX.
 const SUMSQ_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/sumsq.ptx"));
+/// `softmax.cu`, as PTX.
+const SOFTMAX_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/softmax.ptx"));
 /// `gelu.cu`, as PTX.
 const GELU_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gelu.ptx"));
 
@@ -374,4 +377,148 @@ pub fn sums_of_squares(ts: &[Tensor]) -> Result<Option<Vec<f64>>> {
     // SAFETY: the arguments match the kernel's parameters.
     unsafe { launch.launch(cfg) }.w()?;
     Ok(Some(stream.clone_dtoh(&out).w()?))
+}
+
+// ---------------------------------------------------------------------------------------------
+// The softmax family (`softmax.cu`), one block per row of the last dimension.
+
+/// `(rows, n)` of a layout over its last dimension.
+fn rows_n(l: &Layout) -> (usize, usize) {
+    let n = l.dims().last().copied().unwrap_or(1);
+    (if n == 0 { 0 } else { l.shape().elem_count() / n }, n)
+}
+
+/// Target ids: contiguous u32 values (the op falls back to candle's ops for other dtypes).
+fn targets<'a>(s: &'a CudaStorage, l: &Layout, rows: usize) -> CResult<CudaView<'a, u32>> {
+    let Some((a, b)) = l.contiguous_offsets() else {
+        candle_core::bail!("logprobs-of: targets must be contiguous")
+    };
+    if b - a != rows {
+        candle_core::bail!("logprobs-of: {} targets for {rows} rows", b - a);
+    }
+    Ok(s.as_cuda_slice::<u32>()?.slice(a..b))
+}
+
+/// `x[r, t_r] − logsumexp(x[r])`, shaped as the targets; NaN where a target is not below V.
+pub(crate) fn logprobs_of_fwd(
+    (xs, xl): (&CudaStorage, &Layout),
+    (ts, tl): (&CudaStorage, &Layout),
+) -> CResult<(CudaStorage, Shape)> {
+    let dev = xs.device().clone();
+    let x = input(xs, xl, "logprobs-of")?;
+    let (rows, n) = rows_n(xl);
+    let t = targets(ts, tl, rows)?;
+    // SAFETY: thread 0 of each row's block writes its value.
+    let mut out = unsafe { dev.alloc::<f32>(rows)? };
+    if rows > 0 {
+        let func = dev.get_or_load_custom_func("rltune_logprobs_of_f32", "rltune_softmax", SOFTMAX_PTX)?;
+        let mut l = func.builder();
+        l.arg(&mut out).arg(&x).arg(&t).arg(&rows).arg(&n);
+        // SAFETY: the arguments match the kernel's parameters; sizes checked above.
+        unsafe { l.launch(per_row(rows)) }.w()?;
+    }
+    Ok((CudaStorage::wrap_cuda_slice(out, dev), tl.shape().clone()))
+}
+
+/// `g[r] · (onehot(t_r) − softmax(x[r]))`, shaped as `x`.
+pub(crate) fn logprobs_of_bwd(
+    (xs, xl): (&CudaStorage, &Layout),
+    (ts, tl): (&CudaStorage, &Layout),
+    (gs, gl): (&CudaStorage, &Layout),
+) -> CResult<(CudaStorage, Shape)> {
+    let dev = xs.device().clone();
+    let (x, g) = (input(xs, xl, "logprobs-of-bwd")?, input(gs, gl, "logprobs-of-bwd")?);
+    let (rows, n) = rows_n(xl);
+    let t = targets(ts, tl, rows)?;
+    if g.len() != rows {
+        candle_core::bail!("logprobs-of-bwd: {} gradients for {rows} rows", g.len());
+    }
+    // SAFETY: every element of every row is written.
+    let mut out = unsafe { dev.alloc::<f32>(rows * n)? };
+    if rows > 0 {
+        let func =
+            dev.get_or_load_custom_func("rltune_logprobs_of_bwd_f32", "rltune_softmax", SOFTMAX_PTX)?;
+        let mut l = func.builder();
+        l.arg(&mut out).arg(&x).arg(&t).arg(&g).arg(&rows).arg(&n);
+        // SAFETY: as above.
+        unsafe { l.launch(per_row(rows)) }.w()?;
+    }
+    Ok((CudaStorage::wrap_cuda_slice(out, dev), xl.shape().clone()))
+}
+
+/// The entropy of each row's softmax, shaped as `x` without its last dimension.
+pub(crate) fn entropy_fwd(xs: &CudaStorage, xl: &Layout) -> CResult<(CudaStorage, Shape)> {
+    let dev = xs.device().clone();
+    let x = input(xs, xl, "entropy")?;
+    let (rows, n) = rows_n(xl);
+    // SAFETY: thread 0 of each row's block writes its value.
+    let mut out = unsafe { dev.alloc::<f32>(rows)? };
+    if rows > 0 {
+        let func = dev.get_or_load_custom_func("rltune_entropy_f32", "rltune_softmax", SOFTMAX_PTX)?;
+        let mut l = func.builder();
+        l.arg(&mut out).arg(&x).arg(&rows).arg(&n);
+        // SAFETY: the arguments match the kernel's parameters.
+        unsafe { l.launch(per_row(rows)) }.w()?;
+    }
+    let dims = xl.dims();
+    Ok((CudaStorage::wrap_cuda_slice(out, dev), dims[..dims.len().saturating_sub(1)].to_vec().into()))
+}
+
+/// Softmax (`log = false`) or log-softmax of each row.
+pub(crate) fn softmax_fwd(log: bool, xs: &CudaStorage, xl: &Layout) -> CResult<(CudaStorage, Shape)> {
+    let op = if log { "log-softmax" } else { "softmax" };
+    let dev = xs.device().clone();
+    let x = input(xs, xl, op)?;
+    let (rows, n) = rows_n(xl);
+    // SAFETY: every element of every row is written.
+    let mut out = unsafe { dev.alloc::<f32>(rows * n)? };
+    if rows > 0 {
+        let name = if log { "rltune_log_softmax_f32" } else { "rltune_softmax_f32" };
+        let func = dev.get_or_load_custom_func(name, "rltune_softmax", SOFTMAX_PTX)?;
+        let mut l = func.builder();
+        l.arg(&mut out).arg(&x).arg(&rows).arg(&n);
+        // SAFETY: the arguments match the kernel's parameters.
+        unsafe { l.launch(per_row(rows)) }.w()?;
+    }
+    Ok((CudaStorage::wrap_cuda_slice(out, dev), xl.shape().clone()))
+}
+
+/// The backward of [`softmax_fwd`] from its output `y` and upstream `g`: softmax's scaled by
+/// `scale` (`Some`), or log-softmax's (`None`).
+pub(crate) fn softmax_bwd(
+    scale: Option<f64>,
+    (ys, yl): (&CudaStorage, &Layout),
+    (gs, gl): (&CudaStorage, &Layout),
+) -> CResult<(CudaStorage, Shape)> {
+    let op = if scale.is_some() { "softmax-bwd" } else { "log-softmax-bwd" };
+    let dev = ys.device().clone();
+    let (y, g) = (input(ys, yl, op)?, input(gs, gl, op)?);
+    let (rows, n) = rows_n(yl);
+    if g.len() != y.len() {
+        candle_core::bail!("{op}: {} gradients for {} outputs", g.len(), y.len());
+    }
+    // SAFETY: every element of every row is written.
+    let mut out = unsafe { dev.alloc::<f32>(rows * n)? };
+    if rows > 0 {
+        match scale {
+            Some(scale) => {
+                let func =
+                    dev.get_or_load_custom_func("rltune_softmax_bwd_f32", "rltune_softmax", SOFTMAX_PTX)?;
+                let scale = scale as f32;
+                let mut l = func.builder();
+                l.arg(&mut out).arg(&y).arg(&g).arg(&rows).arg(&n).arg(&scale);
+                // SAFETY: the arguments match the kernel's parameters.
+                unsafe { l.launch(per_row(rows)) }.w()?;
+            }
+            None => {
+                let func =
+                    dev.get_or_load_custom_func("rltune_log_softmax_bwd_f32", "rltune_softmax", SOFTMAX_PTX)?;
+                let mut l = func.builder();
+                l.arg(&mut out).arg(&y).arg(&g).arg(&rows).arg(&n);
+                // SAFETY: the arguments match the kernel's parameters.
+                unsafe { l.launch(per_row(rows)) }.w()?;
+            }
+        }
+    }
+    Ok((CudaStorage::wrap_cuda_slice(out, dev), yl.shape().clone()))
 }

@@ -1,5 +1,9 @@
 //! Softmax family: softmax, log-softmax, attention's scaled masked softmax, the logprob of a
 //! target token and the entropy of a distribution, each over the last dimension.
+//!
+//! On CUDA (f32; u32 targets) softmax, log-softmax, the logprob of a target and the entropy run
+//! the twins in `src/cuda/softmax.cu` ([`crate::cuda`]); attention's scaled masked softmax keeps
+//! candle's composed ops there.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor, D};
@@ -162,6 +166,15 @@ impl CustomOp1 for Softmax {
         by_dtype!(s, "softmax", softmax_fwd(s, l))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> CResult<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::softmax_fwd(false, s, l)
+    }
+
     /// dx = y ⊙ (g − Σ g⊙y)
     fn bwd(&self, _x: &Tensor, y: &Tensor, g: &Tensor) -> CResult<Option<Tensor>> {
         Ok(Some(y.apply_op2_no_bwd(&g.contiguous()?, &SoftmaxBwd { scale: 1.0 })?))
@@ -198,11 +211,22 @@ impl CustomOp2 for SoftmaxBwd {
     ) -> CResult<(CpuStorage, Shape)> {
         by_dtype!(s1, "softmax-bwd", softmax_bwd(self.scale, s1, l1, s2, l2))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> CResult<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::softmax_bwd(Some(self.scale), (s1, l1), (s2, l2))
+    }
 }
 
 /// Softmax over the last dimension, differentiable.
 pub fn softmax_last_dim(x: &Tensor) -> CResult<Tensor> {
-    if super::cpu_kernels(x.device()) {
+    if super::cpu_kernels(x.device()) || super::cuda_f32(&[x]) {
         x.contiguous()?.apply_op1(Softmax)
     } else {
         softmax_composed(x)
@@ -355,6 +379,15 @@ impl CustomOp1 for LogSoftmax {
         by_dtype!(s, "log-softmax", log_softmax_fwd(s, l))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> CResult<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::softmax_fwd(true, s, l)
+    }
+
     /// dx = g − exp(y) Σ g
     fn bwd(&self, _x: &Tensor, y: &Tensor, g: &Tensor) -> CResult<Option<Tensor>> {
         Ok(Some(y.apply_op2_no_bwd(&g.contiguous()?, &LogSoftmaxBwd)?))
@@ -389,11 +422,22 @@ impl CustomOp2 for LogSoftmaxBwd {
     ) -> CResult<(CpuStorage, Shape)> {
         by_dtype!(s1, "log-softmax-bwd", log_softmax_bwd(s1, l1, s2, l2))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> CResult<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::softmax_bwd(None, (s1, l1), (s2, l2))
+    }
 }
 
 /// Log-softmax over the last dimension, differentiable.
 pub fn log_softmax_last_dim(x: &Tensor) -> CResult<Tensor> {
-    if super::cpu_kernels(x.device()) {
+    if super::cpu_kernels(x.device()) || super::cuda_f32(&[x]) {
         x.contiguous()?.apply_op1(LogSoftmax)
     } else {
         log_softmax_composed(x)
@@ -476,6 +520,17 @@ impl CustomOp2 for LogprobsOf {
         by_dtype!(s1, "logprobs-of", logprobs_of_fwd(s1, l1, s2, l2))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> CResult<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::logprobs_of_fwd((s1, l1), (s2, l2))
+    }
+
     /// d logits = g · (onehot(target) − softmax(logits)), row by row; targets get none.
     fn bwd(
         &self,
@@ -540,6 +595,19 @@ impl CustomOp3 for LogprobsOfBwd {
     ) -> CResult<(CpuStorage, Shape)> {
         by_dtype!(s1, "logprobs-of-bwd", logprobs_of_bwd(s1, l1, s2, l2, s3, l3))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> CResult<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::logprobs_of_bwd((s1, l1), (s2, l2), (s3, l3))
+    }
 }
 
 /// Log-probability of each target under `logits`: `(B, T, V), (B, T) -> (B, T)`, differentiable
@@ -550,7 +618,8 @@ impl CustomOp3 for LogprobsOfBwd {
 /// `g · (onehot − softmax)` row by row. Targets are u32 (or i64, u8) ids below V.
 pub fn logprobs_of(logits: &Tensor, targets: &Tensor) -> CResult<Tensor> {
     let ok_dtype = matches!(logits.dtype(), DType::F32 | DType::F64);
-    if super::cpu_kernels(logits.device()) && ok_dtype && logits.rank() == targets.rank() + 1 {
+    let cuda = super::cuda_f32(&[logits]) && targets.dtype() == DType::U32;
+    if ((super::cpu_kernels(logits.device()) && ok_dtype) || cuda) && logits.rank() == targets.rank() + 1 {
         logits.contiguous()?.apply_op2(&targets.contiguous()?, LogprobsOf)
     } else {
         logprobs_of_composed(logits, targets)
@@ -602,6 +671,15 @@ impl CustomOp1 for Entropy {
         by_dtype!(s, "entropy", entropy_fwd(s, l))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> CResult<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::entropy_fwd(s, l)
+    }
+
     /// dH/dx = p ⊙ (Σ p·x − x) · g (composed: entropy is a statistic, rarely differentiated).
     fn bwd(&self, x: &Tensor, _h: &Tensor, g: &Tensor) -> CResult<Option<Tensor>> {
         let x = x.detach();
@@ -618,7 +696,8 @@ impl CustomOp1 for Entropy {
 /// each row (no `(…, V)` temporaries).
 pub fn entropy_from_logits(logits: &Tensor) -> CResult<Tensor> {
     let ok_dtype = matches!(logits.dtype(), DType::F32 | DType::F64);
-    if super::cpu_kernels(logits.device()) && ok_dtype && logits.rank() > 0 {
+    if ((super::cpu_kernels(logits.device()) && ok_dtype) || super::cuda_f32(&[logits])) && logits.rank() > 0
+    {
         logits.contiguous()?.apply_op1(Entropy)
     } else {
         entropy_from_logits_composed(logits)

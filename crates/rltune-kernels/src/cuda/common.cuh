@@ -1,5 +1,6 @@
 // Helpers shared by rltune's CUDA kernels.
 #pragma once
+#include <math.h>
 #include <stddef.h>
 
 // The sum of v over a warp, in every lane.
@@ -25,5 +26,24 @@ __device__ __forceinline__ float block_sum(float v) {
   __syncthreads();
   const float total = partial[0];
   __syncthreads(); // the next call writes partial again
+  return total;
+}
+
+// The maximum of v over the block, in every thread (as block_sum).
+__device__ __forceinline__ float block_max(float v) {
+  __shared__ float partial[32];
+  const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    const unsigned warps = (blockDim.x + 31u) >> 5;
+    float t = lane < warps ? partial[lane] : -INFINITY;
+    for (int o = 16; o > 0; o >>= 1) t = fmaxf(t, __shfl_xor_sync(0xffffffffu, t, o));
+    if (lane == 0) partial[0] = t;
+  }
+  __syncthreads();
+  const float total = partial[0];
+  __syncthreads();
   return total;
 }

@@ -1,0 +1,116 @@
+// The softmax family over the last dimension: the CUDA twins of src/softmax.rs. One block per
+// row of n values; nothing of size (rows, n) is kept for the backward but the op's own input
+// or output, as on the CPU.
+#include "common.cuh"
+
+// m = max(x), s = sum e^(x - m) of row xr.
+__device__ __forceinline__ void row_max_sum(const float *xr, size_t n, float *m, float *s) {
+  float mx = -INFINITY;
+  for (size_t i = threadIdx.x; i < n; i += blockDim.x) mx = fmaxf(mx, xr[i]);
+  mx = block_max(mx);
+  float acc = 0.0f;
+  for (size_t i = threadIdx.x; i < n; i += blockDim.x) acc += expf(xr[i] - mx);
+  *m = mx;
+  *s = block_sum(acc);
+}
+
+// out[r] = x[r, t_r] - logsumexp(x[r]).
+extern "C" __global__ void rltune_logprobs_of_f32(float *__restrict__ out, const float *__restrict__ x,
+                                                  const unsigned *__restrict__ targets, size_t rows, size_t n) {
+  const size_t r = blockIdx.x;
+  if (r >= rows) return;
+  const float *xr = x + r * n;
+  float m, s;
+  row_max_sum(xr, n, &m, &s);
+  if (threadIdx.x == 0) out[r] = xr[targets[r]] - (m + logf(s));
+}
+
+// dx[r] = g[r] (onehot(t_r) - softmax(x[r])).
+extern "C" __global__ void rltune_logprobs_of_bwd_f32(float *__restrict__ dx, const float *__restrict__ x,
+                                                      const unsigned *__restrict__ targets,
+                                                      const float *__restrict__ g, size_t rows, size_t n) {
+  const size_t r = blockIdx.x;
+  if (r >= rows) return;
+  const float *xr = x + r * n;
+  float *d = dx + r * n;
+  float m, s;
+  row_max_sum(xr, n, &m, &s);
+  const float lse = m + logf(s), gr = g[r];
+  const size_t t = targets[r];
+  for (size_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const float v = -gr * expf(xr[i] - lse);
+    d[i] = i == t ? v + gr : v;
+  }
+}
+
+// out[r] = log s - sum e^(x - m)(x - m) / s; terms with e^(x - m) = 0 add nothing (no 0 * inf).
+extern "C" __global__ void rltune_entropy_f32(float *__restrict__ out, const float *__restrict__ x, size_t rows,
+                                              size_t n) {
+  const size_t r = blockIdx.x;
+  if (r >= rows) return;
+  const float *xr = x + r * n;
+  float mx = -INFINITY;
+  for (size_t i = threadIdx.x; i < n; i += blockDim.x) mx = fmaxf(mx, xr[i]);
+  mx = block_max(mx);
+  float s = 0.0f, sx = 0.0f;
+  for (size_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const float dv = xr[i] - mx, e = expf(dv);
+    s += e;
+    if (e > 0.0f) sx += e * dv;
+  }
+  s = block_sum(s);
+  sx = block_sum(sx);
+  if (threadIdx.x == 0) out[r] = logf(s) - sx / s;
+}
+
+// y = softmax(x) per row.
+extern "C" __global__ void rltune_softmax_f32(float *__restrict__ y, const float *__restrict__ x, size_t rows,
+                                              size_t n) {
+  const size_t r = blockIdx.x;
+  if (r >= rows) return;
+  const float *xr = x + r * n;
+  float *yr = y + r * n;
+  float m, s;
+  row_max_sum(xr, n, &m, &s);
+  const float inv = 1.0f / s;
+  for (size_t i = threadIdx.x; i < n; i += blockDim.x) yr[i] = expf(xr[i] - m) * inv;
+}
+
+// dx = scale y (g - sum g y) per row.
+extern "C" __global__ void rltune_softmax_bwd_f32(float *__restrict__ dx, const float *__restrict__ y,
+                                                  const float *__restrict__ g, size_t rows, size_t n, float scale) {
+  const size_t r = blockIdx.x;
+  if (r >= rows) return;
+  const float *yr = y + r * n, *gr = g + r * n;
+  float *d = dx + r * n;
+  float dot = 0.0f;
+  for (size_t i = threadIdx.x; i < n; i += blockDim.x) dot += gr[i] * yr[i];
+  dot = block_sum(dot);
+  for (size_t i = threadIdx.x; i < n; i += blockDim.x) d[i] = scale * yr[i] * (gr[i] - dot);
+}
+
+// y = x - logsumexp(x) per row.
+extern "C" __global__ void rltune_log_softmax_f32(float *__restrict__ y, const float *__restrict__ x, size_t rows,
+                                                  size_t n) {
+  const size_t r = blockIdx.x;
+  if (r >= rows) return;
+  const float *xr = x + r * n;
+  float *yr = y + r * n;
+  float m, s;
+  row_max_sum(xr, n, &m, &s);
+  const float lse = m + logf(s);
+  for (size_t i = threadIdx.x; i < n; i += blockDim.x) yr[i] = xr[i] - lse;
+}
+
+// dx = g - e^y sum g per row.
+extern "C" __global__ void rltune_log_softmax_bwd_f32(float *__restrict__ dx, const float *__restrict__ y,
+                                                      const float *__restrict__ g, size_t rows, size_t n) {
+  const size_t r = blockIdx.x;
+  if (r >= rows) return;
+  const float *yr = y + r * n, *gr = g + r * n;
+  float *d = dx + r * n;
+  float sum = 0.0f;
+  for (size_t i = threadIdx.x; i < n; i += blockDim.x) sum += gr[i];
+  sum = block_sum(sum);
+  for (size_t i = threadIdx.x; i < n; i += blockDim.x) d[i] = gr[i] - expf(yr[i]) * sum;
+}
