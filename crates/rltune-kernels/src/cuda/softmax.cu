@@ -22,7 +22,8 @@ extern "C" __global__ void rltune_logprobs_of_f32(float *__restrict__ out, const
   const float *xr = x + r * n;
   float m, s;
   row_max_sum(xr, n, &m, &s);
-  if (threadIdx.x == 0) out[r] = xr[targets[r]] - (m + logf(s));
+  const unsigned t = targets[r];
+  if (threadIdx.x == 0) out[r] = t < n ? xr[t] - (m + logf(s)) : NAN; // NaN, not a read past the row
 }
 
 // dx[r] = g[r] (onehot(t_r) - softmax(x[r])).
