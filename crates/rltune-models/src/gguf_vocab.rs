@@ -211,7 +211,8 @@ pub fn tokenizer_metadata(
         ));
     }
     meta.push(("tokenizer.ggml.token_type".into(), Value::Array(types)));
-    if !merges.is_empty() {
+    // llama.cpp's BPE vocabulary requires the key even when there are no merges.
+    if !spm || !merges.is_empty() {
         meta.push((
             "tokenizer.ggml.merges".into(),
             Value::Array(merges.into_iter().map(Value::String).collect()),

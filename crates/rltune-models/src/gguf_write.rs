@@ -140,8 +140,9 @@ fn put_value(w: &mut Vec<u8>, v: &Value) {
         Value::I64(x) => w.extend(x.to_le_bytes()),
         Value::F64(x) => w.extend(x.to_le_bytes()),
         Value::Array(items) => {
-            // An empty array is written as UINT8, as gguf-py does when it cannot infer a type.
-            w.extend(items.first().map_or(0, value_type).to_le_bytes());
+            // An empty array is written as an array of strings: the only empty one rltune
+            // writes is a tokenizer's list of merges, which llama.cpp reads as strings.
+            w.extend(items.first().map_or(8, value_type).to_le_bytes());
             w.extend((items.len() as u64).to_le_bytes());
             items.iter().for_each(|x| put_value(w, x));
         }
