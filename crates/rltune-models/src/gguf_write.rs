@@ -174,7 +174,7 @@ pub fn header(path: &Path, metadata: &[(String, Value)], tensors: &[TensorOut]) 
     let mut offset = 0usize;
     for t in tensors {
         let dims = t.ggml_dims();
-        if t.ty == GgmlType::Q8_0 && !dims.first().is_some_and(|d| d % Q8_0_BLOCK == 0) {
+        if t.ty == GgmlType::Q8_0 && dims.first().is_none_or(|d| d % Q8_0_BLOCK != 0) {
             return Err(Error::weights(
                 path,
                 format!("tensor {:?}: rows of {dims:?}[0] values are not whole Q8_0 blocks of 32", t.name),

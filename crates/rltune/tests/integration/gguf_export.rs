@@ -438,7 +438,7 @@ fn smollm2_round_trips_through_convert_and_export() {
 #[test]
 fn llama_cpp_python_gives_rltunes_logits() {
     let Some(py) = std::env::var_os("RLTUNE_LLAMA_CPP_PYTHON") else {
-        let why = "RLTUNE_LLAMA_CPP_PYTHON is not set (a Python with llama-cpp-python: python3 -m venv \
+        let why = "RLTUNE_LLAMA_CPP_PYTHON is not set (the absolute path of a Python with llama-cpp-python: python3 -m venv \
                    .venv-llamacpp && .venv-llamacpp/bin/pip install llama-cpp-python)";
         return skip(why, "RLTUNE_REQUIRE_LLAMA_CPP");
     };
