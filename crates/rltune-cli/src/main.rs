@@ -6,6 +6,7 @@
 mod bench;
 mod convert;
 mod dpo;
+mod export;
 mod generate;
 mod grpo_step;
 mod launch;
@@ -66,6 +67,9 @@ enum Command {
     Convert(convert::Args),
     /// Merge a LoRA adapter into its base model and write a Hugging Face directory.
     Merge(merge::Args),
+    /// Write a model (llama, qwen2), optionally with a LoRA adapter merged, as a GGUF file
+    /// for llama.cpp: f32, f16 or q8_0.
+    Export(export::Args),
     /// Benchmarks (see bench/README.md).
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -129,6 +133,7 @@ impl Command {
             Command::Selftest(_) => "selftest",
             Command::Convert(_) => "convert",
             Command::Merge(_) => "merge",
+            Command::Export(_) => "export",
             Command::Bench(_) => "bench",
         }
     }
@@ -145,6 +150,7 @@ fn run(command: Command) -> anyhow::Result<()> {
         Command::Play(args) => play::run(args),
         Command::Convert(args) => convert::run(args),
         Command::Merge(args) => merge::run(args),
+        Command::Export(args) => export::run(args),
         Command::Ppo(args) => ppo::run(args),
         Command::PpoStep(args) => ppo_step::run(args),
         Command::GrpoStep(args) => grpo_step::run_grpo(args),

@@ -332,3 +332,81 @@ fn bench_composed_runs_the_gpu_path_and_reports_memory_by_phase() {
         assert!(err.contains(&format!("MiB resident {phase}")), "{phase}: {err}");
     }
 }
+
+/// A GPT-2-style byte-level tokenizer.json of `v` tokens ("<eos>", special, last).
+fn byte_level_tokenizer(v: usize) -> serde_json::Value {
+    let vocab: serde_json::Map<String, serde_json::Value> = (0..v - 1)
+        .map(|i| (format!("t{i}"), i.into()))
+        .chain([("<eos>".to_string(), (v - 1).into())])
+        .collect();
+    let bl = serde_json::json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true});
+    serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "normalizer": null,
+        "added_tokens": [{"id": v - 1, "content": "<eos>", "single_word": false, "lstrip": false,
+                          "rstrip": false, "normalized": false, "special": true}],
+        "pre_tokenizer": bl, "post_processor": bl, "decoder": bl,
+        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                  "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
+                  "ignore_merges": false, "vocab": vocab, "merges": []},
+    })
+}
+
+/// `rltune export` with an adapter writes a GGUF that `convert` and `generate` read; bad input
+/// (type, output name, architecture, missing tokenizer) is refused naming the flag or file.
+#[test]
+fn export_writes_a_gguf_that_loads_and_refuses_bad_input() {
+    use common::rltune;
+    let tmp = tempfile::tempdir().unwrap();
+    let base = tmp.path().join("base");
+    std::fs::create_dir_all(&base).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixture("lora/llama/base").join(f), base.join(f)).unwrap();
+    }
+    std::fs::write(base.join("tokenizer.json"), byte_level_tokenizer(64).to_string()).unwrap();
+    let (b, out) = (base.to_str().unwrap(), tmp.path().join("m.gguf"));
+    let adapter = fixture("lora/llama/rltune_adapter");
+    let o = rltune(&[
+        "export",
+        "--model",
+        b,
+        "--adapter",
+        adapter.to_str().unwrap(),
+        "--output",
+        out.to_str().unwrap(),
+        "--type",
+        "q8_0",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let said = stdout(&o);
+    assert!(
+        said.contains("llama GGUF v3") && said.contains("Q8_0") && said.contains("LoRA layers merged"),
+        "{said}"
+    );
+    let hf = tmp.path().join("hf");
+    let o = rltune(&["convert", out.to_str().unwrap(), "--output", hf.to_str().unwrap()]);
+    assert!(o.status.success() && hf.join("model.safetensors").exists(), "{}", stderr(&o));
+    let samples = json_lines(&generate(
+        out.to_str().unwrap(),
+        &["--prompt-ids", "1,2,3", "--max-new-tokens", "3", "--json"],
+    ));
+    check_sample(&samples[0], 64);
+
+    let fails = |args: &[&str], parts: &[&str]| {
+        let o = rltune(args);
+        let err = stderr(&o);
+        assert!(!o.status.success(), "{args:?} succeeded");
+        for p in parts {
+            assert!(err.contains(p), "{p:?} not in:\n{err}");
+        }
+    };
+    let o = out.to_str().unwrap();
+    fails(&["export", "--model", b, "--output", o, "--type", "q4_0"], &["--type", "\"q4_0\"", "f32", "q8_0"]);
+    fails(&["export", "--model", b, "--output", "model.bin"], &["model.bin", ".gguf"]);
+    let gpt2 = fixture("models/gpt2");
+    fails(
+        &["export", "--model", gpt2.to_str().unwrap(), "--output", o],
+        &["config.json", "\"gpt2\"", "llama"],
+    );
+    std::fs::remove_file(base.join("tokenizer.json")).unwrap();
+    fails(&["export", "--model", b, "--output", o], &["base", "no tokenizer.json", "copy"]);
+}

@@ -9,6 +9,7 @@ mod errors;
 mod faults;
 mod generation;
 mod gguf;
+mod gguf_export;
 mod gpt2;
 mod group_loop;
 mod grpo_parity;
