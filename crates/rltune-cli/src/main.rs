@@ -17,6 +17,7 @@ mod ppo_step;
 mod quickstart;
 mod runtime;
 mod selftest;
+mod serve;
 mod train;
 
 use clap::{Parser, Subcommand};
@@ -40,6 +41,9 @@ enum Command {
     Quickstart(quickstart::Args),
     /// Sample continuations of a prompt, with each token's logprob.
     Generate(generate::Args),
+    /// Serve the model over an OpenAI-compatible HTTP API (completions, chat, models), batching
+    /// concurrent requests; token ids and logprobs in every answer.
+    Serve(serve::Args),
     /// Train with PPO: rollout, reward, update, in a loop (see configs/).
     Ppo(ppo::Args),
     /// One PPO update from a rollouts file (query, response, score per line).
@@ -122,6 +126,7 @@ impl Command {
         match self {
             Command::Quickstart(_) => "quickstart",
             Command::Generate(_) => "generate",
+            Command::Serve(_) => "serve",
             Command::Ppo(_) => "ppo",
             Command::PpoStep(_) => "ppo-step",
             Command::GrpoStep(_) => "grpo-step",
@@ -147,6 +152,7 @@ fn run(command: Command) -> anyhow::Result<()> {
         Command::Dpo(args) => dpo::run(args),
         Command::Reward(args) => train::run_reward(args),
         Command::Generate(args) => generate::run(args),
+        Command::Serve(args) => serve::run(args),
         Command::Play(args) => play::run(args),
         Command::Convert(args) => convert::run(args),
         Command::Merge(args) => merge::run(args),

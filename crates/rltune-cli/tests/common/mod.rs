@@ -1,6 +1,8 @@
 //! Helpers shared by the CLI's test binaries (each uses some of them).
 #![allow(dead_code)]
 
+pub mod http;
+
 use std::path::PathBuf;
 use std::process::{Command, Output};
 

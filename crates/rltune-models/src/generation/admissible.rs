@@ -28,7 +28,7 @@ use candle_core::{DType, Device};
 use rand::{Rng, SeedableRng};
 
 use super::carried::Carried;
-use super::{row_seed, sampler, GenerationConfig};
+use super::{sampler, GenerationConfig};
 use crate::error::{Error, Result};
 use crate::{CausalLm, ValueHead};
 
@@ -266,10 +266,10 @@ pub fn generate_admissible_carried(
         )));
     }
     let pad = lm.config().pad_token_id().unwrap_or(0);
-    // Row i draws from stream `row_offset + carried.stream(i)`: its index in the batch as made.
-    let mut rngs: Vec<rand::rngs::StdRng> = (0..b)
-        .map(|i| rand::rngs::StdRng::seed_from_u64(row_seed(cfg.seed, cfg.row_offset + carried.stream(i))))
-        .collect();
+    // Row i draws from stream `row_offset + carried.stream(i)` (its index in the batch as made),
+    // or from `row_seeds[carried.stream(i)]` when given.
+    let mut rngs: Vec<rand::rngs::StdRng> =
+        (0..b).map(|i| rand::rngs::StdRng::seed_from_u64(cfg.stream_seed(carried.stream(i)))).collect();
     let Some(mut hidden) = carried.prefill(lm, chunks, pad, device)? else {
         return Ok(vec![None; b]);
     };

@@ -75,6 +75,13 @@ pub struct GenerationConfig {
     /// of a batch, draw exactly what one process sampling the whole batch draws.
     #[serde(skip)]
     pub row_offset: u64,
+    /// Each row's own stream seed, one per prompt (not a config field): when non-empty, row `i`
+    /// draws from the stream seeded by `row_seeds[i]` instead of `row_seed(seed, row_offset + i)`,
+    /// so rows with unrelated seeds (the requests a server batches together) share a batch and
+    /// each still draws what it would draw alone. Pure sampling on a GPU draws on the device
+    /// from `seed` and ignores it; [`generate_with`] on [`SamplingPath::Host`] honours it.
+    #[serde(skip)]
+    pub row_seeds: Vec<u64>,
 }
 
 impl Default for GenerationConfig {
@@ -90,6 +97,7 @@ impl Default for GenerationConfig {
             pad_token_id: None,
             stop_at_eos: true,
             row_offset: 0,
+            row_seeds: Vec::new(),
         }
     }
 }
@@ -112,6 +120,15 @@ impl GenerationConfig {
     /// Whether any option that biases PPO's KL estimate is on.
     pub fn biases_kl(&self) -> bool {
         self.top_k > 0 || self.top_p < 1.0 || self.min_new_tokens > 0
+    }
+
+    /// The seed of row `i`'s random stream: `row_seeds[i]` when given, else
+    /// [`row_seed`]`(seed, row_offset + i)`.
+    pub fn stream_seed(&self, i: u64) -> u64 {
+        match usize::try_from(i).ok().and_then(|i| self.row_seeds.get(i)) {
+            Some(&s) => s,
+            None => row_seed(self.seed, self.row_offset + i),
+        }
     }
 
     fn sampler(&self) -> SamplerConfig {
@@ -209,9 +226,14 @@ pub fn generate_with(
             )));
         }
     }
-    let mut rngs: Vec<rand::rngs::StdRng> = (0..b as u64)
-        .map(|i| rand::rngs::StdRng::seed_from_u64(row_seed(cfg.seed, cfg.row_offset + i)))
-        .collect();
+    if !cfg.row_seeds.is_empty() && cfg.row_seeds.len() != b {
+        return Err(Error::Input(format!(
+            "generation: {} row_seeds given for {b} prompts; give one per prompt, or none",
+            cfg.row_seeds.len()
+        )));
+    }
+    let mut rngs: Vec<rand::rngs::StdRng> =
+        (0..b as u64).map(|i| rand::rngs::StdRng::seed_from_u64(cfg.stream_seed(i))).collect();
     let mut noise = if on_device { Some(sampler::DeviceNoise::new(device, cfg.seed)?) } else { None };
     let mut cache = lm.new_cache();
     let mut samples: Vec<Sample> = prompts

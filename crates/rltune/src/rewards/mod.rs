@@ -9,6 +9,10 @@
 //!   probability (TRL's sentiment example).
 //! - [`CommandReward`]: any external program speaking JSON lines on stdin/stdout, spawned once;
 //!   a script where people rate samples by hand is one (`examples/rewards/rate_by_hand.py`).
+//! - [`HttpReward`]: an HTTP service scoring batches (`POST {"samples": [...]}` → `{"scores": [...]}`),
+//!   with timeouts and retries ([`http`]).
+//! - [`LlmJudgeReward`]: an LLM judge behind an OpenAI-compatible API (`rltune serve`, vLLM), its
+//!   answer's score read with a regular expression ([`judge`]).
 //! - [`FnReward`]: a Rust closure, e.g. a task metric such as [`token_f1`] against a gold answer
 //!   in the prompt row's metadata ([`token_f1_reward`]).
 //! - [`exact_match_reward`]: a verifiable reward, 1 when the completion's answer equals the gold
@@ -39,12 +43,18 @@ pub mod classifier;
 pub mod command;
 pub mod exact_match;
 pub mod function;
+pub mod http;
+pub mod judge;
 pub use rltune_envs::metrics;
+#[cfg(test)]
+mod test_server;
 
 pub use classifier::{ClassifierOutput, ClassifierReward, ClassifierRewardConfig, ScoredText};
 pub use command::CommandReward;
 pub use exact_match::{exact_match_reward, extract_answer, Extract};
 pub use function::{normalize_answer, token_f1, token_f1_reward, FnReward};
+pub use http::{HttpReward, RetryPolicy};
+pub use judge::{JudgeConfig, LlmJudgeReward};
 
 use crate::error::{Error, Result};
 

@@ -503,7 +503,7 @@ impl RunConfig {
             ));
         }
         if self.reward.sources.is_empty() {
-            return Err("[reward] has no sources; add a [[reward.sources]] table (kind = \"classifier\" or \"command\")"
+            return Err("[reward] has no sources; add a [[reward.sources]] table (kind = \"classifier\", \"command\", \"http\", \"llm_judge\" or \"exact_match\")"
                 .into());
         }
         Ok(())

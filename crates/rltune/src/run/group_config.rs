@@ -202,7 +202,7 @@ impl RunConfig {
         }
         if self.reward.sources.is_empty() && self.env.is_none() {
             return Err("[reward] has no sources; add a [[reward.sources]] table (kind = \
-                        \"exact_match\", \"classifier\" or \"command\")"
+                        \"exact_match\", \"classifier\", \"command\", \"http\" or \"llm_judge\")"
                 .into());
         }
         let gen = &self.generation;

@@ -100,6 +100,9 @@ pub fn build_reward_sum(
                     Box::new(CommandReward::spawn(command.clone())?.with_timeout(Some(timeout))),
                 ));
             }
+            RewardSourceConfig::Http { .. } | RewardSourceConfig::LlmJudge { .. } => {
+                parts.push((s.weight(), super::reward_config::build_http(s)?));
+            }
             RewardSourceConfig::ExactMatch { column, extract, weight, .. } => {
                 let name = s.metric_name();
                 parts.push((*weight, Box::new(exact_match_reward(&name, column, *extract))));

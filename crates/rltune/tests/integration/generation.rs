@@ -112,3 +112,26 @@ fn a_row_samples_the_same_tokens_in_any_batch() {
             .unwrap();
     assert_ne!(moved[0].response_ids, all[0].response_ids);
 }
+
+/// `row_seeds` gives each row its own stream (a server batching unrelated requests): a row draws
+/// what it draws alone with its seed, and the default seeds are `row_seed(seed, row)`.
+#[test]
+fn row_seeds_give_each_row_its_own_stream() {
+    use rltune::generation::row_seed;
+    let (_, model) = tiny_gpt2(8, false, DType::F32);
+    let cfg = GenerationConfig { max_new_tokens: 10, seed: 5, ..Default::default() };
+    let prompts = vec![vec![1u32, 2], vec![3, 4], vec![1, 2]];
+    let seeded = |seeds: Vec<u64>, p: &[Vec<u32>]| {
+        let cfg = GenerationConfig { row_seeds: seeds, ..cfg.clone() };
+        generate_with(&model.lm, None, p, &cfg, &Device::Cpu, SamplingPath::Host).unwrap()
+    };
+    let batch = seeded(vec![11, 22, 11], &prompts);
+    assert_eq!(batch[0], seeded(vec![11], &prompts[..1])[0]);
+    assert_eq!(batch[1], seeded(vec![22], &prompts[1..2])[0]);
+    assert_eq!(batch[2], batch[0], "the same prompt and seed draw the same tokens");
+    let defaults = (0..3).map(|i| row_seed(5, i)).collect();
+    assert_eq!(seeded(defaults, &prompts), generate(&model.lm, None, &prompts, &cfg, &Device::Cpu).unwrap());
+    let cfg = GenerationConfig { row_seeds: vec![1], ..cfg };
+    let err = generate(&model.lm, None, &prompts, &cfg, &Device::Cpu).unwrap_err().to_string();
+    assert!(err.contains("1 row_seeds given for 3 prompts"), "{err}");
+}
