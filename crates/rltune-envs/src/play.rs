@@ -207,10 +207,38 @@ pub fn extract_action(text: &str) -> String {
     text[..end].trim().to_string()
 }
 
+/// One environment awaiting its action: the episode it plays, its state and its turns so far
+/// (oldest first).
+#[derive(Debug, Clone, Copy)]
+pub struct Pending<'a> {
+    /// The episode's index among the episodes played: with the turn, what keys an agent's
+    /// random stream ([`episode_stream`]), so that an action depends on neither the
+    /// environment slot nor the batch the episode lands in.
+    pub episode: usize,
+    /// The state to act on.
+    pub state: &'a EnvStep,
+    /// The turns played so far.
+    pub turns: &'a [Turn],
+}
+
+/// The seed of the random stream an agent draws turn `turn` of episode `episode` from: a hash of
+/// the run's `seed`, the episode and the turn. Keyed by the episode, not by the environment
+/// that plays it, so an evaluation reads the same with any number of environments.
+pub fn episode_stream(seed: u64, episode: usize, turn: usize) -> u64 {
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    for v in [seed, episode as u64, turn as u64] {
+        x = (x ^ v).wrapping_add(0x9e37_79b9_7f4a_7c15);
+        x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        x ^= x >> 31;
+    }
+    x
+}
+
 /// An agent that picks one action per environment from their current states.
 pub trait Agent {
-    /// One action per state, for the environments listed (their memories, oldest turn first).
-    fn act(&mut self, states: &[(&EnvStep, &[Turn])]) -> Result<Vec<String>>;
+    /// One action per pending environment, in their order.
+    fn act(&mut self, states: &[Pending]) -> Result<Vec<String>>;
 
     /// The logprob of each action the last [`act`](Self::act) returned, in its order, when the
     /// agent knows them (a model does; the default says nothing).
@@ -219,25 +247,28 @@ pub trait Agent {
     }
 }
 
-/// The baseline: a uniformly random admissible command (or "look" when there is none).
+/// The baseline: a uniformly random admissible command (or "look" when there is none), each
+/// turn of each episode drawn from its own stream ([`episode_stream`]).
 #[derive(Debug)]
 pub struct RandomAgent {
-    rng: rand::rngs::StdRng,
+    seed: u64,
 }
 
 impl RandomAgent {
-    /// A random agent with its own seeded stream.
+    /// A random agent whose streams are keyed by `seed`.
     pub fn new(seed: u64) -> Self {
-        Self { rng: rand::rngs::StdRng::seed_from_u64(seed) }
+        Self { seed }
     }
 }
 
 impl Agent for RandomAgent {
-    fn act(&mut self, states: &[(&EnvStep, &[Turn])]) -> Result<Vec<String>> {
+    fn act(&mut self, states: &[Pending]) -> Result<Vec<String>> {
         Ok(states
             .iter()
-            .map(|(s, _)| {
-                s.admissible_commands.choose(&mut self.rng).cloned().unwrap_or_else(|| "look".into())
+            .map(|p| {
+                let mut rng =
+                    rand::rngs::StdRng::seed_from_u64(episode_stream(self.seed, p.episode, p.turns.len()));
+                p.state.admissible_commands.choose(&mut rng).cloned().unwrap_or_else(|| "look".into())
             })
             .collect())
     }
@@ -444,9 +475,15 @@ pub fn play(
     while slots.iter().any(Option::is_some) {
         let active: Vec<usize> = (0..b).filter(|&e| slots[e].is_some()).collect();
         let actions = {
-            let states: Vec<(&EnvStep, &[Turn])> = active
+            let states: Vec<Pending> = active
                 .iter()
-                .filter_map(|&e| slots[e].as_ref().map(|(ep, s)| (s, ep.turns.as_slice())))
+                .filter_map(|&e| {
+                    slots[e].as_ref().map(|(ep, s)| Pending {
+                        episode: ep.episode,
+                        state: s,
+                        turns: &ep.turns,
+                    })
+                })
                 .collect();
             agent.act(&states)?
         };
@@ -540,8 +577,8 @@ mod tests {
     fn play_runs_episodes_over_a_batch_and_reports() {
         struct Es;
         impl Agent for Es {
-            fn act(&mut self, states: &[(&EnvStep, &[Turn])]) -> Result<Vec<String>> {
-                Ok(states.iter().map(|(_, m)| "e".repeat(m.len() + 1)).collect())
+            fn act(&mut self, states: &[Pending]) -> Result<Vec<String>> {
+                Ok(states.iter().map(|p| "e".repeat(p.turns.len() + 1)).collect())
             }
         }
         let mut env = Letters::new(3, 2);

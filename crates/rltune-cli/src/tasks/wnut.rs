@@ -30,8 +30,8 @@ use rltune::agent::model_agent::ModelAgent;
 use rltune::envs::adventure::{heldout_seed, train_seed};
 use rltune::envs::demos::Demonstration;
 use rltune::envs::ner::{Ner, NerConfig, NerData};
-use rltune::envs::play::{action_text, play, Agent, Episode, PromptTemplate, Turn};
-use rltune::envs::{EnvStep, Reset, TextEnv};
+use rltune::envs::play::{action_text, play, Agent, Episode, Pending, PromptTemplate};
+use rltune::envs::{Reset, TextEnv};
 use rltune::error::{Error, Result};
 use rltune::generation::GenerationConfig;
 use rltune::models::load::load_policy;
@@ -266,10 +266,10 @@ impl LexiconAgent {
 }
 
 impl Agent for LexiconAgent {
-    fn act(&mut self, states: &[(&EnvStep, &[Turn])]) -> rltune::envs::Result<Vec<String>> {
+    fn act(&mut self, states: &[Pending]) -> rltune::envs::Result<Vec<String>> {
         Ok(states
             .iter()
-            .map(|(s, memory)| {
+            .map(|&Pending { state: s, turns: memory, .. }| {
                 let token = s.observation.lines().find_map(|l| l.strip_prefix("Token: ")).unwrap_or("");
                 let tag = self.best.get(token).cloned().unwrap_or_else(|| "O".into());
                 match tag.strip_prefix("I-") {
@@ -413,6 +413,8 @@ pub fn run_wnut_quickstart(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rltune::envs::play::Turn;
+    use rltune::envs::EnvStep;
 
     #[test]
     fn the_lexicon_agent_tags_known_tokens_and_fixes_orphan_i_tags() {
@@ -433,7 +435,8 @@ mod tests {
         let turn = |a: &str| Turn { action: a.into(), ..Turn::default() };
         let after_b = [turn("B-facility")];
         let (s1, s2, s3) = (obs("Empire"), obs("State"), obs("unseen"));
-        let got = agent.act(&[(&s1, &[]), (&s2, &after_b), (&s2, &[]), (&s3, &[])]).unwrap();
+        let p = |state, turns| Pending { episode: 0, state, turns };
+        let got = agent.act(&[p(&s1, &[]), p(&s2, &after_b), p(&s2, &[]), p(&s3, &[])]).unwrap();
         assert_eq!(got, vec!["B-facility", "I-facility", "B-facility", "O"]);
     }
 

@@ -9,8 +9,7 @@
 
 use super::{Label, CLASSES, NONE};
 use crate::error::Result;
-use crate::play::{Agent, Turn};
-use crate::EnvStep;
+use crate::play::{Agent, Pending};
 
 /// Cue phrases (lower case, at the start of a segment) and their classes.
 pub const CUES: [(&str, usize); 16] = [
@@ -63,10 +62,10 @@ pub fn heuristic_labels<S: AsRef<str>>(segments: &[S]) -> Vec<Label> {
 pub struct HeuristicAgent;
 
 impl Agent for HeuristicAgent {
-    fn act(&mut self, states: &[(&EnvStep, &[Turn])]) -> Result<Vec<String>> {
+    fn act(&mut self, states: &[Pending]) -> Result<Vec<String>> {
         Ok(states
             .iter()
-            .map(|(s, memory)| {
+            .map(|&Pending { state: s, turns: memory, .. }| {
                 let segment = s.observation.lines().find_map(|l| l.strip_prefix("Segment: ")).unwrap_or("");
                 let previous = memory.last().and_then(|t| Label::parse(&t.action));
                 heuristic_label(segment, memory.len(), previous).command()

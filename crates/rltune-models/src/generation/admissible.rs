@@ -265,6 +265,16 @@ pub fn generate_admissible_carried(
             "row {i}: an empty prompt: every turn's prompt needs at least one token"
         )));
     }
+    if let Some(i) =
+        (0..b).find(|&i| !cfg.row_seeds.is_empty() && carried.stream(i) >= cfg.row_seeds.len() as u64)
+    {
+        return Err(Error::Input(format!(
+            "generation: {} row_seeds given, but row {i} draws from stream {}; give one per row of the \
+             batch as made, or none",
+            cfg.row_seeds.len(),
+            carried.stream(i)
+        )));
+    }
     let pad = lm.config().pad_token_id().unwrap_or(0);
     // Row i draws from stream `row_offset + carried.stream(i)` (its index in the batch as made),
     // or from `row_seeds[carried.stream(i)]` when given.

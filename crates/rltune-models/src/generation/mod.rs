@@ -78,8 +78,8 @@ pub struct GenerationConfig {
     /// Each row's own stream seed, one per prompt (not a config field): when non-empty, row `i`
     /// draws from the stream seeded by `row_seeds[i]` instead of `row_seed(seed, row_offset + i)`,
     /// so rows with unrelated seeds (the requests a server batches together) share a batch and
-    /// each still draws what it would draw alone. Pure sampling on a GPU draws on the device
-    /// from `seed` and ignores it; [`generate_with`] on [`SamplingPath::Host`] honours it.
+    /// each still draws what it would draw alone. [`generate`] then samples on the host on every
+    /// device ([`SamplingPath::Auto`]); only an explicit [`SamplingPath::Device`] ignores it.
     #[serde(skip)]
     pub row_seeds: Vec<u64>,
 }
@@ -168,7 +168,8 @@ pub enum SamplingPath {
 ///
 /// With `v_head`, each sample also carries the values. Prompt ids at or above the model's
 /// vocabulary size are rejected with an error naming the prompt. Sampling takes
-/// [`SamplingPath::Auto`]: exact on the host on a CPU, on the device on a GPU.
+/// [`SamplingPath::Auto`]: exact on the host on a CPU, on the device on a GPU unless the rows
+/// have their own seeds (`row_seeds`).
 pub fn generate(
     lm: &CausalLm,
     v_head: Option<&ValueHead>,
@@ -192,7 +193,8 @@ pub fn generate_with(
     cfg.validate()?;
     let pure = cfg.top_k == 0 && cfg.top_p >= 1.0;
     let on_device = match path {
-        SamplingPath::Auto => pure && !device.is_cpu(),
+        // Rows with their own seeds are drawn on the host, where each row has its stream.
+        SamplingPath::Auto => pure && !device.is_cpu() && cfg.row_seeds.is_empty(),
         SamplingPath::Host => false,
         SamplingPath::Device if pure => true,
         SamplingPath::Device => {

@@ -7,8 +7,7 @@
 use candle_core::Device;
 
 use super::turns::{command_trie, prompt_budget};
-use crate::envs::play::{extract_action, ActionMode, Agent, Memory, PromptTemplate, Turn};
-use crate::envs::EnvStep;
+use crate::envs::play::{episode_stream, extract_action, ActionMode, Agent, Memory, Pending, PromptTemplate};
 use crate::error::{Error, Result};
 use crate::generation::admissible::{generate_admissible, ActionTrie};
 use crate::generation::{generate, GenerationConfig};
@@ -51,14 +50,13 @@ pub struct ModelAgent<'a> {
     device: Device,
     /// The longest prompt: the context less the tokens sampled.
     max_prompt_tokens: usize,
-    /// Calls so far (each gets its own sampling seed).
-    calls: u64,
     /// The logprob of each action of the last call (the sum over its sampled tokens).
     last_logprobs: Vec<f64>,
 }
 
 impl<'a> ModelAgent<'a> {
-    /// An agent sampling with `generation` (its `seed` starts the per-call seeds).
+    /// An agent sampling with `generation`: turn `t` of episode `i` draws from the stream
+    /// [`episode_stream`]`(seed, i, t)`, whatever batch it is sampled in.
     pub fn new(
         lm: &'a CausalLm,
         tokenizer: &'a Tokenizer,
@@ -75,14 +73,13 @@ impl<'a> ModelAgent<'a> {
             generation,
             device: device.clone(),
             max_prompt_tokens,
-            calls: 0,
             last_logprobs: Vec::new(),
         })
     }
 }
 
 impl Agent for ModelAgent<'_> {
-    fn act(&mut self, states: &[(&EnvStep, &[Turn])]) -> crate::envs::Result<Vec<String>> {
+    fn act(&mut self, states: &[Pending]) -> crate::envs::Result<Vec<String>> {
         self.choose(states).map_err(|e| crate::envs::Error::Agent(Box::new(e)))
     }
 
@@ -93,28 +90,28 @@ impl Agent for ModelAgent<'_> {
 
 impl ModelAgent<'_> {
     /// One sampled action per state (what [`Agent::act`] returns).
-    fn choose(&mut self, states: &[(&EnvStep, &[Turn])]) -> Result<Vec<String>> {
+    fn choose(&mut self, states: &[Pending]) -> Result<Vec<String>> {
         // Admissible commands: their tries, and the room the longest needs after its prompt.
         let mut budget = self.max_prompt_tokens;
         let mut tries = Vec::new();
         if self.template.actions == ActionMode::Admissible {
-            for (s, _) in states {
-                let (trie, longest) = self.trie(&s.admissible_commands)?;
+            for p in states {
+                let (trie, longest) = self.trie(&p.state.admissible_commands)?;
                 budget = budget.min(prompt_budget(self.lm, longest)?);
                 tries.push(trie);
             }
         }
         let prompts = states
             .iter()
-            .map(|(s, memory)| {
-                self.template.fit(s, memory, budget, |t| Ok::<_, Error>(self.tokenizer.encode(t)?))
+            .map(|p| {
+                self.template.fit(p.state, p.turns, budget, |t| Ok::<_, Error>(self.tokenizer.encode(t)?))
             })
             .collect::<Result<Vec<_>>>()?;
+        let seed = self.generation.seed;
         let cfg = GenerationConfig {
-            seed: self.generation.seed.wrapping_add(self.calls),
+            row_seeds: states.iter().map(|p| episode_stream(seed, p.episode, p.turns.len())).collect(),
             ..self.generation.clone()
         };
-        self.calls += 1;
         if self.template.actions == ActionMode::Admissible {
             let picked = generate_admissible(self.lm, None, &prompts, &tries, &cfg, &self.device)?;
             self.last_logprobs =
@@ -122,7 +119,7 @@ impl ModelAgent<'_> {
             return Ok(picked
                 .iter()
                 .zip(states)
-                .map(|(p, (s, _))| s.admissible_commands[p.action].clone())
+                .map(|(a, p)| p.state.admissible_commands[a.action].clone())
                 .collect());
         }
         let samples = generate(self.lm, None, &prompts, &cfg, &self.device)?;

@@ -69,7 +69,8 @@ pub fn collect_episodes<'a>(
                         .into(),
                 ));
             }
-            super::transcript::collect_transcripts(env, policy, tokenizer, cfg, resets, seed, device)?
+            let streams = super::transcript::Streams::Round(seed);
+            super::transcript::collect_transcripts(env, policy, tokenizer, cfg, resets, streams, device)?
         }
     };
     let (t1, n1) = crate::generation::prefill_counters();

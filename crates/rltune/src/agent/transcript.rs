@@ -12,7 +12,7 @@
 //! The environments of a round share one [`Carried`] batch: each turn prefills only each
 //! episode's new state (after its previous action's last token), then samples the commands; a
 //! finished episode's row leaves the batch with its cache, and each row keeps its environment's
-//! sampling stream.
+//! sampling stream (in an evaluation its episode's, [`Streams::Episodes`]).
 //!
 //! **A full context ends the episode.** When a state's tokens plus its longest command no
 //! longer fit the model's positions, the episode stops there, counted as truncated, and its
@@ -27,13 +27,25 @@ use candle_core::Device;
 use super::turns::{
     command_trie, drop_episode, start_round, Actor, Collected, RolloutConfig, RoundCounts, Transition,
 };
-use crate::envs::play::{Episode, Turn};
+use crate::envs::play::{episode_stream, Episode, Turn};
 use crate::envs::{EnvStep, Reset, TextEnv};
 use crate::error::{Error, Result};
 use crate::generation::admissible::{generate_admissible_carried, ActionSample, ActionTrie};
 use crate::generation::carried::Carried;
 use crate::generation::{generate, GenerationConfig};
 use crate::tokenizer::Tokenizer;
+
+/// How the rows of a round draw their samples.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Streams<'a> {
+    /// Training: turn `t` seeds `generation.seed + seed + t` and row `e` draws from that seed's
+    /// stream `e` (its environment).
+    Round(u64),
+    /// Evaluation: row `e` plays episode `episodes[e]`, and its turn `t` draws from
+    /// [`episode_stream`]`(generation.seed, episodes[e], t)`, whatever the number of
+    /// environments.
+    Episodes(&'a [usize]),
+}
 
 /// [`super::rollout::collect_episodes`] with transcript memory (see the module docs).
 pub(crate) fn collect_transcripts(
@@ -42,7 +54,7 @@ pub(crate) fn collect_transcripts(
     tokenizer: &Tokenizer,
     cfg: &RolloutConfig,
     resets: &[Reset],
-    seed: u64,
+    streams: Streams,
     device: &Device,
 ) -> Result<Collected> {
     let b = env.num_envs();
@@ -112,9 +124,18 @@ pub(crate) fn collect_transcripts(
         if full.is_empty() && (0..b).all(|e| live[e].is_none() && finals[e].is_none()) {
             break;
         }
-        let gen = GenerationConfig {
-            seed: cfg.generation.seed.wrapping_add(seed).wrapping_add(turn),
-            ..cfg.generation.clone()
+        let gen = match streams {
+            Streams::Round(seed) => GenerationConfig {
+                seed: cfg.generation.seed.wrapping_add(seed).wrapping_add(turn),
+                ..cfg.generation.clone()
+            },
+            Streams::Episodes(episodes) => GenerationConfig {
+                row_seeds: episodes
+                    .iter()
+                    .map(|&i| episode_stream(cfg.generation.seed, i, turn as usize))
+                    .collect(),
+                ..cfg.generation.clone()
+            },
         };
         turn += 1;
         let t = Instant::now();
@@ -145,7 +166,13 @@ pub(crate) fn collect_transcripts(
             vec![0.0; full.len()]
         } else {
             let prompts: Vec<Vec<u32>> = full.iter().map(|(_, p)| p.clone()).collect();
-            let one = GenerationConfig { max_new_tokens: 1, min_new_tokens: 0, top_k: 0, ..gen.clone() };
+            let one = GenerationConfig {
+                max_new_tokens: 1,
+                min_new_tokens: 0,
+                top_k: 0,
+                row_seeds: Vec::new(),
+                ..gen.clone()
+            };
             generate(policy.lm, policy.v_head, &prompts, &one, device)?
                 .iter()
                 .map(|s| s.values.as_ref().and_then(|v| v.first().copied()).unwrap_or(0.0))
@@ -239,7 +266,8 @@ pub(crate) fn collect_transcripts(
 
 /// Plays `episodes` episodes with `lm` and transcript memory, in rounds of the environments
 /// (episode `i` reset with `resets(i)`; a last round's extra environments play and are
-/// discarded), sampling with `generation` (round `r` adds `r · 2²⁰` to its seed).
+/// discarded), sampling with `generation`: each episode's turns from its own streams
+/// ([`Streams::Episodes`]), so the episodes do not depend on the number of environments.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn play_transcripts(
     env: &mut dyn TextEnv,
@@ -263,7 +291,9 @@ pub(crate) fn play_transcripts(
     for round in 0..episodes.div_ceil(b) {
         let first = round * b;
         let plan: Vec<Reset> = (0..b).map(|e| resets((first + e).min(episodes - 1))).collect();
-        let got = collect_transcripts(env, lm.into(), tokenizer, &cfg, &plan, (round as u64) << 20, device)?;
+        let episodes_of: Vec<usize> = (first..first + b).collect();
+        let streams = Streams::Episodes(&episodes_of);
+        let got = collect_transcripts(env, lm.into(), tokenizer, &cfg, &plan, streams, device)?;
         dropped += got.counts.dropped;
         for mut ep in got.episodes {
             if first + ep.episode < episodes {

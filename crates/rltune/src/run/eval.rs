@@ -24,7 +24,7 @@ use candle_core::Device;
 use super::config::RunConfig;
 use crate::data::prompts::PromptRow;
 use crate::error::{Error, Result};
-use crate::generation::{generate, GenerationConfig};
+use crate::generation::{generate, row_seed, GenerationConfig};
 use crate::grpo::math::weighted_rewards;
 use crate::models::CausalLm;
 use crate::rewards::WeightedSum;
@@ -152,7 +152,12 @@ impl Evaluator<'_> {
         let mut slot = 0;
         for chunk in (start..end).collect::<Vec<_>>().chunks(self.section.batch_size) {
             let queries: Vec<Vec<u32>> = chunk.iter().map(|&i| self.prompts[i].0.clone()).collect();
-            let cfg = GenerationConfig { row_offset: chunk[0] as u64, ..gen.clone() };
+            // Prompt i draws from its own stream on every device: the numbers depend on neither
+            // `batch_size` nor the number of processes.
+            let cfg = GenerationConfig {
+                row_seeds: chunk.iter().map(|&i| row_seed(gen.seed, i as u64)).collect(),
+                ..gen.clone()
+            };
             let samples = generate(lm, None, &queries, &cfg, self.device)?;
             let texts = super::prompts::decode(self.tokenizer, &samples)?;
             let metas: Vec<&serde_json::Value> = chunk.iter().map(|&i| &self.prompts[i].1.meta).collect();

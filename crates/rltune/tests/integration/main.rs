@@ -6,6 +6,7 @@ mod common;
 mod critic;
 mod dpo_parity;
 mod errors;
+mod eval_streams;
 mod faults;
 mod generation;
 mod gguf;

@@ -23,7 +23,7 @@ use rltune::params::ParamStore;
 use rltune::tokenizer::Tokenizer;
 
 /// A byte-level BPE without merges: every byte one token (256), so any text round-trips.
-fn byte_tokenizer() -> Tokenizer {
+pub(crate) fn byte_tokenizer() -> Tokenizer {
     use tokenizers::pre_tokenizers::byte_level::ByteLevel;
     let mut chars: Vec<char> = ByteLevel::alphabet().into_iter().collect();
     chars.sort_unstable();
@@ -42,7 +42,7 @@ fn byte_tokenizer() -> Tokenizer {
 }
 
 /// A random tiny GPT-2 over bytes with a value head and `positions` positions.
-fn policy(positions: usize) -> CausalLmWithValueHead {
+pub(crate) fn policy(positions: usize) -> CausalLmWithValueHead {
     let cfg = CausalLmConfig::Gpt2(Gpt2Config::tiny(258, 16, 2, 2, positions));
     let store = ParamStore::random(5, false, DType::F32, &Device::Cpu).unwrap();
     let lm = CausalLm::load(&store.root(), &cfg).unwrap();
