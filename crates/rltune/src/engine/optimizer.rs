@@ -1,6 +1,9 @@
-//! The optimizer step that GRPO, RLOO, DPO, SFT and the reward-model trainer share:
-//! transformers' `Trainer` step with torch's AdamW. PPO's step adds the fused update of
-//! [`crate::optim::Adam::step_fused`] on the same `Adam` and `Grads`.
+//! The one optimizer step of every trainer (PPO and its critic, GRPO, RLOO, DPO, SFT and the
+//! reward model): transformers' `Trainer` step with torch's AdamW, in place on every device
+//! (`rltune_kernels::optim::Adam`: one pass per tensor on the CPU, one kernel on CUDA). TRL
+//! 0.11.4's PPO step is the same with no weight decay and a constant rate; with one minibatch
+//! per update and no clipping it fuses the update into the backward's products
+//! ([`Optimizer::adam_mut`], [`crate::optim::Adam::step_fused`]).
 //!
 //! One step, as transformers runs it:
 //! 1. [`Optimizer::begin`]: the cleared gradient buffers, and the schedule's learning rate for
@@ -125,6 +128,33 @@ impl Optimizer {
         (grads, lr)
     }
 
+    /// A stand-in holding no variables, for while the real one is lent out
+    /// (`std::mem::replace`, e.g. around [`crate::optim::Adam::step_fused`]).
+    pub fn placeholder(&self) -> Result<Self> {
+        Self::new(Vec::new(), self.args.clone())
+    }
+
+    /// Sets the clipping threshold (0 or less: no clipping).
+    pub fn set_max_grad_norm(&mut self, max_grad_norm: f64) {
+        self.args.max_grad_norm = max_grad_norm;
+    }
+
+    /// The learning rate of the last step (the schedule's first before any).
+    pub fn learning_rate(&self) -> f64 {
+        self.adam.cfg.lr
+    }
+
+    /// [`Self::clip`], then, when the norm is finite, [`Self::finish`]'s update at `lr`,
+    /// leaving the buffers with the caller. Returns the norm before clipping: a non-finite one
+    /// changed no weight.
+    pub fn clip_and_step(&mut self, grads: &mut Grads, lr: f64) -> Result<f64> {
+        let norm = self.clip(grads)?;
+        if norm.is_finite() {
+            self.apply(grads, lr)?;
+        }
+        Ok(norm)
+    }
+
     /// The global gradient norm before clipping; the gradients are clipped to `max_grad_norm`
     /// when it is positive. In a data-parallel run the gradients are first averaged over the
     /// processes ([`crate::dist::all_reduce_grads`]), so every process clips and steps alike.
@@ -142,19 +172,24 @@ impl Optimizer {
     pub fn finish(&mut self, grads: Grads, lr: f64, norm: f64) -> Result<bool> {
         let update = norm.is_finite();
         if update {
-            self.adam.cfg.lr = lr;
-            let wd = self.args.weight_decay;
-            if wd != 0.0 {
-                for (i, var) in self.adam.vars().iter().enumerate() {
-                    if self.decay[i] && grads.has(i) {
-                        var.set(&(var.as_tensor() * (1.0 - lr * wd))?)?;
-                    }
-                }
-            }
-            self.adam.step(&grads)?;
+            self.apply(&grads, lr)?;
         }
         self.grads = Some(grads);
         Ok(update)
+    }
+
+    /// Weight decay on the decay group, then Adam at `lr`.
+    fn apply(&mut self, grads: &Grads, lr: f64) -> Result<()> {
+        self.adam.cfg.lr = lr;
+        let wd = self.args.weight_decay;
+        if wd != 0.0 {
+            for (i, var) in self.adam.vars().iter().enumerate() {
+                if self.decay[i] && grads.has(i) {
+                    var.set(&(var.as_tensor() * (1.0 - lr * wd))?)?;
+                }
+            }
+        }
+        Ok(self.adam.step(grads)?)
     }
 }
 

@@ -7,8 +7,10 @@ use std::path::Path;
 
 use super::math::KlPenalty;
 use crate::config_file::closest;
+use crate::engine::{LrSchedule, OptimArgs, ScheduleKind};
 use crate::error::{Error, Result};
 use crate::models::{ValueHeadKind, ValueHeadSpec};
+use crate::optim::AdamConfig;
 
 /// PPO hyper-parameters. Defaults are TRL 0.11.4's unless a field says otherwise.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -83,6 +85,26 @@ pub struct PpoConfig {
     /// not the LM under it (with a separate critic: not the critic's backbone). rltune only;
     /// default false (TRL: the value loss reaches the shared LM).
     pub detach_value_head: bool,
+}
+
+/// TRL 0.11.4's PPO optimizer as [`crate::engine::Optimizer`] arguments: torch's Adam at a
+/// constant `learning_rate` (its defaults β = (0.9, 0.999), ε = 1e-8; no weight decay), the
+/// gradients clipped to `max_grad_norm` when set. The separate critic's too, at its own rate.
+pub(super) fn optim_args(learning_rate: f64, max_grad_norm: Option<f64>) -> OptimArgs {
+    let adam = AdamConfig::default();
+    OptimArgs {
+        learning_rate,
+        betas: (adam.beta1, adam.beta2),
+        eps: adam.eps,
+        weight_decay: 0.0,
+        max_grad_norm: max_grad_norm.unwrap_or(0.0),
+        schedule: LrSchedule {
+            kind: ScheduleKind::Constant,
+            base_lr: learning_rate,
+            warmup_steps: 0,
+            total_steps: usize::MAX,
+        },
+    }
 }
 
 impl Default for PpoConfig {

@@ -27,10 +27,12 @@
 
 use candle_core::Tensor;
 
+use super::config::optim_args;
 use super::forward::hidden_states;
+use crate::engine::Optimizer;
 use crate::error::{Error, Result};
 use crate::models::CausalLmWithValueHead;
-use crate::optim::{Adam, AdamConfig, Grads};
+use crate::optim::{Adam, Grads};
 use crate::params::ParamStore;
 
 /// A value model on its own backbone, with its own parameters and optimizer.
@@ -39,7 +41,7 @@ pub struct Critic {
     pub model: CausalLmWithValueHead,
     /// The critic's trainable parameters.
     pub store: ParamStore,
-    pub(super) optimizer: Adam,
+    pub(super) optimizer: Optimizer,
     /// The gradient buffers, kept between steps (`None` until the first).
     pub(super) grads: Option<Grads>,
 }
@@ -55,19 +57,18 @@ impl Critic {
                 "critic learning_rate must be a positive number, got {learning_rate}"
             )));
         }
-        let vars = store.vars().into_iter().map(|(_, v)| v).collect();
-        let optimizer = Adam::new(vars, AdamConfig { lr: learning_rate, ..Default::default() });
-        Ok(Self { model, store, optimizer: optimizer?, grads: None })
+        let optimizer = Optimizer::new(store.vars(), optim_args(learning_rate, None))?;
+        Ok(Self { model, store, optimizer, grads: None })
     }
 
     /// The critic's optimizer (its moments go into checkpoints).
     pub fn optimizer(&self) -> &Adam {
-        &self.optimizer
+        self.optimizer.adam()
     }
 
     /// Mutable optimizer (to restore a checkpoint, or change the learning rate).
     pub fn optimizer_mut(&mut self) -> &mut Adam {
-        &mut self.optimizer
+        self.optimizer.adam_mut()
     }
 
     /// Values `(B, L−1)` of the states before each next token of `ids (B, L)`: the critic's

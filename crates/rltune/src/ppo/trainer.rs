@@ -28,17 +28,18 @@ use std::time::Instant;
 use candle_core::{DType, Device, Tensor, D};
 use rand::SeedableRng;
 
-use super::config::PpoConfig;
+use super::config::{optim_args, PpoConfig};
 use super::critic::Critic;
 use super::forward::{hidden_states, inputs};
 use super::kl_control::KlController;
 use super::math::{self, KlPenalty};
+use crate::engine::Optimizer;
 use crate::engine::{Stat, Stats};
 use crate::error::{Error, Result};
 use crate::models::layers::causal_bias;
 use crate::models::{CausalLm, CausalLmWithValueHead};
 use crate::ops;
-use crate::optim::{Adam, AdamConfig, Grads};
+use crate::optim::{Adam, Grads};
 use crate::params::ParamStore;
 use crate::tokenizer::{pad, PaddingSide};
 
@@ -171,7 +172,7 @@ pub struct PpoTrainer {
     pub reference: CausalLm,
     /// A separate critic ([`Self::with_critic`]); `None`: the policy's value head (TRL).
     pub(super) critic: Option<Critic>,
-    optimizer: Adam,
+    optimizer: Optimizer,
     /// The gradient buffers, kept between steps (`None` until the first, or after an error).
     grads: Option<Grads>,
     kl_ctl: KlController,
@@ -205,8 +206,8 @@ impl PpoTrainer {
         if !store.trainable() {
             return Err(Error::Input("the policy's parameters must be trainable".into()));
         }
-        let (var_names, vars): (Vec<_>, Vec<_>) = store.vars().into_iter().unzip();
-        let adam = AdamConfig { lr: config.learning_rate, ..Default::default() };
+        let var_names: Vec<String> = store.vars().into_iter().map(|(n, _)| n).collect();
+        let optimizer = Optimizer::new(store.vars(), optim_args(config.learning_rate, config.max_grad_norm))?;
         let kl_ctl = if config.adap_kl_ctrl {
             KlController::Adaptive {
                 value: config.init_kl_coef,
@@ -227,7 +228,7 @@ impl PpoTrainer {
             store,
             reference,
             critic: None,
-            optimizer: Adam::new(vars, adam)?,
+            optimizer,
             grads: None,
             kl_ctl,
             running: RunningMoments::new(),
@@ -254,12 +255,12 @@ impl PpoTrainer {
 
     /// The optimizer (its moments go into checkpoints).
     pub fn optimizer(&self) -> &Adam {
-        &self.optimizer
+        self.optimizer.adam()
     }
 
     /// Mutable optimizer (to restore a checkpoint).
     pub fn optimizer_mut(&mut self) -> &mut Adam {
-        &mut self.optimizer
+        self.optimizer.adam_mut()
     }
 
     /// The shuffle stream's position and the score moments, for a checkpoint.
@@ -395,9 +396,9 @@ impl PpoTrainer {
         let t = Instant::now();
         let mut stats = self.step_stats(&input, &scores, &kl, &non_score, &rollout, &batch, kl_coef)?;
         average_minibatch_stats(&mut stats, &mb_stats)?;
-        stats.insert("ppo/learning_rate".into(), Stat::Scalar(self.optimizer.cfg.lr));
+        stats.insert("ppo/learning_rate".into(), Stat::Scalar(self.optimizer.learning_rate()));
         if let Some(c) = &self.critic {
-            stats.insert("rltune/critic_learning_rate".into(), Stat::Scalar(c.optimizer.cfg.lr));
+            stats.insert("rltune/critic_learning_rate".into(), Stat::Scalar(c.optimizer.learning_rate()));
         }
         stats.insert("rltune/skipped_updates".into(), Stat::Scalar(self.skipped_updates as f64));
         let mean_kl = stats.get("objective/kl").and_then(Stat::as_f64).unwrap_or(0.0);

@@ -23,6 +23,8 @@ impl PpoTrainer {
         if critic.store.device().location() != self.store.device().location() {
             return Err(Error::Input("[critic]: the critic must be on the policy's device".into()));
         }
+        let mut critic = critic;
+        critic.optimizer.set_max_grad_norm(self.config.max_grad_norm.unwrap_or(0.0));
         self.critic = Some(critic);
         self.check_value_head()?;
         Ok(self)
@@ -120,19 +122,12 @@ impl PpoTrainer {
     /// One update of the critic from `grads` (after a minibatch group that ran a backward):
     /// clipped to `max_grad_norm` when set; skipped, counted and logged when not finite.
     pub(super) fn step_critic(&mut self, grads: &mut Grads) -> Result<()> {
-        let max = self.config.max_grad_norm;
         let Some(c) = self.critic.as_mut() else { return Ok(()) };
-        // On several processes: the mean of their gradients first, as the policy's.
-        crate::dist::all_reduce_grads(grads)?;
-        let norm = match max {
-            Some(max) => grads.clip_norm(max)?,
-            None => grads.global_norm()?,
-        };
-        if norm.is_finite() {
-            Ok(c.optimizer.step(grads)?)
-        } else {
+        // The policy's step (on several processes, the mean of their gradients first).
+        let lr = c.optimizer.learning_rate();
+        if !c.optimizer.clip_and_step(grads, lr)?.is_finite() {
             self.skip_non_finite_update("critic's gradient");
-            Ok(())
         }
+        Ok(())
     }
 }

@@ -8,7 +8,7 @@ use rand::seq::SliceRandom;
 use super::{data_parallel, flat, matrix, Batch, PpoTrainer, Rollout, StepInput};
 use crate::engine::stats::{mean_std, Stat, Stats};
 use crate::error::Result;
-use crate::optim::{Adam, FusedStep, Grads};
+use crate::optim::{FusedStep, Grads};
 use crate::ppo::math::{self, scalar};
 
 /// Why a minibatch ran no backward.
@@ -53,9 +53,11 @@ impl PpoTrainer {
         let row_tokens: Vec<f64> =
             if dp { batch.mask.sum(1)?.to_dtype(DType::F64)?.to_vec1()? } else { Vec::new() };
         let mut all = Vec::new();
-        let mut grads = self.grads.take().unwrap_or_else(|| Grads::new(self.optimizer.vars()));
-        let mut critic_grads =
-            self.critic.as_mut().map(|c| c.grads.take().unwrap_or_else(|| Grads::new(c.optimizer.vars())));
+        let mut grads = self.grads.take().unwrap_or_else(|| Grads::new(self.optimizer.adam().vars()));
+        let mut critic_grads = self
+            .critic
+            .as_mut()
+            .map(|c| c.grads.take().unwrap_or_else(|| Grads::new(c.optimizer.adam().vars())));
         for _epoch in 0..cfg.ppo_epochs {
             let perm = match self.forced_permutations.pop_front() {
                 Some(p) => p,
@@ -76,11 +78,11 @@ impl PpoTrainer {
                 // Not on several processes: the gradients are averaged before any update.
                 let fused = cfg.gradient_accumulation_steps == 1 && cfg.max_grad_norm.is_none();
                 if fused && !self.record_grads && !dp {
-                    let placeholder = Adam::new(Vec::new(), self.optimizer.cfg)?;
+                    let placeholder = self.optimizer.placeholder()?;
                     let mut optimizer = std::mem::replace(&mut self.optimizer, placeholder);
                     let mut stats = None;
                     let mut ran_backward = false;
-                    let ran: Result<FusedStep> = optimizer.step_fused(&mut grads, |grads| {
+                    let ran: Result<FusedStep> = optimizer.adam_mut().step_fused(&mut grads, |grads| {
                         let (s, skip) =
                             self.train_minibatch(batch, data, backward, grads, critic_grads.as_mut(), None)?;
                         stats = Some(s);
@@ -152,14 +154,8 @@ impl PpoTrainer {
                     self.recorded_grads = Some(named);
                 }
                 if any {
-                    crate::dist::all_reduce_grads(&mut grads)?;
-                    let norm = match cfg.max_grad_norm {
-                        Some(max) => grads.clip_norm(max)?,
-                        None => grads.global_norm()?,
-                    };
-                    if norm.is_finite() {
-                        self.optimizer.step(&grads)?;
-                    } else {
+                    let lr = self.optimizer.learning_rate();
+                    if !self.optimizer.clip_and_step(&mut grads, lr)?.is_finite() {
                         self.skip_non_finite_update("gradient");
                     }
                     if let Some(g) = critic_grads.as_mut() {
