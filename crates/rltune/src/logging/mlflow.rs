@@ -26,7 +26,7 @@ use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use super::trackers::RunEnd;
+use super::tracker_ids::RunEnd;
 use crate::error::{Error, Result};
 
 /// What an MLflow run is made from.
@@ -89,7 +89,7 @@ impl MlflowRun {
         let experiment_id = match find_experiment(&store, &opts.experiment) {
             Some(id) => id,
             None => {
-                let id = (super::trackers::entropy() >> 1).to_string();
+                let id = (super::tracker_ids::entropy() >> 1).to_string();
                 write_experiment_meta(&store, &id, &opts.experiment).map_err(|e| unwritable(&store, e))?;
                 id
             }
@@ -98,9 +98,10 @@ impl MlflowRun {
             resume.filter(|(exp, run, _)| *exp == experiment_id && store.join(exp).join(run).is_dir());
         let (run_id, start_ms) = match reopened {
             Some((_, run, _)) => (run.to_string(), read_start_time(&store.join(&experiment_id).join(run))),
-            None => {
-                (format!("{:016x}{:016x}", super::trackers::entropy(), super::trackers::entropy()), now_ms())
-            }
+            None => (
+                format!("{:016x}{:016x}", super::tracker_ids::entropy(), super::tracker_ids::entropy()),
+                now_ms(),
+            ),
         };
         let dir = store.join(&experiment_id).join(&run_id);
         for sub in ["metrics", "params", "artifacts", "tags"] {

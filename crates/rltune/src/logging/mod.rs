@@ -44,6 +44,7 @@ pub mod plots;
 pub mod report;
 pub mod tensorboard;
 pub mod tfrecord;
+mod tracker_ids;
 pub mod trackers;
 pub mod wandb;
 

@@ -11,19 +11,9 @@ use std::path::{Path, PathBuf};
 
 use super::jsonl::MetricRow;
 use super::mlflow::{MlflowOptions, MlflowRun};
+pub use super::tracker_ids::RunEnd;
 use super::wandb::{WandbOptions, WandbRun};
 use crate::error::{Error, Result};
-
-/// How a run ended, as the trackers record it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RunEnd {
-    /// Every step ran (MLflow `FINISHED`, W&B exit code 0).
-    Finished,
-    /// Stopped by an error (MLflow `FAILED`, W&B exit code 1).
-    Failed,
-    /// Stopped early by Ctrl-C, with a checkpoint (MLflow `KILLED`, W&B exit code 255).
-    Killed,
-}
 
 /// The trackers a run logs to, besides `metrics.jsonl` and TensorBoard.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -141,16 +131,4 @@ impl Drop for TrackerRuns {
             }
         }
     }
-}
-
-/// 64 bits for ids (MLflow run and experiment ids, W&B run ids): the clock and the process id
-/// through std's randomly keyed hasher. Not training randomness: a run's seed is not used.
-pub(crate) fn entropy() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let nanos =
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(nanos);
-    h.write_u32(std::process::id());
-    h.finish()
 }

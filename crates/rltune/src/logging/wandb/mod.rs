@@ -30,7 +30,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use super::jsonl::MetricRow;
 use super::tensorboard::Histogram;
-use super::trackers::RunEnd;
+use super::tracker_ids::RunEnd;
 use crate::error::{Error, Result};
 use records::{json_number, Item, Record, RunInfo};
 
@@ -233,7 +233,7 @@ fn link_latest(_root: &Path, _dir: &Path) {}
 /// process id (an id, not training randomness: the run's seed is not used).
 pub fn new_run_id() -> String {
     const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789";
-    let mut x = super::trackers::entropy();
+    let mut x = super::tracker_ids::entropy();
     (0..8)
         .map(|_| {
             let c = ALPHABET[(x % 36) as usize] as char;
