@@ -98,24 +98,32 @@ pub fn run(args: Args) -> Result<()> {
     let runtime = args.runtime.resolve(config.runtime.clone())?;
     let dir = config.logging.dir.clone();
     let stop = stop_flag()?;
-    let done = if config.algorithm.kind.is_group() {
+    let (done, total) = if config.algorithm.kind.is_group() {
         // GRPO / RLOO: the same command, config and run directory layout.
         let what = config.algorithm.kind.name();
         let mut run = GroupRun::prepare_on(config, &runtime, Vec::new(), args.resume)?;
         let progress = Progress::new(run.shape().steps, run.start_step(), what);
         let done = run.run(&stop, &mut |r| progress.step(r))?;
         progress.finish();
-        done
+        (done, run.shape().steps)
     } else {
         let steps = config.ppo.steps;
         let mut run = PpoRun::prepare_on(config, &runtime, Vec::new(), args.resume)?;
-        let progress = Progress::new(steps, 0, "ppo");
+        // A resumed run's bar starts at its checkpoint's step.
+        let progress = Progress::new(steps, run.start_step(), "ppo");
         let done = run.run(&stop, &mut |r| progress.step(r))?;
         progress.finish();
-        done
+        (done, steps)
     };
     if rltune::dist::is_main() {
         eprintln!("{done} steps; metrics: {0}/metrics.jsonl, report: {0}/report.html", dir.display());
+    }
+    if done < total {
+        // Stopped by Ctrl-C after a checkpoint: the shell's status for an interrupted command.
+        if rltune::dist::is_main() {
+            eprintln!("stopped before step {total}; the same command with --resume continues it");
+        }
+        std::process::exit(130);
     }
     Ok(())
 }

@@ -15,7 +15,7 @@ use rltune::runtime::RuntimeSection;
 use rltune::train::data::{read_reward_records, read_sft_records};
 use rltune::train::reward_model::{self, RewardConfig, RewardModel};
 use rltune::train::sft::{self, SftConfig, SftModel};
-use rltune::train::{TrainProgress, TrainSummary, TrainingArgs};
+use rltune::train::{Checkpointing, TrainProgress, TrainSummary, TrainingArgs};
 use serde::Deserialize;
 
 /// Arguments shared by both trainers.
@@ -36,6 +36,13 @@ pub struct Common {
     /// Override a setting, e.g. --set training.learning_rate=1e-4 (repeatable).
     #[arg(long = "set", value_name = "TABLE.KEY=VALUE")]
     set: Vec<String>,
+    /// Where checkpoints go (`step-N/`, every `[training] save_steps` steps and on Ctrl-C);
+    /// default: the output's path with `.checkpoints` appended.
+    #[arg(long)]
+    checkpoint_dir: Option<PathBuf>,
+    /// Continue from the latest checkpoint in the checkpoint folder, bit for bit.
+    #[arg(long)]
+    resume: bool,
     #[command(flatten)]
     runtime: crate::runtime::RuntimeArgs,
 }
@@ -129,6 +136,34 @@ fn check(result: std::result::Result<(), String>, c: &Common) -> Result<()> {
     result.map_err(|m| anyhow::anyhow!("{source}: {m}"))
 }
 
+impl Common {
+    /// The checkpoint folder: `--checkpoint-dir`, or `OUTPUT.checkpoints`.
+    fn checkpoint_dir(&self) -> PathBuf {
+        self.checkpoint_dir.clone().unwrap_or_else(|| {
+            let mut name = self.output.clone().into_os_string();
+            name.push(".checkpoints");
+            PathBuf::from(name)
+        })
+    }
+}
+
+/// After a run: `Ok(true)` when it finished; when Ctrl-C stopped it, says where its checkpoint is
+/// and how to resume, and gives `Ok(false)` (the command then exits with status 130, unsaved).
+fn finished(s: &TrainSummary, dir: &Path) -> bool {
+    if s.steps >= s.total_steps {
+        return true;
+    }
+    if rltune::dist::is_main() {
+        eprintln!(
+            "stopped after step {} of {}; checkpoint in {}; the same command with --resume continues it",
+            s.steps,
+            s.total_steps,
+            dir.display()
+        );
+    }
+    false
+}
+
 /// Runs `rltune sft`.
 pub fn run_sft(args: SftArgs) -> Result<()> {
     let c = &args.common;
@@ -149,8 +184,14 @@ pub fn run_sft(args: SftArgs) -> Result<()> {
         fit_default(&mut cfg.max_length, SftConfig::default().max_length, max, "sft.max_length");
     }
     let progress = Bar::new("sft");
-    let summary = sft::train_sft(&model, &records, &cfg, &file.training, &mut |p| progress.update(p))?;
+    let (stop, dir) = (crate::ppo::stop_flag()?, c.checkpoint_dir());
+    let ckpt = Checkpointing { dir: &dir, resume: c.resume, stop: Some(&stop) };
+    let summary =
+        sft::train_sft_with(&model, &records, &cfg, &file.training, Some(ckpt), &mut |p| progress.update(p))?;
     progress.finish();
+    if !finished(&summary, &dir) {
+        std::process::exit(130);
+    }
     // On several processes every one holds the same weights: rank 0 writes them.
     if rltune::dist::is_main() {
         model.save(&c.output)?;
@@ -197,10 +238,20 @@ pub fn run_reward(args: RewardArgs) -> Result<()> {
         "reward.max_length",
     );
     let progress = Bar::new("reward");
-    let summary = reward_model::train_reward_model(&model, &records, &cfg, &file.training, &mut |p| {
-        progress.update(p)
-    })?;
+    let (stop, dir) = (crate::ppo::stop_flag()?, c.checkpoint_dir());
+    let ckpt = Checkpointing { dir: &dir, resume: c.resume, stop: Some(&stop) };
+    let summary = reward_model::train_reward_model_with(
+        &model,
+        &records,
+        &cfg,
+        &file.training,
+        Some(ckpt),
+        &mut |p| progress.update(p),
+    )?;
     progress.finish();
+    if !finished(&summary, &dir) {
+        std::process::exit(130);
+    }
     if rltune::dist::is_main() {
         model.save(&c.output)?;
         report(&summary, &c.output, false);

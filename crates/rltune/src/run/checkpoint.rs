@@ -141,23 +141,28 @@ fn save_model(
     }
     copy_side_files(files, dir)?;
     if let Some(opt) = optimizer {
-        let mut tensors = HashMap::new();
-        for (i, (name, var)) in store.vars().iter().enumerate() {
-            let (m, v) = opt.moments(i)?;
-            debug_assert_eq!(m.shape(), var.shape());
-            tensors.insert(format!("m.{name}"), m);
-            tensors.insert(format!("v.{name}"), v);
-        }
-        crate::io::save_safetensors(&dir.join("optimizer.safetensors"), &tensors)?;
+        save_moments(&dir.join("optimizer.safetensors"), store, opt)?;
     }
     Ok(())
+}
+
+/// Adam's moments of `store`'s variables into `path` (`m.NAME`, `v.NAME`).
+pub(crate) fn save_moments(path: &Path, store: &ParamStore, opt: &Adam) -> Result<()> {
+    let mut tensors = HashMap::new();
+    for (i, (name, var)) in store.vars().iter().enumerate() {
+        let (m, v) = opt.moments(i)?;
+        debug_assert_eq!(m.shape(), var.shape());
+        tensors.insert(format!("m.{name}"), m);
+        tensors.insert(format!("v.{name}"), v);
+    }
+    Ok(crate::io::save_safetensors(path, &tensors)?)
 }
 
 /// Adam's first and second moments, one vector per variable.
 type Moments = (Vec<Vec<f32>>, Vec<Vec<f32>>);
 
 /// Adam's moments of `store`'s variables from `dir/optimizer.safetensors`.
-fn load_moments(dir: &Path, store: &ParamStore) -> Result<Moments> {
+pub(crate) fn load_moments(dir: &Path, store: &ParamStore) -> Result<Moments> {
     let path = dir.join("optimizer.safetensors");
     let t = candle_core::safetensors::load(&path, &Device::Cpu)
         .map_err(|e| Error::weights(&path, e.to_string()))?;
@@ -248,13 +253,17 @@ pub fn clear_stale_writes(run_dir: &Path) -> Result<()> {
 
 /// The checkpoint with the most steps under `run_dir/checkpoints`, if any.
 pub fn latest_checkpoint(run_dir: &Path) -> Result<Option<(usize, PathBuf)>> {
-    let dir = run_dir.join("checkpoints");
+    latest_checkpoint_in(&run_dir.join("checkpoints"))
+}
+
+/// The `step-N` folder with the largest N in `dir`, if any.
+pub fn latest_checkpoint_in(dir: &Path) -> Result<Option<(usize, PathBuf)>> {
     if !dir.exists() {
         return Ok(None);
     }
     let mut best: Option<(usize, PathBuf)> = None;
-    for entry in std::fs::read_dir(&dir).map_err(|e| Error::io(&dir, e))? {
-        let path = entry.map_err(|e| Error::io(&dir, e))?.path();
+    for entry in std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
+        let path = entry.map_err(|e| Error::io(dir, e))?.path();
         let step = path.file_name().and_then(|n| n.to_str()).and_then(|n| n.strip_prefix("step-"));
         if let Some(step) = step.and_then(|s| s.parse::<usize>().ok()) {
             if best.as_ref().is_none_or(|(b, _)| step > *b) {

@@ -256,6 +256,11 @@ impl PpoRun {
         super::run_loop::run(self, stop, progress)
     }
 
+    /// Steps done before this run started (from a checkpoint).
+    pub fn start_step(&self) -> usize {
+        self.start_step
+    }
+
     /// The next `b` prompts (reshuffled each epoch) as `(prompt index, query length)`.
     fn next_batch(
         &self,

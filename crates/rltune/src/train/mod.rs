@@ -18,4 +18,4 @@ pub mod runner;
 pub mod sft;
 
 pub use crate::engine::schedule::{LrSchedule, ScheduleKind};
-pub use runner::{EvalResult, TrainProgress, TrainSummary, TrainingArgs};
+pub use runner::{Checkpointing, EvalResult, TrainProgress, TrainSummary, TrainingArgs};

@@ -26,7 +26,9 @@ use candle_core::{DType, Device, Tensor, D};
 use serde::{Deserialize, Serialize};
 
 use super::data::{Label, RewardRecord};
-use super::runner::{self, BatchLoss, EvalResult, Objective, TrainProgress, TrainSummary, TrainingArgs};
+use super::runner::{
+    self, BatchLoss, Checkpointing, EvalResult, Objective, TrainProgress, TrainSummary, TrainingArgs,
+};
 use crate::error::{Error, Result};
 use crate::models::bert::{SequenceClassifier, SequenceClassifierConfig};
 use crate::models::load::{locate, read_config_json, save_dir_atomic, save_pretrained, LoraSpec};
@@ -558,15 +560,29 @@ pub fn train_reward_model(
     args: &TrainingArgs,
     progress: &mut dyn FnMut(&TrainProgress),
 ) -> Result<TrainSummary> {
+    train_reward_model_with(model, records, cfg, args, None, progress)
+}
+
+/// [`train_reward_model`] with checkpoints, `--resume` and a stop flag ([`Checkpointing`]).
+pub fn train_reward_model_with(
+    model: &RewardModel,
+    records: &[RewardRecord],
+    cfg: &RewardConfig,
+    args: &TrainingArgs,
+    checkpoints: Option<Checkpointing>,
+    progress: &mut dyn FnMut(&TrainProgress),
+) -> Result<TrainSummary> {
     if records.is_empty() {
         return Err(Error::Input("no reward-model examples to train on".into()));
     }
     let scorer = Scorer::new(model);
     match tokenize_reward(model, records, cfg)? {
-        RewardExamples::Labelled(ex) => runner::run(&CrossEntropy(scorer), &model.store, &ex, args, progress),
+        RewardExamples::Labelled(ex) => {
+            runner::run_with(&CrossEntropy(scorer), &model.store, &ex, args, progress, true, checkpoints)
+        }
         RewardExamples::Preference(ex) => {
             let obj = BradleyTerry { scorer, center: cfg.center_rewards_coefficient };
-            runner::run(&obj, &model.store, &ex, args, progress)
+            runner::run_with(&obj, &model.store, &ex, args, progress, true, checkpoints)
         }
     }
 }

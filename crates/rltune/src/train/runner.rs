@@ -13,10 +13,21 @@
 //! the step however it is split into micro-batches: 1 micro-batch of 8 and 8 of 1 give the same
 //! gradient up to float rounding.
 //!
+//! **Checkpoints** ([`Checkpointing`]): with `save_steps > 0` the loop writes
+//! `DIR/step-N/` every `save_steps` optimizer steps, and on Ctrl-C after the step under way:
+//! the trainable variables (`trainable.safetensors`), Adam's moments (`optimizer.safetensors`)
+//! and `trainer_state.json` (the step, the losses so far, the last evaluation). A run resumed from
+//! it replays the epochs' seeded shuffles up to its step and continues bit for bit: its weights
+//! and every later step's loss are those of a run that never stopped. Each checkpoint is written
+//! to a temporary folder and renamed into place.
+//!
 //! Deviations from transformers' `Trainer`: Adam without weight decay (its AdamW with the default
 //! `weight_decay = 0` is the same update); a step count fixed up front as
 //! `epochs · ceil(n / (batch_size · gradient_accumulation_steps))` (the last step of an epoch
 //! takes the remainder) unless `max_steps` is set; no dropout.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use candle_core::{DType, Tensor};
 use rand::seq::SliceRandom;
@@ -70,6 +81,9 @@ pub struct TrainingArgs {
     pub eval_every: usize,
     /// Seed of the eval split and the per-epoch shuffles (transformers: 42).
     pub seed: u64,
+    /// Write a checkpoint every this many optimizer steps (transformers' `save_steps`; 0: only
+    /// when stopped by Ctrl-C). Where they go: the command's `--checkpoint-dir`.
+    pub save_steps: usize,
 }
 
 impl Default for TrainingArgs {
@@ -91,6 +105,7 @@ impl Default for TrainingArgs {
             eval_fraction: 0.1,
             eval_every: 0,
             seed: 42,
+            save_steps: 0,
         }
     }
 }
@@ -155,7 +170,7 @@ impl TrainingArgs {
 }
 
 /// Metrics on the eval split.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct EvalResult {
     /// Mean loss over every loss term of the split (target tokens, texts or pairs).
     pub loss: f64,
@@ -190,8 +205,10 @@ pub struct TrainProgress {
 /// The result of a training run.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct TrainSummary {
-    /// Optimizer steps taken.
+    /// Optimizer steps done (those of a resumed run's checkpoint included).
     pub steps: usize,
+    /// Optimizer steps planned: more than `steps` when the run was stopped.
+    pub total_steps: usize,
     /// Loss of the last step.
     pub train_loss: f64,
     /// Mean of the step losses over the run (transformers' `training_loss`).
@@ -280,19 +297,124 @@ fn accumulate<O: Objective>(
     Ok(crate::dist::sum(loss)? / world)
 }
 
-/// Trains the variables of `store` on `examples` (split into train and eval by `args`).
-pub(crate) fn run<O: Objective>(
-    obj: &O,
-    store: &ParamStore,
-    examples: &[O::Example],
-    args: &TrainingArgs,
-    progress: &mut dyn FnMut(&TrainProgress),
-) -> Result<TrainSummary> {
-    run_with(obj, store, examples, args, progress, true)
+/// Where a supervised run checkpoints, whether it resumes, and what stops it (module docs).
+#[derive(Debug, Clone, Copy)]
+pub struct Checkpointing<'a> {
+    /// The folder of the `step-N/` checkpoints.
+    pub dir: &'a Path,
+    /// Continue from the latest checkpoint in `dir` (none there: an error naming the folder).
+    pub resume: bool,
+    /// Set (by Ctrl-C) to end the run after the step under way, with a checkpoint.
+    pub stop: Option<&'a AtomicBool>,
 }
 
-/// [`run`], announcing the plan in the log only with `announce` (a trainer that calls this
-/// every step, such as rejection sampling, passes false).
+/// `trainer_state.json` of a supervised checkpoint.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct SupervisedState {
+    /// Optimizer steps done.
+    step: usize,
+    /// Steps the run makes in all.
+    total_steps: usize,
+    /// Training examples (after the eval split).
+    train_examples: usize,
+    /// The run's seed.
+    seed: u64,
+    /// Processes of the run.
+    processes: usize,
+    /// Adam steps taken.
+    adam_steps: u64,
+    /// Loss of the last step (`None`: not finite).
+    last_loss: Option<f64>,
+    /// Sum of the step losses so far (`None`: not finite).
+    loss_sum: Option<f64>,
+    /// The last evaluation.
+    last_eval: Option<EvalResult>,
+}
+
+fn finite(x: f64) -> Option<f64> {
+    x.is_finite().then_some(x)
+}
+
+/// Writes the checkpoint of `store` and `opt` after `state.step` steps into `dir/step-N/`.
+fn save_checkpoint(
+    dir: &Path,
+    store: &ParamStore,
+    opt: &Optimizer,
+    state: &SupervisedState,
+) -> Result<PathBuf> {
+    let path = dir.join(format!("step-{}", state.step));
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    crate::models::load::save_dir_atomic(&path, |tmp: &Path| -> Result<()> {
+        let vars: std::collections::HashMap<String, Tensor> =
+            store.vars().into_iter().map(|(n, v)| (n, v.as_tensor().clone())).collect();
+        crate::io::save_safetensors(&tmp.join("trainable.safetensors"), &vars)?;
+        crate::run::checkpoint::save_moments(&tmp.join("optimizer.safetensors"), store, opt.adam())?;
+        let text = serde_json::to_string_pretty(state).map_err(|e| Error::Input(e.to_string()))?;
+        Ok(crate::io::write_bytes_atomic(&tmp.join("trainer_state.json"), text.as_bytes())?)
+    })?;
+    Ok(path)
+}
+
+/// Loads the latest checkpoint under `dir` into `store` and `opt`, checked against the run
+/// being resumed (`expect`: its step count, examples, seed and processes).
+fn load_checkpoint(
+    dir: &Path,
+    store: &ParamStore,
+    opt: &mut Optimizer,
+    expect: &SupervisedState,
+) -> Result<SupervisedState> {
+    let Some((_, path)) = crate::run::checkpoint::latest_checkpoint_in(dir)? else {
+        return Err(Error::Input(format!(
+            "--resume: no checkpoint (step-N folder) in {}; run without --resume to start anew",
+            dir.display()
+        )));
+    };
+    let file = path.join("trainer_state.json");
+    let state: SupervisedState = serde_json::from_value(crate::io::read_json(&file)?)
+        .map_err(|e| Error::Input(format!("{}: not a supervised checkpoint ({e})", file.display())))?;
+    let differs = [
+        ("total_steps (num_train_epochs, max_steps, batch sizes)", state.total_steps, expect.total_steps),
+        ("train_examples (the data, eval_fraction)", state.train_examples, expect.train_examples),
+        ("seed", state.seed as usize, expect.seed as usize),
+        ("processes", state.processes, expect.processes),
+    ];
+    for (what, saved, now) in differs {
+        if saved != now {
+            return Err(Error::Input(format!(
+                "{}: saved with {what} = {saved} but this run has {now}; resume with the settings, \
+                 data and processes it was started with",
+                file.display()
+            )));
+        }
+    }
+    let weights = path.join("trainable.safetensors");
+    let saved = candle_core::safetensors::load(&weights, store.device())
+        .map_err(|e| Error::Input(format!("{}: {e}", weights.display())))?;
+    for (name, var) in store.vars() {
+        let t = saved.get(&name).ok_or_else(|| {
+            Error::Input(format!("{}: no tensor {name}; it is another model's checkpoint", weights.display()))
+        })?;
+        if t.dims() != var.dims() {
+            return Err(Error::Input(format!(
+                "{}: {name} has shape {:?}, the model {:?}",
+                weights.display(),
+                t.dims(),
+                var.dims()
+            )));
+        }
+        var.set(&t.to_dtype(var.dtype())?)?;
+    }
+    let (ms, vs) = crate::run::checkpoint::load_moments(&path, store)?;
+    opt.adam_mut().restore(ms, vs, state.adam_steps)?;
+    tracing::info!("resuming from {} (step {} of {})", path.display(), state.step, state.total_steps);
+    Ok(state)
+}
+
+/// Trains the variables of `store` on `examples` (split into train and eval by `args`),
+/// announcing the plan in the log only with `announce` (a trainer that calls this
+/// every step, such as rejection sampling, passes false), and with checkpoints when given.
+/// Stopped by `checkpoints.stop`, it returns after the step under way and its checkpoint, with
+/// `steps` short of the run's.
 pub(crate) fn run_with<O: Objective>(
     obj: &O,
     store: &ParamStore,
@@ -300,6 +422,7 @@ pub(crate) fn run_with<O: Objective>(
     args: &TrainingArgs,
     progress: &mut dyn FnMut(&TrainProgress),
     announce: bool,
+    checkpoints: Option<Checkpointing>,
 ) -> Result<TrainSummary> {
     args.validate().map_err(Error::Input)?;
     if !store.trainable() {
@@ -335,11 +458,34 @@ pub(crate) fn run_with<O: Objective>(
     }
     let mut rng = rand::rngs::StdRng::seed_from_u64(args.seed.wrapping_add(1));
     let (mut step, mut epoch, mut last_loss, mut loss_sum, mut last_eval) = (0, 0, f64::NAN, 0.0, None);
-    while step < total {
+    let mut state = SupervisedState {
+        step: 0,
+        total_steps: total,
+        train_examples: train_idx.len(),
+        seed: args.seed,
+        processes: world,
+        adam_steps: 0,
+        last_loss: None,
+        loss_sum: Some(0.0),
+        last_eval: None,
+    };
+    let mut start = 0;
+    if let Some(c) = checkpoints.filter(|c| c.resume) {
+        let saved = load_checkpoint(c.dir, store, &mut opt, &state)?;
+        start = saved.step;
+        (last_loss, loss_sum) = (saved.last_loss.unwrap_or(f64::NAN), saved.loss_sum.unwrap_or(f64::NAN));
+        last_eval.clone_from(&saved.last_eval);
+    }
+    'run: while step < total {
         epoch += 1;
         let mut perm = train_idx.clone();
         perm.shuffle(&mut rng);
         for group in perm.chunks(args.examples_per_step() * world).take(total - step) {
+            // A resumed run replays the shuffles of the steps it has done.
+            if step < start {
+                step += 1;
+                continue;
+            }
             // This process's share of the step's examples (balanced; exact however they split,
             // as the loss is divided by the terms of every process).
             let share = &group[rank * group.len() / world..(rank + 1) * group.len() / world];
@@ -358,10 +504,32 @@ pub(crate) fn run_with<O: Objective>(
                 last_eval.clone_from(&eval_now);
             }
             progress(&TrainProgress { step, total_steps: total, epoch, loss, lr, grad_norm, eval: eval_now });
+            let Some(c) = checkpoints else { continue };
+            let stopping = c.stop.is_some_and(|s| s.load(Ordering::SeqCst));
+            let due = args.save_steps > 0 && step.is_multiple_of(args.save_steps);
+            if stopping || due {
+                state = SupervisedState {
+                    step,
+                    adam_steps: opt.adam().steps(),
+                    last_loss: finite(last_loss),
+                    loss_sum: finite(loss_sum),
+                    last_eval: last_eval.clone(),
+                    ..state
+                };
+                // Every process holds the same weights: the first alone writes them.
+                if crate::dist::is_main() {
+                    let path = save_checkpoint(c.dir, store, &opt, &state)?;
+                    tracing::info!("checkpoint after step {step}: {}", path.display());
+                }
+            }
+            if stopping && step < total {
+                break 'run;
+            }
         }
     }
     Ok(TrainSummary {
         steps: step,
+        total_steps: total,
         train_loss: last_loss,
         mean_train_loss: loss_sum / step.max(1) as f64,
         eval: last_eval,

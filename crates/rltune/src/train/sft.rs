@@ -30,7 +30,9 @@ use candle_core::{DType, Device, Tensor, D};
 use serde::{Deserialize, Serialize};
 
 use super::data::SftRecord;
-use super::runner::{self, BatchLoss, EvalResult, Objective, TrainProgress, TrainSummary, TrainingArgs};
+use super::runner::{
+    self, BatchLoss, Checkpointing, EvalResult, Objective, TrainProgress, TrainSummary, TrainingArgs,
+};
 use crate::error::{Error, Result};
 use crate::models::layers::{causal_bias, position_ids_from_mask};
 use crate::models::load::{locate, read_config_json, save_dir_atomic, save_pretrained, LoraSpec};
@@ -303,6 +305,18 @@ pub fn train_sft(
     args: &TrainingArgs,
     progress: &mut dyn FnMut(&TrainProgress),
 ) -> Result<TrainSummary> {
+    train_sft_with(model, records, cfg, args, None, progress)
+}
+
+/// [`train_sft`] with checkpoints, `--resume` and a stop flag ([`Checkpointing`]).
+pub fn train_sft_with(
+    model: &SftModel,
+    records: &[SftRecord],
+    cfg: &SftConfig,
+    args: &TrainingArgs,
+    checkpoints: Option<Checkpointing>,
+    progress: &mut dyn FnMut(&TrainProgress),
+) -> Result<TrainSummary> {
     check_max_length(model, cfg)?;
     let (examples, skipped) = tokenize_sft(records, &model.tokenizer, model.eos_id(), cfg)?;
     if examples.is_empty() {
@@ -311,7 +325,8 @@ pub fn train_sft(
             cfg.max_length
         )));
     }
-    let mut summary = runner::run(&SftObjective::new(model), &model.store, &examples, args, progress)?;
+    let obj = SftObjective::new(model);
+    let mut summary = runner::run_with(&obj, &model.store, &examples, args, progress, true, checkpoints)?;
     summary.skipped_examples = skipped;
     Ok(summary)
 }
@@ -327,7 +342,7 @@ pub fn train_sft_examples(
     if examples.is_empty() {
         return Err(Error::Input("no SFT example to train on".into()));
     }
-    runner::run_with(&SftObjective::new(model), &model.store, examples, args, progress, false)
+    runner::run_with(&SftObjective::new(model), &model.store, examples, args, progress, false, None)
 }
 
 /// Mean next-token loss, perplexity and token accuracy of `model` on `examples`.

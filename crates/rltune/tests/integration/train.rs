@@ -382,3 +382,138 @@ fn reward_model_bradley_terry_prefers_chosen() {
     println!("reloaded rewards: good {good:.3}, bad {bad:.3}");
     assert!(good > bad + 1.0 && score(&model.model, "q good") == score(&loaded, "q good"));
 }
+
+/// Every trainable variable's values, by name.
+fn weights(store: &ParamStore) -> Vec<(String, Vec<f32>)> {
+    store
+        .vars()
+        .into_iter()
+        .map(|(n, v)| (n, v.as_tensor().flatten_all().unwrap().to_vec1().unwrap()))
+        .collect()
+}
+
+/// SFT (2 epochs, warm-up and decay, an eval every 3 steps, accumulation) stopped by the stop
+/// flag after step 5, then resumed from its checkpoint, equals the run that never stopped: every
+/// weight and every later step's loss, bit for bit; the learning rate resumes on its schedule.
+/// Steps before the checkpoint were written at `save_steps`.
+#[test]
+fn sft_stopped_and_resumed_equals_one_run_bit_for_bit() {
+    use rltune::train::Checkpointing;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    crate::common::install();
+    let records = color_corpus(40);
+    let args = TrainingArgs {
+        learning_rate: 3e-3,
+        num_train_epochs: 2,
+        batch_size: 4,
+        gradient_accumulation_steps: 2,
+        warmup_steps: 2,
+        eval_fraction: 0.2,
+        eval_every: 3,
+        save_steps: 2,
+        ..Default::default()
+    };
+    let train = |model: &SftModel, ckpt: Option<Checkpointing>, stop_at: Option<&AtomicBool>| {
+        let mut log: Vec<TrainProgress> = Vec::new();
+        let s = sft::train_sft_with(model, &records, &sft_config(), &args, ckpt, &mut |p| {
+            log.push(p.clone());
+            if let Some(flag) = stop_at.filter(|_| p.step == 5) {
+                flag.store(true, Ordering::SeqCst);
+            }
+        })
+        .unwrap();
+        (s, log)
+    };
+    let straight = tiny_sft_model(4, DType::F32);
+    let (whole, whole_log) = train(&straight, None, None);
+    assert_eq!(whole.steps, 8);
+
+    let dir = tempfile::tempdir().unwrap();
+    let stop = AtomicBool::new(false);
+    let first = tiny_sft_model(4, DType::F32);
+    let ckpt = Checkpointing { dir: dir.path(), resume: false, stop: Some(&stop) };
+    let (cut, _) = train(&first, Some(ckpt), Some(&stop));
+    assert_eq!((cut.steps, cut.total_steps), (5, 8), "stopped after the step under way");
+    for step in [2, 4, 5] {
+        assert!(dir.path().join(format!("step-{step}/trainer_state.json")).exists(), "step-{step}");
+    }
+    // A fresh model (other random weights) resumes from the checkpoint.
+    let resumed_model = tiny_sft_model(9, DType::F32);
+    let ckpt = Checkpointing { dir: dir.path(), resume: true, stop: None };
+    let (resumed, log) = train(&resumed_model, Some(ckpt), None);
+    assert_eq!(resumed.steps, 8);
+    assert_eq!(log.first().map(|p| p.step), Some(6), "the resumed run starts after its checkpoint");
+    assert_eq!(
+        log.iter().map(|p| (p.step, p.loss, p.lr)).collect::<Vec<_>>(),
+        whole_log[5..].iter().map(|p| (p.step, p.loss, p.lr)).collect::<Vec<_>>()
+    );
+    assert_eq!(weights(&resumed_model.store), weights(&straight.store));
+    assert_eq!((resumed.mean_train_loss, resumed.eval.clone()), (whole.mean_train_loss, whole.eval.clone()));
+
+    // Resuming under other settings is refused, naming the setting.
+    let other = TrainingArgs { num_train_epochs: 3, ..args.clone() };
+    let ckpt = Checkpointing { dir: dir.path(), resume: true, stop: None };
+    let err = sft::train_sft_with(
+        &tiny_sft_model(4, DType::F32),
+        &records,
+        &sft_config(),
+        &other,
+        Some(ckpt),
+        &mut |_| {},
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("total_steps") && err.contains("step-8/trainer_state.json"), "{err}");
+    let empty = tempfile::tempdir().unwrap();
+    let ckpt = Checkpointing { dir: empty.path(), resume: true, stop: None };
+    let err = sft::train_sft_with(
+        &tiny_sft_model(4, DType::F32),
+        &records,
+        &sft_config(),
+        &args,
+        Some(ckpt),
+        &mut |_| {},
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("no checkpoint") && err.contains("without --resume"), "{err}");
+}
+
+/// The reward model (Bradley–Terry on preference pairs) resumes bit for bit too.
+#[test]
+fn reward_model_stopped_and_resumed_equals_one_run_bit_for_bit() {
+    use rltune::train::Checkpointing;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    crate::common::install();
+    let vocab = 4 + rm_words().len();
+    let json = || serde_json::to_value(BertConfig::tiny(vocab, 16, 1, 2, 2)).unwrap();
+    let records: Vec<RewardRecord> = (0..24)
+        .map(|i| RewardRecord::Preference {
+            prompt: None,
+            chosen: filler_text(i, "good"),
+            rejected: filler_text(i + 1, "bad"),
+        })
+        .collect();
+    let cfg = RewardConfig { max_length: 32, ..Default::default() };
+    let args = TrainingArgs { num_train_epochs: 3, batch_size: 4, save_steps: 0, ..rm_args() };
+    let run = |model: &RewardModel, ckpt: Option<Checkpointing>, stop_at: Option<&AtomicBool>| {
+        reward_model::train_reward_model_with(model, &records, &cfg, &args, ckpt, &mut |p| {
+            if let Some(flag) = stop_at.filter(|_| p.step == 7) {
+                flag.store(true, Ordering::SeqCst);
+            }
+        })
+        .unwrap()
+    };
+    let straight = tiny_rm(json(), "bert", &["LABEL_0"]);
+    let whole = run(&straight, None, None);
+    let dir = tempfile::tempdir().unwrap();
+    let stop = AtomicBool::new(false);
+    let first = tiny_rm(json(), "bert", &["LABEL_0"]);
+    let cut =
+        run(&first, Some(Checkpointing { dir: dir.path(), resume: false, stop: Some(&stop) }), Some(&stop));
+    assert_eq!(cut.steps, 7);
+    let again = tiny_rm(json(), "bert", &["LABEL_0"]);
+    let resumed = run(&again, Some(Checkpointing { dir: dir.path(), resume: true, stop: None }), None);
+    assert_eq!((resumed.steps, resumed.mean_train_loss), (whole.steps, whole.mean_train_loss));
+    assert_eq!(weights(&again.store), weights(&straight.store));
+}
