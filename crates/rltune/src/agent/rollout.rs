@@ -269,6 +269,7 @@ fn sample_admissible(
                 query_ids: a.query_ids,
                 response_ids: a.response_ids,
                 logprobs: a.logprobs,
+                support: None,
                 values: Some(a.values),
             }
         })
