@@ -790,7 +790,11 @@ fn truncated_sampling_trains_on_its_supports() {
     let a = exact.step_with(input).unwrap();
     let d_exact = logprob_diff(&a, &queries, &samples);
     let kl = scalar(&a, "objective/kl");
-    let d_vocab = logprob_diff(&trainer(4, cfg.clone()).step_with(StepInput { allowed: None, ..input }).unwrap(), &queries, &samples);
+    let d_vocab = logprob_diff(
+        &trainer(4, cfg.clone()).step_with(StepInput { allowed: None, ..input }).unwrap(),
+        &queries,
+        &samples,
+    );
     let trl_gen = GenerationConfig { logprob_support: rltune::generation::LogprobSupport::Vocabulary, ..gen };
     let trl_samples = rollout(&trainer(4, cfg.clone()), &queries, &trl_gen);
     assert_eq!(responses(&trl_samples), resp, "the same draws");
