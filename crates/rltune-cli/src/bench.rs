@@ -321,6 +321,7 @@ pub fn run_grpo(args: GrpoArgs) -> Result<()> {
             completions: &completions,
             rewards: &table,
             truncated: None,
+            allowed: None,
         })?;
         let secs = t.elapsed().as_secs_f64();
         if !args.json {

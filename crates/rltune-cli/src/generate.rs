@@ -32,12 +32,15 @@ pub struct Args {
     /// Sampling temperature.
     #[arg(long, default_value_t = 1.0)]
     temperature: f64,
-    /// Keep the k most likely tokens (0: off). Biases PPO's KL estimate.
+    /// Keep the k most likely tokens (0: off); logprobs over the truncated support.
     #[arg(long, default_value_t = 0)]
     top_k: usize,
-    /// Nucleus sampling threshold (1.0: off). Biases PPO's KL estimate.
+    /// Nucleus sampling threshold (1.0: off); logprobs over the truncated support.
     #[arg(long, default_value_t = 1.0)]
     top_p: f64,
+    /// Keep tokens at least this fraction as likely as the best (0: off), after top-k and top-p.
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f64,
     /// Seed of the sampler.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -102,6 +105,7 @@ pub fn run(args: Args) -> Result<()> {
         temperature: args.temperature,
         top_k: args.top_k,
         top_p: args.top_p,
+        min_p: args.min_p,
         seed: args.seed,
         ..Default::default()
     };

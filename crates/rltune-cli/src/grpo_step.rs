@@ -126,6 +126,7 @@ pub fn run_grpo(args: Args) -> Result<()> {
         completions: &r.completions,
         rewards: &r.rewards,
         truncated: Some(&truncated),
+        allowed: None,
     };
     let mut trainer = GrpoTrainer::new(config, policy.store.clone(), policy.lm.clone(), reference)
         .with_context(|| format!("cannot set up GRPO from {}", args.config.display()))?;
@@ -143,6 +144,7 @@ pub fn run_rloo(args: Args) -> Result<()> {
         completions: &r.completions,
         rewards: &r.rewards,
         truncated: Some(&truncated),
+        allowed: None,
     };
     let mut trainer = RlooTrainer::new(config, policy.store.clone(), policy.lm.clone(), reference)
         .with_context(|| format!("cannot set up RLOO from {}", args.config.display()))?;

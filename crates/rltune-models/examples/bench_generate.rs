@@ -400,7 +400,8 @@ fn alternatives(
     let t = bench(reps, || Ok(rltune_kernels::log_softmax_last_dim(&logits_t).map(|_| ())?))?;
     println!("  log_softmax on the (B, V) tensor (rltune_models::ops, f32)       {:>8.2} ms", ms(t));
 
-    let scfg = SamplerConfig { temperature: gen.temperature, top_k: gen.top_k, top_p: gen.top_p };
+    let scfg =
+        SamplerConfig { temperature: gen.temperature, top_k: gen.top_k, top_p: gen.top_p, min_p: gen.min_p };
     let t = bench(reps, || {
         let mut rng = rand::rngs::StdRng::seed_from_u64(0);
         for row in &logits {

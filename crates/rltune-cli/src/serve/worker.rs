@@ -43,7 +43,7 @@ impl Params {
     }
 
     fn sampler(&self) -> SamplerConfig {
-        SamplerConfig { temperature: self.temperature, top_k: self.top_k, top_p: self.top_p }
+        SamplerConfig { temperature: self.temperature, top_k: self.top_k, top_p: self.top_p, min_p: 0.0 }
     }
 }
 

@@ -186,7 +186,7 @@ pub struct ActionSample {
 /// temperature; `top_k = 1` (greedy decoding) is temperature 0, the most likely allowed token;
 /// each row draws from its own stream keyed by `seed` and its global index (`row_offset`), so
 /// a sample depends on neither its batch's other rows nor the thread count, and the processes
-/// of a data-parallel run draw what one process would. Other `top_k` and `top_p` are refused:
+/// of a data-parallel run draw what one process would. Other `top_k`, `top_p` and `min_p` are refused:
 /// truncating an action set that the trie already restricts is not defined here. The token
 /// counts (`max_new_tokens`, EOS) do not apply: a command ends at its trie's leaf.
 pub fn generate_admissible(
@@ -227,11 +227,12 @@ pub fn generate_admissible_carried(
     cfg: &GenerationConfig,
     device: &Device,
 ) -> Result<Vec<Option<ActionSample>>> {
-    if cfg.top_k > 1 || cfg.top_p < 1.0 {
+    if cfg.top_k > 1 || cfg.top_p < 1.0 || cfg.min_p > 0.0 {
         return Err(Error::Input(format!(
             "[agent] actions = \"admissible\" samples from the softmax over the allowed commands' tokens: \
-             top_k = {} and top_p = {} cannot apply there; set top_k = 0 (or 1 for greedy) and top_p = 1.0",
-            cfg.top_k, cfg.top_p
+             top_k = {}, top_p = {} and min_p = {} cannot apply there; set top_k = 0 (or 1 for greedy), \
+             top_p = 1.0 and min_p = 0",
+            cfg.top_k, cfg.top_p, cfg.min_p
         )));
     }
     let temperature = if cfg.top_k == 1 { 0.0 } else { cfg.temperature };

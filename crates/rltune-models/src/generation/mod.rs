@@ -6,9 +6,15 @@
 //! under the distribution it was drawn from, and, with a value head, the value of the state that
 //! produced it — what PPO needs, so rollouts can skip a second forward pass.
 //!
-//! Defaults follow TRL's advice for PPO: pure sampling, no top-k, no top-p, no min-length. Those
-//! options exist, but they make the sampled distribution differ from the policy, which biases the
-//! KL estimate (TRL's documented cause of negative KL); turning them on logs a warning.
+//! Defaults follow TRL's advice for PPO: pure sampling, no top-k, no top-p, no min-p, no
+//! min-length. With top-k, top-p or min-p on, each token is drawn from the truncated
+//! distribution renormalized over its support, and the sample keeps each position's support
+//! ([`Sample::support`], sorted ids): the trainers renormalize the policy's and the reference's
+//! distributions over the same sets (their `allowed` input, the admissible-action machinery), so
+//! the first ratio is 1 and the KL compares the distributions actually sampled from (issue #57).
+//! `logprob_support = "vocabulary"` keeps TRL's behaviour instead: logprobs over the whole
+//! vocabulary, which biases the ratio and the KL (TRL's documented cause of negative KL), with a
+//! warning. Min-length (banning EOS) is not recorded as a support: it still biases the KL.
 
 pub mod admissible;
 pub mod carried;
@@ -59,6 +65,13 @@ pub struct GenerationConfig {
     pub top_k: usize,
     /// Nucleus sampling threshold; 1.0 (default) disables.
     pub top_p: f64,
+    /// Keep the tokens at least `min_p` times as likely as the most likely one (applied after
+    /// top-k and top-p, as transformers does); 0 (default) disables.
+    pub min_p: f64,
+    /// The distribution the logprobs of a truncated (top-k / top-p / min-p) sample are taken
+    /// over, in sampling and in training: `"truncated"` (default, exact) or `"vocabulary"`
+    /// (TRL's: the whole vocabulary).
+    pub logprob_support: LogprobSupport,
     /// EOS is forbidden before this many new tokens; 0 (default) disables.
     pub min_new_tokens: usize,
     /// Seed of the sampler's random source.
@@ -91,6 +104,8 @@ impl Default for GenerationConfig {
             temperature: 1.0,
             top_k: 0,
             top_p: 1.0,
+            min_p: 0.0,
+            logprob_support: LogprobSupport::Truncated,
             min_new_tokens: 0,
             seed: 0,
             eos_token_ids: Vec::new(),
@@ -114,12 +129,27 @@ impl GenerationConfig {
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return Err(Error::Input(format!("generation.top_p must be in (0, 1], got {}", self.top_p)));
         }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return Err(Error::Input(format!("generation.min_p must be in [0, 1], got {}", self.min_p)));
+        }
         Ok(())
     }
 
-    /// Whether any option that biases PPO's KL estimate is on.
+    /// Whether top-k, top-p or min-p can drop a token.
+    pub fn truncates(&self) -> bool {
+        self.sampler().truncates()
+    }
+
+    /// Whether each sample keeps the supports of its tokens ([`Sample::support`]): truncated
+    /// sampling with `logprob_support = "truncated"`.
+    pub fn records_support(&self) -> bool {
+        self.truncates() && self.logprob_support == LogprobSupport::Truncated
+    }
+
+    /// Whether any option that biases PPO's KL estimate is on: min-length, or truncation whose
+    /// logprobs are taken over the whole vocabulary.
     pub fn biases_kl(&self) -> bool {
-        self.top_k > 0 || self.top_p < 1.0 || self.min_new_tokens > 0
+        (self.truncates() && !self.records_support()) || self.min_new_tokens > 0
     }
 
     /// The seed of row `i`'s random stream: `row_seeds[i]` when given, else
@@ -132,8 +162,26 @@ impl GenerationConfig {
     }
 
     fn sampler(&self) -> SamplerConfig {
-        SamplerConfig { temperature: self.temperature, top_k: self.top_k, top_p: self.top_p }
+        SamplerConfig {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+        }
     }
+}
+
+/// What the logprobs of truncated sampling are taken over (`[generation] logprob_support`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LogprobSupport {
+    /// The truncated support each token was drawn from, renormalized: exact sampling, ratio and
+    /// KL (rltune's default).
+    #[default]
+    Truncated,
+    /// The whole vocabulary, as TRL computes them whatever the sampler truncated (its
+    /// behaviour, kept on request; biased, see `docs/trl-deviations.md`).
+    Vocabulary,
 }
 
 /// One generated sequence.
@@ -143,8 +191,14 @@ pub struct Sample {
     pub query_ids: Vec<u32>,
     /// The sampled tokens (ending in EOS when the sequence stopped there).
     pub response_ids: Vec<u32>,
-    /// Logprob of each response token under the distribution it was sampled from.
+    /// Logprob of each response token under the distribution it was sampled from (with
+    /// `logprob_support = "vocabulary"`: under the untruncated distribution).
     pub logprobs: Vec<f32>,
+    /// With truncated sampling ([`GenerationConfig::records_support`]): the ids each response
+    /// token was drawn from, sorted, one set per token; what a training forward renormalizes
+    /// over (`StepInput::allowed`). `None` otherwise: the whole vocabulary.
+    #[serde(skip)]
+    pub support: Option<Vec<Vec<u32>>>,
     /// Value of the state that produced each response token (with a value head).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub values: Option<Vec<f32>>,
@@ -180,8 +234,8 @@ pub fn generate(
     generate_with(lm, v_head, prompts, cfg, device, SamplingPath::Auto)
 }
 
-/// [`generate`] with the sampling path chosen. [`SamplingPath::Device`] with top-k or top-p is
-/// an error.
+/// [`generate`] with the sampling path chosen. [`SamplingPath::Device`] with top-k, top-p or
+/// min-p is an error.
 pub fn generate_with(
     lm: &CausalLm,
     v_head: Option<&ValueHead>,
@@ -191,7 +245,7 @@ pub fn generate_with(
     path: SamplingPath,
 ) -> Result<Vec<Sample>> {
     cfg.validate()?;
-    let pure = cfg.top_k == 0 && cfg.top_p >= 1.0;
+    let pure = !cfg.truncates();
     let on_device = match path {
         // Rows with their own seeds are drawn on the host, where each row has its stream.
         SamplingPath::Auto => pure && !device.is_cpu() && cfg.row_seeds.is_empty(),
@@ -200,7 +254,7 @@ pub fn generate_with(
         SamplingPath::Device => {
             return Err(Error::Input(
                 "sampling on the device supports pure sampling only (temperature, min_new_tokens); \
-                 set top_k = 0 and top_p = 1.0, or sample on the host"
+                 set top_k = 0, top_p = 1.0 and min_p = 0, or sample on the host"
                     .into(),
             ))
         }
@@ -208,8 +262,9 @@ pub fn generate_with(
     // Greedy decoding (top_k = 1) is for evaluation, where no KL is estimated.
     if cfg.biases_kl() && cfg.top_k != 1 {
         tracing::warn!(
-            "top_k / top_p / min_new_tokens are on: sampling no longer follows the policy, which \
-             biases PPO's KL estimate (it can turn negative and PPO will exploit it)"
+            "min_new_tokens, or top_k / top_p / min_p with logprob_support = \"vocabulary\", is on: \
+             sampling no longer follows the distribution the logprobs are taken over, which biases \
+             the ratio and the KL estimate (it can turn negative and PPO will exploit it)"
         );
     }
     check_prompts(prompts, lm.vocab_size())?;
@@ -244,6 +299,7 @@ pub fn generate_with(
             query_ids: p.clone(),
             response_ids: Vec::new(),
             logprobs: Vec::new(),
+            support: cfg.records_support().then(Vec::new),
             values: v_head.map(|_| Vec::new()),
         })
         .collect();
@@ -269,7 +325,7 @@ pub fn generate_with(
         };
         let banned: &[u32] = if step < cfg.min_new_tokens { &eos } else { &[] };
         let mut next = vec![pad_id; b];
-        let picked: Vec<Option<(usize, f64)>> = match noise.as_mut() {
+        let picked: Vec<Option<Picked>> = match noise.as_mut() {
             Some(noise) => {
                 // Finished rows are sampled too (their tokens are dropped): a fixed (B, V) shape.
                 let logits = lm.logits(&last)?.squeeze(1)?;
@@ -277,17 +333,20 @@ pub fn generate_with(
                 ids.into_iter()
                     .zip(lps)
                     .zip(&done)
-                    .map(|((id, lp), &d)| (!d).then_some((id as usize, lp as f64)))
+                    .map(|((id, lp), &d)| (!d).then_some((id as usize, lp as f64, None)))
                     .collect()
             }
             None => sample_on_host(lm, &last, &done, &mut rngs, cfg, banned)?,
         };
 
         for (i, pick) in picked.into_iter().enumerate() {
-            let Some((tok, lp)) = pick else { continue };
+            let Some((tok, lp, support)) = pick else { continue };
             let s = &mut samples[i];
             s.response_ids.push(tok as u32);
             s.logprobs.push(lp as f32);
+            if let (Some(sets), Some(set)) = (s.support.as_mut(), support) {
+                sets.push(set);
+            }
             if let (Some(vs), Some(v)) = (s.values.as_mut(), values.as_ref()) {
                 vs.push(v[i]);
             }
@@ -313,6 +372,9 @@ pub fn generate_with(
     Ok(samples)
 }
 
+/// A sampled token, its logprob, and (when recorded) the support it was drawn from.
+type Picked = (usize, f64, Option<Vec<u32>>);
+
 /// One token per live row (`None` for finished rows), sampled exactly on the host from the
 /// last position's logits.
 fn sample_on_host(
@@ -322,7 +384,7 @@ fn sample_on_host(
     rngs: &mut [rand::rngs::StdRng],
     cfg: &GenerationConfig,
     banned: &[u32],
-) -> Result<Vec<Option<(usize, f64)>>> {
+) -> Result<Vec<Option<Picked>>> {
     // The logits (B, V), read in place: each row is copied once, by the task that samples it.
     let logits = lm.logits(last)?.squeeze(1)?.to_dtype(DType::F32)?.to_device(&Device::Cpu)?.contiguous()?;
     let vocab = logits.dim(1)?;
@@ -331,24 +393,41 @@ fn sample_on_host(
     let draws: Vec<Option<f64>> =
         done.iter().zip(rngs.iter_mut()).map(|(&d, rng)| (!d).then(|| rng.gen::<f64>())).collect();
     let sampler_cfg = cfg.sampler();
-    let pure = cfg.top_k == 0 && cfg.top_p >= 1.0;
+    let pure = !cfg.truncates();
     let picked = rltune_kernels::with_f32(&logits, "generation: logits", |logits| {
         draws
             .par_iter()
             .zip(logits.par_chunks(vocab.max(1)))
-            .map(|(u, row)| {
-                u.map(|u| {
-                    if pure {
-                        return sampler::sample_pure(row, cfg.temperature, banned, u);
-                    }
-                    let logp = sampler::log_distribution(row, &sampler_cfg, banned);
-                    let tok = sampler::sample_at(&logp, u);
-                    (tok, logp[tok])
-                })
-            })
+            .map(|(u, row)| u.map(|u| sample_row(row, cfg, &sampler_cfg, pure, banned, u)))
             .collect()
     })?;
     Ok(picked)
+}
+
+/// One draw from one row of logits with the uniform `u`: pure sampling takes the vectorized
+/// path, truncated sampling the f64 one, whose support is kept when `cfg` records it; with
+/// `logprob_support = "vocabulary"` the logprob is the untruncated `log_softmax(logits / T)`'s.
+fn sample_row(
+    row: &[f32],
+    cfg: &GenerationConfig,
+    sampler_cfg: &SamplerConfig,
+    pure: bool,
+    banned: &[u32],
+    u: f64,
+) -> Picked {
+    if pure {
+        let (tok, lp) = sampler::sample_pure(row, cfg.temperature, banned, u);
+        return (tok, lp, None);
+    }
+    let logp = sampler::log_distribution(row, sampler_cfg, banned);
+    let tok = sampler::sample_at(&logp, u);
+    match cfg.logprob_support {
+        LogprobSupport::Truncated => (tok, logp[tok], Some(sampler::support(&logp))),
+        LogprobSupport::Vocabulary => {
+            let whole = SamplerConfig { temperature: cfg.temperature, ..Default::default() };
+            (tok, sampler::log_distribution(row, &whole, &[])[tok], None)
+        }
+    }
 }
 
 /// The seed of row `row`'s random stream in a batch sampled with `seed` (splitmix64 twice: rows
@@ -379,4 +458,65 @@ fn check_prompts(prompts: &[Vec<u32>], vocab_size: usize) -> Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::params::ParamStore;
+    use crate::{gpt2::Gpt2Config, CausalLmConfig};
+
+    fn tiny_lm() -> CausalLm {
+        let cfg = CausalLmConfig::Gpt2(Gpt2Config::tiny(40, 16, 2, 2, 32));
+        let store = ParamStore::random(3, false, DType::F32, &Device::Cpu).unwrap();
+        CausalLm::load(&store.root(), &cfg).unwrap()
+    }
+
+    /// Issue #57: truncated sampling keeps each token's support; the token is in it, its logprob
+    /// is the softmax renormalized over it (what a training forward computes from the same
+    /// logits), and `"vocabulary"` draws the same tokens with the untruncated logprobs and no
+    /// support. Pure sampling keeps none.
+    #[test]
+    fn truncated_samples_keep_their_supports() {
+        let lm = tiny_lm();
+        let prompts = vec![vec![1u32, 2, 3], vec![4]];
+        let base = GenerationConfig { max_new_tokens: 6, stop_at_eos: false, seed: 5, ..Default::default() };
+        let pure = generate(&lm, None, &prompts, &base, &Device::Cpu).unwrap();
+        assert!(pure.iter().all(|s| s.support.is_none()));
+        let cfg = GenerationConfig { temperature: 0.8, top_k: 12, top_p: 0.9, min_p: 0.05, ..base };
+        let exact = generate(&lm, None, &prompts, &cfg, &Device::Cpu).unwrap();
+        let whole = GenerationConfig { logprob_support: LogprobSupport::Vocabulary, ..cfg.clone() };
+        let trl = generate(&lm, None, &prompts, &whole, &Device::Cpu).unwrap();
+        for (s, t) in exact.iter().zip(&trl) {
+            assert_eq!(s.response_ids, t.response_ids, "the draws do not depend on logprob_support");
+            assert!(t.support.is_none());
+            let sets = s.support.as_ref().unwrap();
+            assert_eq!(sets.len(), s.response_ids.len());
+            // Each position's logits, from one forward of the whole sequence.
+            let ids: Vec<u32> = s.query_ids.iter().chain(&s.response_ids).copied().collect();
+            let n = ids.len();
+            let mask = vec![vec![1u8; n]];
+            let h = lm
+                .forward(
+                    &Tensor::new(ids.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap(),
+                    &crate::layers::position_ids_from_mask(&mask, &Device::Cpu).unwrap(),
+                    &causal_bias(&mask, n, DType::F32, &Device::Cpu).unwrap(),
+                    None,
+                )
+                .unwrap();
+            let logits = lm.logits(&h).unwrap().squeeze(0).unwrap().to_vec2::<f32>().unwrap();
+            for (j, (&tok, set)) in s.response_ids.iter().zip(sets).enumerate() {
+                let row = &logits[s.query_ids.len() + j - 1];
+                assert!(set.contains(&tok) && set.windows(2).all(|w| w[0] < w[1]));
+                assert!(set.len() <= 12 && !set.is_empty());
+                let want = admissible::allowed_logprob(row, 0.8, set, tok);
+                assert!((s.logprobs[j] as f64 - want).abs() < 1e-4, "{} vs {want}", s.logprobs[j]);
+                let full: Vec<u32> = (0..40).collect();
+                let want = admissible::allowed_logprob(row, 0.8, &full, tok);
+                assert!((t.logprobs[j] as f64 - want).abs() < 1e-4, "{} vs {want}", t.logprobs[j]);
+            }
+        }
+        let bad = GenerationConfig { min_p: 1.5, ..Default::default() };
+        assert!(bad.validate().unwrap_err().to_string().contains("generation.min_p"));
+    }
 }

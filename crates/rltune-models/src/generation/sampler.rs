@@ -1,8 +1,9 @@
-//! Exact sampling from one row of logits, with optional (off by default) top-k, top-p and
+//! Exact sampling from one row of logits, with optional (off by default) top-k, top-p, min-p and
 //! min-length processing.
 //!
 //! The returned logprob is that of the sampled token under the distribution actually sampled
-//! from: `log softmax(process(logits / T))`. [`log_distribution`] and [`sample_at`] compute in
+//! from: `log softmax(process(logits / T))`, the truncated distribution renormalized over its
+//! support ([`support`]), which a training forward renormalizes over again (issue #57). [`log_distribution`] and [`sample_at`] compute in
 //! f64 and handle every option; [`sample_pure`], the path generation takes for pure sampling (the
 //! PPO default), makes one vectorized f32 pass over the row instead of two f64 `exp` passes
 //! (the f64 path took 5 ms per decoding step at GPT-2's vocabulary and batch 16).
@@ -18,19 +19,40 @@ pub struct SamplerConfig {
     pub top_k: usize,
     /// Keep the smallest set of tokens whose probability reaches p; 1.0 disables.
     pub top_p: f64,
+    /// Keep the tokens whose probability is at least `min_p` times the most likely one's; 0
+    /// disables (it keeps every token).
+    pub min_p: f64,
 }
 
 impl Default for SamplerConfig {
     fn default() -> Self {
-        Self { temperature: 1.0, top_k: 0, top_p: 1.0 }
+        Self { temperature: 1.0, top_k: 0, top_p: 1.0, min_p: 0.0 }
+    }
+}
+
+impl SamplerConfig {
+    /// Whether top-k, top-p or min-p can drop a token (greedy `top_k = 1` included).
+    pub fn truncates(&self) -> bool {
+        self.top_k > 0 || self.top_p < 1.0 || self.min_p > 0.0
     }
 }
 
 /// The log-probabilities of the processed distribution over one row of logits.
 ///
-/// `banned` ids (EOS under min-length) get probability 0. Filtering follows transformers'
-/// `TopKLogitsWarper` then `TopPLogitsWarper`: top-p drops the tokens whose ascending cumulative
-/// probability is at most `1 - p`, always keeping the most likely token.
+/// `banned` ids (EOS under min-length) get probability 0. Then, in the order transformers'
+/// `generate` applies its warpers (`generation/utils.py::_get_logits_processor`, 4.46:
+/// temperature → top-k → top-p → min-p, each on the previous one's output, with
+/// `min_tokens_to_keep = 1`, `logits_process.py`):
+/// - `TopKLogitsWarper`: drops the tokens below the k-th largest logit; ties with it are kept,
+///   so the support can exceed k.
+/// - `TopPLogitsWarper`: sorts ascending, drops the tokens whose cumulative probability is at
+///   most `1 − p`, always keeping the most likely token. Equal probabilities are ordered by id
+///   (torch's unstable sort leaves their order unspecified).
+/// - `MinPLogitsWarper`: drops the tokens whose probability (over the top-p output) is below
+///   `min_p` times the largest, always keeping the most likely token.
+///
+/// The arithmetic is f64 (transformers': the logits' dtype), so a token within rounding of a
+/// cut can fall on the other side of it.
 pub fn log_distribution(logits: &[f32], cfg: &SamplerConfig, banned: &[u32]) -> Vec<f64> {
     let t = if cfg.temperature > 0.0 { cfg.temperature } else { 1.0 };
     let mut x: Vec<f64> = logits.iter().map(|&l| l as f64 / t).collect();
@@ -58,7 +80,23 @@ pub fn log_distribution(logits: &[f32], cfg: &SamplerConfig, banned: &[u32]) -> 
             }
         }
     }
+    if cfg.min_p > 0.0 {
+        let p = softmax(&x);
+        let top = p.iter().copied().fold(0.0, f64::max);
+        let best = x.iter().enumerate().fold(0, |b, (i, v)| if *v > x[b] { i } else { b });
+        for (i, v) in x.iter_mut().enumerate() {
+            if p[i] < cfg.min_p * top && i != best {
+                *v = f64::NEG_INFINITY;
+            }
+        }
+    }
     log_softmax(&x)
+}
+
+/// The support of a log-distribution from [`log_distribution`]: the ids with a finite logprob,
+/// ascending (the allowed set a training forward renormalizes over).
+pub fn support(logp: &[f64]) -> Vec<u32> {
+    logp.iter().enumerate().filter(|(_, l)| l.is_finite()).map(|(i, _)| i as u32).collect()
 }
 
 /// Draws one index from `logp` (log-probabilities) by inverting the CDF with `u ~ U[0, 1)`.
@@ -330,6 +368,158 @@ mod tests {
         let logp = log_distribution(&[1.0, 2.0], &SamplerConfig::default(), &[0, 1]);
         assert_eq!(tok, sample_at(&logp, 0.5));
         assert!(lp.is_nan() == logp[tok].is_nan());
+    }
+
+    /// The survival function `P(X > x)` of chi-square with `df` degrees of freedom: the
+    /// regularized upper incomplete gamma `Q(df/2, x/2)`, by its series below `a + 1` and its
+    /// continued fraction above (Numerical Recipes, §6.2), with Lanczos' log-gamma (§6.1).
+    fn chi2_sf(x: f64, df: usize) -> f64 {
+        let (a, x) = (df as f64 / 2.0, x / 2.0);
+        let ln_gamma = |z: f64| {
+            let c = [
+                76.180_091_729_471_46,
+                -86.505_320_329_416_77,
+                24.014_098_240_830_91,
+                -1.231_739_572_450_155,
+                0.001_208_650_973_866_179,
+                -0.000_005_395_239_384_953,
+            ];
+            let t = z + 5.5 - (z + 0.5) * (z + 5.5).ln();
+            let s =
+                c.iter().enumerate().fold(1.000_000_000_190_015, |s, (j, c)| s + c / (z + 1.0 + j as f64));
+            -t + (2.506_628_274_631_000_5 * s / z).ln()
+        };
+        let front = (-x + a * x.ln() - ln_gamma(a)).exp();
+        if x < a + 1.0 {
+            let (mut term, mut sum, mut ap) = (1.0 / a, 1.0 / a, a);
+            while term.abs() > sum.abs() * 1e-15 {
+                ap += 1.0;
+                term *= x / ap;
+                sum += term;
+            }
+            1.0 - sum * front
+        } else {
+            let tiny = 1e-300;
+            let (mut b, mut c, mut d) = (x + 1.0 - a, 1.0 / tiny, 1.0 / (x + 1.0 - a));
+            let mut h = d;
+            for i in 1..10_000 {
+                let an = -(i as f64) * (i as f64 - a);
+                b += 2.0;
+                d = an * d + b;
+                d = if d.abs() < tiny { 1.0 / tiny } else { 1.0 / d };
+                c = b + an / c;
+                c = if c.abs() < tiny { tiny } else { c };
+                let del = d * c;
+                h *= del;
+                if (del - 1.0).abs() < 1e-15 {
+                    break;
+                }
+            }
+            front * h
+        }
+    }
+
+    /// The significance level of the chi-square tests.
+    const ALPHA: f64 = 0.001;
+
+    /// Pearson's chi-square of `counts` against the probabilities `exp(logp)`, over the cells
+    /// with a non-zero probability, and its degrees of freedom; a count in a zero-probability
+    /// cell is an infinite statistic.
+    fn pearson(counts: &[usize], logp: &[f64]) -> (f64, usize) {
+        let n: usize = counts.iter().sum();
+        let (mut chi2, mut cells) = (0.0, 0usize);
+        for (&c, &l) in counts.iter().zip(logp) {
+            let e = l.exp() * n as f64;
+            if e > 0.0 {
+                chi2 += (c as f64 - e).powi(2) / e;
+                cells += 1;
+            } else if c > 0 {
+                return (f64::INFINITY, cells);
+            }
+        }
+        (chi2, cells.saturating_sub(1))
+    }
+
+    #[test]
+    fn the_chi_square_tail_matches_the_tables() {
+        // The 0.999 quantiles for 1, 4, 10 and 30 degrees of freedom (any chi-square table).
+        for (df, q) in [(1, 10.828), (4, 18.467), (10, 29.588), (30, 59.703)] {
+            let p = chi2_sf(q, df);
+            assert!((p - 0.001).abs() < 1e-5, "df {df}: P(X > {q}) = {p}");
+        }
+    }
+
+    /// Issue #57: the sampled frequencies under top-k, top-p, min-p and all three at a
+    /// temperature match the truncated, renormalized distribution (Pearson's chi-square below
+    /// its 0.999 quantile: significance 0.001, 100 000 draws from a fixed seed), and the same counts reject the
+    /// untruncated softmax: the test can fail.
+    #[test]
+    fn truncated_sampling_matches_the_renormalized_distribution() {
+        let logits: Vec<f32> = (0..16).map(|i| ((i * 7 % 16) as f32 * 0.37).sin() * 2.5).collect();
+        let cases = [
+            ("top_k = 5", SamplerConfig { top_k: 5, ..Default::default() }),
+            ("top_p = 0.7", SamplerConfig { top_p: 0.7, ..Default::default() }),
+            ("min_p = 0.2", SamplerConfig { min_p: 0.2, ..Default::default() }),
+            (
+                "T 1.3, k 9, p 0.9, min_p 0.1",
+                SamplerConfig { temperature: 1.3, top_k: 9, top_p: 0.9, min_p: 0.1 },
+            ),
+        ];
+        let n = 100_000;
+        for (name, cfg) in cases {
+            let logp = log_distribution(&logits, &cfg, &[]);
+            let kept = support(&logp);
+            assert!(kept.len() > 1 && kept.len() < logits.len(), "{name}: support {kept:?}");
+            let total: f64 = logp.iter().map(|l| l.exp()).sum();
+            assert!((total - 1.0).abs() < 1e-12, "{name}: sums to {total}");
+            let mut rng = rand::rngs::StdRng::seed_from_u64(57);
+            let mut counts = vec![0usize; logits.len()];
+            for _ in 0..n {
+                counts[sample(&logp, &mut rng)] += 1;
+            }
+            let (chi2, df) = pearson(&counts, &logp);
+            let p = chi2_sf(chi2, df);
+            assert!(p > ALPHA, "{name}: chi-square {chi2:.1} ({df} df), p = {p:.2e}, counts {counts:?}");
+            // Against the untruncated softmax (at the same temperature) the test rejects.
+            let whole = SamplerConfig { temperature: cfg.temperature, ..Default::default() };
+            let untruncated = log_distribution(&logits, &whole, &[]);
+            let mut chi2_whole = 0.0;
+            for (&c, &l) in counts.iter().zip(&untruncated) {
+                let e = l.exp() * n as f64;
+                chi2_whole += (c as f64 - e).powi(2) / e;
+            }
+            let p_whole = chi2_sf(chi2_whole, logits.len() - 1);
+            assert!(p_whole < ALPHA, "{name}: the untruncated softmax is not rejected (p = {p_whole})");
+        }
+    }
+
+    /// transformers' rules: top-k keeps ties with the k-th logit; top-p keeps the most likely
+    /// token however small p is and works on the top-k output; min-p compares with the most
+    /// likely token of the top-p output and is applied last.
+    #[test]
+    fn truncation_follows_transformers_rules() {
+        let kept = |logits: &[f32], cfg: SamplerConfig| support(&log_distribution(logits, &cfg, &[]));
+        let logits = [2.0f32, 1.0, 1.0, 0.0, -1.0];
+        assert_eq!(kept(&logits, SamplerConfig { top_k: 2, ..Default::default() }), vec![0, 1, 2]);
+        assert_eq!(kept(&logits, SamplerConfig { top_k: 1, ..Default::default() }), vec![0]);
+        assert_eq!(kept(&logits, SamplerConfig { top_p: 1e-9, ..Default::default() }), vec![0]);
+        // p ∝ e^[2, 1, 1, 0, −1] = [0.521, 0.192, 0.192, 0.070, 0.026], 0.368 and 0.135 of the
+        // best for ids 1-2 and 3: min_p 0.3 keeps 0, 1, 2; min_p 0.4 only 0.
+        assert_eq!(kept(&logits, SamplerConfig { min_p: 0.3, ..Default::default() }), vec![0, 1, 2]);
+        assert_eq!(kept(&logits, SamplerConfig { min_p: 0.4, ..Default::default() }), vec![0]);
+        // Top-p after top-k: over the top-2 (three tokens with the tie), p ≈ [0.576, 0.212,
+        // 0.212]; top_p 0.7 drops the cumulative ≤ 0.3 from the bottom: one of the tied pair,
+        // id 1, which comes first in the ascending order (ties are ordered by id).
+        let both = SamplerConfig { top_k: 2, top_p: 0.7, ..Default::default() };
+        assert_eq!(kept(&logits, both.clone()), vec![0, 2]);
+        // Min-p after top-p: relative to the best token, so unchanged by renormalization.
+        let all = SamplerConfig { min_p: 0.5, ..both };
+        assert_eq!(kept(&logits, all), vec![0]);
+        // Temperature first: at T = 4 the ratios to the best are [1, 0.78, 0.78, 0.61, 0.47],
+        // so min_p 0.6 keeps four tokens (at T = 1 it keeps one).
+        let warm = SamplerConfig { temperature: 4.0, min_p: 0.6, ..Default::default() };
+        assert_eq!(kept(&logits, warm), vec![0, 1, 2, 3]);
+        assert_eq!(kept(&logits, SamplerConfig { min_p: 0.6, ..Default::default() }), vec![0]);
     }
 
     #[test]

@@ -209,7 +209,12 @@ fn collect_windows(
                     reward: cfg.shaping.reward(action, &after) as f32,
                     bootstrap: 0.0,
                     next_query_ids: Vec::new(),
-                    allowed: allowed.get(k).map(|a| a[..cut].to_vec()).unwrap_or_default(),
+                    // The admissible sets, or with truncated sampling the supports.
+                    allowed: allowed
+                        .get(k)
+                        .or(s.support.as_ref())
+                        .map(|a| a[..cut].to_vec())
+                        .unwrap_or_default(),
                 });
                 // Terminated: no bootstrap. Going on or truncated: the next state's value.
                 if !after.terminated {
@@ -270,6 +275,7 @@ fn sample_admissible(
                 query_ids: a.query_ids,
                 response_ids: a.response_ids,
                 logprobs: a.logprobs,
+                support: None,
                 values: Some(a.values),
             }
         })

@@ -161,6 +161,79 @@ mod tests {
     use super::*;
     use crate::generation::admissible::allowed_logprob;
 
+    /// Issue #57: the gradient of the truncated logprobs (supports from top-k / top-p / min-p
+    /// on the rows' own logits, held fixed) equals central finite differences in f64, for the
+    /// hidden states and the LM head weight: the loss is `Σ w_r · log π(target_r | support_r)`.
+    #[test]
+    fn truncated_logprob_gradients_match_finite_differences() {
+        use crate::generation::sampler::{log_distribution, support, SamplerConfig};
+        let dev = Device::Cpu;
+        let (n, c, v, temp) = (4usize, 6usize, 23usize, 0.8);
+        // Fixed, smooth values (candle's CPU `randn` cannot be seeded).
+        let h0: Vec<f64> = (0..n * c).map(|k| (1.3 * k as f64 + 0.4).sin() * 0.6).collect();
+        let w0: Vec<f64> = (0..v * c).map(|k| (0.37 * (k * k % 101) as f64).cos()).collect();
+        let h0 = Tensor::from_vec(h0, (n, c), &dev).unwrap();
+        let w0 = Tensor::from_vec(w0, (v, c), &dev).unwrap();
+        let logits = h0.matmul(&w0.t().unwrap()).unwrap().to_vec2::<f64>().unwrap();
+        let cfgs = [
+            SamplerConfig { temperature: temp, top_k: 5, ..Default::default() },
+            SamplerConfig { temperature: temp, top_p: 0.8, ..Default::default() },
+            SamplerConfig { temperature: temp, min_p: 0.1, ..Default::default() },
+            SamplerConfig { temperature: temp, top_k: 12, top_p: 0.9, min_p: 0.05 },
+        ];
+        let sets: Vec<Vec<u32>> = logits
+            .iter()
+            .zip(&cfgs)
+            .map(|(row, cfg)| {
+                let row: Vec<f32> = row.iter().map(|&x| x as f32).collect();
+                support(&log_distribution(&row, cfg, &[]))
+            })
+            .collect();
+        assert!(sets.iter().all(|s| s.len() > 2 && s.len() < v), "{sets:?}");
+        // Each row's target: its support's second id.
+        let targets: Vec<u32> = sets.iter().map(|s| s[1]).collect();
+        let refs: Vec<&[u32]> = sets.iter().map(Vec::as_slice).collect();
+        let (idx, pad) = row_sets(&refs, &dev).unwrap();
+        let tt = Tensor::new(targets.as_slice(), &dev).unwrap();
+        let weights = Tensor::new(&[0.7f64, -1.1, 0.4, 1.3], &dev).unwrap();
+        let loss = |h: &Tensor, w: &Tensor| {
+            let (lp, _) = constrained_logprobs(h, w, &tt, &idx, &pad, temp).unwrap();
+            (lp * &weights).unwrap().sum_all().unwrap()
+        };
+        let (h, w) =
+            (candle_core::Var::from_tensor(&h0).unwrap(), candle_core::Var::from_tensor(&w0).unwrap());
+        let grads = loss(h.as_tensor(), w.as_tensor()).backward().unwrap();
+        let eps = 1e-5;
+        let mut worst = 0f64;
+        for (var, x0, other_is_h) in [(&h, &h0, false), (&w, &w0, true)] {
+            let analytic = grads.get(var).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+            let flat = x0.flatten_all().unwrap().to_vec1::<f64>().unwrap();
+            for (k, &g) in analytic.iter().enumerate() {
+                let at = |d: f64| {
+                    let mut x = flat.clone();
+                    x[k] += d;
+                    let x = Tensor::from_vec(x, x0.dims(), &dev).unwrap();
+                    let l = if other_is_h { loss(&h0, &x) } else { loss(&x, &w0) };
+                    l.to_scalar::<f64>().unwrap()
+                };
+                let fd = (at(eps) - at(-eps)) / (2.0 * eps);
+                worst = worst.max((fd - g).abs());
+            }
+        }
+        let sizes: Vec<usize> = sets.iter().map(Vec::len).collect();
+        eprintln!("supports of {sizes:?} of {v} ids: analytic vs finite differences, max |diff| {worst:e}");
+        assert!(worst < 1e-7, "analytic vs finite-difference gradient: max |diff| {worst:e}");
+        // Not the untruncated gradient: renormalizing over the support changes it.
+        let all: Vec<&[u32]> =
+            vec![&[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]; n];
+        let (idx_all, pad_all) = row_sets(&all, &dev).unwrap();
+        let (lp_all, _) =
+            constrained_logprobs(h.as_tensor(), w.as_tensor(), &tt, &idx_all, &pad_all, temp).unwrap();
+        let g_all = (lp_all * &weights).unwrap().sum_all().unwrap().backward().unwrap();
+        let d = (g_all.get(&h).unwrap() - grads.get(&h).unwrap()).unwrap().abs().unwrap().max_all().unwrap();
+        assert!(d.to_scalar::<f64>().unwrap() > 1e-3, "the support changes nothing");
+    }
+
     /// The constrained logprobs are the sampler's ([`allowed_logprob`]), and their gradients
     /// those of a log-softmax over logits with −∞ outside the set (finite differences of the
     /// dense form would say the same; the dense form is candle's own ops).

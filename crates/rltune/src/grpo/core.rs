@@ -58,6 +58,11 @@ pub struct GroupBatch<'a> {
     /// Whether each completion was cut at the length limit. `None`: TRL's rule, the last token is
     /// neither EOS nor the padding id.
     pub truncated: Option<&'a [bool]>,
+    /// With truncated sampling (top-k / top-p / min-p): each completion token's support, the
+    /// ids it was drawn from ([`crate::generation::Sample::support`]); the policy's, the old
+    /// policy's and the reference's distributions are renormalized over it. `None`: the whole
+    /// vocabulary (TRL).
+    pub allowed: Option<&'a [Vec<Vec<u32>>]>,
 }
 
 /// The input of one trajectory-level GRPO or RLOO step on text games: the turns of groups of
@@ -114,8 +119,8 @@ pub(crate) struct RowConstraint {
     /// `(N, K)`: the allowed ids, and the mask of the padding of shorter sets.
     idx: Tensor,
     pad: Tensor,
-    /// `(B·C, N)`: one-hot, puts the `N` values back at their `(B·C)` places (0 elsewhere).
-    scatter: Tensor,
+    /// `B·C`: where the `N` values go back (`index_add` into zeros at `sel`).
+    rows: usize,
 }
 
 /// Policy, reference, optimizer and the counters a run carries.
@@ -477,16 +482,12 @@ impl Core {
             }
         }
         let (idx, pad) = crate::engine::constraint::row_sets(&picked, &self.device)?;
-        let (rows, n) = (completions.len() * c_len, sel.len());
-        let mut scatter = vec![0f32; rows * n];
-        for (k, &r) in sel.iter().enumerate() {
-            scatter[r as usize * n + k] = 1.0;
-        }
+        let n = sel.len();
         Ok(RowConstraint {
             sel: Tensor::from_vec(sel, n, &self.device)?,
             idx,
             pad,
-            scatter: Tensor::from_vec(scatter, (rows, n), &self.device)?.to_dtype(self.store.dtype())?,
+            rows: completions.len() * c_len,
         })
     }
 
@@ -512,7 +513,10 @@ impl Core {
                     &rc.pad,
                     self.temperature,
                 )?;
-                let back = |x: Tensor| rc.scatter.matmul(&x.to_dtype(rc.scatter.dtype())?.unsqueeze(1)?);
+                let back = |x: Tensor| {
+                    let x = x.to_dtype(self.store.dtype())?;
+                    Tensor::zeros(rc.rows, x.dtype(), x.device())?.index_add(&rc.sel, &x, 0)
+                };
                 (back(lp)?, back(ent.detach())?)
             }
             None => {

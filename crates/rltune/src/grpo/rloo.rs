@@ -72,7 +72,7 @@ impl RlooTrainer {
         rewards: &[f32],
     ) -> Result<Vec<Stats>> {
         let table = RewardTable::single(rewards);
-        self.step_with(&GroupBatch { prompts, completions, rewards: &table, truncated: None })
+        self.step_with(&GroupBatch { prompts, completions, rewards: &table, truncated: None, allowed: None })
     }
 
     /// One RLOO step: `num_iterations` optimizer steps; returns the metrics TRL logs at each.
@@ -89,7 +89,7 @@ impl RlooTrainer {
             cfg.reward_weights.as_deref(),
         )?;
         let in_loss: Vec<bool> = truncated.iter().map(|t| !(cfg.mask_truncated_completions && *t)).collect();
-        let padded = self.core.pad(batch.prompts, batch.completions, &in_loss, None, false)?;
+        let padded = self.core.pad(batch.prompts, batch.completions, &in_loss, batch.allowed, false)?;
         let (old_seq, kl_seq) = self.old_and_kl(&padded)?;
         // In a data-parallel run: the rewards of every process (as TRL gathers them); the KL term
         // below is folded into this process's rows, then gathered too.

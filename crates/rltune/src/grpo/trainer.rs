@@ -80,7 +80,7 @@ impl GrpoTrainer {
         rewards: &[f32],
     ) -> Result<Vec<Stats>> {
         let table = RewardTable::single(rewards);
-        self.step_with(&GroupBatch { prompts, completions, rewards: &table, truncated: None })
+        self.step_with(&GroupBatch { prompts, completions, rewards: &table, truncated: None, allowed: None })
     }
 
     /// One GRPO step on a generation batch: `num_iterations` optimizer steps. Returns the
@@ -98,7 +98,7 @@ impl GrpoTrainer {
             cfg.reward_weights.as_deref(),
         )?;
         let in_loss: Vec<bool> = truncated.iter().map(|t| !(cfg.mask_truncated_completions && *t)).collect();
-        let padded = self.core.pad(batch.prompts, batch.completions, &in_loss, None, false)?;
+        let padded = self.core.pad(batch.prompts, batch.completions, &in_loss, batch.allowed, false)?;
 
         // The advantages over the whole batch (every process's rewards, as TRL gathers them),
         // then this process's rows.

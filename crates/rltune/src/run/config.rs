@@ -467,6 +467,13 @@ impl RunConfig {
                 self.ppo.temperature, self.generation.temperature
             ));
         }
+        if self.generation.records_support() && self.ppo.kl_penalty == crate::ppo::math::KlPenalty::Full {
+            return Err("[ppo] kl_penalty = \"full\" with top_k / top_p / min_p in [generation]: the full \
+                        KL sums over the whole vocabulary, the truncated policy's support is smaller; use \
+                        kl_penalty = \"kl\", \"k3\", \"abs\" or \"mse\", or [generation] logprob_support = \
+                        \"vocabulary\" (TRL's biased logprobs)"
+                .into());
+        }
         if self.model.path.is_empty() {
             return Err("[model] path is empty; set it to a model directory or hub id".into());
         }

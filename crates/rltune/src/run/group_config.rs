@@ -2,10 +2,11 @@
 //! (TRL 1.16.0's `GRPOConfig` / `RLOOConfig` names) and how it meets the loop's other tables.
 //!
 //! - **Sampling keys follow `[generation]`**, as `[ppo] temperature` does: `temperature`,
-//!   `max_completion_length` (= `[generation] max_new_tokens`), `top_p` and `top_k`. A key set
-//!   on one side only is copied to the other; set on both sides with different values, it is an
-//!   error naming both keys. `min_p` must stay unset and `repetition_penalty` 1.0 (the sampler
-//!   has neither).
+//!   `max_completion_length` (= `[generation] max_new_tokens`), `top_p`, `top_k` and `min_p`
+//!   (unset = `[generation] min_p = 0`). A key set on one side only is copied to the other; set
+//!   on both sides with different values, it is an error naming both keys. `repetition_penalty`
+//!   must stay 1.0 (the sampler has none). With top-k, top-p or min-p the step renormalizes
+//!   over each token's sampled support unless `[generation] logprob_support = "vocabulary"`.
 //! - **Batch**: `per_device_train_batch_size` (TRL's default 8) completions per step, that is
 //!   `per_device_train_batch_size / num_generations` prompts with `num_generations` completions
 //!   each (TRL with `steps_per_generation = 1` and one process). It must be a multiple of
@@ -155,6 +156,12 @@ impl RunConfig {
             } else if !gen_sets("top_k") {
                 gen.top_k = c.top_k;
             }
+            // TRL's unset min_p is 0 here (both keep every token).
+            if !sets("min_p") {
+                c.min_p = (gen.min_p > 0.0).then_some(gen.min_p);
+            } else if !gen_sets("min_p") {
+                gen.min_p = c.min_p.unwrap_or(0.0);
+            }
         });
     }
 
@@ -208,7 +215,8 @@ impl RunConfig {
         let gen = &self.generation;
         with_table!(self, c, t, {
             c.validate()?;
-            let pairs: [(&str, String, &str, String); 4] = [
+            let min_p = c.min_p.unwrap_or(0.0);
+            let pairs: [(&str, String, &str, String); 5] = [
                 ("temperature", c.temperature.to_string(), "temperature", gen.temperature.to_string()),
                 (
                     "max_completion_length",
@@ -218,6 +226,7 @@ impl RunConfig {
                 ),
                 ("top_p", c.top_p.to_string(), "top_p", gen.top_p.to_string()),
                 ("top_k", c.top_k.to_string(), "top_k", gen.top_k.to_string()),
+                ("min_p", min_p.to_string(), "min_p", gen.min_p.to_string()),
             ];
             for (key, a, gen_key, b) in pairs {
                 if a != b {
@@ -227,9 +236,6 @@ impl RunConfig {
                          follows the other) or set both to the same value"
                     ));
                 }
-            }
-            if c.min_p.is_some() {
-                return Err(format!("[{t}] min_p is set; rltune's sampler has no min-p: remove it"));
             }
             if c.repetition_penalty != 1.0 {
                 return Err(format!(
@@ -424,8 +430,12 @@ column = "answer"
         assert!(err.contains("reward_weights") && err.contains("weight = "), "{err}");
         let err = load(GRPO, &["grpo.max_steps=5", "grpo.num_iterations=2"]).unwrap_err();
         assert!(err.contains("max_steps = 5") && err.contains("num_iterations = 2"), "{err}");
-        let err = load(GRPO, &["grpo.min_p=0.1"]).unwrap_err();
-        assert!(err.contains("[grpo] min_p"), "{err}");
+        let c = load(GRPO, &["grpo.min_p=0.1"]).unwrap();
+        assert_eq!((c.generation.min_p, c.grpo.min_p), (0.1, Some(0.1)));
+        let c = load(GRPO, &["generation.min_p=0.2"]).unwrap();
+        assert_eq!(c.grpo.min_p, Some(0.2));
+        let err = load(GRPO, &["grpo.min_p=0.1", "generation.min_p=0.2"]).unwrap_err();
+        assert!(err.contains("[grpo] min_p") && err.contains("[generation] min_p"), "{err}");
         let err = load(GRPO, &["grpo.epsilon_hgh=0.3"]).unwrap_err();
         assert!(err.contains("did you mean \"epsilon_high\""), "{err}");
         let err = load(GRPO, &["grpo.loss_type=sapo"]).unwrap_err();

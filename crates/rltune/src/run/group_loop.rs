@@ -413,6 +413,9 @@ impl GroupRun {
 
         let t = Instant::now();
         let completions: Vec<Vec<u32>> = samples.iter().map(|s| s.response_ids.clone()).collect();
+        // Truncated sampling: the policy, old and reference logprobs are renormalized over each
+        // token's support, the distribution it was drawn from.
+        let supports: Option<Vec<Vec<Vec<u32>>>> = samples.iter().map(|s| s.support.clone()).collect();
         // Truncated: no EOS within max_new_tokens.
         let truncated: Vec<bool> =
             completions.iter().map(|c| !c.last().is_some_and(|t| self.eos_ids.contains(t))).collect();
@@ -421,6 +424,7 @@ impl GroupRun {
             completions: &completions,
             rewards: &table,
             truncated: Some(&truncated),
+            allowed: supports.as_deref(),
         })?;
         let mut stats = merge_iterations(logs);
         let core = self.trainer.core();

@@ -345,6 +345,9 @@ impl PpoRun {
             });
         }
         let responses: Vec<Vec<u32>> = samples.iter().map(|s| s.response_ids.clone()).collect();
+        // Truncated sampling: the policy and the reference are renormalized over each token's
+        // support, the distribution it was drawn from.
+        let supports: Option<Vec<Vec<Vec<u32>>>> = samples.iter().map(|s| s.support.clone()).collect();
         let caches: Vec<RolloutCache> = samples
             .iter()
             .map(|s| RolloutCache {
@@ -359,7 +362,7 @@ impl PpoRun {
             response_masks: None,
             rollout: self.config.ppo.rollout_cache.then_some(caches.as_slice()),
             bootstrap: None,
-            allowed: None,
+            allowed: supports.as_deref(),
         })?;
         let logprobs: Vec<&[f32]> = samples.iter().map(|s| s.logprobs.as_slice()).collect();
         add_env_stats(&mut stats, &logprobs, &scores, &queries, time_gen, time_reward, self.skipped)?;
@@ -419,7 +422,9 @@ impl PpoRun {
         let (queries, responses, allowed) = batch.turn_tokens();
         let scores: Vec<f32> = turns.iter().map(|t| t.reward).collect();
         let bootstrap: Vec<f32> = turns.iter().map(|t| t.bootstrap).collect();
-        let admissible = self.config.agent.actions == crate::envs::play::ActionMode::Admissible;
+        // Admissible commands, or truncated sampling (every turn then has its supports).
+        let admissible = self.config.agent.actions == crate::envs::play::ActionMode::Admissible
+            || (!turns.is_empty() && turns.iter().all(|t| !t.allowed.is_empty()));
         let caches: Vec<RolloutCache> = turns
             .iter()
             .map(|t| RolloutCache { logprobs: t.logprobs.clone(), values: t.values.clone() })

@@ -58,6 +58,7 @@ fn run_variant(name: &str) -> (f64, f64) {
             completions: &r.completions,
             rewards: &r.rewards,
             truncated: Some(&truncated),
+            allowed: None,
         };
         let mut t = GrpoTrainer::new(cfg, store, policy, reference).unwrap();
         let logs = t.step_with(&batch).unwrap();
@@ -71,6 +72,7 @@ fn run_variant(name: &str) -> (f64, f64) {
             completions: &r.completions,
             rewards: &r.rewards,
             truncated: Some(&truncated),
+            allowed: None,
         };
         let mut t = RlooTrainer::new(cfg, store, policy, reference).unwrap();
         let logs = t.step_with(&batch).unwrap();

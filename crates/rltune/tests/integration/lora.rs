@@ -230,6 +230,7 @@ fn a_grpo_step_with_lora_changes_only_the_adapters() {
         completions: &r.completions,
         rewards: &r.rewards,
         truncated: Some(&truncated),
+        allowed: None,
     };
     let mut t = GrpoTrainer::new(gcfg, loaded.store.clone(), loaded.lm.clone(), Some(reference)).unwrap();
     let logs = t.step_with(&batch).unwrap();

@@ -751,3 +751,64 @@ fn two_steps_through_the_composed_ops_match_the_fused_cpu_kernels() {
         }
     }
 }
+
+/// Issue #57: with top-k / top-p / min-p, the step's logprobs over each token's sampled support
+/// are the sampler's (so the first ratio is 1), and the reference's are taken over the same
+/// supports (the same weights: KL 0); over the whole vocabulary they are not. With
+/// `logprob_support = "vocabulary"` (TRL's), the sampler's logprobs are the untruncated ones
+/// that an unconstrained step computes.
+#[test]
+fn truncated_sampling_trains_on_its_supports() {
+    crate::common::install();
+    let t = 0.9;
+    let cfg = PpoConfig { batch_size: 8, mini_batch_size: 4, temperature: t, ..Default::default() };
+    let queries = prompts(8, 6);
+    let gen = GenerationConfig {
+        max_new_tokens: 6,
+        seed: 3,
+        temperature: t,
+        top_k: 20,
+        top_p: 0.8,
+        min_p: 0.05,
+        ..Default::default()
+    };
+    let mut exact = trainer(4, cfg.clone());
+    let samples = rollout(&exact, &queries, &gen);
+    let supports: Vec<Vec<Vec<u32>>> = samples.iter().map(|s| s.support.clone().unwrap()).collect();
+    let sizes: Vec<usize> = supports.iter().flatten().map(Vec::len).collect();
+    let resp = responses(&samples);
+    let scores: Vec<f32> = (0..8).map(|i| i as f32 / 4.0 - 1.0).collect();
+    let input = StepInput {
+        queries: &queries,
+        responses: &resp,
+        scores: &scores,
+        response_masks: None,
+        rollout: None,
+        bootstrap: None,
+        allowed: Some(&supports),
+    };
+    let a = exact.step_with(input).unwrap();
+    let d_exact = logprob_diff(&a, &queries, &samples);
+    let kl = scalar(&a, "objective/kl");
+    let d_vocab = logprob_diff(
+        &trainer(4, cfg.clone()).step_with(StepInput { allowed: None, ..input }).unwrap(),
+        &queries,
+        &samples,
+    );
+    let trl_gen = GenerationConfig { logprob_support: rltune::generation::LogprobSupport::Vocabulary, ..gen };
+    let trl_samples = rollout(&trainer(4, cfg.clone()), &queries, &trl_gen);
+    assert_eq!(responses(&trl_samples), resp, "the same draws");
+    let trl = trainer(4, cfg).step(&queries, &resp, &scores).unwrap();
+    let d_trl = logprob_diff(&trl, &queries, &trl_samples);
+    println!(
+        "supports of {}..{} ids (of 50): step vs sampler logprobs {d_exact:.2e} on the supports, \
+         {d_vocab:.2e} over the vocabulary; vocabulary sampler vs step {d_trl:.2e}; KL {kl:.2e}",
+        sizes.iter().min().unwrap(),
+        sizes.iter().max().unwrap()
+    );
+    assert!(sizes.iter().any(|&n| n > 1) && sizes.iter().all(|&n| n < 50));
+    assert!(d_exact < 1e-5, "truncated step logprobs vs the sampler's: {d_exact:e}");
+    assert!(kl.abs() < 1e-6, "the reference over the same supports: KL {kl:e}");
+    assert!(d_vocab > 0.05, "over the vocabulary the logprobs should differ: {d_vocab:e}");
+    assert!(d_trl < 1e-5, "vocabulary logprobs vs an unconstrained step: {d_trl:e}");
+}

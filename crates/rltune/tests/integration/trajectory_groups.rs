@@ -140,6 +140,7 @@ fn one_turn_episodes_are_the_prompt_step_bit_for_bit() {
         completions: &completions,
         rewards: &table,
         truncated: Some(&no_cut),
+        allowed: None,
     };
     let episodes: Vec<usize> = (0..prompts.len()).collect();
     let turns = turn_batch(&prompts, &completions, &episodes, &r);

@@ -56,7 +56,9 @@ impl GroupRun {
             returns[k] += f64::from(turn.reward);
         }
         let (prompts, actions, allowed) = batch.turn_tokens();
-        let admissible = self.config.agent.actions == ActionMode::Admissible;
+        // Admissible commands, or truncated sampling (every turn then has its supports).
+        let admissible = self.config.agent.actions == ActionMode::Admissible
+            || (!allowed.is_empty() && allowed.iter().all(|a| !a.is_empty()));
         let input = TurnBatch {
             prompts: &prompts,
             completions: &actions,
