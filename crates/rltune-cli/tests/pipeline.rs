@@ -362,7 +362,7 @@ fn config_errors_name_the_key_and_the_row() {
 }
 
 #[test]
-fn ctrl_c_finishes_the_step_writes_a_checkpoint_and_exits_cleanly() {
+fn ctrl_c_finishes_the_step_writes_a_checkpoint_and_exits_130() {
     let tmp = tempfile::tempdir().unwrap();
     let run = tmp.path().join("run");
     let args = ppo_args(s(&run), "100000", &["--set", "checkpoint.every=0"]);
@@ -381,8 +381,9 @@ fn ctrl_c_finishes_the_step_writes_a_checkpoint_and_exits_cleanly() {
     assert!(Command::new("kill").args(["-INT", &pid]).status().unwrap().success());
     let out = child.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "exit status {:?}:\n{err}", out.status);
-    assert!(err.contains("Ctrl-C"), "{err}");
+    // The shell's status for a command ended by Ctrl-C; the run itself ended cleanly.
+    assert_eq!(out.status.code(), Some(130), "exit status {:?}:\n{err}", out.status);
+    assert!(err.contains("Ctrl-C") && err.contains("--resume continues it"), "{err}");
     let steps = metrics(&run).len();
     assert!(steps < 100000);
     assert!(
@@ -390,6 +391,45 @@ fn ctrl_c_finishes_the_step_writes_a_checkpoint_and_exits_cleanly() {
         "a checkpoint of the last finished step ({steps})"
     );
     assert!(run.join("report.html").is_file());
+}
+
+/// `rltune sft` stopped by Ctrl-C exits 130 with a checkpoint (in `OUTPUT.checkpoints`, every
+/// `save_steps`) and writes no output; the same command with `--resume` then writes the model a
+/// run that never stopped writes, byte for byte.
+#[test]
+fn sft_stopped_by_ctrl_c_resumes_to_the_straight_runs_model() {
+    let qs = quickstart();
+    let tmp = tempfile::tempdir().unwrap();
+    let sft = |out: &Path| -> Command {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_rltune"));
+        cmd.args(["sft", "--model", s(&qs.join("sft")), "--data", s(&qs.join("data/reviews.jsonl"))])
+            .args(["--output", s(out), "--set", "training.max_steps=300", "--set", "training.save_steps=2"])
+            .args(["--set", "training.batch_size=2", "--set", "training.eval_fraction=0"])
+            .env("RUST_LOG", "warn")
+            .stderr(std::process::Stdio::piped());
+        cmd
+    };
+    let (straight, stopped) = (tmp.path().join("straight"), tmp.path().join("stopped"));
+    let out = sft(&straight).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+
+    let child = sft(&stopped).spawn().unwrap();
+    let checkpoints = tmp.path().join("stopped.checkpoints");
+    let started = std::time::Instant::now();
+    while !checkpoints.join("step-2/trainer_state.json").is_file() {
+        assert!(started.elapsed().as_secs() < 120, "no checkpoint within 2 minutes");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert!(Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap().success());
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(130), "{err}");
+    assert!(err.contains("--resume continues it") && !stopped.exists(), "{err}");
+
+    let out = sft(&stopped).arg("--resume").output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let bytes = |d: &Path| std::fs::read(d.join("model.safetensors")).unwrap();
+    assert!(bytes(&stopped) == bytes(&straight), "the resumed model differs from the straight run's");
 }
 
 /// The quickstart's PPO config in `dir/run.toml` for a run in `dir/run`: checkpoints with

@@ -131,7 +131,7 @@ fn ctrl_c_marks_the_tracker_runs_killed() {
     }
     assert!(Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap().success());
     let out = child.wait_with_output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.status.code(), Some(130), "{}", String::from_utf8_lossy(&out.stderr));
     let ids: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(run.join("trackers.json")).unwrap()).unwrap();
     let meta =
