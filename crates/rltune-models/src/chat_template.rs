@@ -55,11 +55,11 @@ fn generation_tag() -> &'static regex::Regex {
 /// control, so `trim_blocks` and `lstrip_blocks` act on it the same way).
 fn rewrite_generation_tags(template: &str) -> String {
     static RE: std::sync::OnceLock<regex::Regex> = std::sync::OnceLock::new();
-    let re = RE.get_or_init(|| {
-        regex::Regex::new(r"\{%(-?)(\s*)(end)?generation(\s*)(-?)%\}").expect("valid regex")
-    });
+    let re = RE
+        .get_or_init(|| regex::Regex::new(r"\{%(-?)(\s*)(end)?generation(\s*)(-?)%\}").expect("valid regex"));
     re.replace_all(template, |c: &regex::Captures| {
-        let body = if c.get(3).is_some() { "endfilter".to_string() } else { format!("filter {GENERATION_FILTER}") };
+        let body =
+            if c.get(3).is_some() { "endfilter".to_string() } else { format!("filter {GENERATION_FILTER}") };
         format!("{{%{}{} {body} {}{}%}}", &c[1], &c[2], &c[4], &c[5])
     })
     .into_owned()
@@ -582,7 +582,8 @@ mod tests {
     #[test]
     fn continue_final_message_and_null_keys_follow_transformers() {
         let t = tmpl("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% if m.name is defined %}@{{ m.name }}{% endif %}</s>{% endfor %}");
-        let msgs = json!([{"role": "user", "content": "hi", "name": null}, {"role": "assistant", "content": "Hel"}]);
+        let msgs =
+            json!([{"role": "user", "content": "hi", "name": null}, {"role": "assistant", "content": "Hel"}]);
         let cont = RenderOptions { add_generation_prompt: false, continue_final_message: true };
         let r = t.render_full(&msgs, cont, &Default::default()).unwrap();
         assert_eq!(r.text, "<user>hi</s><assistant>Hel");
