@@ -81,14 +81,11 @@ pub fn extract_prompt(
         }
         // Python's `for idx in range(n)`: idx is the first difference, else n - 1.
         let mut signed = n as isize - 1;
-        for i in 0..n {
-            if c[i] != r[i] {
-                signed = i as isize;
-                let prev = if i == 0 { c.last() } else { c.get(i - 1) };
-                if prev.is_some_and(&is_space) {
-                    signed -= 1;
-                }
-                break;
+        if let Some(i) = c.iter().zip(r).position(|(x, y)| x != y) {
+            signed = i as isize;
+            let prev = if i == 0 { c.last() } else { c.get(i - 1) };
+            if prev.is_some_and(&is_space) {
+                signed -= 1;
             }
         }
         // Python slicing with a possibly negative index: x[:-1] / x[-1:].

@@ -120,7 +120,7 @@ pub fn read_sft_records(path: &Path) -> Result<Vec<SftRecord>> {
 /// Reads SFT examples from a file, directory or hub dataset, with the split and column mapping
 /// of `opts`.
 pub fn read_sft_data(source: &str, opts: &DataOptions) -> Result<Vec<SftRecord>> {
-    let rows = read_rows(source, opts)?;
+    let rows = read_rows(source, opts).map_err(|e| with_hint(e, SFT_EXPECTED))?;
     let mut out: Vec<SftRecord> = Vec::with_capacity(rows.len());
     for row in rows {
         let at = |msg: String| Error::Input(format!("{}: {msg}", row.origin));
@@ -224,7 +224,7 @@ pub fn read_reward_records(path: &Path) -> Result<Vec<RewardRecord>> {
 /// mapping of `opts`.
 pub fn read_reward_data(source: &str, opts: &DataOptions) -> Result<Vec<RewardRecord>> {
     let mut out: Vec<RewardRecord> = Vec::new();
-    for row in read_rows(source, opts)? {
+    for row in read_rows(source, opts).map_err(|e| with_hint(e, REWARD_EXPECTED))? {
         let at = |msg: String| Error::Input(format!("{}: {msg}", row.origin));
         let rec = reward_record(row.fields, &row.origin).map_err(at)?;
         if out.first().is_some_and(|first| first.is_preference() != rec.is_preference()) {
@@ -302,6 +302,14 @@ fn reward_record(mut row: Map<String, Value>, origin: &str) -> std::result::Resu
             column_list(&row)
         )),
         _ => Err("give either \"text\" + \"label\" or \"chosen\" + \"rejected\", not both".into()),
+    }
+}
+
+/// A JSON syntax error, with the rows the trainer expects.
+fn with_hint(e: Error, expected: &str) -> Error {
+    match e {
+        Error::Input(m) if m.contains("invalid JSON") => Error::Input(format!("{m}; {expected}")),
+        other => other,
     }
 }
 

@@ -150,9 +150,8 @@ pub fn tokenize_sft_with(
             SftRecord::Messages(_) | SftRecord::ChatPromptCompletion { .. } => {
                 let template =
                     template.ok_or_else(|| chat::no_template(&format!("SFT example {}", i + 1)))?;
-                let (ids, mask) = tokenize_chat(rec, tokenizer, template, cfg)
-                    .map_err(|e| Error::Input(format!("SFT example {}: {e}", i + 1)))?;
-                (ids, mask)
+                tokenize_chat(rec, tokenizer, template, cfg)
+                    .map_err(|e| Error::Input(format!("SFT example {}: {e}", i + 1)))?
             }
         };
         if let (Some(e), false) = (eos, rec.is_conversational()) {
