@@ -9,10 +9,12 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use rltune::config_file::parse_toml;
-use rltune::dpo::data::{prepare_pairs, read_preference_records, PreferencePair};
+use rltune::data::rows::DataOptions;
+use rltune::dpo::data::{prepare_pairs_with, read_preference_data, PreferencePair};
 use rltune::dpo::run::{pairs_per_process, train};
 use rltune::dpo::{DpoConfig, DpoTrainer};
 use rltune::logging::jsonl::{JsonlWriter, MetricRow};
+use rltune::models::chat_template::ChatTemplate;
 use rltune::models::load::{copy_side_files, locate, read_config_json, save_dir_atomic, LoraSpec};
 use rltune::models::lora::LoraConfig;
 use rltune::models::{CausalLm, CausalLmConfig};
@@ -36,9 +38,11 @@ pub struct Args {
     /// A LoRA adapter directory (PEFT's format) to start from: trains it, the base frozen.
     #[arg(long)]
     adapter: Option<PathBuf>,
-    /// JSON lines {"prompt": "..", "chosen": "..", "rejected": ".."} (needs the model's
-    /// tokenizer.json), or tokenized {"prompt_ids": [..], "chosen_ids": [..], "rejected_ids": [..]};
-    /// optionally "ref_chosen_logps" and "ref_rejected_logps".
+    /// Preference rows {"prompt": "..", "chosen": "..", "rejected": ".."} (needs the model's
+    /// tokenizer.json; message lists use its chat template; without "prompt" it is the shared
+    /// start of chosen and rejected), or tokenized {"prompt_ids": [..], "chosen_ids": [..],
+    /// "rejected_ids": [..]}; optionally "ref_chosen_logps" and "ref_rejected_logps". JSON lines,
+    /// JSON, CSV, Parquet, a `datasets` save_to_disk directory or a hub dataset; see [data].
     #[arg(long)]
     data: PathBuf,
     /// Output directory: model.safetensors, config.json, tokenizer.json, metrics.jsonl.
@@ -58,6 +62,8 @@ pub struct Args {
 #[serde(deny_unknown_fields, default)]
 struct DpoFile {
     dpo: DpoConfig,
+    /// `split` and `columns` of the data.
+    data: DataOptions,
     runtime: RuntimeSection,
     /// LoRA adapters on the policy (PEFT's `LoraConfig` names); the reference is then the base
     /// with the adapters off.
@@ -157,9 +163,10 @@ pub fn run(args: Args) -> Result<()> {
         }
         None => None,
     };
-    let records = read_preference_records(&args.data)?;
+    let records = read_preference_data(&args.data.to_string_lossy(), &file.data)?;
     let eos = policy.lm.config().eos_token_ids().first().copied();
-    let prepared = prepare_pairs(&records, policy.tokenizer.as_ref(), eos, &cfg, &args.data)?;
+    let template = ChatTemplate::for_model_dir(&policy.files.dir)?;
+    let prepared = prepare_pairs_with(&records, policy.tokenizer.as_ref(), template.as_ref(), eos, &cfg)?;
     warn_rows(&prepared.dropped, "dropped: the prompt fills dpo.max_length (TRL drops them too)");
     warn_rows(
         &prepared.identical,

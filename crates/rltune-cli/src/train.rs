@@ -9,10 +9,11 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use rltune::config_file::parse_toml;
+use rltune::data::rows::DataOptions;
 use rltune::models::load::LoraSpec;
 use rltune::models::lora::LoraConfig;
 use rltune::runtime::RuntimeSection;
-use rltune::train::data::{read_reward_records, read_sft_records};
+use rltune::train::data::{read_reward_data, read_sft_data};
 use rltune::train::reward_model::{self, RewardConfig, RewardModel};
 use rltune::train::sft::{self, SftConfig, SftModel};
 use rltune::train::{Checkpointing, TrainProgress, TrainSummary, TrainingArgs};
@@ -24,7 +25,9 @@ pub struct Common {
     /// Starting model: a local Hugging Face directory or a hub id.
     #[arg(long)]
     model: String,
-    /// Training data (JSONL; see the command's help for the fields).
+    /// Training data: JSON lines, JSON, CSV, Parquet, text (.txt), a `datasets` save_to_disk
+    /// directory or a hub dataset; see the command's help for the fields, and [data] for the
+    /// split and column names.
     #[arg(long)]
     data: PathBuf,
     /// Output directory (written atomically: a temp directory renamed at the end).
@@ -73,6 +76,8 @@ pub struct RewardArgs {
 struct SftFile {
     training: TrainingArgs,
     sft: SftConfig,
+    /// `split` and `columns` of the data.
+    data: DataOptions,
     runtime: RuntimeSection,
     /// LoRA adapters (PEFT's `LoraConfig` names): the base frozen, the adapter saved.
     lora: Option<LoraConfig>,
@@ -94,6 +99,8 @@ pub(crate) struct FreezeSection {
 struct RewardFile {
     training: TrainingArgs,
     reward: RewardConfig,
+    /// `split` and `columns` of the data.
+    data: DataOptions,
     runtime: RuntimeSection,
     /// LoRA adapters (PEFT's `LoraConfig` names, `task_type = "SEQ_CLS"`): the encoder frozen,
     /// the adapters and the classifier head train, the adapter saved.
@@ -171,7 +178,7 @@ pub fn run_sft(args: SftArgs) -> Result<()> {
     check(file.training.validate(), c)?;
     check(file.sft.validate(), c)?;
     let runtime = c.runtime.resolve(file.runtime.clone())?;
-    let records = read_sft_records(&c.data)?;
+    let records = read_sft_data(&c.data.to_string_lossy(), &file.data)?;
     let origin = c.config.as_ref().map_or("--set".to_string(), |p| p.display().to_string());
     let lora = lora_spec(&file.lora, &args.adapter, c, file.training.seed)?;
     let mut model =
@@ -216,7 +223,7 @@ pub fn run_reward(args: RewardArgs) -> Result<()> {
         )?;
     }
     let runtime = c.runtime.resolve(file.runtime.clone())?;
-    let records = read_reward_records(&c.data)?;
+    let records = read_reward_data(&c.data.to_string_lossy(), &file.data)?;
     let mut model = RewardModel::from_pretrained_for(
         &c.model,
         &records,

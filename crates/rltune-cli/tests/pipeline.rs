@@ -239,6 +239,84 @@ fn sft_and_reward_commands_train_and_save_loadable_models() {
     assert!(err.contains("did you mean \"learning_rate\""), "{err}");
 }
 
+/// Conversational data from the command line: `rltune sft` on a `DatasetDict.save_to_disk`
+/// directory (Arrow) with `assistant_only_loss` and on JSON lines through `[data] columns`, `rltune
+/// dpo` on a `Dataset.save_to_disk` directory of implicit-prompt conversations, and the errors for
+/// a template without `{% generation %}` and for a mapped column that is missing.
+#[test]
+fn conversational_datasets_train_from_the_command_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    // The quickstart policy with a chat template that marks the assistant's text.
+    let model = tmp.path().join("chat-model");
+    std::fs::create_dir(&model).unwrap();
+    for e in std::fs::read_dir(quickstart().join("sft")).unwrap() {
+        let e = e.unwrap();
+        if e.path().is_file() {
+            std::fs::copy(e.path(), model.join(e.file_name())).unwrap();
+        }
+    }
+    let template = |generation: bool| {
+        let (open, close) = if generation { ("{% generation %}", "{% endgeneration %}") } else { ("", "") };
+        let t = format!(
+            "{{% for m in messages %}}{{% if m.role == 'assistant' %}}{open}{{{{ m.content }}}}{close}\n{{% else %}}{{{{ \
+             m.content }}}}\n{{% endif %}}{{% endfor %}}"
+        );
+        serde_json::json!({ "chat_template": t }).to_string()
+    };
+    std::fs::write(model.join("tokenizer_config.json"), template(true)).unwrap();
+    let disk = common::fixture("datasets/disk");
+    let sft = |data: &Path, out: &Path, extra: &[&str]| {
+        let mut argv = vec!["sft", "--model", s(&model), "--data", s(data), "--output", s(out)];
+        argv.extend([
+            "--set",
+            "training.max_steps=2",
+            "--set",
+            "training.eval_fraction=0",
+            "--set",
+            "sft.max_length=48",
+        ]);
+        argv.extend(extra.iter().flat_map(|e| ["--set", e]));
+        rltune(&argv)
+    };
+    let out = tmp.path().join("sft-arrow");
+    let err =
+        String::from_utf8_lossy(&ok(sft(&disk.join("dict"), &out, &["sft.assistant_only_loss=true"])).stderr)
+            .into_owned();
+    assert!(err.contains("2 steps") && err.contains("on 3 examples"), "{err}");
+    assert!(out.join("tokenizer_config.json").is_file(), "the chat template is saved with the model");
+
+    let data = tmp.path().join("chat.jsonl");
+    let row = serde_json::json!({"conv": [
+        {"role": "user", "content": "Review:"}, {"role": "assistant", "content": "A wonderful film."}]});
+    std::fs::write(&data, format!("{row}\n{row}\n")).unwrap();
+    ok(sft(&data, &tmp.path().join("sft-columns"), &["data.columns.messages=\"conv\""]));
+    let err = fails(sft(&data, &tmp.path().join("bad"), &["data.columns.messages=\"dialogue\""]));
+    assert!(
+        err.contains("chat.jsonl line 1") && err.contains("\"dialogue\"") && err.contains("\"conv\""),
+        "{err}"
+    );
+
+    std::fs::write(model.join("tokenizer_config.json"), template(false)).unwrap();
+    let err = fails(sft(&disk.join("dict"), &tmp.path().join("bad"), &["sft.assistant_only_loss=true"]));
+    assert!(err.contains("{% generation %}") && err.contains("assistant_only_loss = false"), "{err}");
+
+    ok(rltune(&[
+        "dpo",
+        "--model",
+        s(&model),
+        "--data",
+        s(&disk.join("single")),
+        "--output",
+        s(&tmp.path().join("dpo")),
+        "--set",
+        "dpo.max_steps=1",
+        "--set",
+        "dpo.per_device_train_batch_size=2",
+        "--set",
+        "dpo.max_length=48",
+    ]));
+}
+
 /// The quickstart's PPO config with the run directory and step count changed.
 fn ppo_args<'a>(run: &'a str, steps: &'a str, extra: &[&'a str]) -> Vec<String> {
     let cfg = quickstart().join("ppo.toml");

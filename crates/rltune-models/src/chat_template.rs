@@ -10,6 +10,12 @@
 //! `minijinja`, and `minijinja-contrib`'s Python compatibility layer provides the string, dict and
 //! list methods templates call (`.strip()`, `.split()`, `.items()`, `.startswith()` …).
 //!
+//! transformers' `{% generation %}…{% endgeneration %}` tag (its `AssistantTracker` extension,
+//! which `apply_chat_template(return_assistant_tokens_mask=True)` reads) is supported: the tag is
+//! rewritten to a filter block that brackets its output with markers, and [`Rendered`] returns
+//! the text with the byte spans of the generated parts; [`assistant_mask`] turns them into the
+//! token mask as transformers 5.24 does.
+//!
 //! Known differences from Jinja2: `tojson` writes object keys sorted (serde_json's map), where
 //! Python keeps insertion order; it only matters for templates that serialize tool schemas.
 //! `strftime_now` formats the current UTC time (Python uses local time) and knows `%d %b %B %m %Y
@@ -29,6 +35,98 @@ pub struct ChatTemplate {
     special: serde_json::Map<String, serde_json::Value>,
     /// Where the template came from, for errors.
     source: String,
+    /// Whether the template has `{% generation %}` blocks.
+    has_generation: bool,
+}
+
+/// Opens and closes a `{% generation %}` block's output in a rendering (Unicode noncharacters,
+/// which text does not contain).
+const GEN_OPEN: char = '\u{FDD0}';
+const GEN_CLOSE: char = '\u{FDD1}';
+const GENERATION_FILTER: &str = "__rltune_generation";
+
+/// `{% generation %}`, with any whitespace control (transformers' and TRL's pattern).
+fn generation_tag() -> &'static regex::Regex {
+    static RE: std::sync::OnceLock<regex::Regex> = std::sync::OnceLock::new();
+    RE.get_or_init(|| regex::Regex::new(r"\{%-?\s*generation\s*-?%\}").expect("valid regex"))
+}
+
+/// Rewrites `{% generation %}` / `{% endgeneration %}` into a filter block (same whitespace
+/// control, so `trim_blocks` and `lstrip_blocks` act on it the same way).
+fn rewrite_generation_tags(template: &str) -> String {
+    static RE: std::sync::OnceLock<regex::Regex> = std::sync::OnceLock::new();
+    let re = RE
+        .get_or_init(|| regex::Regex::new(r"\{%(-?)(\s*)(end)?generation(\s*)(-?)%\}").expect("valid regex"));
+    re.replace_all(template, |c: &regex::Captures| {
+        let body =
+            if c.get(3).is_some() { "endfilter".to_string() } else { format!("filter {GENERATION_FILTER}") };
+        format!("{{%{}{} {body} {}{}%}}", &c[1], &c[2], &c[4], &c[5])
+    })
+    .into_owned()
+}
+
+/// A rendered conversation and the byte ranges of its `{% generation %}` blocks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rendered {
+    /// The text.
+    pub text: String,
+    /// `[start, end)` byte ranges of the generated (assistant) parts, in order.
+    pub generation_spans: Vec<(usize, usize)>,
+}
+
+/// How to render a conversation (transformers' `apply_chat_template` arguments).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RenderOptions {
+    /// Append the assistant header after the messages.
+    pub add_generation_prompt: bool,
+    /// End the text at the last message's content, so generation continues it.
+    pub continue_final_message: bool,
+}
+
+/// Strips the generation markers from `raw`, returning the text and the spans they enclosed
+/// (nested blocks count once, as their outermost span).
+fn strip_markers(raw: &str) -> Rendered {
+    let mut text = String::with_capacity(raw.len());
+    let (mut spans, mut depth, mut start) = (Vec::new(), 0usize, 0usize);
+    for c in raw.chars() {
+        match c {
+            GEN_OPEN => {
+                if depth == 0 {
+                    start = text.len();
+                }
+                depth += 1;
+            }
+            GEN_CLOSE => {
+                depth = depth.saturating_sub(1);
+                if depth == 0 {
+                    spans.push((start, text.len()));
+                }
+            }
+            _ => text.push(c),
+        }
+    }
+    Rendered { text, generation_spans: spans }
+}
+
+/// transformers' assistant mask: token `t` is 1 when its offsets overlap a generation span
+/// (`tokenization_utils_base.py`, `apply_chat_template(return_assistant_tokens_mask=True)`, 5.24:
+/// a single pass over spans and token offsets, both in order). `offsets` are the tokens'
+/// `[start, end)` byte offsets in the rendered text.
+pub fn assistant_mask(offsets: &[(usize, usize)], spans: &[(usize, usize)]) -> Vec<u8> {
+    let mut mask = vec![0u8; offsets.len()];
+    let mut s = 0;
+    for (t, &(start, end)) in offsets.iter().enumerate() {
+        while s < spans.len() && start >= spans[s].1 {
+            s += 1;
+        }
+        if s == spans.len() {
+            break;
+        }
+        if end > spans[s].0 {
+            mask[t] = 1;
+        }
+    }
+    mask
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -67,9 +165,20 @@ impl ChatTemplate {
         });
         env.add_function("strftime_now", |fmt: String| -> String { strftime_now(&fmt) });
         env.add_filter("tojson", tojson);
-        env.add_template_owned("chat", template.to_string())
+        env.add_filter(GENERATION_FILTER, |body: String| -> Value {
+            Value::from_safe_string(format!("{GEN_OPEN}{body}{GEN_CLOSE}"))
+        });
+        let has_generation = generation_tag().is_match(template);
+        let rewritten = rewrite_generation_tags(template);
+        env.add_template_owned("chat", rewritten)
             .map_err(|e| Error::Input(format!("{source}: the chat template does not compile: {e:#}")))?;
-        Ok(Self { env, special, source: source.to_string() })
+        Ok(Self { env, special, source: source.to_string(), has_generation })
+    }
+
+    /// Whether the template marks the assistant's text with `{% generation %}` blocks (TRL's
+    /// `has_generation_markers`).
+    pub fn has_generation_markers(&self) -> bool {
+        self.has_generation
     }
 
     /// The chat template of a `tokenizer_config.json`, with its special tokens; `None` when it
@@ -106,9 +215,25 @@ impl ChatTemplate {
         Self::new(&template, special, &path.display().to_string()).map(Some)
     }
 
-    /// The chat template beside a model: `tokenizer_config.json` in `dir`.
+    /// The chat template beside a model: `chat_template.jinja` in `dir` (where transformers 5
+    /// saves it; it wins, as in transformers), else `tokenizer_config.json`'s, with the special
+    /// tokens of `tokenizer_config.json`.
     pub fn for_model_dir(dir: &Path) -> Result<Option<Self>> {
         let p = dir.join("tokenizer_config.json");
+        let jinja = dir.join("chat_template.jinja");
+        if jinja.is_file() {
+            let template = std::fs::read_to_string(&jinja).map_err(|e| Error::io(&jinja, e))?;
+            let mut special = serde_json::Map::new();
+            if p.exists() {
+                let v: serde_json::Value = crate::io::read_json(&p)?;
+                for name in ["bos_token", "eos_token", "unk_token", "pad_token"] {
+                    if let Some(t) = v.get(name).and_then(token_string) {
+                        special.insert(name.into(), t.into());
+                    }
+                }
+            }
+            return Self::new(&template, special, &jinja.display().to_string()).map(Some);
+        }
         if !p.exists() {
             return Ok(None);
         }
@@ -123,6 +248,71 @@ impl ChatTemplate {
 
     /// [`Self::render`] with extra template variables (transformers' `**kwargs`, e.g. `tools`).
     pub fn render_with(
+        &self,
+        messages: &serde_json::Value,
+        add_generation_prompt: bool,
+        extra: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String> {
+        let opts = RenderOptions { add_generation_prompt, continue_final_message: false };
+        Ok(self.render_full(messages, opts, extra)?.text)
+    }
+
+    /// Renders `messages` as transformers 5.24's `apply_chat_template(messages, tokenize=False,
+    /// …)`: message keys whose value is null are dropped first (`_normalize_chat_messages`), and
+    /// `continue_final_message` cuts the text after the last message's content (found through a
+    /// tag appended to it, as transformers does). Returns the generation spans too.
+    pub fn render_full(
+        &self,
+        messages: &serde_json::Value,
+        opts: RenderOptions,
+        extra: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<Rendered> {
+        const TAG: &str = "CONTINUE_FINAL_MESSAGE_TAG ";
+        if opts.continue_final_message && opts.add_generation_prompt {
+            return Err(Error::Input(
+                "continue_final_message and add_generation_prompt are not compatible".into(),
+            ));
+        }
+        let mut messages = normalize_messages(messages);
+        let mut final_message = String::new();
+        if opts.continue_final_message {
+            let last = messages.as_array_mut().and_then(|m| m.last_mut()).and_then(|m| m.as_object_mut());
+            match last.and_then(|m| m.get_mut("content")) {
+                Some(serde_json::Value::String(c)) => {
+                    final_message = c.clone();
+                    c.push_str(TAG);
+                }
+                _ => {
+                    return Err(Error::Input(
+                        "continue_final_message is set but the final message has no string \"content\" to continue"
+                            .into(),
+                    ))
+                }
+            }
+        }
+        let raw = self.render_raw(&messages, opts.add_generation_prompt, extra)?;
+        let mut out = strip_markers(&raw);
+        if opts.continue_final_message {
+            let tag = TAG.trim();
+            let (Some(loc), true) = (out.text.rfind(tag), out.text.contains(final_message.trim())) else {
+                return Err(Error::Input(format!(
+                    "{}: continue_final_message is set but the final message does not appear in the chat after \
+                     applying the chat template",
+                    self.source
+                )));
+            };
+            let cut = if out.text[loc..].starts_with(TAG) { loc } else { out.text[..loc].trim_end().len() };
+            out.text.truncate(cut);
+            out.generation_spans.retain(|s| s.0 < cut);
+            for s in &mut out.generation_spans {
+                s.1 = s.1.min(cut);
+            }
+        }
+        Ok(out)
+    }
+
+    /// The template's output with the generation markers in it.
+    fn render_raw(
         &self,
         messages: &serde_json::Value,
         add_generation_prompt: bool,
@@ -143,6 +333,24 @@ impl ChatTemplate {
         let tmpl = self.env.get_template("chat").map_err(|e| Error::Input(e.to_string()))?;
         tmpl.render(Value::from(minijinja::value::Serde(&ctx)))
             .map_err(|e| Error::Input(format!("{}: rendering the chat template failed: {e:#}", self.source)))
+    }
+}
+
+/// transformers' `_normalize_chat_messages`: drops the message keys whose value is null (Arrow
+/// and Parquet rows hold null for a field that only other messages have).
+fn normalize_messages(messages: &serde_json::Value) -> serde_json::Value {
+    match messages {
+        serde_json::Value::Array(list) => serde_json::Value::Array(
+            list.iter()
+                .map(|m| match m {
+                    serde_json::Value::Object(o) => serde_json::Value::Object(
+                        o.iter().filter(|(_, v)| !v.is_null()).map(|(k, v)| (k.clone(), v.clone())).collect(),
+                    ),
+                    other => other.clone(),
+                })
+                .collect(),
+        ),
+        other => other.clone(),
     }
 }
 
@@ -350,6 +558,37 @@ mod tests {
             strftime("%d %b %Y %H:%M:%S %j %B %m %y %%", 1_722_006_309),
             "26 Jul 2024 15:05:09 208 July 07 24 %"
         );
+    }
+
+    #[test]
+    fn generation_blocks_give_spans_and_keep_whitespace_control() {
+        let t = tmpl(
+            "{% for m in messages %}{% if m.role == 'assistant' %}A:{%- generation -%}\n {{ m.content }}|{% endgeneration %}\n{% else %}U:{{ m.content }}\n{% endif %}{% endfor %}",
+        );
+        assert!(t.has_generation_markers());
+        let msgs = json!([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]);
+        let r = t.render_full(&msgs, RenderOptions::default(), &Default::default()).unwrap();
+        // `-%}` strips the newline and space after the tag, as in Jinja2.
+        assert_eq!(r.text, "U:hi\nA:yo|");
+        assert_eq!(r.generation_spans, vec![(7, 10)]);
+        assert_eq!(t.render(&msgs, false).unwrap(), r.text);
+        // Tokens overlapping a span are 1: "A:y" straddles its start, "|" ends it.
+        let offsets = [(0, 2), (2, 4), (4, 5), (5, 8), (8, 9), (9, 10)];
+        assert_eq!(assistant_mask(&offsets, &r.generation_spans), vec![0, 0, 0, 1, 1, 1]);
+        assert_eq!(assistant_mask(&offsets, &[]), vec![0; 6]);
+        assert!(!tmpl("{{ messages[0].content }}").has_generation_markers());
+    }
+
+    #[test]
+    fn continue_final_message_and_null_keys_follow_transformers() {
+        let t = tmpl("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% if m.name is defined %}@{{ m.name }}{% endif %}</s>{% endfor %}");
+        let msgs =
+            json!([{"role": "user", "content": "hi", "name": null}, {"role": "assistant", "content": "Hel"}]);
+        let cont = RenderOptions { add_generation_prompt: false, continue_final_message: true };
+        let r = t.render_full(&msgs, cont, &Default::default()).unwrap();
+        assert_eq!(r.text, "<user>hi</s><assistant>Hel");
+        let both = RenderOptions { add_generation_prompt: true, continue_final_message: true };
+        assert!(t.render_full(&msgs, both, &Default::default()).is_err());
     }
 
     #[test]

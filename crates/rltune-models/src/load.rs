@@ -337,7 +337,10 @@ pub fn save_pretrained(dir: &Path, store: &ParamStore, config_json: &serde_json:
 
 /// Copies `tokenizer.json` and `generation_config.json` (when present) from `files` into `dir`.
 pub fn copy_side_files(files: &ModelFiles, dir: &Path) -> Result<()> {
-    for src in [&files.tokenizer, &files.generation_config].into_iter().flatten() {
+    // tokenizer_config.json holds the chat template that conversational data is rendered with.
+    let tc = files.dir.join("tokenizer_config.json");
+    let tokenizer_config = tc.is_file().then_some(tc);
+    for src in [&files.tokenizer, &files.generation_config, &tokenizer_config].into_iter().flatten() {
         if let Some(name) = src.file_name() {
             let dst = dir.join(name);
             std::fs::copy(src, &dst).map_err(|e| Error::io(&dst, e))?;

@@ -421,7 +421,12 @@ pub fn train_agent<G: AgentGames>(
         let total =
             cfg.bc.total_steps(records.len() - (records.len() as f64 * cfg.bc.eval_fraction) as usize);
         on(Event::Start { stage: "bc", total: Some(total) });
-        let sft_cfg = SftConfig { max_length: cfg.context, completion_only_loss: true, add_eos: true };
+        let sft_cfg = SftConfig {
+            max_length: cfg.context,
+            completion_only_loss: true,
+            add_eos: true,
+            assistant_only_loss: false,
+        };
         let records = fit_prompts(records, &tokenizer, cfg.context - cfg.max_new_tokens)?;
         sft::train_sft(&model, &records, &sft_cfg, &cfg.bc, &mut train_progress("bc", on))?;
         model.save(&bc_dir)?;

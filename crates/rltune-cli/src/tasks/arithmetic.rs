@@ -521,7 +521,12 @@ fn train_sft_partly(
     let max = cfg.sft.total_steps(records.len());
     let every = cfg.sft_check_every.max(1);
     on(Event::Start { stage: "sft", total: Some(max) });
-    let sft_cfg = SftConfig { max_length: positions, completion_only_loss: true, add_eos: true };
+    let sft_cfg = SftConfig {
+        max_length: positions,
+        completion_only_loss: true,
+        add_eos: true,
+        assistant_only_loss: false,
+    };
     let (mut done, mut checks) = (0, Vec::new());
     while done < max {
         let steps = every.min(max - done);

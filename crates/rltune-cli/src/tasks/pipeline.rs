@@ -385,7 +385,12 @@ pub fn run_quickstart(
         let total =
             cfg.sft.total_steps(records.len() - (records.len() as f64 * cfg.sft.eval_fraction) as usize);
         on(Event::Start { stage: "sft", total: Some(total) });
-        let sft_cfg = SftConfig { max_length: cfg.max_length, completion_only_loss: false, add_eos: true };
+        let sft_cfg = SftConfig {
+            max_length: cfg.max_length,
+            completion_only_loss: false,
+            add_eos: true,
+            assistant_only_loss: false,
+        };
         let summary = sft::train_sft(&model, &records, &sft_cfg, &cfg.sft, &mut train_progress("sft", on))?;
         sft_eval_loss = summary.eval.as_ref().map(|e| e.loss);
         model.save(&sft_dir)?;

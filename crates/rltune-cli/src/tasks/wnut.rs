@@ -368,7 +368,12 @@ pub fn run_wnut_quickstart(
         let records = fit_prompts(records, &tokenizer, cfg.context - cfg.max_new_tokens)?;
         let model = SftModel::from_pretrained(&bc_dir.to_string_lossy(), dtype, device)?;
         let args = TrainingArgs { max_steps: Some(extra), seed: cfg.bc.seed + 1, ..cfg.bc.clone() };
-        let sft_cfg = SftConfig { max_length: cfg.context, completion_only_loss: true, add_eos: true };
+        let sft_cfg = SftConfig {
+            max_length: cfg.context,
+            completion_only_loss: true,
+            add_eos: true,
+            assistant_only_loss: false,
+        };
         sft::train_sft(&model, &records, &sft_cfg, &args, &mut train_progress("bc-longer", on))?;
         model.save(&longer_dir)?;
         let s = t.elapsed().as_secs_f64();

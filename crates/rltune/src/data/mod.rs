@@ -1,8 +1,10 @@
 //! Reading user data: rollout files for `ppo-step` and `grpo-step`/`rloo-step`, prompt datasets.
 
+pub mod chat;
 pub mod group_rollouts;
 pub mod prompts;
 pub mod rollouts;
+pub mod rows;
 
 use std::path::Path;
 

@@ -1,6 +1,13 @@
-//! Preference data for DPO: reading `{"prompt", "chosen", "rejected"}` JSON lines (or the
-//! tokenized `prompt_ids`, `chosen_ids`, `rejected_ids`), tokenizing them as TRL 1.16.0's
-//! `DPOTrainer._prepare_dataset` does, and the checks that name the line at fault.
+//! Preference data for DPO: reading `{"prompt", "chosen", "rejected"}` rows (or the tokenized
+//! `prompt_ids`, `chosen_ids`, `rejected_ids`) from any dataset [`crate::data::rows`] reads,
+//! tokenizing them as TRL 1.16.0's `DPOTrainer._prepare_dataset` does, and the checks that name
+//! the row at fault.
+//!
+//! Rows without `prompt` have it extracted as TRL's `extract_prompt` does (the longest common
+//! prefix of `chosen` and `rejected`: shared turns of a conversation, or characters of text).
+//! Conversational rows (message lists) are tokenized through the model's chat template: the
+//! prompt with `add_generation_prompt=True`, `prompt + chosen` and `prompt + rejected` without;
+//! no EOS is added (the template writes the end of turn).
 //!
 //! TRL's preparation of a text row: append the tokenizer's EOS token (as text) to `chosen` and
 //! `rejected` unless they end with it; tokenize `prompt`, `prompt + chosen` and
@@ -14,12 +21,24 @@ use std::path::Path;
 use serde_json::Value;
 
 use super::config::{DpoConfig, TruncationMode};
+use crate::data::chat::{self, Content};
+use crate::data::rows::{read_rows, DataOptions};
 use crate::error::{Error, Result};
+use crate::models::chat_template::{ChatTemplate, RenderOptions};
 use crate::tokenizer::Tokenizer;
 
 /// One preference row as written in the file.
 #[derive(Debug, Clone, PartialEq)]
 pub enum PreferenceText {
+    /// Conversations (lists of messages), rendered with the chat template.
+    Chat {
+        /// The prompt's messages.
+        prompt: Value,
+        /// The preferred continuation's messages.
+        chosen: Value,
+        /// The other continuation's messages.
+        rejected: Value,
+    },
     /// Text, tokenized by the trainer.
     Text {
         /// The prompt.
@@ -43,8 +62,8 @@ pub enum PreferenceText {
 /// A row of a preference file: the pair, its line and optional precomputed reference logprobs.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PreferenceRecord {
-    /// 1-based line in the file.
-    pub line: usize,
+    /// Where the row is, for messages (e.g. `prefs.jsonl line 7`, `data.parquet row 3`).
+    pub origin: String,
     /// The pair.
     pub pair: PreferenceText,
     /// `(ref_chosen_logps, ref_rejected_logps)`, TRL's precomputed columns.
@@ -67,40 +86,32 @@ pub struct PreferencePair {
     pub origin: String,
 }
 
-/// Reads a preference file of JSON lines; every problem names the file, line and field.
+/// Reads a preference file of JSON lines (or any format [`read_preference_data`] reads); every
+/// problem names the file, line and field.
 pub fn read_preference_records(path: &Path) -> Result<Vec<PreferenceRecord>> {
-    let text = crate::data::read_utf8(path)?;
+    read_preference_data(&path.to_string_lossy(), &DataOptions::default())
+}
+
+/// Reads preference rows from a file, directory or hub dataset ([`crate::data::rows::read_rows`]),
+/// with the split and column mapping of `opts`.
+pub fn read_preference_data(source: &str, opts: &DataOptions) -> Result<Vec<PreferenceRecord>> {
+    let rows = read_rows(source, opts)?;
     let mut out = Vec::new();
-    for (i, raw) in text.lines().enumerate() {
-        if raw.trim().is_empty() {
-            continue;
-        }
-        let line = i + 1;
-        let at = |msg: String| Error::Input(format!("{} line {line}: {msg}", path.display()));
-        let value: Value = serde_json::from_str(raw).map_err(|e| {
-            if e.is_syntax() && (raw.contains("NaN") || raw.contains("Infinity")) {
-                return at("a value is NaN or Infinity, which JSON cannot hold; ref_chosen_logps and \
-                           ref_rejected_logps must be finite numbers (drop them to recompute them)"
-                    .into());
-            }
-            at(format!("{e}; expected {EXPECTED}"))
-        })?;
-        let obj = value.as_object().ok_or_else(|| at(format!("not a JSON object; expected {EXPECTED}")))?;
-        let record = parse_record(obj, line).map_err(at)?;
+    for row in rows {
+        let at = |msg: String| Error::Input(format!("{}: {msg}", row.origin));
+        let record = parse_record(&row.fields, &row.origin).map_err(at)?;
         out.push(record);
     }
-    if out.is_empty() {
+    let kind = |r: &PreferenceRecord| match r.pair {
+        PreferenceText::Text { .. } => 0,
+        PreferenceText::Ids { .. } => 1,
+        PreferenceText::Chat { .. } => 2,
+    };
+    if let Some(r) = out.iter().find(|r| kind(r) != kind(&out[0])) {
         return Err(Error::Input(format!(
-            "{}: no preference pairs (the file has no non-empty line)",
-            path.display()
-        )));
-    }
-    if out.iter().any(|r| matches!(r.pair, PreferenceText::Text { .. }))
-        && out.iter().any(|r| matches!(r.pair, PreferenceText::Ids { .. }))
-    {
-        return Err(Error::Input(format!(
-            "{}: mixes text rows (\"prompt\") and tokenized rows (\"prompt_ids\"); use one kind per file",
-            path.display()
+            "{}: mixes text rows (\"prompt\"), tokenized rows (\"prompt_ids\") and conversations (message lists); \
+             use one kind per file",
+            r.origin
         )));
     }
     Ok(out)
@@ -112,7 +123,7 @@ const EXPECTED: &str = "{\"prompt\": \"..\", \"chosen\": \"..\", \"rejected\": \
 
 fn parse_record(
     obj: &serde_json::Map<String, Value>,
-    line: usize,
+    origin: &str,
 ) -> std::result::Result<PreferenceRecord, String> {
     let text = obj.contains_key("prompt") || obj.contains_key("chosen") || obj.contains_key("rejected");
     let ids =
@@ -124,18 +135,7 @@ fn parse_record(
             )
         }
         (false, false) => return Err(format!("no preference fields; expected {EXPECTED}")),
-        (true, false) => {
-            let s = |f: &str| -> std::result::Result<String, String> {
-                match obj.get(f) {
-                    None => Err(format!(
-                        "missing field \"{f}\" (rows need \"prompt\", \"chosen\" and \"rejected\")"
-                    )),
-                    Some(Value::String(s)) => Ok(s.clone()),
-                    Some(other) => Err(format!("field \"{f}\" is {}, not a string", short(other))),
-                }
-            };
-            PreferenceText::Text { prompt: s("prompt")?, chosen: s("chosen")?, rejected: s("rejected")? }
-        }
+        (true, false) => text_or_chat(obj, origin)?,
         (false, true) => {
             let v = |f: &str| -> std::result::Result<Vec<u32>, String> {
                 let arr = match obj.get(f) {
@@ -179,6 +179,7 @@ fn parse_record(
     let (chosen_empty, rejected_empty) = match &pair {
         PreferenceText::Text { chosen, rejected, .. } => (chosen.is_empty(), rejected.is_empty()),
         PreferenceText::Ids { chosen, rejected, .. } => (chosen.is_empty(), rejected.is_empty()),
+        PreferenceText::Chat { .. } => (false, false),
     };
     for (empty, f) in [(chosen_empty, "chosen"), (rejected_empty, "rejected")] {
         if empty {
@@ -188,7 +189,58 @@ fn parse_record(
             ));
         }
     }
-    Ok(PreferenceRecord { line, pair, ref_logps })
+    if let PreferenceText::Chat { chosen, rejected, .. } = &pair {
+        for (v, f) in [(chosen, "chosen"), (rejected, "rejected")] {
+            if v.as_array().is_some_and(|a| a.is_empty()) {
+                return Err(format!(
+                    "\"{f}\" has no message once the shared prompt is taken out; each completion needs at least \
+                     one message (fix or drop the row)"
+                ));
+            }
+        }
+    }
+    Ok(PreferenceRecord { origin: origin.to_string(), pair, ref_logps })
+}
+
+/// A row of text or conversations: `prompt`, `chosen`, `rejected` all strings, or all message
+/// lists; without `prompt`, TRL's `extract_prompt` takes it from `chosen` and `rejected`.
+fn text_or_chat(
+    obj: &serde_json::Map<String, Value>,
+    origin: &str,
+) -> std::result::Result<PreferenceText, String> {
+    let field = |f: &str| -> std::result::Result<Content, String> {
+        match obj.get(f) {
+            None => Err(format!(
+                "missing field \"{f}\" (rows need \"chosen\" and \"rejected\", and \"prompt\" \
+                                 unless it is the start of both)"
+            )),
+            Some(Value::String(s)) => Ok(Content::Text(s.clone())),
+            Some(v @ Value::Array(_)) => {
+                chat::check_messages(v, origin, f)
+                    .map_err(|e| e.to_string().replace(&format!("{origin}: "), ""))?;
+                Ok(Content::Chat(v.clone()))
+            }
+            Some(other) => {
+                Err(format!("field \"{f}\" is {}, not a string (nor a list of messages)", short(other)))
+            }
+        }
+    };
+    let (chosen, rejected) = (field("chosen")?, field("rejected")?);
+    let (prompt, chosen, rejected) = match obj.get("prompt") {
+        Some(_) => (field("prompt")?, chosen, rejected),
+        None => chat::extract_prompt(&chosen, &rejected)?,
+    };
+    match (prompt, chosen, rejected) {
+        (Content::Text(prompt), Content::Text(chosen), Content::Text(rejected)) => {
+            Ok(PreferenceText::Text { prompt, chosen, rejected })
+        }
+        (Content::Chat(prompt), Content::Chat(chosen), Content::Chat(rejected)) => {
+            Ok(PreferenceText::Chat { prompt, chosen, rejected })
+        }
+        _ => {
+            Err("\"prompt\", \"chosen\" and \"rejected\" must all be text or all be lists of messages".into())
+        }
+    }
 }
 
 fn short(v: &Value) -> String {
@@ -219,11 +271,22 @@ pub fn prepare_pairs(
     tokenizer: Option<&Tokenizer>,
     eos: Option<u32>,
     cfg: &DpoConfig,
-    source: &Path,
+    _source: &Path,
+) -> Result<PreparedPairs> {
+    prepare_pairs_with(records, tokenizer, None, eos, cfg)
+}
+
+/// [`prepare_pairs`] with the model's chat template, which conversational rows need.
+pub fn prepare_pairs_with(
+    records: &[PreferenceRecord],
+    tokenizer: Option<&Tokenizer>,
+    template: Option<&ChatTemplate>,
+    eos: Option<u32>,
+    cfg: &DpoConfig,
 ) -> Result<PreparedPairs> {
     let mut out = PreparedPairs { pairs: Vec::new(), dropped: Vec::new(), identical: Vec::new() };
     for rec in records {
-        let origin = format!("{} line {}", source.display(), rec.line);
+        let origin = rec.origin.clone();
         let (prompt_ids, chosen_ids, rejected_ids) = match &rec.pair {
             PreferenceText::Ids { prompt, chosen, rejected } => {
                 (prompt.clone(), chosen.clone(), rejected.clone())
@@ -236,6 +299,16 @@ pub fn prepare_pairs(
                     ))
                 })?;
                 tokenize_text(tok, eos, prompt, chosen, rejected)
+                    .map_err(|e| Error::Input(format!("{origin}: {e}")))?
+            }
+            PreferenceText::Chat { prompt, chosen, rejected } => {
+                let tok = tokenizer.ok_or_else(|| {
+                    Error::Input(format!(
+                        "{origin}: a conversational row needs a tokenizer, but the model has no tokenizer.json"
+                    ))
+                })?;
+                let template = template.ok_or_else(|| chat::no_template(&origin))?;
+                tokenize_chat(tok, template, prompt, chosen, rejected)
                     .map_err(|e| Error::Input(format!("{origin}: {e}")))?
             }
         };
@@ -281,6 +354,27 @@ fn tokenize_text(
     Ok((p[..n].to_vec(), pc[n..].to_vec(), pr[n..].to_vec()))
 }
 
+/// TRL `_prepare_dataset`'s `tokenize_fn` for a conversational row: the prompt rendered with
+/// the generation prompt, prompt + chosen and prompt + rejected without; the completion starts
+/// where the prompt's ids stop being a prefix of both.
+fn tokenize_chat(
+    tok: &Tokenizer,
+    template: &ChatTemplate,
+    prompt: &Value,
+    chosen: &Value,
+    rejected: &Value,
+) -> Result<(Vec<u32>, Vec<u32>, Vec<u32>)> {
+    let join = |a: &Value, b: &Value| {
+        Value::Array(a.as_array().into_iter().chain(b.as_array()).flatten().cloned().collect())
+    };
+    let gen = RenderOptions { add_generation_prompt: true, continue_final_message: false };
+    let p = chat::encode_chat(tok, template, prompt, gen, false)?.ids;
+    let pc = chat::encode_chat(tok, template, &join(prompt, chosen), RenderOptions::default(), false)?.ids;
+    let pr = chat::encode_chat(tok, template, &join(prompt, rejected), RenderOptions::default(), false)?.ids;
+    let n = chat::common_prefix_length(&p, &pc).min(chat::common_prefix_length(&p, &pr));
+    Ok((p[..n].to_vec(), pc[n..].to_vec(), pr[n..].to_vec()))
+}
+
 /// Prompt+completion as TRL's collator truncates it: the sequence and its completion mask.
 pub(crate) fn truncate(prompt: &[u32], completion: &[u32], cfg: &DpoConfig) -> (Vec<u32>, Vec<u8>) {
     let ids = [prompt, completion].concat();
@@ -320,7 +414,8 @@ mod tests {
              {\"prompt\": \"x\", \"chosen\": \"y\", \"rejected\": \"z\", \"ref_chosen_logps\": -1.5, \"ref_rejected_logps\": -2}\n",
         );
         let r = read_preference_records(&p).unwrap();
-        assert_eq!((r.len(), r[1].line, r[1].ref_logps), (2, 3, Some((-1.5, -2.0))));
+        assert_eq!((r.len(), r[1].ref_logps), (2, Some((-1.5, -2.0))));
+        assert!(r[1].origin.ends_with("prefs.jsonl line 3"), "{}", r[1].origin);
         let (_d, p) = write("{\"prompt_ids\": [1, 2], \"chosen_ids\": [3], \"rejected_ids\": [4, 0]}\n");
         let r = read_preference_records(&p).unwrap();
         assert_eq!(
@@ -343,14 +438,21 @@ mod tests {
             ("{\"prompt\": \"a\", \"chosen\": \"b\", \"rejected\": \"c\", \"ref_chosen_logps\": NaN, \"ref_rejected_logps\": 1}", "NaN"),
             ("{\"prompt\": \"a\", \"chosen\": \"b\", \"rejected\": \"c\", \"ref_chosen_logps\": null, \"ref_rejected_logps\": 1}", "\"ref_chosen_logps\""),
             ("{\"prompt\": \"a\", \"chosen\": \"b\", \"rejected\": \"c\", \"ref_chosen_logps\": 1}", "without \"ref_rejected_logps\""),
-            ("{\"chosen\": \"b\", \"rejected\": \"c\"}", "missing field \"prompt\""),
-            ("[1, 2]", "not a JSON object"),
+            ("{\"prompt\": [{\"role\": \"user\"}], \"chosen\": \"b\", \"rejected\": \"c\"}", "all be text or all be lists"),
+            ("{\"prompt\": \"a\", \"chosen\": [{\"content\": \"b\"}], \"rejected\": \"c\"}", "string \"role\""),
+            ("[1, 2]", "must be a JSON object"),
         ];
         for (line, want) in cases {
             let (_d, p) = write(&format!("{good}\n{line}\n"));
             let err = read_preference_records(&p).unwrap_err().to_string();
             assert!(err.contains("prefs.jsonl line 2") && err.contains(want), "{line}: {err}");
         }
+        // Without "prompt": TRL's implicit prompt, the shared start of chosen and rejected.
+        let (_d, p) = write("{\"chosen\": \"Sky: blue\", \"rejected\": \"Sky: red\"}\n");
+        let r = read_preference_records(&p).unwrap();
+        let want =
+            PreferenceText::Text { prompt: "Sky:".into(), chosen: " blue".into(), rejected: " red".into() };
+        assert_eq!(r[0].pair, want);
         let (_d, p) =
             write(&format!("{good}\n{{\"prompt_ids\": [1], \"chosen_ids\": [2], \"rejected_ids\": [3]}}\n"));
         assert!(read_preference_records(&p).unwrap_err().to_string().contains("mixes"));
@@ -359,7 +461,7 @@ mod tests {
     #[test]
     fn prompts_that_fill_max_length_are_dropped_and_identical_pairs_reported() {
         let rec = |line, prompt: Vec<u32>, chosen: Vec<u32>, rejected: Vec<u32>| PreferenceRecord {
-            line,
+            origin: format!("d.jsonl line {line}"),
             pair: PreferenceText::Ids { prompt, chosen, rejected },
             ref_logps: None,
         };

@@ -71,10 +71,18 @@ impl CriticSection {
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DataSection {
-    /// JSONL, CSV or Parquet file, or hub dataset id.
+    /// JSON lines, JSON, CSV, Parquet or Arrow file, a `datasets` `save_to_disk` directory, a
+    /// directory of data files, or a hub dataset id.
     pub source: String,
-    /// Column holding the prompt text.
+    /// Column holding the prompt: text, or a conversation (a list of messages, rendered with
+    /// the chat template and the generation prompt).
     pub text_column: String,
+    /// The split of a dataset directory or hub dataset (default: the only one, else `train`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub split: Option<String>,
+    /// Column renaming, e.g. `{ answer = "solution" }` (reward sources read `answer`).
+    #[serde(skip_serializing_if = "crate::data::rows::ColumnMap::is_empty")]
+    pub columns: crate::data::rows::ColumnMap,
     /// Shortest prompt in tokens (TRL's LengthSampler `min_value`).
     pub min_query_tokens: usize,
     /// Longest prompt in tokens, exclusive (TRL's LengthSampler `max_value`).
@@ -83,7 +91,14 @@ pub struct DataSection {
 
 impl Default for DataSection {
     fn default() -> Self {
-        Self { source: String::new(), text_column: "text".into(), min_query_tokens: 2, max_query_tokens: 8 }
+        Self {
+            source: String::new(),
+            text_column: "text".into(),
+            split: None,
+            columns: Default::default(),
+            min_query_tokens: 2,
+            max_query_tokens: 8,
+        }
     }
 }
 

@@ -4,7 +4,7 @@
 //! evaluation.
 
 use super::config::RunConfig;
-use crate::data::prompts::{load_prompts, PromptRow};
+use crate::data::prompts::{load_prompts_with, PromptRow};
 use crate::error::Result;
 use crate::generation::Sample;
 use crate::rewards::RewardInput;
@@ -24,7 +24,12 @@ pub(crate) fn encode_from(
     source: &str,
     tokenizer: &Tokenizer,
 ) -> Result<Vec<(Vec<u32>, PromptRow)>> {
-    let rows = load_prompts(source, &config.data.text_column, None)?;
+    // `[data] split` is the training prompts'; another source (`[eval]`) takes its default split.
+    let opts = crate::data::rows::DataOptions {
+        split: config.data.split.clone().filter(|_| source == config.data.source),
+        columns: config.data.columns.clone(),
+    };
+    let rows = load_prompts_with(source, &config.data.text_column, &opts)?;
     let column = &config.data.text_column;
     let template = crate::data::prompts::template_if_needed(&rows, column, &config.model.path)?;
     rows.into_iter()

@@ -1,21 +1,27 @@
-//! Training data: SFT texts and prompt/completion pairs, labelled texts and preference pairs,
-//! read from files with errors that name the file and line; and the seeded eval split.
+//! Training data: SFT texts, prompt/completion pairs and conversations, labelled texts and
+//! preference pairs, read through [`crate::data::rows`] (JSON lines, JSON, CSV, Parquet, Arrow,
+//! `datasets` `save_to_disk` directories, hub datasets; `.txt` is one text per line) with errors
+//! that name the file and row; and the seeded eval split.
 //!
-//! | file | one example per line |
+//! | data | one example per row |
 //! |---|---|
 //! | `*.txt` | a line of text (empty lines are skipped) |
-//! | `*.jsonl` (SFT) | `{"text": ...}` or `{"prompt": ..., "completion": ...}` |
-//! | `*.jsonl` (reward) | `{"text": ..., "label": "POSITIVE" \| 0}` or `{"chosen": ..., "rejected": ...}`, optional `"prompt"` |
+//! | SFT | `{"text": ...}`, `{"prompt": ..., "completion": ...}`, `{"messages": [...]}` (or ShareGPT `{"conversations": [{"from", "value"}]}`), or `{"prompt": [...], "completion": [...]}` as message lists |
+//! | reward | `{"text": ..., "label": "POSITIVE" \| 0}` or `{"chosen": ..., "rejected": ...}`, optional `"prompt"`; chosen/rejected (and prompt) may be message lists |
 //!
-//! Other fields in a JSON line are ignored (datasets often carry ids and metadata). A file holds
-//! one kind of example: the first line decides, and a line of the other kind is an error.
+//! Other fields in a row are ignored (datasets often carry ids and metadata). A dataset holds
+//! one kind of example: the first row decides, and a row of another kind is an error. Columns
+//! with other names are mapped with `[data] columns` ([`crate::data::rows::ColumnMap`]).
 
 use std::path::Path;
 
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use serde::Deserialize;
+use serde_json::{Map, Value};
 
+use crate::data::chat;
+use crate::data::rows::{column_list, read_rows, DataOptions};
 use crate::error::{Error, Result};
 
 /// One supervised fine-tuning example, before tokenization.
@@ -30,6 +36,24 @@ pub enum SftRecord {
         /// The completion the model learns to produce.
         completion: String,
     },
+    /// A conversation (`messages`), rendered with the chat template; with `assistant_only_loss`
+    /// only the assistant's `{% generation %}` blocks are targets.
+    Messages(serde_json::Value),
+    /// A conversational prompt and completion (message lists): the prompt rendered with the
+    /// generation prompt, the completion after it.
+    ChatPromptCompletion {
+        /// The prompt's messages.
+        prompt: serde_json::Value,
+        /// The completion's messages.
+        completion: serde_json::Value,
+    },
+}
+
+impl SftRecord {
+    /// Whether the record is a conversation (rendered with the chat template).
+    pub fn is_conversational(&self) -> bool {
+        matches!(self, SftRecord::Messages(_) | SftRecord::ChatPromptCompletion { .. })
+    }
 }
 
 /// A class label as written in the data: a class name (`"POSITIVE"`) or an index (`0`).
@@ -61,6 +85,14 @@ pub enum RewardRecord {
         /// Its class.
         label: Label,
     },
+    /// A preferred and a dispreferred conversation, each whole (prompt messages first), rendered
+    /// with the chat template (Bradley–Terry training).
+    ChatPreference {
+        /// The preferred conversation.
+        chosen: serde_json::Value,
+        /// The dispreferred conversation.
+        rejected: serde_json::Value,
+    },
     /// A preferred and a dispreferred response (Bradley–Terry training).
     Preference {
         /// Optional prompt, prepended verbatim to both responses.
@@ -75,150 +107,215 @@ pub enum RewardRecord {
 impl RewardRecord {
     /// Whether this is a preference pair.
     pub fn is_preference(&self) -> bool {
-        matches!(self, RewardRecord::Preference { .. })
+        matches!(self, RewardRecord::Preference { .. } | RewardRecord::ChatPreference { .. })
     }
 }
 
-#[derive(Deserialize)]
-struct SftLine {
-    text: Option<String>,
-    prompt: Option<String>,
-    completion: Option<String>,
-}
-
-#[derive(Deserialize)]
-struct RewardLine {
-    text: Option<String>,
-    label: Option<serde_json::Value>,
-    prompt: Option<String>,
-    chosen: Option<String>,
-    rejected: Option<String>,
-}
-
-/// The non-empty lines of `path` with their 1-based numbers.
-fn lines(path: &Path) -> Result<Vec<(usize, String)>> {
-    let text = crate::data::read_utf8(path)?;
-    Ok(text
-        .lines()
-        .enumerate()
-        .filter(|(_, l)| !l.trim().is_empty())
-        .map(|(i, l)| (i + 1, l.to_string()))
-        .collect())
-}
-
-fn is_txt(path: &Path) -> bool {
-    path.extension().is_some_and(|e| e.eq_ignore_ascii_case("txt"))
-}
-
-/// Fails unless the file holds at least one example.
-fn non_empty<T>(path: &Path, v: Vec<T>) -> Result<Vec<T>> {
-    if v.is_empty() {
-        return Err(Error::Input(format!(
-            "{}: no examples (the file has no non-empty line)",
-            path.display()
-        )));
-    }
-    Ok(v)
-}
-
-/// Reads SFT examples: a `.txt` file (one example per non-empty line) or JSON lines.
+/// Reads SFT examples from a file: `.txt` (one example per non-empty line), JSON lines, or any
+/// format [`read_sft_data`] reads.
 pub fn read_sft_records(path: &Path) -> Result<Vec<SftRecord>> {
-    let lines = lines(path)?;
-    if is_txt(path) {
-        return non_empty(path, lines.into_iter().map(|(_, l)| SftRecord::Text(l)).collect());
-    }
-    let mut out = Vec::with_capacity(lines.len());
-    for (n, raw) in lines {
-        let at = |msg: String| Error::Input(format!("{} line {n}: {msg}", path.display()));
-        let line: SftLine = serde_json::from_str(&raw).map_err(|e| {
-            at(format!(
-                "{}; expected {{\"text\": \"..\"}} or {{\"prompt\": \"..\", \"completion\": \"..\"}} (a .txt \
-                 file is read as one example per line)",
-                not_a_string(&raw, &["text", "prompt", "completion"]).unwrap_or_else(|| e.to_string())
-            ))
-        })?;
-        let rec = match (line.text, line.prompt, line.completion) {
-            (Some(t), None, None) => SftRecord::Text(t),
-            (None, Some(prompt), Some(completion)) => SftRecord::PromptCompletion { prompt, completion },
-            (Some(_), _, _) => {
-                return Err(at("give either \"text\" or \"prompt\" + \"completion\", not both".into()))
-            }
-            (None, Some(_), None) => return Err(at("\"prompt\" without \"completion\"".into())),
-            (None, None, Some(_)) => return Err(at("\"completion\" without \"prompt\"".into())),
-            (None, None, None) => {
-                return Err(at("missing \"text\" (or \"prompt\" and \"completion\")".into()))
-            }
-        };
+    read_sft_data(&path.to_string_lossy(), &DataOptions::default())
+}
+
+/// Reads SFT examples from a file, directory or hub dataset, with the split and column mapping
+/// of `opts`.
+pub fn read_sft_data(source: &str, opts: &DataOptions) -> Result<Vec<SftRecord>> {
+    let rows = read_rows(source, opts).map_err(|e| with_hint(e, SFT_EXPECTED))?;
+    let mut out: Vec<SftRecord> = Vec::with_capacity(rows.len());
+    for row in rows {
+        let at = |msg: String| Error::Input(format!("{}: {msg}", row.origin));
+        let rec = sft_record(row.fields, &row.origin).map_err(at)?;
         if let Some(prev) = out.last() {
             if std::mem::discriminant(prev) != std::mem::discriminant(&rec) {
-                return Err(at(
-                    "mixes plain-text and prompt/completion examples; use one kind per file".into()
-                ));
+                return Err(at(format!(
+                    "mixes {} and {} examples; use one kind per dataset",
+                    sft_kind(prev),
+                    sft_kind(&rec)
+                )));
             }
         }
         out.push(rec);
     }
-    non_empty(path, out)
+    Ok(out)
 }
 
-/// Reads reward-model examples from JSON lines: labelled texts or preference pairs.
+fn sft_kind(r: &SftRecord) -> &'static str {
+    match r {
+        SftRecord::Text(_) => "plain-text",
+        SftRecord::PromptCompletion { .. } => "prompt/completion",
+        SftRecord::Messages(_) => "conversational (messages)",
+        SftRecord::ChatPromptCompletion { .. } => "conversational prompt/completion",
+    }
+}
+
+const SFT_EXPECTED: &str = "expected {\"text\": \"..\"}, {\"prompt\": \"..\", \"completion\": \"..\"}, \
+                            {\"messages\": [{\"role\": .., \"content\": ..}, ..]} or prompt/completion message lists \
+                            (a .txt file is read as one example per line; other column names are mapped with \
+                            `[data] columns`)";
+
+/// One SFT row: TRL's dataset types (language modeling or prompt-completion, each standard or
+/// conversational). ShareGPT's `conversations` of `{"from", "value"}` become `messages` of
+/// `{"role", "content"}` (TRL's `maybe_convert_to_chatml`).
+fn sft_record(mut row: Map<String, Value>, origin: &str) -> std::result::Result<SftRecord, String> {
+    if let Some(Value::Array(conv)) = row.remove("conversations") {
+        let msgs = conv
+            .into_iter()
+            .map(|m| match m {
+                Value::Object(mut o) => {
+                    if let Some(v) = o.remove("from") {
+                        o.insert("role".into(), v);
+                    }
+                    if let Some(v) = o.remove("value") {
+                        o.insert("content".into(), v);
+                    }
+                    Value::Object(o)
+                }
+                other => other,
+            })
+            .collect();
+        row.insert("messages".into(), Value::Array(msgs));
+    }
+    let check = |v: &Value, f: &str| {
+        chat::check_messages(v, origin, f).map_err(|e| e.to_string().replacen(&format!("{origin}: "), "", 1))
+    };
+    let text = |f: &str, v: Value| match v {
+        Value::String(s) => Ok(s),
+        other => Err(format!("field \"{f}\" is {}, not a string; {SFT_EXPECTED}", short(&other))),
+    };
+    match (row.remove("text"), row.remove("prompt"), row.remove("completion"), row.remove("messages")) {
+        (None, None, None, Some(m)) => {
+            check(&m, "messages")?;
+            Ok(SftRecord::Messages(m))
+        }
+        (Some(t), None, None, None) => Ok(SftRecord::Text(text("text", t)?)),
+        (None, Some(p @ Value::Array(_)), Some(c @ Value::Array(_)), None) => {
+            check(&p, "prompt")?;
+            check(&c, "completion")?;
+            Ok(SftRecord::ChatPromptCompletion { prompt: p, completion: c })
+        }
+        (None, Some(p), Some(c), None) => {
+            Ok(SftRecord::PromptCompletion { prompt: text("prompt", p)?, completion: text("completion", c)? })
+        }
+        (None, Some(_), None, None) => Err("\"prompt\" without \"completion\"".into()),
+        (None, None, Some(_), None) => Err("\"completion\" without \"prompt\"".into()),
+        (None, None, None, None) => Err(format!(
+            "missing \"text\" (or \"prompt\" and \"completion\", or \"messages\"); columns present: {}; {SFT_EXPECTED}",
+            column_list(&row)
+        )),
+        _ => Err("give one of \"text\", \"prompt\" + \"completion\" or \"messages\", not both".into()),
+    }
+}
+
+fn short(v: &Value) -> String {
+    let s = v.to_string();
+    if s.len() > 100 {
+        format!("a {}-byte {}", s.len(), if v.is_array() { "array" } else { "value" })
+    } else {
+        s
+    }
+}
+
+/// Reads reward-model examples from a file: labelled texts or preference pairs.
 pub fn read_reward_records(path: &Path) -> Result<Vec<RewardRecord>> {
+    read_reward_data(&path.to_string_lossy(), &DataOptions::default())
+}
+
+/// Reads reward-model examples from a file, directory or hub dataset, with the split and column
+/// mapping of `opts`.
+pub fn read_reward_data(source: &str, opts: &DataOptions) -> Result<Vec<RewardRecord>> {
     let mut out: Vec<RewardRecord> = Vec::new();
-    for (n, raw) in lines(path)? {
-        let at = |msg: String| Error::Input(format!("{} line {n}: {msg}", path.display()));
-        let line: RewardLine = serde_json::from_str(&raw).map_err(|e| {
-            at(format!(
-                "{}; expected {{\"text\": \"..\", \"label\": \"NAME\" or index}} or \
-                 {{\"chosen\": \"..\", \"rejected\": \"..\"}} (optional \"prompt\")",
-                not_a_string(&raw, &["text", "prompt", "chosen", "rejected"])
-                    .unwrap_or_else(|| e.to_string())
-            ))
-        })?;
-        let rec = reward_record(line).map_err(at)?;
+    for row in read_rows(source, opts).map_err(|e| with_hint(e, REWARD_EXPECTED))? {
+        let at = |msg: String| Error::Input(format!("{}: {msg}", row.origin));
+        let rec = reward_record(row.fields, &row.origin).map_err(at)?;
         if out.first().is_some_and(|first| first.is_preference() != rec.is_preference()) {
             return Err(at("mixes labelled texts and preference pairs; use one kind per file".into()));
         }
+        if out.first().is_some_and(|first| {
+            matches!(first, RewardRecord::ChatPreference { .. })
+                != matches!(rec, RewardRecord::ChatPreference { .. })
+        }) {
+            return Err(at("mixes text and conversational preference pairs; use one kind per file".into()));
+        }
         out.push(rec);
     }
-    non_empty(path, out)
+    Ok(out)
 }
 
-/// For a line that is a JSON object but failed to parse: which of the string `fields` holds
-/// something else (serde's message gives only the column), e.g. `"text" is 7, not a string`.
-fn not_a_string(raw: &str, fields: &[&str]) -> Option<String> {
-    let v: serde_json::Value = serde_json::from_str(raw).ok()?;
-    let obj = v.as_object()?;
-    fields.iter().find_map(|&f| {
-        let x = obj.get(f).filter(|x| !x.is_string() && !x.is_null())?;
-        let mut shown = x.to_string();
-        if shown.len() > 100 {
-            shown = format!("a {}-byte {}", shown.len(), if x.is_array() { "array" } else { "value" });
-        }
-        Some(format!("field \"{f}\" is {shown}, not a string"))
-    })
-}
+const REWARD_EXPECTED: &str = "expected {\"text\": \"..\", \"label\": \"NAME\" or index} or \
+                               {\"chosen\": \"..\", \"rejected\": \"..\"} (optional \"prompt\"; all three may be \
+                               message lists)";
 
-fn reward_record(line: RewardLine) -> std::result::Result<RewardRecord, String> {
-    match (line.text, line.label, line.chosen, line.rejected) {
+fn reward_record(mut row: Map<String, Value>, origin: &str) -> std::result::Result<RewardRecord, String> {
+    let (text, label, prompt) = (row.remove("text"), row.remove("label"), row.remove("prompt"));
+    let (chosen, rejected) = (row.remove("chosen"), row.remove("rejected"));
+    let string = |f: &str, v: Value| match v {
+        Value::String(s) => Ok(s),
+        other => Err(format!("field \"{f}\" is {}, not a string; {REWARD_EXPECTED}", short(&other))),
+    };
+    let conversational =
+        [&prompt, &chosen, &rejected].iter().any(|v| v.as_ref().is_some_and(Value::is_array));
+    match (text, label, chosen, rejected) {
         (Some(text), Some(label), None, None) => {
-            if line.prompt.is_some() {
+            if prompt.is_some() {
                 return Err("\"prompt\" goes with preference pairs; prepend it to \"text\" instead".into());
             }
+            let text = string("text", text)?;
             let label: Label = serde_json::from_value(label.clone()).map_err(|_| {
                 format!("label {label} must be a class name (\"POSITIVE\") or a non-negative integer index")
             })?;
             Ok(RewardRecord::Labelled { text, label })
         }
-        (None, None, Some(chosen), Some(rejected)) => {
-            Ok(RewardRecord::Preference { prompt: line.prompt, chosen, rejected })
+        (None, None, Some(chosen), Some(rejected)) if conversational => {
+            // TRL's reward `tokenize_fn`: an explicit prompt is prepended to both conversations.
+            let whole = |f: &str, v: Value| -> std::result::Result<Value, String> {
+                let mut msgs = match &prompt {
+                    Some(p @ Value::Array(_)) => {
+                        chat::check_messages(p, origin, "prompt").map_err(|e| strip(e, origin))?;
+                        p.as_array().cloned().unwrap_or_default()
+                    }
+                    Some(other) => {
+                        return Err(format!(
+                            "field \"prompt\" is {}, but \"chosen\"/\"rejected\" are message lists; give the \
+                             prompt as messages too",
+                            short(other)
+                        ))
+                    }
+                    None => Vec::new(),
+                };
+                chat::check_messages(&v, origin, f).map_err(|e| strip(e, origin))?;
+                msgs.extend(v.as_array().cloned().unwrap_or_default());
+                Ok(Value::Array(msgs))
+            };
+            Ok(RewardRecord::ChatPreference { chosen: whole("chosen", chosen)?, rejected: whole("rejected", rejected)? })
         }
+        (None, None, Some(chosen), Some(rejected)) => Ok(RewardRecord::Preference {
+            prompt: prompt.map(|p| string("prompt", p)).transpose()?,
+            chosen: string("chosen", chosen)?,
+            rejected: string("rejected", rejected)?,
+        }),
         (Some(_), None, _, _) => Err("\"text\" without \"label\"".into()),
         (None, Some(_), _, _) => Err("\"label\" without \"text\"".into()),
         (None, None, Some(_), None) => Err("\"chosen\" without \"rejected\"".into()),
         (None, None, None, Some(_)) => Err("\"rejected\" without \"chosen\"".into()),
-        (None, None, None, None) => Err("missing \"text\" + \"label\" or \"chosen\" + \"rejected\"".into()),
+        (None, None, None, None) => Err(format!(
+            "missing \"text\" + \"label\" or \"chosen\" + \"rejected\"; columns present: {}; {REWARD_EXPECTED}",
+            column_list(&row)
+        )),
         _ => Err("give either \"text\" + \"label\" or \"chosen\" + \"rejected\", not both".into()),
     }
+}
+
+/// A JSON syntax error, with the rows the trainer expects.
+fn with_hint(e: Error, expected: &str) -> Error {
+    match e {
+        Error::Input(m) if m.contains("invalid JSON") => Error::Input(format!("{m}; {expected}")),
+        other => other,
+    }
+}
+
+/// An error's message without its `origin: ` prefix (the caller adds it back).
+fn strip(e: Error, origin: &str) -> String {
+    e.to_string().replacen(&format!("{origin}: "), "", 1)
 }
 
 /// Splits `0..n` into (train, eval) indices: a seeded shuffle, then `round(n · fraction)` eval
@@ -277,7 +374,7 @@ mod tests {
             assert!(err.contains("line 2") && err.contains(want), "{err}");
         }
         let (_d, p) = write("a.txt", "\n\n");
-        assert!(read_sft_records(&p).unwrap_err().to_string().contains("no examples"));
+        assert!(read_sft_records(&p).unwrap_err().to_string().contains("no rows"));
     }
 
     #[test]

@@ -29,8 +29,10 @@ use super::data::{Label, RewardRecord};
 use super::runner::{
     self, BatchLoss, Checkpointing, EvalResult, Objective, TrainProgress, TrainSummary, TrainingArgs,
 };
+use crate::data::chat;
 use crate::error::{Error, Result};
 use crate::models::bert::{SequenceClassifier, SequenceClassifierConfig};
+use crate::models::chat_template::{ChatTemplate, RenderOptions};
 use crate::models::load::{locate, read_config_json, save_dir_atomic, save_pretrained, LoraSpec};
 use crate::models::lora::LoraConfig;
 
@@ -88,6 +90,8 @@ pub struct RewardModel {
     pub tokenizer: Tokenizer,
     /// Tensors initialized rather than loaded (a new or resized head).
     pub initialized: Vec<String>,
+    /// The model's chat template (its tokenizer_config.json), for conversational pairs.
+    pub chat_template: Option<std::sync::Arc<ChatTemplate>>,
 }
 
 /// Class names by index of a classifier config.
@@ -125,7 +129,7 @@ pub fn labels_for(records: &[RewardRecord], current: &[String]) -> Option<Vec<St
         .iter()
         .filter_map(|r| match r {
             RewardRecord::Labelled { label, .. } => Some(label),
-            RewardRecord::Preference { .. } => None,
+            RewardRecord::Preference { .. } | RewardRecord::ChatPreference { .. } => None,
         })
         .collect();
     let fits = |l: &&Label| match l {
@@ -156,7 +160,7 @@ impl RewardModel {
         let config = SequenceClassifierConfig::from_json(&config_json, Path::new("config.json"))?;
         let model = SequenceClassifier::load(&store.root(), &config)?;
         let initialized = store.initialized();
-        Ok(Self { store, model, config, config_json, tokenizer, initialized })
+        Ok(Self { store, model, config, config_json, tokenizer, initialized, chat_template: None })
     }
 
     /// Loads a BERT/DistilBERT directory or hub id with trainable weights, with the classes
@@ -227,7 +231,8 @@ impl RewardModel {
             None => store,
         };
         let model = SequenceClassifier::load(&store.root(), &config)?;
-        Ok(Self { store, model, config, config_json, tokenizer, initialized })
+        let chat_template = ChatTemplate::for_model_dir(&files.dir)?.map(std::sync::Arc::new);
+        Ok(Self { store, model, config, config_json, tokenizer, initialized, chat_template })
     }
 
     /// Like [`RewardModel::from_pretrained`], with the labels `records` need (see [`labels_for`]).
@@ -431,6 +436,15 @@ pub fn tokenize_reward(
                     rejected: encode(&format!("{p}{rejected}"))?,
                 })
             }
+            RewardRecord::ChatPreference { chosen, rejected } => {
+                // TRL's reward `tokenize_fn`: each whole conversation through the chat template,
+                // no special tokens added; cut to max_length like the text pairs.
+                let template = model
+                    .chat_template
+                    .as_deref()
+                    .ok_or_else(|| chat::no_template(&format!("example {i}")))?;
+                tokenize_chat_pair(&model.tokenizer, template, chosen, rejected, cfg.max_length)
+            }
             RewardRecord::Labelled { .. } => Err(mixed(i)),
         });
         return Ok(RewardExamples::Preference(pairs.collect::<Result<_>>()?));
@@ -448,9 +462,27 @@ pub fn tokenize_reward(
                 .label_index(&label.to_string())
                 .map_err(|e| Error::Input(format!("example {i}: {e}")))?,
         }),
-        RewardRecord::Preference { .. } => Err(mixed(i)),
+        RewardRecord::Preference { .. } | RewardRecord::ChatPreference { .. } => Err(mixed(i)),
     });
     Ok(RewardExamples::Labelled(texts.collect::<Result<_>>()?))
+}
+
+/// A conversational preference pair as TRL 1.16.0's `RewardTrainer` tokenizes it: each whole
+/// conversation rendered with the chat template (no generation prompt) and tokenized without
+/// adding special tokens; then cut to `max_length` as the text pairs are.
+pub fn tokenize_chat_pair(
+    tokenizer: &Tokenizer,
+    template: &ChatTemplate,
+    chosen: &serde_json::Value,
+    rejected: &serde_json::Value,
+    max_length: usize,
+) -> Result<PreferenceExample> {
+    let enc = |m: &serde_json::Value| -> Result<Vec<u32>> {
+        let mut ids = chat::encode_chat(tokenizer, template, m, RenderOptions::default(), false)?.ids;
+        ids.truncate(max_length);
+        Ok(ids)
+    };
+    Ok(PreferenceExample { chosen: enc(chosen)?, rejected: enc(rejected)? })
 }
 
 fn mixed(i: usize) -> Error {

@@ -3,7 +3,16 @@
 //! Each example is tokenized without special tokens, gets the model's EOS appended and is
 //! truncated to `max_length`. A prompt/completion pair is tokenized as two pieces and
 //! concatenated (so the boundary is exact); with `completion_only_loss` the prompt's tokens are
-//! context only. The loss is the mean next-token negative log-likelihood over every target token
+//! context only.
+//!
+//! Conversational examples follow TRL 1.16.0's `SFTTrainer._prepare_dataset`: `messages` are
+//! rendered with the model's chat template and tokenized (no EOS added: the template ends the
+//! turn); a conversational prompt/completion renders the prompt with the generation prompt and
+//! `prompt + completion` without, and the completion starts where their ids diverge
+//! (`common_prefix_length`). With `assistant_only_loss` the targets are the tokens that overlap
+//! the template's `{% generation %}` blocks (transformers' `return_assistant_tokens_mask`); with
+//! `completion_only_loss` (prompt/completion rows) the completion's tokens; with both, the tokens
+//! in both (TRL's `build_labels`: a label is kept when every applicable mask is 1). The loss is the mean next-token negative log-likelihood over every target token
 //! of an optimizer step (TRL ≥ 0.20 with transformers' `num_items_in_batch`).
 //!
 //! Batches are right-padded; position ids come from the attention mask and the causal bias hides
@@ -25,6 +34,7 @@
 //! ```
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor, D};
 use serde::{Deserialize, Serialize};
@@ -33,7 +43,9 @@ use super::data::SftRecord;
 use super::runner::{
     self, BatchLoss, Checkpointing, EvalResult, Objective, TrainProgress, TrainSummary, TrainingArgs,
 };
+use crate::data::chat;
 use crate::error::{Error, Result};
+use crate::models::chat_template::{ChatTemplate, RenderOptions};
 use crate::models::layers::{causal_bias, position_ids_from_mask};
 use crate::models::load::{locate, read_config_json, save_dir_atomic, save_pretrained, LoraSpec};
 use crate::models::{CausalLm, CausalLmConfig};
@@ -49,13 +61,17 @@ pub struct SftConfig {
     pub max_length: usize,
     /// For prompt/completion data, train only on the completion (TRL's default for such data).
     pub completion_only_loss: bool,
-    /// Append the model's EOS token to every example, so the model learns to stop (TRL does).
+    /// Append the model's EOS token to every non-conversational example, so the model learns to
+    /// stop (TRL does; a conversation's end of turn comes from the chat template).
     pub add_eos: bool,
+    /// For conversations, train only on the assistant's turns: the tokens inside the chat
+    /// template's `{% generation %}` blocks (TRL's `assistant_only_loss`, default false).
+    pub assistant_only_loss: bool,
 }
 
 impl Default for SftConfig {
     fn default() -> Self {
-        Self { max_length: 1024, completion_only_loss: true, add_eos: true }
+        Self { max_length: 1024, completion_only_loss: true, add_eos: true, assistant_only_loss: false }
     }
 }
 
@@ -96,7 +112,19 @@ pub fn tokenize_sft(
     eos_id: Option<u32>,
     cfg: &SftConfig,
 ) -> Result<(Vec<SftExample>, usize)> {
+    tokenize_sft_with(records, tokenizer, None, eos_id, cfg)
+}
+
+/// [`tokenize_sft`] with the model's chat template, which conversational records need.
+pub fn tokenize_sft_with(
+    records: &[SftRecord],
+    tokenizer: &Tokenizer,
+    template: Option<&ChatTemplate>,
+    eos_id: Option<u32>,
+    cfg: &SftConfig,
+) -> Result<(Vec<SftExample>, usize)> {
     cfg.validate().map_err(Error::Input)?;
+    check_assistant_only_loss(records, template, cfg)?;
     let eos =
         match (cfg.add_eos, eos_id) {
             (true, None) => return Err(Error::Input(
@@ -121,8 +149,14 @@ pub fn tokenize_sft(
                 let mask = [vec![m; p.len()], vec![1u8; c.len()]].concat();
                 ([p, c].concat(), mask)
             }
+            SftRecord::Messages(_) | SftRecord::ChatPromptCompletion { .. } => {
+                let template =
+                    template.ok_or_else(|| chat::no_template(&format!("SFT example {}", i + 1)))?;
+                tokenize_chat(rec, tokenizer, template, cfg)
+                    .map_err(|e| Error::Input(format!("SFT example {}: {e}", i + 1)))?
+            }
         };
-        if let Some(e) = eos {
+        if let (Some(e), false) = (eos, rec.is_conversational()) {
             ids.push(e);
             mask.push(1);
         }
@@ -148,6 +182,85 @@ pub fn tokenize_sft(
     Ok((out, dropped))
 }
 
+/// TRL's checks before tokenizing with `assistant_only_loss`: the data must be conversational,
+/// and the template must mark the assistant's text with `{% generation %}`.
+fn check_assistant_only_loss(
+    records: &[SftRecord],
+    template: Option<&ChatTemplate>,
+    cfg: &SftConfig,
+) -> Result<()> {
+    if !cfg.assistant_only_loss {
+        return Ok(());
+    }
+    if let Some(i) = records.iter().position(|r| !r.is_conversational()) {
+        return Err(Error::Input(format!(
+            "sft.assistant_only_loss is true, but SFT example {} is not conversational; it applies to \
+             `messages` (or conversational prompt/completion) rows only: set it to false",
+            i + 1
+        )));
+    }
+    if let Some(t) = template.filter(|t| !t.has_generation_markers()) {
+        return Err(Error::Input(format!(
+            "sft.assistant_only_loss is true, but the chat template ({t:?}) has no `{{% generation %}}` markers, so \
+             the assistant's tokens cannot be told apart. Wrap each assistant message's text (and its end-of-turn \
+             token) in `{{% generation %}}…{{% endgeneration %}}` in tokenizer_config.json's chat_template (TRL 1.16 \
+             swaps in its own training template for some known models), or set sft.assistant_only_loss = false"
+        )));
+    }
+    Ok(())
+}
+
+/// A conversational record's ids and loss mask (see the module docs).
+fn tokenize_chat(
+    rec: &SftRecord,
+    tokenizer: &Tokenizer,
+    template: &ChatTemplate,
+    cfg: &SftConfig,
+) -> Result<(Vec<u32>, Vec<u8>)> {
+    let aol = cfg.assistant_only_loss;
+    let (ids, mut mask, assistant) = match rec {
+        SftRecord::Messages(m) => {
+            let out = chat::encode_chat(tokenizer, template, m, RenderOptions::default(), aol)?;
+            let n = out.ids.len();
+            (out.ids, vec![1u8; n], out.assistant_mask)
+        }
+        SftRecord::ChatPromptCompletion { prompt, completion } => {
+            let gen = RenderOptions { add_generation_prompt: true, continue_final_message: false };
+            let p = chat::encode_chat(tokenizer, template, prompt, gen, false)?.ids;
+            let whole: Vec<serde_json::Value> =
+                prompt.as_array().into_iter().chain(completion.as_array()).flatten().cloned().collect();
+            let pc = chat::encode_chat(
+                tokenizer,
+                template,
+                &serde_json::Value::Array(whole),
+                RenderOptions::default(),
+                aol,
+            )?;
+            let n = chat::common_prefix_length(&p, &pc.ids);
+            if n < p.len() {
+                tracing::debug!("the tokenized prompt is not a prefix of prompt + completion; the completion starts at token {n}");
+            }
+            let m = u8::from(!cfg.completion_only_loss);
+            let mask = [vec![m; n], vec![1u8; pc.ids.len() - n]].concat();
+            (pc.ids, mask, pc.assistant_mask)
+        }
+        _ => return Err(Error::Input("not a conversational record".into())),
+    };
+    if let Some(a) = assistant {
+        if !a.contains(&1) {
+            return Err(Error::Input(
+                "sft.assistant_only_loss is true, but the rendered conversation has no assistant token (no \
+                 `{% generation %}` block rendered any text); check the template and the roles"
+                    .into(),
+            ));
+        }
+        for (m, a) in mask.iter_mut().zip(a) {
+            *m &= a;
+        }
+    }
+    Ok((ids, mask))
+}
+
 /// A causal LM being fine-tuned: trainable parameters, the model over them, the config.json to
 /// save and the tokenizer.
 #[derive(Debug, Clone)]
@@ -162,6 +275,10 @@ pub struct SftModel {
     pub tokenizer: Tokenizer,
     /// generation_config.json of the source model, copied when saving.
     pub generation_config: Option<PathBuf>,
+    /// The source model's chat template (its tokenizer_config.json), for conversational data.
+    pub chat_template: Option<Arc<ChatTemplate>>,
+    /// tokenizer_config.json of the source model, copied when saving (it holds the chat template).
+    pub tokenizer_config: Option<PathBuf>,
 }
 
 impl SftModel {
@@ -170,7 +287,15 @@ impl SftModel {
         let cfg = CausalLmConfig::from_json(&config_json, Path::new("config.json"))?;
         tokenizer.check_fits(cfg.vocab_size())?;
         let lm = CausalLm::load(&store.root(), &cfg)?;
-        Ok(Self { store, lm, config_json, tokenizer, generation_config: None })
+        Ok(Self {
+            store,
+            lm,
+            config_json,
+            tokenizer,
+            generation_config: None,
+            chat_template: None,
+            tokenizer_config: None,
+        })
     }
 
     /// Loads a model directory or hub id with trainable weights; it must have `tokenizer.json`.
@@ -207,7 +332,18 @@ impl SftModel {
             None => store,
         };
         let lm = CausalLm::load(&store.root(), &cfg)?;
-        Ok(Self { store, lm, config_json, tokenizer, generation_config: files.generation_config })
+        let tc = files.dir.join("tokenizer_config.json");
+        let tokenizer_config = tc.is_file().then_some(tc);
+        let chat_template = ChatTemplate::for_model_dir(&files.dir)?.map(Arc::new);
+        Ok(Self {
+            store,
+            lm,
+            config_json,
+            tokenizer,
+            generation_config: files.generation_config,
+            chat_template,
+            tokenizer_config,
+        })
     }
 
     /// The EOS id appended to examples: config.json's (first) `eos_token_id`.
@@ -225,15 +361,25 @@ impl SftModel {
         if self.store.has_lora() {
             return save_dir_atomic(dir, |tmp| -> crate::models::Result<()> {
                 self.store.save_adapter(tmp, None)?;
-                self.tokenizer.save(&tmp.join("tokenizer.json"))
+                self.tokenizer.save(&tmp.join("tokenizer.json"))?;
+                if let Some(src) = &self.tokenizer_config {
+                    let dst = tmp.join("tokenizer_config.json");
+                    std::fs::copy(src, &dst).map_err(|e| crate::models::Error::io(&dst, e))?;
+                }
+                Ok(())
             })
             .map_err(Into::into);
         }
         save_pretrained(dir, &self.store, &self.config_json)?;
         self.tokenizer.save(&dir.join("tokenizer.json"))?;
-        if let Some(src) = &self.generation_config {
-            let dst = dir.join("generation_config.json");
-            std::fs::copy(src, &dst).map_err(|e| Error::io(&dst, e))?;
+        for (src, name) in [
+            (&self.generation_config, "generation_config.json"),
+            (&self.tokenizer_config, "tokenizer_config.json"),
+        ] {
+            if let Some(src) = src {
+                let dst = dir.join(name);
+                std::fs::copy(src, &dst).map_err(|e| Error::io(&dst, e))?;
+            }
         }
         Ok(())
     }
@@ -318,7 +464,8 @@ pub fn train_sft_with(
     progress: &mut dyn FnMut(&TrainProgress),
 ) -> Result<TrainSummary> {
     check_max_length(model, cfg)?;
-    let (examples, skipped) = tokenize_sft(records, &model.tokenizer, model.eos_id(), cfg)?;
+    let (examples, skipped) =
+        tokenize_sft_with(records, &model.tokenizer, model.chat_template.as_deref(), model.eos_id(), cfg)?;
     if examples.is_empty() {
         return Err(Error::Input(format!(
             "no SFT example left to train on ({skipped} dropped: no target token within sft.max_length = {})",

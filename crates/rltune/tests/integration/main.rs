@@ -4,6 +4,7 @@ mod admissible_ppo;
 mod chat_templates;
 mod common;
 mod critic;
+mod datasets_parity;
 mod dpo_parity;
 mod errors;
 mod eval_streams;

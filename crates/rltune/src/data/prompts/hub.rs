@@ -9,13 +9,13 @@ use std::path::PathBuf;
 
 use hf_hub::{Repo, RepoType};
 
-use super::{extension, list_files, load_file, PromptRow, SUPPORTED_EXTENSIONS};
+use crate::data::rows::{extension, list_files, read_file, Row, SUPPORTED_EXTENSIONS};
 use crate::error::{Error, Result};
 
 /// Splits `owner/name[:path/in/repo]` into the id and the file, when `source` looks like a hub
 /// dataset: one `/` in the id, names of letters, digits, `-`, `_`, `.`, and no data-file
 /// extension on the id (`data/prompts.jsonl` is a missing local file, not a dataset).
-pub(super) fn parse_hub_id(source: &str) -> Option<(&str, Option<&str>)> {
+pub(crate) fn parse_hub_id(source: &str) -> Option<(&str, Option<&str>)> {
     let (id, file) = match source.split_once(':') {
         Some((id, file)) if !file.is_empty() => (id, Some(file)),
         Some(_) => return None,
@@ -97,14 +97,9 @@ pub(super) struct Hub {
 }
 
 /// Loads a hub dataset through the environment's cache (`$HF_HOME`) and `HF_HUB_OFFLINE`.
-pub(super) fn load_hub(
-    id: &str,
-    file: Option<&str>,
-    text_column: &str,
-    split: Option<&str>,
-) -> Result<Vec<PromptRow>> {
+pub(crate) fn load_hub(id: &str, file: Option<&str>, split: Option<&str>) -> Result<Vec<Row>> {
     let offline = std::env::var("HF_HUB_OFFLINE").is_ok_and(|v| v == "1" || v == "true");
-    Hub { cache: hf_hub::Cache::from_env(), offline }.load(id, file, text_column, split)
+    Hub { cache: hf_hub::Cache::from_env(), offline }.load(id, file, split)
 }
 
 /// The error for a hub dataset that cannot be had, with what to do instead.
@@ -118,13 +113,7 @@ fn unavailable(id: &str, what: &str, why: &dyn std::fmt::Display) -> Error {
 
 impl Hub {
     /// The rows of `file`, or of the split's files when `file` is `None`.
-    pub(super) fn load(
-        &self,
-        id: &str,
-        file: Option<&str>,
-        text_column: &str,
-        split: Option<&str>,
-    ) -> Result<Vec<PromptRow>> {
+    pub(super) fn load(&self, id: &str, file: Option<&str>, split: Option<&str>) -> Result<Vec<Row>> {
         let files = match file {
             Some(f) => vec![f.to_string()],
             None => select_split_files(&self.list(id)?, split)
@@ -132,7 +121,7 @@ impl Hub {
         };
         let mut rows = Vec::new();
         for f in files {
-            rows.extend(load_file(&self.get(id, &f)?, text_column)?);
+            rows.extend(read_file(&self.get(id, &f)?)?);
         }
         Ok(rows)
     }

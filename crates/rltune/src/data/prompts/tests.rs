@@ -74,7 +74,7 @@ fn csv_errors_name_header_and_line() {
         ("e.csv", "text,b\nx,1\n  ,2\n"),
     ]);
     let e = err(d.path(), "h.csv", "prompt");
-    assert!(e.contains("line 1 (header)") && e.contains("\"question\", \"answer\""), "{e}");
+    assert!(e.contains("h.csv line 2") && e.contains("\"answer\", \"question\""), "{e}");
     let e = err(d.path(), "r.csv", "text");
     assert!(e.contains("r.csv") && e.contains("line: 3"), "{e}");
     let e = err(d.path(), "e.csv", "text");
@@ -112,14 +112,14 @@ fn jsonl_errors_name_the_line_and_columns() {
 
 #[test]
 fn missing_files_and_unknown_extensions_are_named() {
-    let d = dir_with(&[("p.txt", "hello\n")]);
-    let e = err(d.path(), "p.txt", "text");
-    assert!(e.contains("p.txt") && e.contains(".jsonl, .json, .csv, .parquet"), "{e}");
+    let d = dir_with(&[("p.xml", "hello\n")]);
+    let e = err(d.path(), "p.xml", "text");
+    assert!(e.contains("p.xml") && e.contains(".jsonl, .json, .csv, .parquet, .arrow"), "{e}");
     let e = err(d.path(), "nope.jsonl", "text");
-    assert!(e.contains("nope.jsonl") && e.contains("no such prompts file"), "{e}");
+    assert!(e.contains("nope.jsonl") && e.contains("no such data file"), "{e}");
     // Looks like `owner/name` but has a data extension: a missing local file, not a hub id.
     let e = load_prompts("data/prompts.jsonl", "text", None).unwrap_err().to_string();
-    assert!(e.starts_with("data/prompts.jsonl: no such prompts file"), "{e}");
+    assert!(e.starts_with("data/prompts.jsonl: no such data file"), "{e}");
 }
 
 #[cfg(feature = "parquet")]
@@ -277,21 +277,21 @@ fn hub_datasets_load_offline_from_the_cache() {
         ("README.md", "card"),
     ]);
     let hub = Hub { cache: hf_hub::Cache::new(cache.path().to_path_buf()), offline: true };
-    let rows = hub.load("o/prompts", None, "question", None).unwrap();
-    assert_eq!(rows[0].meta, json!({"question": "q1", "answer": "a1"}));
-    let rows = hub.load("o/prompts", Some("data/test-00000-of-00001.jsonl"), "question", None).unwrap();
-    assert_eq!(rows[0].text, "q2");
-    let e = hub.load("o/prompts", Some("data/missing.jsonl"), "question", None).unwrap_err().to_string();
+    let rows = hub.load("o/prompts", None, None).unwrap();
+    assert_eq!(rows[0].to_value(), json!({"question": "q1", "answer": "a1"}));
+    let rows = hub.load("o/prompts", Some("data/test-00000-of-00001.jsonl"), None).unwrap();
+    assert_eq!(rows[0].fields["question"], "q2");
+    let e = hub.load("o/prompts", Some("data/missing.jsonl"), None).unwrap_err().to_string();
     assert!(
         e.contains("\"data/missing.jsonl\"") && e.contains("HF_HUB_OFFLINE") && e.contains("local path"),
         "{e}"
     );
-    let e = hub.load("o/other", None, "question", None).unwrap_err().to_string();
+    let e = hub.load("o/other", None, None).unwrap_err().to_string();
     assert!(
         e.contains("\"o/other\"") && e.contains("file list") && e.contains("o/other:path/in/repo.jsonl"),
         "{e}"
     );
-    let e = hub.load("o/prompts", None, "question", Some("dev")).unwrap_err().to_string();
+    let e = hub.load("o/prompts", None, Some("dev")).unwrap_err().to_string();
     assert!(e.contains("hub dataset \"o/prompts\"") && e.contains("split \"dev\""), "{e}");
 }
 

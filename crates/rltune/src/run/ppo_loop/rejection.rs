@@ -235,6 +235,8 @@ impl PpoRun {
             config_json: self.config_json.clone(),
             tokenizer: self.tokenizer.clone(),
             generation_config: None,
+            chat_template: None,
+            tokenizer_config: None,
         };
         let args = TrainingArgs {
             learning_rate: rs.learning_rate,

@@ -64,7 +64,7 @@ fn bad_prompt_datasets_name_the_file_and_row() {
             "missing column in CSV",
             "p.csv",
             b"id,review\n1,b\n".to_vec(),
-            vec!["p.csv", "header", "\"review\""],
+            vec!["p.csv", "line 2", "no column \"text\"", "\"review\""],
         ),
         (
             "a number where the text belongs",
@@ -135,7 +135,7 @@ fn bad_sft_and_reward_datasets_name_the_file_and_line() {
             b"{\"text\": \"\xc3\x28\"}\n".to_vec(),
             vec!["s.jsonl", "line 1", "UTF-8", "re-encode"],
         ),
-        ("SFT, only empty lines", sft, "s.jsonl", b"\n \n\t\n".to_vec(), vec!["s.jsonl", "no examples"]),
+        ("SFT, only empty lines", sft, "s.jsonl", b"\n \n\t\n".to_vec(), vec!["s.jsonl", "no rows"]),
         (
             "SFT, missing text",
             sft,
