@@ -172,12 +172,8 @@ fn completions(shared: &Shared, body: &Value) -> Result<Value, ApiError> {
     for p in &prompts {
         check_context(shared, p.len(), max_tokens, "prompt")?;
     }
-    let rows = sample(shared, &prompts, &req.sampling, max_tokens)?;
     let s = &req.sampling;
-    let choices: Vec<Choice> = rows
-        .into_iter()
-        .map(|row| respond::finish_row(&shared.tokenizer, &shared.eos, &s.stop, max_tokens, row))
-        .collect::<Result<_, _>>()?;
+    let choices = sample_choices(shared, &prompts, s, max_tokens)?;
     let json_choices: Vec<Value> = choices
         .iter()
         .enumerate()
@@ -225,11 +221,7 @@ fn chat(shared: &Shared, body: &Value) -> Result<Value, ApiError> {
     check_context(shared, prompt.len(), max_tokens, "messages")?;
     let prompts = [prompt];
     let s = &req.sampling;
-    let rows = sample(shared, &prompts, s, max_tokens)?;
-    let choices: Vec<Choice> = rows
-        .into_iter()
-        .map(|row| respond::finish_row(&shared.tokenizer, &shared.eos, &s.stop, max_tokens, row))
-        .collect::<Result<_, _>>()?;
+    let choices = sample_choices(shared, &prompts, s, max_tokens)?;
     let json_choices: Vec<Value> = choices
         .iter()
         .enumerate()
@@ -274,6 +266,19 @@ fn check_context(shared: &Shared, prompt: usize, max_tokens: usize, param: &str)
         )),
         _ => Ok(()),
     }
+}
+
+/// [`sample`], each row finished into a choice (its text cut at a stop string or EOS).
+fn sample_choices(
+    shared: &Shared,
+    prompts: &[Vec<u32>],
+    s: &Sampling,
+    max_tokens: usize,
+) -> Result<Vec<Choice>, ApiError> {
+    sample(shared, prompts, s, max_tokens)?
+        .into_iter()
+        .map(|row| respond::finish_row(&shared.tokenizer, &shared.eos, &s.stop, max_tokens, row))
+        .collect()
 }
 
 /// Queues `n` rows per prompt and waits for the worker: row `i` (choice `i % n` of prompt
