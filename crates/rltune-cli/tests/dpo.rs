@@ -86,7 +86,7 @@ fn dpo_bad_input_is_named() {
         (
             "{\"prompt\": \"t5\", \"chosen\": \" t1\", \"rejected\": \" t3\", \"ref_chosen_logps\": NaN, \
              \"ref_rejected_logps\": -2.0}",
-            "line 2: a value is NaN",
+            "line 2: invalid JSON: a value is NaN or Infinity",
         ),
     ];
     let config = dir.path().join("c.toml");
