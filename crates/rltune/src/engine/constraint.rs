@@ -45,6 +45,16 @@ impl Constraint {
         check_allowed(responses, allowed, "StepInput.allowed", "sample", "response")?;
         let w = ids.first().map_or(0, Vec::len).saturating_sub(1);
         let k = allowed.iter().flatten().map(Vec::len).max().unwrap_or(1).max(1);
+        // Index and mask take 8 bytes a slot, and the forward gathers as many logits.
+        let bytes = b * w * k * 8;
+        if bytes > 1 << 30 {
+            tracing::warn!(
+                "the largest allowed set (the support of one sampled token) holds {k} ids, so this \
+                 batch's constraint takes {:.1} GiB ({b} rows × {w} positions × {k}); with top_p, cap \
+                 the supports with [generation] top_k (applied first) or use min_p",
+                bytes as f64 / f64::from(1u32 << 30)
+            );
+        }
         let (mut idx, mut pad) = (vec![0u32; b * w * k], vec![PAD; b * w * k]);
         for i in 0..b {
             for c in 0..w {

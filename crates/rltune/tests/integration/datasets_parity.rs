@@ -7,7 +7,9 @@
 use std::path::PathBuf;
 
 use rltune::data::prompts::{encode_prompt, load_prompts};
-use rltune::data::rows::{read_rows, DataOptions};
+#[cfg(all(feature = "parquet", feature = "arrow"))]
+use rltune::data::rows::read_rows;
+use rltune::data::rows::DataOptions;
 use rltune::dpo::config::MaxLength;
 use rltune::dpo::data::{prepare_pairs_with, read_preference_data};
 use rltune::dpo::DpoConfig;
@@ -148,11 +150,14 @@ fn renderings_match_transformers() {
 }
 
 /// The JSON lines rows, as JSON objects.
+#[cfg(all(feature = "parquet", feature = "arrow"))]
 fn jsonl_rows(name: &str) -> Vec<Value> {
     let src = dir().join("rows").join(name);
     read_rows(&src.to_string_lossy(), &DataOptions::default()).unwrap().iter().map(|r| r.to_value()).collect()
 }
 
+/// The rows of a `save_to_disk` directory or a Parquet file, as JSON objects.
+#[cfg(all(feature = "parquet", feature = "arrow"))]
 fn disk_rows(path: &str, split: Option<&str>) -> Vec<Value> {
     let src = dir().join("disk").join(path);
     let opts = DataOptions { split: split.map(str::to_string), ..Default::default() };
