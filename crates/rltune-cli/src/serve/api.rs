@@ -24,6 +24,9 @@ pub struct Sampling {
     pub top_p: f64,
     /// Keep the k most likely tokens; 0 is off (an extension, as vLLM's).
     pub top_k: usize,
+    /// Drop the tokens less likely than `min_p` times the most likely one; 0 is off (an
+    /// extension, as vLLM's).
+    pub min_p: f64,
     /// Choices per prompt.
     pub n: usize,
     /// The seed of choice 0 of prompt 0; `None`: the server picks one.
@@ -185,8 +188,12 @@ fn sampling(f: &mut Fields<'_>) -> Result<Sampling, ApiError> {
     if !(top_p > 0.0 && top_p <= 1.0) {
         return Err(ApiError::bad(format!("`top_p` must be in (0, 1], got {top_p}"), Some("top_p")));
     }
-    // vLLM's extension: -1 (or 0) is off.
+    // vLLM's extensions: top_k -1 (or 0) is off, min_p 0 is off.
     let top_k = f.int_in("top_k", -1, 1 << 20)?.map_or(0, |k| k.max(0) as usize);
+    let min_p = f.number("min_p")?.unwrap_or(0.0);
+    if !(0.0..=1.0).contains(&min_p) {
+        return Err(ApiError::bad(format!("`min_p` must be in [0, 1], got {min_p}"), Some("min_p")));
+    }
     let n = f.int_in("n", 1, MAX_N as i64)?.unwrap_or(1) as usize;
     let seed = match f.get("seed") {
         None => None,
@@ -219,7 +226,7 @@ fn sampling(f: &mut Fields<'_>) -> Result<Sampling, ApiError> {
     // Accepted and ignored: `user`; `return_token_ids` (vLLM's flag: the ids always come back).
     f.string("user")?;
     f.boolean("return_token_ids")?;
-    Ok(Sampling { max_tokens: None, temperature, top_p, top_k, n, seed, stop, logprobs: None })
+    Ok(Sampling { max_tokens: None, temperature, top_p, top_k, min_p, n, seed, stop, logprobs: None })
 }
 
 /// `max_tokens` (or `max_completion_tokens`): at least 1.
@@ -376,6 +383,9 @@ mod tests {
         let r =
             completion_request(&json!({"model": "m", "prompt": [5, 6], "seed": -1, "top_k": -1})).unwrap();
         assert_eq!((r.prompts.len(), r.sampling.seed, r.sampling.top_k), (1, Some(u64::MAX), 0));
+        assert_eq!(r.sampling.min_p, 0.0, "off unless given");
+        let r = completion_request(&json!({"model": "m", "prompt": [5], "min_p": 0.1})).unwrap();
+        assert_eq!(r.sampling.min_p, 0.1);
     }
 
     #[test]
@@ -387,6 +397,7 @@ mod tests {
             (json!({"model": "m", "prompt": "x", "temperature": "hot"}), Some("temperature"), "a number"),
             (json!({"model": "m", "prompt": "x", "temperature": 3}), Some("temperature"), "[0, 2]"),
             (json!({"model": "m", "prompt": "x", "top_p": 0}), Some("top_p"), "(0, 1]"),
+            (json!({"model": "m", "prompt": "x", "min_p": 1.5}), Some("min_p"), "[0, 1]"),
             (json!({"model": "m", "prompt": "x", "max_tokens": 0}), Some("max_tokens"), "between 1"),
             (json!({"model": "m", "prompt": "x", "n": 1.5}), Some("n"), "an integer"),
             (json!({"model": "m", "prompt": "x", "echo": true}), Some("echo"), "not supported"),

@@ -295,9 +295,9 @@ fn sample(
     let rows: Vec<Vec<u32>> = prompts.iter().flat_map(|p| std::iter::repeat_n(p.clone(), s.n)).collect();
     let seeds = (0..rows.len() as u64).map(|i| row_seed(seed, i)).collect();
     let params = if s.temperature == 0.0 {
-        Params { max_tokens, temperature: 1.0, top_p: 1.0, top_k: 1 }
+        Params { max_tokens, temperature: 1.0, top_p: 1.0, top_k: 1, min_p: 0.0 }
     } else {
-        Params { max_tokens, temperature: s.temperature, top_p: s.top_p, top_k: s.top_k }
+        Params { max_tokens, temperature: s.temperature, top_p: s.top_p, top_k: s.top_k, min_p: s.min_p }
     };
     let (reply, answer) = mpsc::channel();
     let job = Job { prompts: rows, seeds, params, top_logprobs: s.logprobs.unwrap_or(0), reply };

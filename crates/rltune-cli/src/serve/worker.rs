@@ -34,16 +34,23 @@ pub struct Params {
     pub top_p: f64,
     /// Keep the k most likely tokens; 0 is off.
     pub top_k: usize,
+    /// Drop the tokens less likely than `min_p` times the most likely one; 0 is off.
+    pub min_p: f64,
 }
 
 impl Params {
     /// The batching key: rows with equal keys share a batch.
     fn key(&self) -> Key {
-        (self.temperature.to_bits(), self.top_p.to_bits(), self.top_k)
+        (self.temperature.to_bits(), self.top_p.to_bits(), self.top_k, self.min_p.to_bits())
     }
 
     fn sampler(&self) -> SamplerConfig {
-        SamplerConfig { temperature: self.temperature, top_k: self.top_k, top_p: self.top_p, min_p: 0.0 }
+        SamplerConfig {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+        }
     }
 }
 
@@ -133,7 +140,7 @@ pub struct Worker {
 type RowRef = (usize, usize);
 
 /// Temperature and top-p (their bits) and top-k: what rows must share to share a batch.
-type Key = (u64, u64, usize);
+type Key = (u64, u64, usize, u64);
 
 impl Worker {
     /// Serves jobs until every sender is dropped (the server shuts down), finishing those queued.
@@ -247,6 +254,7 @@ impl Worker {
             temperature: params.temperature,
             top_k: params.top_k,
             top_p: params.top_p,
+            min_p: params.min_p,
             row_seeds: batch.iter().map(|&(j, r)| jobs[j].seeds[r]).collect(),
             ..Default::default()
         };
