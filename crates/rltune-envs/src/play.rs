@@ -225,8 +225,14 @@ pub struct Pending<'a> {
 /// the run's `seed`, the episode and the turn. Keyed by the episode, not by the environment
 /// that plays it, so an evaluation reads the same with any number of environments.
 pub fn episode_stream(seed: u64, episode: usize, turn: usize) -> u64 {
+    mix_seeds(&[seed, episode as u64, turn as u64])
+}
+
+/// A 64-bit hash of `values`, one splitmix64 step each: what keys the per-episode streams here
+/// and a run's draws of training games (`rltune::run::episodes`).
+pub fn mix_seeds(values: &[u64]) -> u64 {
     let mut x = 0x9e37_79b9_7f4a_7c15u64;
-    for v in [seed, episode as u64, turn as u64] {
+    for &v in values {
         x = (x ^ v).wrapping_add(0x9e37_79b9_7f4a_7c15);
         x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
         x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);

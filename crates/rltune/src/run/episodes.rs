@@ -383,16 +383,9 @@ pub fn evaluate(
     Ok((PlayReport::of(&done, dropped, t.elapsed().as_secs_f64()), done))
 }
 
-/// A 64-bit hash of four numbers (splitmix64 steps).
+/// A 64-bit hash of four numbers ([`crate::envs::play::mix_seeds`]).
 fn mix(a: u64, b: u64, c: u64, d: u64) -> u64 {
-    let mut x = 0x9e37_79b9_7f4a_7c15u64;
-    for v in [a, b, c, d] {
-        x = (x ^ v).wrapping_add(0x9e37_79b9_7f4a_7c15);
-        x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        x ^= x >> 31;
-    }
-    x
+    crate::envs::play::mix_seeds(&[a, b, c, d])
 }
 
 /// The episode metrics of a step: `env/episodes`, `env/win_rate`, `env/episode_return_mean`,

@@ -343,7 +343,6 @@ fn save_checkpoint(
     state: &SupervisedState,
 ) -> Result<PathBuf> {
     let path = dir.join(format!("step-{}", state.step));
-    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     crate::models::load::save_dir_atomic(&path, |tmp: &Path| -> Result<()> {
         let vars: std::collections::HashMap<String, Tensor> =
             store.vars().into_iter().map(|(n, v)| (n, v.as_tensor().clone())).collect();
