@@ -25,8 +25,10 @@ pub struct Args {
     /// and tools/textworld/make_game_set.sh coin 64 64) or `arithmetic` (two-digit sums: SFT, then
     /// GRPO or RLOO with an exact-match reward) or `essays` (RL on a task's own metric: labelling
     /// essays' discourse elements, BC then PPO on the Feedback Prize F-score) or `wnut` (the same
-    /// on WNUT-2016 Twitter NER with entity-level F1; needs tools/data/fetch_wnut.sh).
-    #[arg(long, default_value = "sentiment", value_parser = ["sentiment", "adventure", "textworld", "arithmetic", "essays", "wnut"])]
+    /// on WNUT-2016 Twitter NER with entity-level F1; needs tools/data/fetch_wnut.sh) or `rlhf`
+    /// (SmolLM2-135M-Instruct against a learned MiniLM reward, judged by VADER: PPO, GRPO, DPO
+    /// and best-of-N; needs tools/rlhf/fetch.sh; with --device cuda, every method on more data).
+    #[arg(long, default_value = "sentiment", value_parser = ["sentiment", "adventure", "textworld", "arithmetic", "essays", "wnut", "rlhf"])]
     task: String,
     /// With --task arithmetic: `grpo` or `rloo` (both train from the same SFT policy when run in
     /// the same --output directory). With --task adventure or textworld: `ppo` (the default),
@@ -75,6 +77,7 @@ pub fn run(args: Args) -> Result<()> {
         "arithmetic" => return run_arithmetic(args),
         "essays" => return run_essays(args),
         "wnut" => return run_wnut(args),
+        "rlhf" => return run_rlhf(args),
         _ => {}
     }
     let output = args.output.clone().unwrap_or_else(|| PathBuf::from("runs/quickstart"));
@@ -343,6 +346,59 @@ fn run_essays(args: Args) -> Result<()> {
     }
     print_stages(&s.stage_seconds);
     finish(s.checks(), tiny, started, &output, "ppo", "summary-essays.json")
+}
+
+/// `rltune quickstart --task rlhf`: the CPU preset, or the GPU preset on a CUDA device.
+fn run_rlhf(args: Args) -> Result<()> {
+    use rltune_cli::tasks::{run_rlhf_quickstart, RlhfQuickstartConfig};
+    let output = args.output.clone().unwrap_or_else(|| PathBuf::from("runs/quickstart-rlhf"));
+    let tiny = args.preset == "tiny";
+    let runtime = args.runtime.resolve(Default::default())?;
+    let mut cfg = if tiny {
+        RlhfQuickstartConfig::tiny()
+    } else if runtime.device().is_cuda() {
+        RlhfQuickstartConfig::gpu()
+    } else {
+        RlhfQuickstartConfig::default()
+    };
+    cfg.seed = args.seed;
+    cfg = with_overrides(cfg, &args.set)?;
+    let stop = crate::ppo::stop_flag()?;
+    let started = std::time::Instant::now();
+    let mut bar: Option<(Bar, usize)> = None;
+    let s = run_rlhf_quickstart(&output, &cfg, &runtime, &stop, &mut |e| show_event(&mut bar, e))?;
+    println!();
+    println!(
+        "proxy reward model: all-MiniLM-L6-v2 + scalar head, {} gold-labelled pairs; accuracy {:.3} on {} held out",
+        s.proxy_pairs.0, s.proxy_accuracy, s.proxy_pairs.1
+    );
+    let n = s.points.first().map_or(0, |p| p.completions.len());
+    println!(
+        "held-out prompts ({n}), one sample each: gold (VADER compound), proxy, KL to the initial policy:"
+    );
+    println!(
+        "  {:<14} {:>5} {:>16} {:>16} {:>8} {:>7} {:>6}",
+        "method", "step", "gold", "gain (paired)", "proxy", "KL", "tokens"
+    );
+    for p in &s.points {
+        println!(
+            "  {:<14} {:>5} {:>7.3} ± {:<6.3} {:>+7.3} ± {:<6.3} {:>8.3} {:>7.2} {:>6.1}",
+            p.method, p.step, p.gold, p.gold_se, p.gold_gain, p.gold_gain_se, p.proxy, p.kl, p.mean_tokens
+        );
+    }
+    print_stages(&s.stage_seconds);
+    let failed = report_checks(s.checks(), tiny);
+    println!(
+        "wall time {:.0} s; report: {}; summary: {}; held-out generations: {}",
+        started.elapsed().as_secs_f64(),
+        output.join("report.html").display(),
+        output.join("summary.json").display(),
+        output.join("heldout.jsonl").display()
+    );
+    if failed > 0 && !tiny {
+        anyhow::bail!("{failed} acceptance check(s) failed (see FAIL above)");
+    }
+    Ok(())
 }
 
 /// `rltune quickstart --task wnut`.

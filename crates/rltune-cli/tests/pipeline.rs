@@ -1235,3 +1235,84 @@ fn admissible_actions_are_always_valid_in_play() {
     let err = fails(rltune(&["play", "--env", s(&letters), "--model", s(&bc), "--episodes", "2"]));
     assert!(err.contains("lists no admissible command") && err.contains("actions = \"free\""), "{err}");
 }
+
+/// `rltune quickstart --task rlhf --preset tiny` end to end on the tiny quickstart's models: a
+/// chat policy (its GPT-2 with a chat template), a proxy started from its DistilBERT, and a gold
+/// judge speaking the reward-command protocol. Every method leaves its points; the initial
+/// policy's KL is 0, best-of-N's is the analytic bound; `heldout.jsonl` holds every final
+/// policy's completions; a rerun is cached and gives the same numbers.
+#[test]
+fn rlhf_quickstart_runs_every_method_and_caches() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("chat-model");
+    std::fs::create_dir(&model).unwrap();
+    for e in std::fs::read_dir(quickstart().join("sft")).unwrap() {
+        let e = e.unwrap();
+        if e.path().is_file() {
+            std::fs::copy(e.path(), model.join(e.file_name())).unwrap();
+        }
+    }
+    // The prompt's first 16 characters: the tiny policy has 48 positions.
+    let template = "{% for m in messages %}{{ m.content[:16] }}\n{% endfor %}";
+    std::fs::write(
+        model.join("tokenizer_config.json"),
+        serde_json::json!({ "chat_template": template }).to_string(),
+    )
+    .unwrap();
+    // The judge: the share of the letter e among the completion's characters.
+    let judge = r#"import json,sys
+for line in sys.stdin:
+    r = json.loads(line)["response"]
+    print(json.dumps({"reward": r.count("e") / max(len(r), 1)}), flush=True)"#;
+    let out = tmp.path().join("rlhf");
+    let run = || {
+        rltune(&[
+            "quickstart",
+            "--task",
+            "rlhf",
+            "--preset",
+            "tiny",
+            "--output",
+            s(&out),
+            "--set",
+            &format!("model={:?}", s(&model)),
+            "--set",
+            &format!("proxy_base={:?}", s(&quickstart().join("classifier"))),
+            "--set",
+            &format!("judge=[\"python3\", \"-c\", {judge:?}]"),
+        ])
+    };
+    let first = String::from_utf8_lossy(&ok(run()).stdout).into_owned();
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    let points = summary["points"].as_array().unwrap();
+    let of = |m: &str| points.iter().filter(|p| p["method"] == m).collect::<Vec<_>>();
+    assert_eq!(of("initial").len(), 1, "{first}");
+    assert_eq!(of("initial")[0]["kl"], 0.0);
+    let bon = of("best_of_n");
+    assert_eq!(bon.len(), 1);
+    let bound = 2f64.ln() - 0.5;
+    assert!((bon[0]["kl"].as_f64().unwrap() - bound).abs() < 1e-12, "{}", bon[0]["kl"]);
+    // Best-of-2 by the proxy scores at least the proxy of the initial policy's first sample.
+    assert!(bon[0]["proxy"].as_f64().unwrap() >= of("initial")[0]["proxy"].as_f64().unwrap() - 1e-9);
+    // PPO (8 samples in batches of 4: 2 steps), GRPO and RLOO (2 steps), all checkpointed each step.
+    for m in ["ppo", "ppo_gold", "grpo", "rloo"] {
+        let steps: Vec<u64> = of(m).iter().map(|p| p["step"].as_u64().unwrap()).collect();
+        assert_eq!(steps, vec![1, 2], "{m}: {first}");
+        assert!(of(m).iter().all(|p| p["kl"].as_f64().unwrap().is_finite()), "{m}");
+    }
+    assert_eq!(of("dpo").len(), 1, "{first}");
+    let heldout = std::fs::read_to_string(out.join("heldout.jsonl")).unwrap();
+    let rows: Vec<serde_json::Value> = heldout.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    for m in ["initial", "best_of_2", "ppo", "ppo_gold", "grpo", "rloo", "dpo"] {
+        assert_eq!(rows.iter().filter(|r| r["method"] == m).count(), 6, "{m}");
+    }
+    let report = std::fs::read_to_string(out.join("report.html")).unwrap();
+    assert!(report.contains("<svg") && report.contains("KL (nats per completion)"));
+    // A rerun trains nothing and reads the same points.
+    let second = String::from_utf8_lossy(&ok(run()).stdout).into_owned();
+    assert!(!second.contains("stages run: labels"), "{second}");
+    let again: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(again["points"], summary["points"]);
+}

@@ -55,6 +55,8 @@ pub struct Panel {
     pub series: Vec<Series>,
     /// A shaded band `(step, low, high)` drawn under the first series' color.
     pub band: Vec<(f64, f64, f64)>,
+    /// Label of the x axis; empty: `step` (integer ticks).
+    pub x_desc: String,
 }
 
 /// `#rrggbb` of a color, for HTML legends.
@@ -144,7 +146,11 @@ fn finite_runs<T: Copy>(points: &[T], finite: impl Fn(&T) -> bool) -> Vec<Vec<T>
 /// Draws one line panel onto `area`.
 fn draw_panel<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, p: &Panel) -> Result<(), String> {
     let xs = p.series.iter().flat_map(|s| s.points.iter().filter(|q| q.1.is_finite()).map(|q| q.0));
-    let (x0, x1) = step_range(xs).ok_or("no finite values")?;
+    let (x0, x1) = if p.x_desc.is_empty() {
+        step_range(xs).ok_or("no finite values")?
+    } else {
+        padded_range(xs, 0.05).ok_or("no finite values")?
+    };
     let ys = p.series.iter().flat_map(|s| s.points.iter().map(|q| q.1));
     let band_ys = p.band.iter().flat_map(|b| [b.1, b.2]);
     let (y0, y1) = padded_range(ys.chain(band_ys), 0.05).ok_or("no finite values")?;
@@ -158,9 +164,9 @@ fn draw_panel<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, p: &Panel) -> R
         .configure_mesh()
         .light_line_style(GRID)
         .bold_line_style(GRID)
-        .x_desc("step")
+        .x_desc(if p.x_desc.is_empty() { "step" } else { p.x_desc.as_str() })
         .y_desc(&p.y_desc)
-        .x_label_formatter(&fmt_step)
+        .x_label_formatter(&|v| if p.x_desc.is_empty() { fmt_step(v) } else { fmt_num(*v) })
         .y_label_formatter(&|v| fmt_num(*v))
         .label_style((FONT, 13))
         .axis_desc_style((FONT, 14))

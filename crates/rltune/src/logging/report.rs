@@ -219,6 +219,7 @@ fn reward_figure(rows: &[MetricRow]) -> String {
             y_desc: "reward".into(),
             series: vec![series(rows, mean_key, 0)],
             band,
+            ..Panel::default()
         };
         plots::line_svg(&[panel])
     });
@@ -254,7 +255,7 @@ fn episodes_figure(rows: &[MetricRow]) -> String {
                 .filter(|(_, k)| rows.iter().any(|r| r.get(k).is_some()))
                 .map(|(j, k)| series(rows, k, j))
                 .collect(),
-            band: Vec::new(),
+            ..Panel::default()
         })
         .filter(|p| !p.series.is_empty())
         .collect();
@@ -292,7 +293,7 @@ fn kl_figure(rows: &[MetricRow]) -> String {
                 title: k.to_string(),
                 y_desc: if i == 0 { "KL (nats)".into() } else { "β".into() },
                 series: vec![series(rows, k, i)],
-                band: Vec::new(),
+                ..Panel::default()
             })
             .collect();
         plots::line_svg(&panels)
@@ -319,7 +320,7 @@ fn group_figure(rows: &[MetricRow]) -> String {
                 "fraction".into()
             },
             series: vec![series(rows, k, i)],
-            band: Vec::new(),
+            ..Panel::default()
         })
         .collect();
     let plot = plots::line_svg(&panels).map_err(|e| format!("GRPO/RLOO metrics: {e}."));
@@ -338,7 +339,7 @@ fn logprobs_figure(rows: &[MetricRow]) -> String {
             title: String::new(),
             y_desc: "mean logprob".into(),
             series: legend.clone(),
-            band: vec![],
+            ..Panel::default()
         };
         plots::line_svg(&[panel])
     });
@@ -359,8 +360,7 @@ fn time_figure(rows: &[MetricRow]) -> String {
     let plot = if keys.is_empty() {
         Err("no `time/*` key was logged.".to_string())
     } else {
-        let panel =
-            Panel { title: String::new(), y_desc: "seconds".into(), series: legend.clone(), band: vec![] };
+        let panel = Panel { y_desc: "seconds".into(), series: legend.clone(), ..Panel::default() };
         plots::line_svg(&[panel]).map_err(|e| format!("`time/*`: {e}."))
     };
     let desc =
