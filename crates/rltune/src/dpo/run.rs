@@ -126,26 +126,14 @@ pub fn train_with(
         processes: crate::dist::world_size(),
     };
     let config = settings(&cfg)?;
-    let (mut start, mut lines) = (0, Vec::new());
-    if let Some(c) = checkpoints.filter(|c| c.resume) {
-        let store = trainer.store().clone();
-        let (saved, path) = checkpoint::load_latest::<DpoState>(
-            c.dir,
-            LoopKind::Dpo,
-            &shape,
-            &store,
-            trainer.adam_mut(),
-            |s, file| same_settings(&s.config, &config, file),
-        )?;
-        trainer.restore_counters(saved.step, &saved.state.counters);
-        start = saved.step;
-        lines = read_lines(&path.join(METRICS), saved.step)?;
-    }
+    let (start, mut lines) = match checkpoints.filter(|c| c.resume) {
+        Some(c) => resume(trainer, c.dir, &shape, &config)?,
+        None => (0, Vec::new()),
+    };
     let main = crate::dist::is_main();
     let mut writer = match metrics.filter(|_| main) {
         Some(path) => {
-            let text: String = lines.iter().map(|l| format!("{l}\n")).collect();
-            crate::io::write_bytes_atomic(path, text.as_bytes())?;
+            crate::io::write_bytes_atomic(path, jsonl(&lines).as_bytes())?;
             Some(JsonlWriter::append(path)?)
         }
         None => None,
@@ -183,7 +171,7 @@ pub fn train_with(
                     adam_steps: trainer.adam().steps(),
                     state: DpoState { config: config.clone(), counters: trainer.counters() },
                 };
-                let text: String = lines.iter().map(|l| format!("{l}\n")).collect();
+                let text = jsonl(&lines);
                 let files = [(METRICS, text.as_bytes())];
                 let path = checkpoint::save(c.dir, trainer.store(), trainer.adam(), &ck, &files)?;
                 tracing::info!("checkpoint after step {step}: {}", path.display());
@@ -194,6 +182,32 @@ pub fn train_with(
         }
     }
     Ok(DpoSummary { steps: step, total_steps: total, metrics: lines })
+}
+
+/// Loads the latest checkpoint in `dir` into `trainer` (module docs); returns its step and
+/// metrics lines.
+fn resume(
+    trainer: &mut DpoTrainer,
+    dir: &Path,
+    shape: &RunShape,
+    config: &serde_json::Value,
+) -> Result<(usize, Vec<String>)> {
+    let store = trainer.store().clone();
+    let (saved, path) = checkpoint::load_latest::<DpoState>(
+        dir,
+        LoopKind::Dpo,
+        shape,
+        &store,
+        trainer.adam_mut(),
+        |s, file| same_settings(&s.config, config, file),
+    )?;
+    trainer.restore_counters(saved.step, &saved.state.counters);
+    Ok((saved.step, read_lines(&path.join(METRICS), saved.step)?))
+}
+
+/// `lines` as a JSON-lines file's text.
+fn jsonl(lines: &[String]) -> String {
+    lines.iter().map(|l| format!("{l}\n")).collect()
 }
 
 /// The settings a checkpoint records: `cfg` as JSON, without `save_steps` (which a resumed run
