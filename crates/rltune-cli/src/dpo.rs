@@ -4,6 +4,10 @@
 //!
 //! Settings come from an optional TOML file with a `[dpo]` table (TRL's `DPOConfig` fields) and
 //! `[runtime]`, plus `--set dpo.key=value` overrides; see configs/dpo.toml.
+//!
+//! Checkpoints go to `--checkpoint-dir` (default `OUTPUT.checkpoints`) every `dpo.save_steps`
+//! steps and on Ctrl-C (the command then exits with status 130); `--resume` continues from the
+//! latest one bit for bit, `metrics.jsonl` included.
 
 use std::path::{Path, PathBuf};
 
@@ -11,9 +15,8 @@ use anyhow::{Context, Result};
 use rltune::config_file::parse_toml;
 use rltune::data::rows::DataOptions;
 use rltune::dpo::data::{prepare_pairs_with, read_preference_data, PreferencePair};
-use rltune::dpo::run::{pairs_per_process, train};
+use rltune::dpo::run::{pairs_per_process, train_with};
 use rltune::dpo::{DpoConfig, DpoTrainer};
-use rltune::logging::jsonl::{JsonlWriter, MetricRow};
 use rltune::models::chat_template::ChatTemplate;
 use rltune::models::load::{copy_side_files, locate, read_config_json, save_dir_atomic, LoraSpec};
 use rltune::models::lora::LoraConfig;
@@ -22,6 +25,7 @@ use rltune::params::ParamStore;
 use rltune::ppo::Stat;
 use rltune::runtime::{Runtime, RuntimeSection};
 use rltune::tokenizer::Tokenizer;
+use rltune::train::Checkpointing;
 use serde::Deserialize;
 
 use crate::train::Bar;
@@ -54,6 +58,13 @@ pub struct Args {
     /// Override a setting, e.g. --set dpo.beta=0.05 (repeatable).
     #[arg(long = "set", value_name = "TABLE.KEY=VALUE")]
     set: Vec<String>,
+    /// Where checkpoints go (`step-N/`, every `dpo.save_steps` steps and on Ctrl-C); default:
+    /// the output's path with `.checkpoints` appended.
+    #[arg(long)]
+    checkpoint_dir: Option<PathBuf>,
+    /// Continue from the latest checkpoint in the checkpoint folder, bit for bit.
+    #[arg(long)]
+    resume: bool,
     #[command(flatten)]
     runtime: crate::runtime::RuntimeArgs,
 }
@@ -214,14 +225,10 @@ fn train_and_save(
     // On several processes, rank 0 alone writes (every process holds the same weights).
     let main = rltune::dist::is_main();
     let metrics_path = args.output.join("metrics.jsonl");
-    let mut writer = if main {
+    if main {
         std::fs::create_dir_all(&args.output)
             .with_context(|| format!("cannot create {}", args.output.display()))?;
-        rltune::io::write_bytes_atomic(&metrics_path, b"")?;
-        Some(JsonlWriter::append(&metrics_path)?)
-    } else {
-        None
-    };
+    }
     let bar = Bar::new("dpo");
     let world = rltune::dist::world_size();
     tracing::info!(
@@ -232,11 +239,11 @@ fn train_and_save(
         trainer.config.gradient_accumulation_steps,
         if world > 1 { format!(" on each of {world} processes") } else { String::new() }
     );
+    let (stop, dir) =
+        (crate::ppo::stop_flag()?, crate::train::checkpoint_dir(&args.checkpoint_dir, &args.output));
+    let ckpt = Checkpointing { dir: &dir, resume: args.resume, stop: Some(&stop) };
     let mut last = None;
-    train(trainer, pairs, &mut |step, total, stats| {
-        if let Some(w) = writer.as_mut() {
-            w.write_line(&MetricRow::from_stats(step, stats).to_json_line())?;
-        }
+    let summary = train_with(trainer, pairs, Some(ckpt), Some(&metrics_path), &mut |step, total, stats| {
         let get = |k: &str| stats.get(k).and_then(Stat::as_f64).unwrap_or(f64::NAN);
         bar.show(
             step,
@@ -252,6 +259,9 @@ fn train_and_save(
         Ok(())
     })?;
     bar.finish();
+    if !crate::train::finished(summary.steps, summary.total_steps, &dir) {
+        std::process::exit(130);
+    }
     if !main {
         return Ok(());
     }

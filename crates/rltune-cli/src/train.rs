@@ -143,28 +143,33 @@ fn check(result: std::result::Result<(), String>, c: &Common) -> Result<()> {
     result.map_err(|m| anyhow::anyhow!("{source}: {m}"))
 }
 
+/// The checkpoint folder of `sft`, `reward` and `dpo`: `--checkpoint-dir`, or `OUTPUT.checkpoints`.
+pub(crate) fn checkpoint_dir(explicit: &Option<PathBuf>, output: &Path) -> PathBuf {
+    explicit.clone().unwrap_or_else(|| {
+        let mut name = output.to_path_buf().into_os_string();
+        name.push(".checkpoints");
+        PathBuf::from(name)
+    })
+}
+
 impl Common {
     /// The checkpoint folder: `--checkpoint-dir`, or `OUTPUT.checkpoints`.
     fn checkpoint_dir(&self) -> PathBuf {
-        self.checkpoint_dir.clone().unwrap_or_else(|| {
-            let mut name = self.output.clone().into_os_string();
-            name.push(".checkpoints");
-            PathBuf::from(name)
-        })
+        checkpoint_dir(&self.checkpoint_dir, &self.output)
     }
 }
 
-/// After a run: `Ok(true)` when it finished; when Ctrl-C stopped it, says where its checkpoint is
-/// and how to resume, and gives `Ok(false)` (the command then exits with status 130, unsaved).
-fn finished(s: &TrainSummary, dir: &Path) -> bool {
-    if s.steps >= s.total_steps {
+/// After a run of `steps` of `total`: true when it finished; when Ctrl-C stopped it, says where
+/// its checkpoint is and how to resume, and gives false (the command then exits with status 130,
+/// its output unsaved).
+pub(crate) fn finished(steps: usize, total: usize, dir: &Path) -> bool {
+    if steps >= total {
         return true;
     }
     if rltune::dist::is_main() {
         eprintln!(
-            "stopped after step {} of {}; checkpoint in {}; the same command with --resume continues it",
-            s.steps,
-            s.total_steps,
+            "stopped after step {steps} of {total}; checkpoint in {}; the same command with --resume \
+             continues it",
             dir.display()
         );
     }
@@ -196,7 +201,7 @@ pub fn run_sft(args: SftArgs) -> Result<()> {
     let summary =
         sft::train_sft_with(&model, &records, &cfg, &file.training, Some(ckpt), &mut |p| progress.update(p))?;
     progress.finish();
-    if !finished(&summary, &dir) {
+    if !finished(summary.steps, summary.total_steps, &dir) {
         std::process::exit(130);
     }
     // On several processes every one holds the same weights: rank 0 writes them.
@@ -256,7 +261,7 @@ pub fn run_reward(args: RewardArgs) -> Result<()> {
         &mut |p| progress.update(p),
     )?;
     progress.finish();
-    if !finished(&summary, &dir) {
+    if !finished(summary.steps, summary.total_steps, &dir) {
         std::process::exit(130);
     }
     if rltune::dist::is_main() {

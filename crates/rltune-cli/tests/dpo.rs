@@ -1,8 +1,8 @@
 //! `rltune dpo`, run as a user runs it: the output directory against TRL 1.16.0's fixture
-//! (`tools/fixtures/dpo/`), and bad input.
+//! (`tools/fixtures/dpo/`), bad input, and checkpoints with `--resume` and Ctrl-C.
 
 use std::path::Path;
-use std::process::Output;
+use std::process::{Command, Output, Stdio};
 
 use candle_core::{Device, Tensor};
 
@@ -141,4 +141,105 @@ fn dpo_example_config_runs() {
     let o = dpo(&fixture("dpo/rows.jsonl"), &config, &dir.path().join("out"), &["--set", "dpo.max_steps=1"]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(dir.path().join("out/metrics.jsonl").exists());
+}
+
+/// `rltune dpo` on the fixture's rows with the fixture's initial policy (and its frozen copy as
+/// the reference), writing to `out`: 200 steps of 2 pairs, warm-up and linear decay, a checkpoint
+/// every 2 steps.
+fn resumable(dir: &Path, out: &Path) -> Command {
+    let config = dir.join("resumable.toml");
+    std::fs::write(
+        &config,
+        "[dpo]\nmax_steps = 200\nper_device_train_batch_size = 2\nlearning_rate = 1e-3\nwarmup_steps = 3\n\
+         save_steps = 2\n",
+    )
+    .unwrap();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_rltune"));
+    cmd.args(["dpo", "--model", s(&fixture("dpo/init")), "--data", s(&fixture("dpo/rows.jsonl"))])
+        .args(["--config", s(&config), "--output", s(out)])
+        .env("HF_HUB_OFFLINE", "1")
+        .env("RUST_LOG", "warn")
+        .stderr(Stdio::piped());
+    cmd
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// Waits for `file`, then sends `signal` to `child`; returns its exit status and stderr.
+fn signal_after(child: std::process::Child, file: &Path, signal: &str) -> (Option<i32>, String) {
+    let started = std::time::Instant::now();
+    while !file.is_file() {
+        assert!(started.elapsed().as_secs() < 120, "no {} within 2 minutes", file.display());
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert!(Command::new("kill").args([signal, &child.id().to_string()]).status().unwrap().success());
+    let out = child.wait_with_output().unwrap();
+    (out.status.code(), stderr(&out))
+}
+
+/// `rltune dpo` stopped by Ctrl-C exits 130 after writing a checkpoint (in `OUTPUT.checkpoints`)
+/// and keeps `metrics.jsonl` up to its step; killed by SIGKILL it leaves its checkpoints (and
+/// perhaps metrics lines past the last). Either way the same command with `--resume` writes the
+/// model and `metrics.jsonl` of a run that never stopped, byte for byte. Resuming with other
+/// settings, or with no checkpoint, is refused naming the setting or the folder.
+#[test]
+fn dpo_stopped_by_ctrl_c_or_killed_resumes_to_the_straight_runs_output() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let straight = dir.join("straight");
+    let out = resumable(dir, &straight).output().unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let bytes = |d: &Path, f: &str| std::fs::read(d.join(f)).unwrap();
+    assert_eq!(String::from_utf8(bytes(&straight, "metrics.jsonl")).unwrap().lines().count(), 200);
+
+    let stopped = dir.join("stopped");
+    let child = resumable(dir, &stopped).spawn().unwrap();
+    let checkpoints = dir.join("stopped.checkpoints");
+    let (code, err) = signal_after(child, &checkpoints.join("step-2/trainer_state.json"), "-INT");
+    assert_eq!(code, Some(130), "{err}");
+    assert!(err.contains("--resume continues it") && !stopped.join("model.safetensors").exists(), "{err}");
+    // The checkpoint of the step under way, and the metrics lines up to it.
+    let last = rltune::run::checkpoint::latest_checkpoint_in(&checkpoints).unwrap().unwrap().0;
+    let lines = String::from_utf8(bytes(&stopped, "metrics.jsonl")).unwrap();
+    assert_eq!(lines.lines().count(), last, "{err}");
+    assert!(last < 200, "stopped before the end");
+    println!("Ctrl-C: checkpoint after step {last} of 200");
+
+    let out = resumable(dir, &stopped).args(["--resume", "--set", "dpo.beta=0.2"]).output().unwrap();
+    assert!(!out.status.success() && stderr(&out).contains("dpo.beta = 0.1"), "{}", stderr(&out));
+    let out = resumable(dir, &stopped).arg("--resume").output().unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    for f in ["model.safetensors", "metrics.jsonl"] {
+        assert!(
+            bytes(&stopped, f) == bytes(&straight, f),
+            "{f}: the resumed run's differs from the straight run's"
+        );
+    }
+
+    let killed = dir.join("killed");
+    let child = resumable(dir, &killed).spawn().unwrap();
+    let (code, err) = signal_after(child, &dir.join("killed.checkpoints/step-4/trainer_state.json"), "-KILL");
+    assert_eq!(code, None, "{err}");
+    let (last, lines) = (
+        rltune::run::checkpoint::latest_checkpoint_in(&dir.join("killed.checkpoints")).unwrap().unwrap().0,
+        String::from_utf8(bytes(&killed, "metrics.jsonl")).unwrap().lines().count(),
+    );
+    println!("SIGKILL: last checkpoint after step {last}, {lines} metrics lines");
+    let out = resumable(dir, &killed).arg("--resume").output().unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    for f in ["model.safetensors", "metrics.jsonl"] {
+        assert!(
+            bytes(&killed, f) == bytes(&straight, f),
+            "{f}: the resumed run's differs from the straight run's"
+        );
+    }
+
+    let out = resumable(dir, &dir.join("fresh")).arg("--resume").output().unwrap();
+    let err = stderr(&out);
+    assert!(
+        !out.status.success() && err.contains("fresh.checkpoints") && err.contains("without --resume"),
+        "{err}"
+    );
 }

@@ -241,6 +241,10 @@ pub struct DpoConfig {
     pub router_aux_loss_coef: Option<f64>,
     /// Changes no number (false).
     pub activation_offloading: bool,
+    /// Write a checkpoint every this many optimizer steps (transformers' `save_steps`; 0, the
+    /// default: only when stopped by Ctrl-C). Where they go: `rltune dpo --checkpoint-dir`. The
+    /// one setting a resumed run may change.
+    pub save_steps: usize,
 }
 
 impl Default for DpoConfig {
@@ -281,6 +285,7 @@ impl Default for DpoConfig {
             dataset_num_proc: None,
             router_aux_loss_coef: None,
             activation_offloading: false,
+            save_steps: 0,
         }
     }
 }
@@ -321,6 +326,7 @@ const FIELDS: &[&str] = &[
     "dataset_num_proc",
     "router_aux_loss_coef",
     "activation_offloading",
+    "save_steps",
 ];
 
 impl DpoConfig {

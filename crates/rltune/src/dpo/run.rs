@@ -6,15 +6,23 @@
 //! `gradient_accumulation_steps` micro-batches into an optimizer step (the epoch's last step takes
 //! the remainder, as transformers' `_inner_training_loop`). The run stops after
 //! [`DpoConfig::total_steps`] optimizer steps.
+//!
+//! [`train_with`] adds the supervised loops' checkpoints ([`crate::train::checkpoint`]): a
+//! `step-N/` every `save_steps` steps and on Ctrl-C, and `--resume` bit for bit.
+
+use std::path::Path;
 
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
+use serde::{Deserialize, Serialize};
 
 use super::config::DpoConfig;
 use super::data::PreferencePair;
-use super::trainer::DpoTrainer;
+use super::trainer::{DpoCounters, DpoTrainer};
 use crate::engine::Stats;
 use crate::error::{Error, Result};
+use crate::logging::jsonl::{JsonlWriter, MetricRow};
+use crate::train::checkpoint::{self, Checkpointing, LoopCheckpoint, LoopKind, RunShape};
 
 /// The optimizer steps of one epoch: indices into the pairs, grouped into micro-batches.
 ///
@@ -59,26 +67,189 @@ pub fn train(
     pairs: &[PreferencePair],
     on_step: &mut dyn FnMut(usize, usize, &Stats) -> Result<()>,
 ) -> Result<usize> {
+    Ok(train_with(trainer, pairs, None, None, on_step)?.steps)
+}
+
+/// What [`train_with`] did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DpoSummary {
+    /// Optimizer steps done (those of a resumed run's checkpoint included).
+    pub steps: usize,
+    /// Optimizer steps planned: more than `steps` when the run was stopped.
+    pub total_steps: usize,
+    /// The metrics lines of every step done, as `metrics.jsonl` holds them.
+    pub metrics: Vec<String>,
+}
+
+/// What the DPO loop carries between steps, in `trainer_state.json` beside the step and the run's
+/// shape.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct DpoState {
+    /// The `[dpo]` settings of the run, compared with a resumed run's.
+    config: serde_json::Value,
+    /// The trainer's counters.
+    #[serde(flatten)]
+    counters: DpoCounters,
+}
+
+/// The metrics lines of a checkpoint.
+const METRICS: &str = "metrics.jsonl";
+
+/// [`train`] with checkpoints, `--resume` and a stop flag ([`Checkpointing`]), writing each
+/// step's metrics line to `metrics` (rewritten at the start: emptied, or on resume the
+/// checkpoint's lines) on the first process.
+///
+/// A checkpoint (`step-N/`, every `save_steps` and when stopped) holds the trainable variables,
+/// Adam's moments, the metrics lines so far and `trainer_state.json` (the step, the counters
+/// behind `num_tokens`, `epoch` and `rltune/skipped_updates`, the settings); the reference is not
+/// saved (it is the initial model, or `--ref-model`). A resumed run replays the epochs' seeded
+/// shuffles up to the checkpoint's step and continues bit for bit: weights and metrics lines
+/// equal a run's that never stopped. A checkpoint of another number of pairs, processes or other
+/// settings (save_steps aside) is refused, naming what differs. Stopped by `checkpoints.stop`, it
+/// returns after the step under way and its checkpoint, `steps` short of `total_steps`.
+pub fn train_with(
+    trainer: &mut DpoTrainer,
+    pairs: &[PreferencePair],
+    checkpoints: Option<Checkpointing>,
+    metrics: Option<&Path>,
+    on_step: &mut dyn FnMut(usize, usize, &Stats) -> Result<()>,
+) -> Result<DpoSummary> {
     if pairs.is_empty() {
         return Err(Error::Input("no preference pair to train on".into()));
     }
     let cfg = trainer.config.clone();
     let total = cfg.total_steps(pairs_per_process(pairs.len()));
+    let shape = RunShape {
+        total_steps: total,
+        train_examples: pairs.len(),
+        seed: cfg.seed,
+        processes: crate::dist::world_size(),
+    };
+    let config = settings(&cfg)?;
+    let (start, mut lines) = match checkpoints.filter(|c| c.resume) {
+        Some(c) => resume(trainer, c.dir, &shape, &config)?,
+        None => (0, Vec::new()),
+    };
+    let main = crate::dist::is_main();
+    let mut writer = match metrics.filter(|_| main) {
+        Some(path) => {
+            crate::io::write_bytes_atomic(path, jsonl(&lines).as_bytes())?;
+            Some(JsonlWriter::append(path)?)
+        }
+        None => None,
+    };
     let mut rng = rand::rngs::StdRng::seed_from_u64(cfg.seed);
     let mut step = 0;
-    while step < total {
+    'run: while step < total {
         for group in epoch_plan(&cfg, pairs.len(), &mut rng) {
             if step == total {
                 break;
+            }
+            // A resumed run replays the shuffles of the steps it has done.
+            if step < start {
+                step += 1;
+                continue;
             }
             let micro: Vec<Vec<&PreferencePair>> =
                 group.iter().map(|mb| mb.iter().map(|&i| &pairs[i]).collect()).collect();
             let stats = trainer.step(&micro)?;
             step += 1;
+            let line = MetricRow::from_stats(step, &stats).to_json_line();
+            if let Some(w) = writer.as_mut() {
+                w.write_line(&line)?;
+            }
+            lines.push(line);
             on_step(step, total, &stats)?;
+            let Some(c) = checkpoints else { continue };
+            let stopping = c.stopping();
+            // Every process holds the same weights: the first alone writes them.
+            if (stopping || checkpoint::scheduled(step, cfg.save_steps)) && main {
+                let ck = LoopCheckpoint {
+                    trainer: LoopKind::Dpo,
+                    step,
+                    shape,
+                    adam_steps: trainer.adam().steps(),
+                    state: DpoState { config: config.clone(), counters: trainer.counters() },
+                };
+                let text = jsonl(&lines);
+                let files = [(METRICS, text.as_bytes())];
+                let path = checkpoint::save(c.dir, trainer.store(), trainer.adam(), &ck, &files)?;
+                tracing::info!("checkpoint after step {step}: {}", path.display());
+            }
+            if stopping && step < total {
+                break 'run;
+            }
         }
     }
-    Ok(step)
+    Ok(DpoSummary { steps: step, total_steps: total, metrics: lines })
+}
+
+/// Loads the latest checkpoint in `dir` into `trainer` (module docs); returns its step and
+/// metrics lines.
+fn resume(
+    trainer: &mut DpoTrainer,
+    dir: &Path,
+    shape: &RunShape,
+    config: &serde_json::Value,
+) -> Result<(usize, Vec<String>)> {
+    let store = trainer.store().clone();
+    let (saved, path) = checkpoint::load_latest::<DpoState>(
+        dir,
+        LoopKind::Dpo,
+        shape,
+        &store,
+        trainer.adam_mut(),
+        |s, file| same_settings(&s.config, config, file),
+    )?;
+    trainer.restore_counters(saved.step, &saved.state.counters);
+    Ok((saved.step, read_lines(&path.join(METRICS), saved.step)?))
+}
+
+/// `lines` as a JSON-lines file's text.
+fn jsonl(lines: &[String]) -> String {
+    lines.iter().map(|l| format!("{l}\n")).collect()
+}
+
+/// The settings a checkpoint records: `cfg` as JSON, without `save_steps` (which a resumed run
+/// may change).
+fn settings(cfg: &DpoConfig) -> Result<serde_json::Value> {
+    let mut v = serde_json::to_value(cfg).map_err(|e| Error::Input(e.to_string()))?;
+    if let Some(m) = v.as_object_mut() {
+        m.remove("save_steps");
+    }
+    Ok(v)
+}
+
+/// Refuses to resume, naming the first setting that differs, when the checkpoint's settings
+/// (`saved`, read from `file`) are not this run's (`now`).
+fn same_settings(saved: &serde_json::Value, now: &serde_json::Value, file: &Path) -> Result<()> {
+    let Some(now) = now.as_object() else { return Ok(()) };
+    for (key, value) in now {
+        let was = saved.get(key).unwrap_or(&serde_json::Value::Null);
+        if was != value {
+            return Err(Error::Input(format!(
+                "{}: saved with dpo.{key} = {was} but this run has {value}; resume with the settings it \
+                 was started with (only dpo.save_steps may change)",
+                file.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The first `steps` lines of a checkpoint's `metrics.jsonl`, which must hold that many.
+fn read_lines(path: &Path, steps: usize) -> Result<Vec<String>> {
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let lines: Vec<String> = text.lines().filter(|l| !l.trim().is_empty()).map(str::to_string).collect();
+    if lines.len() != steps {
+        return Err(Error::Input(format!(
+            "{}: {} lines for {steps} steps; the checkpoint is damaged: resume from an earlier one \
+             (remove this step-N folder) or start anew",
+            path.display(),
+            lines.len()
+        )));
+    }
+    Ok(lines)
 }
 
 #[cfg(test)]

@@ -60,6 +60,18 @@ struct MicroOut {
     metrics: Vec<(&'static str, f64, f64)>,
 }
 
+/// What a DPO trainer carries between steps besides the weights, Adam's moments and the step
+/// (a checkpoint's `trainer_state.json` holds it).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub(crate) struct DpoCounters {
+    /// Micro-batches consumed (the `epoch` metric).
+    pub micro_batches: usize,
+    /// Real tokens seen (`num_tokens`).
+    pub num_tokens: f64,
+    /// Updates skipped for a non-finite loss or gradient (`rltune/skipped_updates`).
+    pub skipped_updates: usize,
+}
+
 /// TRL's `DPOTrainer`, one optimizer step per [`DpoTrainer::step`].
 pub struct DpoTrainer {
     /// Hyper-parameters.
@@ -115,6 +127,34 @@ impl DpoTrainer {
     /// Optimizer steps taken so far.
     pub fn global_step(&self) -> usize {
         self.core.global_step
+    }
+
+    /// The counters a checkpoint saves.
+    pub(crate) fn counters(&self) -> DpoCounters {
+        DpoCounters {
+            micro_batches: self.micro_done,
+            num_tokens: self.core.tokens_seen,
+            skipped_updates: self.core.skipped_updates,
+        }
+    }
+
+    /// Restores a checkpoint's counters after `steps` optimizer steps (the schedule resumes
+    /// there).
+    pub(crate) fn restore_counters(&mut self, steps: usize, c: &DpoCounters) {
+        self.core.global_step = steps;
+        self.micro_done = c.micro_batches;
+        self.core.tokens_seen = c.num_tokens;
+        self.core.skipped_updates = c.skipped_updates;
+    }
+
+    /// Adam's state (its moments are checkpointed).
+    pub(crate) fn adam(&self) -> &crate::optim::Adam {
+        self.core.optimizer()
+    }
+
+    /// Adam's state, to restore a checkpoint's moments into.
+    pub(crate) fn adam_mut(&mut self) -> &mut crate::optim::Adam {
+        self.core.optimizer_mut()
     }
 
     /// TRL `_precompute_ref_logps`: the reference's summed logprobs of every pair, in batches of

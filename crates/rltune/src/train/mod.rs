@@ -6,16 +6,19 @@
 //! - [`runner`]: the loop they share: seeded eval split and shuffles, gradient accumulation with
 //!   token-weighted losses, clipping, Adam, warm-up and decay ([`crate::engine::schedule`]), periodic eval and
 //!   a progress callback.
+//! - [`checkpoint`]: the `step-N/` checkpoints of these loops and of DPO's, and `--resume`.
 //! - [`data`]: reading the example files.
 //!
 //! Configuration mirrors a TOML file with a `[training]` table ([`TrainingArgs`]) beside `[sft]`
 //! ([`sft::SftConfig`]) or `[reward]` ([`reward_model::RewardConfig`]); every struct rejects
 //! unknown keys, and its `validate()` names the field at fault.
 
+pub mod checkpoint;
 pub mod data;
 pub mod reward_model;
 pub mod runner;
 pub mod sft;
 
 pub use crate::engine::schedule::{LrSchedule, ScheduleKind};
-pub use runner::{Checkpointing, EvalResult, TrainProgress, TrainSummary, TrainingArgs};
+pub use checkpoint::Checkpointing;
+pub use runner::{EvalResult, TrainProgress, TrainSummary, TrainingArgs};

@@ -13,27 +13,25 @@
 //! the step however it is split into micro-batches: 1 micro-batch of 8 and 8 of 1 give the same
 //! gradient up to float rounding.
 //!
-//! **Checkpoints** ([`Checkpointing`]): with `save_steps > 0` the loop writes
-//! `DIR/step-N/` every `save_steps` optimizer steps, and on Ctrl-C after the step under way:
-//! the trainable variables (`trainable.safetensors`), Adam's moments (`optimizer.safetensors`)
-//! and `trainer_state.json` (the step, the losses so far, the last evaluation). A run resumed from
-//! it replays the epochs' seeded shuffles up to its step and continues bit for bit: its weights
-//! and every later step's loss are those of a run that never stopped. Each checkpoint is written
-//! to a temporary folder and renamed into place.
+//! **Checkpoints** ([`Checkpointing`], [`super::checkpoint`]): with `save_steps > 0` the loop
+//! writes `DIR/step-N/` every `save_steps` optimizer steps, and on Ctrl-C after the step under
+//! way: the trainable variables, Adam's moments and `trainer_state.json` (the step, the losses so
+//! far, the last evaluation). A run resumed from it replays the epochs' seeded shuffles up to its
+//! step and continues bit for bit: its weights and every later step's loss are those of a run
+//! that never stopped.
 //!
 //! Deviations from transformers' `Trainer`: Adam without weight decay (its AdamW with the default
 //! `weight_decay = 0` is the same update); a step count fixed up front as
 //! `epochs · ceil(n / (batch_size · gradient_accumulation_steps))` (the last step of an epoch
 //! takes the remainder) unless `max_steps` is set; no dropout.
 
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
-
 use candle_core::{DType, Tensor};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use serde::{Deserialize, Serialize};
 
+pub use super::checkpoint::Checkpointing;
+use super::checkpoint::{self, LoopCheckpoint, LoopKind, RunShape};
 use super::data::split_eval;
 use crate::engine::schedule::{warmup_steps, LrSchedule, ScheduleKind};
 use crate::engine::{OptimArgs, Optimizer};
@@ -297,32 +295,10 @@ fn accumulate<O: Objective>(
     Ok(crate::dist::sum(loss)? / world)
 }
 
-/// Where a supervised run checkpoints, whether it resumes, and what stops it (module docs).
-#[derive(Debug, Clone, Copy)]
-pub struct Checkpointing<'a> {
-    /// The folder of the `step-N/` checkpoints.
-    pub dir: &'a Path,
-    /// Continue from the latest checkpoint in `dir` (none there: an error naming the folder).
-    pub resume: bool,
-    /// Set (by Ctrl-C) to end the run after the step under way, with a checkpoint.
-    pub stop: Option<&'a AtomicBool>,
-}
-
-/// `trainer_state.json` of a supervised checkpoint.
+/// What the supervised loop carries between steps, in `trainer_state.json` beside the step and
+/// the run's shape ([`super::checkpoint::LoopCheckpoint`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 struct SupervisedState {
-    /// Optimizer steps done.
-    step: usize,
-    /// Steps the run makes in all.
-    total_steps: usize,
-    /// Training examples (after the eval split).
-    train_examples: usize,
-    /// The run's seed.
-    seed: u64,
-    /// Processes of the run.
-    processes: usize,
-    /// Adam steps taken.
-    adam_steps: u64,
     /// Loss of the last step (`None`: not finite).
     last_loss: Option<f64>,
     /// Sum of the step losses so far (`None`: not finite).
@@ -333,80 +309,6 @@ struct SupervisedState {
 
 fn finite(x: f64) -> Option<f64> {
     x.is_finite().then_some(x)
-}
-
-/// Writes the checkpoint of `store` and `opt` after `state.step` steps into `dir/step-N/`.
-fn save_checkpoint(
-    dir: &Path,
-    store: &ParamStore,
-    opt: &Optimizer,
-    state: &SupervisedState,
-) -> Result<PathBuf> {
-    let path = dir.join(format!("step-{}", state.step));
-    crate::models::load::save_dir_atomic(&path, |tmp: &Path| -> Result<()> {
-        let vars: std::collections::HashMap<String, Tensor> =
-            store.vars().into_iter().map(|(n, v)| (n, v.as_tensor().clone())).collect();
-        crate::io::save_safetensors(&tmp.join("trainable.safetensors"), &vars)?;
-        crate::run::checkpoint::save_moments(&tmp.join("optimizer.safetensors"), store, opt.adam())?;
-        let text = serde_json::to_string_pretty(state).map_err(|e| Error::Input(e.to_string()))?;
-        Ok(crate::io::write_bytes_atomic(&tmp.join("trainer_state.json"), text.as_bytes())?)
-    })?;
-    Ok(path)
-}
-
-/// Loads the latest checkpoint under `dir` into `store` and `opt`, checked against the run
-/// being resumed (`expect`: its step count, examples, seed and processes).
-fn load_checkpoint(
-    dir: &Path,
-    store: &ParamStore,
-    opt: &mut Optimizer,
-    expect: &SupervisedState,
-) -> Result<SupervisedState> {
-    let Some((_, path)) = crate::run::checkpoint::latest_checkpoint_in(dir)? else {
-        return Err(Error::Input(format!(
-            "--resume: no checkpoint (step-N folder) in {}; run without --resume to start anew",
-            dir.display()
-        )));
-    };
-    let file = path.join("trainer_state.json");
-    let state: SupervisedState = serde_json::from_value(crate::io::read_json(&file)?)
-        .map_err(|e| Error::Input(format!("{}: not a supervised checkpoint ({e})", file.display())))?;
-    let differs = [
-        ("total_steps (num_train_epochs, max_steps, batch sizes)", state.total_steps, expect.total_steps),
-        ("train_examples (the data, eval_fraction)", state.train_examples, expect.train_examples),
-        ("seed", state.seed as usize, expect.seed as usize),
-        ("processes", state.processes, expect.processes),
-    ];
-    for (what, saved, now) in differs {
-        if saved != now {
-            return Err(Error::Input(format!(
-                "{}: saved with {what} = {saved} but this run has {now}; resume with the settings, \
-                 data and processes it was started with",
-                file.display()
-            )));
-        }
-    }
-    let weights = path.join("trainable.safetensors");
-    let saved = candle_core::safetensors::load(&weights, store.device())
-        .map_err(|e| Error::Input(format!("{}: {e}", weights.display())))?;
-    for (name, var) in store.vars() {
-        let t = saved.get(&name).ok_or_else(|| {
-            Error::Input(format!("{}: no tensor {name}; it is another model's checkpoint", weights.display()))
-        })?;
-        if t.dims() != var.dims() {
-            return Err(Error::Input(format!(
-                "{}: {name} has shape {:?}, the model {:?}",
-                weights.display(),
-                t.dims(),
-                var.dims()
-            )));
-        }
-        var.set(&t.to_dtype(var.dtype())?)?;
-    }
-    let (ms, vs) = crate::run::checkpoint::load_moments(&path, store)?;
-    opt.adam_mut().restore(ms, vs, state.adam_steps)?;
-    tracing::info!("resuming from {} (step {} of {})", path.display(), state.step, state.total_steps);
-    Ok(state)
 }
 
 /// Trains the variables of `store` on `examples` (split into train and eval by `args`),
@@ -457,23 +359,22 @@ pub(crate) fn run_with<O: Objective>(
     }
     let mut rng = rand::rngs::StdRng::seed_from_u64(args.seed.wrapping_add(1));
     let (mut step, mut epoch, mut last_loss, mut loss_sum, mut last_eval) = (0, 0, f64::NAN, 0.0, None);
-    let mut state = SupervisedState {
-        step: 0,
-        total_steps: total,
-        train_examples: train_idx.len(),
-        seed: args.seed,
-        processes: world,
-        adam_steps: 0,
-        last_loss: None,
-        loss_sum: Some(0.0),
-        last_eval: None,
-    };
+    let shape =
+        RunShape { total_steps: total, train_examples: train_idx.len(), seed: args.seed, processes: world };
     let mut start = 0;
     if let Some(c) = checkpoints.filter(|c| c.resume) {
-        let saved = load_checkpoint(c.dir, store, &mut opt, &state)?;
+        let (saved, _) = checkpoint::load_latest::<SupervisedState>(
+            c.dir,
+            LoopKind::Supervised,
+            &shape,
+            store,
+            opt.adam_mut(),
+            |_, _| Ok(()),
+        )?;
         start = saved.step;
-        (last_loss, loss_sum) = (saved.last_loss.unwrap_or(f64::NAN), saved.loss_sum.unwrap_or(f64::NAN));
-        last_eval.clone_from(&saved.last_eval);
+        let s = saved.state;
+        (last_loss, loss_sum) = (s.last_loss.unwrap_or(f64::NAN), s.loss_sum.unwrap_or(f64::NAN));
+        last_eval = s.last_eval;
     }
     'run: while step < total {
         epoch += 1;
@@ -504,22 +405,22 @@ pub(crate) fn run_with<O: Objective>(
             }
             progress(&TrainProgress { step, total_steps: total, epoch, loss, lr, grad_norm, eval: eval_now });
             let Some(c) = checkpoints else { continue };
-            let stopping = c.stop.is_some_and(|s| s.load(Ordering::SeqCst));
-            let due = args.save_steps > 0 && step.is_multiple_of(args.save_steps);
-            if stopping || due {
-                state = SupervisedState {
+            let stopping = c.stopping();
+            // Every process holds the same weights: the first alone writes them.
+            if (stopping || checkpoint::scheduled(step, args.save_steps)) && crate::dist::is_main() {
+                let ck = LoopCheckpoint {
+                    trainer: LoopKind::Supervised,
                     step,
+                    shape,
                     adam_steps: opt.adam().steps(),
-                    last_loss: finite(last_loss),
-                    loss_sum: finite(loss_sum),
-                    last_eval: last_eval.clone(),
-                    ..state
+                    state: SupervisedState {
+                        last_loss: finite(last_loss),
+                        loss_sum: finite(loss_sum),
+                        last_eval: last_eval.clone(),
+                    },
                 };
-                // Every process holds the same weights: the first alone writes them.
-                if crate::dist::is_main() {
-                    let path = save_checkpoint(c.dir, store, &opt, &state)?;
-                    tracing::info!("checkpoint after step {step}: {}", path.display());
-                }
+                let path = checkpoint::save(c.dir, store, opt.adam(), &ck, &[])?;
+                tracing::info!("checkpoint after step {step}: {}", path.display());
             }
             if stopping && step < total {
                 break 'run;

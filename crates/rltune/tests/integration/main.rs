@@ -6,6 +6,7 @@ mod common;
 mod critic;
 mod datasets_parity;
 mod dpo_parity;
+mod dpo_resume;
 mod errors;
 mod eval_streams;
 mod faults;

@@ -384,7 +384,7 @@ fn reward_model_bradley_terry_prefers_chosen() {
 }
 
 /// Every trainable variable's values, by name.
-fn weights(store: &ParamStore) -> Vec<(String, Vec<f32>)> {
+pub(crate) fn weights(store: &ParamStore) -> Vec<(String, Vec<f32>)> {
     store
         .vars()
         .into_iter()
