@@ -148,6 +148,10 @@ impl Default for RlhfQuickstartConfig {
             ppo_epochs: 2,
             init_kl_coef: 0.05,
             adap_kl_ctrl: false,
+            // The proxy's logits spread by a few hundredths (std 0.04 on the first batches): scaled
+            // to unit variance, as TRL's option does, the reward is not drowned by the KL penalty.
+            use_score_scaling: true,
+            use_score_norm: true,
             steps: 24,
             seed: 7,
             ..PpoConfig::default()
@@ -181,8 +185,8 @@ impl Default for RlhfQuickstartConfig {
             ..DpoConfig::default()
         };
         let proxy = TrainingArgs {
-            learning_rate: 5e-5,
-            num_train_epochs: 3,
+            learning_rate: 1e-4,
+            num_train_epochs: 1,
             batch_size: 16,
             lr_scheduler_type: ScheduleKind::Linear,
             eval_fraction: 0.0,
@@ -198,7 +202,7 @@ impl Default for RlhfQuickstartConfig {
             validation_prompts: 64,
             heldout_prompts: 96,
             max_new_tokens: 24,
-            label_prompts: 160,
+            label_prompts: 128,
             label_samples: 4,
             min_gold_gap: 0.1,
             proxy_eval_fraction: 0.15,
@@ -214,8 +218,8 @@ impl Default for RlhfQuickstartConfig {
             grpo,
             rloo,
             dpo,
-            checkpoint_every: 8,
-            best_of_n: vec![2, 4, 8],
+            checkpoint_every: 12,
+            best_of_n: vec![2, 4],
         }
     }
 }
@@ -683,8 +687,22 @@ pub fn run_rlhf_quickstart(
             cfg.min_gold_gap
         )));
     }
-    let held = ((pairs.len() as f64 * cfg.proxy_eval_fraction).round() as usize).clamp(1, pairs.len() - 1);
-    let (proxy_train, proxy_eval) = pairs.split_at(pairs.len() - held);
+    // The proxy is measured on the pairs of the last prompts, which it never trains on.
+    let cut =
+        cfg.label_prompts - ((cfg.label_prompts as f64 * cfg.proxy_eval_fraction).round() as usize).max(1);
+    let index = |p: &serde_json::Value| p["prompt_index"].as_u64().unwrap_or(0) as usize;
+    let (proxy_train, proxy_eval): (Vec<serde_json::Value>, Vec<serde_json::Value>) =
+        pairs.iter().cloned().partition(|p| index(p) < cut);
+    if proxy_train.is_empty() || proxy_eval.is_empty() {
+        return Err(Error::Input(format!(
+            "{}: the proxy needs pairs to train on and pairs to measure; raise label_prompts or change \
+             proxy_eval_fraction",
+            pairs_path.display()
+        )));
+    }
+    // DPO trains on each training prompt's best against its worst sample.
+    let dpo_pairs: Vec<serde_json::Value> =
+        proxy_train.iter().filter(|p| p["best_worst"] == true).cloned().collect();
 
     // 3. The proxy reward model.
     let proxy_dir = dir.join("proxy");
@@ -702,7 +720,7 @@ pub fn run_rlhf_quickstart(
                 })
                 .collect()
         };
-        let (train_records, eval_records) = (records(proxy_train), records(proxy_eval));
+        let (train_records, eval_records) = (records(&proxy_train), records(&proxy_eval));
         let model = RewardModel::from_pretrained(
             &cfg.proxy_base,
             Some(&["LABEL_0".to_string()]),
@@ -728,7 +746,7 @@ pub fn run_rlhf_quickstart(
     for &method in &cfg.methods {
         match method {
             Method::BestOfN => {}
-            Method::Dpo => run_dpo(dir, cfg, proxy_train, runtime, on, &mut timed)?,
+            Method::Dpo => run_dpo(dir, cfg, &dpo_pairs, runtime, on, &mut timed)?,
             _ => run_rl(dir, cfg, method, runtime, stop, on, &mut timed)?,
         }
     }
@@ -793,25 +811,34 @@ fn write_jsonl<T: Serialize>(path: &Path, rows: &[T]) -> Result<()> {
     write_file(path, text.as_bytes())
 }
 
-/// The gold judge's best and worst sample of each prompt, as a conversational preference row
-/// (TRL's `prompt`/`chosen`/`rejected` message lists), when their scores differ by ≥ `gap`.
+/// Every pair of a prompt's samples whose gold scores differ by ≥ `gap` (InstructGPT's K-choose-2
+/// comparisons), the better one chosen, as conversational preference rows (TRL's
+/// `prompt`/`chosen`/`rejected` message lists) with the prompt's index and whether the pair is
+/// the prompt's best against its worst.
 fn pairs_of(labelled: &[Labelled], gap: f64) -> Vec<serde_json::Value> {
     let mut out = Vec::new();
-    for l in labelled {
-        let best = (0..l.gold.len()).max_by(|&a, &b| l.gold[a].total_cmp(&l.gold[b]).then(b.cmp(&a)));
-        let worst = (0..l.gold.len()).min_by(|&a, &b| l.gold[a].total_cmp(&l.gold[b]).then(a.cmp(&b)));
-        let (Some(b), Some(w)) = (best, worst) else { continue };
-        if b == w || l.gold[b] - l.gold[w] < gap || l.completions[b] == l.completions[w] {
-            continue;
+    for (p, l) in labelled.iter().enumerate() {
+        let g = &l.gold;
+        let best = (0..g.len()).max_by(|&a, &b| g[a].total_cmp(&g[b]).then(b.cmp(&a)));
+        let worst = (0..g.len()).min_by(|&a, &b| g[a].total_cmp(&g[b]).then(a.cmp(&b)));
+        for i in 0..g.len() {
+            for j in i + 1..g.len() {
+                let (c, r) = if g[i] >= g[j] { (i, j) } else { (j, i) };
+                if g[c] - g[r] < gap || l.completions[c] == l.completions[r] {
+                    continue;
+                }
+                let msg = |t: &str| serde_json::json!([{ "role": "assistant", "content": t }]);
+                out.push(serde_json::json!({
+                    "prompt": l.prompt,
+                    "chosen": msg(&l.completions[c]),
+                    "rejected": msg(&l.completions[r]),
+                    "gold_chosen": g[c],
+                    "gold_rejected": g[r],
+                    "prompt_index": p,
+                    "best_worst": Some(c) == best && Some(r) == worst,
+                }));
+            }
         }
-        let msg = |t: &str| serde_json::json!([{ "role": "assistant", "content": t }]);
-        out.push(serde_json::json!({
-            "prompt": l.prompt,
-            "chosen": msg(&l.completions[b]),
-            "rejected": msg(&l.completions[w]),
-            "gold_chosen": l.gold[b],
-            "gold_rejected": l.gold[w],
-        }));
     }
     out
 }
