@@ -373,8 +373,10 @@ fn run_rlhf(args: Args) -> Result<()> {
         s.proxy_pairs.0, s.proxy_accuracy, s.proxy_pairs.1
     );
     let n = s.points.first().map_or(0, |p| p.completions.len());
+    let split = cfg.evaluate_on;
     println!(
-        "held-out prompts ({n}), one sample each: gold (VADER compound), proxy, KL to the initial policy:"
+        "{} prompts ({n}), one sample each: gold (VADER compound), proxy, KL to the initial policy:",
+        split.name()
     );
     println!(
         "  {:<14} {:>5} {:>16} {:>16} {:>8} {:>7} {:>6}",
@@ -389,11 +391,11 @@ fn run_rlhf(args: Args) -> Result<()> {
     print_stages(&s.stage_seconds);
     let failed = report_checks(s.checks(), tiny);
     println!(
-        "wall time {:.0} s; report: {}; summary: {}; held-out generations: {}",
+        "wall time {:.0} s; report: {}; summary: {}; generations: {}",
         started.elapsed().as_secs_f64(),
-        output.join("report.html").display(),
-        output.join("summary.json").display(),
-        output.join("heldout.jsonl").display()
+        output.join(split.file("report", "html")).display(),
+        output.join(split.file("summary", "json")).display(),
+        output.join(format!("{}.jsonl", split.name())).display()
     );
     if failed > 0 && !tiny {
         anyhow::bail!("{failed} acceptance check(s) failed (see FAIL above)");

@@ -1315,4 +1315,31 @@ for line in sys.stdin:
     let again: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
     assert_eq!(again["points"], summary["points"]);
+    // The validation prompts, to choose settings on, beside the held-out numbers.
+    let validation = rltune(&[
+        "quickstart",
+        "--task",
+        "rlhf",
+        "--preset",
+        "tiny",
+        "--output",
+        s(&out),
+        "--set",
+        &format!("model={:?}", s(&model)),
+        "--set",
+        &format!("proxy_base={:?}", s(&quickstart().join("classifier"))),
+        "--set",
+        &format!("judge=[\"python3\", \"-c\", {judge:?}]"),
+        "--set",
+        "evaluate_on=\"validation\"",
+    ]);
+    let text = String::from_utf8_lossy(&ok(validation).stdout).into_owned();
+    assert!(text.contains("validation prompts (4)"), "{text}");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary-validation.json")).unwrap()).unwrap();
+    assert_eq!(v["points"][0]["completions"].as_array().unwrap().len(), 4);
+    assert_eq!(std::fs::read_to_string(out.join("validation.jsonl")).unwrap().lines().count(), 7 * 4);
+    let still: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(still["points"], summary["points"]);
 }

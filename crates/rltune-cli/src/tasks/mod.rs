@@ -23,6 +23,6 @@ pub use agent::{run_agent_quickstart, summary_file, AgentGames, AgentQuickstartC
 pub use arithmetic::{run_arithmetic_quickstart, ArithmeticQuickstartConfig, ArithmeticSummary};
 pub use essays::{run_essays_quickstart, EssaysQuickstartConfig, EssaysSummary};
 pub use pipeline::{run_quickstart, Check, CurvePoint, Event, PolicyEval, QuickstartConfig, Summary};
-pub use rlhf::{run_rlhf_quickstart, RlhfQuickstartConfig, RlhfSummary};
+pub use rlhf::{run_rlhf_quickstart, EvalSplit, RlhfQuickstartConfig, RlhfSummary};
 pub use textworld::{run_textworld_quickstart, TextworldGames, TextworldQuickstartConfig, TextworldSummary};
 pub use wnut::{run_wnut_quickstart, WnutQuickstartConfig, WnutSummary};

@@ -137,6 +137,39 @@ pub struct RlhfQuickstartConfig {
     pub checkpoint_every: usize,
     /// The N of best-of-N.
     pub best_of_n: Vec<usize>,
+    /// The prompts every policy is evaluated on: `heldout` (what the docs report) or
+    /// `validation` (to choose settings on; written to `summary-validation.json`,
+    /// `validation.jsonl` and `report-validation.html`).
+    pub evaluate_on: EvalSplit,
+}
+
+/// The prompts of the evaluation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EvalSplit {
+    /// The held-out prompts: reported.
+    #[default]
+    Heldout,
+    /// The validation prompts: for choosing settings.
+    Validation,
+}
+
+impl EvalSplit {
+    /// `heldout` or `validation`.
+    pub fn name(self) -> &'static str {
+        match self {
+            EvalSplit::Heldout => "heldout",
+            EvalSplit::Validation => "validation",
+        }
+    }
+
+    /// `stem.ext` for held-out, `stem-validation.ext` for validation.
+    pub fn file(self, stem: &str, ext: &str) -> String {
+        match self {
+            EvalSplit::Heldout => format!("{stem}.{ext}"),
+            EvalSplit::Validation => format!("{stem}-validation.{ext}"),
+        }
+    }
 }
 
 impl Default for RlhfQuickstartConfig {
@@ -220,6 +253,7 @@ impl Default for RlhfQuickstartConfig {
             dpo,
             checkpoint_every: 12,
             best_of_n: vec![2, 4],
+            evaluate_on: EvalSplit::Heldout,
         }
     }
 }
@@ -649,7 +683,9 @@ pub fn run_rlhf_quickstart(
         }
     }
     let train: Vec<PromptRow> = read_stage_jsonl(&paths[0])?;
-    let heldout: Vec<PromptRow> = read_stage_jsonl(&paths[2])?;
+    let split = cfg.evaluate_on;
+    let heldout: Vec<PromptRow> =
+        read_stage_jsonl(&paths[if split == EvalSplit::Validation { 1 } else { 2 }])?;
 
     // 2. Gold labels of the initial policy's samples, and the pairs.
     let labels_path = dir.join("labels.jsonl");
@@ -755,7 +791,7 @@ pub fn run_rlhf_quickstart(
     let t = Instant::now();
     on(Event::Start { stage: "eval", total: None });
     let points = evaluate(dir, cfg, &heldout, &initial, runtime)?;
-    write_heldout(dir, &heldout, &points)?;
+    write_heldout(&dir.join(split.name()).with_extension("jsonl"), &heldout, &points)?;
     timed("eval", on, t);
 
     let summary = RlhfSummary {
@@ -765,8 +801,8 @@ pub fn run_rlhf_quickstart(
         points,
         stage_seconds: seconds,
     };
-    write_file(&dir.join("summary.json"), to_json(&summary)?.as_bytes())?;
-    write_file(&dir.join("report.html"), report(&summary).as_bytes())?;
+    write_file(&dir.join(split.file("summary", "json")), to_json(&summary)?.as_bytes())?;
+    write_file(&dir.join(split.file("report", "html")), report(&summary).as_bytes())?;
     Ok(summary)
 }
 
@@ -774,7 +810,7 @@ pub fn run_rlhf_quickstart(
 fn shared(cfg: &RlhfQuickstartConfig) -> Result<serde_json::Value> {
     let mut v = serde_json::to_value(cfg).map_err(json_err)?;
     if let Some(o) = v.as_object_mut() {
-        for k in ["methods", "ppo", "grpo", "rloo", "dpo", "checkpoint_every", "best_of_n"] {
+        for k in ["methods", "ppo", "grpo", "rloo", "dpo", "checkpoint_every", "best_of_n", "evaluate_on"] {
             o.remove(k);
         }
     }
@@ -1136,7 +1172,8 @@ fn evaluate(
     initial: &Sampler,
     runtime: &Runtime,
 ) -> Result<Vec<EvalPoint>> {
-    let eval_dir = dir.join("eval");
+    let eval_dir =
+        dir.join(if cfg.evaluate_on == EvalSplit::Validation { "eval-validation" } else { "eval" });
     std::fs::create_dir_all(&eval_dir).map_err(|e| Error::io(&eval_dir, e))?;
     let ids = prompt_ids(&cfg.model, &initial.tokenizer, heldout)?;
     let mut gold_judge = judge(cfg)?;
@@ -1225,8 +1262,9 @@ fn count_lines(path: &Path) -> usize {
     std::fs::read_to_string(path).map(|t| t.lines().filter(|l| !l.trim().is_empty()).count()).unwrap_or(0)
 }
 
-/// `heldout.jsonl`: every final held-out generation as `{"method", "prompt", "completion"}`.
-fn write_heldout(dir: &Path, heldout: &[PromptRow], points: &[EvalPoint]) -> Result<()> {
+/// `heldout.jsonl` (or `validation.jsonl`): every final policy's generations as `{"method",
+/// "prompt", "completion"}`.
+fn write_heldout(path: &Path, heldout: &[PromptRow], points: &[EvalPoint]) -> Result<()> {
     let mut rows = Vec::new();
     let mut last: Vec<&EvalPoint> = Vec::new();
     for p in points {
@@ -1243,7 +1281,7 @@ fn write_heldout(dir: &Path, heldout: &[PromptRow], points: &[EvalPoint]) -> Res
             rows.push(serde_json::json!({ "method": method, "prompt": row.text(), "completion": c }));
         }
     }
-    write_jsonl(&dir.join("heldout.jsonl"), &rows)
+    write_jsonl(path, &rows)
 }
 
 /// `report.html`: gold and proxy score against KL for every method, a table and samples.
