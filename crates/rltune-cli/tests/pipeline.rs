@@ -1302,6 +1302,16 @@ for line in sys.stdin:
         assert!(of(m).iter().all(|p| p["kl"].as_f64().unwrap().is_finite()), "{m}");
     }
     assert_eq!(of("dpo").len(), 1, "{first}");
+    // PPO's queries are the whole rendered conversation (16 characters and the newline), not a
+    // prefix cut to TRL's 2..8 tokens, which would leave the template's header.
+    let logged = std::fs::read_to_string(out.join("ppo").join("samples.jsonl")).unwrap();
+    for line in logged.lines() {
+        for sample in serde_json::from_str::<serde_json::Value>(line).unwrap()["samples"].as_array().unwrap()
+        {
+            let q = sample["query"].as_str().unwrap();
+            assert!(q.ends_with('\n') && q.chars().count() == 17, "cut query {q:?}");
+        }
+    }
     let heldout = std::fs::read_to_string(out.join("heldout.jsonl")).unwrap();
     let rows: Vec<serde_json::Value> = heldout.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     for m in ["initial", "best_of_2", "ppo", "ppo_gold", "grpo", "rloo", "dpo"] {

@@ -83,9 +83,11 @@ pub struct DataSection {
     /// Column renaming, e.g. `{ answer = "solution" }` (reward sources read `answer`).
     #[serde(skip_serializing_if = "crate::data::rows::ColumnMap::is_empty")]
     pub columns: crate::data::rows::ColumnMap,
-    /// Shortest prompt in tokens (TRL's LengthSampler `min_value`).
+    /// PPO cuts each text prompt to a length drawn from `min_query_tokens..max_query_tokens`
+    /// (TRL's sentiment example's `LengthSampler`); conversational prompts are used whole.
+    /// Shortest prompt in tokens (`LengthSampler`'s `min_value`).
     pub min_query_tokens: usize,
-    /// Longest prompt in tokens, exclusive (TRL's LengthSampler `max_value`).
+    /// Longest prompt in tokens, exclusive (`LengthSampler`'s `max_value`).
     pub max_query_tokens: usize,
 }
 

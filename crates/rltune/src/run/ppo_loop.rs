@@ -294,11 +294,16 @@ impl PpoRun {
         let share = crate::dist::shard(batch.len(), "the prompts of a step")?;
         let row_offset = share.start as u64;
         let batch = &batch[share];
+        let column = &self.config.data.text_column;
         let queries: Vec<Vec<u32>> = batch
             .iter()
             .map(|&(i, len)| {
-                let ids = &prompts[i].0;
-                ids[..ids.len().min(len)].to_vec()
+                let (ids, row) = &prompts[i];
+                // A conversation rendered with the chat template is used whole: its first tokens
+                // are the template's header, not the user's words. TRL's LengthSampler cut (its
+                // sentiment example's) applies to text prompts.
+                let whole = row.meta.get(column).is_some_and(serde_json::Value::is_array);
+                ids[..if whole { ids.len() } else { ids.len().min(len) }].to_vec()
             })
             .collect();
         let t = Instant::now();
