@@ -239,6 +239,19 @@ fn sft_and_reward_commands_train_and_save_loadable_models() {
     assert!(err.contains("did you mean \"learning_rate\""), "{err}");
 }
 
+/// A copy of the tiny quickstart's SFT policy in `dir/chat-model`, to give a chat template.
+fn chat_model(dir: &Path) -> PathBuf {
+    let model = dir.join("chat-model");
+    std::fs::create_dir(&model).unwrap();
+    for e in std::fs::read_dir(quickstart().join("sft")).unwrap() {
+        let e = e.unwrap();
+        if e.path().is_file() {
+            std::fs::copy(e.path(), model.join(e.file_name())).unwrap();
+        }
+    }
+    model
+}
+
 /// Conversational data from the command line: `rltune sft` on a `DatasetDict.save_to_disk`
 /// directory (Arrow) with `assistant_only_loss` and on JSON lines through `[data] columns`, `rltune
 /// dpo` on a `Dataset.save_to_disk` directory of implicit-prompt conversations, and the errors for
@@ -247,14 +260,7 @@ fn sft_and_reward_commands_train_and_save_loadable_models() {
 fn conversational_datasets_train_from_the_command_line() {
     let tmp = tempfile::tempdir().unwrap();
     // The quickstart policy with a chat template that marks the assistant's text.
-    let model = tmp.path().join("chat-model");
-    std::fs::create_dir(&model).unwrap();
-    for e in std::fs::read_dir(quickstart().join("sft")).unwrap() {
-        let e = e.unwrap();
-        if e.path().is_file() {
-            std::fs::copy(e.path(), model.join(e.file_name())).unwrap();
-        }
-    }
+    let model = chat_model(tmp.path());
     let template = |generation: bool| {
         let (open, close) = if generation { ("{% generation %}", "{% endgeneration %}") } else { ("", "") };
         let t = format!(
@@ -1244,14 +1250,7 @@ fn admissible_actions_are_always_valid_in_play() {
 #[test]
 fn rlhf_quickstart_runs_every_method_and_caches() {
     let tmp = tempfile::tempdir().unwrap();
-    let model = tmp.path().join("chat-model");
-    std::fs::create_dir(&model).unwrap();
-    for e in std::fs::read_dir(quickstart().join("sft")).unwrap() {
-        let e = e.unwrap();
-        if e.path().is_file() {
-            std::fs::copy(e.path(), model.join(e.file_name())).unwrap();
-        }
-    }
+    let model = chat_model(tmp.path());
     // The prompt's first 16 characters: the tiny policy has 48 positions.
     let template = "{% for m in messages %}{{ m.content[:16] }}\n{% endfor %}";
     std::fs::write(
@@ -1265,23 +1264,16 @@ for line in sys.stdin:
     r = json.loads(line)["response"]
     print(json.dumps({"reward": r.count("e") / max(len(r), 1)}), flush=True)"#;
     let out = tmp.path().join("rlhf");
-    let run = || {
-        rltune(&[
-            "quickstart",
-            "--task",
-            "rlhf",
-            "--preset",
-            "tiny",
-            "--output",
-            s(&out),
-            "--set",
-            &format!("model={:?}", s(&model)),
-            "--set",
-            &format!("proxy_base={:?}", s(&quickstart().join("classifier"))),
-            "--set",
-            &format!("judge=[\"python3\", \"-c\", {judge:?}]"),
-        ])
+    let (model_set, proxy_set) =
+        (format!("model={:?}", s(&model)), format!("proxy_base={:?}", s(&quickstart().join("classifier"))));
+    let judge_set = format!("judge=[\"python3\", \"-c\", {judge:?}]");
+    let run_with = |extra: &[&str]| {
+        let mut argv = vec!["quickstart", "--task", "rlhf", "--preset", "tiny", "--output", s(&out)];
+        argv.extend(["--set", &model_set, "--set", &proxy_set, "--set", &judge_set]);
+        argv.extend(extra);
+        rltune(&argv)
     };
+    let run = || run_with(&[]);
     let first = String::from_utf8_lossy(&ok(run()).stdout).into_owned();
     let summary: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
@@ -1326,23 +1318,7 @@ for line in sys.stdin:
         serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
     assert_eq!(again["points"], summary["points"]);
     // The validation prompts, to choose settings on, beside the held-out numbers.
-    let validation = rltune(&[
-        "quickstart",
-        "--task",
-        "rlhf",
-        "--preset",
-        "tiny",
-        "--output",
-        s(&out),
-        "--set",
-        &format!("model={:?}", s(&model)),
-        "--set",
-        &format!("proxy_base={:?}", s(&quickstart().join("classifier"))),
-        "--set",
-        &format!("judge=[\"python3\", \"-c\", {judge:?}]"),
-        "--set",
-        "evaluate_on=\"validation\"",
-    ]);
+    let validation = run_with(&["--set", "evaluate_on=\"validation\""]);
     let text = String::from_utf8_lossy(&ok(validation).stdout).into_owned();
     assert!(text.contains("validation prompts (4)"), "{text}");
     let v: serde_json::Value =
