@@ -105,6 +105,14 @@ fn to_prompt(row: Row, text_column: &str) -> Result<PromptRow> {
     Ok(PromptRow { text, meta: row.to_value() })
 }
 
+impl PromptRow {
+    /// Whether the row's `column` is a conversation (a list of messages, rendered with the chat
+    /// template) rather than text.
+    pub fn is_conversation(&self, column: &str) -> bool {
+        self.meta.get(column).is_some_and(serde_json::Value::is_array)
+    }
+}
+
 /// TRL's `LengthSampler(min_value, max_value)`: a length drawn uniformly from `min..max`.
 ///
 /// `max` is **exclusive**, as in TRL (`np.random.choice(range(min_value, max_value))`):
@@ -157,7 +165,7 @@ pub fn truncate_to_sampled_length<'a>(
 /// The chat template of the model `model` (a directory, GGUF file or hub id) when some row's
 /// `column` is a conversation; `None` when every prompt is text.
 pub fn template_if_needed(rows: &[PromptRow], column: &str, model: &str) -> Result<Option<ChatTemplate>> {
-    if !rows.iter().any(|r| r.meta.get(column).is_some_and(|v| v.is_array())) {
+    if !rows.iter().any(|r| r.is_conversation(column)) {
         return Ok(None);
     }
     let files = crate::models::load::locate(model)?;

@@ -302,8 +302,8 @@ impl PpoRun {
                 // A conversation rendered with the chat template is used whole: its first tokens
                 // are the template's header, not the user's words. TRL's LengthSampler cut (its
                 // sentiment example's) applies to text prompts.
-                let whole = row.meta.get(column).is_some_and(serde_json::Value::is_array);
-                ids[..if whole { ids.len() } else { ids.len().min(len) }].to_vec()
+                let n = if row.is_conversation(column) { ids.len() } else { ids.len().min(len) };
+                ids[..n].to_vec()
             })
             .collect();
         let t = Instant::now();
