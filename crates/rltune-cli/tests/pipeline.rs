@@ -1294,6 +1294,10 @@ for line in sys.stdin:
         assert!(of(m).iter().all(|p| p["kl"].as_f64().unwrap().is_finite()), "{m}");
     }
     assert_eq!(of("dpo").len(), 1, "{first}");
+    // DPO's point is labelled with its steps, one metrics line each.
+    let dpo_steps = std::fs::read_to_string(out.join("dpo").join("metrics.jsonl")).unwrap().lines().count();
+    assert!(dpo_steps > 0);
+    assert_eq!(of("dpo")[0]["step"].as_u64(), Some(dpo_steps as u64));
     // PPO's queries are the whole rendered conversation (16 characters and the newline), not a
     // prefix cut to TRL's 2..8 tokens, which would leave the template's header.
     let logged = std::fs::read_to_string(out.join("ppo").join("samples.jsonl")).unwrap();

