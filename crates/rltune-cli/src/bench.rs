@@ -348,3 +348,103 @@ pub fn run_grpo(args: GrpoArgs) -> Result<()> {
     });
     print_result(&out, args.json)
 }
+
+/// Arguments of `rltune bench generate`.
+#[derive(clap::Args)]
+pub struct GenerateArgs {
+    /// Model directory (Hugging Face layout), GGUF file or hub id.
+    #[arg(long)]
+    model: String,
+    /// A LoRA adapter directory applied to --model (unmerged, as training samples).
+    #[arg(long)]
+    adapter: Option<std::path::PathBuf>,
+    /// Sequences sampled together.
+    #[arg(long, default_value_t = 32)]
+    batch: usize,
+    /// Prompt tokens per sequence: row i, position j holds `(131 i + 17 j + 1) mod (V − 1)`, as
+    /// bench/llamacpp_generate.py builds them.
+    #[arg(long, default_value_t = 32)]
+    prompt_tokens: usize,
+    /// Tokens sampled per sequence (EOS does not stop a sequence).
+    #[arg(long, default_value_t = 64)]
+    new_tokens: usize,
+    /// Timed runs (after one warm-up).
+    #[arg(long, default_value_t = 3)]
+    iters: usize,
+    #[command(flatten)]
+    runtime: crate::runtime::RuntimeArgs,
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Runs `rltune bench generate`: batched pure sampling (temperature 1, no truncation) with the
+/// KV cache, as every trainer samples; `bench/llamacpp_generate.py` runs the same workload on
+/// llama.cpp.
+pub fn run_generate(args: GenerateArgs) -> Result<()> {
+    if args.iters == 0 || args.batch == 0 || args.prompt_tokens == 0 || args.new_tokens == 0 {
+        bail!("--iters, --batch, --prompt-tokens and --new-tokens must each be at least 1");
+    }
+    let runtime = args.runtime.resolve(RuntimeSection::default())?;
+    let dev = runtime.device().clone();
+    let spec = args.adapter.as_ref().map(rltune::models::load::LoraSpec::from_dir);
+    let t_load = Instant::now();
+    let loaded =
+        rltune::models::load::load_lm_adapted(&args.model, spec.as_ref(), false, runtime.dtype(), &dev)
+            .map_err(|e| anyhow::anyhow!("cannot load --model {:?}: {e}", args.model))?;
+    let load_s = t_load.elapsed().as_secs_f64();
+    let vocab = loaded.config.vocab_size();
+    let prompts: Vec<Vec<u32>> = (0..args.batch)
+        .map(|i| (0..args.prompt_tokens).map(|j| ((131 * i + 17 * j + 1) % (vocab - 1)) as u32).collect())
+        .collect();
+    let (mut totals, mut prefills) = (Vec::new(), Vec::new());
+    for it in 0..=args.iters {
+        let gen_cfg = GenerationConfig {
+            max_new_tokens: args.new_tokens,
+            stop_at_eos: false,
+            seed: it as u64,
+            ..Default::default()
+        };
+        let (p0, _) = rltune::generation::prefill_counters();
+        let t0 = Instant::now();
+        let samples = generate(&loaded.lm, None, &prompts, &gen_cfg, &dev)?;
+        let total = t0.elapsed().as_secs_f64();
+        let prefill = (rltune::generation::prefill_counters().0 - p0).as_secs_f64();
+        if samples.iter().any(|s| s.response_ids.len() != args.new_tokens) {
+            bail!("a sequence stopped before {} tokens", args.new_tokens);
+        }
+        if !args.json {
+            eprintln!(
+                "{} {it}: {total:.3}s (prefill {prefill:.3}s, {:.1} new tokens/s)",
+                if it == 0 { "warm-up" } else { "run" },
+                (args.batch * args.new_tokens) as f64 / total
+            );
+        }
+        if it > 0 {
+            totals.push(total);
+            prefills.push(prefill);
+        }
+    }
+    let total = median(&mut totals);
+    let prefill = median(&mut prefills);
+    let new = (args.batch * args.new_tokens) as f64;
+    let out = serde_json::json!({
+        "impl": "rltune",
+        "bench": "generate",
+        "model": args.model,
+        "adapter": args.adapter,
+        "runtime": runtime.to_string(),
+        "batch": args.batch,
+        "prompt_tokens": args.prompt_tokens,
+        "new_tokens": args.new_tokens,
+        "load_s": load_s,
+        "median_total_s": total,
+        "median_prefill_s": prefill,
+        "prefill_tokens_per_s": (args.batch * args.prompt_tokens) as f64 / prefill,
+        "decode_tokens_per_s": (args.batch * (args.new_tokens - 1)) as f64 / (total - prefill),
+        "new_tokens_per_s": new / total,
+        "peak_rss_mib": peak_rss_mib(),
+        "threads": rayon_threads(),
+    });
+    print_result(&out, args.json)
+}

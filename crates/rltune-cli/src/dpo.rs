@@ -18,9 +18,9 @@ use rltune::dpo::data::{prepare_pairs_with, read_preference_data, PreferencePair
 use rltune::dpo::run::{pairs_per_process, train_with};
 use rltune::dpo::{DpoConfig, DpoTrainer};
 use rltune::models::chat_template::ChatTemplate;
-use rltune::models::load::{copy_side_files, locate, read_config_json, save_dir_atomic, LoraSpec};
+use rltune::models::load::{copy_side_files, load_lm_adapted, save_dir_atomic, LoadedLm, LoraSpec};
 use rltune::models::lora::LoraConfig;
-use rltune::models::{CausalLm, CausalLmConfig};
+use rltune::models::CausalLm;
 use rltune::params::ParamStore;
 use rltune::ppo::Stat;
 use rltune::runtime::{Runtime, RuntimeSection};
@@ -93,20 +93,8 @@ struct Policy {
 }
 
 fn load(model: &str, trainable: bool, lora: Option<&LoraSpec>, rt: &Runtime) -> Result<Policy> {
-    let files = locate(model)?;
-    let config_json = read_config_json(&files.config)?;
-    let config = CausalLmConfig::from_json(&config_json, &files.config)?;
-    let store =
-        ParamStore::load_safetensors(&files.weights, trainable && lora.is_none(), rt.dtype(), rt.device())?;
-    let store = match lora {
-        Some(l) => {
-            let s = l.apply(&store, &config)?;
-            s.set_lora_base(model);
-            s
-        }
-        None => store,
-    };
-    let lm = CausalLm::load(&store.root(), &config)?;
+    let LoadedLm { files, config_json, config, store, lm } =
+        load_lm_adapted(model, lora, trainable, rt.dtype(), rt.device())?;
     let tokenizer = match &files.tokenizer {
         Some(p) => {
             let t = Tokenizer::from_file(p)?;

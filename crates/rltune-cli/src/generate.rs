@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use rltune::generation::{generate, GenerationConfig};
-use rltune::models::load::{load_policy_adapted, LoraSpec};
+use rltune::models::load::{load_lm_adapted, LoraSpec};
 use rltune::tokenizer::Tokenizer;
 
 /// Arguments of `rltune generate`.
@@ -59,7 +59,7 @@ pub fn run(args: Args) -> Result<()> {
     let runtime = args.runtime.resolve(Default::default())?;
     let device = runtime.device();
     let adapter = args.adapter.as_ref().map(LoraSpec::from_dir);
-    let policy = load_policy_adapted(&args.model, None, adapter.as_ref(), false, runtime.dtype(), device)
+    let policy = load_lm_adapted(&args.model, adapter.as_ref(), false, runtime.dtype(), device)
         .with_context(|| format!("cannot load model {:?}", args.model))?;
     let tokenizer = match &policy.files.tokenizer {
         Some(path) => {
@@ -110,7 +110,7 @@ pub fn run(args: Args) -> Result<()> {
         ..Default::default()
     };
     let prompts = vec![prompt; args.num_samples];
-    let samples = generate(&policy.model.lm, None, &prompts, &cfg, device)?;
+    let samples = generate(&policy.lm, None, &prompts, &cfg, device)?;
     for (i, s) in samples.iter().enumerate() {
         let text = match &tokenizer {
             Some(t) => Some(t.decode(&s.response_ids)?),

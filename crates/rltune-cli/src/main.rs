@@ -85,6 +85,9 @@ enum BenchCommand {
     Ppo(bench::Args),
     /// One GRPO step on fixed random completions, as bench/trl_grpo.py runs TRL 1.16.0.
     Grpo(bench::GrpoArgs),
+    /// Batched sampling throughput of a model (tokens/s), as bench/llamacpp_generate.py runs
+    /// llama.cpp.
+    Generate(bench::GenerateArgs),
 }
 
 fn main() {
@@ -164,6 +167,7 @@ fn run(command: Command) -> anyhow::Result<()> {
         Command::Selftest(args) => selftest::run(args),
         Command::Bench(BenchCommand::Ppo(args)) => bench::run(args),
         Command::Bench(BenchCommand::Grpo(args)) => bench::run_grpo(args),
+        Command::Bench(BenchCommand::Generate(args)) => bench::run_generate(args),
     }
 }
 

@@ -602,33 +602,38 @@ impl KvBlock {
 }
 
 simd_kernel! {
-    /// One sequence of [`cached_self_attention`]: appends its `t` new keys and values to `ks`,
-    /// `vs` (one vector per head), then attends each new query over all `s` positions.
+    /// One sequence of [`cached_attention`]: appends its `t` new keys and values to `ks`, `vs`
+    /// (one vector per key/value head), then attends each new query over all `s` positions.
+    /// Row `i` of `qkv` is `[q (H·D) | k (H_kv·D) | v (H_kv·D)]`; query head `hh` reads key and
+    /// value head `hh / (H / H_kv)`, as transformers' `repeat_kv` pairs them.
     #[allow(clippy::too_many_arguments)]
-    fn cached_seq<T: Elem>(out: &mut [T], ks: &mut [Vec<T>], vs: &mut [Vec<T>], qkv: &[T], bias: &[T], t: usize, c: usize, scale: T) {
-        let h = ks.len();
-        let d = c / h;
+    fn cached_seq<T: Elem>(out: &mut [T], ks: &mut [Vec<T>], vs: &mut [Vec<T>], qkv: &[T], bias: &[T], t: usize, h: usize, d: usize, scale: T) {
+        let h_kv = ks.len();
+        let n_rep = h / h_kv;
+        let (width, k_at, v_at) = ((h + 2 * h_kv) * d, h * d, (h + h_kv) * d);
         let s = ks.first().map_or(0, |k| k.len() / d) + t;
         let mut row = vec![T::zero(); s];
-        for (hh, (k, v)) in ks.iter_mut().zip(vs.iter_mut()).enumerate() {
+        for (g, (k, v)) in ks.iter_mut().zip(vs.iter_mut()).enumerate() {
             for i in 0..t {
-                k.extend_from_slice(&qkv[i * 3 * c + c + hh * d..][..d]);
-                v.extend_from_slice(&qkv[i * 3 * c + 2 * c + hh * d..][..d]);
+                k.extend_from_slice(&qkv[i * width + k_at + g * d..][..d]);
+                v.extend_from_slice(&qkv[i * width + v_at + g * d..][..d]);
             }
-            for i in 0..t {
-                let q = &qkv[i * 3 * c + hh * d..][..d];
-                for ((x, kj), &b) in row.iter_mut().zip(k.chunks_exact(d)).zip(&bias[i * s..(i + 1) * s]) {
-                    *x = simd::dot(q, kj) * scale + b;
-                }
-                let m = simd::max(&row);
-                for x in row.iter_mut() {
-                    *x = (*x - m).exp_fast();
-                }
-                let inv = T::one() / simd::sum(&row);
-                let o = &mut out[i * c + hh * d..][..d];
-                o.fill(T::zero());
-                for (&p, vj) in row.iter().zip(v.chunks_exact(d)) {
-                    axpy(o, p * inv, vj);
+            for hh in g * n_rep..(g + 1) * n_rep {
+                for i in 0..t {
+                    let q = &qkv[i * width + hh * d..][..d];
+                    for ((x, kj), &b) in row.iter_mut().zip(k.chunks_exact(d)).zip(&bias[i * s..(i + 1) * s]) {
+                        *x = simd::dot(q, kj) * scale + b;
+                    }
+                    let m = simd::max(&row);
+                    for x in row.iter_mut() {
+                        *x = (*x - m).exp_fast();
+                    }
+                    let inv = T::one() / simd::sum(&row);
+                    let o = &mut out[i * h * d + hh * d..][..d];
+                    o.fill(T::zero());
+                    for (&p, vj) in row.iter().zip(v.chunks_exact(d)) {
+                        axpy(o, p * inv, vj);
+                    }
                 }
             }
         }
@@ -636,15 +641,16 @@ simd_kernel! {
 }
 
 /// The generation op: `(qkv, bias) → out`, appending to the cache it holds.
-struct CachedSelfAttention<'a> {
+struct CachedAttention<'a> {
     cache: Mutex<&'a mut KvBlock>,
     n_head: usize,
+    n_kv_head: usize,
     scale: f32,
 }
 
-impl CustomOp2 for CachedSelfAttention<'_> {
+impl CustomOp2 for CachedAttention<'_> {
     fn name(&self) -> &'static str {
-        "rltune-cached-self-attention"
+        "rltune-cached-attention"
     }
 
     fn cpu_fwd(
@@ -654,42 +660,47 @@ impl CustomOp2 for CachedSelfAttention<'_> {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> CResult<(CpuStorage, Shape)> {
-        let (b, t, c3) = match l1.dims() {
-            &[b, t, c3] => (b, t, c3),
-            d => candle_core::bail!("cached self-attention: qkv must be (B, T, 3C), got {d:?}"),
+        let (b, t, width) = match l1.dims() {
+            &[b, t, width] => (b, t, width),
+            d => candle_core::bail!("cached attention: qkv must be (B, T, (H + 2 H_kv)·D), got {d:?}"),
         };
-        let c = c3 / 3;
-        let h = self.n_head;
-        if c3 % 3 != 0 || h == 0 || c % h != 0 {
-            candle_core::bail!("cached self-attention: 3C = {c3} does not split into 3 × {h} heads");
+        let (h, h_kv) = (self.n_head, self.n_kv_head);
+        let slots = h + 2 * h_kv;
+        if h == 0 || h_kv == 0 || h % h_kv != 0 || width % slots != 0 {
+            candle_core::bail!(
+                "cached attention: a qkv row of {width} does not split into {h} query heads and 2 × {h_kv} \
+                 key/value heads of one size (H must be a multiple of H_kv)"
+            );
         }
+        let d = width / slots;
         let mut cache = super::lock(&self.cache);
         if cache.k.is_empty() {
-            cache.k = vec![Vec::new(); b * h];
-            cache.v = vec![Vec::new(); b * h];
-            cache.heads = h;
+            cache.k = vec![Vec::new(); b * h_kv];
+            cache.v = vec![Vec::new(); b * h_kv];
+            cache.heads = h_kv;
         }
-        if cache.k.len() != b * h {
+        if cache.k.len() != b * h_kv {
             candle_core::bail!(
-                "cached self-attention: the cache holds {} sequence × head slots, the input needs {b} × {h}",
+                "cached attention: the cache holds {} sequence × head slots, the input needs {b} × {h_kv}",
                 cache.k.len()
             );
         }
         let s = cache.len + t;
         if l2.dims() != [b, 1, t, s] {
-            candle_core::bail!("cached self-attention: bias {:?} is not ({b}, 1, {t}, {s})", l2.dims());
+            candle_core::bail!("cached attention: bias {:?} is not ({b}, 1, {t}, {s})", l2.dims());
         }
-        let qkv = contiguous::<f32>(s1, l1, "cached self-attention")?;
-        let bias = contiguous::<f32>(s2, l2, "cached self-attention")?;
+        let qkv = contiguous::<f32>(s1, l1, "cached attention")?;
+        let bias = contiguous::<f32>(s2, l2, "cached attention")?;
+        let c = h * d;
         let mut out = vec![0f32; b * t * c];
         if t > 0 && c > 0 {
             let KvBlock { k, v, .. } = &mut **cache;
             out.par_chunks_mut(t * c)
-                .zip(k.par_chunks_mut(h))
-                .zip(v.par_chunks_mut(h))
-                .zip(qkv.par_chunks(t * c3))
+                .zip(k.par_chunks_mut(h_kv))
+                .zip(v.par_chunks_mut(h_kv))
+                .zip(qkv.par_chunks(t * width))
                 .zip(bias.par_chunks(t * s))
-                .for_each(|((((o, ks), vs), x), bias)| cached_seq(o, ks, vs, x, bias, t, c, self.scale));
+                .for_each(|((((o, ks), vs), x), bias)| cached_seq(o, ks, vs, x, bias, t, h, d, self.scale));
         }
         cache.len = s;
         Ok((CpuStorage::F32(out), (b, t, c).into()))
@@ -708,10 +719,26 @@ pub fn cached_self_attention(
     n_head: usize,
     scale: f64,
 ) -> CResult<Tensor> {
+    cached_attention(qkv, bias, cache, n_head, n_head, scale)
+}
+
+/// [`cached_self_attention`] with grouped-query attention: each row of `qkv` is
+/// `[q (H·D) | k (H_kv·D) | v (H_kv·D)]` (queries and keys already rotated, for RoPE models), and
+/// query head `h` attends with key/value head `h / (H / H_kv)`, as transformers' `repeat_kv`
+/// pairs them, without repeating them. The cache keeps `H_kv` heads per sequence. Returns
+/// `(B, T, H·D)`, heads merged. f32 on the CPU; no gradient.
+pub fn cached_attention(
+    qkv: &Tensor,
+    bias: &Tensor,
+    cache: &mut KvBlock,
+    n_head: usize,
+    n_kv_head: usize,
+    scale: f64,
+) -> CResult<Tensor> {
     if !super::cpu_kernels(qkv.device()) || qkv.dtype() != DType::F32 || bias.dtype() != DType::F32 {
-        candle_core::bail!("cached self-attention runs on f32 CPU tensors");
+        candle_core::bail!("cached attention runs on f32 CPU tensors");
     }
-    let op = CachedSelfAttention { cache: Mutex::new(cache), n_head, scale: scale as f32 };
+    let op = CachedAttention { cache: Mutex::new(cache), n_head, n_kv_head, scale: scale as f32 };
     qkv.contiguous()?.apply_op2_no_bwd(&bias.contiguous()?, &op)
 }
 
@@ -768,6 +795,52 @@ mod tests {
         let one = qkv.narrow(0, 0, 1).unwrap().narrow(1, 0, 1).unwrap();
         let err = cached_self_attention(&one, &bias, &mut cache, h, 0.3).unwrap_err();
         assert!(err.to_string().contains("holds 6 sequence × head slots, the input needs 1 × 3"), "{err}");
+    }
+
+    /// Grouped-query attention through the cache (3 query heads per key/value head): prefill, then
+    /// two decoding steps, each equal to full attention over the key and value heads repeated
+    /// the way transformers' `repeat_kv` repeats them; the cache keeps only the H_kv heads.
+    #[test]
+    fn cached_gqa_attention_equals_full_attention_with_repeated_heads() {
+        use crate::mask::causal_bias;
+        let (b, s, h, h_kv, d) = (2, 5, 6, 2, 4);
+        let q = randn(&[b, s, h * d], 7).to_dtype(DType::F32).unwrap();
+        let k = randn(&[b, s, h_kv * d], 8).to_dtype(DType::F32).unwrap();
+        let v = randn(&[b, s, h_kv * d], 9).to_dtype(DType::F32).unwrap();
+        let repeat = |x: &Tensor| {
+            let idx =
+                Tensor::new((0..h as u32).map(|i| i / (h / h_kv) as u32).collect::<Vec<_>>(), &Device::Cpu)
+                    .unwrap();
+            x.reshape((b, s, h_kv, d)).unwrap().index_select(&idx, 2).unwrap().reshape((b, s, h * d)).unwrap()
+        };
+        let mask = vec![vec![0, 0, 1, 1, 1], vec![1, 1, 1, 1, 1]];
+        let full_qkv = Tensor::cat(&[&q, &repeat(&k), &repeat(&v)], 2).unwrap();
+        let full =
+            self_attention(&full_qkv, &causal_bias(&mask, s, DType::F32, &Device::Cpu).unwrap(), h, 0.4)
+                .unwrap();
+        let qkv = Tensor::cat(&[&q, &k, &v], 2).unwrap();
+        let mut cache = KvBlock::default();
+        let mut at = 0;
+        for t in [3, 1, 1] {
+            let m: Vec<Vec<u8>> = mask.iter().map(|r| r[..at + t].to_vec()).collect();
+            let bias = causal_bias(&m, t, DType::F32, &Device::Cpu).unwrap();
+            let y =
+                cached_attention(&qkv.narrow(1, at, t).unwrap(), &bias, &mut cache, h, h_kv, 0.4).unwrap();
+            assert_eq!(y.dims(), [b, t, h * d]);
+            for (bi, row) in mask.iter().enumerate() {
+                for i in (0..t).filter(|&i| row[at + i] == 1) {
+                    let got = y.get(bi).unwrap().get(i).unwrap();
+                    let d = max_diff(&got, &full.get(bi).unwrap().get(at + i).unwrap());
+                    assert!(d < 1e-5, "sequence {bi} position {}: max diff {d}", at + i);
+                }
+            }
+            at += t;
+            assert_eq!(cache.len(), at);
+        }
+        assert_eq!(cache.k.len(), b * h_kv, "the cache keeps the un-repeated heads");
+        let bias = causal_bias(&mask, 1, DType::F32, &Device::Cpu).unwrap();
+        let err = cached_attention(&qkv.narrow(1, 0, 1).unwrap(), &bias, &mut cache, 4, 3, 0.4).unwrap_err();
+        assert!(err.to_string().contains("does not split into 4 query heads"), "{err}");
     }
 
     fn causal(mask: &[Vec<u8>], dtype: DType) -> Tensor {

@@ -34,6 +34,7 @@
 //! | [`scaled_masked_softmax`] | attention's `scores · scale + bias` then softmax |
 //! | [`self_attention`] | GPT-2's split of `qkv` into heads, `q·kᵀ`, masked softmax, `·v`, merge of the heads (no `(B, H, T, D)` copies in the graph) |
 //! | [`cached_self_attention`] | the same in generation, with the KV cache appended in place (no `Tensor::cat` of the cache per step; no gradient) |
+//! | [`cached_attention`] | [`cached_self_attention`] with grouped-query attention (Llama, Qwen2, Mistral): key/value heads shared, not repeated |
 //! | [`logprobs_of`] | log-softmax over the vocabulary, then gather (no `(B, T, V)` log-softmax kept) |
 //! | [`entropy_from_logits`] | log-softmax, exp, mul, sum (one pass per row) |
 //! | [`lm_head_logprobs`] | the LM head's product, then logprobs and entropy, on selected rows only (no `(N, V)` tensor in the graph) |
@@ -95,7 +96,9 @@ pub use mask::{causal_bias, padding_bias, MASK_MIN};
 pub use optim::{Adam, AdamConfig, Grads};
 
 pub use activation::{gelu_tanh, gelu_tanh_composed};
-pub use attention::{cached_self_attention, self_attention, self_attention_composed, KvBlock};
+pub use attention::{
+    cached_attention, cached_self_attention, self_attention, self_attention_composed, KvBlock,
+};
 pub use embedding::embedding;
 pub use gemm::{
     check_matmul_precision, device_matmul_precision, matmul_precision, set_device_matmul_precision,

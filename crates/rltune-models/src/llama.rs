@@ -527,14 +527,37 @@ impl Attention {
         let (cos, sin) = rope;
         let q = apply_rope(&split_heads(&self.q_proj.forward(x)?, self.n_heads)?, cos, sin)?; // (B, H, T, D)
         let k = apply_rope(&split_heads(&self.k_proj.forward(x)?, self.n_kv_heads)?, cos, sin)?; // (B, H_kv, T, D)
+        if let Some((cache, layer)) = cache {
+            if rltune_kernels::cpu_kernels(x.device())
+                && x.dtype() == DType::F32
+                && bias.dtype() == DType::F32
+            {
+                // Generation on the CPU: keys and values appended in place, the H_kv heads shared
+                // by their query heads, not repeated (no per-step copy of the cache).
+                let qkv = Tensor::cat(&[&merge_heads(&q)?, &merge_heads(&k)?, &self.v_proj.forward(x)?], 2)?;
+                let y = ops::cached_attention(
+                    &qkv,
+                    bias,
+                    cache.block_mut(layer)?,
+                    self.n_heads,
+                    self.n_kv_heads,
+                    self.scale,
+                )?;
+                return self.o_proj.forward(&y);
+            }
+            let v = split_heads(&self.v_proj.forward(x)?, self.n_kv_heads)?;
+            let (k, v) = cache.append(layer, &k, &v)?;
+            return self.attend(&q, &k, &v, bias);
+        }
         let v = split_heads(&self.v_proj.forward(x)?, self.n_kv_heads)?;
+        self.attend(&q, &k, &v, bias)
+    }
+
+    /// Attention of `q (B, H, T, D)` over `k, v (B, H_kv, S, D)`, then the output projection.
+    fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor) -> Result<Tensor> {
         // The cache keeps the un-repeated (B, H_kv, S, D) keys and values.
-        let (k, v) = match cache {
-            Some((cache, layer)) => cache.append(layer, &k, &v)?,
-            None => (k, v),
-        };
         let n_rep = self.n_heads / self.n_kv_heads;
-        let y = attention(&q, &repeat_kv(&k, n_rep)?, &repeat_kv(&v, n_rep)?, bias, self.scale)?;
+        let y = attention(q, &repeat_kv(k, n_rep)?, &repeat_kv(v, n_rep)?, bias, self.scale)?;
         self.o_proj.forward(&merge_heads(&y)?)
     }
 }

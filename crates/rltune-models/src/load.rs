@@ -272,7 +272,8 @@ impl LoraSpec {
 }
 
 /// [`load_policy_with`], with LoRA adapters when `lora` is given: the base is then loaded frozen
-/// and only the adapters, `modules_to_save` and the value head train.
+/// and only the adapters, `modules_to_save` and the value head train. [`load_lm_adapted`] with a
+/// value head on top.
 pub fn load_policy_adapted(
     model: &str,
     head: Option<ValueHeadSpec>,
@@ -281,19 +282,8 @@ pub fn load_policy_adapted(
     dtype: DType,
     device: &Device,
 ) -> Result<LoadedPolicy> {
-    let files = locate(model)?;
-    let config_json = read_config_json(&files.config)?;
-    let config = CausalLmConfig::from_json(&config_json, &files.config)?;
-    let store = ParamStore::load_safetensors(&files.weights, trainable && lora.is_none(), dtype, device)?;
-    let store = match lora {
-        Some(l) => {
-            let s = l.apply(&store, &config)?;
-            s.set_lora_base(model);
-            s
-        }
-        None => store,
-    };
-    let lm = CausalLm::load(&store.root(), &config)?;
+    let LoadedLm { files, config_json, config, store, lm } =
+        load_lm_adapted(model, lora, trainable, dtype, device)?;
     let model = match head {
         Some(spec) => CausalLmWithValueHead::load_with(&store.root(), lm, spec)?,
         None => CausalLmWithValueHead::load(&store.root(), lm)?,

@@ -42,10 +42,9 @@ use rltune::error::{Error, Result};
 use rltune::generation::{generate, GenerationConfig};
 use rltune::grpo::{GrpoConfig, RlooConfig};
 use rltune::models::chat_template::{user_message, ChatTemplate};
-use rltune::models::load::{load_policy_adapted, locate, read_config_json, save_dir_atomic, LoraSpec};
+use rltune::models::load::{load_lm_adapted, locate, save_dir_atomic, LoadedLm, LoraSpec};
 use rltune::models::lora::{LoraConfig, TargetModules};
-use rltune::models::{CausalLm, CausalLmConfig};
-use rltune::params::ParamStore;
+use rltune::models::CausalLm;
 use rltune::ppo::PpoConfig;
 use rltune::rejection::batch_response_logprobs;
 use rltune::rewards::classifier::{ClassifierReward, ClassifierRewardConfig, ScoredText};
@@ -461,13 +460,12 @@ struct Sampler {
 impl Sampler {
     fn load(model: &str, adapter: Option<&Path>, runtime: &Runtime) -> Result<Self> {
         let spec = adapter.map(LoraSpec::from_dir);
-        let policy =
-            load_policy_adapted(model, None, spec.as_ref(), false, runtime.dtype(), runtime.device())?;
-        let tok_path = policy.files.tokenizer.clone().ok_or_else(|| {
+        let loaded = load_lm_adapted(model, spec.as_ref(), false, runtime.dtype(), runtime.device())?;
+        let tok_path = loaded.files.tokenizer.clone().ok_or_else(|| {
             Error::Tokenizer(format!("{model}: no tokenizer; the RLHF quickstart renders chat prompts"))
         })?;
         let tokenizer = Tokenizer::from_file(&tok_path)?;
-        Ok(Self { lm: policy.model.lm, tokenizer })
+        Ok(Self { lm: loaded.lm, tokenizer })
     }
 }
 
@@ -1050,14 +1048,9 @@ fn run_dpo(
     let t = Instant::now();
     let pairs_file = dir.join("data").join("dpo-pairs.jsonl");
     write_jsonl(&pairs_file, pairs)?;
-    let files = locate(&cfg.model)?;
-    let config_json = read_config_json(&files.config)?;
-    let config = CausalLmConfig::from_json(&config_json, &files.config)?;
-    let base = ParamStore::load_safetensors(&files.weights, false, runtime.dtype(), runtime.device())?;
     let spec = LoraSpec::new(cfg.lora.clone(), "quickstart rlhf lora", cfg.dpo.seed);
-    let store = spec.apply(&base, &config)?;
-    store.set_lora_base(&cfg.model);
-    let lm = CausalLm::load(&store.root(), &config)?;
+    let LoadedLm { files, config, store, lm, .. } =
+        load_lm_adapted(&cfg.model, Some(&spec), false, runtime.dtype(), runtime.device())?;
     let tok_path =
         files.tokenizer.clone().ok_or_else(|| Error::Tokenizer(format!("{}: no tokenizer", cfg.model)))?;
     let tokenizer = Tokenizer::from_file(&tok_path)?;
