@@ -404,6 +404,17 @@ impl Gpt2 {
         &self.lm_head
     }
 
+    /// Folds every LoRA adapter into its weight ([`Conv1D::merge_adapter`]); whether any was.
+    pub fn merge_adapters(&mut self) -> Result<bool> {
+        let mut any = false;
+        for b in &mut self.h {
+            for c in [&mut b.attn.c_attn, &mut b.attn.c_proj, &mut b.mlp.c_fc, &mut b.mlp.c_proj] {
+                any |= c.merge_adapter()?;
+            }
+        }
+        Ok(any)
+    }
+
     /// The weight matrices of the blocks' Conv1D layers and the LM head.
     pub fn weight_matrices(&self) -> Vec<Tensor> {
         let mut w: Vec<Tensor> = self

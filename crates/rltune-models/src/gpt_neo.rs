@@ -397,6 +397,20 @@ impl GptNeo {
         &self.lm_head
     }
 
+    /// Folds every LoRA adapter into its weight ([`Linear::merge_adapter`]); whether any was.
+    pub fn merge_adapters(&mut self) -> Result<bool> {
+        let mut any = false;
+        for b in &mut self.h {
+            let (a, m) = (&mut b.attn, &mut b.mlp);
+            for lin in
+                [&mut a.q_proj, &mut a.k_proj, &mut a.v_proj, &mut a.out_proj, &mut m.c_fc, &mut m.c_proj]
+            {
+                any |= lin.merge_adapter()?;
+            }
+        }
+        Ok(any)
+    }
+
     /// The weight matrices of the linear layers and the LM head.
     pub fn weight_matrices(&self) -> Vec<Tensor> {
         let mut w: Vec<Tensor> = self

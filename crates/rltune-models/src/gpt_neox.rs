@@ -455,6 +455,18 @@ impl GptNeoX {
         &self.embed_out
     }
 
+    /// Folds every LoRA adapter into its weight ([`Linear::merge_adapter`]); whether any was.
+    pub fn merge_adapters(&mut self) -> Result<bool> {
+        let mut any = false;
+        for l in &mut self.layers {
+            let (a, m) = (&mut l.attention, &mut l.mlp);
+            for lin in [&mut a.query_key_value, &mut a.dense, &mut m.dense_h_to_4h, &mut m.dense_4h_to_h] {
+                any |= lin.merge_adapter()?;
+            }
+        }
+        Ok(any)
+    }
+
     /// The weight matrices of the linear layers and the LM head.
     pub fn weight_matrices(&self) -> Vec<Tensor> {
         let mut w: Vec<Tensor> = self

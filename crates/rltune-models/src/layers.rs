@@ -32,6 +32,14 @@ impl Linear {
         Ok(Self { weight, bias, lora })
     }
 
+    /// Folds the adapter into a detached `W + ΔW` (PEFT's `merge`), for inference; whether it
+    /// had one.
+    pub fn merge_adapter(&mut self) -> Result<bool> {
+        let Some(l) = self.lora.take() else { return Ok(false) };
+        self.weight = (self.weight.detach() + l.delta_weight(WeightLayout::OutIn)?.detach())?;
+        Ok(true)
+    }
+
     /// `(…, in) -> (…, out)`
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let y = ops::linear(x, &self.weight, self.bias.as_ref())?;
@@ -62,6 +70,13 @@ impl Conv1D {
             bias: p.get("bias", d_out, Init::Zeros)?,
             lora: p.lora(d_in, d_out, WeightLayout::InOut)?,
         })
+    }
+
+    /// [`Linear::merge_adapter`] for the transposed layout.
+    pub fn merge_adapter(&mut self) -> Result<bool> {
+        let Some(l) = self.lora.take() else { return Ok(false) };
+        self.weight = (self.weight.detach() + l.delta_weight(WeightLayout::InOut)?.detach())?;
+        Ok(true)
     }
 
     /// `(…, in) -> (…, out)`

@@ -423,6 +423,20 @@ impl CausalLm {
         }
     }
 
+    /// A copy for inference with every LoRA adapter folded into its weight (`W + ΔW`, detached,
+    /// PEFT's `merge`); `None` when the model has no adapter. The copy holds new tensors for the
+    /// adapted weights only: the rest is shared.
+    pub fn with_adapters_merged(&self) -> Result<Option<Self>> {
+        let mut m = self.clone();
+        let any = match &mut m.arch {
+            Arch::Gpt2(a) => a.merge_adapters()?,
+            Arch::Llama(a) => a.merge_adapters()?,
+            Arch::GptNeo(a) => a.merge_adapters()?,
+            Arch::GptNeoX(a) => a.merge_adapters()?,
+        };
+        Ok(any.then_some(m))
+    }
+
     /// The weight matrices of the linear layers and the LM head (each a matrix product's
     /// right-hand side).
     pub fn weight_matrices(&self) -> Vec<Tensor> {

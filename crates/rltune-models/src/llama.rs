@@ -752,6 +752,26 @@ impl Llama {
         &self.lm_head
     }
 
+    /// Folds every LoRA adapter into its weight ([`Linear::merge_adapter`]); whether any was.
+    pub fn merge_adapters(&mut self) -> Result<bool> {
+        let mut any = false;
+        for l in &mut self.layers {
+            let (a, m) = (&mut l.self_attn, &mut l.mlp);
+            for lin in [
+                &mut a.q_proj,
+                &mut a.k_proj,
+                &mut a.v_proj,
+                &mut a.o_proj,
+                &mut m.gate_proj,
+                &mut m.up_proj,
+                &mut m.down_proj,
+            ] {
+                any |= lin.merge_adapter()?;
+            }
+        }
+        Ok(any)
+    }
+
     /// The weight matrices of the linear layers and the LM head.
     pub fn weight_matrices(&self) -> Vec<Tensor> {
         let mut w: Vec<Tensor> = self
