@@ -10,6 +10,7 @@
 #
 # Modes: full (every weight), lora (r 16 on every linear layer), freeze10 (trainable_layers =
 # 10, the fork's "last third"), freeze1 (the last block only). Rounds interleave the modes.
+# MODES="full lora" runs only those.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin=${1:-target/release/rltune}
@@ -18,7 +19,7 @@ rounds=${3:-2}
 out=target/bench-partial
 mkdir -p "$out"
 for round in $(seq "$rounds"); do
-  for mode in full lora freeze10 freeze1; do
+  for mode in ${MODES:-full lora freeze10 freeze1}; do
     # The example's config, without its [lora] table except in lora mode, without [eval].
     python3 - "$mode" "$out/$mode.toml" <<'EOF'
 import re, sys

@@ -42,6 +42,7 @@
 //! | [`layer_norm`], [`rms_norm`] | mean, sub, sqr, mean, add, sqrt, div, mul, add |
 //! | [`embedding()`] | `index_select` (its backward: a table-sized zero fill and add, twice) |
 //! | [`linear()`], [`linear_in_out`], [`matmul`] | candle's matmul (AVX2 only), broadcast add of the bias, `contiguous()` copies of transposed operands in the backward |
+//! | [`linear_lora`], [`linear_in_out_lora`] | a LoRA layer's `x·Wᵀ + b + s·(x·Aᵀ)·Bᵀ` from five ops (three `(rows, out)` tensors kept for the backward) |
 //! | [`block::gpt2_block`] (used by the GPT-2 model) | the ten graph nodes of a GPT-2 block, when every trained weight has a gradient sink |
 //!
 //! f32 kernels use a vectorizable `exp` (within 2 ulp of libm's) and are compiled three times,
@@ -104,7 +105,9 @@ pub use gemm::{
     check_matmul_precision, device_matmul_precision, matmul_precision, set_device_matmul_precision,
     set_matmul_precision, MatmulPrecision,
 };
-pub use linear::{linear, linear_composed, linear_in_out, linear_in_out_composed, matmul};
+pub use linear::{
+    linear, linear_composed, linear_in_out, linear_in_out_composed, linear_in_out_lora, linear_lora, matmul,
+};
 pub use lm_head::lm_head_logprobs;
 pub use norm::{layer_norm, layer_norm_composed, rms_norm, rms_norm_composed};
 pub use softmax::{

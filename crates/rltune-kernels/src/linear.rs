@@ -331,6 +331,177 @@ pub fn linear_in_out(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> CResult<T
     }
 }
 
+/// A LoRA linear layer as one graph node: `y = x·W (+ b) + s·(x·Aᵀ)·Bᵀ`, with `W` read through
+/// the layout, `A (r, in)`, `B (out, r)` and the bias packed into one vector (the third input,
+/// a concatenation whose backward hands each part its gradient).
+///
+/// Composed, the adapter kept three more `(rows, out)` tensors alive per layer for the backward
+/// (`x·Aᵀ·Bᵀ`, its scaled copy and the base output under the sum); here only `x` and the output
+/// are, and `x·Aᵀ` (`(rows, r)`) is recomputed in the backward. A frozen `W` gets no product.
+struct LoraLinearOp {
+    layout: WeightLayout,
+    r: usize,
+    d_in: usize,
+    d_out: usize,
+    bias: bool,
+    scaling: f64,
+}
+
+impl LoraLinearOp {
+    fn pack_len(&self) -> usize {
+        self.r * self.d_in + self.d_out * self.r + if self.bias { self.d_out } else { 0 }
+    }
+
+    /// `(A, B, bias)` as tensors viewing `pack`.
+    fn split(&self, pack: &Tensor) -> CResult<(Tensor, Tensor, Option<Tensor>)> {
+        let (r, i, o) = (self.r, self.d_in, self.d_out);
+        let a = pack.narrow(0, 0, r * i)?.reshape((r, i))?;
+        let b = pack.narrow(0, r * i, o * r)?.reshape((o, r))?;
+        let bias = self.bias.then(|| pack.narrow(0, r * i + o * r, o)).transpose()?;
+        Ok((a, b, bias))
+    }
+}
+
+/// `y += s·d`, elementwise.
+fn add_scaled(y: CpuStorage, d: CpuStorage, s: f64, op: &'static str) -> CResult<CpuStorage> {
+    Ok(match (y, d) {
+        (CpuStorage::F32(mut y), CpuStorage::F32(d)) => {
+            let s = s as f32;
+            y.par_chunks_mut(4096).zip(d.par_chunks(4096)).for_each(|(y, d)| {
+                y.iter_mut().zip(d).for_each(|(y, d)| *y += s * d);
+            });
+            CpuStorage::F32(y)
+        }
+        (CpuStorage::F64(mut y), CpuStorage::F64(d)) => {
+            y.iter_mut().zip(&d).for_each(|(y, d)| *y += s * d);
+            CpuStorage::F64(y)
+        }
+        (y, _) => return Err(unsupported(op, y.dtype())),
+    })
+}
+
+impl CustomOp3 for LoraLinearOp {
+    fn name(&self) -> &'static str {
+        "rltune-lora-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        sx: &CpuStorage,
+        lx: &Layout,
+        sw: &CpuStorage,
+        lw: &Layout,
+        sp: &CpuStorage,
+        lp: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        const OP: &str = "lora linear";
+        let (r, i, o) = (self.r, self.d_in, self.d_out);
+        if lp.dims() != [self.pack_len()] || !lp.is_contiguous() {
+            candle_core::bail!("{OP}: adapter pack {:?} is not ({},) contiguous", lp.dims(), self.pack_len());
+        }
+        let at = lp.start_offset();
+        // Aᵀ (in, r) and Bᵀ (r, out) as strided views of A (r, in) and B (out, r).
+        let a_t = Layout::new((i, r).into(), vec![1, i], at);
+        let b_t = Layout::new((r, o).into(), vec![1, r], at + r * i);
+        let bias = Layout::contiguous_with_offset(o, at + r * i + o * r);
+        let w = LinearOp(self.layout).rhs_layout(lw)?;
+        let (h, _) = cpu_gemm((sx, lx), (sp, &a_t), None, OP)?;
+        let (y, shape) = cpu_gemm((sx, lx), (sw, &w), self.bias.then_some((sp, &bias)), OP)?;
+        let h_layout = Layout::contiguous(shape_of(lx, r)?);
+        let (d, _) = cpu_gemm((&h, &h_layout), (sp, &b_t), None, OP)?;
+        Ok((add_scaled(y, d, self.scaling, OP)?, shape))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        pack: &Tensor,
+        _y: &Tensor,
+        g: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (a, b, bias) = self.split(pack)?;
+        let s = self.scaling;
+        // Through the adapter: h = x·Aᵀ (recomputed), dh = s·g·B, dA = dhᵀ·x, dB = s·gᵀ·h.
+        let h = gemm_no_bwd(x, &a.t()?)?;
+        let dh = (gemm_no_bwd(g, &b)? * s)?;
+        let (dx, dw) = LinearOp(self.layout).grads(x, w, g)?;
+        let dx = (dx + gemm_no_bwd(&dh, &a)?)?;
+        if !pack.track_op() {
+            return Ok((Some(dx), dw, None));
+        }
+        let da = gemm_no_bwd(&dh.t()?, x)?;
+        let db = (gemm_no_bwd(&g.t()?, &h)? * s)?;
+        let mut parts = vec![da.flatten_all()?, db.flatten_all()?];
+        if bias.is_some() {
+            parts.push(column_sum_of(g)?);
+        }
+        Ok((Some(dx), dw, Some(Tensor::cat(&parts, 0)?)))
+    }
+}
+
+/// The `(rows, cols)` shape for the rows of a `(rows, in)` layout.
+fn shape_of(l: &Layout, cols: usize) -> CResult<Shape> {
+    let (rows, _) = dims2(l, "lora linear")?;
+    Ok((rows, cols).into())
+}
+
+/// nn.Linear with a LoRA adapter: `(…, in) -> (…, out)`,
+/// `y = x·Wᵀ + b + scaling·(x·Aᵀ)·Bᵀ` for `W (out, in)`, `A (r, in)`, `B (out, r)`. On the CPU
+/// one fused node (see `LoraLinearOp`: no `(rows, out)` intermediates kept for the backward,
+/// no product for a frozen `W`); elsewhere the composed ops.
+pub fn linear_lora(
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    a: &Tensor,
+    b: &Tensor,
+    scaling: f64,
+) -> CResult<Tensor> {
+    apply_lora(x, w, bias, a, b, scaling, WeightLayout::OutIn)
+}
+
+/// [`linear_lora`] for GPT-2's Conv1D, `W (in, out)`: `y = x·W + b + scaling·(x·Aᵀ)·Bᵀ`.
+pub fn linear_in_out_lora(
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    a: &Tensor,
+    b: &Tensor,
+    scaling: f64,
+) -> CResult<Tensor> {
+    apply_lora(x, w, bias, a, b, scaling, WeightLayout::InOut)
+}
+
+fn apply_lora(
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    a: &Tensor,
+    b: &Tensor,
+    scaling: f64,
+    layout: WeightLayout,
+) -> CResult<Tensor> {
+    let (r, d_in) = a.dims2()?;
+    let (d_out, r2) = b.dims2()?;
+    let mut ts = vec![x, w, a, b];
+    ts.extend(bias);
+    if !fast_path(&ts) || r != r2 {
+        let y = match layout {
+            WeightLayout::OutIn => linear(x, w, bias)?,
+            WeightLayout::InOut => linear_in_out(x, w, bias)?,
+        };
+        let delta = (linear(&linear(x, a, None)?, b, None)? * scaling)?;
+        return y + delta;
+    }
+    let mut parts = vec![a.flatten_all()?, b.flatten_all()?];
+    parts.extend(bias.cloned());
+    let pack = Tensor::cat(&parts, 0)?;
+    let (x2, out_dims) = flatten_rows(x, d_out)?;
+    let op = LoraLinearOp { layout, r, d_in, d_out, bias: bias.is_some(), scaling };
+    x2.apply_op3(w, &pack, op)?.reshape(out_dims)
+}
+
 /// `a (…, m, k) · b (…, k, n)`, differentiable; either operand may be a strided view (`.t()`).
 /// Two f32 matrices on the CPU take the fused SGEMM; everything else candle's matmul, in bf16
 /// off the CPU where [`crate::set_device_matmul_precision`] asks for it (autocast: the result
@@ -439,6 +610,56 @@ mod tests {
         check(&[&[2, 3, 5], &[5, 7], &[7]], with_bias, composed);
         fd_check(&[&[3, 4], &[4, 3], &[3]], with_bias);
         fd_check(&[&[2, 4], &[4, 3]], |t| linear_in_out(&t[0], &t[1], None).unwrap());
+    }
+
+    /// The fused LoRA layer against `linear(x, W, b) + s·linear(linear(x, A), B)`: values and the
+    /// gradients of x, W, A, B and the bias, for both weight layouts, with and without a bias;
+    /// finite differences too. A frozen W gets no gradient and the rest still do.
+    #[test]
+    fn lora_linear_matches_composed() {
+        let composed = |t: &[Tensor], layout: WeightLayout| {
+            let y = match layout {
+                WeightLayout::OutIn => linear(&t[0], &t[1], t.get(4)).unwrap(),
+                WeightLayout::InOut => linear_in_out(&t[0], &t[1], t.get(4)).unwrap(),
+            };
+            (y + (linear(&linear(&t[0], &t[2], None).unwrap(), &t[3], None).unwrap() * 0.7).unwrap()).unwrap()
+        };
+        let fused = |t: &[Tensor], layout: WeightLayout| {
+            apply_lora(&t[0], &t[1], t.get(4), &t[2], &t[3], 0.7, layout).unwrap()
+        };
+        check(
+            &[&[2, 3, 5], &[4, 5], &[2, 5], &[4, 2], &[4]],
+            |t| fused(t, WeightLayout::OutIn),
+            |t| composed(t, WeightLayout::OutIn),
+        );
+        check(
+            &[&[3, 5], &[5, 4], &[3, 5], &[4, 3]],
+            |t| fused(t, WeightLayout::InOut),
+            |t| composed(t, WeightLayout::InOut),
+        );
+        check(
+            &[&[3, 5], &[5, 4], &[3, 5], &[4, 3], &[4]],
+            |t| fused(t, WeightLayout::InOut),
+            |t| composed(t, WeightLayout::InOut),
+        );
+        fd_check(&[&[3, 4], &[3, 4], &[2, 4], &[3, 2], &[3]], |t| fused(t, WeightLayout::OutIn));
+        // A frozen base weight: no gradient for it, the adapter's and the input's as composed.
+        let x = candle_core::Var::from_tensor(&randn(&[3, 4], 1)).unwrap();
+        let w = randn(&[5, 4], 2);
+        let a = candle_core::Var::from_tensor(&randn(&[2, 4], 3)).unwrap();
+        let b = candle_core::Var::from_tensor(&randn(&[5, 2], 4)).unwrap();
+        let proj = randn(&[3, 5], 5);
+        let grads = |y: Tensor| (y * &proj).unwrap().sum_all().unwrap().backward().unwrap();
+        let got = grads(linear_lora(x.as_tensor(), &w, None, a.as_tensor(), b.as_tensor(), 0.7).unwrap());
+        let want = grads(composed(
+            &[x.as_tensor().clone(), w.clone(), a.as_tensor().clone(), b.as_tensor().clone()],
+            WeightLayout::OutIn,
+        ));
+        assert!(got.get(&w).is_none());
+        for v in [&x, &a, &b] {
+            let d = max_diff(got.get(v).unwrap(), want.get(v).unwrap());
+            assert!(d < 1e-10, "{d}");
+        }
     }
 
     #[test]

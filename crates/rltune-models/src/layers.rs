@@ -42,11 +42,10 @@ impl Linear {
 
     /// `(…, in) -> (…, out)`
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = ops::linear(x, &self.weight, self.bias.as_ref())?;
-        match &self.lora {
-            Some(l) => Ok((y + l.delta(x)?)?),
-            None => Ok(y),
-        }
+        Ok(match &self.lora {
+            Some(l) => ops::linear_lora(x, &self.weight, self.bias.as_ref(), &l.a, &l.b, l.scaling)?,
+            None => ops::linear(x, &self.weight, self.bias.as_ref())?,
+        })
     }
 }
 
@@ -81,11 +80,10 @@ impl Conv1D {
 
     /// `(…, in) -> (…, out)`
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = ops::linear_in_out(x, &self.weight, Some(&self.bias))?;
-        match &self.lora {
-            Some(l) => Ok((y + l.delta(x)?)?),
-            None => Ok(y),
-        }
+        Ok(match &self.lora {
+            Some(l) => ops::linear_in_out_lora(x, &self.weight, Some(&self.bias), &l.a, &l.b, l.scaling)?,
+            None => ops::linear_in_out(x, &self.weight, Some(&self.bias))?,
+        })
     }
 }
 

@@ -33,7 +33,6 @@ use std::path::{Path, PathBuf};
 use candle_core::Tensor;
 
 use crate::error::{Error, Result};
-use rltune_kernels as ops;
 
 /// The adapter's config file, as PEFT names it.
 pub const ADAPTER_CONFIG: &str = "adapter_config.json";
@@ -360,13 +359,6 @@ pub struct LoraLinear {
 }
 
 impl LoraLinear {
-    /// `(…, in) -> (…, out)`: the adapter's contribution, through ops that backpropagate to `x`,
-    /// `A` and `B` ([`ops::linear`]).
-    pub fn delta(&self, x: &Tensor) -> Result<Tensor> {
-        let h = ops::linear(x, &self.a, None)?; // (…, r)
-        Ok((ops::linear(&h, &self.b, None)? * self.scaling)?)
-    }
-
     /// `ΔW = B·A·scaling` in the base weight's layout (PEFT's `get_delta_weight`).
     pub fn delta_weight(&self, layout: WeightLayout) -> Result<Tensor> {
         let d = (self.b.matmul(&self.a)? * self.scaling)?; // (out, in)
