@@ -38,6 +38,8 @@
 //! | [`logprobs_of`] | log-softmax over the vocabulary, then gather (no `(B, T, V)` log-softmax kept) |
 //! | [`entropy_from_logits`] | log-softmax, exp, mul, sum (one pass per row) |
 //! | [`lm_head_logprobs`] | the LM head's product, then logprobs and entropy, on selected rows only (no `(N, V)` tensor in the graph) |
+//! | [`rope_heads`] | Llama's head split and rotary embedding: a contiguous copy, two narrows, four products, a difference, a sum and a concatenation (about four input-sized tensors kept for the backward) |
+//! | [`swiglu`] | Llama's `silu(gate) * up` (three `(rows, inner)` tensors kept for the backward instead of two) |
 //! | [`gelu_tanh`] | candle's `gelu` (its backward: ~12 ops with `powf` and `tanh`) |
 //! | [`layer_norm`], [`rms_norm`] | mean, sub, sqr, mean, add, sqrt, div, mul, add |
 //! | [`embedding()`] | `index_select` (its backward: a table-sized zero fill and add, twice) |
@@ -80,8 +82,10 @@ mod grad_sink;
 mod linear;
 mod lm_head;
 mod norm;
+mod rope;
 pub(crate) mod simd;
 mod softmax;
+mod swiglu;
 pub use softmax::exp_row_f32;
 
 pub mod cpu;
@@ -110,11 +114,13 @@ pub use linear::{
 };
 pub use lm_head::lm_head_logprobs;
 pub use norm::{layer_norm, layer_norm_composed, rms_norm, rms_norm_composed};
+pub use rope::{rope_heads, rope_heads_composed};
 pub use softmax::{
     entropy_from_logits, entropy_from_logits_composed, log_softmax_composed, log_softmax_last_dim,
     logprobs_of, logprobs_of_composed, scaled_masked_softmax, scaled_masked_softmax_composed,
     softmax_composed, softmax_last_dim,
 };
+pub use swiglu::{swiglu, swiglu_composed};
 
 use candle_core::{CpuStorage, DType, Layout, Tensor};
 use num_traits::Float;

@@ -437,16 +437,6 @@ impl Rope {
     }
 }
 
-/// transformers' `apply_rotary_pos_emb` with `rotate_half`, written on the two halves:
-/// `x (B, H, T, D)`, `cos, sin (B, 1, T, D/2)` -> `(B, H, T, D)`.
-fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    let half = x.dim(3)? / 2;
-    let (x1, x2) = (x.narrow(3, 0, half)?, x.narrow(3, half, half)?);
-    let lo = (x1.broadcast_mul(cos)? - x2.broadcast_mul(sin)?)?;
-    let hi = (x2.broadcast_mul(cos)? + x1.broadcast_mul(sin)?)?;
-    Ok(Tensor::cat(&[lo, hi], 3)?)
-}
-
 /// `(1, 1, T, S)` additive bias hiding keys `j <= i − window` from the query in column `i`
 /// (transformers' `sliding_attend_mask`); `None` when it hides nothing.
 fn sliding_window_bias(
@@ -525,8 +515,8 @@ impl Attention {
         cache: Option<(&mut KvCache, usize)>,
     ) -> Result<Tensor> {
         let (cos, sin) = rope;
-        let q = apply_rope(&split_heads(&self.q_proj.forward(x)?, self.n_heads)?, cos, sin)?; // (B, H, T, D)
-        let k = apply_rope(&split_heads(&self.k_proj.forward(x)?, self.n_kv_heads)?, cos, sin)?; // (B, H_kv, T, D)
+        let q = ops::rope_heads(&self.q_proj.forward(x)?, cos, sin, self.n_heads)?; // (B, H, T, D)
+        let k = ops::rope_heads(&self.k_proj.forward(x)?, cos, sin, self.n_kv_heads)?; // (B, H_kv, T, D)
         if let Some((cache, layer)) = cache {
             if rltune_kernels::cpu_kernels(x.device())
                 && x.dtype() == DType::F32
@@ -585,8 +575,12 @@ impl Mlp {
 
     /// `(B, T, C) -> (B, T, C)`
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let gate = self.act.forward(&self.gate_proj.forward(x)?)?;
-        self.down_proj.forward(&(gate * self.up_proj.forward(x)?)?)
+        let (gate, up) = (self.gate_proj.forward(x)?, self.up_proj.forward(x)?);
+        let h = match self.act {
+            Activation::Silu => ops::swiglu(&gate, &up)?,
+            _ => (self.act.forward(&gate)? * up)?,
+        };
+        self.down_proj.forward(&h)
     }
 }
 

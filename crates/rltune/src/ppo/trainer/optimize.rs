@@ -396,9 +396,10 @@ pub(super) fn average_minibatch_stats(stats: &mut Stats, mbs: &[Stats]) -> Resul
 ///
 /// On responses sampled from the current policy, every sequence's k1 estimate has expectation
 /// KL ≥ 0, but a batch mean is noisy (a few dozen sequences read −0.01 often). The guard fires
-/// when `objective/kl` is below three standard errors of that mean (and below −1e-4, float
-/// noise of a rollout-cached logprob vs its recomputation): then the responses were not sampled
-/// as the policy now samples. TRL 0.11 warns only below −1.
+/// when `objective/kl` is below three standard errors of that mean (and below −1e-3, float
+/// noise of a rollout-cached logprob vs its recomputation, summed over a response: the first
+/// step of a LoRA run, where policy and reference are one model, read −1e-4): then the
+/// responses were not sampled as the policy now samples. TRL 0.11 warns only below −1.
 pub(super) fn negative_kl_guard(stats: &mut Stats, mean_kl: f64) {
     if mean_kl < negative_kl_floor(stats, mean_kl) {
         let msg = format!(
@@ -411,7 +412,7 @@ pub(super) fn negative_kl_guard(stats: &mut Stats, mean_kl: f64) {
     }
 }
 
-/// The threshold of [`negative_kl_guard`]: `−max(1e-4, 3 · standard error)` of the per-sequence
+/// The threshold of [`negative_kl_guard`]: `−max(1e-3, 3 · standard error)` of the per-sequence
 /// KL estimates in `objective/kl_dist`.
 fn negative_kl_floor(stats: &Stats, mean_kl: f64) -> f64 {
     let se = match stats.get("objective/kl_dist") {
@@ -421,5 +422,5 @@ fn negative_kl_floor(stats: &Stats, mean_kl: f64) -> f64 {
         }
         _ => 0.0,
     };
-    -(3.0 * se).max(1e-4)
+    -(3.0 * se).max(1e-3)
 }

@@ -1,0 +1,235 @@
+//! Rotary position embedding applied while splitting the heads, with a fused backward.
+//!
+//! `(B, T, H·D)` projections become `(B, H, T, D)` heads rotated as transformers'
+//! `rotate_half` rotates them: with `x = [x₁ | x₂]` along `D`,
+//! `out = [x₁·cos − x₂·sin | x₂·cos + x₁·sin]`. Composed (split the heads into a contiguous copy,
+//! two narrows, four products, a difference, a sum and a concatenation) the graph kept the copy,
+//! the four products and both halves for the backward, about four tensors of the input's size;
+//! fused it keeps the input only. The products and sums are done in the composed order, so the
+//! forward is the composed one's bit for bit. `cos` and `sin` `(B, 1, T, D/2)` are functions of
+//! the positions: they get no gradient.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
+use rayon::prelude::*;
+
+use super::{contiguous, CResult, Elem};
+
+/// The op's geometry: `heads` per position.
+struct RopeHeads {
+    heads: usize,
+}
+
+/// Its backward: `(dy (B, H, T, D), cos, sin) → dx (B, T, H·D)`.
+struct RopeHeadsBwd {
+    heads: usize,
+}
+
+/// `(b, t, h, d)` from `x (B, T, H·D)` and `cos (B, 1, T, D/2)`, or an error.
+fn dims(lx: &Layout, lc: &Layout, ls: &Layout, heads: usize, op: &'static str) -> CResult<[usize; 4]> {
+    let (b, t, c) = match lx.dims() {
+        &[b, t, c] => (b, t, c),
+        d => candle_core::bail!("{op}: x must be (B, T, H·D), got {d:?}"),
+    };
+    if heads == 0 || !c.is_multiple_of(heads) || !(c / heads).is_multiple_of(2) {
+        candle_core::bail!("{op}: {c} does not split into {heads} heads of an even size");
+    }
+    let d = c / heads;
+    if lc.dims() != [b, 1, t, d / 2] || ls.dims() != lc.dims() {
+        candle_core::bail!(
+            "{op}: cos {:?} and sin {:?} are not ({b}, 1, {t}, {})",
+            lc.dims(),
+            ls.dims(),
+            d / 2
+        );
+    }
+    Ok([b, t, heads, d])
+}
+
+/// Forward (`inverse = false`) from `(B, T, H·D)` to `(B, H, T, D)`, or its transpose, the
+/// backward (`inverse = true`), from `(B, H, T, D)` to `(B, T, H·D)`.
+fn rotate<T: Elem>(x: &[T], cos: &[T], sin: &[T], [_, t, h, d]: [usize; 4], inverse: bool) -> Vec<T> {
+    let half = d / 2;
+    let mut out = vec![T::zero(); x.len()];
+    // One task per sequence: its T·H·D values are contiguous in both layouts.
+    out.par_chunks_mut(t * h * d).enumerate().for_each(|(bi, o)| {
+        let xs = &x[bi * t * h * d..][..t * h * d];
+        for ti in 0..t {
+            let c = &cos[(bi * t + ti) * half..][..half];
+            let s = &sin[(bi * t + ti) * half..][..half];
+            for hi in 0..h {
+                // Position (t, h) in the (T, H·D) layout and in the (H, T, D) one.
+                let thd = (ti * h + hi) * d;
+                let htd = (hi * t + ti) * d;
+                let (src, dst) = if inverse { (htd, thd) } else { (thd, htd) };
+                let (x1, x2) = xs[src..src + d].split_at(half);
+                let (o1, o2) = o[dst..dst + d].split_at_mut(half);
+                for j in 0..half {
+                    if inverse {
+                        o1[j] = x1[j] * c[j] + x2[j] * s[j];
+                        o2[j] = x2[j] * c[j] - x1[j] * s[j];
+                    } else {
+                        o1[j] = x1[j] * c[j] - x2[j] * s[j];
+                        o2[j] = x2[j] * c[j] + x1[j] * s[j];
+                    }
+                }
+            }
+        }
+    });
+    out
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run(
+    s1: &CpuStorage,
+    l1: &Layout,
+    s2: &CpuStorage,
+    l2: &Layout,
+    s3: &CpuStorage,
+    l3: &Layout,
+    geometry: [usize; 4],
+    inverse: bool,
+    op: &'static str,
+) -> CResult<CpuStorage> {
+    Ok(match (s1, s2, s3) {
+        (CpuStorage::F32(_), CpuStorage::F32(_), CpuStorage::F32(_)) => CpuStorage::F32(rotate::<f32>(
+            contiguous(s1, l1, op)?,
+            contiguous(s2, l2, op)?,
+            contiguous(s3, l3, op)?,
+            geometry,
+            inverse,
+        )),
+        (CpuStorage::F64(_), CpuStorage::F64(_), CpuStorage::F64(_)) => CpuStorage::F64(rotate::<f64>(
+            contiguous(s1, l1, op)?,
+            contiguous(s2, l2, op)?,
+            contiguous(s3, l3, op)?,
+            geometry,
+            inverse,
+        )),
+        _ => return Err(super::unsupported(op, s1.dtype())),
+    })
+}
+
+impl CustomOp3 for RopeHeads {
+    fn name(&self) -> &'static str {
+        "rltune-rope-heads"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        const OP: &str = "rope";
+        let g = dims(l1, l2, l3, self.heads, OP)?;
+        let [b, t, h, d] = g;
+        Ok((run(s1, l1, s2, l2, s3, l3, g, false, OP)?, (b, h, t, d).into()))
+    }
+
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let dx = dy.contiguous()?.apply_op3_no_bwd(cos, sin, &RopeHeadsBwd { heads: self.heads })?;
+        Ok((Some(dx), None, None))
+    }
+}
+
+impl CustomOp3 for RopeHeadsBwd {
+    fn name(&self) -> &'static str {
+        "rltune-rope-heads-bwd"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        const OP: &str = "rope backward";
+        let (b, h, t, d) = match l1.dims() {
+            &[b, h, t, d] if h == self.heads => (b, h, t, d),
+            other => candle_core::bail!("{OP}: dy {other:?} is not (B, {}, T, D)", self.heads),
+        };
+        let flat = Layout::contiguous((b, t, h * d));
+        let g = dims(&flat, l2, l3, h, OP)?;
+        Ok((run(s1, l1, s2, l2, s3, l3, g, true, OP)?, (b, t, h * d).into()))
+    }
+}
+
+/// `x (B, T, H·D)` split into `H` heads `(B, H, T, D)` and rotated by `cos`, `sin`
+/// `(B, 1, T, D/2)` (transformers' `apply_rotary_pos_emb` with `rotate_half`), differentiable in
+/// `x`. One fused node on the CPU (f32, f64); [`rope_heads_composed`] elsewhere.
+pub fn rope_heads(x: &Tensor, cos: &Tensor, sin: &Tensor, heads: usize) -> CResult<Tensor> {
+    let dt = x.dtype();
+    let fast = [x, cos, sin].iter().all(|t| super::cpu_kernels(t.device()) && t.dtype() == dt)
+        && matches!(dt, DType::F32 | DType::F64);
+    if fast {
+        x.contiguous()?.apply_op3(&cos.contiguous()?, &sin.contiguous()?, RopeHeads { heads })
+    } else {
+        rope_heads_composed(x, cos, sin, heads)
+    }
+}
+
+/// [`rope_heads`] from candle's ops.
+pub fn rope_heads_composed(x: &Tensor, cos: &Tensor, sin: &Tensor, heads: usize) -> CResult<Tensor> {
+    let (b, t, c) = x.dims3()?;
+    let x = x.reshape((b, t, heads, c / heads))?.transpose(1, 2)?.contiguous()?;
+    let half = x.dim(3)? / 2;
+    let (x1, x2) = (x.narrow(3, 0, half)?, x.narrow(3, half, half)?);
+    let lo = (x1.broadcast_mul(cos)? - x2.broadcast_mul(sin)?)?;
+    let hi = (x2.broadcast_mul(cos)? + x1.broadcast_mul(sin)?)?;
+    Tensor::cat(&[lo, hi], 3)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testutil::{check, fd_check, max_diff, randn};
+
+    fn angles(b: usize, t: usize, half: usize, seed: u64) -> (Tensor, Tensor) {
+        let a = randn(&[b, 1, t, half], seed);
+        (a.cos().unwrap(), a.sin().unwrap())
+    }
+
+    #[test]
+    fn matches_composed_values_and_gradients() {
+        let (cos, sin) = angles(2, 3, 2, 9);
+        check(
+            &[&[2, 3, 12]],
+            |t| rope_heads(&t[0], &cos, &sin, 3).unwrap(),
+            |t| rope_heads_composed(&t[0], &cos, &sin, 3).unwrap(),
+        );
+        fd_check(&[&[2, 3, 12]], |t| rope_heads(&t[0], &cos, &sin, 3).unwrap());
+        let err = rope_heads(&randn(&[2, 3, 12], 1), &cos, &sin, 2).unwrap_err();
+        assert!(err.to_string().contains("cos [2, 1, 3, 2] and sin"), "{err}");
+    }
+
+    /// In f32 the forward is the composed one bit for bit (the models' parity with
+    /// transformers is measured on it).
+    #[test]
+    fn f32_forward_is_the_composed_one_exactly() {
+        let f = |t: Tensor| t.to_dtype(DType::F32).unwrap();
+        let (cos, sin) = angles(3, 7, 4, 2);
+        let (cos, sin) = (f(cos), f(sin));
+        let x = f(randn(&[3, 7, 40], 3));
+        assert_eq!(
+            max_diff(
+                &rope_heads(&x, &cos, &sin, 5).unwrap(),
+                &rope_heads_composed(&x, &cos, &sin, 5).unwrap()
+            ),
+            0.0
+        );
+    }
+}
