@@ -237,6 +237,13 @@ pub(crate) fn cuda_f32(ts: &[&Tensor]) -> bool {
 }
 
 /// Whether `t` is an f32 tensor on the CPU (what the fused f32 kernels take).
+/// Whether the fused CPU ops take these operands: all on the CPU (kernels not disabled), one
+/// dtype, f32 or f64.
+pub(crate) fn fused_cpu(ts: &[&Tensor]) -> bool {
+    let dt = ts.first().map_or(DType::F32, |t| t.dtype());
+    ts.iter().all(|t| cpu_kernels(t.device()) && t.dtype() == dt) && matches!(dt, DType::F32 | DType::F64)
+}
+
 pub(crate) fn f32_cpu(t: &Tensor) -> bool {
     t.dtype() == DType::F32 && cpu_kernels(t.device())
 }

@@ -277,13 +277,6 @@ impl CustomOp1 for ColumnSum {
     }
 }
 
-/// Whether the custom ops handle these operands (CPU, f32 or f64, one dtype).
-fn fast_path(ts: &[&Tensor]) -> bool {
-    let dt = ts[0].dtype();
-    ts.iter().all(|t| super::cpu_kernels(t.device()) && t.dtype() == dt)
-        && matches!(dt, DType::F32 | DType::F64)
-}
-
 /// `(…, in)` as `(rows, in)`, and the output shape `(…, out)`.
 fn flatten_rows(x: &Tensor, d_out: usize) -> CResult<(Tensor, Vec<usize>)> {
     let mut dims = x.dims().to_vec();
@@ -313,7 +306,7 @@ fn apply_linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>, layout: WeightLay
 pub fn linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> CResult<Tensor> {
     let mut ts = vec![x, w];
     ts.extend(bias);
-    if fast_path(&ts) {
+    if super::fused_cpu(&ts) {
         apply_linear(x, w, bias, WeightLayout::OutIn)
     } else {
         linear_composed(x, w, bias)
@@ -324,7 +317,7 @@ pub fn linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> CResult<Tensor> 
 pub fn linear_in_out(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> CResult<Tensor> {
     let mut ts = vec![x, w];
     ts.extend(bias);
-    if fast_path(&ts) {
+    if super::fused_cpu(&ts) {
         apply_linear(x, w, bias, WeightLayout::InOut)
     } else {
         linear_in_out_composed(x, w, bias)
@@ -486,7 +479,7 @@ fn apply_lora(
     let (d_out, r2) = b.dims2()?;
     let mut ts = vec![x, w, a, b];
     ts.extend(bias);
-    if !fast_path(&ts) || r != r2 {
+    if !super::fused_cpu(&ts) || r != r2 {
         let y = match layout {
             WeightLayout::OutIn => linear(x, w, bias)?,
             WeightLayout::InOut => linear_in_out(x, w, bias)?,
@@ -507,7 +500,7 @@ fn apply_lora(
 /// off the CPU where [`crate::set_device_matmul_precision`] asks for it (autocast: the result
 /// comes back as f32).
 pub fn matmul(a: &Tensor, b: &Tensor) -> CResult<Tensor> {
-    if fast_path(&[a, b]) && a.rank() == 2 && b.rank() == 2 {
+    if super::fused_cpu(&[a, b]) && a.rank() == 2 && b.rank() == 2 {
         a.apply_op2(b, Gemm)
     } else {
         candle_matmul(a, b)

@@ -10,7 +10,7 @@
 //! the positions: they get no gradient.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::{contiguous, CResult, Elem};
@@ -172,10 +172,7 @@ impl CustomOp3 for RopeHeadsBwd {
 /// `(B, 1, T, D/2)` (transformers' `apply_rotary_pos_emb` with `rotate_half`), differentiable in
 /// `x`. One fused node on the CPU (f32, f64); [`rope_heads_composed`] elsewhere.
 pub fn rope_heads(x: &Tensor, cos: &Tensor, sin: &Tensor, heads: usize) -> CResult<Tensor> {
-    let dt = x.dtype();
-    let fast = [x, cos, sin].iter().all(|t| super::cpu_kernels(t.device()) && t.dtype() == dt)
-        && matches!(dt, DType::F32 | DType::F64);
-    if fast {
+    if super::fused_cpu(&[x, cos, sin]) {
         x.contiguous()?.apply_op3(&cos.contiguous()?, &sin.contiguous()?, RopeHeads { heads })
     } else {
         rope_heads_composed(x, cos, sin, heads)
@@ -197,6 +194,7 @@ pub fn rope_heads_composed(x: &Tensor, cos: &Tensor, sin: &Tensor, heads: usize)
 mod tests {
     use super::*;
     use crate::testutil::{check, fd_check, max_diff, randn};
+    use candle_core::DType;
 
     fn angles(b: usize, t: usize, half: usize, seed: u64) -> (Tensor, Tensor) {
         let a = randn(&[b, 1, t, half], seed);
