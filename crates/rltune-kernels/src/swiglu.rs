@@ -7,7 +7,7 @@
 //! `d gate = dy · up · σ(1 + g(1 − σ))` and `d up = dy · silu(g)`.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::{contiguous, CResult, Elem};
@@ -136,17 +136,10 @@ impl CustomOp3 for SwiGluBwd {
     }
 }
 
-/// Whether the fused op handles these operands (CPU, one dtype, f32 or f64).
-fn fast_elementwise(ts: &[&Tensor]) -> bool {
-    let dt = ts[0].dtype();
-    ts.iter().all(|t| super::cpu_kernels(t.device()) && t.dtype() == dt)
-        && matches!(dt, DType::F32 | DType::F64)
-}
-
 /// `silu(gate) · up`, differentiable: one fused node on the CPU (f32, f64), candle's `silu` and
 /// `mul` elsewhere.
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> CResult<Tensor> {
-    if fast_elementwise(&[gate, up]) && gate.rank() > 0 {
+    if super::fused_cpu(&[gate, up]) && gate.rank() > 0 {
         gate.contiguous()?.apply_op2(&up.contiguous()?, SwiGlu)
     } else {
         swiglu_composed(gate, up)
