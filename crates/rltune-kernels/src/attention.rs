@@ -735,11 +735,18 @@ pub fn cached_attention(
     n_kv_head: usize,
     scale: f64,
 ) -> CResult<Tensor> {
-    if !super::cpu_kernels(qkv.device()) || qkv.dtype() != DType::F32 || bias.dtype() != DType::F32 {
+    if !cached_attention_takes(qkv, bias) {
         candle_core::bail!("cached attention runs on f32 CPU tensors");
     }
     let op = CachedAttention { cache: Mutex::new(cache), n_head, n_kv_head, scale: scale as f32 };
     qkv.contiguous()?.apply_op2_no_bwd(&bias.contiguous()?, &op)
+}
+
+/// Whether [`cached_attention`] and [`cached_self_attention`] take a layer's activations `x`
+/// (or its `qkv`) and `bias`: f32, on the CPU with the fused kernels on. Elsewhere a model
+/// concatenates its cached keys and values instead.
+pub fn cached_attention_takes(x: &Tensor, bias: &Tensor) -> bool {
+    super::cpu_kernels(x.device()) && x.dtype() == DType::F32 && bias.dtype() == DType::F32
 }
 
 /// [`self_attention`] from differentiable candle ops (split heads, attention, merge heads).

@@ -102,7 +102,8 @@ pub use optim::{Adam, AdamConfig, Grads};
 
 pub use activation::{gelu_tanh, gelu_tanh_composed};
 pub use attention::{
-    cached_attention, cached_self_attention, self_attention, self_attention_composed, KvBlock,
+    cached_attention, cached_attention_takes, cached_self_attention, self_attention, self_attention_composed,
+    KvBlock,
 };
 pub use embedding::embedding;
 pub use gemm::{
@@ -236,7 +237,6 @@ pub(crate) fn cuda_f32(ts: &[&Tensor]) -> bool {
     ts.iter().all(|t| t.dtype() == DType::F32 && cuda_kernels(t.device()))
 }
 
-/// Whether `t` is an f32 tensor on the CPU (what the fused f32 kernels take).
 /// Whether the fused CPU ops take these operands: all on the CPU (kernels not disabled), one
 /// dtype, f32 or f64.
 pub(crate) fn fused_cpu(ts: &[&Tensor]) -> bool {
@@ -244,6 +244,7 @@ pub(crate) fn fused_cpu(ts: &[&Tensor]) -> bool {
     ts.iter().all(|t| cpu_kernels(t.device()) && t.dtype() == dt) && matches!(dt, DType::F32 | DType::F64)
 }
 
+/// Whether `t` is an f32 tensor on the CPU (what the fused f32 kernels take).
 pub(crate) fn f32_cpu(t: &Tensor) -> bool {
     t.dtype() == DType::F32 && cpu_kernels(t.device())
 }

@@ -9,7 +9,7 @@
 //! with dropout, see the crate docs), and the forward returns hidden states at every position
 //! with an external [`KvCache`].
 
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 use serde::{Deserialize, Serialize};
 
 use super::layers::{attention, merge_heads, split_heads, Activation, Conv1D, Embedding, KvCache, LayerNorm};
@@ -163,10 +163,7 @@ impl Attention {
             // Training and scoring: one fused op (no per-head copies in the graph).
             return self.c_proj.forward(&ops::self_attention(&qkv, bias, self.n_head, self.scale)?);
         };
-        if rltune_kernels::cpu_kernels(qkv.device())
-            && qkv.dtype() == DType::F32
-            && bias.dtype() == DType::F32
-        {
+        if ops::cached_attention_takes(&qkv, bias) {
             // Generation: keys and values appended in place, no concatenation or head copies.
             let y = ops::cached_self_attention(&qkv, bias, cache.block_mut(layer)?, self.n_head, self.scale)?;
             return self.c_proj.forward(&y);
@@ -437,7 +434,7 @@ impl Gpt2 {
 
 #[cfg(test)]
 mod tests {
-    use candle_core::{Device, Var};
+    use candle_core::{DType, Device, Var};
 
     use super::*;
     use crate::layers::{causal_bias, position_ids_from_mask};

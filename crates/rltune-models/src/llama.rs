@@ -518,10 +518,7 @@ impl Attention {
         let q = ops::rope_heads(&self.q_proj.forward(x)?, cos, sin, self.n_heads)?; // (B, H, T, D)
         let k = ops::rope_heads(&self.k_proj.forward(x)?, cos, sin, self.n_kv_heads)?; // (B, H_kv, T, D)
         if let Some((cache, layer)) = cache {
-            if rltune_kernels::cpu_kernels(x.device())
-                && x.dtype() == DType::F32
-                && bias.dtype() == DType::F32
-            {
+            if ops::cached_attention_takes(x, bias) {
                 // Generation on the CPU: keys and values appended in place, the H_kv heads shared
                 // by their query heads, not repeated (no per-step copy of the cache).
                 let qkv = Tensor::cat(&[&merge_heads(&q)?, &merge_heads(&k)?, &self.v_proj.forward(x)?], 2)?;
