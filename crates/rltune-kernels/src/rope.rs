@@ -15,14 +15,11 @@ use rayon::prelude::*;
 
 use super::{contiguous, CResult, Elem};
 
-/// The op's geometry: `heads` per position.
+/// The op: the forward (`inverse = false`, `x (B, T, H·D)` → `(B, H, T, D)`), or its transpose,
+/// the backward (`inverse = true`, `dy (B, H, T, D)` → `(B, T, H·D)`), with `heads` per position.
 struct RopeHeads {
     heads: usize,
-}
-
-/// Its backward: `(dy (B, H, T, D), cos, sin) → dx (B, T, H·D)`.
-struct RopeHeadsBwd {
-    heads: usize,
+    inverse: bool,
 }
 
 /// `(b, t, h, d)` from `x (B, T, H·D)` and `cos (B, 1, T, D/2)`, or an error.
@@ -79,40 +76,43 @@ fn rotate<T: Elem>(x: &[T], cos: &[T], sin: &[T], [_, t, h, d]: [usize; 4], inve
     out
 }
 
-#[allow(clippy::too_many_arguments)]
-fn run(
+/// [`RopeHeads`] on the CPU, in `T`.
+fn rope_cpu<T: Elem>(
+    op: &RopeHeads,
     s1: &CpuStorage,
     l1: &Layout,
     s2: &CpuStorage,
     l2: &Layout,
     s3: &CpuStorage,
     l3: &Layout,
-    geometry: [usize; 4],
-    inverse: bool,
-    op: &'static str,
-) -> CResult<CpuStorage> {
-    Ok(match (s1, s2, s3) {
-        (CpuStorage::F32(_), CpuStorage::F32(_), CpuStorage::F32(_)) => CpuStorage::F32(rotate::<f32>(
-            contiguous(s1, l1, op)?,
-            contiguous(s2, l2, op)?,
-            contiguous(s3, l3, op)?,
-            geometry,
-            inverse,
-        )),
-        (CpuStorage::F64(_), CpuStorage::F64(_), CpuStorage::F64(_)) => CpuStorage::F64(rotate::<f64>(
-            contiguous(s1, l1, op)?,
-            contiguous(s2, l2, op)?,
-            contiguous(s3, l3, op)?,
-            geometry,
-            inverse,
-        )),
-        _ => return Err(super::unsupported(op, s1.dtype())),
-    })
+) -> CResult<(CpuStorage, Shape)> {
+    let name = if op.inverse { "rope backward" } else { "rope" };
+    // The geometry is read off the `(B, T, H·D)` side: the input forward, the output backward.
+    let flat = match (op.inverse, l1.dims()) {
+        (false, _) => l1.clone(),
+        (true, &[b, h, t, d]) if h == op.heads => Layout::contiguous((b, t, h * d)),
+        (true, other) => candle_core::bail!("{name}: dy {other:?} is not (B, {}, T, D)", op.heads),
+    };
+    let g = dims(&flat, l2, l3, op.heads, name)?;
+    let [b, t, h, d] = g;
+    let out = rotate::<T>(
+        contiguous(s1, l1, name)?,
+        contiguous(s2, l2, name)?,
+        contiguous(s3, l3, name)?,
+        g,
+        op.inverse,
+    );
+    let shape: Shape = if op.inverse { (b, t, h * d).into() } else { (b, h, t, d).into() };
+    Ok((T::to_cpu_storage_owned(out), shape))
 }
 
 impl CustomOp3 for RopeHeads {
     fn name(&self) -> &'static str {
-        "rltune-rope-heads"
+        if self.inverse {
+            "rltune-rope-heads-bwd"
+        } else {
+            "rltune-rope-heads"
+        }
     }
 
     fn cpu_fwd(
@@ -124,12 +124,10 @@ impl CustomOp3 for RopeHeads {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> CResult<(CpuStorage, Shape)> {
-        const OP: &str = "rope";
-        let g = dims(l1, l2, l3, self.heads, OP)?;
-        let [b, t, h, d] = g;
-        Ok((run(s1, l1, s2, l2, s3, l3, g, false, OP)?, (b, h, t, d).into()))
+        by_dtype!(s1, "rope", rope_cpu(self, s1, l1, s2, l2, s3, l3))
     }
 
+    /// The forward's gradient (the backward op is applied without a graph).
     fn bwd(
         &self,
         _x: &Tensor,
@@ -138,33 +136,9 @@ impl CustomOp3 for RopeHeads {
         _y: &Tensor,
         dy: &Tensor,
     ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let dx = dy.contiguous()?.apply_op3_no_bwd(cos, sin, &RopeHeadsBwd { heads: self.heads })?;
+        let inverse = RopeHeads { heads: self.heads, inverse: true };
+        let dx = dy.contiguous()?.apply_op3_no_bwd(cos, sin, &inverse)?;
         Ok((Some(dx), None, None))
-    }
-}
-
-impl CustomOp3 for RopeHeadsBwd {
-    fn name(&self) -> &'static str {
-        "rltune-rope-heads-bwd"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> CResult<(CpuStorage, Shape)> {
-        const OP: &str = "rope backward";
-        let (b, h, t, d) = match l1.dims() {
-            &[b, h, t, d] if h == self.heads => (b, h, t, d),
-            other => candle_core::bail!("{OP}: dy {other:?} is not (B, {}, T, D)", self.heads),
-        };
-        let flat = Layout::contiguous((b, t, h * d));
-        let g = dims(&flat, l2, l3, h, OP)?;
-        Ok((run(s1, l1, s2, l2, s3, l3, g, true, OP)?, (b, t, h * d).into()))
     }
 }
 
@@ -173,7 +147,7 @@ impl CustomOp3 for RopeHeadsBwd {
 /// `x`. One fused node on the CPU (f32, f64); [`rope_heads_composed`] elsewhere.
 pub fn rope_heads(x: &Tensor, cos: &Tensor, sin: &Tensor, heads: usize) -> CResult<Tensor> {
     if super::fused_cpu(&[x, cos, sin]) {
-        x.contiguous()?.apply_op3(&cos.contiguous()?, &sin.contiguous()?, RopeHeads { heads })
+        x.contiguous()?.apply_op3(&cos.contiguous()?, &sin.contiguous()?, RopeHeads { heads, inverse: false })
     } else {
         rope_heads_composed(x, cos, sin, heads)
     }

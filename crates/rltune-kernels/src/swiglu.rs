@@ -10,9 +10,9 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::{contiguous, CResult, Elem};
+use super::{contiguous, par_rows, zeros_par, CResult, Elem};
 
-/// Values per rayon task.
+/// Values per rayon task of the backward.
 const CHUNK: usize = 1 << 14;
 
 struct SwiGlu;
@@ -25,19 +25,47 @@ fn silu<T: Elem>(x: T) -> T {
     x / (T::one() + (-x).exp())
 }
 
-fn forward<T: Elem>(g: &[T], u: &[T]) -> Vec<T> {
-    let mut out = vec![T::zero(); g.len()];
-    out.par_chunks_mut(CHUNK).zip(g.par_chunks(CHUNK)).zip(u.par_chunks(CHUNK)).for_each(|((o, g), u)| {
-        for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+fn check_same(l1: &Layout, l2: &Layout, op: &'static str) -> CResult<()> {
+    if l1.dims() != l2.dims() {
+        candle_core::bail!("{op}: gate {:?} and up {:?} differ in shape", l1.dims(), l2.dims());
+    }
+    Ok(())
+}
+
+fn swiglu_fwd<T: Elem>(
+    s1: &CpuStorage,
+    l1: &Layout,
+    s2: &CpuStorage,
+    l2: &Layout,
+) -> CResult<(CpuStorage, Shape)> {
+    const OP: &str = "swiglu";
+    check_same(l1, l2, OP)?;
+    let (g, u) = (contiguous::<T>(s1, l1, OP)?, contiguous::<T>(s2, l2, OP)?);
+    let mut out = zeros_par(g.len());
+    par_rows(&mut out, 1, &[g, u], |_, o, r| {
+        for ((o, &g), &u) in o.iter_mut().zip(r[0]).zip(r[1]) {
             *o = silu(g) * u;
         }
     });
-    out
+    Ok((T::to_cpu_storage_owned(out), l1.shape().clone()))
 }
 
-fn backward<T: Elem>(g: &[T], u: &[T], dy: &[T]) -> Vec<T> {
+/// `[d gate; d up]` in one pass (one `exp` per element for both halves).
+fn swiglu_bwd<T: Elem>(
+    s1: &CpuStorage,
+    l1: &Layout,
+    s2: &CpuStorage,
+    l2: &Layout,
+    s3: &CpuStorage,
+    l3: &Layout,
+) -> CResult<(CpuStorage, Shape)> {
+    const OP: &str = "swiglu backward";
+    check_same(l1, l2, OP)?;
+    check_same(l1, l3, OP)?;
+    let (g, u, dy) =
+        (contiguous::<T>(s1, l1, OP)?, contiguous::<T>(s2, l2, OP)?, contiguous::<T>(s3, l3, OP)?);
     let n = g.len();
-    let mut out = vec![T::zero(); 2 * n];
+    let mut out = zeros_par(2 * n);
     let (dg, du) = out.split_at_mut(n);
     dg.par_chunks_mut(CHUNK)
         .zip(du.par_chunks_mut(CHUNK))
@@ -49,14 +77,11 @@ fn backward<T: Elem>(g: &[T], u: &[T], dy: &[T]) -> Vec<T> {
                 *du = dy * g * s;
             }
         });
-    out
-}
-
-fn check_same(l1: &Layout, l2: &Layout, op: &'static str) -> CResult<()> {
-    if l1.dims() != l2.dims() {
-        candle_core::bail!("{op}: gate {:?} and up {:?} differ in shape", l1.dims(), l2.dims());
+    let mut dims = l1.dims().to_vec();
+    if let Some(first) = dims.first_mut() {
+        *first *= 2;
     }
-    Ok(())
+    Ok((T::to_cpu_storage_owned(out), dims.into()))
 }
 
 impl CustomOp2 for SwiGlu {
@@ -71,18 +96,7 @@ impl CustomOp2 for SwiGlu {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> CResult<(CpuStorage, Shape)> {
-        const OP: &str = "swiglu";
-        check_same(l1, l2, OP)?;
-        let out = match (s1, s2) {
-            (CpuStorage::F32(_), CpuStorage::F32(_)) => {
-                CpuStorage::F32(forward::<f32>(contiguous(s1, l1, OP)?, contiguous(s2, l2, OP)?))
-            }
-            (CpuStorage::F64(_), CpuStorage::F64(_)) => {
-                CpuStorage::F64(forward::<f64>(contiguous(s1, l1, OP)?, contiguous(s2, l2, OP)?))
-            }
-            _ => return Err(super::unsupported(OP, s1.dtype())),
-        };
-        Ok((out, l1.shape().clone()))
+        by_dtype!(s1, "swiglu", swiglu_fwd(s1, l1, s2, l2))
     }
 
     fn bwd(
@@ -112,27 +126,7 @@ impl CustomOp3 for SwiGluBwd {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> CResult<(CpuStorage, Shape)> {
-        const OP: &str = "swiglu backward";
-        check_same(l1, l2, OP)?;
-        check_same(l1, l3, OP)?;
-        let out = match (s1, s2, s3) {
-            (CpuStorage::F32(_), CpuStorage::F32(_), CpuStorage::F32(_)) => CpuStorage::F32(backward::<f32>(
-                contiguous(s1, l1, OP)?,
-                contiguous(s2, l2, OP)?,
-                contiguous(s3, l3, OP)?,
-            )),
-            (CpuStorage::F64(_), CpuStorage::F64(_), CpuStorage::F64(_)) => CpuStorage::F64(backward::<f64>(
-                contiguous(s1, l1, OP)?,
-                contiguous(s2, l2, OP)?,
-                contiguous(s3, l3, OP)?,
-            )),
-            _ => return Err(super::unsupported(OP, s1.dtype())),
-        };
-        let mut dims = l1.dims().to_vec();
-        if let Some(first) = dims.first_mut() {
-            *first *= 2;
-        }
-        Ok((out, dims.into()))
+        by_dtype!(s1, "swiglu backward", swiglu_bwd(s1, l1, s2, l2, s3, l3))
     }
 }
 
