@@ -528,6 +528,48 @@ impl BertForSequenceClassification {
     }
 }
 
+/// `BertForTokenClassification`: `classifier(hidden)` at every position, for taggers (named
+/// entities, parts of speech). Names as transformers': `bert.*` (or a plain `BertModel`'s
+/// unprefixed names) and `classifier.{weight,bias}`; the pooler is not used.
+#[derive(Debug, Clone)]
+pub struct BertForTokenClassification {
+    bert: Bert,
+    classifier: Linear,
+    labels: Vec<String>,
+}
+
+impl BertForTokenClassification {
+    /// Builds the model from `p`, the checkpoint root; its labels are the config's.
+    pub fn load(p: &Params, cfg: &BertConfig) -> Result<Self> {
+        let bert = Bert::load(p, cfg)?;
+        let labels = cfg.labels().map_err(|m| Error::config(p.store().source(), m))?;
+        let (c, std) = (cfg.hidden_size, cfg.initializer_range);
+        let classifier = Linear::load(&p.pp("classifier"), c, labels.len(), true, std)?;
+        Ok(Self { bert, classifier, labels })
+    }
+
+    /// The encoder.
+    pub fn bert(&self) -> &Bert {
+        &self.bert
+    }
+
+    /// Tag names by index.
+    pub fn labels(&self) -> &[String] {
+        &self.labels
+    }
+
+    /// Logits `(B, T, L)` for `input_ids (B, T)`; arguments as in [`Bert::forward`].
+    pub fn forward(
+        &self,
+        input_ids: &Tensor,
+        token_type_ids: Option<&Tensor>,
+        attention_mask: &[Vec<u8>],
+    ) -> Result<Tensor> {
+        let hidden = self.bert.forward(input_ids, token_type_ids, attention_mask)?;
+        self.classifier.forward(&hidden)
+    }
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     //! Parity with transformers (golden fixtures), with sentence-transformers (the real

@@ -5,17 +5,17 @@
 //! or a hub id, fetched through the `hf-hub` crate and its cache. Only safetensors are loaded:
 //! pickle checkpoints (`pytorch_model.bin`) can run arbitrary code when unpickled.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
-use candle_core::{DType, Device};
+use candle_core::{DType, Device, Tensor};
 
 use super::{CausalLm, CausalLmConfig, CausalLmWithValueHead, ValueHeadSpec};
 use crate::error::{Error, Result};
 use crate::io::{read_json, write_bytes_atomic};
 pub use crate::io::{save_dir_atomic, ModelFiles};
 use crate::lora::LoraConfig;
-use crate::params::ParamStore;
+use crate::params::{ParamStore, Params};
 
 const PICKLE_NAMES: &[&str] = &["pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.bin"];
 
@@ -386,4 +386,47 @@ pub fn load_lm_adapted(
     };
     let lm = CausalLm::load(&store.root(), &config)?;
     Ok(LoadedLm { files, config_json, config, store, lm })
+}
+
+/// A pretrained checkpoint's tensors completed for a model with a new head: the tensors that
+/// `build` (the model's loader, run on a store initialized from `seed`) reads, taken from
+/// `checkpoint` where it holds them with the right shape and initialized from `seed` otherwise;
+/// also the names initialized. A plain encoder checkpoint (`embeddings.*`) gets `prefix` (e.g.
+/// `"bert."`), as transformers' `from_pretrained` maps a `BertModel` into a task model.
+/// Checkpoint tensors the model does not read (a masked-LM head, a pooler) are dropped.
+pub fn complete_checkpoint(
+    mut checkpoint: HashMap<String, Tensor>,
+    prefix: &str,
+    seed: u64,
+    dtype: DType,
+    device: &Device,
+    build: impl FnOnce(&Params) -> Result<()>,
+) -> Result<(HashMap<String, Tensor>, Vec<String>)> {
+    let fresh = ParamStore::random(seed, false, dtype, device)?;
+    build(&fresh.root())?;
+    if checkpoint.contains_key("embeddings.word_embeddings.weight") {
+        checkpoint = checkpoint.into_iter().map(|(k, v)| (format!("{prefix}{k}"), v)).collect();
+    }
+    let (mut out, mut initialized) = (HashMap::new(), Vec::new());
+    for (name, init) in fresh.snapshot()? {
+        match checkpoint.remove(&name) {
+            Some(t) if t.dims() == init.dims() => {
+                out.insert(name, t);
+            }
+            other => {
+                if let Some(t) = other {
+                    tracing::info!("{name}: checkpoint shape {:?}, model needs {:?}", t.dims(), init.dims());
+                }
+                initialized.push(name.clone());
+                out.insert(name, init);
+            }
+        }
+    }
+    if !checkpoint.is_empty() {
+        let mut unused: Vec<&String> = checkpoint.keys().collect();
+        unused.sort();
+        tracing::info!("{} checkpoint tensors unused by the model (e.g. {})", unused.len(), unused[0]);
+    }
+    initialized.sort();
+    Ok((out, initialized))
 }

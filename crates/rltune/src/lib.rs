@@ -53,6 +53,7 @@ pub mod rejection;
 pub mod rewards;
 pub mod run;
 pub mod runtime;
+pub mod tagger;
 pub mod train;
 
 pub use error::{Error, Result};

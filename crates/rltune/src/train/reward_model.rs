@@ -328,48 +328,22 @@ impl RewardModel {
     }
 }
 
-/// The checkpoint's tensors renamed for a `…ForSequenceClassification` model, restricted to
-/// those the model reads, with the missing or mis-shaped ones initialized from `seed`; also the
-/// names initialized.
+/// The checkpoint's tensors completed for a `…ForSequenceClassification` model
+/// ([`crate::models::load::complete_checkpoint`]).
 fn complete_checkpoint(
-    mut checkpoint: HashMap<String, Tensor>,
+    checkpoint: HashMap<String, Tensor>,
     config: &SequenceClassifierConfig,
     seed: u64,
     dtype: DType,
     device: &Device,
 ) -> Result<(HashMap<String, Tensor>, Vec<String>)> {
-    let fresh = ParamStore::random(seed, false, dtype, device)?;
-    SequenceClassifier::load(&fresh.root(), config)?;
     let prefix = match config {
         SequenceClassifierConfig::Bert(_) => "bert.",
         SequenceClassifierConfig::DistilBert(_) => "distilbert.",
     };
-    // A plain encoder checkpoint (`embeddings.*`): give its names the classifier's prefix.
-    if checkpoint.contains_key("embeddings.word_embeddings.weight") {
-        checkpoint = checkpoint.into_iter().map(|(k, v)| (format!("{prefix}{k}"), v)).collect();
-    }
-    let (mut out, mut initialized) = (HashMap::new(), Vec::new());
-    for (name, init) in fresh.snapshot()? {
-        match checkpoint.remove(&name) {
-            Some(t) if t.dims() == init.dims() => {
-                out.insert(name, t);
-            }
-            other => {
-                if let Some(t) = other {
-                    tracing::info!("{name}: checkpoint shape {:?}, model needs {:?}", t.dims(), init.dims());
-                }
-                initialized.push(name.clone());
-                out.insert(name, init);
-            }
-        }
-    }
-    if !checkpoint.is_empty() {
-        let mut unused: Vec<&String> = checkpoint.keys().collect();
-        unused.sort();
-        tracing::info!("{} checkpoint tensors unused by the classifier (e.g. {})", unused.len(), unused[0]);
-    }
-    initialized.sort();
-    Ok((out, initialized))
+    Ok(crate::models::load::complete_checkpoint(checkpoint, prefix, seed, dtype, device, |p| {
+        SequenceClassifier::load(p, config).map(|_| ())
+    })?)
 }
 
 /// A tokenized labelled text.

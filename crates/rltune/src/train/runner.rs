@@ -239,6 +239,10 @@ pub(crate) trait Objective {
     fn terms(&self, ex: &Self::Example) -> usize;
     /// Summed loss over `batch`; counts correct predictions when `count_correct`.
     fn batch_loss(&self, batch: &[&Self::Example], count_correct: bool) -> Result<BatchLoss>;
+    /// Called before optimizer step `step` (from 0), a resumed run's included: an on-policy
+    /// objective keys its samples' random streams by it, so that a resumed run draws what the
+    /// uninterrupted one drew.
+    fn begin_step(&self, _step: usize) {}
 }
 
 fn scalar(t: &Tensor) -> Result<f64> {
@@ -391,6 +395,7 @@ pub(crate) fn run_with<O: Objective>(
             let share = &group[rank * group.len() / world..(rank + 1) * group.len() / world];
             let group: Vec<&O::Example> = share.iter().map(|&i| &examples[i]).collect();
             let (mut grads, lr) = opt.begin(step);
+            obj.begin_step(step);
             let loss = accumulate(obj, &mut grads, &group, args.batch_size)?;
             let grad_norm = opt.clip(&mut grads)?;
             if !opt.finish(grads, lr, grad_norm)? {

@@ -23,6 +23,7 @@ mod neo;
 mod partial_freezing;
 mod ppo_behaviour;
 mod ppo_parity;
+mod tagger;
 mod train;
 mod trajectory_groups;
 mod transcript;
