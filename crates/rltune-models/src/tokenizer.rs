@@ -24,10 +24,16 @@ pub enum PaddingSide {
 /// the words of prompts and responses are short.
 pub const CACHE_WORDS: usize = 1024;
 
+/// The tokenizer as rltune uses it: its word cache bounded ([`CACHE_WORDS`]), and its padding
+/// off. rltune pads batches itself, with an attention mask ([`pad`]); a `tokenizer.json` that
+/// pads to a fixed length (sentence-transformers' all-MiniLM-L6-v2 pads every text to 128)
+/// would otherwise hand back `[PAD]` ids as if they were text. transformers does the same: its
+/// fast tokenizers pad only when a call asks for it.
 fn bounded_cache(mut inner: tokenizers::Tokenizer) -> tokenizers::Tokenizer {
     let mut model = inner.get_model().clone();
     model.resize_cache(CACHE_WORDS);
     inner.with_model(model);
+    inner.with_padding(None);
     inner
 }
 
@@ -151,5 +157,26 @@ mod tests {
         let (ids, mask) = pad(&rows, 9, PaddingSide::Right);
         assert_eq!(ids, vec![vec![1, 2, 3], vec![4, 9, 9]]);
         assert_eq!(mask[1], vec![1, 0, 0]);
+    }
+
+    /// A `tokenizer.json` that pads to a fixed length (as all-MiniLM-L6-v2's does) encodes
+    /// without padding.
+    #[test]
+    fn fixed_padding_in_tokenizer_json_is_ignored() {
+        let json = serde_json::json!({
+            "version": "1.0", "truncation": null, "added_tokens": [],
+            "padding": {"strategy": {"Fixed": 8}, "direction": "Right", "pad_to_multiple_of": null,
+                        "pad_id": 0, "pad_type_id": 0, "pad_token": "[PAD]"},
+            "normalizer": null, "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": null,
+            "decoder": null, "model": {"type": "WordLevel", "vocab": {"[PAD]": 0, "a": 1, "b": 2}, "unk_token": "[PAD]"}
+        });
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tokenizer.json");
+        std::fs::write(&path, json.to_string()).unwrap();
+        let raw = tokenizers::Tokenizer::from_file(&path).unwrap();
+        assert_eq!(raw.encode("a b", false).unwrap().get_ids().len(), 8, "the file pads");
+        let tok = Tokenizer::from_file(&path).unwrap();
+        assert_eq!(tok.encode("a b").unwrap(), [1, 2]);
+        assert_eq!(Tokenizer::from_inner(raw).encode("b").unwrap(), [2]);
     }
 }

@@ -150,7 +150,6 @@ impl ClassifierReward {
         }
         let label_index = model.label_index(&cfg.label)?;
         let mut inner = tokenizer.inner().clone();
-        inner.with_padding(None);
         let trunc = tokenizers::TruncationParams { max_length: max_positions, ..Default::default() };
         inner.with_truncation(Some(trunc)).map_err(|e| {
             Error::Tokenizer(format!("cannot truncate to the classifier's {max_positions} positions: {e}"))
