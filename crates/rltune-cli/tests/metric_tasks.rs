@@ -88,26 +88,53 @@ fn wnut_file() -> Option<PathBuf> {
     }
 }
 
+/// The tiny WNUT quickstart on a made-up CoNLL file (a random word-level BERT, a few steps per
+/// stage): the splits, every agent scored on test, validation and training tweets, the paired
+/// differences, the test predictions; a rerun keeps the stages' models and gives the same numbers.
 #[test]
-fn wnut_quickstart_tiny_on_the_real_file() {
-    let Some(file) = wnut_file() else { return };
+fn wnut_quickstart_tiny_runs_every_stage_and_caches() {
     let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("ner.txt");
+    let mut text = String::new();
+    for i in 0..60 {
+        let who = ["alice", "bob", "carol"][i % 3];
+        text.push_str(&format!("{who}\tB-person\nsmith\tI-person\nwent\tO\nto\tO\nparis\tB-loc\n{i}\tO\n\n"));
+    }
+    std::fs::write(&file, text).unwrap();
     let dir = tmp.path().join("qw");
-    let set = format!("game.file={:?}", s(&file));
-    let out =
-        ok(rltune(&["quickstart", "--task", "wnut", "--preset", "tiny", "--output", s(&dir), "--set", &set]));
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(stdout.contains("1916 training tweets, 478 held out"), "{stdout}");
-    let summary: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("summary-wnut.json")).unwrap()).unwrap();
+    let set = format!("file={:?}", s(&file));
+    let run = || {
+        ok(rltune(&["quickstart", "--task", "wnut", "--preset", "tiny", "--output", s(&dir), "--set", &set]))
+    };
+    let stdout = String::from_utf8_lossy(&run().stdout).into_owned();
+    assert!(stdout.contains("44 training tweets, 4 validation, 12 test"), "{stdout}");
+    let read = || -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(dir.join("summary-wnut.json")).unwrap()).unwrap()
+    };
+    let summary = read();
     let names: Vec<&str> =
-        summary["agents"].as_array().unwrap().iter().map(|a| a[0].as_str().unwrap()).collect();
-    assert_eq!(names, ["lexicon", "BC", "BC (longer)", "PPO"]);
-    // The lexicon baseline on 6 held-out tweets finds something: WNUT has entities.
-    let lexicon = &summary["agents"][0][1];
-    assert_eq!(lexicon["sentences"], 6);
-    assert!(lexicon["micro"]["f1"].as_f64().unwrap() >= 0.0);
-    assert!(dir.join("bc-longer/model.safetensors").is_file());
+        summary["agents"].as_array().unwrap().iter().map(|a| a["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["lexicon", "BC", "BC (longer)", "RLOO"]);
+    // The lexicon has seen every test word in training: it tags the test tweets perfectly.
+    let lexicon = &summary["agents"][0];
+    assert_eq!(
+        (lexicon["test"]["sentences"].as_u64(), lexicon["test"]["micro"]["f1"].as_f64()),
+        (Some(12), Some(1.0))
+    );
+    assert!(lexicon["test_sampled"].is_null() && summary["agents"][3]["test_sampled"]["sentences"] == 12);
+    assert_eq!(
+        summary["differences"].as_array().unwrap().len(),
+        4,
+        "RLOO against BC and BC (longer), greedy and sampled"
+    );
+    for stage in ["bc", "rl", "bc-longer"] {
+        assert!(dir.join(stage).join("model.safetensors").is_file(), "{stage}");
+    }
+    let rows = std::fs::read_to_string(dir.join("test-predictions.jsonl")).unwrap();
+    assert_eq!(rows.lines().count(), 3 * 12);
+    let again = String::from_utf8_lossy(&run().stdout).into_owned();
+    assert!(!again.contains("bc 0 s") && again.contains("stages run: eval"), "{again}");
+    assert_eq!(read()["agents"], summary["agents"]);
 }
 
 #[test]

@@ -362,20 +362,40 @@ pub fn predict(
     decoding: Decoding,
     batch_size: usize,
 ) -> Result<Vec<Vec<String>>> {
-    let mut out = Vec::with_capacity(examples.len());
-    for chunk in examples.chunks(batch_size.max(1)) {
-        let encoded: Vec<&Encoded> = chunk.iter().map(|e| &e.encoded).collect();
+    let mut all = predict_each(tagger, examples, &[decoding], batch_size)?;
+    Ok(all.pop().unwrap_or_default())
+}
+
+/// [`predict`] under each of `decodings` from one encoder pass per sentence: one list of
+/// predictions per decoding. The sentences are batched by length (their order does not change a
+/// prediction), so that little of a batch is padding.
+pub fn predict_each(
+    tagger: &Tagger,
+    examples: &[TagExample],
+    decodings: &[Decoding],
+    batch_size: usize,
+) -> Result<Vec<Vec<Vec<String>>>> {
+    let mut out = vec![vec![Vec::new(); examples.len()]; decodings.len()];
+    let mut order: Vec<usize> = (0..examples.len()).collect();
+    order.sort_by_key(|&i| examples[i].encoded.ids.len());
+    for chunk in order.chunks(batch_size.max(1)) {
+        let encoded: Vec<&Encoded> = chunk.iter().map(|&i| &examples[i].encoded).collect();
         let logits = tagger.logits(&encoded)?.detach();
         let (_, w, l) = logits.dims3()?;
         let flat = logits.flatten_all()?.to_vec1::<f32>()?;
-        for (r, e) in chunk.iter().enumerate() {
-            let (seed, temperature) = match decoding {
-                Decoding::Greedy => (0, 0.0),
-                Decoding::Sampled { seed, temperature } => (mix_seeds(&[seed, e.index as u64]), temperature),
-            };
-            let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-            let seq = tagger.bio().pick(&flat[r * w * l..], e.encoded.first.len(), temperature, &mut rng);
-            out.push(tag_strings(tagger.bio(), &seq, e.encoded.words));
+        for (r, &i) in chunk.iter().enumerate() {
+            let e = &examples[i];
+            for (d, decoding) in decodings.iter().enumerate() {
+                let (seed, temperature) = match *decoding {
+                    Decoding::Greedy => (0, 0.0),
+                    Decoding::Sampled { seed, temperature } => {
+                        (mix_seeds(&[seed, e.index as u64]), temperature)
+                    }
+                };
+                let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+                let seq = tagger.bio().pick(&flat[r * w * l..], e.encoded.first.len(), temperature, &mut rng);
+                out[d][i] = tag_strings(tagger.bio(), &seq, e.encoded.words);
+            }
         }
     }
     Ok(out)
