@@ -103,7 +103,13 @@ impl Default for WnutQuickstartConfig {
             validation_every: 10,
             bc,
             rl,
-            rloo: RlArgs { samples_per_sentence: 4, kl_coef: 0.05, temperature: 1.0, seed: 3 },
+            rloo: RlArgs {
+                samples_per_sentence: 4,
+                kl_coef: 0.05,
+                temperature: 1.0,
+                seed: 3,
+                ..RlArgs::default()
+            },
             eval_batch_size: 64,
             train_eval_tweets: 478,
         }

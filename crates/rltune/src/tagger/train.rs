@@ -7,7 +7,8 @@
 //! gold tag of word `w − 1`), summed over the covered words and averaged over them.
 //!
 //! **Reinforcement** ([`train_rl`]) is REINFORCE with a leave-one-out baseline (RLOO, Ahmadian
-//! et al. 2024) and an exact KL penalty in the loss. For each sentence of a step it draws
+//! et al. 2024; or the greedy tags' reward, [`Baseline::Greedy`]) and an exact KL penalty in the
+//! loss. For each sentence of a step it draws
 //! `samples_per_sentence` tag sequences from the policy, scores each with
 //! [`reward`] = `TP − ½(FP + FN)` (the sentence's part of micro-F1's numerator less the
 //! errors: predicting nothing on a sentence with entities costs `½·FN`, and on one without is
@@ -174,21 +175,46 @@ pub struct RlArgs {
     pub temperature: f64,
     /// Seed of the samples' streams.
     pub seed: u64,
+    /// What each sample's reward is compared with.
+    pub baseline: Baseline,
+}
+
+/// The baseline of a sample's reward in the policy gradient.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Baseline {
+    /// The mean reward of the sentence's other samples (RLOO).
+    #[default]
+    LeaveOneOut,
+    /// The reward of the sentence's greedy tags (self-critical training, Rennie et al. 2017): a
+    /// sample is pushed up when it beats what greedy decoding would have tagged.
+    Greedy,
 }
 
 impl Default for RlArgs {
     fn default() -> Self {
-        Self { samples_per_sentence: 4, kl_coef: 0.05, temperature: 1.0, seed: 0 }
+        Self {
+            samples_per_sentence: 4,
+            kl_coef: 0.05,
+            temperature: 1.0,
+            seed: 0,
+            baseline: Baseline::LeaveOneOut,
+        }
     }
 }
 
 impl RlArgs {
     /// Checks every field; the message names the field and the fix.
     pub fn validate(&self) -> Result<()> {
-        if self.samples_per_sentence < 2 {
+        let least = match self.baseline {
+            Baseline::LeaveOneOut => 2,
+            Baseline::Greedy => 1,
+        };
+        if self.samples_per_sentence < least {
             return Err(Error::Input(format!(
-                "rl.samples_per_sentence = {}: needs at least 2 (each sample's baseline is the mean of the others)",
-                self.samples_per_sentence
+                "rl.samples_per_sentence = {}: needs at least {least} with baseline {:?} (leave_one_out \
+                 compares each sample with the mean of the others)",
+                self.samples_per_sentence, self.baseline
             )));
         }
         if !(self.kl_coef >= 0.0 && self.kl_coef.is_finite()) {
@@ -215,7 +241,7 @@ pub struct RlStats {
     pub kl_mean: f64,
     /// Their micro entity F1 against the gold tags.
     pub f1: f64,
-    /// Entities they predicted, per sentence.
+    /// Entities each sequence predicted, on average.
     pub predicted_per_sentence: f64,
 }
 
@@ -228,7 +254,7 @@ struct StepTally {
 }
 
 impl StepTally {
-    fn stats(&self, k: usize) -> RlStats {
+    fn stats(&self) -> RlStats {
         let n = self.samples.max(1) as f64;
         let (tp, fp, fn_) = self.counts;
         RlStats {
@@ -236,7 +262,7 @@ impl StepTally {
             reward_mean: self.reward / n,
             kl_mean: self.kl / n,
             f1: crate::rewards::metrics::bio::Prf::of(tp, fp, fn_).f1,
-            predicted_per_sentence: (tp + fp) as f64 * k as f64 / n,
+            predicted_per_sentence: (tp + fp) as f64 / n,
         }
     }
 }
@@ -276,8 +302,13 @@ impl Objective for Reinforce<'_> {
         let (mut seqs, mut rewards) =
             (Vec::with_capacity(batch.len() * k), Vec::with_capacity(batch.len() * k));
         let mut tally = self.tally.borrow_mut();
+        let mut greedy = Vec::with_capacity(batch.len());
         for (r, e) in batch.iter().enumerate() {
             let words = e.encoded.first.len();
+            if self.args.baseline == Baseline::Greedy {
+                let seq = bio.pick(&flat[r * w * l..], words, 0.0, &mut rand::rngs::StdRng::seed_from_u64(0));
+                greedy.push(reward(&e.gold, &tag_strings(bio, &seq, e.gold.len())));
+            }
             for j in 0..k {
                 let seed = mix_seeds(&[self.args.seed, step, e.index as u64, j as u64]);
                 let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
@@ -289,11 +320,17 @@ impl Objective for Reinforce<'_> {
                 seqs.push(seq);
             }
         }
-        // Leave-one-out advantages, each sample's weight in the sentence's mean over k.
+        // Advantages, each sample's weight in the sentence's mean over k.
         let mut weights = Vec::with_capacity(rewards.len());
-        for group in rewards.chunks(k) {
+        for (i, group) in rewards.chunks(k).enumerate() {
             let sum: f64 = group.iter().sum();
-            weights.extend(group.iter().map(|&x| ((x - (sum - x) / (k - 1) as f64) / k as f64) as f32));
+            weights.extend(group.iter().map(|&x| {
+                let base = match self.args.baseline {
+                    Baseline::LeaveOneOut => (sum - x) / (k - 1) as f64,
+                    Baseline::Greedy => greedy[i],
+                };
+                ((x - base) / k as f64) as f32
+            }));
         }
         let rows: Vec<u32> = (0..batch.len() as u32).flat_map(|r| std::iter::repeat_n(r, k)).collect();
         let rows = Tensor::from_vec(rows, batch.len() * k, logits.device())?;
@@ -336,7 +373,7 @@ pub fn train_rl(
         )));
     }
     let obj = Reinforce { policy, reference, args: rl, step: Cell::new(0), tally: RefCell::default() };
-    let mut report = |p: &TrainProgress| progress(p, &obj.tally.borrow().stats(rl.samples_per_sentence));
+    let mut report = |p: &TrainProgress| progress(p, &obj.tally.borrow().stats());
     runner::run_with(&obj, policy.store(), examples, args, &mut report, true, checkpoints)
 }
 

@@ -10,7 +10,7 @@ use rand::{Rng, SeedableRng};
 use rltune::models::bert::{BertConfig, BertForTokenClassification};
 use rltune::params::ParamStore;
 use rltune::rewards::metrics::bio::{entity_f1, Tagged};
-use rltune::tagger::train::{self, Decoding, RlArgs, TagExample};
+use rltune::tagger::train::{self, Baseline, Decoding, RlArgs, TagExample};
 use rltune::tagger::Tagger;
 use rltune::train::{Checkpointing, TrainingArgs};
 
@@ -109,7 +109,8 @@ fn imitation_learns_to_tag_and_rl_on_f1_improves_a_weak_tagger() {
     let weak_sampled = f1(&t, &test_ex, sampled);
     // RL from it, against the frozen weak policy.
     let reference = t.frozen_copy().unwrap();
-    let rl = RlArgs { samples_per_sentence: 4, kl_coef: 0.01, temperature: 1.0, seed: 11 };
+    let rl =
+        RlArgs { samples_per_sentence: 4, kl_coef: 0.01, temperature: 1.0, seed: 11, ..RlArgs::default() };
     let mut rewards = Vec::new();
     train::train_rl(&t, &reference, &train_ex, &args(80, 3e-3), &rl, None, &mut |_, s| {
         rewards.push(s.reward_mean)
@@ -196,4 +197,31 @@ fn rl_stopped_and_resumed_equals_one_run_bit_for_bit() {
     let tail = run(&resumed, Some(Checkpointing { dir: ckdir.path(), resume: true, stop: None }), None);
     assert_eq!(tail, whole[3..]);
     assert_eq!(weights(&resumed), weights(&straight));
+}
+
+/// Self-critical RL (the greedy tags' reward as the baseline) improves the weak tagger too.
+#[test]
+fn rl_against_the_greedy_baseline_improves_a_weak_tagger() {
+    crate::common::install();
+    let dir = tempfile::tempdir().unwrap();
+    encoder_dir(dir.path(), 1);
+    let t = tagger(dir.path(), 2);
+    let train_ex = train::examples(&t, &sentences(96, 3)).unwrap();
+    let test_ex = train::examples(&t, &sentences(64, 4)).unwrap();
+    train::train_imitation(&t, &train_ex, &args(6, 3e-3), None, &mut |_| {}).unwrap();
+    let weak = f1(&t, &test_ex, Decoding::Greedy);
+    let reference = t.frozen_copy().unwrap();
+    let rl = RlArgs {
+        samples_per_sentence: 2,
+        kl_coef: 0.01,
+        seed: 11,
+        baseline: Baseline::Greedy,
+        ..RlArgs::default()
+    };
+    train::train_rl(&t, &reference, &train_ex, &args(80, 3e-3), &rl, None, &mut |_, _| {}).unwrap();
+    let after = f1(&t, &test_ex, Decoding::Greedy);
+    println!("self-critical: greedy F1 {weak:.3} → {after:.3}");
+    assert!(after > weak + 0.3, "{weak:.3} → {after:.3}");
+    let bad = RlArgs { samples_per_sentence: 1, ..RlArgs::default() };
+    assert!(bad.validate().unwrap_err().to_string().contains("at least 2"));
 }
