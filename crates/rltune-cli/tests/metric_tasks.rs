@@ -114,7 +114,7 @@ fn wnut_quickstart_tiny_runs_every_stage_and_caches() {
     let summary = read();
     let names: Vec<&str> =
         summary["agents"].as_array().unwrap().iter().map(|a| a["name"].as_str().unwrap()).collect();
-    assert_eq!(names, ["lexicon", "BC", "BC (longer)", "RLOO"]);
+    assert_eq!(names, ["lexicon", "BC", "BC (longer)", "RLOO", "BC (O-bias)"]);
     // The lexicon has seen every test word in training: it tags the test tweets perfectly.
     let lexicon = &summary["agents"][0];
     assert_eq!(

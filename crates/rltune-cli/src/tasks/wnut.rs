@@ -20,7 +20,9 @@
 //! `rl`: RLOO on `TP − ½(FP + FN)` per tweet with the exact KL to the BC policy
 //! ([`rltune::tagger::train`]). `bc-longer`: the BC policy trained on the same tweets for as
 //! many more optimizer steps as RL took, so that RL's gain is not only more training. `eval`: the
-//! lexicon baseline (each word's most frequent training tag), BC, BC trained longer and RLOO on
+//! lexicon baseline (each word's most frequent training tag), BC, BC trained longer, RLOO, and
+//! BC's greedy tags with a bias off the `O` logit chosen on validation (the non-RL control for
+//! the entity/`O` trade-off the reward prices), on
 //! the test, validation and (a sample of the) training tweets, greedy and sampled, micro entity
 //! F1 (conlleval's exact spans) with bootstrap standard errors over tweets, and RLOO's
 //! difference from BC and BC trained longer with a paired bootstrap SE.
@@ -322,7 +324,7 @@ impl Lexicon {
 /// One agent's scores.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct AgentScores {
-    /// `lexicon`, `BC`, `BC (longer)` or `RLOO`.
+    /// `lexicon`, `BC`, `BC (longer)`, `RLOO` or `BC (O-bias)`.
     pub name: String,
     /// Test tweets, greedy decoding (the lexicon: its own tags).
     pub test: NerEval,
@@ -348,6 +350,10 @@ pub struct WnutSummary {
     pub differences: Vec<(String, String, f64, f64)>,
     /// Optimizer steps added to BC for `BC (longer)` (RL's steps).
     pub bc_extra_steps: usize,
+    /// The bias off the O logit of `BC (O-bias)`, chosen by validation F1 from [`O_BIASES`].
+    pub o_bias: f32,
+    /// BC's validation F1 at each bias tried.
+    pub o_bias_grid: Vec<(f32, f64)>,
     /// Wall time per stage in seconds (stages run this time).
     pub stage_seconds: Vec<(String, f64)>,
 }
@@ -519,6 +525,37 @@ pub fn run_wnut_quickstart(
         });
         test_preds.push((name.to_string(), greedy, drawn));
     }
+    // The non-RL control for the entity/O trade-off: BC's greedy tags with a bias off the O
+    // logit, the bias chosen by validation F1.
+    let bc = Tagger::load(&bc_dir, false, device)?;
+    let (val_ex, test_ex) = (train::examples(&bc, &splits.validation)?, train::examples(&bc, &splits.test)?);
+    let mut o_bias = (0.0f32, f64::NEG_INFINITY);
+    let mut o_bias_grid = Vec::new();
+    for b in O_BIASES {
+        let pred = train::predict(&bc, &val_ex, Decoding::GreedyBiased { o_bias: b }, cfg.eval_batch_size)?;
+        let f1 = NerEval::of(&splits.validation, &pred, eval_seed).micro.f1;
+        o_bias_grid.push((b, f1));
+        if f1 > o_bias.1 {
+            o_bias = (b, f1);
+        }
+    }
+    let biased = Decoding::GreedyBiased { o_bias: o_bias.0 };
+    let train_pred = train::predict(&bc, &train::examples(&bc, train_part)?, biased, cfg.eval_batch_size)?;
+    agents.push(AgentScores {
+        name: "BC (O-bias)".into(),
+        test: NerEval::of(
+            &splits.test,
+            &train::predict(&bc, &test_ex, biased, cfg.eval_batch_size)?,
+            eval_seed,
+        ),
+        test_sampled: None,
+        validation: NerEval::of(
+            &splits.validation,
+            &train::predict(&bc, &val_ex, biased, cfg.eval_batch_size)?,
+            eval_seed,
+        ),
+        train: NerEval::of(train_part, &train_pred, eval_seed),
+    });
     let mut differences = Vec::new();
     if let Some((_, rl_greedy, rl_drawn)) = test_preds.iter().find(|(n, ..)| n == "RLOO") {
         for (other, greedy, drawn) in test_preds.iter().filter(|(n, ..)| n != "RLOO") {
@@ -540,11 +577,17 @@ pub fn run_wnut_quickstart(
         agents,
         differences,
         bc_extra_steps: rl_total,
+        o_bias: o_bias.0,
+        o_bias_grid,
         stage_seconds: seconds,
     };
     write_file(&dir.join("summary-wnut.json"), to_json(&summary)?.as_bytes())?;
     Ok(summary)
 }
+
+/// The biases off the `O` logit tried for `BC (O-bias)` (0 first: ties keep greedy; negative
+/// biases tag fewer entities).
+pub const O_BIASES: [f32; 9] = [0.0, -2.0, -1.0, -0.5, 0.5, 1.0, 1.5, 2.0, 3.0];
 
 /// Each tweet's tags.
 type Predictions = Vec<Vec<String>>;

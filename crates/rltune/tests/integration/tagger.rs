@@ -154,6 +154,13 @@ fn decoding_does_not_depend_on_the_batch_size() {
         assert_eq!(t.bio().valid_indices(p).unwrap(), ids, "{p:?}");
     }
     assert_ne!(whole, train::predict(&t, &ex, Decoding::Sampled { seed: 4, temperature: 1.0 }, 13).unwrap());
+    // A bias off the O logit tags more entities; a huge one tags none O, a zero one is greedy.
+    let count = |p: &[Vec<String>]| p.iter().flatten().filter(|x| *x != "O").count();
+    let greedy = train::predict(&t, &ex, Decoding::Greedy, 4).unwrap();
+    let biased = |b: f32| train::predict(&t, &ex, Decoding::GreedyBiased { o_bias: b }, 4).unwrap();
+    assert_eq!(biased(0.0), greedy);
+    assert!(count(&biased(1.0)) >= count(&greedy));
+    assert_eq!(count(&biased(1e3)), ex.iter().map(|e| e.encoded.words).sum::<usize>());
 }
 
 #[test]
