@@ -35,10 +35,11 @@ use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
 use super::pipeline::{to_json, train_progress, write_file, Check, Event};
+use rltune::envs::ner::NerData;
 use rltune::error::{Error, Result};
 use rltune::models::bert::{BertConfig, BertForTokenClassification};
 use rltune::params::ParamStore;
-use rltune::rewards::metrics::bio::{read_conll, sequence_counts, Prf, Tagged};
+use rltune::rewards::metrics::bio::{sequence_counts, Prf, Tagged};
 use rltune::rewards::metrics::mean_se;
 use rltune::runtime::Runtime;
 use rltune::tagger::train::{self, Decoding, RlArgs};
@@ -171,19 +172,14 @@ impl Splits {
                 cfg.file
             )));
         }
-        let all = read_conll(path)?;
-        let (mut train, mut validation, mut test) = (Vec::new(), Vec::new(), Vec::new());
-        let mut j = 0;
-        for (i, s) in all.into_iter().enumerate() {
-            if (i + 1) % cfg.test_every == 0 {
-                test.push(s);
+        // The NER environment's split: every `test_every`-th tweet held out, in file order.
+        let NerData { train: rest, heldout: test, .. } = NerData::load(path, cfg.test_every)?;
+        let (mut train, mut validation) = (Vec::new(), Vec::new());
+        for (j, s) in rest.into_iter().enumerate() {
+            if (j + 1) % cfg.validation_every == 0 {
+                validation.push(s);
             } else {
-                j += 1;
-                if j % cfg.validation_every == 0 {
-                    validation.push(s);
-                } else {
-                    train.push(s);
-                }
+                train.push(s);
             }
         }
         if train.is_empty() || test.is_empty() {
@@ -499,9 +495,10 @@ pub fn run_wnut_quickstart(
     }];
     let mut rows: Vec<serde_json::Value> = Vec::new();
     let mut test_preds: Vec<(String, Predictions, Predictions)> = Vec::new();
-    for (name, path) in [("BC", &bc_dir), ("BC (longer)", &longer_dir), ("RLOO", &rl_dir)] {
-        let tagger = Tagger::load(path, false, device)?;
-        let bs = cfg.eval_batch_size;
+    let bc = Tagger::load(&bc_dir, false, device)?;
+    let (bs, load) = (cfg.eval_batch_size, |dir: &Path| Tagger::load(dir, false, device));
+    for (name, tagger) in [("BC", bc.clone()), ("BC (longer)", load(&longer_dir)?), ("RLOO", load(&rl_dir)?)]
+    {
         let decode = |s: &[Tagged], d: Decoding| -> Result<Vec<Vec<String>>> {
             train::predict(&tagger, &train::examples(&tagger, s)?, d, bs)
         };
@@ -527,34 +524,24 @@ pub fn run_wnut_quickstart(
     }
     // The non-RL control for the entity/O trade-off: BC's greedy tags with a bias off the O
     // logit, the bias chosen by validation F1.
-    let bc = Tagger::load(&bc_dir, false, device)?;
-    let (val_ex, test_ex) = (train::examples(&bc, &splits.validation)?, train::examples(&bc, &splits.test)?);
-    let mut o_bias = (0.0f32, f64::NEG_INFINITY);
-    let mut o_bias_grid = Vec::new();
-    for b in O_BIASES {
-        let pred = train::predict(&bc, &val_ex, Decoding::GreedyBiased { o_bias: b }, cfg.eval_batch_size)?;
-        let f1 = NerEval::of(&splits.validation, &pred, eval_seed).micro.f1;
-        o_bias_grid.push((b, f1));
-        if f1 > o_bias.1 {
-            o_bias = (b, f1);
-        }
-    }
-    let biased = Decoding::GreedyBiased { o_bias: o_bias.0 };
-    let train_pred = train::predict(&bc, &train::examples(&bc, train_part)?, biased, cfg.eval_batch_size)?;
+    // Every bias of the grid from one encoder pass over the validation tweets.
+    let grid = O_BIASES.map(|o_bias| Decoding::GreedyBiased { o_bias });
+    let mut by_bias = train::predict_each(&bc, &train::examples(&bc, &splits.validation)?, &grid, bs)?;
+    let o_bias_grid: Vec<(f32, f64)> = O_BIASES
+        .iter()
+        .zip(&by_bias)
+        .map(|(&b, pred)| (b, NerEval::of(&splits.validation, pred, eval_seed).micro.f1))
+        .collect();
+    // The best, the first of equals (0 comes first: a tie keeps greedy).
+    let best = (0..o_bias_grid.len()).fold(0, |b, i| if o_bias_grid[i].1 > o_bias_grid[b].1 { i } else { b });
+    let o_bias = o_bias_grid[best].0;
+    let biased = |s: &[Tagged]| train::predict(&bc, &train::examples(&bc, s)?, grid[best], bs);
     agents.push(AgentScores {
         name: "BC (O-bias)".into(),
-        test: NerEval::of(
-            &splits.test,
-            &train::predict(&bc, &test_ex, biased, cfg.eval_batch_size)?,
-            eval_seed,
-        ),
+        test: NerEval::of(&splits.test, &biased(&splits.test)?, eval_seed),
         test_sampled: None,
-        validation: NerEval::of(
-            &splits.validation,
-            &train::predict(&bc, &val_ex, biased, cfg.eval_batch_size)?,
-            eval_seed,
-        ),
-        train: NerEval::of(train_part, &train_pred, eval_seed),
+        validation: NerEval::of(&splits.validation, &by_bias.swap_remove(best), eval_seed),
+        train: NerEval::of(train_part, &biased(train_part)?, eval_seed),
     });
     let mut differences = Vec::new();
     if let Some((_, rl_greedy, rl_drawn)) = test_preds.iter().find(|(n, ..)| n == "RLOO") {
@@ -577,7 +564,7 @@ pub fn run_wnut_quickstart(
         agents,
         differences,
         bc_extra_steps: rl_total,
-        o_bias: o_bias.0,
+        o_bias,
         o_bias_grid,
         stage_seconds: seconds,
     };
