@@ -111,6 +111,18 @@ impl Bio {
         out
     }
 
+    /// The allowed tag after `prev` with the largest of `row`'s logits (`L` of them), the first
+    /// of equals.
+    pub fn best(&self, row: &[f32], prev: Option<usize>) -> usize {
+        (0..self.tags.len())
+            .filter(|&t| self.allowed(prev, t))
+            .fold(None::<usize>, |b, t| match b {
+                Some(b) if row[b] >= row[t] => Some(b),
+                _ => Some(t),
+            })
+            .unwrap_or_else(|| unreachable!("O is always allowed"))
+    }
+
     /// Picks word tags left to right from `logits` (`words` rows of `L`): the most probable
     /// allowed tag when `temperature` is 0, else a draw from the allowed tags' softmax of
     /// `logits / temperature` with `rng`.
@@ -122,13 +134,7 @@ impl Bio {
             let row = &logits[w * l..][..l];
             let prev = seq.last().map(|&p| p as usize);
             let allowed = |t: usize| self.allowed(prev, t);
-            let best = (0..l)
-                .filter(|&t| allowed(t))
-                .fold(None::<usize>, |b, t| match b {
-                    Some(b) if row[b] >= row[t] => Some(b),
-                    _ => Some(t),
-                })
-                .unwrap_or_else(|| unreachable!("O is always allowed"));
+            let best = self.best(row, prev);
             let tag = if temperature <= 0.0 {
                 best
             } else {
@@ -203,6 +209,12 @@ mod tests {
         for c in &first[..3] {
             assert!((*c as f64 / n as f64 - 1.0 / 3.0).abs() < 0.03, "{first:?}");
         }
+        // The best allowed tag, whatever the tag order: a forbidden tag first with the largest
+        // logit is passed over.
+        let odd = Bio::new(&["I-loc", "O", "B-loc"].map(String::from)).unwrap();
+        assert_eq!(odd.best(&[5.0, 0.0, 1.0], None), 2);
+        assert_eq!(odd.best(&[5.0, 0.0, 1.0], Some(2)), 0);
+        assert_eq!(odd.best(&[0.0, 1.0, 1.0], None), 1, "ties: the first");
         let masks = bio.masks(&[&[2, 4]], 3);
         assert_eq!(&masks[..5], &[0.0, 0.0, 0.0, FORBIDDEN, FORBIDDEN]);
         assert_eq!(&masks[5..10], &[0.0, 0.0, 0.0, FORBIDDEN, 0.0]);

@@ -136,14 +136,7 @@ impl Objective for Imitation<'_> {
                 for (i, &g) in e.gold_ids.iter().enumerate() {
                     let prev = (i > 0).then(|| e.gold_ids[i - 1] as usize);
                     let row = &flat[(r * w + i) * l..][..l];
-                    let best = (0..l).filter(|&t| self.0.bio().allowed(prev, t)).fold(0, |b, t| {
-                        if row[t] > row[b] {
-                            t
-                        } else {
-                            b
-                        }
-                    });
-                    correct += usize::from(best == g as usize);
+                    correct += usize::from(self.0.bio().best(row, prev) == g as usize);
                 }
             }
         }
