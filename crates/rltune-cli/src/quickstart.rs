@@ -33,8 +33,9 @@ pub struct Args {
     task: String,
     /// With --task arithmetic: `grpo` or `rloo` (both train from the same SFT policy when run in
     /// the same --output directory). With --task adventure or textworld: `ppo` (the default),
-    /// or trajectory-level `grpo` / `rloo` on the same games from the same BC policy.
-    #[arg(long, value_parser = ["ppo", "grpo", "rloo"])]
+    /// or trajectory-level `grpo` / `rloo` on the same games from the same BC policy, or `gigpo`
+    /// (GRPO with step-level credit among the turns played from the same game state).
+    #[arg(long, value_parser = ["ppo", "grpo", "gigpo", "rloo"])]
     algorithm: Option<String>,
     /// Where every stage writes (cached stages are skipped on a rerun); default
     /// runs/quickstart, or runs/quickstart-TASK for the agent tasks.
@@ -63,8 +64,10 @@ pub fn run(args: Args) -> Result<()> {
             args.task
         );
     }
-    if args.algorithm.as_deref() == Some("ppo") && args.task == "arithmetic" {
-        anyhow::bail!("--task arithmetic trains with --algorithm grpo or rloo");
+    if matches!(args.algorithm.as_deref(), Some("ppo" | "gigpo")) && args.task == "arithmetic" {
+        anyhow::bail!(
+            "--task arithmetic trains with --algorithm grpo or rloo (GiGPO is for multi-turn games)"
+        );
     }
     match args.task.as_str() {
         "adventure" => {
@@ -177,10 +180,13 @@ fn run_agent<G: AgentGames>(
     cfg.seed = args.seed;
     if let Some(a) = &args.algorithm {
         cfg.algorithm = match a.as_str() {
-            "grpo" => AlgorithmKind::Grpo,
+            "grpo" | "gigpo" => AlgorithmKind::Grpo,
             "rloo" => AlgorithmKind::Rloo,
             _ => AlgorithmKind::Ppo,
         };
+        if a == "gigpo" {
+            cfg.gigpo.get_or_insert_with(Default::default);
+        }
     }
     cfg = with_overrides(cfg, &args.set)?;
     let stop = crate::ppo::stop_flag()?;
@@ -188,7 +194,7 @@ fn run_agent<G: AgentGames>(
     let mut bar: Option<(Bar, usize)> = None;
     let runtime = args.runtime.resolve(Default::default())?;
     let s = run_agent_quickstart(&output, &cfg, &runtime, &stop, &mut |e| show_event(&mut bar, e))?;
-    let alg = cfg.algorithm.name();
+    let alg = cfg.rl_stage();
     let rl_label = format!("{} policy", alg.to_uppercase());
     println!();
     println!(
@@ -210,7 +216,7 @@ fn run_agent<G: AgentGames>(
         );
     }
     print_stages(&s.stage_seconds);
-    finish(s.checks(), tiny, started, &output, alg, &summary_file(cfg.algorithm))
+    finish(s.checks(), tiny, started, &output, alg, &summary_file(alg))
 }
 
 /// A preset with the `--set key=value` overrides applied (through its TOML form, so a key is

@@ -1115,6 +1115,16 @@ fn admissible_actions_are_always_valid_in_play() {
     assert!(
         qs.join("grpo/checkpoints/step-2/model.safetensors").is_file() && qs.join("summary.json").is_file()
     );
+    // `--algorithm gigpo`: GRPO with GiGPO's step credit, in its own folder, with its metrics.
+    let args =
+        ["quickstart", "--task", "adventure", "--preset", "tiny", "--output", s(&qs), "--algorithm", "gigpo"];
+    let shown = String::from_utf8_lossy(&ok(rltune(&args)).stdout).into_owned();
+    assert!(shown.contains("stages run: gigpo") && shown.contains("GIGPO policy"), "{shown}");
+    let config = std::fs::read_to_string(qs.join("gigpo.toml")).unwrap();
+    assert!(config.contains("[episodes.gigpo]") && config.contains("kind = \"grpo\""), "{config}");
+    let logged = metrics(&qs.join("gigpo"));
+    assert!(logged.iter().all(|m| m["gigpo/step_group_size"].as_f64().unwrap() >= 1.0), "{logged:?}");
+    assert!(qs.join("summary-gigpo.json").is_file());
     let err = fails(rltune(&["quickstart", "--task", "essays", "--preset", "tiny", "--algorithm", "grpo"]));
     assert!(err.contains("--algorithm is for --task arithmetic, adventure or textworld"), "{err}");
     let env = repo_config("adventure.toml");

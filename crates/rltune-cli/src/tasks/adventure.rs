@@ -127,6 +127,7 @@ impl Default for AgentQuickstartConfig<AdventureConfig> {
             algorithm: Default::default(),
             grpo: super::agent::agent_grpo(),
             rloo: super::agent::agent_rloo(),
+            gigpo: None,
         }
     }
 }

@@ -32,6 +32,7 @@ use rltune::envs::play::{action_text, play, PairedDifference, PlayReport, Prompt
 use rltune::envs::{Reset, TextEnv};
 use rltune::error::{Error, Result};
 use rltune::generation::GenerationConfig;
+use rltune::grpo::gigpo::GigpoArgs;
 use rltune::grpo::{GrpoConfig, RlooConfig};
 use rltune::models::load::load_policy;
 use rltune::ppo::PpoConfig;
@@ -123,6 +124,10 @@ pub struct AgentQuickstartConfig<G> {
     /// Trajectory RLOO (with `algorithm = "rloo"`).
     #[serde(default = "agent_rloo")]
     pub rloo: RlooConfig,
+    /// GiGPO's step credit on top of trajectory GRPO (`--algorithm gigpo`: `algorithm = "grpo"`
+    /// with this set); the RL stage is then `gigpo`, in its own folder.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gigpo: Option<GigpoArgs>,
 }
 
 /// The agent quickstarts' trajectory settings, for GRPO's or RLOO's table (they share TRL's
@@ -152,7 +157,7 @@ pub fn agent_rloo() -> RlooConfig {
 }
 
 /// The keys of [`AgentQuickstartConfig`] that only the RL stage reads.
-const RL_KEYS: [&str; 3] = ["algorithm", "grpo", "rloo"];
+const RL_KEYS: [&str; 4] = ["algorithm", "grpo", "rloo", "gigpo"];
 
 impl<G: AgentGames> AgentQuickstartConfig<G> {
     fn env_section(&self, split: Split) -> EnvSection {
@@ -168,10 +173,15 @@ impl<G: AgentGames> AgentQuickstartConfig<G> {
         }
         Ok(v)
     }
+}
 
-    /// The RL stage's name and folder: `ppo`, `grpo` or `rloo`.
+impl<G> AgentQuickstartConfig<G> {
+    /// The RL stage's name and folder: `ppo`, `grpo`, `gigpo` or `rloo`.
     pub fn rl_stage(&self) -> &'static str {
-        self.algorithm.name()
+        match (self.algorithm, &self.gigpo) {
+            (AlgorithmKind::Grpo, Some(_)) => "gigpo",
+            (kind, _) => kind.name(),
+        }
     }
 }
 
@@ -220,7 +230,7 @@ impl<G> AgentSummary<G> {
     pub fn checks(&self) -> Vec<Check> {
         let (r, b, p) = (self.random.win_rate, self.bc.win_rate, self.ppo.win_rate);
         let d = self.ppo_vs_bc;
-        let alg = self.config.algorithm.name().to_uppercase();
+        let alg = self.config.rl_stage().to_uppercase();
         let kl: Vec<f64> = self.ppo_curve.iter().map(|c| c.2).filter(|k| k.is_finite()).collect();
         let kl_max = kl.iter().copied().fold(f64::NEG_INFINITY, f64::max);
         let kl_min = kl.iter().copied().fold(f64::INFINITY, f64::min);
@@ -319,7 +329,7 @@ pub fn run_agent_quickstart<G: AgentGames>(
         )?,
         stage_seconds: seconds,
     };
-    write_file(&dir.join(summary_file(cfg.algorithm)), to_json(&summary)?.as_bytes())?;
+    write_file(&dir.join(summary_file(cfg.rl_stage())), to_json(&summary)?.as_bytes())?;
     Ok(summary)
 }
 
@@ -479,12 +489,12 @@ pub fn train_agent<G: AgentGames>(
 }
 
 /// Where an agent quickstart writes its results: `summary.json` for PPO,
-/// `summary-<algorithm>.json` for GRPO / RLOO.
-pub fn summary_file(algorithm: AlgorithmKind) -> String {
-    if algorithm.is_group() {
-        format!("summary-{}.json", algorithm.name())
-    } else {
+/// `summary-<stage>.json` for GRPO, GiGPO and RLOO.
+pub fn summary_file(stage: &str) -> String {
+    if stage == "ppo" {
         "summary.json".into()
+    } else {
+        format!("summary-{stage}.json")
     }
 }
 
@@ -512,6 +522,9 @@ fn rl_config<G: AgentGames>(
             ..cfg.rloo.clone()
         };
         c.episodes.example_turn_prob = 0.0;
+        if cfg.algorithm == AlgorithmKind::Grpo && cfg.gigpo.is_some() {
+            c.episodes.gigpo = cfg.gigpo.clone();
+        }
         c.logging.dir = dir.join(cfg.rl_stage());
         c.validate().map_err(|m| Error::Input(format!("quickstart {}: {m}", cfg.rl_stage())))?;
     }

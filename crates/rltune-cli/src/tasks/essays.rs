@@ -145,6 +145,7 @@ impl Default for AgentQuickstartConfig<EssaysConfig> {
             algorithm: Default::default(),
             grpo: super::agent::agent_grpo(),
             rloo: super::agent::agent_rloo(),
+            gigpo: None,
         }
     }
 }

@@ -183,6 +183,7 @@ impl Default for AgentQuickstartConfig<TextworldGames> {
             algorithm: Default::default(),
             grpo: super::agent::agent_grpo(),
             rloo: super::agent::agent_rloo(),
+            gigpo: None,
         }
     }
 }

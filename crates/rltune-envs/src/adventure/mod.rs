@@ -216,6 +216,8 @@ fn report(ep: &Episode, observation: String, reward: f64, invalid: bool) -> EnvS
     let terminated = won || state.lost;
     let mut infos = serde_json::Map::new();
     infos.insert("seed".into(), ep.seed.into());
+    // The exact state (for step-level credit that groups identical states, such as GiGPO).
+    infos.insert("state".into(), format!("{state:?}").into());
     EnvStep {
         observation,
         reward,

@@ -18,7 +18,7 @@ use candle_core::Device;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 
-use super::turns::{command_trie, drop_episode, prompt_budget, start_round};
+use super::turns::{anchor_state, command_trie, drop_episode, prompt_budget, start_round};
 pub use super::turns::{Actor, Collected, RolloutConfig, RoundCounts, Shaping, Transition};
 use crate::envs::play::{ActionMode, Memory, Turn, ACTION_STOPS};
 use crate::envs::{EnvStep, Reset, TextEnv};
@@ -209,6 +209,7 @@ fn collect_windows(
                     reward: cfg.shaping.reward(action, &after) as f32,
                     bootstrap: 0.0,
                     next_query_ids: Vec::new(),
+                    state: anchor_state(&before),
                     // The admissible sets, or with truncated sampling the supports.
                     allowed: allowed
                         .get(k)
@@ -383,6 +384,7 @@ mod tests {
             bootstrap,
             next_query_ids: next.map(|n| vec![n]).unwrap_or_default(),
             allowed: Vec::new(),
+            state: u64::from(state),
         }
     }
 

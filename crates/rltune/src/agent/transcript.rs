@@ -25,7 +25,8 @@ use std::time::{Duration, Instant};
 use candle_core::Device;
 
 use super::turns::{
-    command_trie, drop_episode, start_round, Actor, Collected, RolloutConfig, RoundCounts, Transition,
+    anchor_state, command_trie, drop_episode, start_round, Actor, Collected, RolloutConfig, RoundCounts,
+    Transition,
 };
 use crate::envs::play::{episode_stream, Episode, Turn};
 use crate::envs::{EnvStep, Reset, TextEnv};
@@ -237,6 +238,7 @@ pub(crate) fn collect_transcripts(
                 bootstrap: 0.0,
                 next_query_ids: Vec::new(),
                 allowed: s.allowed.clone(),
+                state: anchor_state(&before),
             });
             ids[e].extend(&s.response_ids);
             // Terminated: no bootstrap. Going on or truncated: the next state's value.

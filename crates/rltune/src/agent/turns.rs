@@ -83,6 +83,24 @@ pub struct Transition {
     /// With `[agent] actions = "admissible"`: the tokens allowed at each response position
     /// (the action's trie), over which PPO renormalises the policy; empty for free text.
     pub allowed: Vec<Vec<u32>>,
+    /// The game state the action was taken from, as a key ([`anchor_state`]): GiGPO groups
+    /// the turns of a game's plays by it.
+    pub state: u64,
+}
+
+/// The key of the game state `step` reports, for GiGPO's anchor-state groups: the environment's
+/// exact state when it reports one (`infos["state"]`, as the adventure family does), else its
+/// observation, inventory and admissible commands together (the text a player sees; verl-agent
+/// keys on the observation alone).
+pub fn anchor_state(step: &crate::envs::EnvStep) -> u64 {
+    use crate::grpo::gigpo::state_key;
+    match step.infos.get("state").and_then(|v| v.as_str()) {
+        Some(exact) => state_key(exact),
+        None => {
+            let commands = step.admissible_commands.join("\n");
+            state_key(&format!("{}\u{1f}{}\u{1f}{commands}", step.observation, step.inventory))
+        }
+    }
 }
 
 /// The model that plays: a language model and, for PPO, the value head whose values the turns

@@ -11,6 +11,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
+use super::gigpo::StepCredit;
 use super::math::{nanmean, nanstd};
 use crate::engine::constraint::{check_allowed, constrained_logprobs};
 use crate::engine::{OptimArgs, Optimizer};
@@ -85,6 +86,9 @@ pub struct TurnBatch<'a> {
     /// cut into micro-batches whose gradients are summed, so memory follows this, not the
     /// number of turns a step played.
     pub micro_batch: usize,
+    /// GiGPO's step-level credit (GRPO only; [`super::gigpo`]); `None`: trajectory GRPO. Then
+    /// an episode's turns must appear in the order they were played.
+    pub step_credit: Option<StepCredit<'a>>,
 }
 
 /// The padded batch.
@@ -356,6 +360,19 @@ impl Core {
         }
         if n == 0 {
             return bad("no turns: every episode ended before its first action".into());
+        }
+        if let Some(c) = &batch.step_credit {
+            if c.rewards.len() != n || c.states.len() != n {
+                return bad(format!(
+                    "GiGPO: {n} turns but {} step rewards and {} anchor states; give one of each per turn",
+                    c.rewards.len(),
+                    c.states.len()
+                ));
+            }
+            if let Some(i) = c.rewards.iter().position(|r| !r.is_finite()) {
+                return bad(format!("GiGPO: turn {i}'s reward {} is not finite", c.rewards[i]));
+            }
+            c.args.validate().map_err(Error::Input)?;
         }
         if let Some(r) = batch.returns.iter().find(|r| r.is_infinite()) {
             return bad(format!("episode return {r} is infinite; returns must be finite"));

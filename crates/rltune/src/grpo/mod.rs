@@ -6,11 +6,13 @@
 //!   functions.
 //! - [`trainer`]: the GRPO trainer and its `step`.
 //! - [`rloo`]: the RLOO trainer and its `step`.
+//! - [`gigpo`]: GiGPO's step-level credit for trajectory GRPO on games.
 //!
 //! See `docs/algorithms.md` for the formulas and metrics.
 
 pub mod config;
 pub(crate) mod core;
+pub mod gigpo;
 pub mod math;
 pub mod rloo;
 pub mod trainer;

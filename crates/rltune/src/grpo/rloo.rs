@@ -129,6 +129,12 @@ impl RlooTrainer {
         let cfg = self.config.clone();
         let g = cfg.num_generations;
         self.core.check_turns(batch, g, cfg.max_completion_length)?;
+        if batch.step_credit.is_some() {
+            return Err(Error::Input(
+                "GiGPO's step credit is for GRPO: use [algorithm] kind = \"grpo\" with [episodes.gigpo]"
+                    .into(),
+            ));
+        }
         let mut rewards = batch.returns.to_vec();
         if let Some((lo, hi)) = cfg.reward_clip_range {
             rewards.iter_mut().for_each(|r| *r = r.clamp(lo, hi));

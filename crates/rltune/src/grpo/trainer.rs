@@ -18,6 +18,7 @@ use super::core::{
     generation_stats, global_rewards, local_rows, reference_or_frozen_policy, rows, turn_generation_stats,
     weights_or_ones, Core, GroupBatch, Normaliser, Padded, RewardTable, TurnBatch,
 };
+use super::gigpo::{self, StepAdvantages};
 use super::math::{self, nanmax, nanmin, ObjectiveParams};
 use crate::engine::{Stat, Stats};
 use crate::error::{Error, Result};
@@ -143,14 +144,23 @@ impl GrpoTrainer {
         );
         let mut first = turn_generation_stats(&mut self.core, batch, &table)?;
         first.insert("frac_reward_zero_std".into(), Stat::Scalar(adv.frac_zero_std()));
+        // Each turn's advantage: its episode's, plus GiGPO's step advantage when asked for.
+        let mut turn_adv: Vec<f64> =
+            batch.episodes.iter().map(|&e| adv.advantages[first_episode + e]).collect();
+        if let Some(credit) = &batch.step_credit {
+            let lost: Vec<bool> = batch.returns.iter().map(|r| r.is_nan()).collect();
+            let step = gigpo::step_advantages(batch.episodes, cfg.num_generations, &lost, credit);
+            let w = credit.args.step_advantage_w;
+            for (a, s) in turn_adv.iter_mut().zip(&step.advantages) {
+                *a += w * s;
+            }
+            gigpo_stats(&mut first, &step)?;
+        }
         let chunks = self
             .core
             .turn_chunks(batch)?
             .into_iter()
-            .map(|(idx, padded)| {
-                let a = idx.iter().map(|&i| adv.advantages[first_episode + batch.episodes[i]]).collect();
-                (padded, a)
-            })
+            .map(|(idx, padded)| (padded, idx.iter().map(|&i| turn_adv[i]).collect()))
             .collect();
         self.update_chunks(chunks, first, Normaliser::Global)
     }
@@ -351,4 +361,23 @@ fn cat_rows(parts: Vec<Vec<Vec<f64>>>) -> Vec<Vec<f64>> {
             r
         })
         .collect()
+}
+
+/// GiGPO's metrics, averaged over the processes: `gigpo/step_group_size` (turns per anchor
+/// group, per turn), `gigpo/frac_singleton_turns` (turns alone in their state, whose step
+/// advantage is 0), `gigpo/step_advantage_abs` (mean |A^S|) and `gigpo/step_return` (mean R_t).
+fn gigpo_stats(stats: &mut Stats, step: &StepAdvantages) -> Result<()> {
+    let n = step.advantages.len() as f64;
+    let abs: f64 = step.advantages.iter().map(|a| a.abs()).sum();
+    let ret: f64 = step.returns.iter().sum();
+    let metrics = [
+        ("gigpo/step_group_size", step.mean_group_size * n),
+        ("gigpo/frac_singleton_turns", step.frac_singleton * n),
+        ("gigpo/step_advantage_abs", abs),
+        ("gigpo/step_return", ret),
+    ];
+    for (name, sum) in metrics {
+        stats.insert(name.into(), Stat::Scalar(crate::dist::mean_of(sum, n)?));
+    }
+    Ok(())
 }

@@ -194,6 +194,9 @@ pub struct EpisodesSection {
     pub micro_batch_turns: usize,
     /// PPO on games: which of the turns a step plays it trains on.
     pub train_turns: TrainTurns,
+    /// GRPO on games: GiGPO's step-level credit (`[episodes.gigpo]`; absent: trajectory GRPO).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gigpo: Option<crate::grpo::gigpo::GigpoArgs>,
 }
 
 /// Which of the turns a PPO game step plays it trains on (`[episodes] train_turns`).
@@ -226,6 +229,7 @@ impl Default for EpisodesSection {
             transcripts_per_step: 1,
             micro_batch_turns: 64,
             train_turns: TrainTurns::Batch,
+            gigpo: None,
         }
     }
 }
@@ -246,6 +250,9 @@ impl EpisodesSection {
         }
         if self.eval_every > 0 && self.eval_episodes == 0 {
             return Err("[episodes] eval_every is set but eval_episodes = 0".into());
+        }
+        if let Some(g) = &self.gigpo {
+            g.validate()?;
         }
         Ok(())
     }
@@ -435,6 +442,13 @@ impl RunConfig {
     pub(super) fn validate_games(&self, env: &EnvSection) -> std::result::Result<(), String> {
         env.validate()?;
         self.episodes.validate()?;
+        if self.episodes.gigpo.is_some() && self.algorithm.kind != AlgorithmKind::Grpo {
+            return Err(format!(
+                "[episodes.gigpo] with [algorithm] kind = \"{}\": GiGPO's step credit builds on GRPO; set \
+                 kind = \"grpo\" or remove [episodes.gigpo]",
+                self.algorithm.kind.name()
+            ));
+        }
         self.agent.validate()?;
         if self.agent.memory == Memory::Transcript && self.episodes.example_turn_prob > 0.0 {
             return Err(format!(
@@ -463,6 +477,11 @@ impl RunConfig {
         self.ppo.validate()?;
         self.validate_lora()?;
         self.validate_reward_names()?;
+        if self.env.is_none() && self.episodes.gigpo.is_some() {
+            return Err("[episodes.gigpo] without [env]: GiGPO groups the turns of text games by their \
+                        state; remove it, or train on games"
+                .into());
+        }
         if self.algorithm.kind.is_group() {
             return self.validate_group();
         }

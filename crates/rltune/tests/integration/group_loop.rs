@@ -297,6 +297,11 @@ fn grpo_with_trainable_layers_moves_only_the_top_block() {
 /// reward. The policy's words are `e`, `ee`, `eee` and 45 without an "e"; the mean return of the
 /// last 5 of 25 steps is above the first 5's (fixed seeds).
 fn learns_the_letter_toy(kind: &str) -> (f64, f64) {
+    letter_toy(kind, "").unwrap()
+}
+
+/// [`learns_the_letter_toy`] with `extra` config lines; the config's error when it is refused.
+fn letter_toy(kind: &str, extra: &str) -> Result<(f64, f64), String> {
     let tmp = tempfile::tempdir().unwrap();
     let policy = tmp.path().join("policy");
     save_policy(&policy);
@@ -310,12 +315,12 @@ fn learns_the_letter_toy(kind: &str) -> (f64, f64) {
          [env]\nkind = \"letters\"\nnum_envs = 8\nturns = 2\n[agent]\nmemory_turns = 1\n\
          [generation]\nmax_new_tokens = 3\nseed = 5\n\
          [{kind}]\nnum_generations = 4\nper_device_train_batch_size = 8\nmax_steps = 25\n\
-         learning_rate = 1e-2\nbeta = 0.0\nlr_scheduler_type = \"constant\"\n\
+         learning_rate = 1e-2\nbeta = 0.0\nlr_scheduler_type = \"constant\"\n{extra}\
          [logging]\ndir = {:?}\n[checkpoint]\nevery = 0\n",
         policy.to_str().unwrap(),
         run_dir.to_str().unwrap()
     );
-    let cfg = RunConfig::from_toml(&text, Path::new("run.toml"), &[]).unwrap();
+    let cfg = RunConfig::from_toml(&text, Path::new("run.toml"), &[]).map_err(|e| e.to_string())?;
     let mut r = GroupRun::prepare(cfg, Vec::new(), false).unwrap();
     r.run(&AtomicBool::new(false), &mut |_| {}).unwrap();
     let m: Vec<serde_json::Value> = std::fs::read_to_string(run_dir.join("metrics.jsonl"))
@@ -338,8 +343,11 @@ fn learns_the_letter_toy(kind: &str) -> (f64, f64) {
         "{kind}: reward is the mean return: {r:?} vs {ret:?}"
     );
     let (first, last) = (mean(&r[..5]), mean(&r[20..]));
-    eprintln!("{kind} on the letter toy: mean return {first:.3} → {last:.3}");
-    (first, last)
+    eprintln!("{kind} {extra} on the letter toy: mean return {first:.3} → {last:.3}");
+    if extra.contains("gigpo") {
+        assert!(m.iter().all(|l| l["gigpo/step_group_size"].as_f64().unwrap() >= 1.0), "{}", m[0]);
+    }
+    Ok((first, last))
 }
 
 #[test]
@@ -347,6 +355,16 @@ fn trajectory_grpo_learns_the_letter_toy() {
     crate::common::install();
     let (first, last) = learns_the_letter_toy("grpo");
     assert!(last > first + 0.2, "GRPO: {first:.3} → {last:.3}");
+}
+
+/// GiGPO (`[episodes.gigpo]`) learns it too, and is refused with RLOO, naming the fix.
+#[test]
+fn gigpo_learns_the_letter_toy_and_needs_grpo() {
+    crate::common::install();
+    let (first, last) = letter_toy("grpo", "[episodes.gigpo]\nstep_advantage_w = 1.0\n").unwrap();
+    assert!(last > first + 0.2, "GiGPO: {first:.3} → {last:.3}");
+    let err = letter_toy("rloo", "[episodes.gigpo]\n").unwrap_err();
+    assert!(err.contains("[episodes.gigpo]") && err.contains("kind = \"grpo\""), "{err}");
 }
 
 #[test]

@@ -8,6 +8,8 @@
 //! - Allowed sets (admissible actions): with every token allowed the step is the unconstrained
 //!   one (another code path for the head, so this pins its gradients); with one allowed token
 //!   everywhere every logprob is 0 and no weight moves.
+//! - GiGPO's step credit: each turn's advantage is its episode's plus ω times its step
+//!   return's, against the other turns from the same state in the game's group.
 //! - Bad batches are refused, naming the turn or the episode.
 
 use std::collections::BTreeMap;
@@ -91,7 +93,7 @@ fn turn_batch<'a>(
     episodes: &'a [usize],
     returns: &'a [f64],
 ) -> TurnBatch<'a> {
-    TurnBatch { prompts, completions, allowed: None, episodes, returns, micro_batch: 0 }
+    TurnBatch { prompts, completions, allowed: None, episodes, returns, micro_batch: 0, step_credit: None }
 }
 
 fn returns(n: usize) -> Vec<f64> {
@@ -201,6 +203,82 @@ fn the_turns_of_an_episode_share_its_advantage() {
     let want = -adv.iter().sum::<f64>() / adv.len() as f64;
     let got = scalar(&s[0], "loss");
     assert!((got - want).abs() < 1e-5, "RLOO loss {got}, want {want}");
+}
+
+/// GiGPO on [`multi_turn`]'s episodes: turn t of an episode is in state t (so the turns at the
+/// same depth of one game's plays form an anchor group), with rewards of its own. With one
+/// iteration and no reference the loss is `−Σ_turns (A_e + ω·A^S_t) · len / Σ len`, the step
+/// advantage computed here from the definition (discounted returns, group means).
+#[test]
+fn gigpo_adds_each_turns_advantage_within_its_state() {
+    use rltune::grpo::gigpo::{GigpoArgs, StepCredit, StepNorm};
+    crate::common::install();
+    let (prompts, completions, episodes, r) = multi_turn();
+    let n = episodes.len();
+    let mut states = vec![0u64; n];
+    for i in 1..n {
+        if episodes[i] == episodes[i - 1] {
+            states[i] = states[i - 1] + 1;
+        }
+    }
+    let rewards: Vec<f64> = (0..n).map(|i| ((i * 5) % 3) as f64 * 0.5).collect();
+    let args = GigpoArgs { step_advantage_w: 0.7, gamma: 0.9, mode: StepNorm::MeanNorm };
+    let credit = StepCredit { rewards: &rewards, states: &states, args: &args };
+    let turns = TurnBatch { step_credit: Some(credit), ..turn_batch(&prompts, &completions, &episodes, &r) };
+
+    // R_t = r_t + γ·R_{t+1} within the episode.
+    let mut ret = vec![0.0; n];
+    for i in (0..n).rev() {
+        let next = if i + 1 < n && episodes[i + 1] == episodes[i] { ret[i + 1] } else { 0.0 };
+        ret[i] = rewards[i] + 0.9 * next;
+    }
+    let step_adv: Vec<f64> = (0..n)
+        .map(|i| {
+            let same: Vec<f64> = (0..n)
+                .filter(|&j| episodes[j] / 4 == episodes[i] / 4 && states[j] == states[i])
+                .map(|j| ret[j])
+                .collect();
+            ret[i] - same.iter().sum::<f64>() / same.len() as f64
+        })
+        .collect();
+    assert!(step_adv.iter().any(|a| a.abs() > 0.1), "the fixture must exercise the step advantage");
+    let group = |e: usize| &r[e / 4 * 4..e / 4 * 4 + 4];
+    let mean = |g: &[f64]| g.iter().sum::<f64>() / 4.0;
+    let std = |g: &[f64]| (g.iter().map(|x| (x - mean(g)).powi(2)).sum::<f64>() / 3.0).sqrt();
+    let lens: Vec<f64> = completions.iter().map(|c| c.len() as f64).collect();
+    let adv: Vec<f64> = (0..n)
+        .map(|i| {
+            let e = episodes[i];
+            (r[e] - mean(group(e))) / (std(group(e)) + 1e-4) + 0.7 * step_adv[i]
+        })
+        .collect();
+    let want = -adv.iter().zip(&lens).map(|(a, l)| a * l).sum::<f64>() / lens.iter().sum::<f64>();
+
+    let mut t = grpo(GrpoConfig { beta: 0.0, num_iterations: 1, ..grpo_config() });
+    let s = t.step_turns(&turns).unwrap();
+    let got = scalar(&s[0], "loss");
+    assert!((got - want).abs() < 1e-5, "GiGPO loss {got}, want {want}");
+    let abs = step_adv.iter().map(|a| a.abs()).sum::<f64>() / n as f64;
+    assert!((scalar(&s[0], "gigpo/step_advantage_abs") - abs).abs() < 1e-12);
+
+    // ω = 0 is trajectory GRPO, bit for bit.
+    let zero = GigpoArgs { step_advantage_w: 0.0, ..args.clone() };
+    let off = TurnBatch {
+        step_credit: Some(StepCredit { args: &zero, ..credit }),
+        ..turn_batch(&prompts, &completions, &episodes, &r)
+    };
+    let (mut a, mut b) = (grpo(grpo_config()), grpo(grpo_config()));
+    a.step_turns(&off).unwrap();
+    b.step_turns(&turn_batch(&prompts, &completions, &episodes, &r)).unwrap();
+    assert_eq!(weights_diff(a.store(), b.store()), 0.0);
+
+    // RLOO refuses it, and a short list of states is named.
+    let e = rloo(rloo_config()).step_turns(&turns).unwrap_err().to_string();
+    assert!(e.contains("GiGPO") && e.contains("grpo"), "{e}");
+    let short = StepCredit { states: &states[1..], ..credit };
+    let bad = TurnBatch { step_credit: Some(short), ..turn_batch(&prompts, &completions, &episodes, &r) };
+    let e = grpo(grpo_config()).step_turns(&bad).unwrap_err().to_string();
+    assert!(e.contains("anchor states"), "{e}");
 }
 
 fn allowed_sets(completions: &[Vec<u32>], every: bool) -> Vec<Vec<Vec<u32>>> {

@@ -7,8 +7,10 @@
 //! rewards: the game's plus `[episodes.shaping]`) as its reward, and make one
 //! [`GrpoTrainer::step_turns`](crate::grpo::GrpoTrainer::step_turns) /
 //! [`RlooTrainer::step_turns`](crate::grpo::RlooTrainer::step_turns) on every turn of every
-//! episode, each turn carrying its episode's advantage. With `[agent] actions = "admissible"`
-//! the update renormalises the policy over each token's allowed set, as the sampler did.
+//! episode, each turn carrying its episode's advantage. With `[episodes.gigpo]` each turn also
+//! gets GiGPO's step advantage among the turns played from the same state
+//! ([`crate::grpo::gigpo`]). With `[agent] actions = "admissible"` the update renormalises the
+//! policy over each token's allowed set, as the sampler did.
 //!
 //! Data-parallel (`mpirun`): process r plays its contiguous share of the step's games (the
 //! games themselves do not depend on the number of processes; the samples do, each process
@@ -27,6 +29,7 @@ use super::{merge_iterations, GroupRun, GroupTrainer};
 use crate::engine::Stat;
 use crate::envs::play::ActionMode;
 use crate::error::{Error, Result};
+use crate::grpo::gigpo::StepCredit;
 use crate::grpo::TurnBatch;
 use crate::run::episodes::{add_episode_stats, log_game_step};
 use crate::run::run_loop::StepReport;
@@ -59,6 +62,9 @@ impl GroupRun {
         // Admissible commands, or truncated sampling (every turn then has its supports).
         let admissible = self.config.agent.actions == ActionMode::Admissible
             || (!allowed.is_empty() && allowed.iter().all(|a| !a.is_empty()));
+        // GiGPO: each turn's reward and state.
+        let rewards: Vec<f64> = batch.transitions.iter().map(|t| f64::from(t.reward)).collect();
+        let states: Vec<u64> = batch.transitions.iter().map(|t| t.state).collect();
         let input = TurnBatch {
             prompts: &prompts,
             completions: &actions,
@@ -66,6 +72,11 @@ impl GroupRun {
             episodes: &batch.turn_episodes,
             returns: &returns,
             micro_batch: self.config.episodes.micro_batch_turns,
+            step_credit: self.config.episodes.gigpo.as_ref().map(|args| StepCredit {
+                rewards: &rewards,
+                states: &states,
+                args,
+            }),
         };
         let t = Instant::now();
         let logs = match &mut self.trainer {
