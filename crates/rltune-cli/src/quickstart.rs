@@ -202,7 +202,7 @@ fn run_agent<G: AgentGames>(
         s.policy_parameters as f64 / 1e6,
         s.demonstrations
     );
-    println!("held-out games ({} episodes each, {} moves at most):", s.random.episodes, cfg.max_steps);
+    println!("held-out test games ({} episodes each, {} moves at most):", s.random.episodes, cfg.max_steps);
     for (name, r) in [("random agent", &s.random), ("BC policy", &s.bc), (rl_label.as_str(), &s.ppo)] {
         // The binomial standard error of the win rate, episodes taken as independent.
         let se = (r.win_rate * (1.0 - r.win_rate) / r.episodes.max(1) as f64).sqrt();
@@ -213,6 +213,18 @@ fn run_agent<G: AgentGames>(
             r.mean_normalized_score,
             r.mean_steps,
             100.0 * r.invalid_action_rate
+        );
+    }
+    if let Some(v) = &s.validation {
+        let d = v.rl_vs_bc;
+        println!(
+            "validation games ({} episodes, for choosing settings): BC {:.1}%, {} {:.1}%, {:+.1} points (paired SE {:.1})",
+            v.rl.episodes,
+            100.0 * v.bc.win_rate,
+            alg.to_uppercase(),
+            100.0 * v.rl.win_rate,
+            100.0 * d.delta,
+            100.0 * d.se
         );
     }
     print_stages(&s.stage_seconds);

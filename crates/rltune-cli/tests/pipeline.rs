@@ -1112,6 +1112,9 @@ fn admissible_actions_are_always_valid_in_play() {
         serde_json::from_str(&std::fs::read_to_string(qs.join("summary-grpo.json")).unwrap()).unwrap();
     assert_eq!(summary["config"]["algorithm"], "grpo");
     assert_eq!(summary["ppo"]["episodes"], 8);
+    // Validation games (disjoint from the test ones) for both policies.
+    assert_eq!(summary["validation"]["rl"]["episodes"], 4);
+    assert_eq!(summary["validation"]["bc"]["episodes"], 4);
     assert!(
         qs.join("grpo/checkpoints/step-2/model.safetensors").is_file() && qs.join("summary.json").is_file()
     );

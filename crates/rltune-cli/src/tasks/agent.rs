@@ -72,6 +72,12 @@ pub trait AgentGames: Clone + std::fmt::Debug + PartialEq + Serialize + serde::d
     fn eval_games(&self) -> Vec<String> {
         Vec::new()
     }
+
+    /// Whether the family has validation games ([`Split::Validation`]) apart from the test
+    /// ones: generated families do; game files come as a train and a held-out set.
+    fn has_validation(&self) -> bool {
+        false
+    }
 }
 
 /// The settings of an agent quickstart (`DIR/quickstart.json`; `--set key=value`); `G` is the
@@ -112,8 +118,12 @@ pub struct AgentQuickstartConfig<G> {
     pub ppo: PpoConfig,
     /// Discounting, shaping and evaluation during PPO.
     pub episodes: EpisodesSection,
-    /// Held-out episodes per agent in the final comparison.
+    /// Held-out (test) episodes per agent in the final comparison.
     pub eval_episodes: usize,
+    /// Validation episodes the BC and RL policies also play, on games disjoint from the test
+    /// ones, for choosing settings (families with validation games; 0: none).
+    #[serde(default)]
+    pub validation_episodes: usize,
     /// The RL stage: `ppo`, or trajectory-level `grpo` / `rloo` on the same games
     /// (`--algorithm`); each trains from the same BC policy in its own folder.
     #[serde(default)]
@@ -156,8 +166,8 @@ pub fn agent_rloo() -> RlooConfig {
     agent_group!(RlooConfig)
 }
 
-/// The keys of [`AgentQuickstartConfig`] that only the RL stage reads.
-const RL_KEYS: [&str; 4] = ["algorithm", "grpo", "rloo", "gigpo"];
+/// The keys of [`AgentQuickstartConfig`] that only the RL stage and the evaluation read.
+const RL_KEYS: [&str; 5] = ["algorithm", "grpo", "rloo", "gigpo", "validation_episodes"];
 
 impl<G: AgentGames> AgentQuickstartConfig<G> {
     fn env_section(&self, split: Split) -> EnvSection {
@@ -210,6 +220,21 @@ pub struct AgentSummary<G> {
     pub ppo_curve: Vec<(usize, f64, f64)>,
     /// Wall time per stage in seconds (stages run this time).
     pub stage_seconds: Vec<(String, f64)>,
+    /// The BC and RL policies on validation games (with `validation_episodes`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub validation: Option<ValidationResult>,
+}
+
+/// The BC and RL policies on validation games: what settings are chosen on, apart from the
+/// test games the checks read.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ValidationResult {
+    /// The BC policy.
+    pub bc: PlayReport,
+    /// The RL policy.
+    pub rl: PlayReport,
+    /// RL's win rate minus BC's on the same games, with its paired standard error.
+    pub rl_vs_bc: PairedDifference,
 }
 
 /// How many paired standard errors the RL policy's held-out win rate must exceed the BC
@@ -302,15 +327,23 @@ pub fn run_agent_quickstart<G: AgentGames>(
     drop(env);
     let random = PlayReport::of(&eps, dropped, started.elapsed().as_secs_f64());
     let generation = run_config.generation.clone();
-    let eval_model = |path: &Path| -> Result<(PlayReport, Vec<rltune::envs::play::Episode>)> {
+    let eval_model = |games: &EnvSection, path: &Path, n: usize| {
         let (dtype, device) = (runtime.dtype(), runtime.device());
         let policy = load_policy(&path.to_string_lossy(), false, dtype, device)?;
-        let n = cfg.eval_episodes;
-        evaluate(&heldout, &policy.model.lm, &tokenizer, &cfg.agent, &generation, n, eval_seed, device)
+        evaluate(games, &policy.model.lm, &tokenizer, &cfg.agent, &generation, n, eval_seed, device)
     };
-    let (bc, bc_episodes) = eval_model(&bc_dir)?;
-    let (ppo, ppo_episodes) = eval_model(&final_ckpt)?;
+    let (bc, bc_episodes) = eval_model(&heldout, &bc_dir, cfg.eval_episodes)?;
+    let (ppo, ppo_episodes) = eval_model(&heldout, &final_ckpt, cfg.eval_episodes)?;
     let ppo_vs_bc = PairedDifference::win_rate(&bc_episodes, &ppo_episodes)?;
+    let validation = if cfg.validation_episodes > 0 && cfg.game.has_validation() {
+        let games = cfg.env_section(Split::Validation);
+        let (bc, bc_episodes) = eval_model(&games, &bc_dir, cfg.validation_episodes)?;
+        let (rl, rl_episodes) = eval_model(&games, &final_ckpt, cfg.validation_episodes)?;
+        let rl_vs_bc = PairedDifference::win_rate(&bc_episodes, &rl_episodes)?;
+        Some(ValidationResult { bc, rl, rl_vs_bc })
+    } else {
+        None
+    };
     timed("eval", on, t);
 
     let policy = load_policy(&bc_dir.to_string_lossy(), false, runtime.dtype(), runtime.device())?;
@@ -328,6 +361,7 @@ pub fn run_agent_quickstart<G: AgentGames>(
             if cfg.algorithm.is_group() { "kl" } else { "objective/kl" },
         )?,
         stage_seconds: seconds,
+        validation,
     };
     write_file(&dir.join(summary_file(cfg.rl_stage())), to_json(&summary)?.as_bytes())?;
     Ok(summary)
@@ -631,6 +665,7 @@ mod tests {
             ppo_vs_bc: PairedDifference { episodes: 500, delta, se },
             ppo_curve: vec![(1, 0.4, 0.01), (2, 0.45, 0.05)],
             stage_seconds: Vec::new(),
+            validation: None,
         }
     }
 

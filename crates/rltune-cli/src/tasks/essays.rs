@@ -142,6 +142,7 @@ impl Default for AgentQuickstartConfig<EssaysConfig> {
             ppo,
             episodes,
             eval_episodes: 200,
+            validation_episodes: 0,
             algorithm: Default::default(),
             grpo: super::agent::agent_grpo(),
             rloo: super::agent::agent_rloo(),

@@ -118,7 +118,8 @@ impl AgentGames for TextworldGames {
     fn env_section(&self, split: Split, num_envs: usize, max_steps: usize) -> EnvSection {
         let games = match split {
             Split::Train => &self.train,
-            Split::Heldout => &self.heldout,
+            // No validation files (has_validation is false): the held-out set.
+            Split::Heldout | Split::Validation => &self.heldout,
         };
         self.section(games, num_envs, max_steps, split)
     }
@@ -180,6 +181,7 @@ impl Default for AgentQuickstartConfig<TextworldGames> {
             episodes: EpisodesSection { game_gamma: 0.9, ..d.episodes },
             // 4 episodes per held-out game.
             eval_episodes: 256,
+            validation_episodes: 0,
             algorithm: Default::default(),
             grpo: super::agent::agent_grpo(),
             rloo: super::agent::agent_rloo(),

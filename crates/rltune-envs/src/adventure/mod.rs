@@ -19,8 +19,9 @@
 //! sorted. An action is read with [`sanitize_action`] (first line only), lower-cased, with
 //! single spaces; anything not admissible is refused (`invalid`, still a move, no reward).
 //!
-//! Seeds: [`train_seed`] and [`heldout_seed`] map an index into disjoint ranges (below and
-//! from 2^31), so training never sees an evaluation game. A reset without a seed plays seed
+//! Seeds: [`train_seed`], [`validation_seed`] and [`heldout_seed`] (the test games) map an
+//! index into disjoint ranges (below 2^31, from 2^31 + 2^30, and between), so training never
+//! sees an evaluation game and settings chosen on validation games are reported on others. A reset without a seed plays seed
 //! [`DEFAULT_SEED`]. [`TextEnv::walkthrough`] gives the shortest win from the current state.
 //!
 //! ```
@@ -58,8 +59,13 @@ use world::{State, World, VERBS};
 /// The seed of a reset that names none.
 pub const DEFAULT_SEED: u64 = 0;
 
-/// Seeds below this are training games, seeds from it on are held-out games.
+/// Seeds below this are training games, seeds from it on are held-out games: the test games
+/// below [`VALIDATION_START`], the validation games from it on.
 pub const HELDOUT_START: u64 = 1 << 31;
+
+/// The first validation game's seed: held-out seeds from here on are for choosing settings,
+/// the ones below for reporting.
+pub const VALIDATION_START: u64 = HELDOUT_START + (1 << 30);
 
 /// The longest action read, in characters.
 const MAX_ACTION_CHARS: usize = 200;
@@ -72,9 +78,16 @@ pub fn train_seed(i: u64) -> u64 {
     i % HELDOUT_START
 }
 
-/// The `i`-th held-out game's seed: `2^31 + (i mod 2^31)`, never a training seed.
+/// The `i`-th held-out (test) game's seed: `2^31 + (i mod 2^30)`, never a training or a
+/// validation seed.
 pub fn heldout_seed(i: u64) -> u64 {
-    HELDOUT_START + i % HELDOUT_START
+    HELDOUT_START + i % (VALIDATION_START - HELDOUT_START)
+}
+
+/// The `i`-th validation game's seed: `2^31 + 2^30 + (i mod 2^30)`, never a training or a test
+/// seed.
+pub fn validation_seed(i: u64) -> u64 {
+    VALIDATION_START + i % (VALIDATION_START - HELDOUT_START)
 }
 
 /// Whether `seed` is a held-out game's (see [`heldout_seed`]).

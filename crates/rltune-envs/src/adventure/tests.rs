@@ -64,6 +64,13 @@ fn training_and_heldout_seeds_are_disjoint() {
     }
     assert_eq!(train_seed(5), 5);
     assert_eq!(heldout_seed(5), HELDOUT_START + 5);
+    // Validation seeds are held out, and never a test seed.
+    for i in [0, 1, 7, VALIDATION_START - HELDOUT_START - 1, HELDOUT_START, u64::MAX] {
+        let (test, validation) = (heldout_seed(i), validation_seed(i));
+        assert!(is_heldout(validation) && validation >= VALIDATION_START, "validation_seed({i})");
+        assert!(test < VALIDATION_START, "heldout_seed({i})");
+    }
+    assert_eq!(validation_seed(5), VALIDATION_START + 5);
 }
 
 #[test]

@@ -49,9 +49,12 @@ pub enum EnvKind {
 pub enum Split {
     /// Training seeds (for behavioural cloning and RL).
     Train,
-    /// Held-out seeds, disjoint from the training ones (for evaluation).
+    /// Held-out (test) seeds, disjoint from the training ones (for reporting).
     #[default]
     Heldout,
+    /// Validation seeds, disjoint from the training and the test ones (for choosing settings;
+    /// generated families only: game files are split into train and held-out sets).
+    Validation,
 }
 
 /// `[env]`
@@ -266,6 +269,7 @@ impl EnvSection {
                 seed: Some(match self.split {
                     Split::Train => crate::envs::adventure::train_seed(k),
                     Split::Heldout => crate::envs::adventure::heldout_seed(k),
+                    Split::Validation => crate::envs::adventure::validation_seed(k),
                 }),
                 game: None,
             },

@@ -338,10 +338,11 @@ impl EpisodeSource {
         .map(|(report, _)| report)
     }
 
-    /// The evaluation games: the held-out split, or `eval_games`.
+    /// The evaluation games during training: a generated family's validation split (so that
+    /// settings read off `eval/*` are not chosen on the test games), or `eval_games`.
     pub fn eval_section(&self) -> EnvSection {
         let mut s = self.section.clone();
-        s.split = Split::Heldout;
+        s.split = Split::Validation;
         if !self.episodes.eval_games.is_empty() {
             s.games = self.episodes.eval_games.clone();
         }
