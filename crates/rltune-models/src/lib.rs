@@ -50,6 +50,7 @@ pub mod gguf_write;
 pub mod gpt2;
 pub mod gpt_neo;
 pub mod gpt_neox;
+pub mod hub;
 pub mod io;
 pub mod layers;
 pub mod llama;

@@ -123,20 +123,16 @@ fn hub_files(id: &str) -> Result<ModelFiles> {
              the hub cache ($HF_HOME, default ~/.cache/huggingface) on a machine that is online"
         ))
     };
-    let cache = hf_hub::Cache::from_env();
-    let cached = cache.model(id.to_string());
-    let offline = std::env::var("HF_HUB_OFFLINE").is_ok_and(|v| v == "1" || v == "true");
+    let hub = super::hub::current();
+    let cached = hub.cache()?.model(id.to_string());
     let get = |name: &str| -> Result<Option<PathBuf>> {
         if let Some(p) = cached.get(name) {
             return Ok(Some(p));
         }
-        if offline {
+        if hub.offline {
             return Ok(None);
         }
-        let api = hf_hub::api::sync::ApiBuilder::from_env()
-            .with_progress(false)
-            .build()
-            .map_err(|e| offline_hint(name, &e))?;
+        let api = hub.api().map_err(|e| offline_hint(name, &e))?;
         match api.model(id.to_string()).get(name) {
             Ok(p) => Ok(Some(p)),
             Err(e) => {

@@ -383,6 +383,40 @@ impl fmt::Display for Runtime {
     }
 }
 
+/// What the library would otherwise read from the process environment: the hub options and
+/// the user's name. The library reads no environment variable; a program builds a `Host` (the
+/// `rltune` command: [`Host::from_vars`] over its environment) and installs it once at start-up
+/// ([`install_host`]). Without one: online hub access with the standard cache, user "unknown".
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Host {
+    /// Where hub files come from ([`crate::models::hub`]).
+    pub hub: crate::models::hub::HubOptions,
+    /// The user's name (MLflow's `mlflow.user`).
+    pub user: Option<String>,
+}
+
+impl Host {
+    /// The host from environment variables read through `var`: the hub's
+    /// ([`crate::models::hub::HubOptions::from_vars`]) and `USER` (or `USERNAME`).
+    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Self {
+        let user = var("USER").or_else(|| var("USERNAME")).filter(|u| !u.is_empty());
+        Self { hub: crate::models::hub::HubOptions::from_vars(&var), user }
+    }
+}
+
+static HOST: std::sync::RwLock<Option<Host>> = std::sync::RwLock::new(None);
+
+/// Makes `host` the process's (its hub options go to [`crate::models::hub::install`]).
+pub fn install_host(host: Host) {
+    crate::models::hub::install(host.hub.clone());
+    *HOST.write().unwrap_or_else(|e| e.into_inner()) = Some(host);
+}
+
+/// The installed [`Host`], or the default.
+pub fn host() -> Host {
+    HOST.read().unwrap_or_else(|e| e.into_inner()).clone().unwrap_or_default()
+}
+
 /// The memory in use on `device`'s GPU (all processes, the CUDA context included), in MiB, as
 /// the driver reports it (`cuMemGetInfo`: total − free); `None` on the CPU. For benchmarks.
 pub fn device_memory_used_mib(device: &Device) -> Option<f64> {

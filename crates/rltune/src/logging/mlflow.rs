@@ -42,6 +42,8 @@ pub struct MlflowOptions {
     pub params: Vec<(String, String)>,
     /// Extra tags (`rltune.run_dir`, …).
     pub tags: Vec<(String, String)>,
+    /// Who runs it (`mlflow.user`, `user_id`; [`crate::runtime::Host::user`]).
+    pub user: String,
 }
 
 /// An open MLflow run in a file store.
@@ -51,6 +53,7 @@ pub struct MlflowRun {
     experiment_id: String,
     run_id: String,
     run_name: String,
+    user: String,
     start_ms: u64,
     metrics: HashMap<String, File>,
     skipped: Vec<String>,
@@ -112,6 +115,7 @@ impl MlflowRun {
             experiment_id,
             run_id,
             run_name: opts.run_name.clone(),
+            user: opts.user.clone(),
             start_ms,
             metrics: HashMap::new(),
             skipped: Vec::new(),
@@ -120,13 +124,12 @@ impl MlflowRun {
             run.cut_metrics_after(last)?;
         }
         run.write_meta(None)?;
-        let user =
-            std::env::var("USER").or_else(|_| std::env::var("USERNAME")).unwrap_or_else(|_| "unknown".into());
+        let user = opts.user.as_str();
         let base_tags = [
             ("mlflow.runName", opts.run_name.as_str()),
             ("mlflow.source.name", "rltune"),
             ("mlflow.source.type", "LOCAL"),
-            ("mlflow.user", user.as_str()),
+            ("mlflow.user", user),
         ];
         let tags =
             base_tags.iter().map(|(k, v)| (k.to_string(), v.to_string())).chain(opts.tags.iter().cloned());
@@ -203,7 +206,7 @@ impl MlflowRun {
             yaml_str(&self.run_name),
             self.start_ms,
             status_code(end),
-            yaml_str(&std::env::var("USER").unwrap_or_else(|_| "unknown".into())),
+            yaml_str(&self.user),
         );
         crate::io::write_bytes_atomic(&self.run_dir.join("meta.yaml"), meta.as_bytes())?;
         Ok(())
@@ -373,6 +376,7 @@ mod tests {
             run_name: "ppo".into(),
             params: vec![("ppo.batch_size".into(), "8".into())],
             tags: vec![],
+            user: "ada".into(),
         }
     }
 

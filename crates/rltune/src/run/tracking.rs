@@ -31,6 +31,7 @@ pub fn trackers(config: &RunConfig) -> Result<Trackers> {
                 ("rltune.run_dir".into(), run_dir.display().to_string()),
                 ("rltune.algorithm".into(), format!("{:?}", config.algorithm.kind).to_lowercase()),
             ],
+            user: crate::runtime::host().user.unwrap_or_else(|| "unknown".into()),
         }
     });
     let wandb = logging.wandb_offline().then(|| WandbOptions {

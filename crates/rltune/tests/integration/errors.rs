@@ -185,13 +185,20 @@ fn sharded_index_with_a_missing_shard_names_the_shard() {
     );
 }
 
-/// Sets process-wide variables: the only test here that reads HF_HOME / HF_HUB_OFFLINE, and the
-/// temp HF_HOME is unique, so tests running beside it are unaffected.
+/// Installs process-wide hub options (an empty cache, offline): the only test here that loads
+/// a hub id, so tests running beside it are unaffected. The variables are given, not read from
+/// the process environment: the library reads none.
 #[test]
 fn hub_id_when_offline_says_to_pass_a_local_directory() {
     let home = tempfile::tempdir().unwrap();
-    std::env::set_var("HF_HOME", home.path());
-    std::env::set_var("HF_HUB_OFFLINE", "1");
+    let home_dir = home.path().to_string_lossy().into_owned();
+    let vars = |k: &str| match k {
+        "HF_HOME" => Some(home_dir.clone()),
+        "HF_HUB_OFFLINE" => Some("1".to_string()),
+        _ => None,
+    };
+    rltune::runtime::install_host(rltune::runtime::Host::from_vars(vars));
+    assert_eq!(rltune::models::hub::current().cache_dir, Some(home.path().join("hub")));
     let err = match load_policy("rltune-test/no-such-model", false, DType::F32, &Device::Cpu) {
         Ok(_) => panic!("an uncached hub id offline should fail"),
         Err(e) => e.to_string(),

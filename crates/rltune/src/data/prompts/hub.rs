@@ -94,12 +94,15 @@ pub fn select_split_files(files: &[String], split: Option<&str>) -> std::result:
 pub(super) struct Hub {
     pub(super) cache: hf_hub::Cache,
     pub(super) offline: bool,
+    /// The endpoint and the rest, for the client.
+    pub(super) options: crate::models::hub::HubOptions,
 }
 
-/// Loads a hub dataset through the environment's cache (`$HF_HOME`) and `HF_HUB_OFFLINE`.
+/// Loads a hub dataset through the installed hub options' cache, online unless they say
+/// offline ([`crate::models::hub`]).
 pub(crate) fn load_hub(id: &str, file: Option<&str>, split: Option<&str>) -> Result<Vec<Row>> {
-    let offline = std::env::var("HF_HUB_OFFLINE").is_ok_and(|v| v == "1" || v == "true");
-    Hub { cache: hf_hub::Cache::from_env(), offline }.load(id, file, split)
+    let options = crate::models::hub::current();
+    Hub { cache: options.cache()?, offline: options.offline, options }.load(id, file, split)
 }
 
 /// The error for a hub dataset that cannot be had, with what to do instead.
@@ -135,10 +138,7 @@ impl Hub {
         if self.offline {
             return Err(unavailable(id, &what, &"it is not in the hub cache and HF_HUB_OFFLINE is set"));
         }
-        let api = hf_hub::api::sync::ApiBuilder::from_env()
-            .with_progress(false)
-            .build()
-            .map_err(|e| unavailable(id, &what, &e))?;
+        let api = self.options.api().map_err(|e| unavailable(id, &what, &e))?;
         api.dataset(id.to_string()).get(file).map_err(|e| unavailable(id, &what, &e))
     }
 
@@ -151,10 +151,9 @@ impl Hub {
                 unavailable(id, "the file list", &"it is not in the hub cache and HF_HUB_OFFLINE is set")
             });
         }
-        let online = hf_hub::api::sync::ApiBuilder::from_env()
-            .with_progress(false)
-            .build()
-            .and_then(|api| api.dataset(id.to_string()).info());
+        let online = self.options.api().and_then(|api| {
+            api.dataset(id.to_string()).info().map_err(|e| crate::models::Error::Hub(e.to_string()))
+        });
         match (online, cached) {
             (Ok(info), _) => Ok(info.siblings.into_iter().map(|s| s.rfilename).collect()),
             (Err(e), Some(files)) => {

@@ -276,7 +276,11 @@ fn hub_datasets_load_offline_from_the_cache() {
         ("data/test-00000-of-00001.jsonl", "{\"question\": \"q2\", \"answer\": \"a2\"}\n"),
         ("README.md", "card"),
     ]);
-    let hub = Hub { cache: hf_hub::Cache::new(cache.path().to_path_buf()), offline: true };
+    let hub = Hub {
+        cache: hf_hub::Cache::new(cache.path().to_path_buf()),
+        offline: true,
+        options: Default::default(),
+    };
     let rows = hub.load("o/prompts", None, None).unwrap();
     assert_eq!(rows[0].to_value(), json!({"question": "q1", "answer": "a1"}));
     let rows = hub.load("o/prompts", Some("data/test-00000-of-00001.jsonl"), None).unwrap();
