@@ -1,7 +1,9 @@
 //! Reading user data: rollout files for `ppo-step` and `grpo-step`/`rloo-step`, prompt datasets.
 
 pub mod chat;
+pub mod files;
 pub mod group_rollouts;
+pub(crate) mod hub;
 pub mod prompts;
 pub mod rollouts;
 pub mod rows;

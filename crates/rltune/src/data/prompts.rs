@@ -18,8 +18,6 @@
 //! [`LengthSampler`] is TRL's `LengthSampler`: the sentiment example truncates each review to a
 //! random 2..8 tokens to make the queries (`tokenizer.encode(review)[: input_size()]`).
 
-pub(crate) mod hub;
-
 use std::path::Path;
 
 use rand::Rng;
@@ -29,8 +27,7 @@ use crate::error::{Error, Result};
 use crate::models::chat_template::{self, ChatTemplate};
 use crate::tokenizer::Tokenizer;
 
-pub use super::rows::SUPPORTED_EXTENSIONS;
-pub use hub::select_split_files;
+pub use super::files::{select_split_files, SUPPORTED_EXTENSIONS};
 
 /// One prompt: its text and the whole row it came from.
 #[derive(Debug, Clone, PartialEq)]

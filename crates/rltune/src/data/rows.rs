@@ -4,13 +4,13 @@
 //! [`read_rows`] reads a local file by extension — JSON lines (`.jsonl`), JSON (`.json`: an
 //! array of objects, or JSON lines), CSV (`.csv`, with a header row), Parquet (`.parquet`),
 //! Arrow IPC (`.arrow`) and plain text (`.txt`, one `{"text": line}` row per non-empty line) —
-//! a directory, or a Hugging Face hub dataset (see [`super::prompts`]). A directory is one of:
+//! a directory, or a Hugging Face hub dataset (see [`super::hub`]). A directory is one of:
 //!
 //! - a `datasets` `DatasetDict.save_to_disk` directory (`dataset_dict.json` and one
 //!   subdirectory per split): the split's subdirectory (default `train`);
 //! - a `Dataset.save_to_disk` directory (`state.json`, `dataset_info.json`, and the Arrow
 //!   files `data-0000x-of-0000n.arrow` that `state.json` lists, read in its order);
-//! - any other directory: its data files of the split ([`super::prompts::select_split_files`]).
+//! - any other directory: its data files of the split ([`super::files::select_split_files`]).
 //!
 //! Parquet needs the `parquet` cargo feature, Arrow (and `save_to_disk` directories) the `arrow`
 //! feature; the `rltune` binary has both.
@@ -29,8 +29,8 @@ use serde_json::{Map, Value};
 
 use crate::error::{Error, Result};
 
-/// The file extensions a dataset directory or hub repository is searched for.
-pub const SUPPORTED_EXTENSIONS: &[&str] = &["jsonl", "json", "csv", "parquet", "arrow"];
+pub use super::files::SUPPORTED_EXTENSIONS;
+use super::files::{extension, list_files, select_split_files};
 
 /// One dataset row: its columns, and where it came from.
 #[derive(Debug, Clone, PartialEq)]
@@ -110,8 +110,12 @@ pub fn read_rows(source: &str, opts: &DataOptions) -> Result<Vec<Row>> {
         read_file(path)?
     } else if path.is_dir() {
         read_dir(path, split)?
-    } else if let Some((id, file)) = super::prompts::hub::parse_hub_id(source) {
-        super::prompts::hub::load_hub(id, file, split)?
+    } else if let Some((id, file)) = super::hub::parse_hub_id(source) {
+        let mut rows = Vec::new();
+        for f in super::hub::hub_files(id, file, split)? {
+            rows.extend(read_file(&f)?);
+        }
+        rows
     } else {
         return Err(Error::io(
             path,
@@ -156,11 +160,6 @@ pub fn read_file(path: &Path) -> Result<Vec<Row>> {
     }
 }
 
-/// The lowercased extension of `path` (`""` when none).
-pub(crate) fn extension(path: &Path) -> String {
-    path.extension().map(|e| e.to_string_lossy().to_lowercase()).unwrap_or_default()
-}
-
 /// A directory: a `save_to_disk` dataset or dataset dict, else the files of `split`.
 fn read_dir(dir: &Path, split: Option<&str>) -> Result<Vec<Row>> {
     if dir.join("dataset_dict.json").is_file() {
@@ -171,8 +170,8 @@ fn read_dir(dir: &Path, split: Option<&str>) -> Result<Vec<Row>> {
     }
     let mut files = Vec::new();
     list_files(dir, dir, &mut files)?;
-    let chosen = super::prompts::select_split_files(&files, split)
-        .map_err(|m| Error::Input(format!("{}: {m}", dir.display())))?;
+    let chosen =
+        select_split_files(&files, split).map_err(|m| Error::Input(format!("{}: {m}", dir.display())))?;
     let mut rows = Vec::new();
     for f in chosen {
         rows.extend(read_file(&dir.join(&f))?);
@@ -233,23 +232,6 @@ fn read_saved_dataset(dir: &Path) -> Result<Vec<Row>> {
         rows.extend(read_arrow(&f)?);
     }
     Ok(rows)
-}
-
-/// Every file under `dir`, as `/`-separated paths relative to `root`, skipping hidden entries.
-pub(crate) fn list_files(root: &Path, dir: &Path, out: &mut Vec<String>) -> Result<()> {
-    let entries = std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))?;
-    for entry in entries {
-        let path: PathBuf = entry.map_err(|e| Error::io(dir, e))?.path();
-        if path.file_name().is_some_and(|n| n.to_string_lossy().starts_with('.')) {
-            continue;
-        }
-        if path.is_dir() {
-            list_files(root, &path, out)?;
-        } else if let Ok(rel) = path.strip_prefix(root) {
-            out.push(rel.components().map(|c| c.as_os_str().to_string_lossy()).collect::<Vec<_>>().join("/"));
-        }
-    }
-    Ok(())
 }
 
 /// `v` as JSON, cut to about 200 bytes: error messages quote rows, and a row can be megabytes.

@@ -6,8 +6,9 @@ use std::path::Path;
 use rand::SeedableRng;
 use serde_json::json;
 
-use super::hub::{parse_hub_id, Hub};
 use super::*;
+use crate::data::hub::{parse_hub_id, Hub};
+use crate::data::rows::read_file;
 
 /// Writes `files` (name, contents) into a fresh temporary directory.
 fn dir_with(files: &[(&str, &str)]) -> tempfile::TempDir {
@@ -281,21 +282,28 @@ fn hub_datasets_load_offline_from_the_cache() {
         offline: true,
         options: Default::default(),
     };
-    let rows = hub.load("o/prompts", None, None).unwrap();
+    let load = |id: &str, file: Option<&str>, split: Option<&str>| -> Result<Vec<Row>> {
+        let mut rows = Vec::new();
+        for f in hub.files(id, file, split)? {
+            rows.extend(read_file(&f)?);
+        }
+        Ok(rows)
+    };
+    let rows = load("o/prompts", None, None).unwrap();
     assert_eq!(rows[0].to_value(), json!({"question": "q1", "answer": "a1"}));
-    let rows = hub.load("o/prompts", Some("data/test-00000-of-00001.jsonl"), None).unwrap();
+    let rows = load("o/prompts", Some("data/test-00000-of-00001.jsonl"), None).unwrap();
     assert_eq!(rows[0].fields["question"], "q2");
-    let e = hub.load("o/prompts", Some("data/missing.jsonl"), None).unwrap_err().to_string();
+    let e = load("o/prompts", Some("data/missing.jsonl"), None).unwrap_err().to_string();
     assert!(
         e.contains("\"data/missing.jsonl\"") && e.contains("HF_HUB_OFFLINE") && e.contains("local path"),
         "{e}"
     );
-    let e = hub.load("o/other", None, None).unwrap_err().to_string();
+    let e = load("o/other", None, None).unwrap_err().to_string();
     assert!(
         e.contains("\"o/other\"") && e.contains("file list") && e.contains("o/other:path/in/repo.jsonl"),
         "{e}"
     );
-    let e = hub.load("o/prompts", None, Some("dev")).unwrap_err().to_string();
+    let e = load("o/prompts", None, Some("dev")).unwrap_err().to_string();
     assert!(e.contains("hub dataset \"o/prompts\"") && e.contains("split \"dev\""), "{e}");
 }
 

@@ -1,15 +1,16 @@
-//! Prompt datasets from the Hugging Face hub, and choosing a split's files.
+//! Datasets from the Hugging Face hub: which files, fetched into the hub cache.
 //!
 //! `owner/name:path/in/repo.jsonl` fetches that file; `owner/name` lists the repository (the
-//! hub API, or the cached snapshot when offline) and takes the files of the split. Files come
-//! from the hub cache first (`$HF_HOME/hub`), so a dataset downloaded once works offline
-//! (`HF_HUB_OFFLINE=1` skips the network entirely).
+//! hub API, or the cached snapshot when offline) and takes the files of the split
+//! ([`super::files::select_split_files`]). Files come from the hub cache first
+//! ([`crate::models::hub`]), so a dataset downloaded once works offline (offline options skip
+//! the network entirely). [`super::rows`] reads the files this returns.
 
 use std::path::PathBuf;
 
 use hf_hub::{Repo, RepoType};
 
-use crate::data::rows::{extension, list_files, read_file, Row, SUPPORTED_EXTENSIONS};
+use super::files::{extension, list_files, select_split_files, SUPPORTED_EXTENSIONS};
 use crate::error::{Error, Result};
 
 /// Splits `owner/name[:path/in/repo]` into the id and the file, when `source` looks like a hub
@@ -31,78 +32,19 @@ pub(crate) fn parse_hub_id(source: &str) -> Option<(&str, Option<&str>)> {
     (valid(owner) && valid(name) && !data_ext).then_some((id, file))
 }
 
-/// Whether `file` (a `/`-separated path) belongs to `split`: a folder named `split`, or a file
-/// name that is `split` or starts with `split` followed by `-`, `_` or `.` (`train.jsonl`,
-/// `train-00000-of-00001.parquet`, `data/train/0000.parquet`).
-fn in_split(file: &str, split: &str) -> bool {
-    let mut parts: Vec<&str> = file.split('/').collect();
-    let name = parts.pop().unwrap_or_default();
-    let stem = name.split('.').next().unwrap_or_default();
-    parts.contains(&split)
-        || stem == split
-        || [format!("{split}-"), format!("{split}_")].iter().any(|p| stem.starts_with(p.as_str()))
-}
-
-/// Chooses the data files (by extension, see [`SUPPORTED_EXTENSIONS`]) of `split` among `files`
-/// (`/`-separated paths in a directory or hub repository).
-///
-/// With `split = None`, the only data file if there is one, else split `train`. A file is in a
-/// split when a folder on its path is named after it, or its name is the split or starts with it
-/// followed by `-`, `_` or `.` (the hub's `data/train-00000-of-00001.parquet`). Fails, listing
-/// the data files, when none match, or when the matches lie in different folders (e.g. two
-/// dataset configurations): then name one file.
-pub fn select_split_files(files: &[String], split: Option<&str>) -> std::result::Result<Vec<String>, String> {
-    let mut data: Vec<&String> = files
-        .iter()
-        .filter(|f| SUPPORTED_EXTENSIONS.contains(&extension(std::path::Path::new(f.as_str())).as_str()))
-        .collect();
-    data.sort();
-    let listed = || {
-        let shown: Vec<&str> = data.iter().take(20).map(|f| f.as_str()).collect();
-        let more = data.len().saturating_sub(20);
-        format!("{}{}", shown.join(", "), if more > 0 { format!(" and {more} more") } else { String::new() })
-    };
-    if data.is_empty() {
-        let exts = SUPPORTED_EXTENSIONS.iter().map(|e| format!(".{e}")).collect::<Vec<_>>().join(", ");
-        return Err(format!("no data files ({exts}) among its {} files", files.len()));
-    }
-    if let (None, [only]) = (split, data.as_slice()) {
-        return Ok(vec![only.to_string()]);
-    }
-    let split = split.unwrap_or("train");
-    let chosen: Vec<String> = data.iter().filter(|f| in_split(f, split)).map(|f| f.to_string()).collect();
-    if chosen.is_empty() {
-        return Err(format!(
-            "no data files for split {split:?}; data files: {}; choose the split, or name one file",
-            listed()
-        ));
-    }
-    let folder = |f: &String| f.rsplit_once('/').map_or(String::new(), |(d, _)| d.to_string());
-    let mut folders: Vec<String> = chosen.iter().map(folder).collect();
-    folders.sort();
-    folders.dedup();
-    if folders.len() > 1 {
-        return Err(format!(
-            "the files of split {split:?} lie in several folders (dataset configurations?): {}; name one file",
-            chosen.join(", ")
-        ));
-    }
-    Ok(chosen)
-}
-
 /// The hub cache, and whether the network may be used.
-pub(super) struct Hub {
-    pub(super) cache: hf_hub::Cache,
-    pub(super) offline: bool,
+pub(crate) struct Hub {
+    pub(crate) cache: hf_hub::Cache,
+    pub(crate) offline: bool,
     /// The endpoint and the rest, for the client.
-    pub(super) options: crate::models::hub::HubOptions,
+    pub(crate) options: crate::models::hub::HubOptions,
 }
 
-/// Loads a hub dataset through the installed hub options' cache, online unless they say
-/// offline ([`crate::models::hub`]).
-pub(crate) fn load_hub(id: &str, file: Option<&str>, split: Option<&str>) -> Result<Vec<Row>> {
+/// The local paths of a hub dataset's files (`file`, or the split's), through the installed hub
+/// options' cache, online unless they say offline ([`crate::models::hub`]).
+pub(crate) fn hub_files(id: &str, file: Option<&str>, split: Option<&str>) -> Result<Vec<PathBuf>> {
     let options = crate::models::hub::current();
-    Hub { cache: options.cache()?, offline: options.offline, options }.load(id, file, split)
+    Hub { cache: options.cache()?, offline: options.offline, options }.files(id, file, split)
 }
 
 /// The error for a hub dataset that cannot be had, with what to do instead.
@@ -115,18 +57,14 @@ fn unavailable(id: &str, what: &str, why: &dyn std::fmt::Display) -> Error {
 }
 
 impl Hub {
-    /// The rows of `file`, or of the split's files when `file` is `None`.
-    pub(super) fn load(&self, id: &str, file: Option<&str>, split: Option<&str>) -> Result<Vec<Row>> {
+    /// The local paths of `file`, or of the split's files when `file` is `None`.
+    pub(crate) fn files(&self, id: &str, file: Option<&str>, split: Option<&str>) -> Result<Vec<PathBuf>> {
         let files = match file {
             Some(f) => vec![f.to_string()],
             None => select_split_files(&self.list(id)?, split)
                 .map_err(|m| Error::Hub(format!("hub dataset {id:?}: {m}")))?,
         };
-        let mut rows = Vec::new();
-        for f in files {
-            rows.extend(read_file(&self.get(id, &f)?)?);
-        }
-        Ok(rows)
+        files.iter().map(|f| self.get(id, f)).collect()
     }
 
     /// The local path of `file`: from the cache, else downloaded.
