@@ -50,6 +50,11 @@ impl Launch {
     /// (an MPI launcher under Slurm sets both: MPI's are the ones its collectives follow).
     /// Without any, one process. A malformed or inconsistent value is an error naming it.
     pub fn from_vars(vars: &HashMap<String, String>) -> Result<Self> {
+        Self::from_lookup(|k| vars.get(k).cloned())
+    }
+
+    /// [`Self::from_vars`] through a lookup of one variable at a time.
+    pub fn from_lookup(var: impl Fn(&str) -> Option<String>) -> Result<Self> {
         let kinds: [(Launcher, &str, &str, &[&str]); 4] = [
             (
                 Launcher::OpenMpi,
@@ -62,27 +67,27 @@ impl Launch {
             (Launcher::Torchrun, "RANK", "WORLD_SIZE", &["LOCAL_RANK"]),
         ];
         for (launcher, rank_var, size_var, local_vars) in kinds {
-            let Some(rank) = vars.get(rank_var) else { continue };
-            let rank = number(rank_var, rank)?;
-            let size_text = vars.get(size_var).ok_or_else(|| Error::Env {
+            let Some(rank) = var(rank_var) else { continue };
+            let rank = number(rank_var, &rank)?;
+            let size_text = var(size_var).ok_or_else(|| Error::Env {
                 var: size_var.into(),
                 msg: format!("{rank_var} is set but {size_var} is not: set both, or neither for one process"),
             })?;
-            let world_size = number(size_var, size_text)?;
+            let world_size = number(size_var, &size_text)?;
             if world_size == 0 || rank >= world_size {
                 return Err(Error::Env {
                     var: rank_var.into(),
                     msg: format!("rank {rank} is not below the world size {world_size} ({size_var})"),
                 });
             }
-            let local_rank = match local_vars.iter().find_map(|v| vars.get(*v).map(|t| (v, t))) {
-                Some((v, t)) => number(v, t)?,
+            let local_rank = match local_vars.iter().find_map(|v| var(v).map(|t| (v, t))) {
+                Some((v, t)) => number(v, &t)?,
                 None => rank, // one machine
             };
             let master = match launcher {
                 Launcher::Torchrun if world_size > 1 => {
                     let get = |v: &str| {
-                        vars.get(v).cloned().ok_or_else(|| Error::Env {
+                        var(v).ok_or_else(|| Error::Env {
                             var: v.into(),
                             msg:
                                 "torchrun-style launches set MASTER_ADDR and MASTER_PORT: set it to rank 0's \

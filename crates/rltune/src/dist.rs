@@ -78,7 +78,7 @@ pub fn local_gpu() -> Option<usize> {
     if world_size() == 1 {
         return None;
     }
-    Launch::from_env().ok().map(|l| l.local_rank)
+    crate::runtime::host().local_rank
 }
 
 /// Runs `f` on the installed collective (a [`SingleProcess`] when none is).

@@ -393,14 +393,23 @@ pub struct Host {
     pub hub: crate::models::hub::HubOptions,
     /// The user's name (MLflow's `mlflow.user`).
     pub user: Option<String>,
+    /// In a data-parallel launch, this process's rank on its machine (its GPU).
+    pub local_rank: Option<usize>,
 }
 
 impl Host {
     /// The host from environment variables read through `var`: the hub's
-    /// ([`crate::models::hub::HubOptions::from_vars`]) and `USER` (or `USERNAME`).
+    /// ([`crate::models::hub::HubOptions::from_vars`]), `USER` (or `USERNAME`), and the
+    /// launcher's local rank (`rltune_dist::Launch`: mpirun, MPICH, Slurm, torchrun) when it
+    /// starts more than one process.
     pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Self {
         let user = var("USER").or_else(|| var("USERNAME")).filter(|u| !u.is_empty());
-        Self { hub: crate::models::hub::HubOptions::from_vars(&var), user }
+        let launch = rltune_dist::Launch::from_lookup(&var).ok().filter(|l| l.world_size > 1);
+        Self {
+            hub: crate::models::hub::HubOptions::from_vars(&var),
+            user,
+            local_rank: launch.map(|l| l.local_rank),
+        }
     }
 }
 
@@ -535,6 +544,27 @@ fn open_cuda(n: usize, choice: DeviceChoice) -> Result<Device> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What the library used to read from the environment comes from the variables given.
+    #[test]
+    fn the_host_is_read_from_the_variables_given() {
+        let vars = |pairs: &'static [(&'static str, &'static str)]| {
+            move |k: &str| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
+        };
+        let h = Host::from_vars(vars(&[
+            ("USERNAME", "ada"),
+            ("HF_HUB_OFFLINE", "true"),
+            ("OMPI_COMM_WORLD_RANK", "3"),
+            ("OMPI_COMM_WORLD_SIZE", "4"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+        ]));
+        assert_eq!((h.user.as_deref(), h.hub.offline, h.local_rank), (Some("ada"), true, Some(1)));
+        // One process: no local rank; USER wins over USERNAME.
+        let h =
+            Host::from_vars(vars(&[("USER", "bo"), ("USERNAME", "ada"), ("RANK", "0"), ("WORLD_SIZE", "1")]));
+        assert_eq!((h.user.as_deref(), h.local_rank), (Some("bo"), None));
+        assert_eq!(Host::from_vars(|_| None), Host::default());
+    }
 
     #[test]
     fn device_and_dtype_parse_and_print_round_trip() {
