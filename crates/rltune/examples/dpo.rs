@@ -11,7 +11,7 @@
 //!    them into the weights;
 //! 4. **update**: backward, Adam, over shuffled minibatches for a few epochs.
 //!
-//! The task is the PPO example's toy turned into preferences: the chosen completion is half
+//! The task is the examples' toy (`examples/toy`) turned into preferences: the chosen completion is half
 //! [`TARGET`] tokens, the rejected one has none. After training the policy says [`TARGET`] far
 //! more often when it samples, without ever seeing a reward.
 //!
@@ -24,23 +24,16 @@
 //! TRL's metrics; `rltune dpo` adds the rest of a run (datasets, chat templates, LoRA,
 //! checkpoints).
 
-use candle_core::{DType, Device, Tensor, Var};
+mod toy;
+
+use candle_core::{Device, Tensor};
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rltune::dpo::loss::{batch_loss, LossParams, PairLogps};
 use rltune::dpo::{DpoLossType, FDivergence};
 use rltune::generation::{generate, GenerationConfig};
-use rltune::models::gpt2::Gpt2Config;
-use rltune::models::layers::causal_bias;
-use rltune::models::{CausalLm, CausalLmConfig};
-use rltune::ops;
-use rltune::optim::{Adam, AdamConfig, Grads};
-use rltune::params::ParamStore;
-
-/// The token the chosen completions hold.
-const TARGET: u32 = 7;
-/// Vocabulary of the toy model (the last id is its end-of-sequence token).
-const VOCAB: usize = 32;
+use rltune::models::CausalLm;
+use toy::{TARGET, VOCAB};
 
 /// The hyper-parameters, with TRL's DPOConfig names.
 struct Args {
@@ -74,39 +67,29 @@ impl Default for Args {
     }
 }
 
-/// Each row's summed logprob of its completion `(B,)` (prompt + completion rows of one length).
+/// Each row's summed logprob of its completion `(B,)`.
 fn sequence_logprobs(
     lm: &CausalLm,
     rows: &[Vec<u32>],
     prompt_len: usize,
     device: &Device,
 ) -> rltune::Result<Tensor> {
-    let (b, l) = (rows.len(), rows[0].len());
-    let ids = Tensor::from_vec(rows.concat(), (b, l), device)?;
-    let positions = Tensor::arange(0u32, l as u32, device)?.unsqueeze(0)?.repeat((b, 1))?;
-    let bias = causal_bias(&vec![vec![1u8; l]; b], l, DType::F32, device)?;
-    let logits = lm.logits(&lm.forward(&ids, &positions, &bias, None)?)?;
-    // Position t predicts token t + 1: positions P−1 .. L−2 predict the completion.
-    let predicting = logits.narrow(1, prompt_len - 1, l - prompt_len)?.contiguous()?;
-    let targets = ids.narrow(1, prompt_len, l - prompt_len)?.contiguous()?;
-    Ok(ops::logprobs_of(&predicting, &targets)?.sum(1)?)
+    Ok(toy::completion_logprobs(lm, rows, prompt_len, device)?.sum(1)?)
 }
 
 /// The share of [`TARGET`] in completions the policy samples for `n` fresh prompts.
 fn target_share(lm: &CausalLm, a: &Args, n: usize, seed: u64, device: &Device) -> rltune::Result<f64> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let prompts: Vec<Vec<u32>> =
-        (0..n).map(|_| (0..a.prompt_len).map(|_| rng.gen_range(0..VOCAB as u32 - 1)).collect()).collect();
+    let prompts: Vec<Vec<u32>> = (0..n).map(|_| toy::prompt(&mut rng, a.prompt_len)).collect();
     let generation = GenerationConfig {
         max_new_tokens: a.completion_len,
-        min_new_tokens: a.completion_len,
+        min_new_tokens: 0, // EOS may be sampled: the samples are exactly π's
         stop_at_eos: false,
         seed,
         ..GenerationConfig::default()
     };
     let samples = generate(lm, None, &prompts, &generation, device)?;
-    let hits: usize = samples.iter().map(|s| s.response_ids.iter().filter(|&&t| t == TARGET).count()).sum();
-    Ok(hits as f64 / (n * a.completion_len) as f64)
+    Ok(samples.iter().map(|s| toy::reward(&s.response_ids)).sum::<f64>() / n as f64)
 }
 
 fn main() -> rltune::Result<()> {
@@ -116,12 +99,9 @@ fn main() -> rltune::Result<()> {
     let device = Device::Cpu;
     let mut rng = rand::rngs::StdRng::seed_from_u64(a.seed);
 
-    // The policy: a tiny GPT-2, trainable. The reference: a frozen copy of its initial weights.
-    let cfg = CausalLmConfig::Gpt2(Gpt2Config::tiny(VOCAB, 64, 2, 4, 64));
-    let store = ParamStore::random(a.seed, true, DType::F32, &device)?;
-    let policy = CausalLm::load(&store.root(), &cfg)?;
-    let reference_store = store.frozen_copy()?;
-    let reference = CausalLm::load(&reference_store.root(), &cfg)?;
+    // The policy: the toy GPT-2, trainable. The reference: a frozen copy of its initial weights.
+    let (store, policy) = toy::policy(a.seed, &device)?;
+    let (_reference_store, reference) = toy::reference(&store)?;
 
     // 1. The preference pairs: a random prompt; chosen = half TARGET, rejected = none.
     let other = |rng: &mut rand::rngs::StdRng| loop {
@@ -133,7 +113,7 @@ fn main() -> rltune::Result<()> {
     let mut chosen = Vec::new();
     let mut rejected = Vec::new();
     for _ in 0..a.pairs {
-        let prompt: Vec<u32> = (0..a.prompt_len).map(|_| rng.gen_range(0..VOCAB as u32 - 1)).collect();
+        let prompt = toy::prompt(&mut rng, a.prompt_len);
         let c: Vec<u32> =
             (0..a.completion_len).map(|i| if i % 2 == 0 { TARGET } else { other(&mut rng) }).collect();
         let r: Vec<u32> = (0..a.completion_len).map(|_| other(&mut rng)).collect();
@@ -146,9 +126,7 @@ fn main() -> rltune::Result<()> {
     let ref_rejected: Vec<f32> =
         sequence_logprobs(&reference, &rejected, a.prompt_len, &device)?.to_vec1()?;
 
-    let vars: Vec<Var> = store.vars().into_iter().map(|(_, v)| v).collect();
-    let mut adam = Adam::new(vars.clone(), AdamConfig { lr: a.learning_rate, ..AdamConfig::default() })?;
-    let mut grads = Grads::new(&vars);
+    let (mut adam, mut grads) = toy::adam(&store, a.learning_rate)?;
     let params = LossParams {
         losses: vec![(DpoLossType::Sigmoid, 1.0)],
         beta: a.beta,

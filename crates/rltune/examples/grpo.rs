@@ -11,8 +11,8 @@
 //!    `−min(ρ·A, clip(ρ)·A)` plus `β·KL` (k3) per token, averaged over the batch's tokens
 //!    (`loss_type = "dapo"`), backward, Adam.
 //!
-//! The task is the PPO example's toy: the reward is the share of completion tokens equal to
-//! [`TARGET`], on a tiny GPT-2 built in-process.
+//! The task is the examples' toy (`examples/toy`): the reward is the share of completion tokens
+//! equal to one token, on a tiny GPT-2 built in-process.
 //!
 //! ```text
 //! cargo run --release -p rltune --example grpo
@@ -23,24 +23,16 @@
 //! completions) and TRL's metrics; `rltune ppo` with `[algorithm] kind = "grpo"` adds the rest
 //! of a run.
 
-use candle_core::{DType, Device, Tensor, Var};
-use rand::{Rng, SeedableRng};
+mod toy;
+
+use candle_core::{DType, Device, Tensor};
+use rand::SeedableRng;
 use rltune::generation::{generate, GenerationConfig};
 use rltune::grpo::config::{Aggregation, ImportanceSamplingLevel};
 use rltune::grpo::math::{aggregate_loss, grpo_advantages, grpo_objective, ObjectiveParams};
 use rltune::grpo::{LossType, ScaleRewards};
-use rltune::models::gpt2::Gpt2Config;
-use rltune::models::layers::causal_bias;
-use rltune::models::{CausalLm, CausalLmConfig};
-use rltune::ops;
-use rltune::optim::{Adam, AdamConfig, Grads};
-use rltune::params::ParamStore;
 use rltune::ppo::math::scalar;
-
-/// The token the reward asks for.
-const TARGET: u32 = 7;
-/// Vocabulary of the toy model (the last id is its end-of-sequence token).
-const VOCAB: usize = 32;
+use toy::{completion_logprobs, reward};
 
 /// The hyper-parameters, with TRL's GRPOConfig names.
 struct Args {
@@ -80,29 +72,6 @@ impl Default for Args {
     }
 }
 
-/// Log π(completion token) `(B, C)` of prompt + completion rows (one length: no padding here).
-fn completion_logprobs(
-    lm: &CausalLm,
-    rows: &[Vec<u32>],
-    prompt_len: usize,
-    device: &Device,
-) -> rltune::Result<Tensor> {
-    let (b, l) = (rows.len(), rows[0].len());
-    let ids = Tensor::from_vec(rows.concat(), (b, l), device)?;
-    let positions = Tensor::arange(0u32, l as u32, device)?.unsqueeze(0)?.repeat((b, 1))?;
-    let bias = causal_bias(&vec![vec![1u8; l]; b], l, DType::F32, device)?;
-    let logits = lm.logits(&lm.forward(&ids, &positions, &bias, None)?)?;
-    // Position t predicts token t + 1: positions P−1 .. L−2 predict the completion.
-    let predicting = logits.narrow(1, prompt_len - 1, l - prompt_len)?.contiguous()?;
-    let targets = ids.narrow(1, prompt_len, l - prompt_len)?.contiguous()?;
-    Ok(ops::logprobs_of(&predicting, &targets)?)
-}
-
-/// The score of one completion: the share of its tokens that are [`TARGET`].
-fn reward(completion: &[u32]) -> f64 {
-    completion.iter().filter(|&&t| t == TARGET).count() as f64 / completion.len().max(1) as f64
-}
-
 fn main() -> rltune::Result<()> {
     // The process-wide CPU settings (FTZ/DAZ, the thread pool): one explicit call, at the start.
     rltune::cpu::ProcessSettings::default().install()?;
@@ -110,17 +79,11 @@ fn main() -> rltune::Result<()> {
     let device = Device::Cpu;
     let mut rng = rand::rngs::StdRng::seed_from_u64(a.seed);
 
-    // The policy: a tiny GPT-2, trainable (no value head: GRPO has no critic). The reference: a
+    // The policy: the toy GPT-2, trainable (no value head: GRPO has no critic). The reference: a
     // frozen copy of its initial weights.
-    let cfg = CausalLmConfig::Gpt2(Gpt2Config::tiny(VOCAB, 64, 2, 4, 64));
-    let store = ParamStore::random(a.seed, true, DType::F32, &device)?;
-    let policy = CausalLm::load(&store.root(), &cfg)?;
-    let reference_store = store.frozen_copy()?;
-    let reference = CausalLm::load(&reference_store.root(), &cfg)?;
-
-    let vars: Vec<Var> = store.vars().into_iter().map(|(_, v)| v).collect();
-    let mut adam = Adam::new(vars.clone(), AdamConfig { lr: a.learning_rate, ..AdamConfig::default() })?;
-    let mut grads = Grads::new(&vars);
+    let (store, policy) = toy::policy(a.seed, &device)?;
+    let (_reference_store, reference) = toy::reference(&store)?;
+    let (mut adam, mut grads) = toy::adam(&store, a.learning_rate)?;
     let objective = ObjectiveParams {
         epsilon_low: a.epsilon,
         epsilon_high: a.epsilon,
@@ -135,12 +98,11 @@ fn main() -> rltune::Result<()> {
         // 1. Rollout: each prompt repeated `num_generations` times in a row, one sample each.
         let mut prompts = Vec::new();
         for _ in 0..a.prompts {
-            let p: Vec<u32> = (0..a.prompt_len).map(|_| rng.gen_range(0..VOCAB as u32 - 1)).collect();
-            prompts.extend(std::iter::repeat_n(p, a.num_generations));
+            prompts.extend(std::iter::repeat_n(toy::prompt(&mut rng, a.prompt_len), a.num_generations));
         }
         let generation = GenerationConfig {
             max_new_tokens: a.completion_len,
-            min_new_tokens: a.completion_len,
+            min_new_tokens: 0, // EOS may be sampled: the samples are exactly π's
             stop_at_eos: false,
             seed: a.seed ^ step as u64,
             ..GenerationConfig::default()

@@ -12,8 +12,8 @@
 //! 6. **update**: epochs of shuffled minibatches, each the clipped policy loss plus the clipped
 //!    value loss, backward, Adam.
 //!
-//! The task is a toy, so that it runs in seconds on a laptop with a model built in-process: the
-//! reward is the share of response tokens equal to [`TARGET`]. The policy learns to say it, and
+//! The task is a toy (`examples/toy`), so that it runs in seconds on a laptop with a model built
+//! in-process: the reward is the share of response tokens equal to one token. The policy learns to say it, and
 //! the KL penalty holds it near the reference.
 //!
 //! ```text
@@ -25,23 +25,17 @@
 //! length, the fused CPU update) and its statistics under TRL's names; `rltune ppo` adds the rest
 //! of a run (prompts, reward models, logging, checkpoints).
 
-use candle_core::{DType, Device, Tensor, Var};
+mod toy;
+
+use candle_core::{DType, Device, Tensor};
 use rand::seq::SliceRandom;
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 use rltune::generation::{generate, GenerationConfig};
-use rltune::models::gpt2::Gpt2Config;
 use rltune::models::layers::causal_bias;
-use rltune::models::{CausalLm, CausalLmConfig, CausalLmWithValueHead};
+use rltune::models::{CausalLm, CausalLmWithValueHead};
 use rltune::ops;
-use rltune::optim::{Adam, AdamConfig, Grads};
-use rltune::params::ParamStore;
 use rltune::ppo::math::{compute_advantages, compute_rewards, kl_penalty, masked_mean, ppo_losses, scalar};
 use rltune::ppo::KlPenalty;
-
-/// The token the reward asks for.
-const TARGET: u32 = 7;
-/// Vocabulary of the toy model (the last id is its end-of-sequence token).
-const VOCAB: usize = 32;
 
 /// The hyper-parameters, with TRL's PPOConfig names where it has them.
 struct Args {
@@ -145,11 +139,6 @@ fn reference_forward(reference: &CausalLm, batch: &Batch) -> rltune::Result<Tens
     Ok(ops::logprobs_of(&batch.response_part(&logits)?, &batch.targets)?)
 }
 
-/// The score of one response: the share of its tokens that are [`TARGET`].
-fn reward(response: &[u32]) -> f32 {
-    response.iter().filter(|&&t| t == TARGET).count() as f32 / response.len().max(1) as f32
-}
-
 fn main() -> rltune::Result<()> {
     // The process-wide CPU settings (FTZ/DAZ, the thread pool): one explicit call, at the start.
     rltune::cpu::ProcessSettings::default().install()?;
@@ -157,28 +146,24 @@ fn main() -> rltune::Result<()> {
     let device = Device::Cpu;
     let mut rng = rand::rngs::StdRng::seed_from_u64(a.seed);
 
-    // The policy: a tiny GPT-2 with a scalar value head, trainable. The reference: a frozen copy
-    // of its initial weights (TRL's `create_reference_model`).
-    let cfg = CausalLmConfig::Gpt2(Gpt2Config::tiny(VOCAB, 64, 2, 4, 64));
-    let store = ParamStore::random(a.seed, true, DType::F32, &device)?;
-    let policy = CausalLmWithValueHead::load(&store.root(), CausalLm::load(&store.root(), &cfg)?)?;
-    let reference_store = store.frozen_copy()?;
-    let reference = CausalLm::load(&reference_store.root(), &cfg)?;
+    // The policy: the toy GPT-2 with a scalar value head, trainable. The reference: a frozen
+    // copy of its initial weights (TRL's `create_reference_model`).
+    let (store, lm) = toy::policy(a.seed, &device)?;
+    let policy = CausalLmWithValueHead::load(&store.root(), lm)?;
+    let (_reference_store, reference) = toy::reference(&store)?;
 
     // torch's Adam over every trainable variable, and the gradient buffers it reads.
-    let vars: Vec<Var> = store.vars().into_iter().map(|(_, v)| v).collect();
-    let mut adam = Adam::new(vars.clone(), AdamConfig { lr: a.learning_rate, ..AdamConfig::default() })?;
-    let mut grads = Grads::new(&vars);
+    let (mut adam, mut grads) = toy::adam(&store, a.learning_rate)?;
 
     println!("iter  reward  kl/token  pg_loss  vf_loss  clipfrac");
     for iteration in 1..=a.iterations {
         // 1. Rollout: a response of `response_len` tokens to each random prompt.
-        let prompts: Vec<Vec<u32>> = (0..a.batch_size)
-            .map(|_| (0..a.prompt_len).map(|_| rng.gen_range(0..VOCAB as u32 - 1)).collect())
-            .collect();
+        let prompts: Vec<Vec<u32>> = (0..a.batch_size).map(|_| toy::prompt(&mut rng, a.prompt_len)).collect();
         let generation = GenerationConfig {
             max_new_tokens: a.response_len,
-            min_new_tokens: a.response_len,
+            // EOS may be sampled (and generation goes on): the samples are exactly π's, so the
+            // logprobs of the update are those of the sampler.
+            min_new_tokens: 0,
             stop_at_eos: false,
             seed: a.seed ^ iteration as u64,
             ..GenerationConfig::default()
@@ -186,7 +171,7 @@ fn main() -> rltune::Result<()> {
         let samples = generate(&policy.lm, None, &prompts, &generation, &device)?;
 
         // 2. Score each response.
-        let scores: Vec<f32> = samples.iter().map(|s| reward(&s.response_ids)).collect();
+        let scores: Vec<f32> = samples.iter().map(|s| toy::reward(&s.response_ids) as f32).collect();
 
         // 3. Old logprobs and values, and the reference's logprobs: no gradient.
         let rows: Vec<Vec<u32>> =
