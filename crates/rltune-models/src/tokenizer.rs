@@ -63,6 +63,51 @@ impl Tokenizer {
         Self { inner: bounded_cache(inner), path: PathBuf::from("<in memory>") }
     }
 
+    /// A word-level tokenizer of `words` that splits on whitespace and punctuation (the
+    /// `tokenizers` `Whitespace` pre-tokenizer), for tests and smoke runs with a model built
+    /// in-process. With `bert`, ids 0–3 are `[PAD] [UNK] [CLS] [SEP]` and a single text becomes
+    /// `[CLS] … [SEP]`; otherwise the words come first, then `<unk>` and `<eos>` (the last id,
+    /// as `Gpt2Config::tiny` expects). Give each word once: a word listed twice keeps its last
+    /// id. Words in `[…]` or `<…>` are special tokens.
+    pub fn word_level(words: &[&str], bert: bool) -> Result<Self> {
+        let specials: Vec<&str> = if bert { vec!["[PAD]", "[UNK]", "[CLS]", "[SEP]"] } else { vec![] };
+        let tail: Vec<&str> = if bert { vec![] } else { vec!["<unk>", "<eos>"] };
+        let all: Vec<&str> = specials.iter().chain(words).chain(&tail).copied().collect();
+        let vocab: serde_json::Map<String, serde_json::Value> =
+            all.iter().enumerate().map(|(i, w)| (w.to_string(), i.into())).collect();
+        let added: Vec<serde_json::Value> = all
+            .iter()
+            .enumerate()
+            .filter(|(_, w)| w.starts_with('[') || w.starts_with('<'))
+            .map(|(i, w)| {
+                serde_json::json!({"id": i, "content": w, "single_word": false, "lstrip": false,
+                                   "rstrip": false, "normalized": false, "special": true})
+            })
+            .collect();
+        let tok = |id: &str| serde_json::json!({"SpecialToken": {"id": id, "type_id": 0}});
+        let seq = |id: &str, t: u32| serde_json::json!({"Sequence": {"id": id, "type_id": t}});
+        let post = bert.then(|| {
+            serde_json::json!({
+                "type": "TemplateProcessing",
+                "single": [tok("[CLS]"), seq("A", 0), tok("[SEP]")],
+                "pair": [tok("[CLS]"), seq("A", 0), tok("[SEP]"), seq("B", 1), tok("[SEP]")],
+                "special_tokens": {
+                    "[CLS]": {"id": "[CLS]", "ids": [2], "tokens": ["[CLS]"]},
+                    "[SEP]": {"id": "[SEP]", "ids": [3], "tokens": ["[SEP]"]}
+                }
+            })
+        });
+        let unk = if bert { "[UNK]" } else { "<unk>" };
+        let json = serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
+            "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": post,
+            "decoder": null, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": unk}
+        });
+        let inner: tokenizers::Tokenizer =
+            json.to_string().parse().map_err(|e| Error::Tokenizer(format!("a word-level tokenizer: {e}")))?;
+        Ok(Self::from_inner(inner))
+    }
+
     /// Writes the tokenizer to `path` as `tokenizer.json`, atomically (a temporary file, then a
     /// rename).
     pub fn save(&self, path: &Path) -> Result<()> {

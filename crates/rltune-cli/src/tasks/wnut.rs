@@ -37,8 +37,6 @@ use serde::{Deserialize, Serialize};
 use super::pipeline::{to_json, train_progress, write_file, Check, Event};
 use rltune::envs::ner::NerData;
 use rltune::error::{Error, Result};
-use rltune::models::bert::{BertConfig, BertForTokenClassification};
-use rltune::params::ParamStore;
 use rltune::rewards::metrics::bio::{sequence_counts, Prf, Tagged};
 use rltune::rewards::metrics::mean_se;
 use rltune::runtime::Runtime;
@@ -610,36 +608,15 @@ fn checkpoints<'a>(path: &'a Path, stop: &'a AtomicBool) -> Checkpointing<'a> {
 /// `dir` once; its path.
 fn tiny_encoder(dir: &Path, train: &[Tagged], seed: u64) -> Result<String> {
     if !dir.join("model.safetensors").is_file() {
-        let mut words: Vec<&str> = train.iter().flat_map(|s| s.tokens.iter().map(String::as_str)).collect();
+        let specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"];
+        let mut words: Vec<&str> = train
+            .iter()
+            .flat_map(|s| s.tokens.iter().map(String::as_str))
+            .filter(|w| !specials.contains(w))
+            .collect();
         words.sort_unstable();
         words.dedup();
-        let specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"];
-        let all: Vec<&str> =
-            specials.iter().copied().chain(words.iter().copied().filter(|w| !specials.contains(w))).collect();
-        let vocab: serde_json::Map<String, serde_json::Value> =
-            all.iter().enumerate().map(|(i, w)| (w.to_string(), i.into())).collect();
-        let added: Vec<serde_json::Value> = specials
-            .iter()
-            .enumerate()
-            .map(|(i, w)| serde_json::json!({"id": i, "content": w, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}))
-            .collect();
-        let tokenizer = serde_json::json!({
-            "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
-            "normalizer": null, "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": null,
-            "decoder": null, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"}
-        });
-        let mut cfg = BertConfig::tiny(all.len(), 32, 1, 2, 2);
-        cfg.max_position_embeddings = 128;
-        let store = ParamStore::random(seed, false, candle_core::DType::F32, &candle_core::Device::Cpu)?;
-        BertForTokenClassification::load(&store.root(), &cfg)?;
-        let mut config = serde_json::to_value(&cfg).map_err(|e| Error::Input(e.to_string()))?;
-        config["model_type"] = "bert".into();
-        let tmp = dir.with_extension("tmp");
-        std::fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
-        write_file(&tmp.join("tokenizer.json"), tokenizer.to_string().as_bytes())?;
-        write_file(&tmp.join("config.json"), config.to_string().as_bytes())?;
-        store.save_safetensors(&tmp.join("model.safetensors"))?;
-        std::fs::rename(&tmp, dir).map_err(|e| Error::io(dir, e))?;
+        rltune::tagger::write_tiny_encoder(dir, &words, 32, 128, seed)?;
     }
     Ok(PathBuf::from(dir).to_string_lossy().into_owned())
 }

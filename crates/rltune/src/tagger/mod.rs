@@ -214,3 +214,30 @@ fn bert_config(json: &serde_json::Value, path: &Path) -> Result<BertConfig> {
     cfg.validate().map_err(|m| Error::config(path, m))?;
     Ok(cfg)
 }
+
+/// Writes a tiny random BERT tagger checkpoint to `dir` (atomically: a sibling temporary folder,
+/// then a rename): a word-level tokenizer of `words` ([`Tokenizer::word_level`], BERT's special
+/// tokens first), a `config.json` and random weights of width `hidden` (one layer, two heads,
+/// `max_positions` positions) from `seed`. For tests and smoke runs without a pretrained encoder;
+/// [`Tagger::from_pretrained`] reads it as it reads all-MiniLM-L6-v2.
+pub fn write_tiny_encoder(
+    dir: &Path,
+    words: &[&str],
+    hidden: usize,
+    max_positions: usize,
+    seed: u64,
+) -> Result<()> {
+    let tokenizer = Tokenizer::word_level(words, true)?;
+    let mut cfg = BertConfig::tiny(4 + words.len(), hidden, 1, 2, 2);
+    cfg.max_position_embeddings = max_positions;
+    let store = ParamStore::random(seed, false, DType::F32, &Device::Cpu)?;
+    BertForTokenClassification::load(&store.root(), &cfg)?;
+    let mut config = serde_json::to_value(&cfg).map_err(|e| Error::Input(format!("a BERT config: {e}")))?;
+    config["model_type"] = "bert".into();
+    let tmp = dir.with_extension("tmp");
+    std::fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    tokenizer.save(&tmp.join("tokenizer.json"))?;
+    crate::io::write_bytes_atomic(&tmp.join("config.json"), config.to_string().as_bytes())?;
+    store.save_safetensors(&tmp.join("model.safetensors"))?;
+    std::fs::rename(&tmp, dir).map_err(|e| Error::io(dir, e))
+}

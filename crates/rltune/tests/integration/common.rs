@@ -82,43 +82,7 @@ pub fn gradient_check(vars: &[(String, Var)], loss: impl Fn() -> Tensor, tol: f6
     println!("gradient check: {} tensors, {checked} entries", vars.len());
 }
 
-/// A word-level tokenizer splitting on whitespace, as tokenizer.json. With `bert`, ids 0–3 are
-/// `[PAD] [UNK] [CLS] [SEP]` and single texts become `[CLS] … [SEP]`; otherwise the words come
-/// first, then `<unk>` and `<eos>` (the last id, as `Gpt2Config::tiny` expects).
+/// [`Tokenizer::word_level`], which a test's fixed words always make.
 pub fn word_tokenizer(words: &[&str], bert: bool) -> Tokenizer {
-    let specials: Vec<&str> = if bert { vec!["[PAD]", "[UNK]", "[CLS]", "[SEP]"] } else { vec![] };
-    let tail: Vec<&str> = if bert { vec![] } else { vec!["<unk>", "<eos>"] };
-    let all: Vec<&str> = specials.iter().chain(words).chain(&tail).copied().collect();
-    let vocab: serde_json::Map<String, serde_json::Value> =
-        all.iter().enumerate().map(|(i, w)| (w.to_string(), i.into())).collect();
-    let added: Vec<serde_json::Value> = all
-        .iter()
-        .enumerate()
-        .filter(|(_, w)| w.starts_with('[') || w.starts_with('<'))
-        .map(|(i, w)| {
-            serde_json::json!({"id": i, "content": w, "single_word": false, "lstrip": false,
-                               "rstrip": false, "normalized": false, "special": true})
-        })
-        .collect();
-    let tok = |id: &str| serde_json::json!({"SpecialToken": {"id": id, "type_id": 0}});
-    let seq = |id: &str, t: u32| serde_json::json!({"Sequence": {"id": id, "type_id": t}});
-    let post = bert.then(|| {
-        serde_json::json!({
-            "type": "TemplateProcessing",
-            "single": [tok("[CLS]"), seq("A", 0), tok("[SEP]")],
-            "pair": [tok("[CLS]"), seq("A", 0), tok("[SEP]"), seq("B", 1), tok("[SEP]")],
-            "special_tokens": {
-                "[CLS]": {"id": "[CLS]", "ids": [2], "tokens": ["[CLS]"]},
-                "[SEP]": {"id": "[SEP]", "ids": [3], "tokens": ["[SEP]"]}
-            }
-        })
-    });
-    let unk = if bert { "[UNK]" } else { "<unk>" };
-    let json = serde_json::json!({
-        "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
-        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": post,
-        "decoder": null, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": unk}
-    });
-    let inner: tokenizers::Tokenizer = json.to_string().parse().unwrap();
-    Tokenizer::from_inner(inner)
+    Tokenizer::word_level(words, bert).unwrap()
 }

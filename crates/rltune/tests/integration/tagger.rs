@@ -5,16 +5,12 @@
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use candle_core::{DType, Device};
+use candle_core::Device;
 use rand::{Rng, SeedableRng};
-use rltune::models::bert::{BertConfig, BertForTokenClassification};
-use rltune::params::ParamStore;
 use rltune::rewards::metrics::bio::{entity_f1, Tagged};
 use rltune::tagger::train::{self, Baseline, Decoding, RlArgs, TagExample};
 use rltune::tagger::Tagger;
 use rltune::train::{Checkpointing, TrainingArgs};
-
-use crate::common::word_tokenizer;
 
 const PERSONS: [&str; 4] = ["alice", "bob", "carol", "dave"];
 const PLACES: [&str; 3] = ["paris", "london", "rome"];
@@ -60,15 +56,7 @@ fn sentences(n: usize, seed: u64) -> Vec<Tagged> {
 fn encoder_dir(dir: &Path, seed: u64) {
     let words: Vec<&str> =
         PERSONS.iter().chain(&PLACES).chain(&FILLER).chain(&["smith", "new", "york"]).copied().collect();
-    let cfg = BertConfig::tiny(4 + words.len(), 16, 1, 2, 2);
-    let store = ParamStore::random(seed, false, DType::F32, &Device::Cpu).unwrap();
-    BertForTokenClassification::load(&store.root(), &cfg).unwrap();
-    std::fs::create_dir_all(dir).unwrap();
-    store.save_safetensors(&dir.join("model.safetensors")).unwrap();
-    let mut json = serde_json::to_value(&cfg).unwrap();
-    json["model_type"] = "bert".into();
-    std::fs::write(dir.join("config.json"), json.to_string()).unwrap();
-    word_tokenizer(&words, true).save(&dir.join("tokenizer.json")).unwrap();
+    rltune::tagger::write_tiny_encoder(dir, &words, 16, 32, seed).unwrap();
 }
 
 fn tagger(dir: &Path, seed: u64) -> Tagger {
