@@ -89,14 +89,21 @@ pub struct Transition {
 }
 
 /// The key of the game state `step` reports, for GiGPO's anchor-state groups: the environment's
-/// exact state when it reports one (`infos["state"]`, as the adventure family does), else its
-/// observation, inventory and admissible commands together (the text a player sees; verl-agent
-/// keys on the observation alone).
+/// exact state when it reports one (`infos["state"]`, as the adventure family does; or a list of
+/// world facts, `infos["facts"]`, in any order, as the TextWorld bridge reports when its `init`
+/// asks for `request_infos: ["facts"]`), else its observation, inventory and admissible commands
+/// together (the text a player sees; verl-agent keys on the observation alone).
 pub fn anchor_state(step: &crate::envs::EnvStep) -> u64 {
     use crate::grpo::gigpo::state_key;
-    match step.infos.get("state").and_then(|v| v.as_str()) {
-        Some(exact) => state_key(exact),
-        None => {
+    let facts = step.infos.get("facts").and_then(|v| v.as_array()).map(|facts| {
+        let mut each: Vec<String> = facts.iter().map(|f| f.to_string()).collect();
+        each.sort_unstable();
+        each.join("\n")
+    });
+    match (step.infos.get("state").and_then(|v| v.as_str()), facts) {
+        (Some(exact), _) => state_key(exact),
+        (None, Some(facts)) => state_key(&facts),
+        (None, None) => {
             let commands = step.admissible_commands.join("\n");
             state_key(&format!("{}\u{1f}{}\u{1f}{commands}", step.observation, step.inventory))
         }
@@ -237,4 +244,45 @@ pub(crate) fn start_round(
     let episodes =
         firsts.iter().zip(resets).enumerate().map(|(e, (s, r))| Some(Episode::start(e, r, s))).collect();
     Ok((firsts, episodes, took))
+}
+
+#[cfg(test)]
+mod anchor_tests {
+    use super::anchor_state;
+    use crate::envs::EnvStep;
+
+    fn step(observation: &str, infos: serde_json::Value) -> EnvStep {
+        EnvStep {
+            observation: observation.into(),
+            admissible_commands: vec!["go north".into(), "look".into()],
+            infos: infos.as_object().cloned().unwrap_or_default(),
+            ..EnvStep::default()
+        }
+    }
+
+    /// An exact state wins over the text; facts count in any order; without either, the text a
+    /// player sees (observation, inventory, commands) is the state.
+    #[test]
+    fn anchors_prefer_the_exact_state_then_facts_then_the_text() {
+        let none = serde_json::json!({});
+        let exact = |s: &str| serde_json::json!({"state": s});
+        assert_eq!(anchor_state(&step("a", exact("s1"))), anchor_state(&step("b", exact("s1"))));
+        assert_ne!(anchor_state(&step("a", exact("s1"))), anchor_state(&step("a", exact("s2"))));
+        let facts = |f: &[&str]| serde_json::json!({"facts": f});
+        assert_eq!(
+            anchor_state(&step("a", facts(&["at(P,r)", "in(k,I)"]))),
+            anchor_state(&step("b", facts(&["in(k,I)", "at(P,r)"])))
+        );
+        assert_ne!(
+            anchor_state(&step("a", facts(&["at(P,r)"]))),
+            anchor_state(&step("a", facts(&["at(P,s)"])))
+        );
+        assert_eq!(
+            anchor_state(&step("You can't.", none.clone())),
+            anchor_state(&step("You can't.", none.clone()))
+        );
+        let mut other = step("You can't.", none.clone());
+        other.admissible_commands.push("open door".into());
+        assert_ne!(anchor_state(&step("You can't.", none)), anchor_state(&other));
+    }
 }
