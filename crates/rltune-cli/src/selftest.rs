@@ -199,8 +199,8 @@ fn kernel_grad_norm(device: &Device) -> Result<Outcome> {
 }
 
 /// The differentiable fused ops compared by `kernels/<op>`.
-const KERNEL_OPS: [&str; 7] =
-    ["layer_norm", "rms_norm", "gelu", "softmax", "log_softmax", "logprobs", "entropy"];
+const KERNEL_OPS: [&str; 8] =
+    ["layer_norm", "rms_norm", "gelu", "swiglu", "softmax", "log_softmax", "logprobs", "entropy"];
 
 /// Op `op` on `device` against the CPU's fused kernel: on shapes with odd sizes (one row, rows
 /// shorter than a warp, GPT-2's and Qwen2-0.5B's widths), uniform random inputs, the output and the
@@ -230,6 +230,10 @@ fn kernel_op(op: &str, device: &Device) -> Result<Outcome> {
                 "layer_norm" => rltune::ops::layer_norm(x.as_tensor(), w.as_tensor(), b.as_tensor(), 1e-5)?,
                 "rms_norm" => rltune::ops::rms_norm(x.as_tensor(), w.as_tensor(), 1e-6)?,
                 "gelu" => rltune::ops::gelu_tanh(&(x.as_tensor() * 3.0)?)?,
+                "swiglu" => rltune::ops::swiglu(
+                    &(x.as_tensor() * 3.0)?,
+                    &x.as_tensor().broadcast_mul(w.as_tensor())?,
+                )?,
                 "softmax" => rltune::ops::softmax_last_dim(&(x.as_tensor() * 4.0)?)?,
                 "log_softmax" => rltune::ops::log_softmax_last_dim(&(x.as_tensor() * 4.0)?)?,
                 "entropy" => rltune::ops::entropy_from_logits(&(x.as_tensor() * 4.0)?)?,

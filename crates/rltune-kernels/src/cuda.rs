@@ -9,6 +9,7 @@
 //! | [`adam_inplace`] (`adam.cu`) | `optim::adam_rows` | one per tensor, in place: parameter and both moments in one pass, no allocation (candle's ops: 13 kernels, 13 allocations and a copy) |
 //! | layer norm, RMS norm (`norms.cu`) | `norm.rs` | forward 1 (composed: 9); backward 3 (dx and row statistics, per-chunk weight gradients, their sum) |
 //! | GELU, tanh form (`gelu.cu`) | `activation.rs` | forward 1; backward 1 (candle's `gelu` backward: about 12) |
+//! | SwiGLU, `silu(gate)·up` (`swiglu.cu`) | `swiglu.rs` | forward 1 (composed: 2, keeping `silu(gate)`); backward 1 for both gradients |
 //! | softmax, log-softmax, the logprob of a target, entropy (`softmax.cu`) | `softmax.rs` | 1 per op and per backward, one block per row; the logprob keeps no `(rows, V)` log-softmax (composed: a log-softmax, a gather, and ~10 ops backward) |
 //! | [`sums_of_squares`] (`sumsq.cu`) | the gradient norm's f64 sums (`Grads::global_norm`) | one per tensor and one for all, one read back (candle's ops: 4 per tensor) |
 //!
@@ -35,6 +36,8 @@ const SUMSQ_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/sumsq.ptx"));
 const SOFTMAX_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/softmax.ptx"));
 /// `gelu.cu`, as PTX.
 const GELU_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gelu.ptx"));
+/// `swiglu.cu`, as PTX.
+const SWIGLU_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/swiglu.ptx"));
 
 type CResult<T> = candle_core::Result<T>;
 
@@ -314,6 +317,59 @@ pub(crate) fn gelu_bwd(
         unsafe { l.launch(elementwise(n)) }.w()?;
     }
     Ok((CudaStorage::wrap_cuda_slice(out, dev), xl.shape().clone()))
+}
+
+/// SwiGLU, `silu(gate) · up`, of two tensors of one shape.
+pub(crate) fn swiglu_fwd(
+    (gs, gl): (&CudaStorage, &Layout),
+    (us, ul): (&CudaStorage, &Layout),
+) -> CResult<(CudaStorage, Shape)> {
+    let dev = gs.device().clone();
+    let (g, u) = (input(gs, gl, "swiglu")?, input(us, ul, "swiglu")?);
+    let n = g.len();
+    if u.len() != n {
+        candle_core::bail!("swiglu: {} up values for {n} gate values", u.len());
+    }
+    // SAFETY: every element is written (grid-stride loop over n).
+    let mut out = unsafe { dev.alloc::<f32>(n)? };
+    if n > 0 {
+        let func = dev.get_or_load_custom_func("rltune_swiglu_f32", "rltune_swiglu", SWIGLU_PTX)?;
+        let mut l = func.builder();
+        l.arg(&mut out).arg(&g).arg(&u).arg(&n);
+        // SAFETY: the arguments match the kernel's parameters.
+        unsafe { l.launch(elementwise(n)) }.w()?;
+    }
+    Ok((CudaStorage::wrap_cuda_slice(out, dev), gl.shape().clone()))
+}
+
+/// SwiGLU's backward: `[d gate; d up]`, stacked along the first dimension (the CPU twin's
+/// layout).
+pub(crate) fn swiglu_bwd(
+    (gs, gl): (&CudaStorage, &Layout),
+    (us, ul): (&CudaStorage, &Layout),
+    (ds, dl): (&CudaStorage, &Layout),
+) -> CResult<(CudaStorage, Shape)> {
+    let dev = gs.device().clone();
+    let op = "swiglu-bwd";
+    let (g, u, dy) = (input(gs, gl, op)?, input(us, ul, op)?, input(ds, dl, op)?);
+    let n = g.len();
+    if u.len() != n || dy.len() != n {
+        candle_core::bail!("{op}: {n} gate, {} up and {} gradient values", u.len(), dy.len());
+    }
+    // SAFETY: every element of both halves is written (grid-stride loop over n).
+    let mut out = unsafe { dev.alloc::<f32>(2 * n)? };
+    if n > 0 {
+        let func = dev.get_or_load_custom_func("rltune_swiglu_bwd_f32", "rltune_swiglu", SWIGLU_PTX)?;
+        let mut l = func.builder();
+        l.arg(&mut out).arg(&g).arg(&u).arg(&dy).arg(&n);
+        // SAFETY: the arguments match the kernel's parameters.
+        unsafe { l.launch(elementwise(n)) }.w()?;
+    }
+    let mut dims = gl.dims().to_vec();
+    if let Some(first) = dims.first_mut() {
+        *first *= 2;
+    }
+    Ok((CudaStorage::wrap_cuda_slice(out, dev), dims.into()))
 }
 
 /// Blocks per tensor of [`sums_of_squares`]: about 8 values a thread, at most two waves of an

@@ -4,7 +4,8 @@
 //! `(rows, inner)` tensors per layer; fused, it keeps `gate` and `up`. `silu(x)` is
 //! `x / (1 + e^(−x))` as candle's CPU `silu` computes it, so the forward is the composed one's
 //! bit for bit. The backward: with `σ = 1 / (1 + e^(−g))`,
-//! `d gate = dy · up · σ(1 + g(1 − σ))` and `d up = dy · silu(g)`.
+//! `d gate = dy · up · σ(1 + g(1 − σ))` and `d up = dy · silu(g)`. On CUDA (f32) both run as
+//! `swiglu.cu`'s twins of these loops.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor};
@@ -99,6 +100,18 @@ impl CustomOp2 for SwiGlu {
         by_dtype!(s1, "swiglu", swiglu_fwd(s1, l1, s2, l2))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> CResult<(candle_core::CudaStorage, Shape)> {
+        check_same(l1, l2, "swiglu")?;
+        crate::cuda::swiglu_fwd((s1, l1), (s2, l2))
+    }
+
     fn bwd(
         &self,
         g: &Tensor,
@@ -128,12 +141,27 @@ impl CustomOp3 for SwiGluBwd {
     ) -> CResult<(CpuStorage, Shape)> {
         by_dtype!(s1, "swiglu backward", swiglu_bwd(s1, l1, s2, l2, s3, l3))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> CResult<(candle_core::CudaStorage, Shape)> {
+        check_same(l1, l2, "swiglu backward")?;
+        check_same(l1, l3, "swiglu backward")?;
+        crate::cuda::swiglu_bwd((s1, l1), (s2, l2), (s3, l3))
+    }
 }
 
-/// `silu(gate) · up`, differentiable: one fused node on the CPU (f32, f64), candle's `silu` and
-/// `mul` elsewhere.
+/// `silu(gate) · up`, differentiable: one fused node on the CPU (f32, f64) and on CUDA (f32,
+/// `swiglu.cu`), candle's `silu` and `mul` elsewhere.
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> CResult<Tensor> {
-    if super::fused_cpu(&[gate, up]) && gate.rank() > 0 {
+    if (super::fused_cpu(&[gate, up]) || super::cuda_f32(&[gate, up])) && gate.rank() > 0 {
         gate.contiguous()?.apply_op2(&up.contiguous()?, SwiGlu)
     } else {
         swiglu_composed(gate, up)
