@@ -749,6 +749,13 @@ command = ["cat"]
         assert_eq!(c.agent.actions, crate::envs::play::ActionMode::Admissible);
         let shape = c.group_shape(crate::run::episodes::training_games(0), 1).unwrap();
         assert_eq!((shape.prompts_per_step, shape.num_generations, shape.steps), (4, 8, 40));
+        assert_eq!(c.episodes.gigpo, None);
+        // GiGPO as its comment says: one key, the rest at verl-agent's defaults.
+        let c = RunConfig::load(&p, &["episodes.gigpo.step_advantage_w=1.0".into()]).unwrap();
+        assert_eq!(c.episodes.gigpo, Some(crate::grpo::gigpo::GigpoArgs::default()));
+        let bad = ["episodes.gigpo.gamma=2".into()];
+        let err = RunConfig::load(&p, &bad).unwrap_err().to_string();
+        assert!(err.contains("[episodes.gigpo] gamma"), "{err}");
     }
 
     #[test]
