@@ -1118,6 +1118,17 @@ fn admissible_actions_are_always_valid_in_play() {
     assert!(
         qs.join("grpo/checkpoints/step-2/model.safetensors").is_file() && qs.join("summary.json").is_file()
     );
+    // The cached GRPO stage is not reported under other settings: a changed seed is refused,
+    // naming the table; the same settings on another device are not a change.
+    let mut args = vec!["quickstart", "--task", "adventure", "--preset", "tiny", "--output", s(&qs)];
+    args.extend(["--algorithm", "grpo", "--set", "grpo.seed=7"]);
+    let err = fails(rltune(&args));
+    assert!(err.contains("trained with other settings") && err.contains("[grpo]"), "{err}");
+    let rerun =
+        ["quickstart", "--task", "adventure", "--preset", "tiny", "--output", s(&qs), "--algorithm", "grpo"];
+    let shown = String::from_utf8_lossy(&ok(rltune(&[&rerun[..], &["--device", "cpu"]].concat())).stdout)
+        .into_owned();
+    assert!(shown.contains("stages run: eval") && !shown.contains("stages run: grpo"), "{shown}");
     // `--algorithm gigpo`: GRPO with GiGPO's step credit, in its own folder, with its metrics.
     let args =
         ["quickstart", "--task", "adventure", "--preset", "tiny", "--output", s(&qs), "--algorithm", "gigpo"];

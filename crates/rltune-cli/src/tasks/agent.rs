@@ -480,7 +480,9 @@ pub fn train_agent<G: AgentGames>(
     // 4. PPO on training games, KL to the BC policy (or trajectory GRPO / RLOO).
     let stage = cfg.rl_stage();
     let run_config = rl_config(dir, cfg, runtime)?;
-    write_file(&dir.join(format!("{stage}.toml")), run_config.to_toml()?.as_bytes())?;
+    let stage_toml = dir.join(format!("{stage}.toml"));
+    check_stage_config(&stage_toml, &run_config)?;
+    write_file(&stage_toml, run_config.to_toml()?.as_bytes())?;
     let steps = if cfg.algorithm.is_group() {
         let games = run_config.env.as_ref().map_or(Ok(0), |e| e.game_count())?;
         run_config.group_shape(training_games(games), 1).map_err(Error::Input)?.steps
@@ -520,6 +522,44 @@ pub fn train_agent<G: AgentGames>(
         demonstrations: demos.len(),
         seconds,
     })
+}
+
+/// Refuses to reuse or resume an RL stage trained with other settings: when the stage has a
+/// checkpoint, `path` (the stage's config as that run wrote it) must equal `config` but for
+/// `[runtime]` (the device does not change what was trained). Otherwise the cached policy would
+/// be reported under settings it was not trained with.
+fn check_stage_config(path: &Path, config: &RunConfig) -> Result<()> {
+    if !path.is_file() || run::checkpoint::latest_checkpoint(&config.logging.dir)?.is_none() {
+        return Ok(());
+    }
+    let table = |text: &str| -> Option<toml::Table> {
+        let mut t: toml::Table = toml::from_str(text).ok()?;
+        t.remove("runtime");
+        Some(t)
+    };
+    let saved = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let (old, new) = (table(&saved), table(&config.to_toml()?));
+    if old.is_some() && old == new {
+        return Ok(());
+    }
+    let changed: Vec<String> = match (&old, &new) {
+        (Some(o), Some(n)) => {
+            let mut keys: Vec<&String> = o.keys().chain(n.keys()).collect();
+            keys.sort();
+            keys.dedup();
+            keys.into_iter().filter(|k| o.get(*k) != n.get(*k)).map(|k| format!("[{k}]")).collect()
+        }
+        _ => vec!["the whole file".into()],
+    };
+    Err(Error::Input(format!(
+        "{} was trained with other settings ({} differ from {}); its checkpoints would be reported \
+         under settings they were not trained with. Use another --output directory, or delete {} and {}",
+        config.logging.dir.display(),
+        changed.join(", "),
+        path.display(),
+        config.logging.dir.display(),
+        path.display()
+    )))
 }
 
 /// Where an agent quickstart writes its results: `summary.json` for PPO,
