@@ -288,6 +288,9 @@ mod tests {
         assert_eq!(gather_sequences(&seqs).unwrap(), seqs);
         assert_ne!(fingerprint(b"a"), fingerprint(b"b"));
         assert_eq!(fingerprint(b""), 0xcbf2_9ce4_8422_2325);
+        // FNV-1a's published value for "a" (GiGPO's anchor states are keyed by it too).
+        assert_eq!(fingerprint(b"a"), 0xaf63_dc4c_8601_ec8c);
+        assert_ne!(fingerprint(b"room 1"), fingerprint(b"room 2"));
     }
 
     /// Rank `rank` of a world of `world` whose other ranks hold the same values as this one.

@@ -94,18 +94,18 @@ pub struct Transition {
 /// asks for `request_infos: ["facts"]`), else its observation, inventory and admissible commands
 /// together (the text a player sees; verl-agent keys on the observation alone).
 pub fn anchor_state(step: &crate::envs::EnvStep) -> u64 {
-    use crate::grpo::gigpo::state_key;
+    let key = |text: &str| crate::dist::fingerprint(text.as_bytes());
     let facts = step.infos.get("facts").and_then(|v| v.as_array()).map(|facts| {
         let mut each: Vec<String> = facts.iter().map(|f| f.to_string()).collect();
         each.sort_unstable();
         each.join("\n")
     });
     match (step.infos.get("state").and_then(|v| v.as_str()), facts) {
-        (Some(exact), _) => state_key(exact),
-        (None, Some(facts)) => state_key(&facts),
+        (Some(exact), _) => key(exact),
+        (None, Some(facts)) => key(&facts),
         (None, None) => {
             let commands = step.admissible_commands.join("\n");
-            state_key(&format!("{}\u{1f}{}\u{1f}{commands}", step.observation, step.inventory))
+            key(&format!("{}\u{1f}{}\u{1f}{commands}", step.observation, step.inventory))
         }
     }
 }

@@ -139,11 +139,6 @@ pub fn step_advantages(episodes: &[usize], g: usize, lost: &[bool], credit: &Ste
     }
 }
 
-/// A stable 64-bit key of a text (FNV-1a), the same on every process and build.
-pub fn state_key(text: &str) -> u64 {
-    text.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -186,13 +181,6 @@ mod tests {
         let c = StepCredit { rewards: &rewards, states: &states, args: &a };
         let got = step_advantages(&episodes, 2, &[false, false, false, true], &c);
         assert_eq!(got.advantages, vec![0.5, -0.5, 0.0, 0.0]);
-    }
-
-    #[test]
-    fn state_keys_are_fnv1a() {
-        assert_eq!(state_key(""), 0xcbf2_9ce4_8422_2325);
-        assert_eq!(state_key("a"), 0xaf63_dc4c_8601_ec8c);
-        assert_ne!(state_key("room 1"), state_key("room 2"));
     }
 
     #[test]
