@@ -12,6 +12,7 @@ use hf_hub::{Repo, RepoType};
 
 use super::files::{extension, list_files, select_split_files, SUPPORTED_EXTENSIONS};
 use crate::error::{Error, Result};
+use crate::models::hub::HubOptions;
 
 /// Splits `owner/name[:path/in/repo]` into the id and the file, when `source` looks like a hub
 /// dataset: one `/` in the id, names of letters, digits, `-`, `_`, `.`, and no data-file
@@ -32,19 +33,16 @@ pub(crate) fn parse_hub_id(source: &str) -> Option<(&str, Option<&str>)> {
     (valid(owner) && valid(name) && !data_ext).then_some((id, file))
 }
 
-/// The hub cache, and whether the network may be used.
+/// Hub datasets under some hub options: their cache, and whether the network may be used.
 pub(crate) struct Hub {
-    pub(crate) cache: hf_hub::Cache,
-    pub(crate) offline: bool,
-    /// The endpoint and the rest, for the client.
-    pub(crate) options: crate::models::hub::HubOptions,
+    options: HubOptions,
+    cache: hf_hub::Cache,
 }
 
 /// The local paths of a hub dataset's files (`file`, or the split's), through the installed hub
 /// options' cache, online unless they say offline ([`crate::models::hub`]).
 pub(crate) fn hub_files(id: &str, file: Option<&str>, split: Option<&str>) -> Result<Vec<PathBuf>> {
-    let options = crate::models::hub::current();
-    Hub { cache: options.cache()?, offline: options.offline, options }.files(id, file, split)
+    Hub::new(crate::models::hub::current())?.files(id, file, split)
 }
 
 /// The error for a hub dataset that cannot be had, with what to do instead.
@@ -57,6 +55,11 @@ fn unavailable(id: &str, what: &str, why: &dyn std::fmt::Display) -> Error {
 }
 
 impl Hub {
+    /// Datasets under `options`.
+    pub(crate) fn new(options: HubOptions) -> Result<Self> {
+        Ok(Self { cache: options.cache()?, options })
+    }
+
     /// The local paths of `file`, or of the split's files when `file` is `None`.
     pub(crate) fn files(&self, id: &str, file: Option<&str>, split: Option<&str>) -> Result<Vec<PathBuf>> {
         let files = match file {
@@ -73,7 +76,7 @@ impl Hub {
             return Ok(p);
         }
         let what = format!("file {file:?}");
-        if self.offline {
+        if self.options.offline {
             return Err(unavailable(id, &what, &"it is not in the hub cache and HF_HUB_OFFLINE is set"));
         }
         let api = self.options.api().map_err(|e| unavailable(id, &what, &e))?;
@@ -84,7 +87,7 @@ impl Hub {
     /// cached snapshot of `main`.
     fn list(&self, id: &str) -> Result<Vec<String>> {
         let cached = self.cached_files(id).filter(|f| !f.is_empty());
-        if self.offline {
+        if self.options.offline {
             return cached.ok_or_else(|| {
                 unavailable(id, "the file list", &"it is not in the hub cache and HF_HUB_OFFLINE is set")
             });

@@ -9,6 +9,7 @@ use serde_json::json;
 use super::*;
 use crate::data::hub::{parse_hub_id, Hub};
 use crate::data::rows::read_file;
+use crate::models::hub::HubOptions;
 
 /// Writes `files` (name, contents) into a fresh temporary directory.
 fn dir_with(files: &[(&str, &str)]) -> tempfile::TempDir {
@@ -277,11 +278,9 @@ fn hub_datasets_load_offline_from_the_cache() {
         ("data/test-00000-of-00001.jsonl", "{\"question\": \"q2\", \"answer\": \"a2\"}\n"),
         ("README.md", "card"),
     ]);
-    let hub = Hub {
-        cache: hf_hub::Cache::new(cache.path().to_path_buf()),
-        offline: true,
-        options: Default::default(),
-    };
+    let options =
+        HubOptions { offline: true, cache_dir: Some(cache.path().to_path_buf()), ..HubOptions::default() };
+    let hub = Hub::new(options).unwrap();
     let load = |id: &str, file: Option<&str>, split: Option<&str>| -> Result<Vec<Row>> {
         let mut rows = Vec::new();
         for f in hub.files(id, file, split)? {
