@@ -6,6 +6,7 @@
 # paired difference.
 #
 #   bench/adventure_credit.sh OUT [SEED...]      (default seeds: 42 1 2 3; 42 is grpo.seed's default)
+#   ALGORITHMS="ppo gigpo grpo" bench/adventure_credit.sh OUT 4 5 6    (PPO too: --set ppo.seed=<SEED>)
 #
 # OUT/base runs the whole quickstart (demonstrations, tokenizer, BC, PPO, evaluation); each
 # OUT/s<SEED> starts from a copy of base's cached stages, so only the RL stage and the
@@ -41,9 +42,11 @@ for seed in "${seeds[@]}"; do
   for stage in data tokenizer bc quickstart.json; do
     [ -e "$dir/$stage" ] || cp -r "$out/base/$stage" "$dir/$stage"
   done
-  for alg in gigpo grpo; do
-    "$bin" quickstart --task adventure --output "$dir" --algorithm "$alg" --set "grpo.seed=$seed" \
+  for alg in ${ALGORITHMS:-gigpo grpo}; do
+    key=grpo.seed summary="$dir/summary-$alg.json"
+    [ "$alg" = ppo ] && key=ppo.seed summary="$dir/summary.json"
+    "$bin" quickstart --task adventure --output "$dir" --algorithm "$alg" --set "$key=$seed" \
       > "$dir/$alg.log" 2>&1 || true
-    [ -f "$dir/summary-$alg.json" ] && row "$dir/summary-$alg.json" "$alg seed $seed" | tee -a "$out/results.tsv"
+    [ -f "$summary" ] && row "$summary" "$alg seed $seed" | tee -a "$out/results.tsv"
   done
 done

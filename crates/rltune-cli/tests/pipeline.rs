@@ -1124,6 +1124,12 @@ fn admissible_actions_are_always_valid_in_play() {
     args.extend(["--algorithm", "grpo", "--set", "grpo.seed=7"]);
     let err = fails(rltune(&args));
     assert!(err.contains("trained with other settings") && err.contains("[grpo]"), "{err}");
+    // PPO's settings are the PPO stage's alone: a new PPO seed is refused by that stage, naming
+    // its table, not by the demonstrations and the BC policy every RL stage shares.
+    let mut args = vec!["quickstart", "--task", "adventure", "--preset", "tiny", "--output", s(&qs)];
+    args.extend(["--set", "ppo.seed=7"]);
+    let err = fails(rltune(&args));
+    assert!(err.contains("trained with other settings") && err.contains("[ppo]"), "{err}");
     let rerun =
         ["quickstart", "--task", "adventure", "--preset", "tiny", "--output", s(&qs), "--algorithm", "grpo"];
     let shown = String::from_utf8_lossy(&ok(rltune(&[&rerun[..], &["--device", "cpu"]].concat())).stdout)

@@ -166,22 +166,15 @@ pub fn agent_rloo() -> RlooConfig {
     agent_group!(RlooConfig)
 }
 
-/// The keys of [`AgentQuickstartConfig`] that only the RL stage and the evaluation read.
-const RL_KEYS: [&str; 5] = ["algorithm", "grpo", "rloo", "gigpo", "validation_episodes"];
+/// The keys of [`AgentQuickstartConfig`] that only the RL stage and the evaluation read: the
+/// demonstrations, the tokenizer and the BC policy depend on the rest (`quickstart.json`), so
+/// PPO, GRPO, GiGPO and RLOO runs of any settings share them. Each RL stage refuses a cached
+/// checkpoint trained under other settings (`check_stage_config`).
+const RL_KEYS: [&str; 7] = ["algorithm", "ppo", "episodes", "grpo", "rloo", "gigpo", "validation_episodes"];
 
 impl<G: AgentGames> AgentQuickstartConfig<G> {
     fn env_section(&self, split: Split) -> EnvSection {
         self.game.env_section(split, self.num_envs, self.max_steps)
-    }
-
-    /// The settings the stages before RL depend on (`quickstart.json`): all but [`RL_KEYS`], so
-    /// that PPO, GRPO and RLOO share the demonstrations, the tokenizer and the BC policy.
-    fn shared(&self) -> Result<serde_json::Value> {
-        let mut v = serde_json::to_value(self).map_err(json_err)?;
-        if let Some(o) = v.as_object_mut() {
-            RL_KEYS.iter().for_each(|k| drop(o.remove(*k)));
-        }
-        Ok(v)
     }
 }
 
@@ -404,7 +397,7 @@ pub fn train_agent<G: AgentGames>(
         ));
     }
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
-    check_shared(&dir.join("quickstart.json"), &cfg.shared()?)?;
+    check_shared(&dir.join("quickstart.json"), cfg, &RL_KEYS)?;
     let mut seconds = Vec::new();
     let mut timed = |stage: &'static str, on: &mut dyn FnMut(Event), t: Instant| {
         let s = t.elapsed().as_secs_f64();

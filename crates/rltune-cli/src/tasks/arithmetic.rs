@@ -152,19 +152,11 @@ impl ArithmeticQuickstartConfig {
             ..d
         }
     }
-
-    /// The settings the stages before RL depend on (`quickstart.json`): all but the algorithm
-    /// and its table.
-    fn shared(&self) -> Result<serde_json::Value> {
-        let mut v = serde_json::to_value(self).map_err(json_err)?;
-        if let Some(o) = v.as_object_mut() {
-            for k in ["algorithm", "grpo", "rloo"] {
-                o.remove(k);
-            }
-        }
-        Ok(v)
-    }
 }
+
+/// The settings only the RL stage reads: the demonstrations, the tokenizer and the SFT policy
+/// depend on the rest (`quickstart.json`).
+const RL_KEYS: [&str; 3] = ["algorithm", "grpo", "rloo"];
 
 /// One problem: the prompt (`37+48=`) and its answer (`85`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -302,7 +294,7 @@ pub fn run_arithmetic_quickstart(
     }
     cfg.sft.validate().map_err(|m| Error::Input(format!("quickstart sft: {m}")))?;
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
-    check_shared(&dir.join("quickstart.json"), &cfg.shared()?)?;
+    check_shared(&dir.join("quickstart.json"), cfg, &RL_KEYS)?;
     let mut seconds = Vec::new();
     let mut timed = |stage: &'static str, on: &mut dyn FnMut(Event), t: Instant| {
         let s = t.elapsed().as_secs_f64();

@@ -511,11 +511,23 @@ pub(crate) fn check_same_config<T: serde::de::DeserializeOwned + PartialEq>(
 }
 
 /// Refuses to mix stages made with other settings in one directory: `path` (a quickstart's
-/// `quickstart.json`) must hold `shared`, or is written with it.
-pub(crate) fn check_shared(path: &Path, shared: &serde_json::Value) -> Result<()> {
+/// `quickstart.json`) must hold `settings` but for `rl_keys`, or is written with them.
+///
+/// `rl_keys` are the settings only the RL stages read (the algorithms and their tables); each RL
+/// stage checks them against its own saved config, so runs of several RL settings can share one
+/// folder's demonstrations, tokenizer and supervised policy. A file written when some of them
+/// were still kept here is read without them.
+pub(crate) fn check_shared(path: &Path, settings: &impl Serialize, rl_keys: &[&str]) -> Result<()> {
+    let strip = |mut v: serde_json::Value| {
+        if let Some(o) = v.as_object_mut() {
+            rl_keys.iter().for_each(|k| drop(o.remove(*k)));
+        }
+        v
+    };
+    let shared = strip(serde_json::to_value(settings).map_err(json_err)?);
     if path.is_file() {
         let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-        if serde_json::from_str::<serde_json::Value>(&text).ok().as_ref() != Some(shared) {
+        if serde_json::from_str::<serde_json::Value>(&text).ok().map(strip).as_ref() != Some(&shared) {
             return Err(Error::Input(format!(
                 "{} was written by a quickstart with other settings; its cached stages would not match. \
                  Use another --output directory, or delete this one",
@@ -524,7 +536,7 @@ pub(crate) fn check_shared(path: &Path, shared: &serde_json::Value) -> Result<()
         }
         return Ok(());
     }
-    write_file(path, to_json(shared)?.as_bytes())
+    write_file(path, to_json(&shared)?.as_bytes())
 }
 
 pub(crate) fn json_err(e: serde_json::Error) -> Error {

@@ -662,7 +662,7 @@ pub fn run_rlhf_quickstart(
     cfg.validate()?;
     check_assets(cfg)?;
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
-    super::pipeline::check_shared(&dir.join("quickstart.json"), &shared(cfg)?)?;
+    super::pipeline::check_shared(&dir.join("quickstart.json"), cfg, &RL_KEYS)?;
     let mut seconds = Vec::new();
     let mut timed = |stage: &'static str, on: &mut dyn FnMut(Event), t: Instant| {
         let s = t.elapsed().as_secs_f64();
@@ -805,16 +805,9 @@ pub fn run_rlhf_quickstart(
     Ok(summary)
 }
 
-/// The settings every cached stage depends on: all but the methods and their tables.
-fn shared(cfg: &RlhfQuickstartConfig) -> Result<serde_json::Value> {
-    let mut v = serde_json::to_value(cfg).map_err(json_err)?;
-    if let Some(o) = v.as_object_mut() {
-        for k in ["methods", "ppo", "grpo", "rloo", "dpo", "checkpoint_every", "best_of_n", "evaluate_on"] {
-            o.remove(k);
-        }
-    }
-    Ok(v)
-}
+/// The settings only the methods read: every cached stage before them depends on the rest.
+const RL_KEYS: [&str; 8] =
+    ["methods", "ppo", "grpo", "rloo", "dpo", "checkpoint_every", "best_of_n", "evaluate_on"];
 
 /// Fails early, naming the script that fetches what is missing.
 fn check_assets(cfg: &RlhfQuickstartConfig) -> Result<()> {
