@@ -1,4 +1,5 @@
-//! A DPO run over a dataset: transformers `Trainer`'s epoch loop around [`DpoTrainer::step`].
+//! A DPO run over a dataset: transformers `Trainer`'s epoch loop around [`DpoTrainer::step`], as
+//! an algorithm of the run loop ([`crate::engine::run_loop`]).
 //!
 //! Each epoch shuffles the pairs (a seeded permutation; transformers draws its own with torch's
 //! generator, so the order differs from TRL's but not its distribution), cuts them into
@@ -7,7 +8,7 @@
 //! the remainder, as transformers' `_inner_training_loop`). The run stops after
 //! [`DpoConfig::total_steps`] optimizer steps.
 //!
-//! [`train_with`] adds the supervised loops' checkpoints ([`crate::train::checkpoint`]): a
+//! [`train_with`] adds the supervised runs' checkpoints ([`crate::train::checkpoint`]): a
 //! `step-N/` every `save_steps` steps and on Ctrl-C, and `--resume` bit for bit.
 
 use std::path::Path;
@@ -19,6 +20,7 @@ use serde::{Deserialize, Serialize};
 use super::config::DpoConfig;
 use super::data::PreferencePair;
 use super::trainer::{DpoCounters, DpoTrainer};
+use crate::engine::run_loop::Plan;
 use crate::engine::Stats;
 use crate::error::{Error, Result};
 use crate::logging::jsonl::{JsonlWriter, MetricRow};
@@ -126,62 +128,111 @@ pub fn train_with(
         processes: crate::dist::world_size(),
     };
     let config = settings(&cfg)?;
-    let (start, mut lines) = match checkpoints.filter(|c| c.resume) {
+    let (start_step, lines) = match checkpoints.filter(|c| c.resume) {
         Some(c) => resume(trainer, c.dir, &shape, &config)?,
         None => (0, Vec::new()),
     };
-    let main = crate::dist::is_main();
-    let mut writer = match metrics.filter(|_| main) {
+    let writer = match metrics.filter(|_| crate::dist::is_main()) {
         Some(path) => {
             crate::io::write_bytes_atomic(path, jsonl(&lines).as_bytes())?;
             Some(JsonlWriter::append(path)?)
         }
         None => None,
     };
-    let mut rng = rand::rngs::StdRng::seed_from_u64(cfg.seed);
-    let mut step = 0;
-    'run: while step < total {
-        for group in epoch_plan(&cfg, pairs.len(), &mut rng) {
-            if step == total {
-                break;
-            }
-            // A resumed run replays the shuffles of the steps it has done.
-            if step < start {
-                step += 1;
-                continue;
-            }
-            let micro: Vec<Vec<&PreferencePair>> =
-                group.iter().map(|mb| mb.iter().map(|&i| &pairs[i]).collect()).collect();
-            let stats = trainer.step(&micro)?;
-            step += 1;
-            let line = MetricRow::from_stats(step, &stats).to_json_line();
-            if let Some(w) = writer.as_mut() {
-                w.write_line(&line)?;
-            }
-            lines.push(line);
-            on_step(step, total, &stats)?;
-            let Some(c) = checkpoints else { continue };
-            let stopping = c.stopping();
-            // Every process holds the same weights: the first alone writes them.
-            if (stopping || checkpoint::scheduled(step, cfg.save_steps)) && main {
-                let ck = LoopCheckpoint {
-                    trainer: LoopKind::Dpo,
-                    step,
-                    shape,
-                    adam_steps: trainer.adam().steps(),
-                    state: DpoState { config: config.clone(), counters: trainer.counters() },
-                };
-                let text = jsonl(&lines);
-                let files = [(METRICS, text.as_bytes())];
-                let path = checkpoint::save(c.dir, trainer.store(), trainer.adam(), &ck, &files)?;
-                tracing::info!("checkpoint after step {step}: {}", path.display());
-            }
-            if stopping && step < total {
-                break 'run;
-            }
+    let mut run = DpoRun { trainer, pairs, checkpoints, shape, start_step, config, lines, writer };
+    let never = std::sync::atomic::AtomicBool::new(false);
+    let stop = checkpoints.and_then(|c| c.stop).unwrap_or(&never);
+    let steps =
+        crate::engine::run_loop::run(&mut run, stop, &mut |(step, stats)| on_step(*step, total, stats))?;
+    Ok(DpoSummary { steps, total_steps: total, metrics: run.lines })
+}
+
+/// A DPO run as an algorithm of the run loop ([`crate::engine::run_loop`]): each step is one
+/// optimizer step of the epoch's plan ([`epoch_plan`]).
+struct DpoRun<'a> {
+    trainer: &'a mut DpoTrainer,
+    pairs: &'a [PreferencePair],
+    checkpoints: Option<Checkpointing<'a>>,
+    shape: RunShape,
+    start_step: usize,
+    /// The settings a checkpoint records ([`settings`]).
+    config: serde_json::Value,
+    /// The metrics lines of the steps done.
+    lines: Vec<String>,
+    writer: Option<JsonlWriter>,
+}
+
+impl crate::engine::run_loop::Algorithm for DpoRun<'_> {
+    /// The epoch's plan, how many of its steps were drawn, and the RNG of the shuffles.
+    type DataOrder = (rand::rngs::StdRng, Vec<Vec<Vec<usize>>>, usize);
+    /// One optimizer step: its micro-batches of pair indices.
+    type Batch = Vec<Vec<usize>>;
+    /// The steps done and the step's metrics.
+    type Report = (usize, Stats);
+
+    fn plan(&self) -> Plan {
+        Plan {
+            total_steps: self.shape.total_steps,
+            start_step: self.start_step,
+            checkpoint_every: if self.checkpoints.is_some() { self.trainer.config.save_steps } else { 0 },
+            checkpoint_at_end: false,
+            report_every: usize::MAX,
         }
     }
-    Ok(DpoSummary { steps: step, total_steps: total, metrics: lines })
+
+    fn settings(&self) -> Result<String> {
+        Ok(self.config.to_string())
+    }
+
+    fn data_order(&self) -> Result<Self::DataOrder> {
+        Ok((rand::rngs::StdRng::seed_from_u64(self.trainer.config.seed), Vec::new(), 0))
+    }
+
+    fn draw(&self, (rng, plan, drawn): &mut Self::DataOrder) -> Result<Vec<Vec<usize>>> {
+        if *drawn == plan.len() {
+            *plan = epoch_plan(&self.trainer.config, self.pairs.len(), rng);
+            *drawn = 0;
+            if plan.is_empty() {
+                return Err(Error::Input(format!(
+                    "{} preference pairs give no step of {} per process on {} processes; add pairs or \
+                     lower per_device_train_batch_size",
+                    self.pairs.len(),
+                    self.trainer.config.per_device_train_batch_size,
+                    crate::dist::world_size()
+                )));
+            }
+        }
+        *drawn += 1;
+        Ok(plan[*drawn - 1].clone())
+    }
+
+    fn step(&mut self, step: usize, group: &Vec<Vec<usize>>) -> Result<(usize, Stats)> {
+        let micro: Vec<Vec<&PreferencePair>> =
+            group.iter().map(|mb| mb.iter().map(|&i| &self.pairs[i]).collect()).collect();
+        let stats = self.trainer.step(&micro)?;
+        let line = MetricRow::from_stats(step + 1, &stats).to_json_line();
+        if let Some(w) = self.writer.as_mut() {
+            w.write_line(&line)?;
+        }
+        self.lines.push(line);
+        Ok((step + 1, stats))
+    }
+
+    fn checkpoint(&self, step: usize) -> Result<()> {
+        let Some(c) = self.checkpoints else { return Ok(()) };
+        let ck = LoopCheckpoint {
+            trainer: LoopKind::Dpo,
+            step,
+            shape: self.shape,
+            adam_steps: self.trainer.adam().steps(),
+            state: DpoState { config: self.config.clone(), counters: self.trainer.counters() },
+        };
+        let text = jsonl(&self.lines);
+        let files = [(METRICS, text.as_bytes())];
+        let path = checkpoint::save(c.dir, self.trainer.store(), self.trainer.adam(), &ck, &files)?;
+        tracing::info!("checkpoint after step {step}: {}", path.display());
+        Ok(())
+    }
 }
 
 /// Loads the latest checkpoint in `dir` into `trainer` (module docs); returns its step and

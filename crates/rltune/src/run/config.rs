@@ -552,6 +552,18 @@ impl RunConfig {
         Ok(())
     }
 
+    /// The run loop's plan for a run of `total_steps` from `start_step`: a checkpoint every
+    /// `[checkpoint] every` steps and after the last, the report every `[logging] report_every`.
+    pub fn plan(&self, total_steps: usize, start_step: usize) -> crate::engine::run_loop::Plan {
+        crate::engine::run_loop::Plan {
+            total_steps,
+            start_step,
+            checkpoint_every: self.checkpoint.every,
+            checkpoint_at_end: true,
+            report_every: self.logging.report_every,
+        }
+    }
+
     /// The resolved config as TOML (saved in the run directory), without the tables of the
     /// other trainers (so it loads again: see [`Self::check_tables`]).
     pub fn to_toml(&self) -> Result<String> {

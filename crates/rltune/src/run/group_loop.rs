@@ -37,7 +37,7 @@ use crate::generation::{generate, GenerationConfig};
 use crate::grpo::core::Core;
 use crate::grpo::math::weighted_rewards;
 use crate::grpo::{GroupBatch, GrpoTrainer, RewardTable, RlooTrainer};
-use crate::logging::{RunLogger, SampleRow};
+use crate::logging::{RunEnd, RunLogger, SampleRow};
 use crate::models::load::{load_lm_adapted, load_reference, ModelFiles};
 use crate::models::CausalLm;
 use crate::params::ParamStore;
@@ -335,7 +335,10 @@ impl GroupRun {
         if self.start_step == 0 && self.config.eval.enabled() {
             self.evaluate(0)?;
         }
-        super::run_loop::run(self, stop, progress)
+        crate::engine::run_loop::run(self, stop, &mut |r| {
+            progress(r);
+            Ok(())
+        })
     }
 
     /// Scores the policy on `[eval] source` after `step` steps ([`super::eval`]): logged, and
@@ -511,25 +514,22 @@ impl super::run_loop::Algorithm for GroupRun {
     /// The prompt permutation and its RNG.
     type DataOrder = (rand::rngs::StdRng, Vec<usize>);
     type Batch = Vec<usize>;
+    type Report = StepReport;
 
-    fn config(&self) -> &RunConfig {
-        &self.config
+    fn plan(&self) -> super::run_loop::Plan {
+        self.config.plan(self.shape.steps, self.start_step)
     }
 
-    fn total_steps(&self) -> usize {
-        self.shape.steps
-    }
-
-    fn start_step(&self) -> usize {
-        self.start_step
+    fn settings(&self) -> Result<String> {
+        self.config.to_toml()
     }
 
     fn data_order(&self) -> Result<Self::DataOrder> {
         Ok((rand::rngs::StdRng::seed_from_u64(self.seed() ^ 0x5eed), Vec::new()))
     }
 
-    fn draw(&self, (rng, order): &mut Self::DataOrder) -> Vec<usize> {
-        self.next_prompts(order, rng)
+    fn draw(&self, (rng, order): &mut Self::DataOrder) -> Result<Vec<usize>> {
+        Ok(self.next_prompts(order, rng))
     }
 
     fn step(&mut self, step: usize, batch: &Vec<usize>) -> Result<StepReport> {
@@ -543,8 +543,12 @@ impl super::run_loop::Algorithm for GroupRun {
         GroupRun::checkpoint(self, step)
     }
 
-    fn logger(&mut self) -> &mut RunLogger {
-        &mut self.logger
+    fn write_report(&mut self) -> Result<()> {
+        self.logger.write_report().map(drop)
+    }
+
+    fn finish(&mut self, end: RunEnd) -> Result<()> {
+        self.logger.finish(end)
     }
 }
 

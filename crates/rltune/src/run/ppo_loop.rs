@@ -26,7 +26,7 @@ use crate::data::prompts::{LengthSampler, PromptRow};
 use crate::engine::stats::mean_std;
 use crate::error::{Error, Result};
 use crate::generation::{generate, GenerationConfig};
-use crate::logging::{RunLogger, SampleRow};
+use crate::logging::{RunEnd, RunLogger, SampleRow};
 use crate::models::load::{load_policy_adapted, load_reference, LoadedPolicy};
 use crate::models::CausalLm;
 use crate::ppo::{PpoTrainer, RolloutCache, Stat, StepInput};
@@ -253,7 +253,10 @@ impl PpoRun {
     /// Runs the remaining steps. `stop` (set by Ctrl-C) ends the run after the current step with a
     /// checkpoint. Returns the number of steps done in total.
     pub fn run(&mut self, stop: &AtomicBool, progress: &mut dyn FnMut(&StepReport)) -> Result<usize> {
-        super::run_loop::run(self, stop, progress)
+        crate::engine::run_loop::run(self, stop, &mut |r| {
+            progress(r);
+            Ok(())
+        })
     }
 
     /// Steps done before this run started (from a checkpoint).
@@ -341,7 +344,7 @@ impl PpoRun {
             stats.insert("time/rollout/reward".into(), Stat::Scalar(time_reward));
             self.logger.log_step(step + 1, &stats, &[])?;
             return Ok(StepReport {
-                step,
+                step: step + 1,
                 total: self.config.ppo.steps,
                 reward_mean: f64::NAN,
                 kl: f64::NAN,
@@ -546,17 +549,14 @@ pub struct PromptOrder {
 impl super::run_loop::Algorithm for PpoRun {
     type DataOrder = PromptOrder;
     type Batch = Vec<(usize, usize)>;
+    type Report = StepReport;
 
-    fn config(&self) -> &RunConfig {
-        &self.config
+    fn plan(&self) -> super::run_loop::Plan {
+        self.config.plan(self.config.ppo.steps, self.start_step)
     }
 
-    fn total_steps(&self) -> usize {
-        self.config.ppo.steps
-    }
-
-    fn start_step(&self) -> usize {
-        self.start_step
+    fn settings(&self) -> Result<String> {
+        self.config.to_toml()
     }
 
     fn data_order(&self) -> Result<PromptOrder> {
@@ -572,9 +572,9 @@ impl super::run_loop::Algorithm for PpoRun {
 
     /// The next `batch_size` prompts and query lengths per process (none when the run plays
     /// games): every process draws the whole batch and keeps its share.
-    fn draw(&self, o: &mut PromptOrder) -> Vec<(usize, usize)> {
+    fn draw(&self, o: &mut PromptOrder) -> Result<Vec<(usize, usize)>> {
         let n = self.config.ppo.batch_size * crate::dist::world_size();
-        self.next_batch(&mut o.order, &mut o.rng, &o.sampler, n)
+        Ok(self.next_batch(&mut o.order, &mut o.rng, &o.sampler, n))
     }
 
     fn step(&mut self, step: usize, batch: &Vec<(usize, usize)>) -> Result<StepReport> {
@@ -593,8 +593,12 @@ impl super::run_loop::Algorithm for PpoRun {
         PpoRun::checkpoint(self, step)
     }
 
-    fn logger(&mut self) -> &mut RunLogger {
-        &mut self.logger
+    fn write_report(&mut self) -> Result<()> {
+        self.logger.write_report().map(drop)
+    }
+
+    fn finish(&mut self, end: RunEnd) -> Result<()> {
+        self.logger.finish(end)
     }
 }
 

@@ -1,5 +1,5 @@
-//! Checkpoints of the epoch loops: SFT and the reward model (`train/runner.rs`) and DPO
-//! (`dpo/run.rs`).
+//! Checkpoints of the supervised runs in the run loop: SFT and the reward model
+//! (`train/runner.rs`) and DPO (`dpo/run.rs`).
 //!
 //! `DIR/step-N/` holds the trainable variables (`trainable.safetensors`; for LoRA the adapter's),
 //! Adam's moments (`optimizer.safetensors`), `trainer_state.json` ([`LoopCheckpoint`]: the step,
@@ -14,7 +14,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 
 use candle_core::Tensor;
 use serde::de::DeserializeOwned;
@@ -33,18 +33,6 @@ pub struct Checkpointing<'a> {
     pub resume: bool,
     /// Set (by Ctrl-C) to end the run after the step under way, with a checkpoint.
     pub stop: Option<&'a AtomicBool>,
-}
-
-impl Checkpointing<'_> {
-    /// Whether the run was asked to stop.
-    pub(crate) fn stopping(&self) -> bool {
-        self.stop.is_some_and(|s| s.load(Ordering::SeqCst))
-    }
-}
-
-/// Whether optimizer step `step` (from 1) is one of every `save_steps` (0: none).
-pub(crate) fn scheduled(step: usize, save_steps: usize) -> bool {
-    save_steps > 0 && step.is_multiple_of(save_steps)
 }
 
 /// The loop that wrote a checkpoint (`trainer` in `trainer_state.json`).

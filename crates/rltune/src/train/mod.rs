@@ -3,10 +3,11 @@
 //! - [`sft`]: behavioural cloning on plain text or prompt/completion pairs (TRL's `SFTTrainer`).
 //! - [`reward_model`]: a BERT/DistilBERT sequence classifier trained with cross-entropy on
 //!   labelled texts, or with the Bradley–Terry loss on preference pairs (TRL's `RewardTrainer`).
-//! - [`runner`]: the loop they share: seeded eval split and shuffles, gradient accumulation with
-//!   token-weighted losses, clipping, Adam, warm-up and decay ([`crate::engine::schedule`]), periodic eval and
-//!   a progress callback.
-//! - [`checkpoint`]: the `step-N/` checkpoints of these loops and of DPO's, and `--resume`.
+//! - [`runner`]: what they share, as an algorithm of the run loop
+//!   ([`crate::engine::run_loop`]): seeded eval split and shuffles, gradient accumulation with
+//!   token-weighted losses, clipping, Adam, warm-up and decay ([`crate::engine::schedule`]),
+//!   periodic eval and a progress callback.
+//! - [`checkpoint`]: the `step-N/` checkpoints of these runs and of DPO's, and `--resume`.
 //! - [`data`]: reading the example files.
 //!
 //! Configuration mirrors a TOML file with a `[training]` table ([`TrainingArgs`]) beside `[sft]`

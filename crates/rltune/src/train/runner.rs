@@ -1,4 +1,4 @@
-//! The training loop shared by SFT and reward-model training.
+//! SFT and reward-model training, as one algorithm of the run loop ([`crate::engine::run_loop`]).
 //!
 //! Top to bottom: seeded eval split → per epoch a seeded shuffle → optimizer steps of
 //! `batch_size × gradient_accumulation_steps` examples, each run as micro-batches whose gradients
@@ -315,11 +315,11 @@ fn finite(x: f64) -> Option<f64> {
     x.is_finite().then_some(x)
 }
 
-/// Trains the variables of `store` on `examples` (split into train and eval by `args`),
-/// announcing the plan in the log only with `announce` (a trainer that calls this
-/// every step, such as rejection sampling, passes false), and with checkpoints when given.
-/// Stopped by `checkpoints.stop`, it returns after the step under way and its checkpoint, with
-/// `steps` short of the run's.
+/// Trains the variables of `store` on `examples` (split into train and eval by `args`) in the
+/// run loop ([`crate::engine::run_loop`]), announcing the plan in the log only with `announce` (a
+/// trainer that calls this every step, such as rejection sampling, passes false), and with
+/// checkpoints when given. Stopped by `checkpoints.stop`, it returns after the step under way and
+/// its checkpoint, with `steps` short of the run's.
 pub(crate) fn run_with<O: Objective>(
     obj: &O,
     store: &ParamStore,
@@ -334,112 +334,220 @@ pub(crate) fn run_with<O: Objective>(
         return Err(Error::Input("the model's parameters must be trainable (load them trainable)".into()));
     }
     let _awake = store.device().is_cpu().then(crate::cpu::keep_pool_awake);
-    let (train_idx, eval_idx) = split_eval(examples.len(), args.eval_fraction, args.seed)?;
-    let eval: Vec<&O::Example> = eval_idx.iter().map(|&i| &examples[i]).collect();
-    let eval_bs = args.eval_batch_size.unwrap_or(args.batch_size);
-    // On N processes a step takes N times the examples, each process a share (module docs).
-    let (world, rank) = (crate::dist::world_size(), crate::dist::rank());
-    let total = args.total_steps(train_idx.len().div_ceil(world));
-    let warmup = warmup_steps(total, args.warmup_steps, args.warmup_ratio);
-    let schedule = LrSchedule::new(args.lr_scheduler_type, args.learning_rate, warmup, total);
-    let optim = OptimArgs {
-        learning_rate: args.learning_rate,
-        betas: (args.adam_beta1, args.adam_beta2),
-        eps: args.adam_epsilon,
-        weight_decay: 0.0,
-        max_grad_norm: args.max_grad_norm,
-        schedule,
-    };
-    let mut opt = Optimizer::new(store.vars(), optim)?;
+    let mut run = Supervised::new(obj, store, examples, args, checkpoints)?;
     if announce {
+        let world = crate::dist::world_size();
         tracing::info!(
-            "training on {} examples ({} held out for eval): {total} optimizer steps of {} examples{}, {} warm-up",
-            train_idx.len(),
-            eval.len(),
+            "training on {} examples ({} held out for eval): {} optimizer steps of {} examples{}, {} warm-up",
+            run.train_idx.len(),
+            run.eval.len(),
+            run.shape.total_steps,
             args.examples_per_step() * world,
-            if world > 1 { format!(" ({world} processes × {})", args.examples_per_step()) } else { String::new() },
-            opt.args().schedule.warmup_steps
+            if world > 1 {
+                format!(" ({world} processes × {})", args.examples_per_step())
+            } else {
+                String::new()
+            },
+            run.opt.args().schedule.warmup_steps
         );
     }
-    let mut rng = rand::rngs::StdRng::seed_from_u64(args.seed.wrapping_add(1));
-    let (mut step, mut epoch, mut last_loss, mut loss_sum, mut last_eval) = (0, 0, f64::NAN, 0.0, None);
-    let shape =
-        RunShape { total_steps: total, train_examples: train_idx.len(), seed: args.seed, processes: world };
-    let mut start = 0;
-    if let Some(c) = checkpoints.filter(|c| c.resume) {
-        let (saved, _) = checkpoint::load_latest::<SupervisedState>(
-            c.dir,
-            LoopKind::Supervised,
-            &shape,
-            store,
-            opt.adam_mut(),
-            |_, _| Ok(()),
-        )?;
-        start = saved.step;
-        let s = saved.state;
-        (last_loss, loss_sum) = (s.last_loss.unwrap_or(f64::NAN), s.loss_sum.unwrap_or(f64::NAN));
-        last_eval = s.last_eval;
-    }
-    'run: while step < total {
-        epoch += 1;
-        let mut perm = train_idx.clone();
-        perm.shuffle(&mut rng);
-        for group in perm.chunks(args.examples_per_step() * world).take(total - step) {
-            // A resumed run replays the shuffles of the steps it has done.
-            if step < start {
-                step += 1;
-                continue;
-            }
-            // This process's share of the step's examples (balanced; exact however they split,
-            // as the loss is divided by the terms of every process).
-            let share = &group[rank * group.len() / world..(rank + 1) * group.len() / world];
-            let group: Vec<&O::Example> = share.iter().map(|&i| &examples[i]).collect();
-            let (mut grads, lr) = opt.begin(step);
-            obj.begin_step(step);
-            let loss = accumulate(obj, &mut grads, &group, args.batch_size)?;
-            let grad_norm = opt.clip(&mut grads)?;
-            if !opt.finish(grads, lr, grad_norm)? {
-                tracing::warn!("step {}: the gradient is not finite, so no weight changed", step + 1);
-            }
-            step += 1;
-            (last_loss, loss_sum) = (loss, loss_sum + loss);
-            let due = (args.eval_every > 0 && step % args.eval_every == 0) || step == total;
-            let eval_now = if due && !eval.is_empty() { Some(evaluate(obj, &eval, eval_bs)?) } else { None };
-            if eval_now.is_some() {
-                last_eval.clone_from(&eval_now);
-            }
-            progress(&TrainProgress { step, total_steps: total, epoch, loss, lr, grad_norm, eval: eval_now });
-            let Some(c) = checkpoints else { continue };
-            let stopping = c.stopping();
-            // Every process holds the same weights: the first alone writes them.
-            if (stopping || checkpoint::scheduled(step, args.save_steps)) && crate::dist::is_main() {
-                let ck = LoopCheckpoint {
-                    trainer: LoopKind::Supervised,
-                    step,
-                    shape,
-                    adam_steps: opt.adam().steps(),
-                    state: SupervisedState {
-                        last_loss: finite(last_loss),
-                        loss_sum: finite(loss_sum),
-                        last_eval: last_eval.clone(),
-                    },
-                };
-                let path = checkpoint::save(c.dir, store, opt.adam(), &ck, &[])?;
-                tracing::info!("checkpoint after step {step}: {}", path.display());
-            }
-            if stopping && step < total {
-                break 'run;
-            }
-        }
-    }
+    let never = std::sync::atomic::AtomicBool::new(false);
+    let stop = checkpoints.and_then(|c| c.stop).unwrap_or(&never);
+    let steps = crate::engine::run_loop::run(&mut run, stop, &mut |p| {
+        progress(p);
+        Ok(())
+    })?;
     Ok(TrainSummary {
-        steps: step,
-        total_steps: total,
-        train_loss: last_loss,
-        mean_train_loss: loss_sum / step.max(1) as f64,
-        eval: last_eval,
-        train_examples: train_idx.len(),
-        eval_examples: eval.len(),
+        steps,
+        total_steps: run.shape.total_steps,
+        train_loss: run.last_loss,
+        mean_train_loss: run.loss_sum / steps.max(1) as f64,
+        eval: run.last_eval,
+        train_examples: run.train_idx.len(),
+        eval_examples: run.eval.len(),
         skipped_examples: 0,
     })
+}
+
+/// SFT or reward-model training as an algorithm of the run loop: each step is one optimizer
+/// step over `batch_size × gradient_accumulation_steps` examples (per process) of the epoch's
+/// seeded shuffle.
+struct Supervised<'a, O: Objective> {
+    obj: &'a O,
+    store: &'a ParamStore,
+    examples: &'a [O::Example],
+    args: &'a TrainingArgs,
+    checkpoints: Option<Checkpointing<'a>>,
+    opt: Optimizer,
+    train_idx: Vec<usize>,
+    eval: Vec<&'a O::Example>,
+    shape: RunShape,
+    start_step: usize,
+    last_loss: f64,
+    loss_sum: f64,
+    last_eval: Option<EvalResult>,
+}
+
+/// The supervised data order: the epoch's seeded shuffle of the training examples and how many
+/// of its steps were drawn.
+struct EpochOrder {
+    rng: rand::rngs::StdRng,
+    epoch: usize,
+    perm: Vec<usize>,
+    drawn: usize,
+}
+
+impl<'a, O: Objective> Supervised<'a, O> {
+    /// The run's split, schedule and optimizer; with `--resume`, the latest checkpoint's weights,
+    /// Adam's moments and the loop's state.
+    fn new(
+        obj: &'a O,
+        store: &'a ParamStore,
+        examples: &'a [O::Example],
+        args: &'a TrainingArgs,
+        checkpoints: Option<Checkpointing<'a>>,
+    ) -> Result<Self> {
+        let (train_idx, eval_idx) = split_eval(examples.len(), args.eval_fraction, args.seed)?;
+        let eval = eval_idx.iter().map(|&i| &examples[i]).collect();
+        // On N processes a step takes N times the examples, each process a share (module docs).
+        let world = crate::dist::world_size();
+        let total = args.total_steps(train_idx.len().div_ceil(world));
+        let warmup = warmup_steps(total, args.warmup_steps, args.warmup_ratio);
+        let schedule = LrSchedule::new(args.lr_scheduler_type, args.learning_rate, warmup, total);
+        let optim = OptimArgs {
+            learning_rate: args.learning_rate,
+            betas: (args.adam_beta1, args.adam_beta2),
+            eps: args.adam_epsilon,
+            weight_decay: 0.0,
+            max_grad_norm: args.max_grad_norm,
+            schedule,
+        };
+        let opt = Optimizer::new(store.vars(), optim)?;
+        let shape = RunShape {
+            total_steps: total,
+            train_examples: train_idx.len(),
+            seed: args.seed,
+            processes: world,
+        };
+        let mut run = Self {
+            obj,
+            store,
+            examples,
+            args,
+            checkpoints,
+            opt,
+            train_idx,
+            eval,
+            shape,
+            start_step: 0,
+            last_loss: f64::NAN,
+            loss_sum: 0.0,
+            last_eval: None,
+        };
+        if let Some(c) = checkpoints.filter(|c| c.resume) {
+            let (saved, _) = checkpoint::load_latest::<SupervisedState>(
+                c.dir,
+                LoopKind::Supervised,
+                &shape,
+                store,
+                run.opt.adam_mut(),
+                |_, _| Ok(()),
+            )?;
+            run.start_step = saved.step;
+            let s = saved.state;
+            (run.last_loss, run.loss_sum) = (s.last_loss.unwrap_or(f64::NAN), s.loss_sum.unwrap_or(f64::NAN));
+            run.last_eval = s.last_eval;
+        }
+        Ok(run)
+    }
+
+    /// Examples per step over every process.
+    fn global_step_examples(&self) -> usize {
+        self.args.examples_per_step() * crate::dist::world_size()
+    }
+}
+
+impl<O: Objective> crate::engine::run_loop::Algorithm for Supervised<'_, O> {
+    type DataOrder = EpochOrder;
+    /// The epoch (from 1) and the step's examples over every process.
+    type Batch = (usize, Vec<usize>);
+    type Report = TrainProgress;
+
+    fn plan(&self) -> crate::engine::run_loop::Plan {
+        crate::engine::run_loop::Plan {
+            total_steps: self.shape.total_steps,
+            start_step: self.start_step,
+            checkpoint_every: if self.checkpoints.is_some() { self.args.save_steps } else { 0 },
+            checkpoint_at_end: false,
+            report_every: usize::MAX,
+        }
+    }
+
+    fn settings(&self) -> Result<String> {
+        serde_json::to_string(self.args)
+            .map_err(|e| Error::Input(format!("cannot serialize [training]: {e}")))
+    }
+
+    fn data_order(&self) -> Result<EpochOrder> {
+        let rng = rand::rngs::StdRng::seed_from_u64(self.args.seed.wrapping_add(1));
+        Ok(EpochOrder { rng, epoch: 0, perm: Vec::new(), drawn: 0 })
+    }
+
+    /// The next step's examples: the epoch's shuffle cut into steps (the last one takes the
+    /// remainder); a new epoch shuffles again.
+    fn draw(&self, o: &mut EpochOrder) -> Result<(usize, Vec<usize>)> {
+        let per_step = self.global_step_examples();
+        if o.drawn * per_step >= o.perm.len() {
+            o.epoch += 1;
+            o.perm.clone_from(&self.train_idx);
+            o.perm.shuffle(&mut o.rng);
+            o.drawn = 0;
+        }
+        let start = o.drawn * per_step;
+        o.drawn += 1;
+        Ok((o.epoch, o.perm[start..(start + per_step).min(o.perm.len())].to_vec()))
+    }
+
+    fn step(&mut self, step: usize, (epoch, group): &(usize, Vec<usize>)) -> Result<TrainProgress> {
+        // This process's share of the step's examples (balanced; exact however they split, as
+        // the loss is divided by the terms of every process).
+        let (world, rank) = (crate::dist::world_size(), crate::dist::rank());
+        let share = &group[rank * group.len() / world..(rank + 1) * group.len() / world];
+        let group: Vec<&O::Example> = share.iter().map(|&i| &self.examples[i]).collect();
+        let (mut grads, lr) = self.opt.begin(step);
+        self.obj.begin_step(step);
+        let loss = accumulate(self.obj, &mut grads, &group, self.args.batch_size)?;
+        let grad_norm = self.opt.clip(&mut grads)?;
+        if !self.opt.finish(grads, lr, grad_norm)? {
+            tracing::warn!("step {}: the gradient is not finite, so no weight changed", step + 1);
+        }
+        let (done, total) = (step + 1, self.shape.total_steps);
+        (self.last_loss, self.loss_sum) = (loss, self.loss_sum + loss);
+        let due = (self.args.eval_every > 0 && done % self.args.eval_every == 0) || done == total;
+        let eval_bs = self.args.eval_batch_size.unwrap_or(self.args.batch_size);
+        let eval =
+            if due && !self.eval.is_empty() { Some(evaluate(self.obj, &self.eval, eval_bs)?) } else { None };
+        if eval.is_some() {
+            self.last_eval.clone_from(&eval);
+        }
+        Ok(TrainProgress { step: done, total_steps: total, epoch: *epoch, loss, lr, grad_norm, eval })
+    }
+
+    fn checkpoint(&self, step: usize) -> Result<()> {
+        let Some(c) = self.checkpoints else { return Ok(()) };
+        let ck = LoopCheckpoint {
+            trainer: LoopKind::Supervised,
+            step,
+            shape: self.shape,
+            adam_steps: self.opt.adam().steps(),
+            state: SupervisedState {
+                last_loss: finite(self.last_loss),
+                loss_sum: finite(self.loss_sum),
+                last_eval: self.last_eval.clone(),
+            },
+        };
+        let path = checkpoint::save(c.dir, self.store, self.opt.adam(), &ck, &[])?;
+        tracing::info!("checkpoint after step {step}: {}", path.display());
+        Ok(())
+    }
 }
