@@ -19,6 +19,7 @@
 //! | `grpo/<variant>`, `rloo/<variant>` | `grpo-step` / `rloo-step` against TRL 1.16.0: weights and metrics | 1e-5 |
 //! | `dpo/hinge` | `dpo` against TRL 1.16.0: weights and metrics | 1e-5 |
 //! | `kernels/layer_norm`, `rms_norm`, `gelu`, `softmax`, `log_softmax`, `logprobs`, `entropy` | the op on the device (CUDA: its twin in `rltune_kernels::cuda`) against the CPU's fused kernel, on odd shapes: outputs and every input's gradient, as max \|a − b\| / max(1, max \|b\|) | 1e-5 |
+//! | `kernels/rope` | the rotary embedding while splitting the heads on the device (CUDA: `rope.cu`) against the CPU's fused kernel, `(B, T, heads, D)` up to Qwen2-0.5B's 14 × 64: output and the input's gradient | 1e-5 |
 //! | `kernels/grad_norm` | the global gradient norm of gradients on the device (CUDA: one sum-of-squares kernel per tensor) against the CPU's, relative difference | 1e-12 |
 //! | `kernels/adam` | three Adam steps on the device (CUDA: the in-place kernel) against the CPU's fused kernel, on odd sizes: weights and moments | 0 (bit for bit) |
 //!
@@ -128,6 +129,8 @@ pub fn run(args: Args) -> Result<()> {
         let dev = device.clone();
         checks.push((format!("kernels/{op}"), Box::new(move || kernel_op(op, &dev))));
     }
+    let dev = device.clone();
+    checks.push(("kernels/rope".into(), Box::new(move || kernel_rope(&dev))));
     let dev = device.clone();
     checks.push(("kernels/adam".into(), Box::new(move || kernel_adam(&dev))));
     let dev = device.clone();
@@ -259,6 +262,43 @@ fn kernel_op(op: &str, device: &Device) -> Result<Outcome> {
         if cpu.len() != dev.len() {
             bail!("{op} {dims:?}: {} gradients on the device, {} on the CPU", dev.len() - 1, cpu.len() - 1);
         }
+        for (a, b) in dev.iter().zip(&cpu) {
+            let scale = b.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?.max(1.0) as f64;
+            worst = worst.max(max_diff(a, b)? / scale);
+        }
+    }
+    let mut o = Outcome::new(worst, 1e-5);
+    o.extra =
+        json!({"measure": "max |a - b| / max(1, max |cpu|)", "kernel": rltune::ops::cuda_kernels(device)});
+    Ok(o)
+}
+
+/// The rotary embedding while splitting the heads (`rltune::ops::rope_heads`; on CUDA `rope.cu`)
+/// against the CPU's fused kernel, on `(B, T, heads, D)` shapes from one position and head to
+/// Qwen2-0.5B's 14 heads of 64: the output and the input's gradient of `Σ y·r`. Both compute
+/// the same products and sums in the same order without contracted multiply-adds, so the
+/// measure (as [`kernel_op`]'s) is 0 on a correct kernel; the tolerance is the other ops'.
+fn kernel_rope(device: &Device) -> Result<Outcome> {
+    use rand::{Rng, SeedableRng};
+    let shapes = [[1usize, 1, 1, 2], [2, 7, 3, 10], [3, 5, 12, 64], [1, 33, 14, 64]];
+    let mut worst = 0f64;
+    for (case, &[b, t, h, d]) in shapes.iter().enumerate() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(77 + case as u64);
+        let mut randn = |shape: &[usize]| -> Result<Tensor> {
+            let len = shape.iter().product::<usize>();
+            let v: Vec<f32> = (0..len).map(|_| rng.gen_range(-2.0f32..2.0)).collect();
+            Ok(Tensor::from_vec(v, shape, &Device::Cpu)?)
+        };
+        let (x, angles, r) = (randn(&[b, t, h * d])?, randn(&[b, 1, t, d / 2])?, randn(&[b, h, t, d])?);
+        let (cos, sin) = (angles.cos()?, angles.sin()?);
+        let run = |dev: &Device| -> Result<Vec<Tensor>> {
+            let x = candle_core::Var::from_tensor(&x.to_device(dev)?)?;
+            let y = rltune::ops::rope_heads(x.as_tensor(), &cos.to_device(dev)?, &sin.to_device(dev)?, h)?;
+            let grads = (&y * r.to_device(dev)?)?.sum_all()?.backward()?;
+            let Some(dx) = grads.get(x.as_tensor()) else { bail!("rope: no gradient for x") };
+            Ok(vec![y.clone(), dx.clone()])
+        };
+        let (cpu, dev) = (run(&Device::Cpu)?, run(device)?);
         for (a, b) in dev.iter().zip(&cpu) {
             let scale = b.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?.max(1.0) as f64;
             worst = worst.max(max_diff(a, b)? / scale);

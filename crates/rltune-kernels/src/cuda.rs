@@ -10,6 +10,7 @@
 //! | layer norm, RMS norm (`norms.cu`) | `norm.rs` | forward 1 (composed: 9); backward 3 (dx and row statistics, per-chunk weight gradients, their sum) |
 //! | GELU, tanh form (`gelu.cu`) | `activation.rs` | forward 1; backward 1 (candle's `gelu` backward: about 12) |
 //! | SwiGLU, `silu(gate)·up` (`swiglu.cu`) | `swiglu.rs` | forward 1 (composed: 2, keeping `silu(gate)`); backward 1 for both gradients |
+//! | rotary embedding while splitting the heads (`rope.cu`) | `rope.rs` | forward 1 (composed: a copy, two narrows, six products and sums, a concatenation); backward 1 |
 //! | softmax, log-softmax, the logprob of a target, entropy (`softmax.cu`) | `softmax.rs` | 1 per op and per backward, one block per row; the logprob keeps no `(rows, V)` log-softmax (composed: a log-softmax, a gather, and ~10 ops backward) |
 //! | [`sums_of_squares`] (`sumsq.cu`) | the gradient norm's f64 sums (`Grads::global_norm`) | one per tensor and one for all, one read back (candle's ops: 4 per tensor) |
 //!
@@ -38,6 +39,8 @@ const SOFTMAX_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/softmax.ptx"))
 const GELU_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gelu.ptx"));
 /// `swiglu.cu`, as PTX.
 const SWIGLU_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/swiglu.ptx"));
+/// `rope.cu`, as PTX.
+const ROPE_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/rope.ptx"));
 
 type CResult<T> = candle_core::Result<T>;
 
@@ -370,6 +373,41 @@ pub(crate) fn swiglu_bwd(
         *first *= 2;
     }
     Ok((CudaStorage::wrap_cuda_slice(out, dev), dims.into()))
+}
+
+/// The rotary embedding of `x` by `cos`, `sin` `(B, 1, T, D/2)` for `[b, t, h, d]`: forward
+/// (`inverse = false`) from `(B, T, H·D)` to `(B, H, T, D)`, or its transpose, the backward,
+/// from `(B, H, T, D)` to `(B, T, H·D)` (`crate::rope`, which checks the shapes).
+pub(crate) fn rope(
+    (xs, xl): (&CudaStorage, &Layout),
+    (cs, cl): (&CudaStorage, &Layout),
+    (ss, sl): (&CudaStorage, &Layout),
+    [b, t, h, d]: [usize; 4],
+    inverse: bool,
+) -> CResult<CudaStorage> {
+    let dev = xs.device().clone();
+    let op = if inverse { "rope backward" } else { "rope" };
+    let (x, c, s) = (input(xs, xl, op)?, input(cs, cl, op)?, input(ss, sl, op)?);
+    let n = b * t * h * d;
+    if x.len() != n || c.len() != b * t * d / 2 || s.len() != c.len() {
+        candle_core::bail!(
+            "{op}: {} values, {} cos and {} sin for {b}×{t}×{h}×{d}",
+            x.len(),
+            c.len(),
+            s.len()
+        );
+    }
+    // SAFETY: every element is written (each thread writes both halves of its pair).
+    let mut out = unsafe { dev.alloc::<f32>(n)? };
+    if n > 0 {
+        let func = dev.get_or_load_custom_func("rltune_rope_f32", "rltune_rope", ROPE_PTX)?;
+        let mut l = func.builder();
+        let inv = i32::from(inverse);
+        l.arg(&mut out).arg(&x).arg(&c).arg(&s).arg(&b).arg(&t).arg(&h).arg(&d).arg(&inv);
+        // SAFETY: the arguments match the kernel's parameters.
+        unsafe { l.launch(elementwise(n / 2)) }.w()?;
+    }
+    Ok(CudaStorage::wrap_cuda_slice(out, dev))
 }
 
 /// Blocks per tensor of [`sums_of_squares`]: about 8 values a thread, at most two waves of an

@@ -7,7 +7,8 @@
 //! the four products and both halves for the backward, about four tensors of the input's size;
 //! fused it keeps the input only. The products and sums are done in the composed order, so the
 //! forward is the composed one's bit for bit. `cos` and `sin` `(B, 1, T, D/2)` are functions of
-//! the positions: they get no gradient.
+//! the positions: they get no gradient. On CUDA (f32) both directions run as `rope.cu`'s twin of
+//! [`rotate`]'s loop.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
@@ -76,6 +77,31 @@ fn rotate<T: Elem>(x: &[T], cos: &[T], sin: &[T], [_, t, h, d]: [usize; 4], inve
     out
 }
 
+impl RopeHeads {
+    fn label(&self) -> &'static str {
+        if self.inverse {
+            "rope backward"
+        } else {
+            "rope"
+        }
+    }
+
+    /// `[b, t, h, d]` and the output's shape, from the layouts of the input, `cos` and `sin`.
+    /// The geometry is read off the `(B, T, H·D)` side: the input forward, the output backward.
+    fn geometry(&self, l1: &Layout, l2: &Layout, l3: &Layout) -> CResult<([usize; 4], Shape)> {
+        let name = self.label();
+        let flat = match (self.inverse, l1.dims()) {
+            (false, _) => l1.clone(),
+            (true, &[b, h, t, d]) if h == self.heads => Layout::contiguous((b, t, h * d)),
+            (true, other) => candle_core::bail!("{name}: dy {other:?} is not (B, {}, T, D)", self.heads),
+        };
+        let g = dims(&flat, l2, l3, self.heads, name)?;
+        let [b, t, h, d] = g;
+        let shape: Shape = if self.inverse { (b, t, h * d).into() } else { (b, h, t, d).into() };
+        Ok((g, shape))
+    }
+}
+
 /// [`RopeHeads`] on the CPU, in `T`.
 fn rope_cpu<T: Elem>(
     op: &RopeHeads,
@@ -86,15 +112,8 @@ fn rope_cpu<T: Elem>(
     s3: &CpuStorage,
     l3: &Layout,
 ) -> CResult<(CpuStorage, Shape)> {
-    let name = if op.inverse { "rope backward" } else { "rope" };
-    // The geometry is read off the `(B, T, H·D)` side: the input forward, the output backward.
-    let flat = match (op.inverse, l1.dims()) {
-        (false, _) => l1.clone(),
-        (true, &[b, h, t, d]) if h == op.heads => Layout::contiguous((b, t, h * d)),
-        (true, other) => candle_core::bail!("{name}: dy {other:?} is not (B, {}, T, D)", op.heads),
-    };
-    let g = dims(&flat, l2, l3, op.heads, name)?;
-    let [b, t, h, d] = g;
+    let (g, shape) = op.geometry(l1, l2, l3)?;
+    let name = op.label();
     let out = rotate::<T>(
         contiguous(s1, l1, name)?,
         contiguous(s2, l2, name)?,
@@ -102,7 +121,6 @@ fn rope_cpu<T: Elem>(
         g,
         op.inverse,
     );
-    let shape: Shape = if op.inverse { (b, t, h * d).into() } else { (b, h, t, d).into() };
     Ok((T::to_cpu_storage_owned(out), shape))
 }
 
@@ -127,6 +145,20 @@ impl CustomOp3 for RopeHeads {
         by_dtype!(s1, "rope", rope_cpu(self, s1, l1, s2, l2, s3, l3))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> CResult<(candle_core::CudaStorage, Shape)> {
+        let (g, shape) = self.geometry(l1, l2, l3)?;
+        Ok((crate::cuda::rope((s1, l1), (s2, l2), (s3, l3), g, self.inverse)?, shape))
+    }
+
     /// The forward's gradient (the backward op is applied without a graph).
     fn bwd(
         &self,
@@ -144,9 +176,10 @@ impl CustomOp3 for RopeHeads {
 
 /// `x (B, T, H·D)` split into `H` heads `(B, H, T, D)` and rotated by `cos`, `sin`
 /// `(B, 1, T, D/2)` (transformers' `apply_rotary_pos_emb` with `rotate_half`), differentiable in
-/// `x`. One fused node on the CPU (f32, f64); [`rope_heads_composed`] elsewhere.
+/// `x`. One fused node on the CPU (f32, f64) and on CUDA (f32: `rope.cu`);
+/// [`rope_heads_composed`] elsewhere.
 pub fn rope_heads(x: &Tensor, cos: &Tensor, sin: &Tensor, heads: usize) -> CResult<Tensor> {
-    if super::fused_cpu(&[x, cos, sin]) {
+    if super::fused_cpu(&[x, cos, sin]) || super::cuda_f32(&[x, cos, sin]) {
         x.contiguous()?.apply_op3(&cos.contiguous()?, &sin.contiguous()?, RopeHeads { heads, inverse: false })
     } else {
         rope_heads_composed(x, cos, sin, heads)
