@@ -131,14 +131,14 @@ fn lora_spec(
         return Ok(None);
     }
     if let Some(l) = config {
-        check(l.validate("[lora]"), c)?;
+        check(l.validate("[lora]").map_err(|m| rltune::ConfigError::table("lora", m)), c)?;
     }
     let origin = c.config.as_ref().map_or("--set".to_string(), |p| p.display().to_string());
     let origin = format!("{origin}: [lora]");
     Ok(Some(LoraSpec { config: config.clone(), adapter: adapter.clone(), origin, seed }))
 }
 
-fn check(result: std::result::Result<(), String>, c: &Common) -> Result<()> {
+fn check(result: std::result::Result<(), rltune::ConfigError>, c: &Common) -> Result<()> {
     let source = c.config.as_ref().map_or("--set".to_string(), |p| p.display().to_string());
     result.map_err(|m| anyhow::anyhow!("{source}: {m}"))
 }
@@ -221,9 +221,12 @@ pub fn run_reward(args: RewardArgs) -> Result<()> {
     let lora = lora_spec(&file.lora, &args.adapter, c, file.training.seed)?;
     if lora.is_some() && file.model.trainable_layers.is_some() {
         check(
-            Err("[model] trainable_layers with LoRA: the adapters already leave the encoder frozen; \
-                 use one of [lora] (or --adapter) and trainable_layers"
-                .into()),
+            Err(rltune::ConfigError::new(
+                "model",
+                "trainable_layers",
+                "with LoRA: the adapters already leave the encoder frozen; use one of [lora] (or \
+                 --adapter) and trainable_layers",
+            )),
             c,
         )?;
     }

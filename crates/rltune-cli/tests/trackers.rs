@@ -156,9 +156,9 @@ fn bad_tracker_settings_name_the_key_and_the_fix() {
         err
     };
     let err = fails(&["--set", "logging.wandb=online"]);
-    assert!(err.contains("[logging] wandb = \"online\"") && err.contains("wandb sync"), "{err}");
+    assert!(err.contains("logging.wandb = \"online\"") && err.contains("wandb sync"), "{err}");
     let err = fails(&["--set", "logging.wandb=offlin"]);
-    assert!(err.contains("[logging] wandb = \"offlin\"") && err.contains("\"offline\""), "{err}");
+    assert!(err.contains("logging.wandb = \"offlin\"") && err.contains("\"offline\""), "{err}");
     let file = tmp.path().join("a-file");
     std::fs::write(&file, "").unwrap();
     let err = fails(&["--set", &format!("logging.mlflow={:?}", s(&file.join("store")))]);

@@ -149,12 +149,14 @@ impl PromptTemplate {
     }
 
     /// Checks that the settings work together; the message names the field.
-    pub fn validate(&self) -> std::result::Result<(), String> {
+    pub fn validate(&self) -> crate::Result<()> {
         if self.memory == Memory::Transcript && self.actions != ActionMode::Admissible {
-            return Err("[agent] memory = \"transcript\" needs actions = \"admissible\": a free-text \
-                        action's sampled tokens run past its end, and the transcript keeps exactly \
-                        the tokens sampled; set actions = \"admissible\" or memory = \"window\""
-                .into());
+            return Err(crate::Error::Config(
+                "[agent] memory = \"transcript\" needs actions = \"admissible\": a free-text \
+                 action's sampled tokens run past its end, and the transcript keeps exactly the \
+                 tokens sampled; set actions = \"admissible\" or memory = \"window\""
+                    .into(),
+            ));
         }
         Ok(())
     }

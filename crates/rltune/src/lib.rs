@@ -56,7 +56,7 @@ pub mod runtime;
 pub mod tagger;
 pub mod train;
 
-pub use error::{Error, Result};
+pub use error::{ConfigError, Error, Result};
 /// Text environments, their protocol, the play loop and the task metrics (the `rltune-envs`
 /// crate); [`agent`] runs models in them.
 pub use rltune_envs as envs;

@@ -21,7 +21,7 @@
 
 use candle_core::{Device, Tensor, D};
 
-use crate::error::{Error, Result};
+use crate::error::{ConfigError, Error, Result};
 use crate::models::layers::causal_bias;
 use crate::models::CausalLm;
 
@@ -75,21 +75,34 @@ impl Default for RejectionConfig {
 
 impl RejectionConfig {
     /// Checks the fields; messages name the key.
-    pub fn validate(&self) -> std::result::Result<(), String> {
+    pub fn validate(&self) -> std::result::Result<(), ConfigError> {
         if self.keep_top_n == 0 && !(self.keep_top_fraction > 0.0 && self.keep_top_fraction <= 1.0) {
-            return Err(format!(
-                "[rejection] keep_top_fraction must be in (0, 1] (or set keep_top_n), got {}",
-                self.keep_top_fraction
+            return Err(ConfigError::new(
+                "rejection",
+                "keep_top_fraction",
+                format!("must be in (0, 1] (or set keep_top_n), got {}", self.keep_top_fraction),
             ));
         }
         if self.samples_per_prompt == 0 || self.epochs == 0 || self.batch_size == 0 {
-            return Err("[rejection] samples_per_prompt, epochs and batch_size must be at least 1".into());
+            return Err(ConfigError::new(
+                "rejection",
+                "",
+                "[rejection] samples_per_prompt, epochs and batch_size must be at least 1",
+            ));
         }
         if !(self.learning_rate > 0.0 && self.learning_rate.is_finite()) {
-            return Err(format!("[rejection] learning_rate must be positive, got {}", self.learning_rate));
+            return Err(ConfigError::new(
+                "rejection",
+                "learning_rate",
+                format!("must be positive, got {}", self.learning_rate),
+            ));
         }
         if !(self.kl_coef >= 0.0 && self.kl_coef.is_finite()) {
-            return Err(format!("[rejection] kl_coef must be ≥ 0, got {}", self.kl_coef));
+            return Err(ConfigError::new(
+                "rejection",
+                "kl_coef",
+                format!("must be ≥ 0, got {}", self.kl_coef),
+            ));
         }
         Ok(())
     }
@@ -233,6 +246,6 @@ mod tests {
         assert!(RejectionConfig { keep_top_fraction: 0.0, ..c }.validate().is_ok(), "keep_top_n wins");
         let e =
             RejectionConfig { keep_top_fraction: 1.5, ..RejectionConfig::default() }.validate().unwrap_err();
-        assert!(e.contains("keep_top_fraction"), "{e}");
+        assert_eq!((e.section.as_str(), e.field.as_str()), ("rejection", "keep_top_fraction"), "{e}");
     }
 }

@@ -478,7 +478,7 @@ pub fn train_agent<G: AgentGames>(
     write_file(&stage_toml, run_config.to_toml()?.as_bytes())?;
     let steps = if cfg.algorithm.is_group() {
         let games = run_config.env.as_ref().map_or(Ok(0), |e| e.game_count())?;
-        run_config.group_shape(training_games(games), 1).map_err(Error::Input)?.steps
+        run_config.group_shape(training_games(games), 1)?.steps
     } else {
         cfg.ppo.steps
     };

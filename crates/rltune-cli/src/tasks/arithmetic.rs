@@ -379,7 +379,7 @@ pub fn run_arithmetic_quickstart(
         )));
     }
     write_file(&toml_path, toml.as_bytes())?;
-    let steps = run_config.group_shape(train.len(), 1).map_err(Error::Input)?.steps;
+    let steps = run_config.group_shape(train.len(), 1)?.steps;
     let final_ckpt = run_dir.join("checkpoints").join(format!("step-{steps}"));
     if final_ckpt.join("model.safetensors").is_file() {
         on(Event::Cached { stage, path: run_dir.clone() });

@@ -949,7 +949,7 @@ every = {every}
 
 fn rl_steps(cfg: &RlhfQuickstartConfig, method: Method, config: &RunConfig) -> Result<usize> {
     Ok(match method {
-        Method::Grpo | Method::Rloo => config.group_shape(cfg.train_prompts, 1).map_err(Error::Input)?.steps,
+        Method::Grpo | Method::Rloo => config.group_shape(cfg.train_prompts, 1)?.steps,
         _ => cfg.ppo.steps,
     })
 }

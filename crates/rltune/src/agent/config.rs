@@ -21,7 +21,7 @@ use crate::envs::letters::Letters;
 use crate::envs::ner::{Ner, NerConfig};
 use crate::envs::play::PromptTemplate;
 use crate::envs::{Reset, TextEnv};
-use crate::error::{Error, Result};
+use crate::error::{ConfigError, Error, Result};
 use crate::generation::GenerationConfig;
 
 /// Which environment family.
@@ -158,28 +158,33 @@ impl EnvSection {
     }
 
     /// Checks the fields of the chosen kind; messages name the key.
-    pub fn validate(&self) -> std::result::Result<(), String> {
+    pub fn validate(&self) -> std::result::Result<(), ConfigError> {
         if self.num_envs == 0 || self.max_steps == 0 {
-            return Err(format!(
-                "[env] num_envs ({}) and max_steps ({}) must be at least 1",
-                self.num_envs, self.max_steps
+            return Err(ConfigError::new(
+                "env",
+                "num_envs",
+                format!("({}) and max_steps ({}) must be at least 1", self.num_envs, self.max_steps),
             ));
         }
         if !(self.timeout_s > 0.0 && self.timeout_s.is_finite()) {
-            return Err(format!(
-                "[env] timeout_s must be a positive number of seconds, got {}",
-                self.timeout_s
+            return Err(ConfigError::new(
+                "env",
+                "timeout_s",
+                format!("must be a positive number of seconds, got {}", self.timeout_s),
             ));
         }
         match self.kind {
-            EnvKind::Textworld if self.games.is_empty() => {
-                Err("[env] kind = \"textworld\" needs games = [\"path/*.z8\", …] (make some with \
-                     tools/textworld/make_games.sh)"
-                    .into())
-            }
-            EnvKind::Command if self.command.is_empty() => {
-                Err("[env] kind = \"command\" needs command = [\"program\", \"arg\", …]".into())
-            }
+            EnvKind::Textworld if self.games.is_empty() => Err(ConfigError::new(
+                "env",
+                "kind",
+                "= \"textworld\" needs games = [\"path/*.z8\", …] (make some with \
+                     tools/textworld/make_games.sh)",
+            )),
+            EnvKind::Command if self.command.is_empty() => Err(ConfigError::new(
+                "env",
+                "kind",
+                "= \"command\" needs command = [\"program\", \"arg\", …]",
+            )),
             _ => Ok(()),
         }
     }

@@ -29,7 +29,7 @@ pub fn play_model(
     resets: crate::envs::play::ResetPlan,
     device: &Device,
 ) -> Result<(Vec<crate::envs::play::Episode>, usize)> {
-    template.validate().map_err(Error::Input)?;
+    template.validate()?;
     match template.memory {
         Memory::Transcript => super::transcript::play_transcripts(
             env, lm, tokenizer, template, generation, episodes, resets, device,

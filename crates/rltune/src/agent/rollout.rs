@@ -62,7 +62,7 @@ pub fn collect_episodes<'a>(
     let mut got = match cfg.template.memory {
         Memory::Window => collect_windows(env, policy, tokenizer, cfg, resets, seed, device)?,
         Memory::Transcript => {
-            cfg.template.validate().map_err(Error::Input)?;
+            cfg.template.validate()?;
             if cfg.example_turn_prob > 0.0 {
                 return Err(Error::Input(
                     "[agent] memory = \"transcript\" plays no example turns; set example_turn_prob = 0"

@@ -9,7 +9,7 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::{Error, Result};
+use crate::error::{ConfigError, Error, Result};
 use crate::grpo::config::{parse_table_with, resolve_optim, OptimArgs, SchedulerType};
 
 /// One of TRL's DPO losses (`loss_type`). TRL `DPOTrainer._compute_loss`.
@@ -356,55 +356,81 @@ impl DpoConfig {
     }
 
     /// Checks every field; the message names the field and the fix.
-    pub fn validate(&self) -> std::result::Result<(), String> {
+    pub fn validate(&self) -> std::result::Result<(), ConfigError> {
         let types = self.loss_type.list();
         if types.is_empty() {
-            return Err("dpo.loss_type is empty; give at least one loss (TRL's default: \"sigmoid\")".into());
+            return Err(ConfigError::new(
+                "dpo",
+                "loss_type",
+                "is empty; give at least one loss (TRL's default: \"sigmoid\")",
+            ));
         }
         if let Some(t) = types.iter().find(|t| matches!(t, DpoLossType::Aot | DpoLossType::AotUnpaired)) {
-            return Err(format!(
-                "dpo.loss_type {t:?} is not implemented in rltune (it sorts the batch); use \"sigmoid\", \
+            return Err(ConfigError::new(
+                "dpo",
+                "loss_type",
+                format!(
+                    "{t:?} is not implemented in rltune (it sorts the batch); use \"sigmoid\", \
                  \"hinge\", \"ipo\", \"robust\", \"exo_pair\", \"nca_pair\", \"bco_pair\", \"sppo_hard\", \
                  \"apo_zero\", \"apo_down\", \"discopop\", \"sft\" or \"sigmoid_norm\""
+                ),
             ));
         }
         if let Some(w) = &self.loss_weights {
             if w.len() != types.len() {
-                return Err(format!(
-                    "dpo.loss_weights has {} weights for {} loss types; give one weight per loss (TRL \
+                return Err(ConfigError::new(
+                    "dpo",
+                    "loss_weights",
+                    format!(
+                        "has {} weights for {} loss types; give one weight per loss (TRL \
                      refuses this too)",
-                    w.len(),
-                    types.len()
+                        w.len(),
+                        types.len()
+                    ),
                 ));
             }
             if let Some(bad) = w.iter().find(|x| !x.is_finite()) {
-                return Err(format!("dpo.loss_weights: {bad} is not a finite number"));
+                return Err(ConfigError::new(
+                    "dpo",
+                    "loss_weights",
+                    format!(": {bad} is not a finite number"),
+                ));
             }
         }
         use DpoLossType as L;
         let f_ok = [L::Sigmoid, L::SigmoidNorm, L::Hinge, L::Ipo, L::ExoPair, L::Robust, L::Discopop, L::Sft];
         if self.f_divergence_type != FDivergence::ReverseKl && !types.iter().all(|t| f_ok.contains(t)) {
-            return Err(format!(
-                "dpo.f_divergence_type {:?} only goes with the losses built on the chosen−rejected \
+            return Err(ConfigError::new(
+                "dpo",
+                "f_divergence_type",
+                format!(
+                    "{:?} only goes with the losses built on the chosen−rejected \
                  difference (sigmoid, sigmoid_norm, hinge, ipo, exo_pair, robust, discopop, sft); you gave \
                  {types:?} (TRL refuses this too)",
-                self.f_divergence_type
+                    self.f_divergence_type
+                ),
             ));
         }
         if types.contains(&L::ExoPair) && !(self.label_smoothing > 0.0 && self.label_smoothing < 1.0) {
-            return Err(format!(
-                "dpo.label_smoothing is {} but exo_pair needs it in (0, 1) (the EXO paper uses 1e-3)",
-                self.label_smoothing
+            return Err(ConfigError::new(
+                "dpo",
+                "label_smoothing",
+                format!(
+                    "is {} but exo_pair needs it in (0, 1) (the EXO paper uses 1e-3)",
+                    self.label_smoothing
+                ),
             ));
         }
         if types.contains(&L::Robust) && !(0.0..0.5).contains(&self.label_smoothing) {
-            return Err(format!(
-                "dpo.label_smoothing is {} but robust needs it in [0, 0.5) (it divides by 1 − 2ε)",
-                self.label_smoothing
+            return Err(ConfigError::new(
+                "dpo",
+                "label_smoothing",
+                format!("is {} but robust needs it in [0, 0.5) (it divides by 1 − 2ε)", self.label_smoothing),
             ));
         }
-        let unsupported =
-            |what: &str| Err(format!("dpo.{what} is not implemented in rltune; leave it at TRL's default"));
+        let unsupported = |what: &str| {
+            Err(ConfigError::new("dpo", what, "is not implemented in rltune; leave it at TRL's default"))
+        };
         if self.ld_alpha.is_some() {
             return unsupported("ld_alpha (only unset)");
         }
@@ -418,19 +444,21 @@ impl DpoConfig {
             return unsupported("router_aux_loss_coef (only unset: rltune has no MoE models)");
         }
         if !self.disable_dropout {
-            return Err(
-                "dpo.disable_dropout is false, but rltune never applies dropout; set it to true".into()
-            );
+            return Err(ConfigError::new(
+                "dpo",
+                "disable_dropout",
+                "is false, but rltune never applies dropout; set it to true",
+            ));
         }
         self.validate_numbers()
     }
 
-    fn validate_numbers(&self) -> std::result::Result<(), String> {
+    fn validate_numbers(&self) -> std::result::Result<(), ConfigError> {
         let positive =
             [("learning_rate", self.learning_rate), ("beta", self.beta), ("discopop_tau", self.discopop_tau)];
         for (name, v) in positive {
             if !(v.is_finite() && v > 0.0) {
-                return Err(format!("dpo.{name} must be a positive number, got {v}"));
+                return Err(ConfigError::new("dpo", name, format!("must be a positive number, got {v}")));
             }
         }
         let nonneg = [
@@ -443,15 +471,15 @@ impl DpoConfig {
         ];
         for (name, v) in nonneg {
             if !(v.is_finite() && v >= 0.0) {
-                return Err(format!("dpo.{name} must be a non-negative number, got {v}"));
+                return Err(ConfigError::new("dpo", name, format!("must be a non-negative number, got {v}")));
             }
         }
         if !self.f_alpha_divergence_coef.is_finite() {
-            return Err("dpo.f_alpha_divergence_coef must be a finite number".into());
+            return Err(ConfigError::new("dpo", "f_alpha_divergence_coef", "must be a finite number"));
         }
         for (name, b) in [("adam_beta1", self.adam_beta1), ("adam_beta2", self.adam_beta2)] {
             if !(0.0..1.0).contains(&b) {
-                return Err(format!("dpo.{name} must be in [0, 1), got {b}"));
+                return Err(ConfigError::new("dpo", name, format!("must be in [0, 1), got {b}")));
             }
         }
         let counts = [
@@ -462,18 +490,26 @@ impl DpoConfig {
         ];
         for (name, v) in counts {
             if v == 0 {
-                return Err(format!("dpo.{name} must be at least 1"));
+                return Err(ConfigError::new("dpo", name, "must be at least 1"));
             }
         }
         if self.max_len().is_some_and(|m| m < 2) {
-            return Err(format!(
-                "dpo.max_length is {:?}; a sequence needs a prompt token and a completion token: use at least 2 \
+            return Err(ConfigError::new(
+                "dpo",
+                "max_length",
+                format!(
+                    "is {:?}; a sequence needs a prompt token and a completion token: use at least 2 \
                  (or \"none\")",
-                self.max_length
+                    self.max_length
+                ),
             ));
         }
         if self.max_steps <= 0 && self.num_train_epochs == 0.0 {
-            return Err("dpo.num_train_epochs is 0 and max_steps is unset: nothing to train".into());
+            return Err(ConfigError::new(
+                "dpo",
+                "num_train_epochs",
+                "is 0 and max_steps is unset: nothing to train",
+            ));
         }
         Ok(())
     }

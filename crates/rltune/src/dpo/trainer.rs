@@ -97,7 +97,7 @@ impl DpoTrainer {
         reference: Option<CausalLm>,
         n_train_pairs: usize,
     ) -> Result<Self> {
-        config.validate().map_err(Error::Input)?;
+        config.validate()?;
         if n_train_pairs == 0 {
             return Err(Error::Input("no preference pair to train on".into()));
         }

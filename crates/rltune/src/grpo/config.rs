@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::config_file::closest;
 use crate::engine::schedule::LrSchedule;
-use crate::error::{Error, Result};
+use crate::error::{ConfigError, Error, Result};
 
 /// GRPO's loss aggregation (`loss_type`). TRL `_compute_loss`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -368,38 +368,48 @@ macro_rules! common {
 }
 
 impl Common<'_> {
-    fn validate(&self) -> std::result::Result<(), String> {
+    fn validate(&self) -> std::result::Result<(), ConfigError> {
         let t = self.table;
         if self.num_generations < 2 {
-            return Err(format!(
-                "{t}.num_generations is {}; advantages compare completions of one prompt, so at least 2 \
+            return Err(ConfigError::new(
+                t,
+                "num_generations",
+                format!(
+                    "is {}; advantages compare completions of one prompt, so at least 2 \
                  are needed (TRL refuses fewer too)",
-                self.num_generations
+                    self.num_generations
+                ),
             ));
         }
         for (name, v) in
             [("num_iterations", self.num_iterations), ("max_completion_length", self.max_completion_length)]
         {
             if v == 0 {
-                return Err(format!("{t}.{name} must be at least 1"));
+                return Err(ConfigError::new(t, name, "must be at least 1"));
             }
         }
         if self.gradient_accumulation_steps != 1 {
-            return Err(format!(
-                "{t}.gradient_accumulation_steps is {}; rltune makes one optimizer update over the whole \
+            return Err(ConfigError::new(
+                t,
+                "gradient_accumulation_steps",
+                format!(
+                    "is {}; rltune makes one optimizer update over the whole \
                  batch of a step: set it to 1 and pass the accumulated batch instead",
-                self.gradient_accumulation_steps
+                    self.gradient_accumulation_steps
+                ),
             ));
         }
         if self.steps_per_generation.is_some_and(|s| s != 1) {
-            return Err(format!(
-                "{t}.steps_per_generation must be 1 (one optimizer step per generation batch and iteration)"
+            return Err(ConfigError::new(
+                t,
+                "steps_per_generation",
+                "must be 1 (one optimizer step per generation batch and iteration)",
             ));
         }
         let positive = [("learning_rate", self.learning_rate), ("temperature", self.temperature)];
         for (name, v) in positive {
             if !(v.is_finite() && v > 0.0) {
-                return Err(format!("{t}.{name} must be a positive number, got {v}"));
+                return Err(ConfigError::new(t, name, format!("must be a positive number, got {v}")));
             }
         }
         let nonneg = [
@@ -412,25 +422,33 @@ impl Common<'_> {
         ];
         for (name, v) in nonneg {
             if !(v.is_finite() && v >= 0.0) {
-                return Err(format!("{t}.{name} must be a non-negative number, got {v}"));
+                return Err(ConfigError::new(t, name, format!("must be a non-negative number, got {v}")));
             }
         }
         if let Some(e) = self.epsilon_high {
             if !(e.is_finite() && e >= 0.0) {
-                return Err(format!("{t}.epsilon_high must be a non-negative number, got {e}"));
+                return Err(ConfigError::new(
+                    t,
+                    "epsilon_high",
+                    format!("must be a non-negative number, got {e}"),
+                ));
             }
         }
         for (name, b) in [("adam_beta1", self.adam.0), ("adam_beta2", self.adam.1)] {
             if !(0.0..1.0).contains(&b) {
-                return Err(format!("{t}.{name} must be in [0, 1), got {b}"));
+                return Err(ConfigError::new(t, name, format!("must be in [0, 1), got {b}")));
             }
         }
         if !self.beta.is_finite() || self.beta < 0.0 {
-            return Err(format!("{t}.beta must be a non-negative number, got {}", self.beta));
+            return Err(ConfigError::new(
+                t,
+                "beta",
+                format!("must be a non-negative number, got {}", self.beta),
+            ));
         }
         if let Some(w) = self.reward_weights {
             if let Some(bad) = w.iter().find(|x| !x.is_finite()) {
-                return Err(format!("{t}.reward_weights: {bad} is not a finite number"));
+                return Err(ConfigError::new(t, "reward_weights", format!(": {bad} is not a finite number")));
             }
         }
         Ok(())
@@ -496,15 +514,20 @@ impl GrpoConfig {
     }
 
     /// Checks every field; the message names the field and the fix.
-    pub fn validate(&self) -> std::result::Result<(), String> {
+    pub fn validate(&self) -> std::result::Result<(), ConfigError> {
         common!(self, "grpo").validate()?;
-        let unsupported =
-            |what: &str| Err(format!("grpo.{what} is not implemented in rltune; leave it at TRL's default"));
+        let unsupported = |what: &str| {
+            Err(ConfigError::new("grpo", what, "is not implemented in rltune; leave it at TRL's default"))
+        };
         if matches!(self.loss_type, LossType::Cispo | LossType::Sapo | LossType::Luspo | LossType::Vespo) {
-            return Err(format!(
-                "grpo.loss_type {:?} is not implemented in rltune; use \"dapo\" (TRL's default), \"grpo\", \
+            return Err(ConfigError::new(
+                "grpo",
+                "loss_type",
+                format!(
+                    "{:?} is not implemented in rltune; use \"dapo\" (TRL's default), \"grpo\", \
                  \"dr_grpo\" or \"bnpo\"",
-                self.loss_type
+                    self.loss_type
+                ),
             ));
         }
         if self.top_entropy_quantile != 1.0 {
@@ -518,7 +541,11 @@ impl GrpoConfig {
         }
         if let Some(d) = self.delta {
             if !(d.is_finite() && d > 0.0) {
-                return Err(format!("grpo.delta must be a positive number when set, got {d}"));
+                return Err(ConfigError::new(
+                    "grpo",
+                    "delta",
+                    format!("must be a positive number when set, got {d}"),
+                ));
             }
         }
         Ok(())
@@ -550,12 +577,14 @@ impl RlooConfig {
     }
 
     /// Checks every field; the message names the field and the fix.
-    pub fn validate(&self) -> std::result::Result<(), String> {
+    pub fn validate(&self) -> std::result::Result<(), ConfigError> {
         common!(self, "rloo").validate()?;
         if let Some((lo, hi)) = self.reward_clip_range {
             if !(lo.is_finite() && hi.is_finite() && lo <= hi) {
-                return Err(format!(
-                    "rloo.reward_clip_range must be [lo, hi] with lo ≤ hi, got [{lo}, {hi}]"
+                return Err(ConfigError::new(
+                    "rloo",
+                    "reward_clip_range",
+                    format!("must be [lo, hi] with lo ≤ hi, got [{lo}, {hi}]"),
                 ));
             }
         }

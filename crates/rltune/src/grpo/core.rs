@@ -372,7 +372,7 @@ impl Core {
             if let Some(i) = c.rewards.iter().position(|r| !r.is_finite()) {
                 return bad(format!("GiGPO: turn {i}'s reward {} is not finite", c.rewards[i]));
             }
-            c.args.validate().map_err(Error::Input)?;
+            c.args.validate()?;
         }
         if let Some(r) = batch.returns.iter().find(|r| r.is_infinite()) {
             return bad(format!("episode return {r} is infinite; returns must be finite"));

@@ -16,6 +16,7 @@
 //! environment's exact state when it reports one (`infos["state"]`), else its observation,
 //! inventory and admissible commands together, where verl-agent keys on the observation text.
 
+use crate::error::ConfigError;
 use std::collections::HashMap;
 
 use serde::{Deserialize, Serialize};
@@ -52,15 +53,20 @@ impl Default for GigpoArgs {
 
 impl GigpoArgs {
     /// Checks the values; messages name the field.
-    pub fn validate(&self) -> std::result::Result<(), String> {
+    pub fn validate(&self) -> std::result::Result<(), ConfigError> {
         if !(self.step_advantage_w.is_finite() && self.step_advantage_w >= 0.0) {
-            return Err(format!(
-                "[episodes.gigpo] step_advantage_w must be a finite number ≥ 0, got {}",
-                self.step_advantage_w
+            return Err(ConfigError::new(
+                "episodes.gigpo",
+                "step_advantage_w",
+                format!("must be a finite number ≥ 0, got {}", self.step_advantage_w),
             ));
         }
         if !(0.0..=1.0).contains(&self.gamma) {
-            return Err(format!("[episodes.gigpo] gamma must be in [0, 1], got {}", self.gamma));
+            return Err(ConfigError::new(
+                "episodes.gigpo",
+                "gamma",
+                format!("must be in [0, 1], got {}", self.gamma),
+            ));
         }
         Ok(())
     }
@@ -186,8 +192,9 @@ mod tests {
     #[test]
     fn bad_settings_name_the_field() {
         let bad = GigpoArgs { gamma: 1.5, ..GigpoArgs::default() };
-        assert!(bad.validate().unwrap_err().contains("gamma"));
+        assert_eq!(bad.validate().unwrap_err().field, "gamma");
         let bad = GigpoArgs { step_advantage_w: -1.0, ..GigpoArgs::default() };
-        assert!(bad.validate().unwrap_err().contains("step_advantage_w"));
+        let err = bad.validate().unwrap_err();
+        assert_eq!((err.section.as_str(), err.field.as_str()), ("episodes.gigpo", "step_advantage_w"));
     }
 }

@@ -38,7 +38,7 @@ impl RlooTrainer {
         policy: CausalLm,
         reference: Option<CausalLm>,
     ) -> Result<Self> {
-        config.validate().map_err(Error::Input)?;
+        config.validate()?;
         let reference = reference_or_frozen_policy(config.beta, reference, &store, &policy)?;
         let core = Core::new(store, policy, reference, config.optim_args(), config.temperature)?;
         Ok(Self { config, core })

@@ -21,7 +21,7 @@ use super::core::{
 use super::gigpo::{self, StepAdvantages};
 use super::math::{self, nanmax, nanmin, ObjectiveParams};
 use crate::engine::{Stat, Stats};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::models::CausalLm;
 use crate::params::ParamStore;
 
@@ -42,7 +42,7 @@ impl GrpoTrainer {
         policy: CausalLm,
         reference: Option<CausalLm>,
     ) -> Result<Self> {
-        config.validate().map_err(Error::Input)?;
+        config.validate()?;
         let reference = reference_or_frozen_policy(config.beta, reference, &store, &policy)?;
         let core = Core::new(store, policy, reference, config.optim_args(), config.temperature)?;
         Ok(Self { config, core })

@@ -8,7 +8,7 @@ use std::path::Path;
 use super::math::KlPenalty;
 use crate::config_file::closest;
 use crate::engine::{LrSchedule, OptimArgs, ScheduleKind};
-use crate::error::{Error, Result};
+use crate::error::{ConfigError, Error, Result};
 use crate::models::{ValueHeadKind, ValueHeadSpec};
 use crate::optim::AdamConfig;
 
@@ -213,10 +213,10 @@ impl PpoConfig {
     }
 
     /// Checks every field; the message names the field and the fix.
-    pub fn validate(&self) -> std::result::Result<(), String> {
+    pub fn validate(&self) -> std::result::Result<(), ConfigError> {
         let pos = |name: &str, v: usize| {
             if v == 0 {
-                Err(format!("ppo.{name} must be at least 1"))
+                Err(ConfigError::new("ppo", name, "must be at least 1"))
             } else {
                 Ok(())
             }
@@ -227,13 +227,17 @@ impl PpoConfig {
         pos("ppo_epochs", self.ppo_epochs)?;
         pos("steps", self.steps)?;
         if !self.batch_size.is_multiple_of(self.backward_batch_size()) {
-            return Err(format!(
-                "ppo.batch_size ({}) must be a multiple of mini_batch_size × gradient_accumulation_steps \
+            return Err(ConfigError::new(
+                "ppo",
+                "batch_size",
+                format!(
+                    "({}) must be a multiple of mini_batch_size × gradient_accumulation_steps \
                  ({} × {} = {}); change one of them",
-                self.batch_size,
-                self.mini_batch_size,
-                self.gradient_accumulation_steps,
-                self.backward_batch_size()
+                    self.batch_size,
+                    self.mini_batch_size,
+                    self.gradient_accumulation_steps,
+                    self.backward_batch_size()
+                ),
             ));
         }
         let finite_pos = [
@@ -246,13 +250,13 @@ impl PpoConfig {
         ];
         for (name, v) in finite_pos {
             if !(v.is_finite() && v > 0.0) {
-                return Err(format!("ppo.{name} must be a positive number, got {v}"));
+                return Err(ConfigError::new("ppo", name, format!("must be a positive number, got {v}")));
             }
         }
         let unit = [("gamma", self.gamma), ("lam", self.lam)];
         for (name, v) in unit {
             if !(0.0..=1.0).contains(&v) {
-                return Err(format!("ppo.{name} must be in [0, 1], got {v}"));
+                return Err(ConfigError::new("ppo", name, format!("must be in [0, 1], got {v}")));
             }
         }
         let nonneg = [
@@ -263,27 +267,32 @@ impl PpoConfig {
         ];
         for (name, v) in nonneg {
             if !(v.is_finite() && v >= 0.0) {
-                return Err(format!("ppo.{name} must be a non-negative number, got {v}"));
+                return Err(ConfigError::new("ppo", name, format!("must be a non-negative number, got {v}")));
             }
         }
         for (name, v) in [("score_clip", self.score_clip), ("max_grad_norm", self.max_grad_norm)] {
             if let Some(v) = v {
                 if !(v.is_finite() && v > 0.0) {
-                    return Err(format!("ppo.{name} must be positive when set, got {v}"));
+                    return Err(ConfigError::new("ppo", name, format!("must be positive when set, got {v}")));
                 }
             }
         }
         match (self.value_head, self.value_head_hidden) {
-            (_, Some(0)) => return Err("ppo.value_head_hidden must be at least 1 when set".into()),
+            (_, Some(0)) => {
+                return Err(ConfigError::new("ppo", "value_head_hidden", "must be at least 1 when set"))
+            }
             (ValueHeadKind::Linear, Some(_)) => {
-                return Err("ppo.value_head_hidden is the width of the MLP head; set value_head = \"mlp\" \
-                            or leave value_head_hidden out"
-                    .into())
+                return Err(ConfigError::new(
+                    "ppo",
+                    "value_head_hidden",
+                    "is the width of the MLP head; set value_head = \"mlp\" \
+                            or leave value_head_hidden out",
+                ))
             }
             _ => {}
         }
         if self.use_score_norm && !self.use_score_scaling {
-            return Err("ppo.use_score_norm needs use_score_scaling = true".into());
+            return Err(ConfigError::new("ppo", "use_score_norm", "needs use_score_scaling = true"));
         }
         Ok(())
     }
@@ -330,8 +339,12 @@ mod tests {
     fn batch_must_divide_into_minibatches() {
         let c = PpoConfig { batch_size: 10, mini_batch_size: 4, ..Default::default() };
         let err = c.validate().unwrap_err();
-        assert!(err.contains("ppo.batch_size") && err.contains("mini_batch_size"), "{err}");
+        assert_eq!((err.section.as_str(), err.field.as_str()), ("ppo", "batch_size"));
+        assert_eq!(err.fix.as_deref(), Some("change one of them"));
+        let shown = err.to_string();
+        assert!(shown.starts_with("ppo.batch_size (10) must be a multiple of mini_batch_size"), "{shown}");
+        assert!(shown.ends_with("(4 × 1 = 4); change one of them"), "{shown}");
         let c = PpoConfig { lam: 1.5, ..Default::default() };
-        assert!(c.validate().unwrap_err().contains("ppo.lam"));
+        assert_eq!(c.validate().unwrap_err().to_string(), "ppo.lam must be in [0, 1], got 1.5");
     }
 }

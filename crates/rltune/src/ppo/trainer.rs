@@ -202,7 +202,7 @@ impl PpoTrainer {
         policy: CausalLmWithValueHead,
         reference: CausalLm,
     ) -> Result<Self> {
-        config.validate().map_err(Error::Input)?;
+        config.validate()?;
         if !store.trainable() {
             return Err(Error::Input("the policy's parameters must be trainable".into()));
         }

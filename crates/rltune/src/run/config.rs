@@ -17,7 +17,7 @@ use crate::agent::config::EnvSection;
 use crate::agent::rollout::Shaping;
 use crate::config_file::parse_toml;
 use crate::envs::play::{Memory, PromptTemplate};
-use crate::error::{Error, Result};
+use crate::error::{ConfigError, Error, Result};
 use crate::generation::GenerationConfig;
 use crate::grpo::{GrpoConfig, RlooConfig};
 use crate::models::load::LoraSpec;
@@ -137,9 +137,9 @@ impl EvalSection {
         self.enabled() && (step == total || (self.every > 0 && step.is_multiple_of(self.every)))
     }
 
-    pub(super) fn validate(&self) -> std::result::Result<(), String> {
+    pub(super) fn validate(&self) -> std::result::Result<(), ConfigError> {
         if self.enabled() && self.batch_size == 0 {
-            return Err("[eval] batch_size must be at least 1".into());
+            return Err(ConfigError::new("eval", "batch_size", "must be at least 1"));
         }
         Ok(())
     }
@@ -235,21 +235,30 @@ impl Default for EpisodesSection {
 }
 
 impl EpisodesSection {
-    pub(super) fn validate(&self) -> std::result::Result<(), String> {
+    pub(super) fn validate(&self) -> std::result::Result<(), ConfigError> {
         if !(0.0..=1.0).contains(&self.game_gamma) {
-            return Err(format!("[episodes] game_gamma must be in [0, 1], got {}", self.game_gamma));
+            return Err(ConfigError::new(
+                "episodes",
+                "game_gamma",
+                format!("must be in [0, 1], got {}", self.game_gamma),
+            ));
         }
         if !(0.0..=1.0).contains(&self.turn_lambda) {
-            return Err(format!("[episodes] turn_lambda must be in [0, 1], got {}", self.turn_lambda));
+            return Err(ConfigError::new(
+                "episodes",
+                "turn_lambda",
+                format!("must be in [0, 1], got {}", self.turn_lambda),
+            ));
         }
         if !(0.0..1.0).contains(&self.example_turn_prob) {
-            return Err(format!(
-                "[episodes] example_turn_prob must be in [0, 1), got {} (1 would never train)",
-                self.example_turn_prob
+            return Err(ConfigError::new(
+                "episodes",
+                "example_turn_prob",
+                format!("must be in [0, 1), got {} (1 would never train)", self.example_turn_prob),
             ));
         }
         if self.eval_every > 0 && self.eval_episodes == 0 {
-            return Err("[episodes] eval_every is set but eval_episodes = 0".into());
+            return Err(ConfigError::new("episodes", "eval_every", "is set but eval_episodes = 0"));
         }
         if let Some(g) = &self.gigpo {
             g.validate()?;
@@ -416,71 +425,92 @@ impl RunConfig {
         })
     }
 
-    fn validate_lora(&self) -> std::result::Result<(), String> {
+    fn validate_lora(&self) -> std::result::Result<(), ConfigError> {
         if self.ref_model.as_ref().is_some_and(|r| r.trainable_layers.is_some()) {
-            return Err("[ref_model] trainable_layers: the reference does not train; set \
-                        trainable_layers under [model]"
-                .into());
+            return Err(ConfigError::new(
+                "ref_model",
+                "trainable_layers",
+                ": the reference does not train; set \
+                        trainable_layers under [model]",
+            ));
         }
         if self.lora.is_some() && self.model.trainable_layers.is_some() {
-            return Err("[model] trainable_layers with [lora]: the adapters already leave the base \
-                        frozen; use one of them"
-                .into());
+            return Err(ConfigError::new(
+                "model",
+                "trainable_layers",
+                "with [lora]: the adapters already leave the base \
+                        frozen; use one of them",
+            ));
         }
         if let Some(l) = &self.lora {
-            l.validate("[lora]")?;
+            l.validate("[lora]").map_err(|m| ConfigError::table("lora", m))?;
             if self.ref_model.is_some() {
-                return Err("[lora] with [ref_model]: with LoRA the reference is the base model with the \
-                            adapters off; remove [ref_model]"
-                    .into());
+                return Err(ConfigError::new(
+                    "lora",
+                    "",
+                    "[lora] with [ref_model]: with LoRA the reference is the base model with the \
+                            adapters off; remove [ref_model]",
+                ));
             }
         }
         Ok(())
     }
 
     /// The checks of a run on text games (`[env]`), whatever its trainer.
-    pub(super) fn validate_games(&self, env: &EnvSection) -> std::result::Result<(), String> {
+    pub(super) fn validate_games(&self, env: &EnvSection) -> std::result::Result<(), ConfigError> {
         env.validate()?;
         self.episodes.validate()?;
         if self.episodes.gigpo.is_some() && self.algorithm.kind != AlgorithmKind::Grpo {
-            return Err(format!(
-                "[episodes.gigpo] with [algorithm] kind = \"{}\": GiGPO's step credit builds on GRPO; set \
+            return Err(ConfigError::new("episodes.gigpo", "", format!("[episodes.gigpo] with [algorithm] kind = \"{}\": GiGPO's step credit builds on GRPO; set \
                  kind = \"grpo\" or remove [episodes.gigpo]",
                 self.algorithm.kind.name()
-            ));
+            )));
         }
-        self.agent.validate()?;
+        self.agent.validate().map_err(|e| ConfigError::table("agent", e))?;
         if self.agent.memory == Memory::Transcript && self.episodes.example_turn_prob > 0.0 {
-            return Err(format!(
-                "[episodes] example_turn_prob = {} with [agent] memory = \"transcript\": an example \
+            return Err(ConfigError::new(
+                "episodes",
+                "example_turn_prob",
+                format!(
+                    "= {} with [agent] memory = \"transcript\": an example \
                  command is not sampled, so the transcript would hold tokens the policy never wrote; \
                  set it to 0 or use memory = \"window\"",
-                self.episodes.example_turn_prob
+                    self.episodes.example_turn_prob
+                ),
             ));
         }
         if !self.data.source.is_empty() {
-            return Err("both [data] source and [env] are set; a run trains on prompts or on text \
-                        games, not both: remove one"
-                .into());
+            return Err(ConfigError::new(
+                "data",
+                "",
+                "both [data] source and [env] are set; a run trains on prompts or on text \
+                        games, not both: remove one",
+            ));
         }
         if !self.reward.sources.is_empty() {
-            return Err("[reward] sources are set with [env]: turns are scored by the game (plus \
-                        [episodes.shaping]); remove [[reward.sources]]"
-                .into());
+            return Err(ConfigError::new(
+                "reward",
+                "sources",
+                "are set with [env]: turns are scored by the game (plus \
+                        [episodes.shaping]); remove [[reward.sources]]",
+            ));
         }
         Ok(())
     }
 
     /// Checks the sections; messages name the field.
-    pub fn validate(&self) -> std::result::Result<(), String> {
+    pub fn validate(&self) -> std::result::Result<(), ConfigError> {
         self.logging.validate()?;
         self.ppo.validate()?;
         self.validate_lora()?;
         self.validate_reward_names()?;
         if self.env.is_none() && self.episodes.gigpo.is_some() {
-            return Err("[episodes.gigpo] without [env]: GiGPO groups the turns of text games by their \
-                        state; remove it, or train on games"
-                .into());
+            return Err(ConfigError::new(
+                "episodes.gigpo",
+                "",
+                "[episodes.gigpo] without [env]: GiGPO groups the turns of text games by their \
+                        state; remove it, or train on games",
+            ));
         }
         if self.algorithm.kind.is_group() {
             return self.validate_group();
@@ -488,66 +518,92 @@ impl RunConfig {
         if self.algorithm.kind == AlgorithmKind::RejectionSampling {
             self.rejection.validate()?;
             if self.env.is_some() && self.episodes.train_turns == TrainTurns::Round {
-                return Err("[episodes] train_turns = \"round\" is for PPO steps; rejection sampling \
-                            keeps its best turns of [ppo] batch_size: remove train_turns"
-                    .into());
+                return Err(ConfigError::new(
+                    "episodes",
+                    "train_turns",
+                    "= \"round\" is for PPO steps; rejection sampling \
+                            keeps its best turns of [ppo] batch_size: remove train_turns",
+                ));
             }
         }
-        self.generation.validate().map_err(|e| e.to_string())?;
+        self.generation.validate().map_err(|e| ConfigError::table("generation", e))?;
         if self.ppo.temperature != self.generation.temperature {
-            return Err(format!(
-                "[ppo] temperature = {} but [generation] temperature = {}: the PPO ratio would compare \
+            return Err(ConfigError::new(
+                "ppo",
+                "temperature",
+                format!(
+                    "= {} but [generation] temperature = {}: the PPO ratio would compare \
                  logprobs of two different distributions (with the rollout cache on, it is not 1 on \
                  the first minibatch); leave [ppo] temperature out (it follows [generation]) or set \
                  both to the same value",
-                self.ppo.temperature, self.generation.temperature
+                    self.ppo.temperature, self.generation.temperature
+                ),
             ));
         }
         if self.generation.records_support() && self.ppo.kl_penalty == crate::ppo::math::KlPenalty::Full {
-            return Err("[ppo] kl_penalty = \"full\" with top_k / top_p / min_p in [generation]: the full \
+            return Err(ConfigError::new(
+                "ppo",
+                "kl_penalty",
+                "= \"full\" with top_k / top_p / min_p in [generation]: the full \
                         KL sums over the whole vocabulary, the truncated policy's support is smaller; use \
                         kl_penalty = \"kl\", \"k3\", \"abs\" or \"mse\", or [generation] logprob_support = \
-                        \"vocabulary\" (TRL's biased logprobs)"
-                .into());
+                        \"vocabulary\" (TRL's biased logprobs)",
+            ));
         }
         if self.model.path.is_empty() {
-            return Err("[model] path is empty; set it to a model directory or hub id".into());
+            return Err(ConfigError::new("model", "path", "is empty; set it to a model directory or hub id"));
         }
         if let Some(c) = &self.critic {
             if c.path.is_empty() {
-                return Err("[critic] path is empty; set it to a model directory or hub id (a causal LM \
-                            with the policy's tokenizer), or remove the [critic] table"
-                    .into());
+                return Err(ConfigError::new(
+                    "critic",
+                    "path",
+                    "is empty; set it to a model directory or hub id (a causal LM \
+                            with the policy's tokenizer), or remove the [critic] table",
+                ));
             }
             if let Some(lr) = c.learning_rate.filter(|lr| !(lr.is_finite() && *lr > 0.0)) {
-                return Err(format!("[critic] learning_rate must be a positive number, got {lr}"));
+                return Err(ConfigError::new(
+                    "critic",
+                    "learning_rate",
+                    format!("must be a positive number, got {lr}"),
+                ));
             }
         }
         if let Some(l) = self.critic.as_ref().and_then(|c| c.lora.as_ref()) {
-            l.validate("[critic.lora]")?;
+            l.validate("[critic.lora]").map_err(|m| ConfigError::table("critic.lora", m))?;
         }
         if self.critic.is_some() && self.algorithm.kind != AlgorithmKind::Ppo {
-            return Err("[critic] works with PPO only (rejection sampling, GRPO and RLOO learn no \
-                        values); remove the [critic] table or set [algorithm] kind = \"ppo\""
-                .into());
+            return Err(ConfigError::new(
+                "critic",
+                "",
+                "[critic] works with PPO only (rejection sampling, GRPO and RLOO learn no \
+                        values); remove the [critic] table or set [algorithm] kind = \"ppo\"",
+            ));
         }
         if let Some(env) = &self.env {
             return self.validate_games(env);
         }
         if self.data.source.is_empty() {
-            return Err("[data] source is empty; set it to a JSONL/CSV/Parquet file or hub dataset (or \
-                        add an [env] table to train on text games)"
-                .into());
+            return Err(ConfigError::new(
+                "data",
+                "source",
+                "is empty; set it to a JSONL/CSV/Parquet file or hub dataset (or \
+                        add an [env] table to train on text games)",
+            ));
         }
         if self.data.min_query_tokens == 0 || self.data.max_query_tokens <= self.data.min_query_tokens {
-            return Err(format!(
-                "[data] needs 0 < min_query_tokens < max_query_tokens (got {} and {}; max is exclusive)",
-                self.data.min_query_tokens, self.data.max_query_tokens
+            return Err(ConfigError::new(
+                "data",
+                "",
+                format!(
+                    "[data] needs 0 < min_query_tokens < max_query_tokens (got {} and {}; max is exclusive)",
+                    self.data.min_query_tokens, self.data.max_query_tokens
+                ),
             ));
         }
         if self.reward.sources.is_empty() {
-            return Err("[reward] has no sources; add a [[reward.sources]] table (kind = \"classifier\", \"command\", \"http\", \"llm_judge\" or \"exact_match\")"
-                .into());
+            return Err(ConfigError::new("reward", "", "[reward] has no sources; add a [[reward.sources]] table (kind = \"classifier\", \"command\", \"http\", \"llm_judge\" or \"exact_match\")"));
         }
         Ok(())
     }
@@ -653,11 +709,11 @@ command = ["cat"]
             vec!["generation.temperature=0.7".into(), "ppo.temperature=1.0".into()],
         ] {
             let err = RunConfig::from_toml(MINIMAL, p, &set).unwrap_err().to_string();
-            assert!(err.contains("[ppo] temperature") && err.contains("[generation] temperature"), "{err}");
+            assert!(err.contains("ppo.temperature") && err.contains("[generation] temperature"), "{err}");
         }
         let text = format!("{MINIMAL}[ppo]\ntemperature = 2.0\n");
         let err = RunConfig::from_toml(&text, p, &[]).unwrap_err().to_string();
-        assert!(err.contains("[ppo] temperature = 2"), "{err}");
+        assert!(err.contains("ppo.temperature = 2"), "{err}");
     }
 
     #[test]
@@ -680,9 +736,9 @@ command = ["cat"]
         let err = bad("learning_rate = 1e-5");
         assert!(err.contains("run.toml") && err.contains("critic") && err.contains("`path`"), "{err}");
         let err = bad("path = \"\"");
-        assert!(err.contains("[critic] path is empty"), "{err}");
+        assert!(err.contains("critic.path is empty"), "{err}");
         let err = bad("path = \"m\"\nlearning_rate = -1.0");
-        assert!(err.contains("[critic] learning_rate must be a positive number"), "{err}");
+        assert!(err.contains("critic.learning_rate must be a positive number"), "{err}");
         let err = bad("path = \"m\"\nlearning_rat = 1e-5");
         assert!(err.contains("did you mean \"learning_rate\""), "{err}");
         let err = bad("path = \"m\"\nvalue_head = \"mlp\"");
@@ -767,7 +823,7 @@ command = ["cat"]
         assert_eq!(c.episodes.gigpo, Some(crate::grpo::gigpo::GigpoArgs::default()));
         let bad = ["episodes.gigpo.gamma=2".into()];
         let err = RunConfig::load(&p, &bad).unwrap_err().to_string();
-        assert!(err.contains("[episodes.gigpo] gamma"), "{err}");
+        assert!(err.contains("episodes.gigpo.gamma"), "{err}");
     }
 
     #[test]

@@ -31,6 +31,7 @@
 //!   must be set, `[data]`, `[[reward.sources]]`, `[eval]` and `example_turn_prob` must not.
 
 use super::config::{sets_key, sets_table, AlgorithmKind, RunConfig};
+use crate::error::ConfigError;
 
 /// The loop's sizes, resolved from `[grpo]` / `[rloo]` and the number of prompts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -94,7 +95,11 @@ impl RunConfig {
     }
 
     /// Refuses tables (in the file or `--set`) that the active trainer would ignore.
-    pub(super) fn check_tables(&self, text: &str, overrides: &[String]) -> Result<(), String> {
+    pub(super) fn check_tables(
+        &self,
+        text: &str,
+        overrides: &[String],
+    ) -> std::result::Result<(), ConfigError> {
         let kind = self.algorithm.kind.name();
         for table in self.unused_tables() {
             if sets_table(text, overrides, table) {
@@ -107,18 +112,21 @@ impl RunConfig {
                 } else {
                     format!("[{table}] is read with [algorithm] kind = \"{table}\"")
                 };
-                return Err(format!(
-                    "[{table}] is set but [algorithm] kind = \"{kind}\", which does not read it ({why}); \
+                return Err(ConfigError::new(*table, "", format!("[{table}] is set but [algorithm] kind = \"{kind}\", which does not read it ({why}); \
                      remove [{table}] or change [algorithm] kind"
-                ));
+                )));
             }
         }
         if self.algorithm.kind.is_group() {
             for key in ["min_query_tokens", "max_query_tokens"] {
                 if sets_key(text, overrides, "data", key) {
-                    return Err(format!(
-                        "[data] {key} is set but [algorithm] kind = \"{kind}\" uses each prompt whole \
+                    return Err(ConfigError::new(
+                        "data",
+                        key,
+                        format!(
+                            "is set but [algorithm] kind = \"{kind}\" uses each prompt whole \
                          (as TRL's trainer); remove it"
+                        ),
                     ));
                 }
             }
@@ -166,22 +174,30 @@ impl RunConfig {
     }
 
     /// Names of the reward sources in the metrics must differ.
-    pub(super) fn validate_reward_names(&self) -> Result<(), String> {
+    pub(super) fn validate_reward_names(&self) -> std::result::Result<(), ConfigError> {
         let names: Vec<String> = self.reward.sources.iter().map(|s| s.metric_name()).collect();
         for (i, n) in names.iter().enumerate() {
             if n.is_empty() || n.contains(char::is_whitespace) {
-                return Err(format!(
-                    "[[reward.sources]] {}: name {n:?} must be a non-empty word (it names the metrics \
+                return Err(ConfigError::new(
+                    "reward.sources",
+                    "",
+                    format!(
+                        "[[reward.sources]] {}: name {n:?} must be a non-empty word (it names the metrics \
                      rewards/<name>/mean and /std)",
-                    i + 1
+                        i + 1
+                    ),
                 ));
             }
             if let Some(j) = names[..i].iter().position(|m| m == n) {
-                return Err(format!(
-                    "[[reward.sources]] {} and {} are both named {n:?} in the metrics; give one a \
+                return Err(ConfigError::new(
+                    "reward.sources",
+                    "",
+                    format!(
+                        "[[reward.sources]] {} and {} are both named {n:?} in the metrics; give one a \
                      name = \"...\"",
-                    j + 1,
-                    i + 1
+                        j + 1,
+                        i + 1
+                    ),
                 ));
             }
         }
@@ -189,28 +205,39 @@ impl RunConfig {
     }
 
     /// The checks of a GRPO / RLOO run; messages name the field.
-    pub(super) fn validate_group(&self) -> Result<(), String> {
+    pub(super) fn validate_group(&self) -> std::result::Result<(), ConfigError> {
         let kind = self.algorithm.kind.name();
-        self.generation.validate().map_err(|e| e.to_string())?;
+        self.generation.validate().map_err(|e| ConfigError::table("generation", e))?;
         self.eval.validate()?;
         if self.model.path.is_empty() {
-            return Err("[model] path is empty; set it to a model directory or hub id".into());
+            return Err(ConfigError::new("model", "path", "is empty; set it to a model directory or hub id"));
         }
         if self.critic.is_some() {
-            return Err(format!(
-                "[critic] is set but [algorithm] kind = \"{kind}\" has no value model (advantages \
+            return Err(ConfigError::new(
+                "critic",
+                "",
+                format!(
+                    "[critic] is set but [algorithm] kind = \"{kind}\" has no value model (advantages \
                  compare the completions of a prompt); remove [critic]"
+                ),
             ));
         }
         if let Some(env) = &self.env {
             self.validate_group_games(env)?;
         } else if self.data.source.is_empty() {
-            return Err("[data] source is empty; set it to a JSONL/CSV/Parquet file or hub dataset".into());
+            return Err(ConfigError::new(
+                "data",
+                "source",
+                "is empty; set it to a JSONL/CSV/Parquet file or hub dataset",
+            ));
         }
         if self.reward.sources.is_empty() && self.env.is_none() {
-            return Err("[reward] has no sources; add a [[reward.sources]] table (kind = \
-                        \"exact_match\", \"classifier\", \"command\", \"http\" or \"llm_judge\")"
-                .into());
+            return Err(ConfigError::new(
+                "reward",
+                "",
+                "[reward] has no sources; add a [[reward.sources]] table (kind = \
+                        \"exact_match\", \"classifier\", \"command\", \"http\" or \"llm_judge\")",
+            ));
         }
         let gen = &self.generation;
         with_table!(self, c, t, {
@@ -230,45 +257,66 @@ impl RunConfig {
             ];
             for (key, a, gen_key, b) in pairs {
                 if a != b {
-                    return Err(format!(
-                        "[{t}] {key} = {a} but [generation] {gen_key} = {b}: completions are sampled with \
+                    return Err(ConfigError::new(
+                        t,
+                        key,
+                        format!(
+                            "= {a} but [generation] {gen_key} = {b}: completions are sampled with \
                          [generation] and scored with [{t}], so the two must agree; leave one out (it \
                          follows the other) or set both to the same value"
+                        ),
                     ));
                 }
             }
             if c.repetition_penalty != 1.0 {
-                return Err(format!(
-                    "[{t}] repetition_penalty = {}; rltune's sampler has none: leave it at 1.0",
-                    c.repetition_penalty
+                return Err(ConfigError::new(
+                    t,
+                    "repetition_penalty",
+                    format!("= {}; rltune's sampler has none: leave it at 1.0", c.repetition_penalty),
                 ));
             }
             if c.reward_weights.is_some() || c.reward_funcs.is_some() {
-                return Err(format!(
-                    "[{t}] reward_weights / reward_funcs are set; in a run the reward functions are the \
+                return Err(ConfigError::new(
+                    t,
+                    "reward_weights",
+                    format!(
+                        "/ reward_funcs are set; in a run the reward functions are the \
                      [[reward.sources]], each with its weight = ... and name = ...: remove them from [{t}]"
+                    ),
                 ));
             }
             let bs = c.per_device_train_batch_size.unwrap_or(TRL_BATCH_SIZE);
             if bs == 0 || !bs.is_multiple_of(c.num_generations) {
-                return Err(format!(
-                    "[{t}] per_device_train_batch_size = {bs} is not a positive multiple of num_generations \
+                return Err(ConfigError::new(
+                    t,
+                    "per_device_train_batch_size",
+                    format!(
+                        "= {bs} is not a positive multiple of num_generations \
                      = {}: a step samples num_generations completions for each of \
                      per_device_train_batch_size / num_generations prompts",
-                    c.num_generations
+                        c.num_generations
+                    ),
                 ));
             }
             if let Some(g) = c.generation_batch_size.filter(|&g| g != bs) {
-                return Err(format!(
-                    "[{t}] generation_batch_size = {g} but per_device_train_batch_size = {bs}; rltune \
+                return Err(ConfigError::new(
+                    t,
+                    "generation_batch_size",
+                    format!(
+                        "= {g} but per_device_train_batch_size = {bs}; rltune \
                      samples one batch per step: remove generation_batch_size"
+                    ),
                 ));
             }
             if c.max_steps > 0 && !(c.max_steps as usize).is_multiple_of(c.num_iterations) {
-                return Err(format!(
-                    "[{t}] max_steps = {} is not a multiple of num_iterations = {}: each batch gives \
+                return Err(ConfigError::new(
+                    t,
+                    "max_steps",
+                    format!(
+                        "= {} is not a multiple of num_iterations = {}: each batch gives \
                      num_iterations optimizer steps",
-                    c.max_steps, c.num_iterations
+                        c.max_steps, c.num_iterations
+                    ),
                 ));
             }
             Ok(())
@@ -276,35 +324,52 @@ impl RunConfig {
     }
 
     /// The checks of trajectory-level GRPO / RLOO on text games (`[env]`).
-    fn validate_group_games(&self, env: &crate::agent::config::EnvSection) -> Result<(), String> {
+    fn validate_group_games(
+        &self,
+        env: &crate::agent::config::EnvSection,
+    ) -> std::result::Result<(), ConfigError> {
         let kind = self.algorithm.kind.name();
         self.validate_games(env)?;
         if self.eval.enabled() {
-            return Err(format!(
-                "[eval] is set with [env]; a {kind} run on games evaluates on held-out games with \
+            return Err(ConfigError::new(
+                "eval",
+                "",
+                format!(
+                    "[eval] is set with [env]; a {kind} run on games evaluates on held-out games with \
                  [episodes] eval_every and eval_episodes: remove [eval]"
+                ),
             ));
         }
         if self.episodes.example_turn_prob > 0.0 {
-            return Err(format!(
-                "[episodes] example_turn_prob = {} with [algorithm] kind = \"{kind}\": an episode's return \
+            return Err(ConfigError::new(
+                "episodes",
+                "example_turn_prob",
+                format!(
+                    "= {} with [algorithm] kind = \"{kind}\": an episode's return \
                  scores the policy's own play, so example turns would credit it with random commands; \
                  set it to 0",
-                self.episodes.example_turn_prob
+                    self.episodes.example_turn_prob
+                ),
             ));
         }
         if self.episodes.train_turns == super::config::TrainTurns::Round {
-            return Err(format!(
-                "[episodes] train_turns = \"round\" with [algorithm] kind = \"{kind}\": it chooses the \
+            return Err(ConfigError::new(
+                "episodes",
+                "train_turns",
+                format!(
+                    "= \"round\" with [algorithm] kind = \"{kind}\": it chooses the \
                  turns of a PPO step; a {kind} step trains on every episode of its groups already. \
                  Remove train_turns"
+                ),
             ));
         }
         with_table!(self, c, t, {
             if c.max_steps <= 0 {
-                return Err(format!(
-                    "[{t}] max_steps is not set; with [env] there is no epoch of prompts to count: set \
-                     max_steps (optimizer steps)"
+                return Err(ConfigError::new(
+                    t,
+                    "max_steps",
+                    "is not set; with [env] there is no epoch of prompts to count: set \
+                     max_steps (optimizer steps)",
                 ));
             }
         });
@@ -314,24 +379,31 @@ impl RunConfig {
     /// The loop's sizes for `n_prompts` prompts on `world` processes (TRL's meaning: each process
     /// trains on `per_device_train_batch_size` completions, so a step takes `world` times as many
     /// prompts); an error when they make no step.
-    pub fn group_shape(&self, n_prompts: usize, world: usize) -> Result<GroupShape, String> {
+    pub fn group_shape(
+        &self,
+        n_prompts: usize,
+        world: usize,
+    ) -> std::result::Result<GroupShape, ConfigError> {
         with_table!(self, c, t, {
             let bs = c.per_device_train_batch_size.unwrap_or(TRL_BATCH_SIZE);
             if world > 1 && !bs.is_multiple_of(c.num_generations.max(1)) {
-                return Err(format!(
-                    "[{t}] per_device_train_batch_size {bs} is not a multiple of num_generations {} in a \
+                return Err(ConfigError::new(
+                    t,
+                    "per_device_train_batch_size",
+                    format!(
+                        "{bs} is not a multiple of num_generations {} in a \
                      data-parallel run: each process samples whole groups; make it a multiple",
-                    c.num_generations
+                        c.num_generations
+                    ),
                 ));
             }
             let prompts_per_step = bs * world.max(1) / c.num_generations.max(1);
             let per_epoch = n_prompts / prompts_per_step.max(1);
             if per_epoch == 0 {
-                return Err(format!(
-                    "{n_prompts} prompts but a step takes {prompts_per_step} ([{t}] per_device_train_batch_size \
+                return Err(ConfigError::new(t, "", format!("{n_prompts} prompts but a step takes {prompts_per_step} ([{t}] per_device_train_batch_size \
                      {bs} / num_generations {}); add prompts or lower the batch",
                     c.num_generations
-                ));
+                )));
             }
             let mu = c.num_iterations;
             let optimizer_steps = if c.max_steps > 0 {
@@ -342,7 +414,7 @@ impl RunConfig {
             };
             let steps = optimizer_steps.div_ceil(mu);
             if steps == 0 {
-                return Err(format!("[{t}] max_steps / num_train_epochs give no step; raise them"));
+                return Err(ConfigError::new(t, "max_steps", "/ num_train_epochs give no step; raise them"));
             }
             Ok(GroupShape {
                 num_generations: c.num_generations,
@@ -395,12 +467,12 @@ column = "answer"
         assert_eq!(c.generation.temperature, 0.9);
         let err = load(GRPO, &["grpo.temperature=0.9", "generation.temperature=0.8"]).unwrap_err();
         assert!(
-            err.contains("[grpo] temperature = 0.9") && err.contains("[generation] temperature = 0.8"),
+            err.contains("grpo.temperature = 0.9") && err.contains("[generation] temperature = 0.8"),
             "{err}"
         );
         let err = load(GRPO, &["grpo.max_completion_length=9", "generation.max_new_tokens=8"]).unwrap_err();
         assert!(
-            err.contains("[grpo] max_completion_length") && err.contains("[generation] max_new_tokens"),
+            err.contains("grpo.max_completion_length") && err.contains("[generation] max_new_tokens"),
             "{err}"
         );
         // RLOO: the same, under [rloo].
@@ -408,7 +480,7 @@ column = "answer"
         let c = load(&rloo, &["generation.max_new_tokens=6"]).unwrap();
         assert_eq!(c.rloo.max_completion_length, 6);
         let err = load(&rloo, &["rloo.top_p=0.5", "generation.top_p=0.9"]).unwrap_err();
-        assert!(err.contains("[rloo] top_p") && err.contains("[generation] top_p"), "{err}");
+        assert!(err.contains("rloo.top_p") && err.contains("[generation] top_p"), "{err}");
     }
 
     #[test]
@@ -418,7 +490,7 @@ column = "answer"
         let err = load(&format!("{GRPO}[rloo]\nbeta = 0.1\n"), &[]).unwrap_err();
         assert!(err.contains("[rloo] is set"), "{err}");
         let err = load(GRPO, &["data.max_query_tokens=9"]).unwrap_err();
-        assert!(err.contains("[data] max_query_tokens") && err.contains("whole"), "{err}");
+        assert!(err.contains("data.max_query_tokens") && err.contains("whole"), "{err}");
         let err = load(GRPO, &["critic.path=c"]).unwrap_err();
         assert!(err.contains("[critic]") && err.contains("no value model"), "{err}");
         let err = load(GRPO, &["grpo.per_device_train_batch_size=12"]).unwrap_err();
@@ -435,7 +507,7 @@ column = "answer"
         let c = load(GRPO, &["generation.min_p=0.2"]).unwrap();
         assert_eq!(c.grpo.min_p, Some(0.2));
         let err = load(GRPO, &["grpo.min_p=0.1", "generation.min_p=0.2"]).unwrap_err();
-        assert!(err.contains("[grpo] min_p") && err.contains("[generation] min_p"), "{err}");
+        assert!(err.contains("grpo.min_p") && err.contains("[generation] min_p"), "{err}");
         let err = load(GRPO, &["grpo.epsilon_hgh=0.3"]).unwrap_err();
         assert!(err.contains("did you mean \"epsilon_high\""), "{err}");
         let err = load(GRPO, &["grpo.loss_type=sapo"]).unwrap_err();
@@ -460,10 +532,10 @@ column = "answer"
         let c = load(games, &["grpo.max_steps=4", "grpo.num_generations=4"]).unwrap();
         assert_eq!(c.group_shape(1 << 20, 1).unwrap().prompts_per_step, 2);
         let err = load(games, &[]).unwrap_err();
-        assert!(err.contains("[grpo] max_steps is not set"), "{err}");
+        assert!(err.contains("grpo.max_steps is not set"), "{err}");
         let rloo = games.replace("\"grpo\"", "\"rloo\"");
         let err = load(&rloo, &[]).unwrap_err();
-        assert!(err.contains("[rloo] max_steps is not set"), "{err}");
+        assert!(err.contains("rloo.max_steps is not set"), "{err}");
         let set = |extra: &str| load(games, &["grpo.max_steps=4", extra]).unwrap_err();
         let err = set("episodes.example_turn_prob=0.2");
         assert!(err.contains("example_turn_prob") && err.contains("set it to 0"), "{err}");
@@ -473,7 +545,7 @@ column = "answer"
         assert!(err.contains("[eval] is set with [env]") && err.contains("eval_every"), "{err}");
         let with_reward = format!("{games}[[reward.sources]]\nkind = \"exact_match\"\ncolumn = \"a\"\n");
         let err = load(&with_reward, &["grpo.max_steps=4"]).unwrap_err();
-        assert!(err.contains("[reward] sources are set with [env]"), "{err}");
+        assert!(err.contains("reward.sources are set with [env]"), "{err}");
     }
 
     #[test]
@@ -497,6 +569,7 @@ column = "answer"
         assert_eq!((s.prompts_per_step, s.steps, s.num_iterations), (1, 4, 3));
         let err =
             load(GRPO, &["grpo.per_device_train_batch_size=64"]).unwrap().group_shape(7, 1).unwrap_err();
-        assert!(err.contains("7 prompts") && err.contains("takes 8"), "{err}");
+        let shown = err.to_string();
+        assert!(shown.contains("7 prompts") && shown.contains("takes 8") && err.section == "grpo", "{shown}");
     }
 }

@@ -154,7 +154,7 @@ impl GroupRun {
                 kind.name()
             )));
         }
-        config.validate().map_err(Error::Input)?;
+        config.validate()?;
         tracing::info!("runtime: {runtime}");
         if resume {
             clear_stale_writes(&config.logging.dir)?;
@@ -221,7 +221,7 @@ impl GroupRun {
             Source::Prompts { prompts, .. } => prompts.len(),
             Source::Games(g) => g.game_count(),
         };
-        let shape = config.group_shape(n_data, world).map_err(Error::Input)?;
+        let shape = config.group_shape(n_data, world)?;
         if world > 1 {
             let bs = config.group_batch_size();
             tracing::info!(

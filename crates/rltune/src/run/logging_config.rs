@@ -1,6 +1,7 @@
 //! `[logging]`: the run directory, the report, and the experiment trackers (MLflow, W&B; see
 //! [`crate::logging::mlflow`], [`crate::logging::wandb`] and [`super::tracking`]).
 
+use crate::error::ConfigError;
 use std::path::PathBuf;
 
 /// `[logging]`
@@ -52,43 +53,61 @@ impl LoggingSection {
     }
 
     /// Checks the tracker keys; messages name the key and the fix.
-    pub fn validate(&self) -> std::result::Result<(), String> {
+    pub fn validate(&self) -> std::result::Result<(), ConfigError> {
         match self.wandb.as_deref() {
             None | Some("offline") | Some("disabled") => {}
             Some("online") => {
-                return Err("[logging] wandb = \"online\": rltune writes W&B runs offline only (no \
+                return Err(ConfigError::new(
+                    "logging",
+                    "wandb",
+                    "= \"online\": rltune writes W&B runs offline only (no \
                             network while training); set wandb = \"offline\" and upload the run with \
-                            `wandb sync DIR/wandb/offline-run-*`"
-                    .into())
+                            `wandb sync DIR/wandb/offline-run-*`",
+                ))
             }
             Some(other) => {
-                return Err(format!(
-                    "[logging] wandb = {other:?} is not a W&B mode rltune writes; use \"offline\" (a run \
+                return Err(ConfigError::new(
+                    "logging",
+                    "wandb",
+                    format!(
+                        "= {other:?} is not a W&B mode rltune writes; use \"offline\" (a run \
                      for `wandb sync`) or \"disabled\" (none)"
+                    ),
                 ))
             }
         }
         let bad_project =
             |p: &str| p.is_empty() || p.len() > 128 || p.contains(['/', '\\', '#', '?', '%', ':']);
         if self.wandb_offline() && bad_project(&self.wandb_project) {
-            return Err(format!(
-                "[logging] wandb_project = {:?}: a W&B project name is 1 to 128 characters without \
+            return Err(ConfigError::new(
+                "logging",
+                "wandb_project",
+                format!(
+                    "= {:?}: a W&B project name is 1 to 128 characters without \
                  / \\ # ? % or :; set another name",
-                self.wandb_project
+                    self.wandb_project
+                ),
             ));
         }
         if self.mlflow.as_ref().is_some_and(|p| p.as_os_str().is_empty()) {
-            return Err("[logging] mlflow is empty; set it to the MLflow store's directory (e.g. \
-                        \"mlruns\", under [logging] dir) or remove it"
-                .into());
+            return Err(ConfigError::new(
+                "logging",
+                "mlflow",
+                "is empty; set it to the MLflow store's directory (e.g. \
+                        \"mlruns\", under [logging] dir) or remove it",
+            ));
         }
         if self.mlflow.is_some()
             && (self.mlflow_experiment.trim().is_empty() || self.mlflow_experiment.len() > 500)
         {
-            return Err(format!(
-                "[logging] mlflow_experiment = {:?}: an MLflow experiment name is 1 to 500 characters; \
+            return Err(ConfigError::new(
+                "logging",
+                "mlflow_experiment",
+                format!(
+                    "= {:?}: an MLflow experiment name is 1 to 500 characters; \
                  set another name (default \"rltune\")",
-                self.mlflow_experiment
+                    self.mlflow_experiment
+                ),
             ));
         }
         Ok(())

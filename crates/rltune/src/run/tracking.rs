@@ -93,9 +93,9 @@ mod tests {
         let p = Path::new("run.toml");
         let err = |set: &str| RunConfig::from_toml(MINIMAL, p, &[set.into()]).unwrap_err().to_string();
         let e = err("logging.wandb=online");
-        assert!(e.contains("[logging] wandb = \"online\"") && e.contains("wandb sync"), "{e}");
+        assert!(e.contains("logging.wandb = \"online\"") && e.contains("wandb sync"), "{e}");
         let e = err("logging.wandb=ofline");
-        assert!(e.contains("[logging] wandb = \"ofline\"") && e.contains("\"offline\""), "{e}");
+        assert!(e.contains("logging.wandb = \"ofline\"") && e.contains("\"offline\""), "{e}");
         let e = RunConfig::from_toml(
             MINIMAL,
             p,
@@ -103,7 +103,7 @@ mod tests {
         )
         .unwrap_err()
         .to_string();
-        assert!(e.contains("[logging] wandb_project"), "{e}");
+        assert!(e.contains("logging.wandb_project"), "{e}");
         let e = RunConfig::from_toml(
             MINIMAL,
             p,
@@ -111,7 +111,7 @@ mod tests {
         )
         .unwrap_err()
         .to_string();
-        assert!(e.contains("[logging] mlflow_experiment"), "{e}");
+        assert!(e.contains("logging.mlflow_experiment"), "{e}");
         let e = err("logging.mlflw=m");
         assert!(e.contains("did you mean \"mlflow\""), "{e}");
     }

@@ -30,7 +30,7 @@ use super::runner::{
     self, BatchLoss, Checkpointing, EvalResult, Objective, TrainProgress, TrainSummary, TrainingArgs,
 };
 use crate::data::chat;
-use crate::error::{Error, Result};
+use crate::error::{ConfigError, Error, Result};
 use crate::models::bert::{SequenceClassifier, SequenceClassifierConfig};
 use crate::models::chat_template::{ChatTemplate, RenderOptions};
 use crate::models::load::{locate, read_config_json, save_dir_atomic, save_pretrained, LoraSpec};
@@ -63,13 +63,21 @@ impl Default for RewardConfig {
 
 impl RewardConfig {
     /// Checks every field; the message names the field.
-    pub fn validate(&self) -> std::result::Result<(), String> {
+    pub fn validate(&self) -> std::result::Result<(), ConfigError> {
         if self.max_length < 2 {
-            return Err(format!("reward.max_length must be at least 2, got {}", self.max_length));
+            return Err(ConfigError::new(
+                "reward",
+                "max_length",
+                format!("must be at least 2, got {}", self.max_length),
+            ));
         }
         let c = self.center_rewards_coefficient;
         if !(c.is_finite() && c >= 0.0) {
-            return Err(format!("reward.center_rewards_coefficient must be ≥ 0, got {c}"));
+            return Err(ConfigError::new(
+                "reward",
+                "center_rewards_coefficient",
+                format!("must be ≥ 0, got {c}"),
+            ));
         }
         Ok(())
     }
@@ -380,7 +388,7 @@ pub fn tokenize_reward(
     records: &[RewardRecord],
     cfg: &RewardConfig,
 ) -> Result<RewardExamples> {
-    cfg.validate().map_err(Error::Input)?;
+    cfg.validate()?;
     if cfg.max_length > model.max_positions() {
         return Err(Error::Input(format!(
             "reward.max_length ({}) exceeds the model's max_position_embeddings ({}); lower it",

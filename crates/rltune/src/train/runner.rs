@@ -35,7 +35,7 @@ use super::checkpoint::{self, LoopCheckpoint, LoopKind, RunShape};
 use super::data::split_eval;
 use crate::engine::schedule::{warmup_steps, LrSchedule, ScheduleKind};
 use crate::engine::{OptimArgs, Optimizer};
-use crate::error::{Error, Result};
+use crate::error::{ConfigError, Error, Result};
 use crate::optim::Grads;
 use crate::params::ParamStore;
 
@@ -110,7 +110,7 @@ impl Default for TrainingArgs {
 
 impl TrainingArgs {
     /// Checks every field; the message names the field (`training.<name>`) and the fix.
-    pub fn validate(&self) -> std::result::Result<(), String> {
+    pub fn validate(&self) -> std::result::Result<(), ConfigError> {
         let positive = [
             ("num_train_epochs", self.num_train_epochs),
             ("batch_size", self.batch_size),
@@ -120,13 +120,14 @@ impl TrainingArgs {
         ];
         for (name, v) in positive {
             if v == 0 {
-                return Err(format!("training.{name} must be at least 1"));
+                return Err(ConfigError::new("training", name, "must be at least 1"));
             }
         }
         if !(self.learning_rate.is_finite() && self.learning_rate > 0.0) {
-            return Err(format!(
-                "training.learning_rate must be a positive number, got {}",
-                self.learning_rate
+            return Err(ConfigError::new(
+                "training",
+                "learning_rate",
+                format!("must be a positive number, got {}", self.learning_rate),
             ));
         }
         let unit = [
@@ -138,19 +139,21 @@ impl TrainingArgs {
         for (name, v, closed) in unit {
             if !(v >= 0.0 && (v < 1.0 || closed && v == 1.0)) {
                 let range = if closed { "[0, 1]" } else { "[0, 1)" };
-                return Err(format!("training.{name} must be in {range}, got {v}"));
+                return Err(ConfigError::new("training", name, format!("must be in {range}, got {v}")));
             }
         }
         if !(self.adam_epsilon.is_finite() && self.adam_epsilon > 0.0) {
-            return Err(format!(
-                "training.adam_epsilon must be a positive number, got {}",
-                self.adam_epsilon
+            return Err(ConfigError::new(
+                "training",
+                "adam_epsilon",
+                format!("must be a positive number, got {}", self.adam_epsilon),
             ));
         }
         if !(self.max_grad_norm.is_finite() && self.max_grad_norm >= 0.0) {
-            return Err(format!(
-                "training.max_grad_norm must be ≥ 0 (0 disables clipping), got {}",
-                self.max_grad_norm
+            return Err(ConfigError::new(
+                "training",
+                "max_grad_norm",
+                format!("must be ≥ 0 (0 disables clipping), got {}", self.max_grad_norm),
             ));
         }
         Ok(())
@@ -329,7 +332,7 @@ pub(crate) fn run_with<O: Objective>(
     announce: bool,
     checkpoints: Option<Checkpointing>,
 ) -> Result<TrainSummary> {
-    args.validate().map_err(Error::Input)?;
+    args.validate()?;
     if !store.trainable() {
         return Err(Error::Input("the model's parameters must be trainable (load them trainable)".into()));
     }

@@ -44,7 +44,7 @@ use super::runner::{
     self, BatchLoss, Checkpointing, EvalResult, Objective, TrainProgress, TrainSummary, TrainingArgs,
 };
 use crate::data::chat;
-use crate::error::{Error, Result};
+use crate::error::{ConfigError, Error, Result};
 use crate::models::chat_template::{ChatTemplate, RenderOptions};
 use crate::models::layers::{causal_bias, position_ids_from_mask};
 use crate::models::load::{locate, read_config_json, save_dir_atomic, save_pretrained, LoraSpec};
@@ -77,11 +77,12 @@ impl Default for SftConfig {
 
 impl SftConfig {
     /// Checks every field; the message names the field.
-    pub fn validate(&self) -> std::result::Result<(), String> {
+    pub fn validate(&self) -> std::result::Result<(), ConfigError> {
         if self.max_length < 2 {
-            return Err(format!(
-                "sft.max_length must be at least 2 (a context token and a target), got {}",
-                self.max_length
+            return Err(ConfigError::new(
+                "sft",
+                "max_length",
+                format!("must be at least 2 (a context token and a target), got {}", self.max_length),
             ));
         }
         Ok(())
@@ -123,7 +124,7 @@ pub fn tokenize_sft_with(
     eos_id: Option<u32>,
     cfg: &SftConfig,
 ) -> Result<(Vec<SftExample>, usize)> {
-    cfg.validate().map_err(Error::Input)?;
+    cfg.validate()?;
     check_assistant_only_loss(records, template, cfg)?;
     let eos =
         match (cfg.add_eos, eos_id) {
