@@ -30,26 +30,6 @@ pub enum Error {
         msg: String,
     },
 
-    /// A model's weights do not match what its config describes.
-    #[error("{path}: {msg}")]
-    Weights {
-        /// The weight file (or directory) involved.
-        path: PathBuf,
-        /// What is wrong, naming the tensor.
-        msg: String,
-    },
-
-    /// The model type named in config.json is not one rltune implements.
-    #[error("{path}: unsupported model_type {model_type:?}; supported: {supported}")]
-    UnsupportedModel {
-        /// The config.json that named it.
-        path: PathBuf,
-        /// The `model_type` found.
-        model_type: String,
-        /// Comma-separated list of supported types.
-        supported: String,
-    },
-
     /// Input data (prompts, rollouts, datasets) is invalid; the message names the row or field.
     #[error("{0}")]
     Input(String),
@@ -62,10 +42,16 @@ pub enum Error {
     #[error("{0}")]
     Hub(String),
 
-    /// The optimizer's state or gradients do not fit its variables (a checkpoint written for
-    /// another model, or gradients built over other variables).
+    /// A fused op, the optimizer or the process settings failed (`rltune_kernels::Error`: e.g.
+    /// an optimizer state or gradients that do not fit its variables, a checkpoint written for
+    /// another model).
     #[error(transparent)]
-    Optimizer(rltune_kernels::Error),
+    Kernels(#[from] rltune_kernels::Error),
+
+    /// A model, its weights, its tokenizer or its hub download failed (`rltune_models::Error`:
+    /// names the file and the tensor or field).
+    #[error(transparent)]
+    Model(#[from] rltune_models::Error),
 
     /// An environment, the play loop or a task metric failed (`rltune_envs::Error`).
     #[error(transparent)]
@@ -83,37 +69,6 @@ pub enum Error {
     /// message names it and the alternative.
     #[error("{0}")]
     Unsupported(String),
-}
-
-impl From<rltune_kernels::Error> for Error {
-    fn from(e: rltune_kernels::Error) -> Self {
-        match e {
-            rltune_kernels::Error::Candle(e) => Error::Candle(e),
-            rltune_kernels::Error::Unsupported(msg) => Error::Unsupported(msg),
-            e @ (rltune_kernels::Error::StateMismatch(_) | rltune_kernels::Error::GradsMismatch(_)) => {
-                Error::Optimizer(e)
-            }
-        }
-    }
-}
-
-impl From<rltune_models::Error> for Error {
-    fn from(e: rltune_models::Error) -> Self {
-        use rltune_models::Error as M;
-        match e {
-            M::Candle(e) => Error::Candle(e),
-            M::Io { path, source } => Error::Io { path, source },
-            M::Config { path, msg } => Error::Config { path, msg },
-            M::Weights { path, msg } => Error::Weights { path, msg },
-            M::UnsupportedModel { path, model_type, supported } => {
-                Error::UnsupportedModel { path, model_type, supported }
-            }
-            M::Input(msg) => Error::Input(msg),
-            M::Tokenizer(msg) => Error::Tokenizer(msg),
-            M::Hub(msg) => Error::Hub(msg),
-            M::Unsupported(msg) => Error::Unsupported(msg),
-        }
-    }
 }
 
 /// A setting that cannot be used: its table (`section`) and key (`field`), what is wrong with it
@@ -184,8 +139,8 @@ impl Error {
         Error::Config { path: path.into(), msg: msg.to_string() }
     }
 
-    /// An [`Error::Weights`] for `path`.
+    /// A weight file that does not hold what it should ([`rltune_models::Error::Weights`]).
     pub fn weights(path: impl Into<PathBuf>, msg: impl Into<String>) -> Self {
-        Error::Weights { path: path.into(), msg: msg.into() }
+        Error::Model(rltune_models::Error::Weights { path: path.into(), msg: msg.into() })
     }
 }
