@@ -20,6 +20,7 @@
 //! | `dpo/hinge` | `dpo` against TRL 1.16.0: weights and metrics | 1e-5 |
 //! | `kernels/layer_norm`, `rms_norm`, `gelu`, `softmax`, `log_softmax`, `logprobs`, `entropy` | the op on the device (CUDA: its twin in `rltune_kernels::cuda`) against the CPU's fused kernel, on odd shapes: outputs and every input's gradient, as max \|a − b\| / max(1, max \|b\|) | 1e-5 |
 //! | `kernels/rope` | the rotary embedding while splitting the heads on the device (CUDA: `rope.cu`) against the CPU's fused kernel, `(B, T, heads, D)` up to Qwen2-0.5B's 14 × 64: output and the input's gradient | 1e-5 |
+//! | `kernels/attention` | GPT-2's fused self-attention on the device (CUDA: `attention.cu`) against the CPU's fused kernel, up to 12 heads of 64 at T = 64, causal (left padding, a fully masked row) and padding biases: output and `dqkv` | 1e-5 |
 //! | `kernels/grad_norm` | the global gradient norm of gradients on the device (CUDA: one sum-of-squares kernel per tensor) against the CPU's, relative difference | 1e-12 |
 //! | `kernels/adam` | three Adam steps on the device (CUDA: the in-place kernel) against the CPU's fused kernel, on odd sizes: weights and moments | 0 (bit for bit) |
 //!
@@ -131,6 +132,8 @@ pub fn run(args: Args) -> Result<()> {
     }
     let dev = device.clone();
     checks.push(("kernels/rope".into(), Box::new(move || kernel_rope(&dev))));
+    let dev = device.clone();
+    checks.push(("kernels/attention".into(), Box::new(move || kernel_attention(&dev))));
     let dev = device.clone();
     checks.push(("kernels/adam".into(), Box::new(move || kernel_adam(&dev))));
     let dev = device.clone();
@@ -302,6 +305,52 @@ fn kernel_rope(device: &Device) -> Result<Outcome> {
         for (a, b) in dev.iter().zip(&cpu) {
             let scale = b.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?.max(1.0) as f64;
             worst = worst.max(max_diff(a, b)? / scale);
+        }
+    }
+    let mut o = Outcome::new(worst, 1e-5);
+    o.extra =
+        json!({"measure": "max |a - b| / max(1, max |cpu|)", "kernel": rltune::ops::cuda_kernels(device)});
+    Ok(o)
+}
+
+/// GPT-2's fused self-attention (`rltune::ops::self_attention`; on CUDA `attention.cu`) against
+/// the CPU's fused kernel: `(B, T, C, heads)` from one position and head to GPT-2's 12 × 64 at
+/// T = 64, under the decoders' causal bias with left padding (a fully masked row included) and
+/// the encoders' padding bias; the output and `dqkv` of `Σ y·r`. The measure is [`kernel_op`]'s.
+fn kernel_attention(device: &Device) -> Result<Outcome> {
+    use rand::{Rng, SeedableRng};
+    let shapes = [[1usize, 1, 2, 1], [2, 7, 12, 3], [3, 31, 48, 4], [2, 64, 768, 12]];
+    let mut worst = 0f64;
+    for (case, &[b, t, c, h]) in shapes.iter().enumerate() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(91 + case as u64);
+        let mut randn = |shape: &[usize]| -> Result<Tensor> {
+            let len = shape.iter().product::<usize>();
+            let v: Vec<f32> = (0..len).map(|_| rng.gen_range(-2.0f32..2.0)).collect();
+            Ok(Tensor::from_vec(v, shape, &Device::Cpu)?)
+        };
+        let (qkv, r) = (randn(&[b, t, 3 * c])?, randn(&[b, t, c])?);
+        // Sequence k starts after k pads; the last sequence of a batch of several is all padding.
+        let keys: Vec<Vec<u8>> =
+            (0..b).map(|k| (0..t).map(|j| u8::from(j >= k && !(b > 1 && k == b - 1))).collect()).collect();
+        let scale = 1.0 / ((c / h) as f64).sqrt();
+        for causal in [true, false] {
+            let run = |dev: &Device| -> Result<Vec<Tensor>> {
+                let bias = if causal {
+                    rltune::ops::causal_bias(&keys, t, candle_core::DType::F32, dev)?
+                } else {
+                    rltune::ops::padding_bias(&keys, candle_core::DType::F32, dev)?
+                };
+                let x = candle_core::Var::from_tensor(&qkv.to_device(dev)?)?;
+                let y = rltune::ops::self_attention(x.as_tensor(), &bias, h, scale)?;
+                let grads = (&y * r.to_device(dev)?)?.sum_all()?.backward()?;
+                let Some(dx) = grads.get(x.as_tensor()) else { bail!("attention: no gradient for qkv") };
+                Ok(vec![y.clone(), dx.clone()])
+            };
+            let (cpu, dev) = (run(&Device::Cpu)?, run(device)?);
+            for (a, b) in dev.iter().zip(&cpu) {
+                let scale = b.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?.max(1.0) as f64;
+                worst = worst.max(max_diff(a, b)? / scale);
+            }
         }
     }
     let mut o = Outcome::new(worst, 1e-5);

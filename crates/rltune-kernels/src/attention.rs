@@ -14,6 +14,9 @@
 //! | `dS_ij = scale·P_ij·(dP_ij − Σ_j' P_ij'·dP_ij')` | |
 //! | `dq_i = Σ_j dS_ij·k_j` | `dk_j = Σ_i dS_ij·q_i` |
 //!
+//! On CUDA (f32) the op runs `attention.cu`'s twin: one block per query row forward, keeping
+//! the probabilities; backward the query side (`dS`, `dq`) then the key side (`dk`, `dv`).
+//!
 //! Sequences run in parallel. A row skips the keys after its last live one (bias above −10⁸;
 //! with the causal mask, the future): their probabilities are exactly 0 either way, so the
 //! results are those of the composed version, and the causal half of every product is not
@@ -334,18 +337,36 @@ simd_kernel! {
     }
 }
 
+/// The probabilities `(B, H, T, T)` a forward keeps for its backward, on its device.
+pub(crate) enum Probs {
+    Cpu(CpuStorage),
+    #[cfg(feature = "cuda")]
+    Cuda(candle_core::CudaStorage),
+}
+
+impl Probs {
+    /// The probabilities kept on the CPU.
+    fn cpu(&self) -> CResult<&CpuStorage> {
+        match self {
+            Probs::Cpu(p) => Ok(p),
+            #[cfg(feature = "cuda")]
+            Probs::Cuda(_) => candle_core::bail!("self-attention backward: the probabilities are on the GPU"),
+        }
+    }
+}
+
 /// The forward op; it keeps the probabilities for its backward.
 struct SelfAttention {
     n_head: usize,
     scale: f64,
-    probs: Mutex<Option<CpuStorage>>,
+    probs: Mutex<Option<Probs>>,
 }
 
 /// The backward op: `(qkv, g) → dqkv`, with the kept probabilities.
 struct SelfAttentionBwd {
     dims: Dims,
     scale: f64,
-    probs: CpuStorage,
+    probs: Probs,
 }
 
 fn dims_of(qkv: &Layout, bias: &Layout, n_head: usize) -> CResult<Dims> {
@@ -402,7 +423,7 @@ impl SelfAttention {
                     )
                 });
         }
-        *super::lock(&self.probs) = Some(T::to_cpu_storage_owned(p));
+        *super::lock(&self.probs) = Some(Probs::Cpu(T::to_cpu_storage_owned(p)));
         Ok((T::to_cpu_storage_owned(out), (b, t, c).into()))
     }
 }
@@ -423,6 +444,22 @@ impl CustomOp2 for SelfAttention {
             candle_core::bail!("self-attention: qkv and bias dtypes differ");
         }
         by_dtype!(s1, "self-attention", self.fwd((s1, l1), (s2, l2)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> CResult<(candle_core::CudaStorage, Shape)> {
+        let dims = dims_of(l1, l2, self.n_head)?;
+        let b = l1.dims()[0];
+        let geometry = [b, dims.t, dims.c, dims.h];
+        let (y, p) = crate::cuda::attention_fwd((s1, l1), (s2, l2), geometry, dims.bias, self.scale as f32)?;
+        *super::lock(&self.probs) = Some(Probs::Cuda(p));
+        Ok((y, (b, dims.t, dims.c).into()))
     }
 
     fn bwd(
@@ -449,7 +486,7 @@ impl SelfAttentionBwd {
     ) -> CResult<(CpuStorage, Shape)> {
         let qkv = contiguous::<T>(s1, l1, "self-attention backward")?;
         let g = contiguous::<T>(s2, l2, "self-attention backward")?;
-        let p = self.probs.as_slice::<T>()?;
+        let p = self.probs.cpu()?.as_slice::<T>()?;
         let Dims { t, c, h, .. } = self.dims;
         let b = l1.dims()[0];
         let scale = T::from(self.scale).unwrap_or_else(T::one);
@@ -484,6 +521,23 @@ impl CustomOp2 for SelfAttentionBwd {
     ) -> CResult<(CpuStorage, Shape)> {
         by_dtype!(s1, "self-attention backward", self.run((s1, l1), (s2, l2)))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> CResult<(candle_core::CudaStorage, Shape)> {
+        let Probs::Cuda(p) = &self.probs else {
+            candle_core::bail!("self-attention backward: the probabilities are on another device")
+        };
+        let Dims { t, c, h, .. } = self.dims;
+        let geometry = [l1.dims()[0], t, c, h];
+        let dqkv = crate::cuda::attention_bwd((s1, l1), (s2, l2), p, geometry, self.scale as f32)?;
+        Ok((dqkv, l1.shape().clone()))
+    }
 }
 
 /// Causal self-attention from GPT-2's fused projection: `qkv (B, T, 3C)` holds `q`, `k`, `v`
@@ -491,10 +545,12 @@ impl CustomOp2 for SelfAttentionBwd {
 /// mask of [`crate::causal_bias`]; returns `softmax(q·kᵀ·scale + bias)·v` with
 /// the heads merged, `(B, T, C)`. Differentiable in `qkv` (the mask gets no gradient).
 ///
-/// On the CPU (f32, f64) one fused op; elsewhere (and for a key length other than `T`, as with
-/// a KV cache) use [`self_attention_composed`], which gives the same results.
+/// On the CPU (f32, f64) and on CUDA (f32, `attention.cu`, rows of up to
+/// `crate::cuda::ATTENTION_MAX_ROW` head and key values) one fused op; elsewhere (and for a key
+/// length other than `T`, as with a KV cache) use [`self_attention_composed`], which gives the
+/// same results.
 pub fn self_attention(qkv: &Tensor, bias: &Tensor, n_head: usize, scale: f64) -> CResult<Tensor> {
-    if super::cpu_kernels(qkv.device()) && qkv.dtype() == bias.dtype() {
+    if (super::cpu_kernels(qkv.device()) || cuda_fits(qkv, bias, n_head)) && qkv.dtype() == bias.dtype() {
         let op = SelfAttention { n_head, scale, probs: Mutex::new(None) };
         qkv.contiguous()?.apply_op2(&bias.contiguous()?, op)
     } else {
@@ -502,14 +558,26 @@ pub fn self_attention(qkv: &Tensor, bias: &Tensor, n_head: usize, scale: f64) ->
     }
 }
 
+/// Whether the CUDA kernel takes these operands: f32 on a GPU, rows it can hold.
+#[cfg(feature = "cuda")]
+fn cuda_fits(qkv: &Tensor, bias: &Tensor, n_head: usize) -> bool {
+    let (t, c3) = (qkv.dims().get(1).copied().unwrap_or(0), qkv.dims().last().copied().unwrap_or(0));
+    super::cuda_f32(&[qkv, bias]) && n_head > 0 && c3 / 3 / n_head + t <= crate::cuda::ATTENTION_MAX_ROW
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_fits(_: &Tensor, _: &Tensor, _: usize) -> bool {
+    false
+}
+
 /// [`self_attention`] without a graph, with the probabilities `(B, H, T, T)` for
-/// [`self_attention_bwd`] (CPU; `qkv` and `bias` of one dtype, f32 or f64).
+/// [`self_attention_bwd`] (`qkv` and `bias` of one dtype: f32 or f64 on the CPU, f32 on CUDA).
 pub(crate) fn self_attention_keep(
     qkv: &Tensor,
     bias: &Tensor,
     n_head: usize,
     scale: f64,
-) -> CResult<(Tensor, CpuStorage)> {
+) -> CResult<(Tensor, Probs)> {
     let op = SelfAttention { n_head, scale, probs: Mutex::new(None) };
     let y = qkv.contiguous()?.apply_op2_no_bwd(&bias.contiguous()?, &op)?;
     let p = super::lock(&op.probs).take();
@@ -523,7 +591,7 @@ pub(crate) fn self_attention_bwd(
     g: &Tensor,
     n_head: usize,
     scale: f64,
-    probs: CpuStorage,
+    probs: Probs,
 ) -> CResult<Tensor> {
     let dims = dims_of(qkv.layout(), bias.layout(), n_head)?;
     let bwd = SelfAttentionBwd { dims, scale, probs };

@@ -147,7 +147,7 @@ fn add(a: &Tensor, b: &Tensor) -> CResult<Tensor> {
 struct Saved {
     a1: Tensor,
     qkv: Tensor,
-    probs: CpuStorage,
+    probs: super::attention::Probs,
     y: Tensor,
     h: Tensor,
     a2: Tensor,

@@ -10,6 +10,7 @@
 //! | layer norm, RMS norm (`norms.cu`) | `norm.rs` | forward 1 (composed: 9); backward 3 (dx and row statistics, per-chunk weight gradients, their sum) |
 //! | GELU, tanh form (`gelu.cu`) | `activation.rs` | forward 1; backward 1 (candle's `gelu` backward: about 12) |
 //! | SwiGLU, `silu(gate)·up` (`swiglu.cu`) | `swiglu.rs` | forward 1 (composed: 2, keeping `silu(gate)`); backward 1 for both gradients |
+//! | GPT-2's self-attention core from the fused `qkv` (`attention.cu`) | `attention.rs` | forward 1, one block per query row, keeping the probabilities; backward 2 (the query side with `dS`, then the key side), deterministic, no atomics |
 //! | rotary embedding while splitting the heads (`rope.cu`) | `rope.rs` | forward 1 (composed: a copy, two narrows, six products and sums, a concatenation); backward 1 |
 //! | softmax, log-softmax, the logprob of a target, entropy (`softmax.cu`) | `softmax.rs` | 1 per op and per backward, one block per row; the logprob keeps no `(rows, V)` log-softmax (composed: a log-softmax, a gather, and ~10 ops backward) |
 //! | [`sums_of_squares`] (`sumsq.cu`) | the gradient norm's f64 sums (`Grads::global_norm`) | one per tensor and one for all, one read back (candle's ops: 4 per tensor) |
@@ -39,6 +40,8 @@ const SOFTMAX_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/softmax.ptx"))
 const GELU_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gelu.ptx"));
 /// `swiglu.cu`, as PTX.
 const SWIGLU_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/swiglu.ptx"));
+/// `attention.cu`, as PTX.
+const ATTENTION_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attention.ptx"));
 /// `rope.cu`, as PTX.
 const ROPE_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/rope.ptx"));
 
@@ -408,6 +411,106 @@ pub(crate) fn rope(
         unsafe { l.launch(elementwise(n / 2)) }.w()?;
     }
     Ok(CudaStorage::wrap_cuda_slice(out, dev))
+}
+
+/// The longest `D + T` (floats of dynamic shared memory per block, within the default 48 KiB)
+/// that [`attention_fwd`] and [`attention_bwd`] take; `crate::attention` uses the composed op
+/// beyond it.
+pub(crate) const ATTENTION_MAX_ROW: usize = 12 * 1024 - 64;
+
+/// One block of [`THREADS`] per query (or key) row, with `D + T` floats of shared memory.
+fn attention_rows(rows: usize, shared: usize) -> CResult<LaunchConfig> {
+    if shared > ATTENTION_MAX_ROW {
+        candle_core::bail!(
+            "self-attention: a head of {shared} (D + T) values is past the CUDA kernel's {ATTENTION_MAX_ROW}"
+        );
+    }
+    Ok(LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: (shared * std::mem::size_of::<f32>()) as u32,
+    })
+}
+
+/// GPT-2's self-attention core (`crate::attention`, which checks the shapes): `y (B, T, C)` and
+/// the probabilities `P (B, H, T, T)` from `qkv (B, T, 3C)` and `bias` (`[bB, bH, bT]` rows of
+/// `T`, each 1 or the full size), for `[b, t, c, h]`.
+pub(crate) fn attention_fwd(
+    (qs, ql): (&CudaStorage, &Layout),
+    (bs, bl): (&CudaStorage, &Layout),
+    [b, t, c, h]: [usize; 4],
+    [bb, bh, bt]: [usize; 3],
+    scale: f32,
+) -> CResult<(CudaStorage, CudaStorage)> {
+    let dev = qs.device().clone();
+    let (x, bias) = (input(qs, ql, "self-attention")?, input(bs, bl, "self-attention")?);
+    if x.len() != b * t * 3 * c || bias.len() != bb * bh * bt * t {
+        candle_core::bail!("self-attention: {} qkv and {} bias values for {b}×{t}×{c}", x.len(), bias.len());
+    }
+    let rows = b * h * t;
+    if rows == 0 || c == 0 {
+        return Ok((
+            CudaStorage::wrap_cuda_slice(dev.alloc_zeros::<f32>(b * t * c)?, dev.clone()),
+            CudaStorage::wrap_cuda_slice(dev.alloc_zeros::<f32>(rows * t)?, dev),
+        ));
+    }
+    let cfg = attention_rows(rows, c / h + t)?;
+    // SAFETY: every row's output head and probabilities are written by its block.
+    let (mut y, mut p) = unsafe { (dev.alloc::<f32>(b * t * c)?, dev.alloc::<f32>(rows * t)?) };
+    let func = dev.get_or_load_custom_func("rltune_attention_f32", "rltune_attention", ATTENTION_PTX)?;
+    let mut l = func.builder();
+    l.arg(&mut y).arg(&mut p).arg(&x).arg(&bias);
+    l.arg(&b).arg(&t).arg(&c).arg(&h).arg(&bb).arg(&bh).arg(&bt).arg(&scale);
+    // SAFETY: the arguments match the kernel's parameters.
+    unsafe { l.launch(cfg) }.w()?;
+    Ok((CudaStorage::wrap_cuda_slice(y, dev.clone()), CudaStorage::wrap_cuda_slice(p, dev)))
+}
+
+/// `dqkv (B, T, 3C)` of [`attention_fwd`] for the upstream gradient `g (B, T, C)`, from the
+/// probabilities `p` it kept.
+pub(crate) fn attention_bwd(
+    (qs, ql): (&CudaStorage, &Layout),
+    (gs, gl): (&CudaStorage, &Layout),
+    p: &CudaStorage,
+    [b, t, c, h]: [usize; 4],
+    scale: f32,
+) -> CResult<CudaStorage> {
+    let dev = qs.device().clone();
+    let op = "self-attention backward";
+    let (x, g) = (input(qs, ql, op)?, input(gs, gl, op)?);
+    let rows = b * h * t;
+    let p = p.as_cuda_slice::<f32>()?.slice(0..);
+    if x.len() != b * t * 3 * c || g.len() != b * t * c || p.len() != rows * t {
+        candle_core::bail!(
+            "{op}: {} qkv, {} gradient and {} probability values for {b}×{t}×{c}",
+            x.len(),
+            g.len(),
+            p.len()
+        );
+    }
+    if rows == 0 || c == 0 {
+        return Ok(CudaStorage::wrap_cuda_slice(dev.alloc_zeros::<f32>(b * t * 3 * c)?, dev));
+    }
+    let d = c / h;
+    let cfg = attention_rows(rows, d + t)?;
+    // SAFETY: the query side writes every dq and every row of dS, the key side every dk and dv.
+    let (mut dqkv, mut ds) = unsafe { (dev.alloc::<f32>(b * t * 3 * c)?, dev.alloc::<f32>(rows * t)?) };
+    let q_side =
+        dev.get_or_load_custom_func("rltune_attention_bwd_q_f32", "rltune_attention", ATTENTION_PTX)?;
+    let mut l = q_side.builder();
+    l.arg(&mut dqkv).arg(&mut ds).arg(&g).arg(&p).arg(&x).arg(&b).arg(&t).arg(&c).arg(&h).arg(&scale);
+    // SAFETY: the arguments match the kernel's parameters.
+    unsafe { l.launch(cfg) }.w()?;
+    let kv_side =
+        dev.get_or_load_custom_func("rltune_attention_bwd_kv_f32", "rltune_attention", ATTENTION_PTX)?;
+    // One thread per column of a head.
+    let threads = (d.div_ceil(32) * 32).min(THREADS as usize) as u32;
+    let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+    let mut l = kv_side.builder();
+    l.arg(&mut dqkv).arg(&ds).arg(&g).arg(&p).arg(&x).arg(&b).arg(&t).arg(&c).arg(&h);
+    // SAFETY: the arguments match the kernel's parameters.
+    unsafe { l.launch(cfg) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(dqkv, dev))
 }
 
 /// Blocks per tensor of [`sums_of_squares`]: about 8 values a thread, at most two waves of an
