@@ -252,11 +252,21 @@ impl PpoRun {
 
     /// Runs the remaining steps. `stop` (set by Ctrl-C) ends the run after the current step with a
     /// checkpoint. Returns the number of steps done in total.
+    ///
+    /// PPO runs as this run's own [`super::Algorithm`]; rejection sampling as
+    /// `RejectionRun` (`ppo_loop/rejection.rs`), which shares its data order, checkpoints and
+    /// report.
     pub fn run(&mut self, stop: &AtomicBool, progress: &mut dyn FnMut(&StepReport)) -> Result<usize> {
-        crate::engine::run_loop::run(self, stop, &mut |r| {
+        let progress = &mut |r: &StepReport| {
             progress(r);
             Ok(())
-        })
+        };
+        match self.config.algorithm.kind {
+            AlgorithmKind::RejectionSampling => {
+                crate::engine::run_loop::run(&mut rejection::RejectionRun(self), stop, progress)
+            }
+            _ => crate::engine::run_loop::run(self, stop, progress),
+        }
     }
 
     /// Steps done before this run started (from a checkpoint).
@@ -577,15 +587,11 @@ impl super::run_loop::Algorithm for PpoRun {
         Ok(self.next_batch(&mut o.order, &mut o.rng, &o.sampler, n))
     }
 
+    /// A PPO step on the run's prompts, or on a round of games.
     fn step(&mut self, step: usize, batch: &Vec<(usize, usize)>) -> Result<StepReport> {
-        let games = matches!(self.source, Source::Games(_));
-        match (self.config.algorithm.kind, games) {
-            (AlgorithmKind::RejectionSampling, _) => self.rejection_step(step, batch),
-            (AlgorithmKind::Ppo, true) => self.game_step(step),
-            (AlgorithmKind::Ppo, false) => self.one_step(step, batch),
-            (AlgorithmKind::Grpo | AlgorithmKind::Rloo, _) => {
-                Err(Error::Input("internal: a GRPO/RLOO config in the PPO loop".into()))
-            }
+        match self.source {
+            Source::Games(_) => self.game_step(step),
+            Source::Prompts { .. } => self.one_step(step, batch),
         }
     }
 

@@ -1,5 +1,7 @@
-//! The rejection-sampling step of a run (`[algorithm] kind = "rejection_sampling"`; see
-//! [`crate::rejection`]): sample, score, keep the best, fine-tune on them.
+//! Rejection sampling in the run loop (`[algorithm] kind = "rejection_sampling"`; see
+//! [`crate::rejection`]): each step samples, scores, keeps the best and fine-tunes on them.
+//! [`RejectionRun`] is its [`Algorithm`]: a [`PpoRun`] (prompts or games, rewards, checkpoints,
+//! report) whose step is [`PpoRun::rejection_step`].
 
 use std::time::Instant;
 
@@ -7,14 +9,57 @@ use super::{add_env_stats, PpoRun, Source};
 use crate::engine::{Stat, Stats};
 use crate::error::{Error, Result};
 use crate::generation::{generate, GenerationConfig};
+use crate::logging::RunEnd;
 use crate::logging::SampleRow;
 use crate::rejection::{batch_response_logprobs, returns_to_go, select_top, Per};
 use crate::rewards::RewardInput;
 use crate::run::episodes::add_episode_stats;
 use crate::run::prompts::decode;
-use crate::run::run_loop::StepReport;
+use crate::run::run_loop::{Algorithm, Plan, StepReport};
 use crate::train::sft::{train_sft_examples, SftExample, SftModel};
 use crate::train::{ScheduleKind, TrainingArgs};
+
+/// Rejection sampling as an algorithm of the run loop: the [`PpoRun`]'s data order, checkpoints
+/// and report, with the rejection-sampling step.
+pub(super) struct RejectionRun<'a>(pub(super) &'a mut PpoRun);
+
+impl Algorithm for RejectionRun<'_> {
+    type DataOrder = <PpoRun as Algorithm>::DataOrder;
+    type Batch = <PpoRun as Algorithm>::Batch;
+    type Report = StepReport;
+
+    fn plan(&self) -> Plan {
+        self.0.plan()
+    }
+
+    fn settings(&self) -> Result<String> {
+        self.0.settings()
+    }
+
+    fn data_order(&self) -> Result<Self::DataOrder> {
+        self.0.data_order()
+    }
+
+    fn draw(&self, order: &mut Self::DataOrder) -> Result<Self::Batch> {
+        self.0.draw(order)
+    }
+
+    fn step(&mut self, step: usize, batch: &Self::Batch) -> Result<StepReport> {
+        self.0.rejection_step(step, batch)
+    }
+
+    fn checkpoint(&self, step: usize) -> Result<()> {
+        Algorithm::checkpoint(&*self.0, step)
+    }
+
+    fn write_report(&mut self) -> Result<()> {
+        self.0.write_report()
+    }
+
+    fn finish(&mut self, end: RunEnd) -> Result<()> {
+        self.0.finish(end)
+    }
+}
 
 /// One candidate: the pair to fine-tune on and its score before the KL term.
 struct Candidate {
