@@ -204,6 +204,32 @@ fn kernel_grad_norm(device: &Device) -> Result<Outcome> {
     Ok(o)
 }
 
+/// `shape` of values drawn uniformly from [−2, 2) by `rng`, on the CPU.
+fn uniform(rng: &mut rand::rngs::StdRng, shape: &[usize]) -> Result<Tensor> {
+    use rand::Rng;
+    let v: Vec<f32> = (0..shape.iter().product::<usize>()).map(|_| rng.gen_range(-2.0f32..2.0)).collect();
+    Ok(Tensor::from_vec(v, shape, &Device::Cpu)?)
+}
+
+/// The worst of max |a − b| / max(1, max |b|) over the pairs of the device's tensors and the
+/// CPU's.
+fn worst_relative(dev: &[Tensor], cpu: &[Tensor]) -> Result<f64> {
+    let mut worst = 0f64;
+    for (a, b) in dev.iter().zip(cpu) {
+        let scale = b.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?.max(1.0) as f64;
+        worst = worst.max(max_diff(a, b)? / scale);
+    }
+    Ok(worst)
+}
+
+/// A `kernels/<op>` outcome: [`worst_relative`] against the ops' tolerance.
+fn kernel_outcome(worst: f64, device: &Device) -> Outcome {
+    let mut o = Outcome::new(worst, 1e-5);
+    o.extra =
+        json!({"measure": "max |a - b| / max(1, max |cpu|)", "kernel": rltune::ops::cuda_kernels(device)});
+    o
+}
+
 /// The differentiable fused ops compared by `kernels/<op>`.
 const KERNEL_OPS: [&str; 8] =
     ["layer_norm", "rms_norm", "gelu", "swiglu", "softmax", "log_softmax", "logprobs", "entropy"];
@@ -219,12 +245,9 @@ fn kernel_op(op: &str, device: &Device) -> Result<Outcome> {
     for (case, dims) in shapes.iter().enumerate() {
         let n = *dims.last().unwrap_or(&1);
         let seed = 1000 * case as u64;
-        let randn = |shape: &[usize], k: u64| -> Result<Tensor> {
-            use rand::{Rng, SeedableRng};
-            let mut rng = rand::rngs::StdRng::seed_from_u64(seed + k);
-            let len = shape.iter().product::<usize>();
-            let v: Vec<f32> = (0..len).map(|_| rng.gen_range(-2.0f32..2.0)).collect();
-            Ok(Tensor::from_vec(v, shape, &Device::Cpu)?)
+        let randn = |shape: &[usize], k: u64| {
+            use rand::SeedableRng;
+            uniform(&mut rand::rngs::StdRng::seed_from_u64(seed + k), shape)
         };
         let out_dims = if matches!(op, "logprobs" | "entropy") { &dims[..dims.len() - 1] } else { dims };
         let (x, w, b, r) = (randn(dims, 1)?, (randn(&[n], 2)? + 1.0)?, randn(&[n], 3)?, randn(out_dims, 4)?);
@@ -265,15 +288,9 @@ fn kernel_op(op: &str, device: &Device) -> Result<Outcome> {
         if cpu.len() != dev.len() {
             bail!("{op} {dims:?}: {} gradients on the device, {} on the CPU", dev.len() - 1, cpu.len() - 1);
         }
-        for (a, b) in dev.iter().zip(&cpu) {
-            let scale = b.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?.max(1.0) as f64;
-            worst = worst.max(max_diff(a, b)? / scale);
-        }
+        worst = worst.max(worst_relative(&dev, &cpu)?);
     }
-    let mut o = Outcome::new(worst, 1e-5);
-    o.extra =
-        json!({"measure": "max |a - b| / max(1, max |cpu|)", "kernel": rltune::ops::cuda_kernels(device)});
-    Ok(o)
+    Ok(kernel_outcome(worst, device))
 }
 
 /// The rotary embedding while splitting the heads (`rltune::ops::rope_heads`; on CUDA `rope.cu`)
@@ -282,16 +299,12 @@ fn kernel_op(op: &str, device: &Device) -> Result<Outcome> {
 /// the same products and sums in the same order without contracted multiply-adds, so the
 /// measure (as [`kernel_op`]'s) is 0 on a correct kernel; the tolerance is the other ops'.
 fn kernel_rope(device: &Device) -> Result<Outcome> {
-    use rand::{Rng, SeedableRng};
+    use rand::SeedableRng;
     let shapes = [[1usize, 1, 1, 2], [2, 7, 3, 10], [3, 5, 12, 64], [1, 33, 14, 64]];
     let mut worst = 0f64;
     for (case, &[b, t, h, d]) in shapes.iter().enumerate() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(77 + case as u64);
-        let mut randn = |shape: &[usize]| -> Result<Tensor> {
-            let len = shape.iter().product::<usize>();
-            let v: Vec<f32> = (0..len).map(|_| rng.gen_range(-2.0f32..2.0)).collect();
-            Ok(Tensor::from_vec(v, shape, &Device::Cpu)?)
-        };
+        let mut randn = |shape: &[usize]| uniform(&mut rng, shape);
         let (x, angles, r) = (randn(&[b, t, h * d])?, randn(&[b, 1, t, d / 2])?, randn(&[b, h, t, d])?);
         let (cos, sin) = (angles.cos()?, angles.sin()?);
         let run = |dev: &Device| -> Result<Vec<Tensor>> {
@@ -302,15 +315,9 @@ fn kernel_rope(device: &Device) -> Result<Outcome> {
             Ok(vec![y.clone(), dx.clone()])
         };
         let (cpu, dev) = (run(&Device::Cpu)?, run(device)?);
-        for (a, b) in dev.iter().zip(&cpu) {
-            let scale = b.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?.max(1.0) as f64;
-            worst = worst.max(max_diff(a, b)? / scale);
-        }
+        worst = worst.max(worst_relative(&dev, &cpu)?);
     }
-    let mut o = Outcome::new(worst, 1e-5);
-    o.extra =
-        json!({"measure": "max |a - b| / max(1, max |cpu|)", "kernel": rltune::ops::cuda_kernels(device)});
-    Ok(o)
+    Ok(kernel_outcome(worst, device))
 }
 
 /// GPT-2's fused self-attention (`rltune::ops::self_attention`; on CUDA `attention.cu`) against
@@ -318,16 +325,12 @@ fn kernel_rope(device: &Device) -> Result<Outcome> {
 /// T = 64, under the decoders' causal bias with left padding (a fully masked row included) and
 /// the encoders' padding bias; the output and `dqkv` of `Σ y·r`. The measure is [`kernel_op`]'s.
 fn kernel_attention(device: &Device) -> Result<Outcome> {
-    use rand::{Rng, SeedableRng};
+    use rand::SeedableRng;
     let shapes = [[1usize, 1, 2, 1], [2, 7, 12, 3], [3, 31, 48, 4], [2, 64, 768, 12]];
     let mut worst = 0f64;
     for (case, &[b, t, c, h]) in shapes.iter().enumerate() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(91 + case as u64);
-        let mut randn = |shape: &[usize]| -> Result<Tensor> {
-            let len = shape.iter().product::<usize>();
-            let v: Vec<f32> = (0..len).map(|_| rng.gen_range(-2.0f32..2.0)).collect();
-            Ok(Tensor::from_vec(v, shape, &Device::Cpu)?)
-        };
+        let mut randn = |shape: &[usize]| uniform(&mut rng, shape);
         let (qkv, r) = (randn(&[b, t, 3 * c])?, randn(&[b, t, c])?);
         // Sequence k starts after k pads; the last sequence of a batch of several is all padding.
         let keys: Vec<Vec<u8>> =
@@ -347,16 +350,10 @@ fn kernel_attention(device: &Device) -> Result<Outcome> {
                 Ok(vec![y.clone(), dx.clone()])
             };
             let (cpu, dev) = (run(&Device::Cpu)?, run(device)?);
-            for (a, b) in dev.iter().zip(&cpu) {
-                let scale = b.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?.max(1.0) as f64;
-                worst = worst.max(max_diff(a, b)? / scale);
-            }
+            worst = worst.max(worst_relative(&dev, &cpu)?);
         }
     }
-    let mut o = Outcome::new(worst, 1e-5);
-    o.extra =
-        json!({"measure": "max |a - b| / max(1, max |cpu|)", "kernel": rltune::ops::cuda_kernels(device)});
-    Ok(o)
+    Ok(kernel_outcome(worst, device))
 }
 
 /// The device's Adam (on CUDA the in-place kernel, `rltune_kernels::cuda`) against the CPU's
