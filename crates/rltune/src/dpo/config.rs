@@ -10,7 +10,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{ConfigError, Error, Result};
-use crate::grpo::config::{parse_table_with, resolve_optim, OptimArgs, SchedulerType};
+use crate::grpo::config::{parse_table_with, OptimArgs, SchedulerType};
 
 /// One of TRL's DPO losses (`loss_type`). TRL `DPOTrainer._compute_loss`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -167,84 +167,66 @@ impl MaxLength {
     }
 }
 
-/// DPO hyper-parameters: TRL 1.16.0 `DPOConfig` names and defaults.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct DpoConfig {
-    /// AdamW learning rate (TRL: 1e-6).
-    pub learning_rate: f64,
-    /// AdamW β₁ (0.9).
-    pub adam_beta1: f64,
-    /// AdamW β₂ (0.999).
-    pub adam_beta2: f64,
-    /// AdamW ε (1e-8).
-    pub adam_epsilon: f64,
-    /// Decoupled weight decay (0), not on biases and norms (transformers' grouping).
-    pub weight_decay: f64,
-    /// Clip the global gradient norm to this; 0 turns clipping off (1.0).
-    pub max_grad_norm: f64,
-    /// LR schedule ("linear").
-    pub lr_scheduler_type: SchedulerType,
-    /// Warm-up steps; below 1, a fraction of the total steps (0).
-    pub warmup_steps: f64,
-    /// Total optimizer steps (-1: `num_train_epochs` passes over the data).
-    pub max_steps: i64,
-    /// Passes over the data when `max_steps` ≤ 0 (3).
-    pub num_train_epochs: f64,
-    /// Preference pairs per micro-batch (8).
-    pub per_device_train_batch_size: usize,
-    /// Micro-batches per optimizer step, each loss divided by their number (1).
-    pub gradient_accumulation_steps: usize,
-    /// Seed of the data shuffle (42).
-    pub seed: u64,
-    /// Longest prompt+completion sequence (1024, or `"none"`).
-    pub max_length: MaxLength,
-    /// Which end a too-long sequence keeps ("keep_start").
-    pub truncation_mode: TruncationMode,
-    /// Accepted; TRL 1.16.0 falls back to padding too (false).
-    pub padding_free: bool,
-    /// Pads to a multiple of this; changes no number (unset; TRL's "auto" is unset off Neuron).
-    pub pad_to_multiple_of: Option<usize>,
-    /// Compute the reference's logprobs once, before training (false).
-    pub precompute_ref_log_probs: bool,
-    /// Batch size of that pass (default `per_device_train_batch_size`).
-    pub precompute_ref_batch_size: Option<usize>,
-    /// The loss, or several ("sigmoid").
-    pub loss_type: LossTypes,
-    /// One weight per loss (default 1 each).
-    pub loss_weights: Option<Vec<f64>>,
-    /// Not implemented: must stay unset (LD-DPO).
-    pub ld_alpha: Option<f64>,
-    /// f-DPO regularizer ("reverse_kl").
-    pub f_divergence_type: FDivergence,
-    /// α of `alpha_divergence` (0.5).
-    pub f_alpha_divergence_coef: f64,
-    /// ε of `robust` and `exo_pair` (0.0); the other losses ignore it, as TRL 1.16.0.
-    pub label_smoothing: f64,
-    /// Deviation from the reference: the β of every loss, τ of IPO (0.1).
-    pub beta: f64,
-    /// Not implemented: must stay false (WPO weighting).
-    pub use_weighting: bool,
-    /// τ of `discopop` (0.05).
-    pub discopop_tau: f64,
-    /// Not implemented: must stay false (TR-DPO).
-    pub sync_ref_model: bool,
-    /// TR-DPO only (0.6).
-    pub ref_model_mixup_alpha: f64,
-    /// TR-DPO only (512).
-    pub ref_model_sync_steps: usize,
-    /// rltune applies no dropout: must stay true.
-    pub disable_dropout: bool,
-    /// Changes nothing in rltune (unset).
-    pub dataset_num_proc: Option<usize>,
-    /// MoE only: must stay unset.
-    pub router_aux_loss_coef: Option<f64>,
-    /// Changes no number (false).
-    pub activation_offloading: bool,
-    /// Write a checkpoint every this many optimizer steps (transformers' `save_steps`; 0, the
-    /// default: only when stopped by Ctrl-C). Where they go: `rltune dpo --checkpoint-dir`. The
-    /// one setting a resumed run may change.
-    pub save_steps: usize,
+crate::engine::training_arguments::training_arguments! {
+    /// DPO hyper-parameters: TRL 1.16.0 `DPOConfig` names and defaults, transformers'
+    /// `TrainingArguments` fields first ([`crate::engine::training_arguments`]). A pass of
+    /// `num_train_epochs` is one over the pairs; `gradient_accumulation_steps` micro-batches of
+    /// `per_device_train_batch_size` pairs make an optimizer step, each loss divided by their number;
+    /// the seed is the data shuffle's.
+    #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+    #[serde(deny_unknown_fields, default)]
+    pub struct DpoConfig {
+        /// Preference pairs per micro-batch (8).
+        pub per_device_train_batch_size: usize,
+        /// Longest prompt+completion sequence (1024, or `"none"`).
+        pub max_length: MaxLength,
+        /// Which end a too-long sequence keeps ("keep_start").
+        pub truncation_mode: TruncationMode,
+        /// Accepted; TRL 1.16.0 falls back to padding too (false).
+        pub padding_free: bool,
+        /// Pads to a multiple of this; changes no number (unset; TRL's "auto" is unset off Neuron).
+        pub pad_to_multiple_of: Option<usize>,
+        /// Compute the reference's logprobs once, before training (false).
+        pub precompute_ref_log_probs: bool,
+        /// Batch size of that pass (default `per_device_train_batch_size`).
+        pub precompute_ref_batch_size: Option<usize>,
+        /// The loss, or several ("sigmoid").
+        pub loss_type: LossTypes,
+        /// One weight per loss (default 1 each).
+        pub loss_weights: Option<Vec<f64>>,
+        /// Not implemented: must stay unset (LD-DPO).
+        pub ld_alpha: Option<f64>,
+        /// f-DPO regularizer ("reverse_kl").
+        pub f_divergence_type: FDivergence,
+        /// α of `alpha_divergence` (0.5).
+        pub f_alpha_divergence_coef: f64,
+        /// ε of `robust` and `exo_pair` (0.0); the other losses ignore it, as TRL 1.16.0.
+        pub label_smoothing: f64,
+        /// Deviation from the reference: the β of every loss, τ of IPO (0.1).
+        pub beta: f64,
+        /// Not implemented: must stay false (WPO weighting).
+        pub use_weighting: bool,
+        /// τ of `discopop` (0.05).
+        pub discopop_tau: f64,
+        /// Not implemented: must stay false (TR-DPO).
+        pub sync_ref_model: bool,
+        /// TR-DPO only (0.6).
+        pub ref_model_mixup_alpha: f64,
+        /// TR-DPO only (512).
+        pub ref_model_sync_steps: usize,
+        /// rltune applies no dropout: must stay true.
+        pub disable_dropout: bool,
+        /// Changes nothing in rltune (unset).
+        pub dataset_num_proc: Option<usize>,
+        /// MoE only: must stay unset.
+        pub router_aux_loss_coef: Option<f64>,
+        /// Changes no number (false).
+        pub activation_offloading: bool,
+        /// Write a checkpoint every this many optimizer steps (transformers' `save_steps`; 0, the
+        /// default: only when stopped by Ctrl-C). Where they go: `rltune dpo --checkpoint-dir`. The
+        /// one setting a resumed run may change.
+        pub save_steps: usize,
+    }
 }
 
 impl Default for DpoConfig {
@@ -528,15 +510,7 @@ impl DpoConfig {
 
     /// The optimizer and schedule of a run over `n_pairs` training pairs.
     pub fn optim_args(&self, n_pairs: usize) -> OptimArgs {
-        resolve_optim(
-            self.learning_rate,
-            (self.adam_beta1, self.adam_beta2, self.adam_epsilon),
-            self.weight_decay,
-            self.max_grad_norm,
-            self.lr_scheduler_type,
-            self.warmup_steps,
-            self.total_steps(n_pairs),
-        )
+        self.optim_args_for(self.total_steps(n_pairs))
     }
 }
 

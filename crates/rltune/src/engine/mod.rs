@@ -10,6 +10,7 @@ pub mod optimizer;
 pub mod run_loop;
 pub mod schedule;
 pub mod stats;
+pub(crate) mod training_arguments;
 
 pub use optimizer::{decays, OptimArgs, Optimizer};
 pub use schedule::{LrSchedule, ScheduleKind};

@@ -12,7 +12,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use crate::config_file::closest;
-use crate::engine::schedule::LrSchedule;
+use crate::engine::training_arguments::resolve_optim;
 use crate::error::{ConfigError, Error, Result};
 
 /// GRPO's loss aggregation (`loss_type`). TRL `_compute_loss`.
@@ -96,76 +96,55 @@ pub use crate::engine::OptimArgs;
 /// transformers' `lr_scheduler_type` (the ones rltune implements): the one schedule type.
 pub use crate::engine::ScheduleKind as SchedulerType;
 
-macro_rules! training_arguments {
+/// GRPO's and RLOO's shared fields after transformers' `TrainingArguments` ones
+/// ([`crate::engine::training_arguments`]). In a GRPO/RLOO step `gradient_accumulation_steps`
+/// must be 1 (one step is one optimizer update over the whole batch), the seed draws nothing,
+/// and without `max_steps` a pass of `num_train_epochs` is one step's batch.
+macro_rules! group_arguments {
     ($(#[$m:meta])* pub struct $name:ident { $($body:tt)* }) => {
-        $(#[$m])*
-        pub struct $name {
-            /// AdamW learning rate (TRL: 1e-6).
-            pub learning_rate: f64,
-            /// AdamW β₁ (0.9).
-            pub adam_beta1: f64,
-            /// AdamW β₂ (0.999).
-            pub adam_beta2: f64,
-            /// AdamW ε (1e-8).
-            pub adam_epsilon: f64,
-            /// Decoupled weight decay (0), on every parameter but biases and norms, as transformers
-            /// groups them (`Trainer.get_decay_parameter_names`).
-            pub weight_decay: f64,
-            /// Clip the global gradient norm to this; 0 turns clipping off (1.0).
-            pub max_grad_norm: f64,
-            /// LR schedule ("linear").
-            pub lr_scheduler_type: SchedulerType,
-            /// Warm-up steps; below 1, a fraction of the total steps (0).
-            pub warmup_steps: f64,
-            /// Total optimizer steps of the run, for the schedule (-1: `num_train_epochs` passes
-            /// over a dataset that is the batch given to one step, i.e. `ceil(num_train_epochs ·
-            /// num_iterations)` steps).
-            pub max_steps: i64,
-            /// Epochs, used when `max_steps` ≤ 0 (3).
-            pub num_train_epochs: f64,
-            /// Completions per optimizer step; when set, a step's batch must have exactly this many.
-            pub per_device_train_batch_size: Option<usize>,
-            /// Must be 1: one step is one optimizer update over the whole batch.
-            pub gradient_accumulation_steps: usize,
-            /// Seed (42); a step draws no random numbers.
-            pub seed: u64,
-            /// Completions per prompt: consecutive rows with the same prompt form a group.
-            pub num_generations: usize,
-            /// Longest completion (512); `dr_grpo` divides by it.
-            pub max_completion_length: usize,
-            /// Logits are divided by it before every log-softmax (1.0).
-            pub temperature: f64,
-            /// Generation only (1.0).
-            pub top_p: f64,
-            /// Generation only (0).
-            pub top_k: usize,
-            /// Generation only.
-            pub min_p: Option<f64>,
-            /// Generation only (1.0).
-            pub repetition_penalty: f64,
-            /// Passes over one generation batch, each an optimizer step (1).
-            pub num_iterations: usize,
-            /// Lower clip ε (0.2).
-            pub epsilon: f64,
-            /// Upper clip ε (default: `epsilon`).
-            pub epsilon_high: Option<f64>,
-            /// One weight per reward function (default: all 1).
-            pub reward_weights: Option<Vec<f64>>,
-            /// rltune: the reward functions' names, in the order of `reward_weights` (TRL's
-            /// `trl grpo` script argument). Default: the names in the rollouts, sorted.
-            pub reward_funcs: Option<Vec<String>>,
-            /// Drop completions that ended without EOS from the loss (false).
-            pub mask_truncated_completions: bool,
-            /// Must be 1 (one generation per optimizer step).
-            pub steps_per_generation: Option<usize>,
-            /// Must be unset or the batch size.
-            pub generation_batch_size: Option<usize>,
-            $($body)*
+        crate::engine::training_arguments::training_arguments! {
+            $(#[$m])*
+            pub struct $name {
+                /// Completions per optimizer step; when set, a step's batch must have exactly this many.
+                pub per_device_train_batch_size: Option<usize>,
+                /// Completions per prompt: consecutive rows with the same prompt form a group.
+                pub num_generations: usize,
+                /// Longest completion (512); `dr_grpo` divides by it.
+                pub max_completion_length: usize,
+                /// Logits are divided by it before every log-softmax (1.0).
+                pub temperature: f64,
+                /// Generation only (1.0).
+                pub top_p: f64,
+                /// Generation only (0).
+                pub top_k: usize,
+                /// Generation only.
+                pub min_p: Option<f64>,
+                /// Generation only (1.0).
+                pub repetition_penalty: f64,
+                /// Passes over one generation batch, each an optimizer step (1).
+                pub num_iterations: usize,
+                /// Lower clip ε (0.2).
+                pub epsilon: f64,
+                /// Upper clip ε (default: `epsilon`).
+                pub epsilon_high: Option<f64>,
+                /// One weight per reward function (default: all 1).
+                pub reward_weights: Option<Vec<f64>>,
+                /// rltune: the reward functions' names, in the order of `reward_weights` (TRL's
+                /// `trl grpo` script argument). Default: the names in the rollouts, sorted.
+                pub reward_funcs: Option<Vec<String>>,
+                /// Drop completions that ended without EOS from the loss (false).
+                pub mask_truncated_completions: bool,
+                /// Must be 1 (one generation per optimizer step).
+                pub steps_per_generation: Option<usize>,
+                /// Must be unset or the batch size.
+                pub generation_batch_size: Option<usize>,
+                $($body)*
+            }
         }
     };
 }
 
-training_arguments! {
+group_arguments! {
     /// GRPO hyper-parameters: TRL 1.16.0 `GRPOConfig` names and defaults.
     #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
     #[serde(deny_unknown_fields, default)]
@@ -195,7 +174,7 @@ training_arguments! {
     }
 }
 
-training_arguments! {
+group_arguments! {
     /// RLOO hyper-parameters: TRL 1.16.0 `RLOOConfig` names and defaults.
     #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
     #[serde(deny_unknown_fields, default)]
@@ -469,33 +448,6 @@ impl Common<'_> {
             self.warmup_steps,
             total,
         )
-    }
-}
-
-/// The optimizer and schedule of a run of `total` optimizer steps, from transformers'
-/// `TrainingArguments` fields.
-pub(crate) fn resolve_optim(
-    learning_rate: f64,
-    adam: (f64, f64, f64),
-    weight_decay: f64,
-    max_grad_norm: f64,
-    lr_scheduler_type: SchedulerType,
-    warmup_steps: f64,
-    total: usize,
-) -> OptimArgs {
-    // transformers `TrainingArguments.get_warmup_steps`: an integer ≥ 1, or a ratio.
-    let warmup = if warmup_steps >= 1.0 {
-        warmup_steps as usize
-    } else {
-        (total as f64 * warmup_steps).ceil() as usize
-    };
-    OptimArgs {
-        learning_rate,
-        betas: (adam.0, adam.1),
-        eps: adam.2,
-        weight_decay,
-        max_grad_norm,
-        schedule: LrSchedule::new(lr_scheduler_type, learning_rate, warmup, total),
     }
 }
 
