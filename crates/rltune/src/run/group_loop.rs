@@ -47,58 +47,55 @@ use crate::tokenizer::Tokenizer;
 
 mod games;
 
-/// The trainer of a GRPO or RLOO run.
-pub enum GroupTrainer {
-    /// `[algorithm] kind = "grpo"`.
-    Grpo(GrpoTrainer),
-    /// `[algorithm] kind = "rloo"`.
-    Rloo(RlooTrainer),
-}
-
-impl GroupTrainer {
+/// What a group run asks of its trainer: GRPO ([`GrpoTrainer`]) and RLOO ([`RlooTrainer`]) each
+/// implement it, so the run holds one without dispatching on the algorithm.
+pub(crate) trait GroupTrainer {
     /// The policy's parameters.
-    pub fn store(&self) -> &ParamStore {
-        match self {
-            Self::Grpo(t) => t.store(),
-            Self::Rloo(t) => t.store(),
-        }
-    }
-
+    fn store(&self) -> &ParamStore;
     /// The policy.
-    pub fn policy(&self) -> &CausalLm {
-        match self {
-            Self::Grpo(t) => t.policy(),
-            Self::Rloo(t) => t.policy(),
-        }
-    }
-
-    fn step_with(&mut self, batch: &GroupBatch) -> Result<Vec<Stats>> {
-        match self {
-            Self::Grpo(t) => t.step_with(batch),
-            Self::Rloo(t) => t.step_with(batch),
-        }
-    }
-
-    fn core(&self) -> &Core {
-        match self {
-            Self::Grpo(t) => t.core(),
-            Self::Rloo(t) => t.core(),
-        }
-    }
-
-    fn core_mut(&mut self) -> &mut Core {
-        match self {
-            Self::Grpo(t) => t.core_mut(),
-            Self::Rloo(t) => t.core_mut(),
-        }
-    }
+    fn policy(&self) -> &CausalLm;
+    /// One step on completions of prompts.
+    fn step_with(&mut self, batch: &GroupBatch) -> Result<Vec<Stats>>;
+    /// One step on the turns of a round of games.
+    fn step_turns(&mut self, batch: &crate::grpo::TurnBatch) -> Result<Vec<Stats>>;
+    /// The shared GRPO/RLOO state (optimizer, counters).
+    fn core(&self) -> &Core;
+    /// The same, to restore a checkpoint.
+    fn core_mut(&mut self) -> &mut Core;
 }
+
+macro_rules! group_trainer {
+    ($t:ty) => {
+        impl GroupTrainer for $t {
+            fn store(&self) -> &ParamStore {
+                <$t>::store(self)
+            }
+            fn policy(&self) -> &CausalLm {
+                <$t>::policy(self)
+            }
+            fn step_with(&mut self, batch: &GroupBatch) -> Result<Vec<Stats>> {
+                <$t>::step_with(self, batch)
+            }
+            fn step_turns(&mut self, batch: &crate::grpo::TurnBatch) -> Result<Vec<Stats>> {
+                <$t>::step_turns(self, batch)
+            }
+            fn core(&self) -> &Core {
+                <$t>::core(self)
+            }
+            fn core_mut(&mut self) -> &mut Core {
+                <$t>::core_mut(self)
+            }
+        }
+    };
+}
+group_trainer!(GrpoTrainer);
+group_trainer!(RlooTrainer);
 
 /// A prepared GRPO or RLOO run.
 pub struct GroupRun {
     config: RunConfig,
     /// The trainer (policy, reference, optimizer).
-    pub trainer: GroupTrainer,
+    trainer: Box<dyn GroupTrainer>,
     shape: GroupShape,
     policy_files: ModelFiles,
     config_json: serde_json::Value,
@@ -268,7 +265,7 @@ impl GroupRun {
                     reward_weights: weights,
                     ..config.rloo.clone()
                 };
-                GroupTrainer::Rloo(RlooTrainer::new(c, store, lm, reference)?)
+                Box::new(RlooTrainer::new(c, store, lm, reference)?) as Box<dyn GroupTrainer>
             }
             _ => {
                 let c = crate::grpo::GrpoConfig {
@@ -277,7 +274,7 @@ impl GroupRun {
                     reward_weights: weights,
                     ..config.grpo.clone()
                 };
-                GroupTrainer::Grpo(GrpoTrainer::new(c, store, lm, reference)?)
+                Box::new(GrpoTrainer::new(c, store, lm, reference)?)
             }
         };
         let mut start_step = 0;
@@ -320,6 +317,16 @@ impl GroupRun {
     /// Steps done before this run started (from a checkpoint).
     pub fn start_step(&self) -> usize {
         self.start_step
+    }
+
+    /// The policy's parameters.
+    pub fn store(&self) -> &ParamStore {
+        self.trainer.store()
+    }
+
+    /// The policy.
+    pub fn policy(&self) -> &CausalLm {
+        self.trainer.policy()
     }
 
     fn seed(&self) -> u64 {

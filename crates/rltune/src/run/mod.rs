@@ -16,6 +16,6 @@ pub mod run_loop;
 pub mod tracking;
 
 pub use config::RunConfig;
-pub use group_loop::{GroupRun, GroupTrainer};
+pub use group_loop::GroupRun;
 pub use ppo_loop::PpoRun;
 pub use run_loop::{Algorithm, StepReport};

@@ -181,7 +181,7 @@ fn a_grpo_run_resumes_exactly() {
     let (a, b) = (metrics(&s, "straight"), metrics(&s, "resumed"));
     assert_eq!(a.len(), 4);
     assert_eq!(a, b, "the resumed run's metrics differ");
-    let snap = |r: &GroupRun| r.trainer.store().snapshot().unwrap();
+    let snap = |r: &GroupRun| r.store().snapshot().unwrap();
     for ((name, x), (_, y)) in snap(&straight).iter().zip(snap(&resumed).iter()) {
         let d = crate::common::max_diff(x, y);
         assert_eq!(d, 0.0, "{name} differs by {d}");
@@ -232,10 +232,10 @@ fn held_out_evaluation_scores_greedy_answers_before_and_after() {
     };
     let before = {
         let r = GroupRun::prepare(cfg.clone(), vec![(1.0, count_w7())], false).unwrap();
-        score(r.trainer.policy())
+        score(r.policy())
     };
     let after_run = run(cfg, false);
-    let after = score(after_run.trainer.policy());
+    let after = score(after_run.policy());
     let lines: Vec<serde_json::Value> = std::fs::read_to_string(s.root.join("eval/eval.jsonl"))
         .unwrap()
         .lines()
@@ -270,8 +270,8 @@ fn grpo_with_trainable_layers_moves_only_the_top_block() {
     let mut cfg = config(&s, "grpo", "partial", 2, "");
     cfg.model.trainable_layers = Some(1);
     let start = GroupRun::prepare(cfg.clone(), vec![(1.0, count_w7())], false).unwrap();
-    let before = start.trainer.store().snapshot().unwrap();
-    let after = run(cfg.clone(), false).trainer.store().snapshot().unwrap();
+    let before = start.store().snapshot().unwrap();
+    let after = run(cfg.clone(), false).store().snapshot().unwrap();
     let mut moved = Vec::new();
     for (name, w) in &after {
         let d = crate::common::max_diff(w, &before[name]);

@@ -25,7 +25,7 @@
 
 use std::time::Instant;
 
-use super::{merge_iterations, GroupRun, GroupTrainer};
+use super::{merge_iterations, GroupRun};
 use crate::engine::Stat;
 use crate::envs::play::ActionMode;
 use crate::error::{Error, Result};
@@ -79,10 +79,7 @@ impl GroupRun {
             }),
         };
         let t = Instant::now();
-        let logs = match &mut self.trainer {
-            GroupTrainer::Grpo(tr) => tr.step_turns(&input)?,
-            GroupTrainer::Rloo(tr) => tr.step_turns(&input)?,
-        };
+        let logs = self.trainer.step_turns(&input)?;
         let mut stats = merge_iterations(logs);
         // TRL's epoch: optimizer steps over those of one pass over the games (about 0 for a
         // generated family, whose games do not run out).
