@@ -516,6 +516,53 @@ fn sft_stopped_by_ctrl_c_resumes_to_the_straight_runs_model() {
     assert!(bytes(&stopped) == bytes(&straight), "the resumed model differs from the straight run's");
 }
 
+/// `rltune reward` killed by SIGKILL keeps its `step-N/` checkpoints, and `--resume` from the
+/// last of them writes the model of a run that never stopped, byte for byte: the reward model
+/// goes through the same run loop, checkpoints and replay as every other trainer.
+#[test]
+fn reward_model_killed_resumes_to_the_straight_runs_model() {
+    let qs = quickstart();
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("labels.jsonl");
+    let lines: Vec<String> = (0..24)
+        .map(|i| {
+            let (text, label) =
+                if i % 3 == 0 { ("great fun", "POSITIVE") } else { ("dull mess", "NEGATIVE") };
+            serde_json::json!({"text": text, "label": label}).to_string()
+        })
+        .collect();
+    std::fs::write(&data, lines.join("\n")).unwrap();
+    let reward = |out: &Path| -> Command {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_rltune"));
+        cmd.args(["reward", "--model", s(&qs.join("classifier")), "--data", s(&data), "--output", s(out)])
+            .args(["--set", "training.max_steps=1000", "--set", "training.save_steps=2"])
+            .args(["--set", "training.batch_size=2", "--set", "training.eval_fraction=0"])
+            .env("RUST_LOG", "warn")
+            .stderr(std::process::Stdio::piped());
+        cmd
+    };
+    let (straight, killed) = (tmp.path().join("straight"), tmp.path().join("killed"));
+    let out = reward(&straight).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+
+    let child = reward(&killed).spawn().unwrap();
+    let checkpoints = tmp.path().join("killed.checkpoints");
+    let started = std::time::Instant::now();
+    while !checkpoints.join("step-4/trainer_state.json").is_file() {
+        assert!(started.elapsed().as_secs() < 120, "no checkpoint within 2 minutes");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert!(Command::new("kill").args(["-KILL", &child.id().to_string()]).status().unwrap().success());
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), None, "killed by a signal");
+    assert!(!killed.join("model.safetensors").exists(), "a killed run wrote its model");
+
+    let out = reward(&killed).arg("--resume").output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let bytes = |d: &Path| std::fs::read(d.join("model.safetensors")).unwrap();
+    assert!(bytes(&killed) == bytes(&straight), "the resumed model differs from the straight run's");
+}
+
 /// The quickstart's PPO config in `dir/run.toml` for a run in `dir/run`: checkpoints with
 /// optimizer state every 2 steps, two epochs of two shuffled minibatches, score scaling (the
 /// running moments), and a second reward source, a command that answers 0 for each sample
