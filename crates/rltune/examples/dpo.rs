@@ -146,40 +146,38 @@ fn main() -> rltune::Result<()> {
         for idx in order.chunks(a.batch_size) {
             let pick = |rows: &[Vec<u32>]| idx.iter().map(|&i| rows[i].clone()).collect::<Vec<_>>();
             grads.clear();
-            // Weight gradients go straight into the optimizer's buffers inside this scope.
-            let (surrogate, loss) = {
-                let _sinks = grads.scope();
-                // 3. The policy's summed logprobs, the loss and its derivatives in them.
-                let c = sequence_logprobs(&policy, &pick(&chosen), a.prompt_len, &device)?;
-                let r = sequence_logprobs(&policy, &pick(&rejected), a.prompt_len, &device)?;
-                let (cv, rv): (Vec<f32>, Vec<f32>) = (c.to_vec1()?, r.to_vec1()?);
-                let pairs: Vec<PairLogps> = idx
-                    .iter()
-                    .enumerate()
-                    .map(|(k, &i)| PairLogps {
-                        chosen: f64::from(cv[k]),
-                        rejected: f64::from(rv[k]),
-                        ref_chosen: f64::from(ref_chosen[i]),
-                        ref_rejected: f64::from(ref_rejected[i]),
-                        chosen_len: a.completion_len as f64,
-                        rejected_len: a.completion_len as f64,
-                        chosen_scored: a.completion_len as f64,
-                    })
-                    .collect();
-                let g = batch_loss(&pairs, &params);
-                for p in &pairs {
-                    let (dc, dr) =
-                        (a.beta * (p.chosen - p.ref_chosen), a.beta * (p.rejected - p.ref_rejected));
-                    chosen_sum += dc;
-                    rejected_sum += dr;
-                    right += usize::from(dc > dr);
-                }
-                let weight =
-                    |d: &[f64]| Tensor::from_vec(d.iter().map(|&x| x as f32).collect(), d.len(), &device);
-                let surrogate =
-                    ((&c * weight(&g.d_chosen)?)?.sum_all()? + (&r * weight(&g.d_rejected)?)?.sum_all()?)?;
-                (surrogate, g.loss)
-            };
+            // 3. The policy's summed logprobs (the forward runs for `grads`: weight gradients go
+            // straight into its buffers), the loss and its derivatives in them.
+            let (c, r) = grads.forward(|| -> rltune::Result<_> {
+                let seqs = |rows: &[Vec<u32>]| sequence_logprobs(&policy, &pick(rows), a.prompt_len, &device);
+                Ok((seqs(&chosen)?, seqs(&rejected)?))
+            })?;
+            let (cv, rv): (Vec<f32>, Vec<f32>) = (c.to_vec1()?, r.to_vec1()?);
+            let pairs: Vec<PairLogps> = idx
+                .iter()
+                .enumerate()
+                .map(|(k, &i)| PairLogps {
+                    chosen: f64::from(cv[k]),
+                    rejected: f64::from(rv[k]),
+                    ref_chosen: f64::from(ref_chosen[i]),
+                    ref_rejected: f64::from(ref_rejected[i]),
+                    chosen_len: a.completion_len as f64,
+                    rejected_len: a.completion_len as f64,
+                    chosen_scored: a.completion_len as f64,
+                })
+                .collect();
+            let g = batch_loss(&pairs, &params);
+            for p in &pairs {
+                let (dc, dr) = (a.beta * (p.chosen - p.ref_chosen), a.beta * (p.rejected - p.ref_rejected));
+                chosen_sum += dc;
+                rejected_sum += dr;
+                right += usize::from(dc > dr);
+            }
+            let weight =
+                |d: &[f64]| Tensor::from_vec(d.iter().map(|&x| x as f32).collect(), d.len(), &device);
+            let surrogate =
+                ((&c * weight(&g.d_chosen)?)?.sum_all()? + (&r * weight(&g.d_rejected)?)?.sum_all()?)?;
+            let loss = g.loss;
             // 4. Backward through the surrogate (its gradient is the loss's), Adam.
             grads.backward(&surrogate)?;
             adam.step(&grads)?;

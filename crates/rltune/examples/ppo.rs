@@ -198,22 +198,19 @@ fn main() -> rltune::Result<()> {
                 let idx = Tensor::new(mb, &device)?;
                 let pick = |t: &Tensor| t.index_select(&idx, 0);
                 grads.clear();
-                // Weight gradients go straight into the optimizer's buffers inside this scope.
-                let loss_parts = {
-                    let _sinks = grads.scope();
-                    let (logp, vpred) = policy_forward(&policy, &batch.select(&idx)?)?;
-                    ppo_losses(
-                        &pick(&old_logp)?,
-                        &pick(&values)?,
-                        &logp,
-                        &vpred,
-                        &pick(&mask)?,
-                        &pick(&advantages)?,
-                        &pick(&returns)?,
-                        a.cliprange,
-                        a.cliprange_value,
-                    )?
-                };
+                // The forward runs for `grads`: weight gradients go straight into its buffers.
+                let (logp, vpred) = grads.forward(|| policy_forward(&policy, &batch.select(&idx)?))?;
+                let loss_parts = ppo_losses(
+                    &pick(&old_logp)?,
+                    &pick(&values)?,
+                    &logp,
+                    &vpred,
+                    &pick(&mask)?,
+                    &pick(&advantages)?,
+                    &pick(&returns)?,
+                    a.cliprange,
+                    a.cliprange_value,
+                )?;
                 let loss = (&loss_parts.pg_loss + (&loss_parts.vf_loss * a.vf_coef)?)?;
                 grads.backward(&loss)?;
                 adam.step(&grads)?;

@@ -60,6 +60,18 @@ impl Grads {
         SinkScope::install(Arc::clone(&self.map))
     }
 
+    /// Runs `forward` for these gradients: their sinks are installed while it runs, so that fused
+    /// ops in it (`ops::block`) can write their weights' gradients straight into the buffers at
+    /// the backward, with no gradient tensor. The backward ([`Self::backward`]) installs them
+    /// again itself. `let loss = grads.forward(|| model_loss(&batch))?; grads.backward(&loss)?;`
+    pub fn forward<T, E>(
+        &self,
+        forward: impl FnOnce() -> std::result::Result<T, E>,
+    ) -> std::result::Result<T, E> {
+        let _sinks = self.scope();
+        forward()
+    }
+
     /// `loss.backward()`, adding the variables' gradients to these.
     pub fn backward(&mut self, loss: &Tensor) -> Result<()> {
         let store = {

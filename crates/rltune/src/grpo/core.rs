@@ -579,10 +579,7 @@ impl Core {
         let result: Result<(Vec<T>, f64, f64)> = (|| {
             let (mut extras, mut loss_sum) = (Vec::with_capacity(micro_batches), 0f64);
             for k in 0..micro_batches {
-                let (loss, extra) = {
-                    let _sinks = grads.scope();
-                    forward(self, k)?
-                };
+                let (loss, extra) = grads.forward(|| forward(self, k))?;
                 extras.push(extra);
                 let loss_value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
                 loss_sum += loss_value;

@@ -602,10 +602,7 @@ impl PpoTrainer {
         let (logp, entropy) = self.head_logprobs(&self.policy.lm, &hidden, ids, select, allowed, true)?;
         let detach = self.config.detach_value_head;
         let values = match (&self.critic, critic_grads) {
-            (Some(c), Some(g)) => {
-                let _sinks = g.scope();
-                c.values(ids, pos, bias, select, detach)?
-            }
+            (Some(c), Some(g)) => g.forward(|| c.values(ids, pos, bias, select, detach))?,
             (Some(c), None) => c.values(ids, pos, bias, select, detach)?,
             (None, _) if detach => self.policy.v_head.forward(&hidden.detach())?,
             (None, _) => self.policy.v_head.forward(&hidden)?,

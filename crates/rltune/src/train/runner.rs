@@ -291,10 +291,9 @@ fn accumulate<O: Objective>(
     for mb in group.chunks(batch_size) {
         // Divided by the step's terms, not the micro-batch's: see the module docs. The sinks are
         // installed for the forward too, so fused blocks can write their weights' gradients.
-        let scaled = {
-            let _sinks = grads.scope();
-            (obj.batch_loss(mb, false)?.loss_sum / terms.max(1.0 / world))?
-        };
+        let scaled = grads.forward(|| -> Result<Tensor> {
+            Ok((obj.batch_loss(mb, false)?.loss_sum / terms.max(1.0 / world))?)
+        })?;
         loss += scalar(&scaled.detach())?;
         grads.backward(&scaled)?;
     }

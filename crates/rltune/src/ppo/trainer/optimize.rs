@@ -220,10 +220,11 @@ impl PpoTrainer {
             (sel(data.old_logprobs)?, sel(data.values)?, sel(data.advantages)?, sel(data.returns)?);
         let select = if data.response_only { Some(&mask) } else { None };
         let allowed = batch.allowed.as_ref().map(|c| c.select(&idx)).transpose()?;
-        // Sinks installed for the forward: the fused GPT-2 blocks write weight gradients into them.
-        let _sinks = grads.scope();
-        let (logp, entropy, vpreds) =
-            self.policy_forward(&ids, &pos, &bias, select, allowed.as_ref(), critic_grads.as_deref())?;
+        // The forward runs for these gradients: the fused GPT-2 blocks write weight gradients into
+        // their buffers.
+        let (logp, entropy, vpreds) = grads.forward(|| {
+            self.policy_forward(&ids, &pos, &bias, select, allowed.as_ref(), critic_grads.as_deref())
+        })?;
         let l = math::ppo_losses(
             &old_lp,
             &old_v,
