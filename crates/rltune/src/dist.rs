@@ -72,15 +72,6 @@ pub fn replace(f: impl FnOnce(Box<dyn Collective>) -> Result<Box<dyn Collective>
     Ok(())
 }
 
-/// The GPU of this process in a data-parallel run: its local rank on its machine (one GPU per
-/// process); `None` on one process.
-pub fn local_gpu() -> Option<usize> {
-    if world_size() == 1 {
-        return None;
-    }
-    crate::runtime::host().local_rank
-}
-
 /// Runs `f` on the installed collective (a [`SingleProcess`] when none is).
 pub fn with<T>(f: impl FnOnce(&mut dyn Collective) -> rltune_dist::Result<T>) -> Result<T> {
     COMM.with(|c| match c.borrow_mut().as_deref_mut() {

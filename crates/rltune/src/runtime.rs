@@ -493,10 +493,19 @@ pub const CUDA_BUILD_HINT: &str = "this rltune was built without CUDA support; b
      tools/cuda/build.sh installs it from PyPI and builds: see docs/gpu.md, \"Building with CUDA\"), \
      or use device = \"cpu\" / --device cpu";
 
+/// The GPU of this process in a data-parallel run: its local rank on its machine (the installed
+/// [`Host`]'s; one GPU per process); `None` on one process.
+fn local_gpu() -> Option<usize> {
+    if crate::dist::world_size() == 1 {
+        return None;
+    }
+    host().local_rank
+}
+
 /// Opens the device of `choice`. In a data-parallel run `"auto"`, `"cuda"` and `"cuda:0"` mean
 /// the GPU of the process's local rank (one GPU per process; `docs/distributed.md`).
 fn open_device(choice: DeviceChoice) -> Result<Device> {
-    let local_gpu = crate::dist::local_gpu();
+    let local_gpu = local_gpu();
     let choice = match (choice, local_gpu) {
         (DeviceChoice::Cuda(0), Some(n)) => DeviceChoice::Cuda(n),
         (c, _) => c,
