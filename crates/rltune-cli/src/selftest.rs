@@ -21,6 +21,7 @@
 //! | `kernels/layer_norm`, `rms_norm`, `gelu`, `softmax`, `log_softmax`, `logprobs`, `entropy` | the op on the device (CUDA: its twin in `rltune_kernels::cuda`) against the CPU's fused kernel, on odd shapes: outputs and every input's gradient, as max \|a − b\| / max(1, max \|b\|) | 1e-5 |
 //! | `kernels/rope` | the rotary embedding while splitting the heads on the device (CUDA: `rope.cu`) against the CPU's fused kernel, `(B, T, heads, D)` up to Qwen2-0.5B's 14 × 64: output and the input's gradient | 1e-5 |
 //! | `kernels/attention` | GPT-2's fused self-attention on the device (CUDA: `attention.cu`) against the CPU's fused kernel, up to 12 heads of 64 at T = 64, causal (left padding, a fully masked row) and padding biases: output and `dqkv` | 1e-5 |
+//! | `kernels/scaled_masked_softmax` | attention's scaled masked softmax on the device (CUDA: `softmax.cu`) against the CPU's fused kernel, up to 14 heads at T = S = 128, causal and padding biases: probabilities and the scores' gradient | 1e-5 |
 //! | `kernels/grad_norm` | the global gradient norm of gradients on the device (CUDA: one sum-of-squares kernel per tensor) against the CPU's, relative difference | 1e-12 |
 //! | `kernels/adam` | three Adam steps on the device (CUDA: the in-place kernel) against the CPU's fused kernel, on odd sizes: weights and moments | 0 (bit for bit) |
 //!
@@ -134,6 +135,8 @@ pub fn run(args: Args) -> Result<()> {
     checks.push(("kernels/rope".into(), Box::new(move || kernel_rope(&dev))));
     let dev = device.clone();
     checks.push(("kernels/attention".into(), Box::new(move || kernel_attention(&dev))));
+    let dev = device.clone();
+    checks.push(("kernels/scaled_masked_softmax".into(), Box::new(move || kernel_masked_softmax(&dev))));
     let dev = device.clone();
     checks.push(("kernels/adam".into(), Box::new(move || kernel_adam(&dev))));
     let dev = device.clone();
@@ -347,6 +350,40 @@ fn kernel_attention(device: &Device) -> Result<Outcome> {
                 let y = rltune::ops::self_attention(x.as_tensor(), &bias, h, scale)?;
                 let grads = (&y * r.to_device(dev)?)?.sum_all()?.backward()?;
                 let Some(dx) = grads.get(x.as_tensor()) else { bail!("attention: no gradient for qkv") };
+                Ok(vec![y.clone(), dx.clone()])
+            };
+            let (cpu, dev) = (run(&Device::Cpu)?, run(device)?);
+            worst = worst.max(worst_relative(&dev, &cpu)?);
+        }
+    }
+    Ok(kernel_outcome(worst, device))
+}
+
+/// Attention's scaled masked softmax (`rltune::ops::scaled_masked_softmax`, the probabilities of
+/// Llama/Qwen2's attention; on CUDA `softmax.cu`) against the CPU's fused kernel: `(B, H, T, S)`
+/// scores up to Qwen2-0.5B's 14 heads at T = S = 128, under a causal bias `(B, 1, T, S)` with
+/// left padding and a fully masked row, and a padding bias `(B, 1, 1, S)`; the probabilities and
+/// the scores' gradient of `Σ y·r`. The measure is [`kernel_op`]'s.
+fn kernel_masked_softmax(device: &Device) -> Result<Outcome> {
+    use rand::SeedableRng;
+    let shapes = [[1usize, 1, 1, 1], [2, 3, 7, 7], [3, 14, 31, 31], [2, 14, 128, 128]];
+    let mut worst = 0f64;
+    for (case, &[b, h, t, s]) in shapes.iter().enumerate() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(313 + case as u64);
+        let (x, r) = (uniform(&mut rng, &[b, h, t, s])?, uniform(&mut rng, &[b, h, t, s])?);
+        let keys: Vec<Vec<u8>> =
+            (0..b).map(|k| (0..s).map(|j| u8::from(j >= k && !(b > 1 && k == b - 1))).collect()).collect();
+        for causal in [true, false] {
+            let run = |dev: &Device| -> Result<Vec<Tensor>> {
+                let bias = if causal {
+                    rltune::ops::causal_bias(&keys, t, candle_core::DType::F32, dev)?
+                } else {
+                    rltune::ops::padding_bias(&keys, candle_core::DType::F32, dev)?
+                };
+                let xv = candle_core::Var::from_tensor(&(x.to_device(dev)? * 4.0)?)?;
+                let y = rltune::ops::scaled_masked_softmax(xv.as_tensor(), &bias, 0.125)?;
+                let grads = (&y * r.to_device(dev)?)?.sum_all()?.backward()?;
+                let Some(dx) = grads.get(xv.as_tensor()) else { bail!("masked softmax: no gradient") };
                 Ok(vec![y.clone(), dx.clone()])
             };
             let (cpu, dev) = (run(&Device::Cpu)?, run(device)?);

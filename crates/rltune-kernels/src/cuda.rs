@@ -12,7 +12,7 @@
 //! | SwiGLU, `silu(gate)·up` (`swiglu.cu`) | `swiglu.rs` | forward 1 (composed: 2, keeping `silu(gate)`); backward 1 for both gradients |
 //! | GPT-2's self-attention core from the fused `qkv` (`attention.cu`) | `attention.rs` | forward 1, one block per query row, keeping the probabilities; backward 2 (the query side with `dS`, then the key side), deterministic, no atomics |
 //! | rotary embedding while splitting the heads (`rope.cu`) | `rope.rs` | forward 1 (composed: a copy, two narrows, six products and sums, a concatenation); backward 1 |
-//! | softmax, log-softmax, the logprob of a target, entropy (`softmax.cu`) | `softmax.rs` | 1 per op and per backward, one block per row; the logprob keeps no `(rows, V)` log-softmax (composed: a log-softmax, a gather, and ~10 ops backward) |
+//! | softmax, log-softmax, the logprob of a target, entropy, attention's scaled masked softmax (`softmax.cu`) | `softmax.rs` | 1 per op and per backward, one block per row; the logprob keeps no `(rows, V)` log-softmax (composed: a log-softmax, a gather, and ~10 ops backward) |
 //! | [`sums_of_squares`] (`sumsq.cu`) | the gradient norm's f64 sums (`Grads::global_norm`) | one per tensor and one for all, one read back (candle's ops: 4 per tensor) |
 //!
 //! All take contiguous f32 tensors; the ops fall back to candle's composed ops for others.
@@ -674,6 +674,40 @@ pub(crate) fn softmax_fwd(log: bool, xs: &CudaStorage, xl: &Layout) -> CResult<(
         let func = dev.get_or_load_custom_func(name, "rltune_softmax", SOFTMAX_PTX)?;
         let mut l = func.builder();
         l.arg(&mut out).arg(&x).arg(&rows).arg(&n);
+        // SAFETY: the arguments match the kernel's parameters.
+        unsafe { l.launch(per_row(rows)) }.w()?;
+    }
+    Ok((CudaStorage::wrap_cuda_slice(out, dev), xl.shape().clone()))
+}
+
+/// `softmax(x · scale + bias)` of `(B, H, T, S)` attention scores, the bias `(bB, bH, bT, S)`
+/// broadcast (`crate::softmax::scaled_masked_softmax`, which checks the shapes). Its backward is
+/// [`softmax_bwd`] with the scale.
+pub(crate) fn scaled_masked_softmax_fwd(
+    scale: f64,
+    (xs, xl): (&CudaStorage, &Layout),
+    (bs, bl): (&CudaStorage, &Layout),
+) -> CResult<(CudaStorage, Shape)> {
+    let op = "scaled-masked-softmax";
+    let dev = xs.device().clone();
+    let (x, bias) = (input(xs, xl, op)?, input(bs, bl, op)?);
+    let ([b, h, t, n], [bb, bh, bt, bn]) = match (xl.dims(), bl.dims()) {
+        (&[a, b, c, d], &[e, f, g, k]) => ([a, b, c, d], [e, f, g, k]),
+        _ => candle_core::bail!("{op}: scores and bias must be 4-D"),
+    };
+    if bn != n || x.len() != b * h * t * n || bias.len() != bb * bh * bt * n {
+        candle_core::bail!("{op}: bias {:?} does not broadcast to {:?}", bl.dims(), xl.dims());
+    }
+    let rows = b * h * t;
+    // SAFETY: every element of every row is written.
+    let mut out = unsafe { dev.alloc::<f32>(rows * n)? };
+    if rows > 0 && n > 0 {
+        let func =
+            dev.get_or_load_custom_func("rltune_scaled_masked_softmax_f32", "rltune_softmax", SOFTMAX_PTX)?;
+        let scale = scale as f32;
+        let mut l = func.builder();
+        l.arg(&mut out).arg(&x).arg(&bias).arg(&rows).arg(&n).arg(&h).arg(&t).arg(&bb).arg(&bh).arg(&bt);
+        l.arg(&scale);
         // SAFETY: the arguments match the kernel's parameters.
         unsafe { l.launch(per_row(rows)) }.w()?;
     }

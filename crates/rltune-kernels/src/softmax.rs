@@ -319,6 +319,17 @@ impl CustomOp2 for ScaledMaskedSoftmax {
         by_dtype!(s1, "scaled-masked-softmax", scaled_masked_softmax_fwd(self.scale, s1, l1, s2, l2))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> CResult<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::scaled_masked_softmax_fwd(self.scale, (s1, l1), (s2, l2))
+    }
+
     /// d scores = scale · y ⊙ (g − Σ g⊙y); the bias gets no gradient.
     fn bwd(
         &self,
@@ -336,7 +347,8 @@ impl CustomOp2 for ScaledMaskedSoftmax {
 ///
 /// `scores (B, H, T, S)`, `bias (B|1, H|1, T|1, S)` (an additive mask, see
 /// [`crate::causal_bias`]). Differentiable in `scores`; the bias gets no
-/// gradient (masks are constants).
+/// gradient (masks are constants). One fused op on the CPU (f32, f64) and on CUDA (f32:
+/// `softmax.cu`, keeping only the probabilities for the backward).
 pub fn scaled_masked_softmax(scores: &Tensor, bias: &Tensor, scale: f64) -> CResult<Tensor> {
     let fits = match (scores.dims(), bias.dims()) {
         (&[b, h, t, s], &[bb, bh, bt, bs]) => {
@@ -344,7 +356,8 @@ pub fn scaled_masked_softmax(scores: &Tensor, bias: &Tensor, scale: f64) -> CRes
         }
         _ => false,
     };
-    if super::cpu_kernels(scores.device()) && fits && scores.dtype() == bias.dtype() {
+    let device = super::cpu_kernels(scores.device()) || super::cuda_f32(&[scores, bias]);
+    if device && fits && scores.dtype() == bias.dtype() {
         scores.contiguous()?.apply_op2(&bias.contiguous()?, ScaledMaskedSoftmax { scale })
     } else {
         scaled_masked_softmax_composed(scores, bias, scale)

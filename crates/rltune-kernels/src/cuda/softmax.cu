@@ -115,3 +115,33 @@ extern "C" __global__ void rltune_log_softmax_bwd_f32(float *__restrict__ dx, co
   sum = block_sum(sum);
   for (size_t i = threadIdx.x; i < n; i += blockDim.x) d[i] = gr[i] - expf(yr[i]) * sum;
 }
+
+// y = softmax(x scale + bias) per row of (B, H, T, S) attention scores (the CPU's
+// scaled_masked_softmax_rows); the bias (bB, bH, bT, S) broadcasts, each of its first three
+// sizes 1 or the scores'. Its backward is rltune_softmax_bwd_f32 with the scale.
+extern "C" __global__ void rltune_scaled_masked_softmax_f32(float *__restrict__ y, const float *__restrict__ x,
+                                                            const float *__restrict__ bias, size_t rows, size_t n,
+                                                            size_t h, size_t t, size_t bb, size_t bh, size_t bt,
+                                                            float scale) {
+  const size_t r = blockIdx.x;
+  if (r >= rows) return;
+  const size_t i = r % t, hi = (r / t) % h, bi = r / (t * h);
+  const size_t br = (((bb == 1 ? 0 : bi) * bh + (bh == 1 ? 0 : hi)) * bt + (bt == 1 ? 0 : i)) * n;
+  const float *xr = x + r * n, *b = bias + br;
+  float *yr = y + r * n;
+  float mx = -INFINITY;
+  for (size_t k = threadIdx.x; k < n; k += blockDim.x) {
+    const float v = xr[k] * scale + b[k];
+    yr[k] = v;
+    mx = fmaxf(mx, v);
+  }
+  mx = block_max(mx);
+  float s = 0.0f;
+  for (size_t k = threadIdx.x; k < n; k += blockDim.x) {
+    const float e = expf(yr[k] - mx);
+    yr[k] = e;
+    s += e;
+  }
+  const float inv = 1.0f / block_sum(s);
+  for (size_t k = threadIdx.x; k < n; k += blockDim.x) yr[k] *= inv;
+}
