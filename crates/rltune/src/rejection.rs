@@ -16,8 +16,9 @@
 //!    (games) or within each prompt's samples (prompts with `samples_per_prompt > 1`);
 //!    [`select_top`];
 //! 4. fine-tune: `epochs` passes of SFT over the kept (prompt, response) pairs, the loss on the
-//!    response tokens only, with a fresh AdamW each iteration (the fork fine-tuned each round
-//!    from the current weights).
+//!    response tokens only, through the run's optimizer at [`RejectionConfig::optim_args`], whose
+//!    Adam state carries from one iteration to the next (the fork fine-tuned each round from the
+//!    current weights).
 
 use candle_core::{Device, Tensor, D};
 
@@ -74,6 +75,27 @@ impl Default for RejectionConfig {
 }
 
 impl RejectionConfig {
+    /// The fine-tuning's optimizer: AdamW at the constant `learning_rate`, with `[training]`'s
+    /// defaults otherwise (betas (0.9, 0.999), ε 1e-8, no weight decay, clipping at 1.0). It is
+    /// the run's policy optimizer, so its state carries from one step to the next and goes into
+    /// the checkpoints with it.
+    pub fn optim_args(&self) -> crate::engine::OptimArgs {
+        let t = crate::train::TrainingArgs::default();
+        crate::engine::OptimArgs {
+            learning_rate: self.learning_rate,
+            betas: (t.adam_beta1, t.adam_beta2),
+            eps: t.adam_epsilon,
+            weight_decay: 0.0,
+            max_grad_norm: t.max_grad_norm,
+            schedule: crate::engine::LrSchedule::new(
+                crate::engine::ScheduleKind::Constant,
+                self.learning_rate,
+                0,
+                usize::MAX,
+            ),
+        }
+    }
+
     /// Checks the fields; messages name the key.
     pub fn validate(&self) -> std::result::Result<(), ConfigError> {
         if self.keep_top_n == 0 && !(self.keep_top_fraction > 0.0 && self.keep_top_fraction <= 1.0) {

@@ -134,6 +134,16 @@ impl Optimizer {
         Self::new(Vec::new(), self.args.clone())
     }
 
+    /// Replaces the learning rate, Adam's betas and ε, weight decay, clipping and schedule; the
+    /// moments and the step count stay (rejection sampling fine-tunes with PPO's optimizer at
+    /// its own settings, keeping its state from one step to the next).
+    pub fn set_args(&mut self, args: OptimArgs) {
+        self.adam.cfg.lr = args.learning_rate;
+        (self.adam.cfg.beta1, self.adam.cfg.beta2, self.adam.cfg.eps) =
+            (args.betas.0, args.betas.1, args.eps);
+        self.args = args;
+    }
+
     /// Sets the clipping threshold (0 or less: no clipping).
     pub fn set_max_grad_norm(&mut self, max_grad_norm: f64) {
         self.args.max_grad_norm = max_grad_norm;

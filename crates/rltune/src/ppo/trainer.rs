@@ -263,6 +263,11 @@ impl PpoTrainer {
         self.optimizer.adam_mut()
     }
 
+    /// The engine's optimizer of the policy (rejection sampling fine-tunes through it).
+    pub(crate) fn engine_optimizer_mut(&mut self) -> &mut Optimizer {
+        &mut self.optimizer
+    }
+
     /// The shuffle stream's position and the score moments, for a checkpoint.
     pub fn streams(&self) -> TrainerStreams {
         TrainerStreams { shuffle_word_pos: self.rng.get_word_pos(), score_moments: self.running.clone() }

@@ -196,6 +196,11 @@ impl PpoRun {
         let tokenizer = Tokenizer::from_file(&tok_path)?;
         tokenizer.check_fits(lm_cfg.vocab_size())?;
         let mut trainer = PpoTrainer::new(config.ppo.clone(), store, model, reference)?;
+        if config.algorithm.kind == AlgorithmKind::RejectionSampling {
+            // The fine-tuning steps the policy's optimizer at its own settings (one Adam state
+            // for the run, restored from a checkpoint with the rest).
+            trainer.engine_optimizer_mut().set_args(config.rejection.optim_args());
+        }
         let ckpt_dir = ckpt.as_ref().map(|(_, d)| d.as_path());
         let critic =
             super::critic::load_critic(&config, ckpt_dir, &tokenizer, lm_cfg.vocab_size(), dtype, &device)?;

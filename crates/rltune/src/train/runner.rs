@@ -336,7 +336,7 @@ pub(crate) fn run_with<O: Objective>(
         return Err(Error::Input("the model's parameters must be trainable (load them trainable)".into()));
     }
     let _awake = store.device().is_cpu().then(crate::cpu::keep_pool_awake);
-    let mut run = Supervised::new(obj, store, examples, args, checkpoints)?;
+    let mut run = Supervised::new(obj, store, examples, args, checkpoints, None)?;
     if announce {
         let world = crate::dist::world_size();
         tracing::info!(
@@ -350,7 +350,7 @@ pub(crate) fn run_with<O: Objective>(
             } else {
                 String::new()
             },
-            run.opt.args().schedule.warmup_steps
+            run.opt.get().args().schedule.warmup_steps
         );
     }
     let never = std::sync::atomic::AtomicBool::new(false);
@@ -359,16 +359,29 @@ pub(crate) fn run_with<O: Objective>(
         progress(p);
         Ok(())
     })?;
-    Ok(TrainSummary {
-        steps,
-        total_steps: run.shape.total_steps,
-        train_loss: run.last_loss,
-        mean_train_loss: run.loss_sum / steps.max(1) as f64,
-        eval: run.last_eval,
-        train_examples: run.train_idx.len(),
-        eval_examples: run.eval.len(),
-        skipped_examples: 0,
-    })
+    Ok(run.summary(steps))
+}
+
+/// [`run_with`] through `opt`, the caller's optimizer, whose learning rate, clipping and
+/// schedule are used in place of `args`' (its Adam state carries on from the caller's last run
+/// and into the next): rejection sampling's fine-tuning. No checkpoints, nothing announced.
+pub(crate) fn run_on<O: Objective>(
+    obj: &O,
+    store: &ParamStore,
+    examples: &[O::Example],
+    args: &TrainingArgs,
+    opt: &mut Optimizer,
+    progress: &mut dyn FnMut(&TrainProgress),
+) -> Result<TrainSummary> {
+    args.validate()?;
+    let _awake = store.device().is_cpu().then(crate::cpu::keep_pool_awake);
+    let mut run = Supervised::new(obj, store, examples, args, None, Some(opt))?;
+    let never = std::sync::atomic::AtomicBool::new(false);
+    let steps = crate::engine::run_loop::run(&mut run, &never, &mut |p| {
+        progress(p);
+        Ok(())
+    })?;
+    Ok(run.summary(steps))
 }
 
 /// SFT or reward-model training as an algorithm of the run loop: each step is one optimizer
@@ -380,7 +393,7 @@ struct Supervised<'a, O: Objective> {
     examples: &'a [O::Example],
     args: &'a TrainingArgs,
     checkpoints: Option<Checkpointing<'a>>,
-    opt: Optimizer,
+    opt: Opt<'a>,
     train_idx: Vec<usize>,
     eval: Vec<&'a O::Example>,
     shape: RunShape,
@@ -388,6 +401,29 @@ struct Supervised<'a, O: Objective> {
     last_loss: f64,
     loss_sum: f64,
     last_eval: Option<EvalResult>,
+}
+
+/// The run's optimizer: its own, made from `[training]`, or a caller's whose state outlives the
+/// run ([`run_on`]).
+enum Opt<'a> {
+    Own(Box<Optimizer>),
+    Lent(&'a mut Optimizer),
+}
+
+impl Opt<'_> {
+    fn get(&self) -> &Optimizer {
+        match self {
+            Opt::Own(o) => o,
+            Opt::Lent(o) => o,
+        }
+    }
+
+    fn get_mut(&mut self) -> &mut Optimizer {
+        match self {
+            Opt::Own(o) => o,
+            Opt::Lent(o) => o,
+        }
+    }
 }
 
 /// The supervised data order: the epoch's seeded shuffle of the training examples and how many
@@ -408,6 +444,7 @@ impl<'a, O: Objective> Supervised<'a, O> {
         examples: &'a [O::Example],
         args: &'a TrainingArgs,
         checkpoints: Option<Checkpointing<'a>>,
+        lent: Option<&'a mut Optimizer>,
     ) -> Result<Self> {
         let (train_idx, eval_idx) = split_eval(examples.len(), args.eval_fraction, args.seed)?;
         let eval = eval_idx.iter().map(|&i| &examples[i]).collect();
@@ -424,7 +461,10 @@ impl<'a, O: Objective> Supervised<'a, O> {
             max_grad_norm: args.max_grad_norm,
             schedule,
         };
-        let opt = Optimizer::new(store.vars(), optim)?;
+        let opt = match lent {
+            Some(o) => Opt::Lent(o),
+            None => Opt::Own(Box::new(Optimizer::new(store.vars(), optim)?)),
+        };
         let shape = RunShape {
             total_steps: total,
             train_examples: train_idx.len(),
@@ -452,7 +492,7 @@ impl<'a, O: Objective> Supervised<'a, O> {
                 LoopKind::Supervised,
                 &shape,
                 store,
-                run.opt.adam_mut(),
+                run.opt.get_mut().adam_mut(),
                 |_, _| Ok(()),
             )?;
             run.start_step = saved.step;
@@ -461,6 +501,20 @@ impl<'a, O: Objective> Supervised<'a, O> {
             run.last_eval = s.last_eval;
         }
         Ok(run)
+    }
+
+    /// What the run did after `steps` steps.
+    fn summary(&self, steps: usize) -> TrainSummary {
+        TrainSummary {
+            steps,
+            total_steps: self.shape.total_steps,
+            train_loss: self.last_loss,
+            mean_train_loss: self.loss_sum / steps.max(1) as f64,
+            eval: self.last_eval.clone(),
+            train_examples: self.train_idx.len(),
+            eval_examples: self.eval.len(),
+            skipped_examples: 0,
+        }
     }
 
     /// Examples per step over every process.
@@ -516,11 +570,12 @@ impl<O: Objective> crate::engine::run_loop::Algorithm for Supervised<'_, O> {
         let (world, rank) = (crate::dist::world_size(), crate::dist::rank());
         let share = &group[rank * group.len() / world..(rank + 1) * group.len() / world];
         let group: Vec<&O::Example> = share.iter().map(|&i| &self.examples[i]).collect();
-        let (mut grads, lr) = self.opt.begin(step);
+        let opt = self.opt.get_mut();
+        let (mut grads, lr) = opt.begin(step);
         self.obj.begin_step(step);
         let loss = accumulate(self.obj, &mut grads, &group, self.args.batch_size)?;
-        let grad_norm = self.opt.clip(&mut grads)?;
-        if !self.opt.finish(grads, lr, grad_norm)? {
+        let grad_norm = opt.clip(&mut grads)?;
+        if !opt.finish(grads, lr, grad_norm)? {
             tracing::warn!("step {}: the gradient is not finite, so no weight changed", step + 1);
         }
         let (done, total) = (step + 1, self.shape.total_steps);
@@ -541,14 +596,14 @@ impl<O: Objective> crate::engine::run_loop::Algorithm for Supervised<'_, O> {
             trainer: LoopKind::Supervised,
             step,
             shape: self.shape,
-            adam_steps: self.opt.adam().steps(),
+            adam_steps: self.opt.get().adam().steps(),
             state: SupervisedState {
                 last_loss: finite(self.last_loss),
                 loss_sum: finite(self.loss_sum),
                 last_eval: self.last_eval.clone(),
             },
         };
-        let path = checkpoint::save(c.dir, self.store, self.opt.adam(), &ck, &[])?;
+        let path = checkpoint::save(c.dir, self.store, self.opt.get().adam(), &ck, &[])?;
         tracing::info!("checkpoint after step {step}: {}", path.display());
         Ok(())
     }

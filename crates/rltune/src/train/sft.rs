@@ -493,6 +493,21 @@ pub fn train_sft_examples(
     runner::run_with(&SftObjective::new(model), &model.store, examples, args, progress, false, None)
 }
 
+/// [`train_sft_examples`] through `opt`, whose learning rate, clipping and schedule replace
+/// `args`' and whose Adam state carries on into the next call (rejection sampling).
+pub fn train_sft_examples_on(
+    model: &SftModel,
+    examples: &[SftExample],
+    args: &TrainingArgs,
+    opt: &mut crate::engine::Optimizer,
+    progress: &mut dyn FnMut(&TrainProgress),
+) -> Result<TrainSummary> {
+    if examples.is_empty() {
+        return Err(Error::Input("no SFT example to train on".into()));
+    }
+    runner::run_on(&SftObjective::new(model), &model.store, examples, args, opt, progress)
+}
+
 /// Mean next-token loss, perplexity and token accuracy of `model` on `examples`.
 pub fn evaluate_sft(model: &SftModel, examples: &[SftExample], batch_size: usize) -> Result<EvalResult> {
     let refs: Vec<&SftExample> = examples.iter().collect();

@@ -16,7 +16,7 @@ use crate::rewards::RewardInput;
 use crate::run::episodes::add_episode_stats;
 use crate::run::prompts::decode;
 use crate::run::run_loop::{Algorithm, Plan, StepReport};
-use crate::train::sft::{train_sft_examples, SftExample, SftModel};
+use crate::train::sft::{train_sft_examples_on, SftExample, SftModel};
 use crate::train::{ScheduleKind, TrainingArgs};
 
 /// Rejection sampling as an algorithm of the run loop: the [`PpoRun`]'s data order, checkpoints
@@ -283,6 +283,7 @@ impl PpoRun {
             chat_template: None,
             tokenizer_config: None,
         };
+        // The data order and passes; the optimizer is the run's (`RejectionConfig::optim_args`).
         let args = TrainingArgs {
             learning_rate: rs.learning_rate,
             num_train_epochs: rs.epochs,
@@ -295,7 +296,8 @@ impl PpoRun {
         let sft = if examples.is_empty() {
             None
         } else {
-            Some(train_sft_examples(&model, &examples, &args, &mut |_| {})?)
+            let opt = self.trainer.engine_optimizer_mut();
+            Some(train_sft_examples_on(&model, &examples, &args, opt, &mut |_| {})?)
         };
         let time_sft = t.elapsed().as_secs_f64();
 
