@@ -310,50 +310,60 @@ fn kernel_rope(device: &Device) -> Result<Outcome> {
         let mut randn = |shape: &[usize]| uniform(&mut rng, shape);
         let (x, angles, r) = (randn(&[b, t, h * d])?, randn(&[b, 1, t, d / 2])?, randn(&[b, h, t, d])?);
         let (cos, sin) = (angles.cos()?, angles.sin()?);
-        let run = |dev: &Device| -> Result<Vec<Tensor>> {
-            let x = candle_core::Var::from_tensor(&x.to_device(dev)?)?;
-            let y = rltune::ops::rope_heads(x.as_tensor(), &cos.to_device(dev)?, &sin.to_device(dev)?, h)?;
-            let grads = (&y * r.to_device(dev)?)?.sum_all()?.backward()?;
-            let Some(dx) = grads.get(x.as_tensor()) else { bail!("rope: no gradient for x") };
-            Ok(vec![y.clone(), dx.clone()])
-        };
-        let (cpu, dev) = (run(&Device::Cpu)?, run(device)?);
-        worst = worst.max(worst_relative(&dev, &cpu)?);
+        worst = worst.max(output_and_gradient(device, &x, &r, |x, dev| {
+            Ok(rltune::ops::rope_heads(x, &cos.to_device(dev)?, &sin.to_device(dev)?, h)?)
+        })?);
     }
     Ok(kernel_outcome(worst, device))
 }
 
+/// `f(x)` and the gradient of `Σ f(x)·r` in `x`, on `device` and on the CPU: the worst of their
+/// [`worst_relative`] differences.
+fn output_and_gradient(
+    device: &Device,
+    x: &Tensor,
+    r: &Tensor,
+    f: impl Fn(&Tensor, &Device) -> Result<Tensor>,
+) -> Result<f64> {
+    let run = |dev: &Device| -> Result<Vec<Tensor>> {
+        let x = candle_core::Var::from_tensor(&x.to_device(dev)?)?;
+        let y = f(x.as_tensor(), dev)?;
+        let grads = (&y * r.to_device(dev)?)?.sum_all()?.backward()?;
+        let Some(dx) = grads.get(x.as_tensor()) else { bail!("no gradient for the input") };
+        Ok(vec![y, dx.clone()])
+    };
+    let (cpu, dev) = (run(&Device::Cpu)?, run(device)?);
+    worst_relative(&dev, &cpu)
+}
+
+/// The key masks of `b` sequences of `s` keys (sequence k starts after k pads; the last of
+/// several is all padding, so its rows are fully masked), and the two biases attention is
+/// checked under: the decoders' causal bias `(B, 1, T, S)` and the encoders' padding bias
+/// `(B, 1, 1, S)`.
+fn mask_biases(b: usize, t: usize, s: usize, dev: &Device) -> Result<[Tensor; 2]> {
+    let keys: Vec<Vec<u8>> =
+        (0..b).map(|k| (0..s).map(|j| u8::from(j >= k && !(b > 1 && k == b - 1))).collect()).collect();
+    let f32 = candle_core::DType::F32;
+    Ok([rltune::ops::causal_bias(&keys, t, f32, dev)?, rltune::ops::padding_bias(&keys, f32, dev)?])
+}
+
 /// GPT-2's fused self-attention (`rltune::ops::self_attention`; on CUDA `attention.cu`) against
 /// the CPU's fused kernel: `(B, T, C, heads)` from one position and head to GPT-2's 12 × 64 at
-/// T = 64, under the decoders' causal bias with left padding (a fully masked row included) and
-/// the encoders' padding bias; the output and `dqkv` of `Σ y·r`. The measure is [`kernel_op`]'s.
+/// T = 64, under [`mask_biases`]; the output and `dqkv` of `Σ y·r`. The measure is
+/// [`kernel_op`]'s.
 fn kernel_attention(device: &Device) -> Result<Outcome> {
     use rand::SeedableRng;
     let shapes = [[1usize, 1, 2, 1], [2, 7, 12, 3], [3, 31, 48, 4], [2, 64, 768, 12]];
     let mut worst = 0f64;
     for (case, &[b, t, c, h]) in shapes.iter().enumerate() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(91 + case as u64);
-        let mut randn = |shape: &[usize]| uniform(&mut rng, shape);
-        let (qkv, r) = (randn(&[b, t, 3 * c])?, randn(&[b, t, c])?);
-        // Sequence k starts after k pads; the last sequence of a batch of several is all padding.
-        let keys: Vec<Vec<u8>> =
-            (0..b).map(|k| (0..t).map(|j| u8::from(j >= k && !(b > 1 && k == b - 1))).collect()).collect();
+        let (qkv, r) = (uniform(&mut rng, &[b, t, 3 * c])?, uniform(&mut rng, &[b, t, c])?);
         let scale = 1.0 / ((c / h) as f64).sqrt();
-        for causal in [true, false] {
-            let run = |dev: &Device| -> Result<Vec<Tensor>> {
-                let bias = if causal {
-                    rltune::ops::causal_bias(&keys, t, candle_core::DType::F32, dev)?
-                } else {
-                    rltune::ops::padding_bias(&keys, candle_core::DType::F32, dev)?
-                };
-                let x = candle_core::Var::from_tensor(&qkv.to_device(dev)?)?;
-                let y = rltune::ops::self_attention(x.as_tensor(), &bias, h, scale)?;
-                let grads = (&y * r.to_device(dev)?)?.sum_all()?.backward()?;
-                let Some(dx) = grads.get(x.as_tensor()) else { bail!("attention: no gradient for qkv") };
-                Ok(vec![y.clone(), dx.clone()])
-            };
-            let (cpu, dev) = (run(&Device::Cpu)?, run(device)?);
-            worst = worst.max(worst_relative(&dev, &cpu)?);
+        for which in 0..2 {
+            worst = worst.max(output_and_gradient(device, &qkv, &r, |x, dev| {
+                let bias = &mask_biases(b, t, t, dev)?[which];
+                Ok(rltune::ops::self_attention(x, bias, h, scale)?)
+            })?);
         }
     }
     Ok(kernel_outcome(worst, device))
@@ -361,9 +371,8 @@ fn kernel_attention(device: &Device) -> Result<Outcome> {
 
 /// Attention's scaled masked softmax (`rltune::ops::scaled_masked_softmax`, the probabilities of
 /// Llama/Qwen2's attention; on CUDA `softmax.cu`) against the CPU's fused kernel: `(B, H, T, S)`
-/// scores up to Qwen2-0.5B's 14 heads at T = S = 128, under a causal bias `(B, 1, T, S)` with
-/// left padding and a fully masked row, and a padding bias `(B, 1, 1, S)`; the probabilities and
-/// the scores' gradient of `Σ y·r`. The measure is [`kernel_op`]'s.
+/// scores up to Qwen2-0.5B's 14 heads at T = S = 128, under [`mask_biases`]; the probabilities
+/// and the scores' gradient of `Σ y·r`. The measure is [`kernel_op`]'s.
 fn kernel_masked_softmax(device: &Device) -> Result<Outcome> {
     use rand::SeedableRng;
     let shapes = [[1usize, 1, 1, 1], [2, 3, 7, 7], [3, 14, 31, 31], [2, 14, 128, 128]];
@@ -371,23 +380,11 @@ fn kernel_masked_softmax(device: &Device) -> Result<Outcome> {
     for (case, &[b, h, t, s]) in shapes.iter().enumerate() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(313 + case as u64);
         let (x, r) = (uniform(&mut rng, &[b, h, t, s])?, uniform(&mut rng, &[b, h, t, s])?);
-        let keys: Vec<Vec<u8>> =
-            (0..b).map(|k| (0..s).map(|j| u8::from(j >= k && !(b > 1 && k == b - 1))).collect()).collect();
-        for causal in [true, false] {
-            let run = |dev: &Device| -> Result<Vec<Tensor>> {
-                let bias = if causal {
-                    rltune::ops::causal_bias(&keys, t, candle_core::DType::F32, dev)?
-                } else {
-                    rltune::ops::padding_bias(&keys, candle_core::DType::F32, dev)?
-                };
-                let xv = candle_core::Var::from_tensor(&(x.to_device(dev)? * 4.0)?)?;
-                let y = rltune::ops::scaled_masked_softmax(xv.as_tensor(), &bias, 0.125)?;
-                let grads = (&y * r.to_device(dev)?)?.sum_all()?.backward()?;
-                let Some(dx) = grads.get(xv.as_tensor()) else { bail!("masked softmax: no gradient") };
-                Ok(vec![y.clone(), dx.clone()])
-            };
-            let (cpu, dev) = (run(&Device::Cpu)?, run(device)?);
-            worst = worst.max(worst_relative(&dev, &cpu)?);
+        for which in 0..2 {
+            worst = worst.max(output_and_gradient(device, &(x.clone() * 4.0)?, &r, |x, dev| {
+                let bias = &mask_biases(b, t, s, dev)?[which];
+                Ok(rltune::ops::scaled_masked_softmax(x, bias, 0.125)?)
+            })?);
         }
     }
     Ok(kernel_outcome(worst, device))
