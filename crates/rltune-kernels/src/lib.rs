@@ -225,7 +225,7 @@ pub fn cpu_kernels(device: &candle_core::Device) -> bool {
     device.is_cpu() && !COMPOSED.with(|c| c.get())
 }
 
-/// Whether tensors on `device` run the CUDA twins of the fused kernels ([`cuda`]): a CUDA
+/// Whether tensors on `device` run the CUDA twins of the fused kernels (`cuda`): a CUDA
 /// device, in a build with the `cuda` feature, outside a [`ComposedScope`] (which keeps the
 /// composed candle ops, to measure the kernels against them).
 pub fn cuda_kernels(device: &candle_core::Device) -> bool {

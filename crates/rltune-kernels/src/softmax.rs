@@ -80,7 +80,7 @@ fn exp_sub<T: Elem>(x: &mut [T], m: T) {
     }
 }
 
-/// [`exp_row_inplace`] for f32 rows (the sampler's fast path).
+/// `exp_row_inplace` for f32 rows (the sampler's fast path).
 pub fn exp_row_f32(x: &mut [f32], temperature: f32) {
     exp_row_inplace(x, temperature)
 }

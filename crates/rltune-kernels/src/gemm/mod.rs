@@ -18,20 +18,20 @@
 //!   accumulate, two hold B, one the broadcast of A). A panel of B is 16 KiB (in a 32 KiB
 //!   L1d), a block of A 96 KiB (144 KiB when one block spans all rows; in a 512 KiB L2).
 //!
-//! Inside a [`PackScope`](prepack::PackScope) (generation's decoding steps), registered weights are packed once and
-//! the plain f32 products ([`sgemm`], [`sgemm_new`]) read them packed; the packed buffers outlive
+//! Inside a [`PackScope`] (generation's decoding steps), registered weights are packed once and
+//! the plain f32 products (`sgemm`, `sgemm_new`) read them packed; the packed buffers outlive
 //! the scope for the next one.
 //!
 //! With [`MatmulPrecision::Bf16`] set, products whose sides are all at least 32 run on the AMX
 //! kernel of `ops/amx.rs` instead (bf16 inputs, f32 accumulation).
 //!
-//! [`sgemm`] checks bounds once per operand and then reads through raw pointers. Without
+//! `sgemm` checks bounds once per operand and then reads through raw pointers. Without
 //! either instruction set (see [`fast_available`]) it runs a plain loop; callers that care
 //! about speed fall back to candle's matmul instead.
 //!
 //! This file holds the entry points, the split of the output into tasks and the portable
 //! packing; `x86/` the driver and the two kernels (`x86/avx512.rs`, `x86/avx2.rs`);
-//! `prepack.rs` the [`PackScope`](prepack::PackScope).
+//! `prepack.rs` the [`PackScope`].
 
 mod prepack;
 pub(crate) mod view;
@@ -185,7 +185,7 @@ fn isa() -> Option<Isa> {
     }
 }
 
-/// Whether [`sgemm`] has a vector kernel on this CPU (AVX-512F, or AVX2 with FMA).
+/// Whether `sgemm` has a vector kernel on this CPU (AVX-512F, or AVX2 with FMA).
 pub fn fast_available() -> bool {
     isa().is_some()
 }

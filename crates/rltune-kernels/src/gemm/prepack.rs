@@ -51,7 +51,7 @@ thread_local! {
     static PREPACKED: std::cell::RefCell<Option<Packed>> = const { std::cell::RefCell::new(None) };
 }
 
-/// While alive, plain f32 products ([`super::sgemm`], [`super::sgemm_new`]; not the epilogue products nor AMX)
+/// While alive, plain f32 products (`super::sgemm`, `super::sgemm_new`; not the epilogue products nor AMX)
 /// on this thread whose B is a view of one of the registered matrices read B packed once (on
 /// first use, per view) instead of packing it in every product: for the
 /// same weights multiplied by the same few rows many times, as in each decoding step of

@@ -8,7 +8,7 @@
 //!
 //! Variables on another device (CUDA) keep their moments as f32 tensors on that device: nothing
 //! crosses to the host during a step. On CUDA each f32 variable is updated in place by one
-//! kernel, the CPU kernel's twin ([`crate::cuda`]); elsewhere, and inside a composed scope, with
+//! kernel, the CPU kernel's twin (`crate::cuda`); elsewhere, and inside a composed scope, with
 //! candle's element-wise ops ([`Adam::with_device_moments`] takes that path on the CPU too, for
 //! tests).
 

@@ -16,7 +16,7 @@ use crate::tokenizer::Tokenizer;
 
 /// Plays `episodes` episodes with `lm`: as [`crate::envs::play::play`] plays them with a
 /// [`ModelAgent`], or with `[agent] memory = "transcript"` as one token sequence per episode on
-/// a KV cache carried from turn to turn ([`super::transcript`]), in rounds of the environments.
+/// a KV cache carried from turn to turn (`super::transcript`), in rounds of the environments.
 /// Returns the episodes in order and the number dropped by failing environments.
 #[allow(clippy::too_many_arguments)]
 pub fn play_model(

@@ -47,7 +47,7 @@ pub fn action_cut(response_ids: &[u32], tokenizer: &Tokenizer) -> Result<usize> 
 /// returned.
 ///
 /// With `[agent] memory = "transcript"` each episode is one growing token sequence and the
-/// sampler's KV cache is carried from turn to turn ([`super::transcript`]).
+/// sampler's KV cache is carried from turn to turn (`super::transcript`).
 pub fn collect_episodes<'a>(
     env: &mut dyn TextEnv,
     policy: impl Into<Actor<'a>>,

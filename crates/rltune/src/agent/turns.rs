@@ -78,7 +78,7 @@ pub struct Transition {
     /// terminated.
     pub bootstrap: f32,
     /// The prompt of the next state, whose value `bootstrap` reads; empty after the episode
-    /// terminated. A separate critic recomputes the bootstrap from it ([`rebootstrap`]).
+    /// terminated. A separate critic recomputes the bootstrap from it (`rebootstrap`).
     pub next_query_ids: Vec<u32>,
     /// With `[agent] actions = "admissible"`: the tokens allowed at each response position
     /// (the action's trie), over which PPO renormalises the policy; empty for free text.

@@ -1,6 +1,6 @@
 //! Which files of a dataset directory or hub repository hold its data: the extensions read,
 //! listing a directory, and choosing a split's files. No reading: [`super::rows`] reads what
-//! is chosen here, for local directories and for [`super::hub`] alike.
+//! is chosen here, for local directories and for `super::hub` alike.
 
 use std::path::{Path, PathBuf};
 

@@ -4,7 +4,7 @@
 //! [`read_rows`] reads a local file by extension — JSON lines (`.jsonl`), JSON (`.json`: an
 //! array of objects, or JSON lines), CSV (`.csv`, with a header row), Parquet (`.parquet`),
 //! Arrow IPC (`.arrow`) and plain text (`.txt`, one `{"text": line}` row per non-empty line) —
-//! a directory, or a Hugging Face hub dataset (see [`super::hub`]). A directory is one of:
+//! a directory, or a Hugging Face hub dataset (see `super::hub`). A directory is one of:
 //!
 //! - a `datasets` `DatasetDict.save_to_disk` directory (`dataset_dict.json` and one
 //!   subdirectory per split): the split's subdirectory (default `train`);

@@ -169,7 +169,7 @@ impl MaxLength {
 
 crate::engine::training_arguments::training_arguments! {
     /// DPO hyper-parameters: TRL 1.16.0 `DPOConfig` names and defaults, transformers'
-    /// `TrainingArguments` fields first ([`crate::engine::training_arguments`]). A pass of
+    /// `TrainingArguments` fields first (`crate::engine::training_arguments`). A pass of
     /// `num_train_epochs` is one over the pairs; `gradient_accumulation_steps` micro-batches of
     /// `per_device_train_batch_size` pairs make an optimizer step, each loss divided by their number;
     /// the seed is the data shuffle's.

@@ -75,7 +75,7 @@ pub struct TurnBatch<'a> {
     pub prompts: &'a [Vec<u32>],
     /// Each turn's action tokens.
     pub completions: &'a [Vec<u32>],
-    /// With admissible actions: each action token's allowed set (see [`Core::pad`]).
+    /// With admissible actions: each action token's allowed set (see `Core::pad`).
     pub allowed: Option<&'a [Vec<Vec<u32>>]>,
     /// Each turn's episode: an index into `returns`.
     pub episodes: &'a [usize],

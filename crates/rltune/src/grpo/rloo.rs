@@ -1,6 +1,6 @@
 //! `RlooTrainer::step`: TRL 1.16.0's `RLOOTrainer` on one generation batch.
 //!
-//! Top to bottom: check the groups → pad (see [`super::core`]) → old sequence logprobs (always)
+//! Top to bottom: check the groups → pad (see `super::core`) → old sequence logprobs (always)
 //! and the reference's per-token ones (`beta > 0`) → rewards: weighted NaN-skipping sum, clipped
 //! to `reward_clip_range`, minus `β · Σ_t (old − ref)` (k1, folded into the reward) → leave-one-out
 //! advantages, optionally whitened → per iteration: the sequence ratio

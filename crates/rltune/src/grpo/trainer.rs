@@ -1,6 +1,6 @@
 //! `GrpoTrainer::step`: TRL 1.16.0's `GRPOTrainer` on one generation batch.
 //!
-//! One call, top to bottom: check the groups → pad (TRL's layout, see [`super::core`]) → old
+//! One call, top to bottom: check the groups → pad (TRL's layout, see `super::core`) → old
 //! logprobs (only with `num_iterations > 1`; otherwise the current ones, detached, as TRL) and
 //! the reference's (only with `beta > 0`) → rewards to group-relative advantages → per iteration:
 //! forward, clipped objective + β·k3, the `loss_type` normalization, one AdamW step → the metrics

@@ -2,7 +2,7 @@
 //!
 //! TRL 0.11's classic trainer has one model: the policy's LM with a value head on top, and one
 //! loss `pg_loss + vf_coef · vf_loss` stepping one optimizer. With a [`Critic`]
-//! ([`PpoTrainer::with_critic`]), as in OpenRLHF (`openrlhf/trainer/ppo_trainer.py`: an actor and
+//! (`PpoTrainer::with_critic`), as in OpenRLHF (`openrlhf/trainer/ppo_trainer.py`: an actor and
 //! a critic, each with its own optimizer and learning rate):
 //!
 //! - the values (rollout values `V_old`, and the training forward's `vpred`) come from the
@@ -18,7 +18,7 @@
 //! - the policy's own value head is neither read nor trained (it stays in its checkpoint).
 //!
 //! The critic reads the policy's token ids, so it must share the policy's vocabulary
-//! ([`PpoTrainer::with_critic`] checks the sizes; `rltune ppo` also compares the tokenizers).
+//! (`PpoTrainer::with_critic` checks the sizes; `rltune ppo` also compares the tokenizers).
 //! With rollout caching, the cached values are ignored (generation runs the policy only): the
 //! critic computes the rollout values in `step`, on the response positions only.
 //!

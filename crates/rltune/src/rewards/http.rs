@@ -73,7 +73,7 @@ impl RetryPolicy {
         })
     }
 
-    /// The wait before retry `n` (0-based): `backoff · 2ⁿ`, at most [`MAX_BACKOFF`].
+    /// The wait before retry `n` (0-based): `backoff · 2ⁿ`, at most `MAX_BACKOFF`.
     pub fn delay(&self, n: usize) -> Duration {
         let factor = 2f64.powi(n.min(30) as i32);
         Duration::from_secs_f64((self.backoff.as_secs_f64() * factor).min(MAX_BACKOFF.as_secs_f64()))

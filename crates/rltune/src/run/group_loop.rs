@@ -7,7 +7,7 @@
 //! each; NaN is a missing reward), call [`GrpoTrainer::step_with`] /
 //! [`RlooTrainer::step_with`] (`num_iterations` optimizer steps), log TRL's metrics, checkpoint.
 //!
-//! With `[env]` the step plays text games instead ([`games`]): trajectory-level GRPO / RLOO.
+//! With `[env]` the step plays text games instead (`games`): trajectory-level GRPO / RLOO.
 //!
 //! The sampler's logprobs are not passed on: with `num_iterations = 1` TRL takes the old
 //! logprobs to be the current ones, detached, and with more it recomputes them, as the

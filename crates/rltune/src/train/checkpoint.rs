@@ -2,7 +2,7 @@
 //! (`train/runner.rs`) and DPO (`dpo/run.rs`).
 //!
 //! `DIR/step-N/` holds the trainable variables (`trainable.safetensors`; for LoRA the adapter's),
-//! Adam's moments (`optimizer.safetensors`), `trainer_state.json` ([`LoopCheckpoint`]: the step,
+//! Adam's moments (`optimizer.safetensors`), `trainer_state.json` (`LoopCheckpoint`: the step,
 //! the run's shape, Adam's step count and what the loop carries between steps) and any files the
 //! loop adds (DPO: `metrics.jsonl`, the metrics lines so far). No frozen model is saved: a
 //! reference is the initial model, loaded again. Each checkpoint is written to a temporary
