@@ -140,8 +140,7 @@ pub fn train_with(
         None => None,
     };
     let mut run = DpoRun { trainer, pairs, checkpoints, shape, start_step, config, lines, writer };
-    let never = std::sync::atomic::AtomicBool::new(false);
-    let stop = checkpoints.and_then(|c| c.stop).unwrap_or(&never);
+    let stop = checkpoint::stop_flag(checkpoints);
     let steps =
         crate::engine::run_loop::run(&mut run, stop, &mut |(step, stats)| on_step(*step, total, stats))?;
     Ok(DpoSummary { steps, total_steps: total, metrics: run.lines })
@@ -171,13 +170,7 @@ impl crate::engine::run_loop::Algorithm for DpoRun<'_> {
     type Report = (usize, Stats);
 
     fn plan(&self) -> Plan {
-        Plan {
-            total_steps: self.shape.total_steps,
-            start_step: self.start_step,
-            checkpoint_every: if self.checkpoints.is_some() { self.trainer.config.save_steps } else { 0 },
-            checkpoint_at_end: false,
-            report_every: usize::MAX,
-        }
+        checkpoint::plan(&self.shape, self.start_step, self.trainer.config.save_steps, self.checkpoints)
     }
 
     fn settings(&self) -> Result<String> {
@@ -229,9 +222,7 @@ impl crate::engine::run_loop::Algorithm for DpoRun<'_> {
         };
         let text = jsonl(&self.lines);
         let files = [(METRICS, text.as_bytes())];
-        let path = checkpoint::save(c.dir, self.trainer.store(), self.trainer.adam(), &ck, &files)?;
-        tracing::info!("checkpoint after step {step}: {}", path.display());
-        Ok(())
+        checkpoint::save(c.dir, self.trainer.store(), self.trainer.adam(), &ck, &files).map(drop)
     }
 }
 

@@ -87,8 +87,34 @@ pub(crate) struct LoopCheckpoint<T> {
     pub state: T,
 }
 
+/// Never set: the stop flag of a run that takes no Ctrl-C.
+static NEVER: AtomicBool = AtomicBool::new(false);
+
+/// The flag that stops a run with `checkpoints` (Ctrl-C's), or one never set.
+pub(crate) fn stop_flag<'a>(checkpoints: Option<Checkpointing<'a>>) -> &'a AtomicBool {
+    checkpoints.and_then(|c| c.stop).unwrap_or(&NEVER)
+}
+
+/// The run loop's plan of a supervised or DPO run of `shape` from `start_step`: a checkpoint
+/// every `save_steps` when it checkpoints at all (and on Ctrl-C), none at the end (the command
+/// saves the model), no report.
+pub(crate) fn plan(
+    shape: &RunShape,
+    start_step: usize,
+    save_steps: usize,
+    checkpoints: Option<Checkpointing>,
+) -> crate::engine::run_loop::Plan {
+    crate::engine::run_loop::Plan {
+        total_steps: shape.total_steps,
+        start_step,
+        checkpoint_every: if checkpoints.is_some() { save_steps } else { 0 },
+        checkpoint_at_end: false,
+        report_every: usize::MAX,
+    }
+}
+
 /// Writes `ck` with `store`'s trainable variables, `adam`'s moments and the `files` (name,
-/// bytes) into `dir/step-N/`, atomically; returns its path.
+/// bytes) into `dir/step-N/`, atomically, and logs it; returns its path.
 pub(crate) fn save<T: Serialize>(
     dir: &Path,
     store: &ParamStore,
@@ -108,6 +134,7 @@ pub(crate) fn save<T: Serialize>(
         let text = serde_json::to_string_pretty(ck).map_err(|e| Error::Input(e.to_string()))?;
         Ok(crate::io::write_bytes_atomic(&tmp.join("trainer_state.json"), text.as_bytes())?)
     })?;
+    tracing::info!("checkpoint after step {}: {}", ck.step, path.display());
     Ok(path)
 }
 

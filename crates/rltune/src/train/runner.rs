@@ -331,12 +331,41 @@ pub(crate) fn run_with<O: Objective>(
     announce: bool,
     checkpoints: Option<Checkpointing>,
 ) -> Result<TrainSummary> {
+    run_supervised(obj, store, examples, args, progress, announce, checkpoints, None)
+}
+
+/// [`run_with`] through `opt`, the caller's optimizer, whose learning rate, clipping and
+/// schedule are used in place of `args`' (its Adam state carries on from the caller's last run
+/// and into the next): rejection sampling's fine-tuning. No checkpoints, nothing announced.
+pub(crate) fn run_on<O: Objective>(
+    obj: &O,
+    store: &ParamStore,
+    examples: &[O::Example],
+    args: &TrainingArgs,
+    opt: &mut Optimizer,
+    progress: &mut dyn FnMut(&TrainProgress),
+) -> Result<TrainSummary> {
+    run_supervised(obj, store, examples, args, progress, false, None, Some(opt))
+}
+
+/// [`run_with`] and [`run_on`]: the run's own optimizer from `args`, or `lent`.
+#[allow(clippy::too_many_arguments)]
+fn run_supervised<O: Objective>(
+    obj: &O,
+    store: &ParamStore,
+    examples: &[O::Example],
+    args: &TrainingArgs,
+    progress: &mut dyn FnMut(&TrainProgress),
+    announce: bool,
+    checkpoints: Option<Checkpointing>,
+    lent: Option<&mut Optimizer>,
+) -> Result<TrainSummary> {
     args.validate()?;
     if !store.trainable() {
         return Err(Error::Input("the model's parameters must be trainable (load them trainable)".into()));
     }
     let _awake = store.device().is_cpu().then(crate::cpu::keep_pool_awake);
-    let mut run = Supervised::new(obj, store, examples, args, checkpoints, None)?;
+    let mut run = Supervised::new(obj, store, examples, args, checkpoints, lent)?;
     if announce {
         let world = crate::dist::world_size();
         tracing::info!(
@@ -353,31 +382,7 @@ pub(crate) fn run_with<O: Objective>(
             run.opt.get().args().schedule.warmup_steps
         );
     }
-    let never = std::sync::atomic::AtomicBool::new(false);
-    let stop = checkpoints.and_then(|c| c.stop).unwrap_or(&never);
-    let steps = crate::engine::run_loop::run(&mut run, stop, &mut |p| {
-        progress(p);
-        Ok(())
-    })?;
-    Ok(run.summary(steps))
-}
-
-/// [`run_with`] through `opt`, the caller's optimizer, whose learning rate, clipping and
-/// schedule are used in place of `args`' (its Adam state carries on from the caller's last run
-/// and into the next): rejection sampling's fine-tuning. No checkpoints, nothing announced.
-pub(crate) fn run_on<O: Objective>(
-    obj: &O,
-    store: &ParamStore,
-    examples: &[O::Example],
-    args: &TrainingArgs,
-    opt: &mut Optimizer,
-    progress: &mut dyn FnMut(&TrainProgress),
-) -> Result<TrainSummary> {
-    args.validate()?;
-    let _awake = store.device().is_cpu().then(crate::cpu::keep_pool_awake);
-    let mut run = Supervised::new(obj, store, examples, args, None, Some(opt))?;
-    let never = std::sync::atomic::AtomicBool::new(false);
-    let steps = crate::engine::run_loop::run(&mut run, &never, &mut |p| {
+    let steps = crate::engine::run_loop::run(&mut run, checkpoint::stop_flag(checkpoints), &mut |p| {
         progress(p);
         Ok(())
     })?;
@@ -451,19 +456,20 @@ impl<'a, O: Objective> Supervised<'a, O> {
         // On N processes a step takes N times the examples, each process a share (module docs).
         let world = crate::dist::world_size();
         let total = args.total_steps(train_idx.len().div_ceil(world));
-        let warmup = warmup_steps(total, args.warmup_steps, args.warmup_ratio);
-        let schedule = LrSchedule::new(args.lr_scheduler_type, args.learning_rate, warmup, total);
-        let optim = OptimArgs {
-            learning_rate: args.learning_rate,
-            betas: (args.adam_beta1, args.adam_beta2),
-            eps: args.adam_epsilon,
-            weight_decay: 0.0,
-            max_grad_norm: args.max_grad_norm,
-            schedule,
-        };
         let opt = match lent {
             Some(o) => Opt::Lent(o),
-            None => Opt::Own(Box::new(Optimizer::new(store.vars(), optim)?)),
+            None => {
+                let warmup = warmup_steps(total, args.warmup_steps, args.warmup_ratio);
+                let optim = OptimArgs {
+                    learning_rate: args.learning_rate,
+                    betas: (args.adam_beta1, args.adam_beta2),
+                    eps: args.adam_epsilon,
+                    weight_decay: 0.0,
+                    max_grad_norm: args.max_grad_norm,
+                    schedule: LrSchedule::new(args.lr_scheduler_type, args.learning_rate, warmup, total),
+                };
+                Opt::Own(Box::new(Optimizer::new(store.vars(), optim)?))
+            }
         };
         let shape = RunShape {
             total_steps: total,
@@ -530,13 +536,7 @@ impl<O: Objective> crate::engine::run_loop::Algorithm for Supervised<'_, O> {
     type Report = TrainProgress;
 
     fn plan(&self) -> crate::engine::run_loop::Plan {
-        crate::engine::run_loop::Plan {
-            total_steps: self.shape.total_steps,
-            start_step: self.start_step,
-            checkpoint_every: if self.checkpoints.is_some() { self.args.save_steps } else { 0 },
-            checkpoint_at_end: false,
-            report_every: usize::MAX,
-        }
+        checkpoint::plan(&self.shape, self.start_step, self.args.save_steps, self.checkpoints)
     }
 
     fn settings(&self) -> Result<String> {
@@ -603,8 +603,6 @@ impl<O: Objective> crate::engine::run_loop::Algorithm for Supervised<'_, O> {
                 last_eval: self.last_eval.clone(),
             },
         };
-        let path = checkpoint::save(c.dir, self.store, self.opt.get().adam(), &ck, &[])?;
-        tracing::info!("checkpoint after step {step}: {}", path.display());
-        Ok(())
+        checkpoint::save(c.dir, self.store, self.opt.get().adam(), &ck, &[]).map(drop)
     }
 }
