@@ -9,8 +9,9 @@
 #   bench/partial_freezing.sh [BIN] [STEPS] [ROUNDS]
 #
 # Modes: full (every weight), lora (r 16 on every linear layer), freeze10 (trainable_layers =
-# 10, the fork's "last third"), freeze1 (the last block only). Rounds interleave the modes.
-# MODES="full lora" runs only those.
+# 10, the fork's "last third"), freeze1 (the last block only); a mode with "-ckpt" appended
+# (full-ckpt, lora-ckpt) adds `[model] gradient_checkpointing = true`. Rounds interleave the
+# modes. MODES="full lora" runs only those.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin=${1:-target/release/rltune}
@@ -24,12 +25,16 @@ for round in $(seq "$rounds"); do
     python3 - "$mode" "$out/$mode.toml" <<'EOF'
 import re, sys
 mode, path = sys.argv[1], sys.argv[2]
+ckpt = mode.endswith("-ckpt")
+mode = mode.removesuffix("-ckpt")
 text = open("examples/smollm2-grpo/grpo-lora.toml").read()
 text = re.sub(r"\n\[eval\]\n(?:[^\[\n].*\n)*", "\n", text)
 if mode != "lora":
     text = re.sub(r"\n\[lora\]\n(?:[^\[\n].*\n)*", "\n", text)
 if mode.startswith("freeze"):
     text = text.replace("[model]\n", f"[model]\ntrainable_layers = {mode[len('freeze'):]}\n", 1)
+if ckpt:
+    text = text.replace("[model]\n", "[model]\ngradient_checkpointing = true\n", 1)
 open(path, "w").write(text)
 EOF
     extra=(--set "grpo.max_steps=$steps" --set "logging.dir=\"$out/$mode\"" --set checkpoint.every=0)
@@ -42,7 +47,7 @@ run, rss_kb, mode, rnd = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 rows = [json.loads(l) for l in open(f"{run}/metrics.jsonl")]
 step = [r["time/grpo/step"] for r in rows[1:]]  # the first step warms up
 gen = [r["time/rollout/generation"] for r in rows[1:]]
-print(f"round {rnd} {mode:9s} update {sum(step)/len(step):6.2f} s/step  generation {sum(gen)/len(gen):6.2f} s/step  "
+print(f"round {rnd} {mode:10s} update {sum(step)/len(step):6.2f} s/step  generation {sum(gen)/len(gen):6.2f} s/step  "
       f"peak RSS {rss_kb/1024:7.0f} MiB")
 EOF
   done

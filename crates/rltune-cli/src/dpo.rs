@@ -156,6 +156,7 @@ pub fn run(args: Args) -> Result<()> {
             .freeze_trunk(&policy.store, k)
             .with_context(|| format!("{}: [model]", source.display()))?;
     }
+    policy.lm = policy.lm.with_gradient_checkpointing(file.model.gradient_checkpointing);
     let reference = match &args.ref_model {
         Some(r) => {
             Some(load(r, false, None, &rt).with_context(|| format!("cannot load reference {r:?}"))?.lm)

@@ -81,17 +81,20 @@ struct SftFile {
     runtime: RuntimeSection,
     /// LoRA adapters (PEFT's `LoraConfig` names): the base frozen, the adapter saved.
     lora: Option<LoraConfig>,
-    /// `trainable_layers`: partial freezing.
+    /// `trainable_layers`: partial freezing; `gradient_checkpointing`.
     model: FreezeSection,
 }
 
-/// `[model]` of the SFT and DPO settings files.
+/// `[model]` of the SFT, DPO and reward settings files.
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields, default)]
 pub(crate) struct FreezeSection {
     /// Partial freezing: train the last K blocks, the final norm and the head; the embeddings
     /// and the blocks below stay frozen (`rltune::models::CausalLm::freeze_trunk`).
     pub(crate) trainable_layers: Option<usize>,
+    /// Gradient checkpointing of the policy's blocks (TRL's `gradient_checkpointing`; causal
+    /// LMs: `rltune::models::CausalLm::with_gradient_checkpointing`).
+    pub(crate) gradient_checkpointing: bool,
 }
 
 #[derive(Deserialize, Default)]
@@ -191,6 +194,7 @@ pub fn run_sft(args: SftArgs) -> Result<()> {
     if let Some(k) = file.model.trainable_layers {
         model.lm = model.lm.freeze_trunk(&model.store, k).with_context(|| format!("{origin}: [model]"))?;
     }
+    model.lm = model.lm.with_gradient_checkpointing(file.model.gradient_checkpointing);
     let mut cfg = file.sft;
     if let Some(max) = model.lm.config().max_positions() {
         fit_default(&mut cfg.max_length, SftConfig::default().max_length, max, "sft.max_length");
@@ -219,6 +223,16 @@ pub fn run_reward(args: RewardArgs) -> Result<()> {
     check(file.training.validate(), c)?;
     check(file.reward.validate(), c)?;
     let lora = lora_spec(&file.lora, &args.adapter, c, file.training.seed)?;
+    if file.model.gradient_checkpointing {
+        check(
+            Err(rltune::ConfigError::new(
+                "model",
+                "gradient_checkpointing",
+                "is not built for reward models (encoders and sequence classifiers); leave it out                  of `rltune reward`'s settings",
+            )),
+            c,
+        )?;
+    }
     if lora.is_some() && file.model.trainable_layers.is_some() {
         check(
             Err(rltune::ConfigError::new(

@@ -31,7 +31,7 @@
 //! gradient (all but a few hundred rows) out of memory: it is never written and read back.
 
 use std::cell::RefCell;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use candle_core::{CpuStorage, DType, InplaceOp1, Layout, Tensor, TensorId};
@@ -225,8 +225,21 @@ impl GradSink {
     }
 }
 
-/// The sinks of a set of parameters, by tensor id.
-pub(crate) type SinkMap = HashMap<TensorId, Arc<GradSink>>;
+/// What a scope installs: the sinks of a set of parameters by tensor id, and the ids of its
+/// other variables (those without a sink), whose gradients from a nested backward
+/// ([`crate::checkpoint`]) are set aside here for their owner to add.
+#[derive(Debug, Default)]
+pub(crate) struct SinkMap {
+    pub sinks: HashMap<TensorId, Arc<GradSink>>,
+    pub dense: HashSet<TensorId>,
+    pub aside: Mutex<HashMap<TensorId, Tensor>>,
+}
+
+impl FromIterator<(TensorId, Arc<GradSink>)> for SinkMap {
+    fn from_iter<I: IntoIterator<Item = (TensorId, Arc<GradSink>)>>(sinks: I) -> Self {
+        Self { sinks: sinks.into_iter().collect(), ..Self::default() }
+    }
+}
 
 thread_local! {
     static ACTIVE: RefCell<Option<Arc<SinkMap>>> = const { RefCell::new(None) };
@@ -254,7 +267,37 @@ impl Drop for SinkScope {
 
 /// The sink of `w` in the installed scope, if any.
 pub(crate) fn sink_of(w: &Tensor) -> Option<Arc<GradSink>> {
-    ACTIVE.with(|a| a.borrow().as_ref().and_then(|m| m.get(&w.id()).cloned()))
+    ACTIVE.with(|a| a.borrow().as_ref().and_then(|m| m.sinks.get(&w.id()).cloned()))
+}
+
+/// Whether a scope is installed on this thread.
+pub(crate) fn scope_active() -> bool {
+    ACTIVE.with(|a| a.borrow().is_some())
+}
+
+/// Hands the gradients of the installed scope's variables in `grads` (a nested backward's
+/// store) to their owner: into a variable's sink when it has one, else set aside
+/// ([`SinkMap::aside`]). The other gradients in `grads` (the segment's activations') are left.
+pub(crate) fn hand_over(grads: &mut candle_core::backprop::GradStore) -> CResult<()> {
+    let Some(map) = ACTIVE.with(|a| a.borrow().clone()) else {
+        candle_core::bail!("internal: gradients handed over with no scope installed");
+    };
+    let ids: Vec<TensorId> = grads.get_ids().copied().collect();
+    for id in ids {
+        let Some(g) = grads.get_id(id) else { continue };
+        if let Some(sink) = map.sinks.get(&id) {
+            sink.add(g)?;
+        } else if map.dense.contains(&id) {
+            let g = g.detach();
+            let mut aside = lock(&map.aside);
+            let sum = match aside.remove(&id) {
+                Some(prev) => (prev + g)?,
+                None => g,
+            };
+            aside.insert(id, sum);
+        }
+    }
+    Ok(())
 }
 
 /// `dw` for candle, or `None` after adding it to `w`'s sink.

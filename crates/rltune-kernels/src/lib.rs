@@ -46,6 +46,7 @@
 //! | [`linear()`], [`linear_in_out`], [`matmul`] | candle's matmul (AVX2 only), broadcast add of the bias, `contiguous()` copies of transposed operands in the backward |
 //! | [`linear_lora`], [`linear_in_out_lora`] | a LoRA layer's `x·Wᵀ + b + s·(x·Aᵀ)·Bᵀ` from five ops (three `(rows, out)` tensors kept for the backward) |
 //! | [`block::gpt2_block`] (used by the GPT-2 model) | the ten graph nodes of a GPT-2 block, when every trained weight has a gradient sink |
+//! | [`checkpoint`] | a block's saved activations: the backward runs the block again from its input (torch's `checkpoint`) |
 //!
 //! f32 kernels use a vectorizable `exp` (within 2 ulp of libm's) and are compiled three times,
 //! for baseline x86-64, AVX2 + FMA and AVX-512, the widest the CPU has running.
@@ -76,6 +77,7 @@ mod activation;
 mod amx;
 mod attention;
 pub mod block;
+mod checkpoint;
 mod embedding;
 pub mod gemm;
 mod grad_sink;
@@ -95,6 +97,7 @@ pub mod error;
 mod mask;
 pub mod optim;
 
+pub use checkpoint::{checkpoint, checkpoint_recomputations, Segment};
 pub use error::{Error, Result};
 pub use grad_sink::SinkScope;
 pub use mask::{causal_bias, padding_bias, MASK_MIN};

@@ -12,7 +12,9 @@
 use candle_core::Tensor;
 use serde::{Deserialize, Serialize};
 
-use super::layers::{attention, merge_heads, split_heads, Activation, Conv1D, Embedding, KvCache, LayerNorm};
+use super::layers::{
+    attention, checkpointed, merge_heads, split_heads, Activation, Conv1D, Embedding, KvCache, LayerNorm,
+};
 use crate::error::{Error, Result};
 use crate::params::Params;
 use rltune_kernels as ops;
@@ -280,6 +282,8 @@ pub struct Gpt2 {
     ln_f: LayerNorm,
     /// `[V, C]`; the same tensor as `wte` when tied.
     lm_head: Tensor,
+    /// Gradient checkpointing of every block in training forwards (no cache).
+    checkpointing: bool,
     cfg: Gpt2Config,
 }
 
@@ -302,7 +306,12 @@ impl Gpt2 {
         } else {
             p.get("lm_head.weight", (cfg.vocab_size, c), crate::params::Init::Normal(std))?
         };
-        Ok(Self { wte, wpe, h, ln_f, lm_head, cfg: cfg.clone() })
+        Ok(Self { wte, wpe, h, ln_f, lm_head, checkpointing: false, cfg: cfg.clone() })
+    }
+
+    /// Gradient checkpointing of every block in training forwards ([`super::layers::checkpointed`]).
+    pub(crate) fn set_checkpointing(&mut self, on: bool) {
+        self.checkpointing = on;
     }
 
     /// The config this model was built from.
@@ -370,7 +379,13 @@ impl Gpt2 {
         let last = self.h.len().saturating_sub(1);
         for i in range {
             let rows = rows.filter(|_| i == last);
-            x = self.h[i].forward(&x, bias, cache.as_deref_mut().map(|c| (c, i)), rows)?;
+            x = match cache.as_deref_mut() {
+                None if self.checkpointing => {
+                    let (block, bias, rows) = (self.h[i].clone(), bias.clone(), rows.cloned());
+                    checkpointed(&x, move |x| block.forward(x, &bias, None, rows.as_ref()))?
+                }
+                c => self.h[i].forward(&x, bias, c.map(|c| (c, i)), rows)?,
+            };
             x = KvCache::cut(cache.as_deref(), x);
         }
         Ok(x)

@@ -24,7 +24,8 @@ use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
 
 use super::layers::{
-    attention, merge_heads, split_heads, Activation, Embedding, KvCache, LayerNorm, Linear, MASK_MIN,
+    attention, checkpointed, merge_heads, split_heads, Activation, Embedding, KvCache, LayerNorm, Linear,
+    MASK_MIN,
 };
 use crate::error::{Error, Result};
 use crate::params::{Init, Params};
@@ -290,6 +291,8 @@ pub struct GptNeo {
     ln_f: LayerNorm,
     /// `[V, C]`; the same tensor as `wte` when tied.
     lm_head: Tensor,
+    /// Gradient checkpointing of every block in training forwards (no cache).
+    checkpointing: bool,
     cfg: Box<GptNeoConfig>,
 }
 
@@ -314,7 +317,12 @@ impl GptNeo {
         } else {
             p.get("lm_head.weight", (cfg.vocab_size, c), Init::Normal(std))?
         };
-        Ok(Self { wte, wpe, h, ln_f, lm_head, cfg: Box::new(cfg.clone()) })
+        Ok(Self { wte, wpe, h, ln_f, lm_head, checkpointing: false, cfg: Box::new(cfg.clone()) })
+    }
+
+    /// Gradient checkpointing of every block in training forwards ([`super::layers::checkpointed`]).
+    pub(crate) fn set_checkpointing(&mut self, on: bool) {
+        self.checkpointing = on;
     }
 
     /// The config this model was built from.
@@ -359,7 +367,13 @@ impl GptNeo {
         for i in range {
             let block = &self.h[i];
             let b = if block.attn.local { &local_bias } else { bias };
-            x = block.forward(&x, b, cache.as_deref_mut().map(|c| (c, i)))?;
+            x = match cache.as_deref_mut() {
+                None if self.checkpointing => {
+                    let (block, b) = (block.clone(), b.clone());
+                    checkpointed(&x, move |x| block.forward(x, &b, None))?
+                }
+                c => block.forward(&x, b, c.map(|c| (c, i)))?,
+            };
             x = KvCache::cut(cache.as_deref(), x);
         }
         Ok(x)

@@ -28,7 +28,9 @@
 use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
 
-use super::layers::{attention, merge_heads, Activation, Embedding, KvCache, LayerNorm, Linear};
+use super::layers::{
+    attention, checkpointed, merge_heads, Activation, Embedding, KvCache, LayerNorm, Linear,
+};
 use crate::error::{Error, Result};
 use crate::params::{Init, Params};
 
@@ -364,6 +366,8 @@ pub struct GptNeoX {
     /// `[V, C]`; `embed_in`'s tensor when tied.
     embed_out: Tensor,
     rope: Rope,
+    /// Gradient checkpointing of every block in training forwards (no cache).
+    checkpointing: bool,
     cfg: Box<GptNeoXConfig>,
 }
 
@@ -386,7 +390,20 @@ impl GptNeoX {
         };
         let store = p.store();
         let rope = Rope::new(cfg, store.dtype(), store.device())?;
-        Ok(Self { embed_in, layers, final_layer_norm, embed_out, rope, cfg: Box::new(cfg.clone()) })
+        Ok(Self {
+            embed_in,
+            layers,
+            final_layer_norm,
+            embed_out,
+            rope,
+            checkpointing: false,
+            cfg: Box::new(cfg.clone()),
+        })
+    }
+
+    /// Gradient checkpointing of every block in training forwards ([`super::layers::checkpointed`]).
+    pub(crate) fn set_checkpointing(&mut self, on: bool) {
+        self.checkpointing = on;
     }
 
     /// The config this model was built from.
@@ -421,12 +438,14 @@ impl GptNeoX {
     ) -> Result<Tensor> {
         let (cos, sin) = self.rope.cos_sin(position_ids, x.dtype())?;
         for i in range {
-            x = self.layers[i].forward(
-                &x,
-                (&self.rope, &cos, &sin),
-                bias,
-                cache.as_deref_mut().map(|c| (c, i)),
-            )?;
+            x = match cache.as_deref_mut() {
+                None if self.checkpointing => {
+                    let (layer, rope, cos, sin, bias) =
+                        (self.layers[i].clone(), self.rope.clone(), cos.clone(), sin.clone(), bias.clone());
+                    checkpointed(&x, move |x| layer.forward(x, (&rope, &cos, &sin), &bias, None))?
+                }
+                c => self.layers[i].forward(&x, (&self.rope, &cos, &sin), bias, c.map(|c| (c, i)))?,
+            };
             x = KvCache::cut(cache.as_deref(), x);
         }
         Ok(x)

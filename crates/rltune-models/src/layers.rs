@@ -313,6 +313,21 @@ pub fn mean_pool(hidden: &Tensor, mask: &Tensor) -> Result<Tensor> {
     Ok(sum.broadcast_div(&count)?)
 }
 
+/// `block(x)` under gradient checkpointing ([`ops::checkpoint`]): the backward keeps only `x`
+/// and runs `block` again (transformers' `gradient_checkpointing_enable()`, per decoder layer).
+pub(crate) fn checkpointed(
+    x: &Tensor,
+    block: impl Fn(&Tensor) -> Result<Tensor> + Send + Sync + 'static,
+) -> Result<Tensor> {
+    let segment = move |x: &Tensor| {
+        block(x).map_err(|e| match e {
+            Error::Candle(e) => e,
+            e => candle_core::Error::wrap(e),
+        })
+    };
+    Ok(ops::checkpoint(x, std::sync::Arc::new(segment))?)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

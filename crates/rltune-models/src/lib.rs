@@ -319,6 +319,21 @@ impl CausalLm {
         Ok(lm)
     }
 
+    /// Gradient checkpointing (TRL's `gradient_checkpointing`, transformers'
+    /// `gradient_checkpointing_enable()`): training forwards keep only each block's input for
+    /// the backward, which runs the block again ([`layers::checkpointed`]); the gradients are
+    /// those of the plain forward. It takes effect where the gradients are collected by
+    /// `rltune_kernels::Grads` (every trainer's), and never in generation (a KV cache).
+    pub fn with_gradient_checkpointing(mut self, on: bool) -> Self {
+        match &mut self.arch {
+            Arch::Gpt2(m) => m.set_checkpointing(on),
+            Arch::Llama(m) => m.set_checkpointing(on),
+            Arch::GptNeo(m) => m.set_checkpointing(on),
+            Arch::GptNeoX(m) => m.set_checkpointing(on),
+        }
+        self
+    }
+
     /// The number of frozen blocks below the trainable ones, with partial freezing.
     pub fn frozen_layers(&self) -> Option<usize> {
         self.frozen_layers

@@ -34,7 +34,8 @@ use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Deserializer, Serialize};
 
 use super::layers::{
-    attention, merge_heads, repeat_kv, split_heads, Activation, Embedding, KvCache, Linear, MASK_MIN,
+    attention, checkpointed, merge_heads, repeat_kv, split_heads, Activation, Embedding, KvCache, Linear,
+    MASK_MIN,
 };
 use crate::error::{Error, Result};
 use crate::params::{Init, Params};
@@ -623,6 +624,8 @@ pub struct Llama {
     lm_head: Tensor,
     rope: Rope,
     window: Option<usize>,
+    /// Gradient checkpointing of every block in training forwards (no cache).
+    checkpointing: bool,
     /// Boxed to keep [`super::CausalLm`]'s variants of similar size.
     cfg: Box<LlamaConfig>,
 }
@@ -653,8 +656,14 @@ impl Llama {
             lm_head,
             rope,
             window: cfg.window(),
+            checkpointing: false,
             cfg: Box::new(cfg.clone()),
         })
+    }
+
+    /// Gradient checkpointing of every block in training forwards ([`super::layers::checkpointed`]).
+    pub(crate) fn set_checkpointing(&mut self, on: bool) {
+        self.checkpointing = on;
     }
 
     /// The config this model was built from.
@@ -702,7 +711,14 @@ impl Llama {
         let (cos, sin) = self.rope.cos_sin(position_ids, x.dtype())?;
         let bias = self.window_bias(bias)?;
         for i in range {
-            x = self.layers[i].forward(&x, (&cos, &sin), &bias, cache.as_deref_mut().map(|c| (c, i)))?;
+            x = match cache.as_deref_mut() {
+                None if self.checkpointing => {
+                    let (layer, cos, sin, bias) =
+                        (self.layers[i].clone(), cos.clone(), sin.clone(), bias.clone());
+                    checkpointed(&x, move |x| layer.forward(x, (&cos, &sin), &bias, None))?
+                }
+                c => self.layers[i].forward(&x, (&cos, &sin), &bias, c.map(|c| (c, i)))?,
+            };
             x = KvCache::cut(cache.as_deref(), x);
         }
         Ok(x)

@@ -51,6 +51,13 @@ pub fn suggest_unknown_key(msg: &str) -> String {
     let expected: Vec<&str> = rest.split('`').skip(2).step_by(2).filter(|s| !s.is_empty()).collect();
     let location = msg.split("unknown field").next().unwrap_or("").trim();
     let head = if location.is_empty() { String::new() } else { format!("{location} ") };
+    if name == "gradient_checkpointing" {
+        // TRL's TrainingArguments field; rltune keeps it with the model it applies to.
+        return format!(
+            "{head}unknown key {name:?}; rltune sets gradient checkpointing with the policy: \
+             `[model] gradient_checkpointing = true`"
+        );
+    }
     match closest(name, &expected) {
         Some(best) => format!("{head}unknown key {name:?}; did you mean {best:?}?"),
         None => format!("{head}unknown key {name:?}; valid keys: {}", expected.join(", ")),

@@ -611,6 +611,7 @@ fn ppo_config<G: AgentGames>(dir: &Path, cfg: &AgentQuickstartConfig<G>) -> RunC
             path: dir.join("bc").to_string_lossy().into_owned(),
             adapter: None,
             trainable_layers: None,
+            gradient_checkpointing: false,
         },
         algorithm: Default::default(),
         rejection: Default::default(),

@@ -38,11 +38,20 @@ impl Grads {
                 buffered.then(|| Arc::new(GradSink::new(v.elem_count())))
             })
             .collect();
-        let map = vars
-            .iter()
-            .zip(&sinks)
-            .filter_map(|(v, s)| Some((v.as_tensor().id(), Arc::clone(s.as_ref()?))))
-            .collect();
+        let map = SinkMap {
+            sinks: vars
+                .iter()
+                .zip(&sinks)
+                .filter_map(|(v, s)| Some((v.as_tensor().id(), Arc::clone(s.as_ref()?))))
+                .collect(),
+            dense: vars
+                .iter()
+                .zip(&sinks)
+                .filter(|(_, s)| s.is_none())
+                .map(|(v, _)| v.as_tensor().id())
+                .collect(),
+            aside: Default::default(),
+        };
         let single_write = vec![false; vars.len()];
         Self { vars: vars.to_vec(), sinks, map: Arc::new(map), tensors: vec![None; vars.len()], single_write }
     }
@@ -72,20 +81,24 @@ impl Grads {
         forward()
     }
 
-    /// `loss.backward()`, adding the variables' gradients to these.
+    /// `loss.backward()`, adding the variables' gradients to these (with those that checkpointed
+    /// segments' backward passes set aside, [`crate::checkpoint`]).
     pub fn backward(&mut self, loss: &Tensor) -> Result<()> {
+        crate::lock(&self.map.aside).clear();
         let store = {
             let _scope = SinkScope::install(Arc::clone(&self.map));
             loss.backward()?
         };
+        let mut aside = std::mem::take(&mut *crate::lock(&self.map.aside));
         for i in 0..self.vars.len() {
             let stored = store.get(self.vars[i].as_tensor());
+            let nested = aside.remove(&self.vars[i].as_tensor().id());
             let dense = self.sinks[i].as_ref().map_or(0, |s| {
                 let s = s.state();
                 s.writes - s.row_writes
             });
-            self.single_write[i] = dense == 1 && stored.is_none();
-            if let Some(g) = stored {
+            self.single_write[i] = dense == 1 && stored.is_none() && nested.is_none();
+            for g in stored.into_iter().chain(nested.as_ref()) {
                 self.add(i, g)?;
             }
         }

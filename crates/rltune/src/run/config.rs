@@ -41,6 +41,12 @@ pub struct ModelSection {
     /// ([`crate::models::CausalLm::freeze_trunk`]). Policy only (`[model]`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub trainable_layers: Option<usize>,
+    /// Gradient checkpointing (TRL's `gradient_checkpointing`; transformers'
+    /// `gradient_checkpointing_enable()`): the policy's training forwards keep only each
+    /// block's input, and the backward runs the block again. The same gradients, bit for bit on
+    /// the CPU, for less memory and about one more forward of time. Policy only (`[model]`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub gradient_checkpointing: bool,
 }
 
 /// `[critic]`: a separate value model (see [`crate::ppo::critic`]).
@@ -426,6 +432,13 @@ impl RunConfig {
     }
 
     fn validate_lora(&self) -> std::result::Result<(), ConfigError> {
+        if self.ref_model.as_ref().is_some_and(|r| r.gradient_checkpointing) {
+            return Err(ConfigError::new(
+                "ref_model",
+                "gradient_checkpointing",
+                ": the reference does not train; set gradient_checkpointing under [model]",
+            ));
+        }
         if self.ref_model.as_ref().is_some_and(|r| r.trainable_layers.is_some()) {
             return Err(ConfigError::new(
                 "ref_model",

@@ -174,6 +174,7 @@ impl GroupRun {
         if let Some(k) = trainable {
             policy.lm = policy.lm.freeze_trunk(&policy.store, k)?;
         }
+        policy.lm = policy.lm.with_gradient_checkpointing(config.model.gradient_checkpointing);
         let tok_path = policy.files.tokenizer.clone().ok_or_else(|| {
             Error::Tokenizer(format!(
                 "{}: no tokenizer.json; `rltune ppo` needs one to encode prompts",

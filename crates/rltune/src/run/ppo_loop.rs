@@ -179,6 +179,7 @@ impl PpoRun {
         if let Some(k) = trainable {
             model.lm = model.lm.freeze_trunk(&store, k)?;
         }
+        model.lm = model.lm.with_gradient_checkpointing(config.model.gradient_checkpointing);
         let reference = match &config.ref_model {
             Some(r) => load_reference(&r.path, dtype, &device)?.1,
             // The base with the adapters off, sharing its weights.

@@ -86,3 +86,10 @@ pub fn gradient_check(vars: &[(String, Var)], loss: impl Fn() -> Tensor, tol: f6
 pub fn word_tokenizer(words: &[&str], bert: bool) -> Tokenizer {
     Tokenizer::word_level(words, bert).unwrap()
 }
+
+/// The count of recomputed checkpoint segments is the process's: tests that checkpoint, or that
+/// count recomputations, hold this while they run.
+pub fn checkpoint_serial() -> std::sync::MutexGuard<'static, ()> {
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}

@@ -292,6 +292,44 @@ fn grpo_with_trainable_layers_moves_only_the_top_block() {
     assert!(err.contains("trainable_layers with [lora]"), "{err}");
 }
 
+/// `[model] gradient_checkpointing = true`: a GRPO run (β > 0, two steps) recomputes the blocks
+/// in its backward and ends with the plain run's weights, bit for bit. The key under `[grpo]`
+/// (TRL's place for it) or `[ref_model]` is refused with the fix.
+#[test]
+fn grpo_with_gradient_checkpointing_ends_with_the_plain_runs_weights() {
+    crate::common::install();
+    let _one = crate::common::checkpoint_serial();
+    let s = setup();
+    let plain = run(config(&s, "grpo", "plain", 2, ""), false).store().snapshot().unwrap();
+    let mut cfg = config(&s, "grpo", "ckpt", 2, "");
+    cfg.model.gradient_checkpointing = true;
+    let before = rltune::ops::checkpoint_recomputations();
+    let ckpt = run(cfg, false).store().snapshot().unwrap();
+    let recomputed = rltune::ops::checkpoint_recomputations() - before;
+    assert!(recomputed >= 4, "2 steps × 2 layers at least: {recomputed} recomputed");
+    for (name, w) in &plain {
+        let d = crate::common::max_diff(w, &ckpt[name]);
+        assert_eq!(d, 0.0, "{name}: the checkpointed run ends {d} apart");
+    }
+    let err = RunConfig::from_toml(
+        "[model]\npath = \"p\"\n[grpo]\ngradient_checkpointing = true\n",
+        Path::new("run.toml"),
+        &[],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("[model] gradient_checkpointing = true"), "{err}");
+    let mut cfg = config(&s, "grpo", "ref", 2, "");
+    cfg.ref_model = Some(rltune::run::config::ModelSection {
+        path: "p".into(),
+        adapter: None,
+        trainable_layers: None,
+        gradient_checkpointing: true,
+    });
+    let err = cfg.validate().unwrap_err().to_string();
+    assert!(err.contains("ref_model.gradient_checkpointing"), "{err}");
+}
+
 /// Trajectory GRPO and RLOO on text games (issue #39 item 3), the letter toy: each step plays 4
 /// episodes of 2 games, an episode's return (0.1 per letter "e" over its 2 turns) is its
 /// reward. The policy's words are `e`, `ee`, `eee` and 45 without an "e"; the mean return of the

@@ -14,6 +14,7 @@ mod generation;
 mod gguf;
 mod gguf_export;
 mod gpt2;
+mod gradient_checkpointing;
 mod group_loop;
 mod grpo_parity;
 mod layout;
