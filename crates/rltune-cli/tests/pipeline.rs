@@ -1409,4 +1409,7 @@ for line in sys.stdin:
     let still: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
     assert_eq!(still["points"], summary["points"]);
+    // A cached DPO adapter is not reported under settings it was not trained with.
+    let err = fails(run_with(&["--set", "dpo.learning_rate=0.5"]));
+    assert!(err.contains("trained with other [dpo] or [lora] settings") && err.contains("delete"), "{err}");
 }

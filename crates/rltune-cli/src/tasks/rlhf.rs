@@ -1034,7 +1034,24 @@ fn run_dpo(
     timed: &mut Timed,
 ) -> Result<()> {
     let out = dir.join("dpo");
+    // The settings the adapter was trained under, beside it: a cached adapter trained under
+    // others is refused, not reported under these.
+    let settings = serde_json::json!({ "dpo": &cfg.dpo, "lora": &cfg.lora });
+    let settings_path = out.join("settings.json");
     if out.join("adapter_config.json").is_file() {
+        if let Ok(text) = std::fs::read_to_string(&settings_path) {
+            let saved: serde_json::Value = serde_json::from_str(&text).map_err(json_err)?;
+            if saved != settings {
+                return Err(Error::Input(format!(
+                    "{} was trained with other [dpo] or [lora] settings ({}); its adapter would be \
+                     reported under settings it was not trained with. Use another --output directory, \
+                     or delete {}",
+                    out.display(),
+                    settings_path.display(),
+                    out.display()
+                )));
+            }
+        }
         on(Event::Cached { stage: "dpo", path: out });
         return Ok(());
     }
@@ -1063,8 +1080,10 @@ fn run_dpo(
     })?;
     // The adapter and one metrics line per step (whose count the evaluation reads as the steps).
     let metrics: String = done.metrics.iter().map(|l| format!("{l}\n")).collect();
+    let settings_text = to_json(&settings)?;
     save_dir_atomic(&out, |tmp| {
         trainer.store().save_adapter(tmp, None)?;
+        rltune::io::write_bytes_atomic(&tmp.join("settings.json"), settings_text.as_bytes())?;
         rltune::io::write_bytes_atomic(&tmp.join("metrics.jsonl"), metrics.as_bytes())
     })?;
     timed("dpo", on, t);
