@@ -351,17 +351,19 @@ fn run_essays(args: Args) -> Result<()> {
         s.policy_parameters as f64 / 1e6,
         s.demonstrations
     );
-    let n = s.agents.first().map_or(0, |a| a.1.essays);
-    println!("held-out essays ({n}), Feedback Prize F-score: per essay (mean ± SE) and the competition's macro F1:");
-    for (name, e) in &s.agents {
-        println!(
-            "  {name:<12} {:.3} ± {:.3}   macro F1 {:.3}   perfect {:5.1}%   invalid labels {:4.1}%",
-            e.mean,
-            e.se,
-            e.macro_f1,
-            100.0 * e.perfect,
-            100.0 * e.invalid_rate
-        );
+    for (split, list) in [("validation", &s.validation), ("test", &s.agents)] {
+        let Some(n) = list.first().map(|a| a.1.essays) else { continue };
+        println!("{split} essays ({n}), Feedback Prize F-score: per essay (mean ± SE) and the competition's macro F1:");
+        for (name, e) in list {
+            println!(
+                "  {name:<18} {:.3} ± {:.3}   macro F1 {:.3}   perfect {:5.1}%   invalid labels {:4.1}%",
+                e.mean,
+                e.se,
+                e.macro_f1,
+                100.0 * e.perfect,
+                100.0 * e.invalid_rate
+            );
+        }
     }
     print_stages(&s.stage_seconds);
     finish(s.checks(), tiny, started, &output, "ppo", "summary-essays.json")

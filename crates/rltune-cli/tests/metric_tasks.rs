@@ -25,33 +25,53 @@ fn repo(rel: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..").join(rel)
 }
 
-/// The tiny essays quickstart runs every stage and writes its numbers: six agents scored on
-/// held-out essays, the acceptance checks printed (not enforced at this size).
+/// The tiny essays quickstart runs every stage and writes its numbers: the agents and the
+/// controls (BC at T = 0.5, BC trained longer) scored on test essays, the model agents on
+/// validation essays too, the acceptance checks printed (not enforced at this size).
 #[test]
 fn essays_quickstart_tiny_runs_every_stage_and_writes_its_numbers() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("qe");
     let out = ok(rltune(&["quickstart", "--task", "essays", "--preset", "tiny", "--output", s(&dir)]));
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(stdout.contains("held-out essays (6)") && stdout.contains("held-out F-score: PPO"), "{stdout}");
+    for want in
+        ["test essays (6)", "validation essays (4)", "(both sampled): PPO", "(both greedy): PPO (greedy)"]
+    {
+        assert!(stdout.contains(want), "{want}: {stdout}");
+    }
     let summary: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("summary-essays.json")).unwrap()).unwrap();
-    let agents = summary["agents"].as_array().unwrap();
-    let names: Vec<&str> = agents.iter().map(|a| a[0].as_str().unwrap()).collect();
-    assert_eq!(names, ["random", "heuristic", "BC", "BC (greedy)", "PPO", "PPO (greedy)"]);
-    for a in agents {
-        let e = &a[1];
-        assert_eq!(e["essays"], 6, "{a}");
-        let mean = e["mean"].as_f64().unwrap();
-        assert!((0.0..=1.0).contains(&mean) && e["se"].as_f64().unwrap() >= 0.0, "{a}");
-        assert_eq!(e["scores"].as_array().unwrap().len(), 6);
+    let names = |key: &str| -> Vec<String> {
+        summary[key].as_array().unwrap().iter().map(|a| a[0].as_str().unwrap().to_string()).collect()
+    };
+    let models =
+        ["BC", "BC (greedy)", "PPO", "PPO (greedy)", "BC (T = 0.5)", "BC longer", "BC longer (greedy)"];
+    let mut all = vec!["random", "heuristic"];
+    all.extend(models);
+    assert_eq!(names("agents"), all);
+    assert_eq!(names("validation"), models);
+    for (key, n) in [("agents", 6), ("validation", 4)] {
+        for a in summary[key].as_array().unwrap() {
+            let e = &a[1];
+            assert_eq!(e["essays"], n, "{a}");
+            let mean = e["mean"].as_f64().unwrap();
+            assert!((0.0..=1.0).contains(&mean) && e["se"].as_f64().unwrap() >= 0.0, "{a}");
+            assert_eq!(e["scores"].as_array().unwrap().len(), n);
+        }
     }
     assert_eq!(summary["ppo_curve"].as_array().unwrap().len(), 2);
     assert!(dir.join("ppo/checkpoints/step-2/model.safetensors").is_file());
+    // BC trained longer: as many updates as PPO's 2 steps × 1 epoch × 16/8 minibatches.
+    let longer: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("bc-longer/settings.json")).unwrap()).unwrap();
+    assert_eq!(longer["steps"], 4);
     // A rerun reuses every stage.
     let out = ok(rltune(&["quickstart", "--task", "essays", "--preset", "tiny", "--output", s(&dir)]));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("[bc] cached") && err.contains("[ppo] cached"), "{err}");
+    assert!(
+        err.contains("[bc] cached") && err.contains("[ppo] cached") && err.contains("[bc-longer] cached"),
+        "{err}"
+    );
 }
 
 /// `rltune play` on the essays: the random agent plays the 15 label commands and scores low.

@@ -448,24 +448,11 @@ pub fn train_agent<G: AgentGames>(
         let t = Instant::now();
         let shape = (cfg.policy_dim, cfg.policy_layers, cfg.policy_heads, cfg.context);
         let model = new_gpt2(&tokenizer, shape, cfg.seed ^ 0xad7, runtime)?;
-        let records: Vec<SftRecord> = demos
-            .iter()
-            .map(|d| SftRecord::PromptCompletion {
-                prompt: d.prompt.clone(),
-                completion: action_text(&d.action),
-            })
-            .collect();
+        let records = bc_records(&demos, &tokenizer, cfg)?;
         let total =
             cfg.bc.total_steps(records.len() - (records.len() as f64 * cfg.bc.eval_fraction) as usize);
         on(Event::Start { stage: "bc", total: Some(total) });
-        let sft_cfg = SftConfig {
-            max_length: cfg.context,
-            completion_only_loss: true,
-            add_eos: true,
-            assistant_only_loss: false,
-        };
-        let records = fit_prompts(records, &tokenizer, cfg.context - cfg.max_new_tokens)?;
-        sft::train_sft(&model, &records, &sft_cfg, &cfg.bc, &mut train_progress("bc", on))?;
+        sft::train_sft(&model, &records, &bc_sft_config(cfg), &cfg.bc, &mut train_progress("bc", on))?;
         model.save(&bc_dir)?;
         timed("bc", on, t);
     }
@@ -601,9 +588,12 @@ fn rl_config<G: AgentGames>(
 /// The PPO run: training seeds, the quickstart's prompt, KL to the BC policy (the default
 /// reference: a frozen copy of the starting policy).
 fn ppo_config<G: AgentGames>(dir: &Path, cfg: &AgentQuickstartConfig<G>) -> RunConfig {
+    // `ppo.temperature` is the sampling temperature too: PPO's logprobs must be those of the
+    // distribution the actions were drawn from.
     let generation = GenerationConfig {
         max_new_tokens: cfg.max_new_tokens,
         seed: cfg.seed ^ 0x9e4,
+        temperature: cfg.ppo.temperature,
         ..GenerationConfig::default()
     };
     RunConfig {
@@ -644,6 +634,92 @@ fn ppo_config<G: AgentGames>(dir: &Path, cfg: &AgentQuickstartConfig<G>) -> RunC
         runtime: Default::default(),
         lora: None,
     }
+}
+
+/// The demonstrations as SFT records: the prompt, then the action's tokens (the only ones
+/// trained on), prompts cut from the left to leave room for the action.
+fn bc_records<G>(
+    demos: &[Demonstration],
+    tokenizer: &Tokenizer,
+    cfg: &AgentQuickstartConfig<G>,
+) -> Result<Vec<SftRecord>> {
+    let records = demos
+        .iter()
+        .map(|d| SftRecord::PromptCompletion { prompt: d.prompt.clone(), completion: action_text(&d.action) })
+        .collect();
+    fit_prompts(records, tokenizer, cfg.context - cfg.max_new_tokens)
+}
+
+/// Behavioural cloning's SFT settings: the loss on the action's tokens and the EOS after it.
+fn bc_sft_config<G>(cfg: &AgentQuickstartConfig<G>) -> SftConfig {
+    SftConfig {
+        max_length: cfg.context,
+        completion_only_loss: true,
+        add_eos: true,
+        assistant_only_loss: false,
+    }
+}
+
+/// The settings of BC trained longer (`DIR/bc-longer/settings.json`): a cached stage trained
+/// under others is trained again.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct LongerSettings {
+    bc: TrainingArgs,
+    steps: usize,
+    learning_rate: f64,
+}
+
+/// **BC trained longer**, the control for RL's extra optimizer steps (issue #56): from the BC
+/// policy, as many more cross-entropy steps on the same demonstrations as PPO takes optimizer
+/// steps (`steps × ppo_epochs × batch_size / (mini_batch_size × gradient_accumulation_steps)`),
+/// each on as many examples as a PPO minibatch, at PPO's learning rate held constant, with a
+/// fresh shuffle. Cached in `DIR/bc-longer`; `None` for the group algorithms (no PPO steps to
+/// match). Returns the folder and the seconds it took (0 when cached).
+pub fn train_bc_longer<G: AgentGames>(
+    dir: &Path,
+    cfg: &AgentQuickstartConfig<G>,
+    runtime: &Runtime,
+    on: &mut dyn FnMut(Event),
+) -> Result<Option<(PathBuf, f64)>> {
+    if cfg.algorithm != AlgorithmKind::Ppo {
+        return Ok(None);
+    }
+    let p = &cfg.ppo;
+    let steps = p.steps * p.ppo_epochs * (p.batch_size / p.backward_batch_size()).max(1);
+    let args = TrainingArgs {
+        learning_rate: p.learning_rate,
+        max_steps: Some(steps),
+        batch_size: p.backward_batch_size(),
+        lr_scheduler_type: rltune::train::ScheduleKind::Constant,
+        warmup_ratio: 0.0,
+        warmup_steps: 0,
+        seed: cfg.bc.seed ^ 0x10e6,
+        ..cfg.bc.clone()
+    };
+    let settings = LongerSettings { bc: cfg.bc.clone(), steps, learning_rate: p.learning_rate };
+    let out = dir.join("bc-longer");
+    let settings_path = out.join("settings.json");
+    let cached = std::fs::read_to_string(&settings_path)
+        .ok()
+        .and_then(|t| serde_json::from_str::<LongerSettings>(&t).ok())
+        .is_some_and(|s| s == settings);
+    if cached && out.join("model.safetensors").is_file() {
+        on(Event::Cached { stage: "bc-longer", path: out.clone() });
+        return Ok(Some((out, 0.0)));
+    }
+    let t = Instant::now();
+    let tokenizer = Tokenizer::from_file(&dir.join("tokenizer").join("tokenizer.json"))?;
+    let demos: Vec<Demonstration> = read_stage_jsonl(&dir.join("data").join("demonstrations.jsonl"))?;
+    let model =
+        sft::SftModel::from_pretrained(&dir.join("bc").to_string_lossy(), runtime.dtype(), runtime.device())?;
+    on(Event::Start { stage: "bc-longer", total: Some(steps) });
+    let records = bc_records(&demos, &tokenizer, cfg)?;
+    sft::train_sft(&model, &records, &bc_sft_config(cfg), &args, &mut train_progress("bc-longer", on))?;
+    model.save(&out)?;
+    write_file(&settings_path, to_json(&settings)?.as_bytes())?;
+    let s = t.elapsed().as_secs_f64();
+    on(Event::Done { stage: "bc-longer", seconds: s });
+    Ok(Some((out, s)))
 }
 
 /// Prompts cut from the left to `max_tokens` tokens, as the agent's prompts are (SFT would cut
