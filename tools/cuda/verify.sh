@@ -405,14 +405,17 @@ EOF
   bench_ppo "qwen2-0.5b:bf16 1 180" "qwen2-0.5b:bf16 1 150 2"
   # 7. One GRPO step on the 0.5B shape (16 completions of 128 + 128 tokens) beside TRL 1.16.0
   #    (wheels/trl116 on the machine's own transformers), both in bf16.
-  bench_grpo() { # bench_grpo PRESET DTYPE ITERATIONS LIMIT
-    local name="grpo-$1$([ "$2" = bf16 ] && echo -bf16)"
+  #    With `ckpt`, both sides with gradient checkpointing (TRL 1.16.0's default).
+  bench_grpo() { # bench_grpo PRESET DTYPE ITERATIONS LIMIT [ckpt]
+    local name="grpo-$1$([ "$2" = bf16 ] && echo -bf16)${5:+-$5}" ckpt=()
     wanted "bench-$name" || return 0
-    OURS_CMD=("$BIN" bench grpo --preset "$1" --device "$DEVICE" --dtype "$2" --iters "$3" --json)
-    THEIRS_CMD=("$ROOT/bench/trl_grpo.py" --preset "$1" --device "$DEVICE" --iters "$3" $([ "$2" = bf16 ] && echo --bf16) --json)
+    [ "${5:-}" = ckpt ] && ckpt=(--gradient-checkpointing)
+    OURS_CMD=("$BIN" bench grpo --preset "$1" --device "$DEVICE" --dtype "$2" --iters "$3" "${ckpt[@]}" --json)
+    THEIRS_CMD=("$ROOT/bench/trl_grpo.py" --preset "$1" --device "$DEVICE" --iters "$3" $([ "$2" = bf16 ] && echo --bf16) "${ckpt[@]}" --json)
     bench_pair "$name" "$4" "$(trl_site trl116)" 1.16.0 median_step_s median_step_s || true
   }
   bench_grpo qwen2-0.5b bf16 2 150
+  bench_grpo qwen2-0.5b bf16 2 150 ckpt
   # 8. The quickstart's default preset with its acceptance checks.
   #    Then the same with bf16 matrix products: learning must pass the same acceptance checks.
   for dtype in f32 bf16; do

@@ -266,6 +266,10 @@ pub struct GrpoArgs {
     /// `[grpo] beta`: 0 (TRL's default) loads no reference model; > 0 adds its forward.
     #[arg(long, default_value_t = 0.0)]
     beta: f64,
+    /// `[model] gradient_checkpointing` (TRL 1.16.0's default; compare with
+    /// `bench/trl_grpo.py --gradient-checkpointing`).
+    #[arg(long)]
+    gradient_checkpointing: bool,
     #[command(flatten)]
     runtime: crate::runtime::RuntimeArgs,
     /// Print one JSON object.
@@ -291,7 +295,7 @@ pub fn run_grpo(args: GrpoArgs) -> Result<()> {
     let dev = runtime.device().clone();
     let cfg = p.cfg.clone();
     let store = ParamStore::random(0, true, runtime.dtype(), &dev)?;
-    let lm = CausalLm::load(&store.root(), &cfg)?;
+    let lm = CausalLm::load(&store.root(), &cfg)?.with_gradient_checkpointing(args.gradient_checkpointing);
     let n_params = store.vars().iter().map(|(_, v)| v.elem_count()).sum::<usize>();
     let reference =
         (args.beta != 0.0).then(|| CausalLm::load(&store.frozen_copy()?.root(), &cfg)).transpose()?;
@@ -337,6 +341,7 @@ pub fn run_grpo(args: GrpoArgs) -> Result<()> {
         "impl": "rltune",
         "preset": args.preset,
         "beta": args.beta,
+        "gradient_checkpointing": args.gradient_checkpointing,
         "runtime": runtime.to_string(),
         "median_step_s": step,
         "steps_s": all,
