@@ -93,3 +93,26 @@ pub fn checkpoint_serial() -> std::sync::MutexGuard<'static, ()> {
     static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
 }
+
+/// A tiny model of every supported family (4 layers, width 16, vocabulary 50), by name.
+pub fn every_family() -> Vec<(&'static str, CausalLmConfig)> {
+    use rltune::models::{gpt_neo::GptNeoConfig, gpt_neox::GptNeoXConfig, llama::LlamaConfig};
+    vec![
+        ("gpt2", CausalLmConfig::Gpt2(Gpt2Config::tiny(50, 16, 4, 4, 64))),
+        ("llama", CausalLmConfig::Llama(LlamaConfig::tiny(50, 16, 4, 4, 2))),
+        ("gpt_neo", CausalLmConfig::GptNeo(GptNeoConfig::tiny(50, 16, 4, 4, 4))),
+        ("gpt_neox", CausalLmConfig::GptNeoX(GptNeoXConfig::tiny(50, 16, 4, 4))),
+    ]
+}
+
+/// Two left-padded rows of ids with their positions and bias (the second row longer than
+/// GPT-Neo's window of 4).
+pub fn left_padded_batch() -> (Tensor, Tensor, Tensor) {
+    use rltune::models::layers::{causal_bias, position_ids_from_mask};
+    let mask = vec![vec![0u8, 0, 1, 1, 1, 1, 1], vec![1u8; 7]];
+    let ids = Tensor::from_vec(vec![0u32, 0, 5, 9, 2, 31, 7, 3, 14, 15, 9, 26, 5, 35], (2, 7), &Device::Cpu)
+        .unwrap();
+    let pos = position_ids_from_mask(&mask, &Device::Cpu).unwrap();
+    let bias = causal_bias(&mask, 7, DType::F32, &Device::Cpu).unwrap();
+    (ids, pos, bias)
+}

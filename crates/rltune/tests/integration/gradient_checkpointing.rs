@@ -12,10 +12,6 @@
 //!   the plain step's bit for bit.
 
 use candle_core::{DType, Device, Tensor, Var};
-use rltune::models::gpt2::Gpt2Config;
-use rltune::models::gpt_neo::GptNeoConfig;
-use rltune::models::gpt_neox::GptNeoXConfig;
-use rltune::models::layers::{causal_bias, position_ids_from_mask};
 use rltune::models::llama::LlamaConfig;
 use rltune::models::load::{load_lm_adapted, LoraSpec};
 use rltune::models::lora::LoraConfig;
@@ -27,24 +23,7 @@ use rltune::ppo::{PpoConfig, PpoTrainer, StepInput};
 
 use crate::common::{checkpoint_serial as serial, fixture, install, max_diff, pseudo_random};
 
-fn configs() -> Vec<(&'static str, CausalLmConfig)> {
-    vec![
-        ("gpt2", CausalLmConfig::Gpt2(Gpt2Config::tiny(50, 16, 4, 4, 64))),
-        ("llama", CausalLmConfig::Llama(LlamaConfig::tiny(50, 16, 4, 4, 2))),
-        ("gpt_neo", CausalLmConfig::GptNeo(GptNeoConfig::tiny(50, 16, 4, 4, 4))),
-        ("gpt_neox", CausalLmConfig::GptNeoX(GptNeoXConfig::tiny(50, 16, 4, 4))),
-    ]
-}
-
-/// Two left-padded rows of ids with their positions and bias.
-fn batch() -> (Tensor, Tensor, Tensor) {
-    let mask = vec![vec![0u8, 0, 1, 1, 1, 1, 1], vec![1u8; 7]];
-    let ids = Tensor::from_vec(vec![0u32, 0, 5, 9, 2, 31, 7, 3, 14, 15, 9, 26, 5, 35], (2, 7), &Device::Cpu)
-        .unwrap();
-    let pos = position_ids_from_mask(&mask, &Device::Cpu).unwrap();
-    let bias = causal_bias(&mask, 7, DType::F32, &Device::Cpu).unwrap();
-    (ids, pos, bias)
-}
+use crate::common::{every_family as configs, left_padded_batch as batch};
 
 /// Every variable's gradient of `Σ h ⊙ R` (h: the final hidden states, R fixed), collected by
 /// [`Grads`] as the trainers collect them, and how many blocks the backward recomputed.
