@@ -116,3 +116,21 @@ pub fn left_padded_batch() -> (Tensor, Tensor, Tensor) {
     let bias = causal_bias(&mask, 7, DType::F32, &Device::Cpu).unwrap();
     (ids, pos, bias)
 }
+
+/// One PPO step on four fixed rows (queries, responses, scores), for tests that compare what
+/// two trainers make of the same step.
+pub fn step_on_four_rows(t: &mut rltune::ppo::PpoTrainer) {
+    let queries: Vec<Vec<u32>> = vec![vec![3, 8, 1], vec![5], vec![7, 7, 2, 9], vec![11, 4]];
+    let responses: Vec<Vec<u32>> = vec![vec![9, 1], vec![4, 4, 2], vec![30], vec![12, 13, 14, 49]];
+    let scores = [1.0f32, -0.5, 0.25, 2.0];
+    t.step_with(rltune::ppo::StepInput {
+        queries: &queries,
+        responses: &responses,
+        scores: &scores,
+        response_masks: None,
+        rollout: None,
+        bootstrap: None,
+        allowed: None,
+    })
+    .unwrap();
+}

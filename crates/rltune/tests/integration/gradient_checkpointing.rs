@@ -19,7 +19,7 @@ use rltune::models::{CausalLm, CausalLmConfig, CausalLmWithValueHead};
 use rltune::ops::checkpoint_recomputations;
 use rltune::optim::Grads;
 use rltune::params::ParamStore;
-use rltune::ppo::{PpoConfig, PpoTrainer, StepInput};
+use rltune::ppo::{PpoConfig, PpoTrainer};
 
 use crate::common::{checkpoint_serial as serial, fixture, install, max_diff, pseudo_random};
 
@@ -124,23 +124,11 @@ fn trainer(checkpointing: bool) -> PpoTrainer {
 fn a_ppo_step_with_checkpointing_is_the_plain_step() {
     install();
     let _one = serial();
-    let queries: Vec<Vec<u32>> = vec![vec![3, 8, 1], vec![5], vec![7, 7, 2, 9], vec![11, 4]];
-    let responses: Vec<Vec<u32>> = vec![vec![9, 1], vec![4, 4, 2], vec![30], vec![12, 13, 14, 49]];
-    let scores = [1.0f32, -0.5, 0.25, 2.0];
     let mut after = Vec::new();
     for checkpointing in [false, true] {
         let mut t = trainer(checkpointing);
         let before = checkpoint_recomputations();
-        t.step_with(StepInput {
-            queries: &queries,
-            responses: &responses,
-            scores: &scores,
-            response_masks: None,
-            rollout: None,
-            bootstrap: None,
-            allowed: None,
-        })
-        .unwrap();
+        crate::common::step_on_four_rows(&mut t);
         let recomputed = checkpoint_recomputations() - before;
         // 2 epochs × 2 minibatches × 3 blocks (the reference and the rollout's forward keep no
         // graph to recompute).

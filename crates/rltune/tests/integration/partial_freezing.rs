@@ -14,7 +14,7 @@ use candle_core::{DType, Device, Tensor};
 use rltune::models::gpt2::Gpt2Config;
 use rltune::models::{CausalLm, CausalLmConfig, CausalLmWithValueHead};
 use rltune::params::ParamStore;
-use rltune::ppo::{PpoConfig, PpoTrainer, StepInput};
+use rltune::ppo::{PpoConfig, PpoTrainer};
 
 use crate::common::max_diff;
 
@@ -75,20 +75,8 @@ fn a_ppo_step_moves_only_the_top_blocks_and_moves_them_as_full_training_does() {
     let before = weights(&partial);
     let start = weights(&full);
     assert!(before.iter().all(|(k, w)| max_diff(w, &start[k]) == 0.0), "the two trainers start equal");
-    let queries: Vec<Vec<u32>> = vec![vec![3, 8, 1], vec![5], vec![7, 7, 2, 9], vec![11, 4]];
-    let responses: Vec<Vec<u32>> = vec![vec![9, 1], vec![4, 4, 2], vec![30], vec![12, 13, 14, 49]];
-    let scores = [1.0f32, -0.5, 0.25, 2.0];
     for t in [&mut full, &mut partial] {
-        t.step_with(StepInput {
-            queries: &queries,
-            responses: &responses,
-            scores: &scores,
-            response_masks: None,
-            rollout: None,
-            bootstrap: None,
-            allowed: None,
-        })
-        .unwrap();
+        crate::common::step_on_four_rows(t);
     }
     let (after_full, after) = (weights(&full), weights(&partial));
     let (mut trunk, mut top, mut worst) = (0, 0, 0f64);
