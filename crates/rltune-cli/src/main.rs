@@ -3,6 +3,10 @@
 //! Errors are printed with their whole chain (`error: … caused by: …`) and exit code 1; nothing
 //! a user types can make it panic.
 
+// The doc comments of the command-line arguments are also their `--help` text, where
+// `[runtime]` and `[lora]` name TOML tables, not items to link.
+#![allow(rustdoc::broken_intra_doc_links)]
+
 mod bench;
 mod convert;
 mod dpo;
