@@ -6,6 +6,9 @@ learns"): conversational prompts with an exact answer, as TRL's GRPO datasets ho
 
 writes train.jsonl and heldout.jsonl, one row each:
     {"prompt": [{"role": "user", "content": "What is 37 + 48? ..."}], "answer": 85}
+and sft.jsonl, the training problems with their gold answers as TRL's conversational
+prompt-completion rows (the SFT control, sft-control.toml):
+    {"prompt": [{"role": "user", ...}], "completion": [{"role": "assistant", "content": "85"}]}
 
 The split is by the operand pair: a pair (a, b, op) is held out when a hash of it falls in the
 held-out fifth, so no held-out problem (nor its commuted twin) is seen in training. Seeded and
@@ -52,7 +55,8 @@ def main():
         if len(side) < (args.heldout if side is held else args.train):
             side.append(row)
     os.makedirs(args.out, exist_ok=True)
-    for name, rows in (("train.jsonl", train), ("heldout.jsonl", held)):
+    sft = [{"prompt": r["prompt"], "completion": [{"role": "assistant", "content": str(r["answer"])}]} for r in train]
+    for name, rows in (("train.jsonl", train), ("heldout.jsonl", held), ("sft.jsonl", sft)):
         path = os.path.join(args.out, name)
         with open(path + ".tmp", "w") as f:
             for r in rows:
