@@ -321,7 +321,7 @@ impl CausalLm {
 
     /// Gradient checkpointing (TRL's `gradient_checkpointing`, transformers'
     /// `gradient_checkpointing_enable()`): training forwards keep only each block's input for
-    /// the backward, which runs the block again ([`layers::checkpointed`]); the gradients are
+    /// the backward, which runs the block again (`rltune_kernels::checkpoint`); the gradients are
     /// those of the plain forward. It takes effect where the gradients are collected by
     /// `rltune_kernels::Grads` (every trainer's), and never in generation (a KV cache).
     pub fn with_gradient_checkpointing(mut self, on: bool) -> Self {
