@@ -228,7 +228,8 @@ pub fn run_reward(args: RewardArgs) -> Result<()> {
             Err(rltune::ConfigError::new(
                 "model",
                 "gradient_checkpointing",
-                "is not built for reward models (encoders and sequence classifiers); leave it out                  of `rltune reward`'s settings",
+                "is not built for reward models (encoders and sequence classifiers); leave it out \
+                 of `rltune reward`'s settings",
             )),
             c,
         )?;

@@ -64,7 +64,7 @@ fn essays_quickstart_tiny_runs_every_stage_and_writes_its_numbers() {
     // BC trained longer: as many updates as PPO's 2 steps × 1 epoch × 16/8 minibatches.
     let longer: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("bc-longer/settings.json")).unwrap()).unwrap();
-    assert_eq!(longer["steps"], 4);
+    assert_eq!(longer["max_steps"], 4);
     // A rerun reuses every stage.
     let out = ok(rltune(&["quickstart", "--task", "essays", "--preset", "tiny", "--output", s(&dir)]));
     let err = String::from_utf8_lossy(&out.stderr);

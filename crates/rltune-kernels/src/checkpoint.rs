@@ -60,7 +60,7 @@ pub fn checkpoint(x: &Tensor, f: Segment) -> CResult<Tensor> {
     drop(out);
     // The node hangs off `x` when `x` is tracked; otherwise off a fresh leaf, so that the
     // backward still reaches it for the weights inside.
-    let arg = if tracked { x.clone() } else { Var::from_tensor(&x.detach())?.as_tensor().clone() };
+    let arg = if tracked { x.clone() } else { leaf(x)? };
     arg.apply_op1(Checkpoint { f, out: Mutex::new(Some(kept)), tracked })
 }
 
@@ -68,7 +68,16 @@ pub fn checkpoint(x: &Tensor, f: Segment) -> CResult<Tensor> {
 /// that need a tracked input take the same path as without checkpointing), `x` detached
 /// otherwise.
 fn segment_input(x: &Tensor, tracked: bool) -> CResult<Tensor> {
-    Ok(if tracked { Var::from_tensor(&x.detach())?.as_tensor().clone() } else { x.detach() })
+    if tracked {
+        leaf(x)
+    } else {
+        Ok(x.detach())
+    }
+}
+
+/// A fresh variable holding `x`'s values: a tracked leaf with no graph behind it.
+fn leaf(x: &Tensor) -> CResult<Tensor> {
+    Ok(Var::from_tensor(&x.detach())?.as_tensor().clone())
 }
 
 struct Checkpoint {

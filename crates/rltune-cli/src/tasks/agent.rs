@@ -660,21 +660,15 @@ fn bc_sft_config<G>(cfg: &AgentQuickstartConfig<G>) -> SftConfig {
     }
 }
 
-/// The settings of BC trained longer (`DIR/bc-longer/settings.json`): a cached stage trained
-/// under others is trained again.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-struct LongerSettings {
-    bc: TrainingArgs,
-    steps: usize,
-    learning_rate: f64,
-}
-
 /// **BC trained longer**, the control for RL's extra optimizer steps (issue #56): from the BC
 /// policy, as many more cross-entropy steps on the same demonstrations as PPO takes optimizer
 /// steps (`steps × ppo_epochs × batch_size / (mini_batch_size × gradient_accumulation_steps)`),
 /// each on as many examples as a PPO minibatch, at PPO's learning rate held constant, with a
 /// fresh shuffle. Cached in `DIR/bc-longer`; `None` for the group algorithms (no PPO steps to
-/// match). Returns the folder and the seconds it took (0 when cached).
+/// match). Its training arguments are kept in `DIR/bc-longer/settings.json`: a cached stage
+/// trained under others is trained again (the BC policy it starts from is the quickstart's
+/// shared stage, refused when its settings change). Returns the folder and the seconds it took
+/// (0 when cached).
 pub fn train_bc_longer<G: AgentGames>(
     dir: &Path,
     cfg: &AgentQuickstartConfig<G>,
@@ -696,13 +690,12 @@ pub fn train_bc_longer<G: AgentGames>(
         seed: cfg.bc.seed ^ 0x10e6,
         ..cfg.bc.clone()
     };
-    let settings = LongerSettings { bc: cfg.bc.clone(), steps, learning_rate: p.learning_rate };
     let out = dir.join("bc-longer");
     let settings_path = out.join("settings.json");
     let cached = std::fs::read_to_string(&settings_path)
         .ok()
-        .and_then(|t| serde_json::from_str::<LongerSettings>(&t).ok())
-        .is_some_and(|s| s == settings);
+        .and_then(|t| serde_json::from_str::<TrainingArgs>(&t).ok())
+        .is_some_and(|s| s == args);
     if cached && out.join("model.safetensors").is_file() {
         on(Event::Cached { stage: "bc-longer", path: out.clone() });
         return Ok(Some((out, 0.0)));
@@ -716,7 +709,7 @@ pub fn train_bc_longer<G: AgentGames>(
     let records = bc_records(&demos, &tokenizer, cfg)?;
     sft::train_sft(&model, &records, &bc_sft_config(cfg), &args, &mut train_progress("bc-longer", on))?;
     model.save(&out)?;
-    write_file(&settings_path, to_json(&settings)?.as_bytes())?;
+    write_file(&settings_path, to_json(&args)?.as_bytes())?;
     let s = t.elapsed().as_secs_f64();
     on(Event::Done { stage: "bc-longer", seconds: s });
     Ok(Some((out, s)))

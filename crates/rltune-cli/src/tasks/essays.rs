@@ -362,13 +362,17 @@ pub fn run_essays_quickstart(
         models.extend([(CONTROLS[1], longer_dir, &sampled), (CONTROLS[2], longer_dir, &greedy)]);
     }
     let (dtype, device) = (runtime.dtype(), runtime.device());
-    let mut on_validation = Vec::new();
-    let mut loaded: Option<(&std::path::PathBuf, _)> = None;
-    for (name, path, generation) in models {
-        if loaded.as_ref().is_none_or(|(p, _)| *p != path) {
-            loaded = Some((path, load_policy(&path.to_string_lossy(), false, dtype, device)?));
+    // Each policy loaded once (BC plays three of the agents).
+    let mut policies = Vec::new();
+    for (_, path, _) in &models {
+        if !policies.iter().any(|(p, _)| p == path) {
+            policies.push((*path, load_policy(&path.to_string_lossy(), false, dtype, device)?));
         }
-        let lm = &loaded.as_ref().expect("loaded above").1.model.lm;
+    }
+    let mut on_validation = Vec::new();
+    for (name, path, generation) in models {
+        let Some((_, policy)) = policies.iter().find(|(p, _)| *p == path) else { continue };
+        let lm = &policy.model.lm;
         let agent = || ModelAgent::new(lm, &tokenizer, cfg.agent.clone(), generation.clone(), device);
         agents.push((name.to_string(), eval_agent(&heldout, &mut agent()?, n, eval_seed)?));
         if cfg.validation_episodes > 0 {
@@ -376,7 +380,7 @@ pub fn run_essays_quickstart(
             on_validation.push((name.to_string(), e));
         }
     }
-    drop(loaded);
+    drop(policies);
     let s = t.elapsed().as_secs_f64();
     on(Event::Done { stage: "eval", seconds: s });
     seconds.push(("eval".into(), s));

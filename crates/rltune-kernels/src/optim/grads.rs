@@ -38,20 +38,18 @@ impl Grads {
                 buffered.then(|| Arc::new(GradSink::new(v.elem_count())))
             })
             .collect();
-        let map = SinkMap {
-            sinks: vars
-                .iter()
-                .zip(&sinks)
-                .filter_map(|(v, s)| Some((v.as_tensor().id(), Arc::clone(s.as_ref()?))))
-                .collect(),
-            dense: vars
-                .iter()
-                .zip(&sinks)
-                .filter(|(_, s)| s.is_none())
-                .map(|(v, _)| v.as_tensor().id())
-                .collect(),
-            aside: Default::default(),
-        };
+        let mut map = SinkMap::default();
+        for (v, s) in vars.iter().zip(&sinks) {
+            let id = v.as_tensor().id();
+            match s {
+                Some(s) => {
+                    map.sinks.insert(id, Arc::clone(s));
+                }
+                None => {
+                    map.dense.insert(id);
+                }
+            }
+        }
         let single_write = vec![false; vars.len()];
         Self { vars: vars.to_vec(), sinks, map: Arc::new(map), tensors: vec![None; vars.len()], single_write }
     }
