@@ -132,7 +132,7 @@ pub fn run(args: Args) -> Result<()> {
         (None, None) => None,
         (lc, adapter) => {
             if let Some(c) = lc {
-                c.validate(&format!("{}: [lora]", source.display())).map_err(anyhow::Error::msg)?;
+                c.validate("lora").map_err(|e| anyhow::anyhow!("{}: {e}", source.display()))?;
             }
             if args.ref_model.is_some() {
                 anyhow::bail!(

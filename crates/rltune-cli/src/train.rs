@@ -134,7 +134,7 @@ fn lora_spec(
         return Ok(None);
     }
     if let Some(l) = config {
-        check(l.validate("[lora]").map_err(|m| rltune::ConfigError::table("lora", m)), c)?;
+        check(l.validate("lora"), c)?;
     }
     let origin = c.config.as_ref().map_or("--set".to_string(), |p| p.display().to_string());
     let origin = format!("{origin}: [lora]");

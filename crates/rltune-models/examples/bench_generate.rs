@@ -248,7 +248,7 @@ fn block_breakdown(store: &ParamStore, runs: usize) -> rltune_models::Result<()>
     let attn_proj = Conv1D::load(&h0.pp("attn").pp("c_proj"), C, C, 0.02)?;
     let c_fc = Conv1D::load(&h0.pp("mlp").pp("c_fc"), C, 4 * C, 0.02)?;
     let mlp_proj = Conv1D::load(&h0.pp("mlp").pp("c_proj"), 4 * C, C, 0.02)?;
-    let act = Activation::parse("gelu_new").map_err(rltune_models::Error::Input)?;
+    let act = Activation::parse("activation_function", "gelu_new")?;
     let (n_head, s) = (12, P + N / 2);
     let x = Tensor::randn(0f32, 1.0, (B, 1, C), &dev)?;
     let past_k = Tensor::randn(0f32, 1.0, (B, n_head, s - 1, C / n_head), &dev)?;

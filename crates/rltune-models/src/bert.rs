@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 use super::layers::{attention, mean_pool, merge_heads, padding_bias, split_heads};
 use super::layers::{Activation, Embedding, LayerNorm, Linear};
 pub use crate::classifier::{SequenceClassifier, SequenceClassifierConfig, SEQUENCE_CLASSIFIER_TYPES};
-use crate::error::{Error, Result};
+use crate::error::{ConfigError, Error, Result};
 use crate::params::Params;
 
 /// `config.json` of a BERT model; defaults are transformers' `BertConfig` defaults.
@@ -124,25 +124,26 @@ fn d_init() -> f64 {
 pub fn resolve_labels(
     id2label: Option<&BTreeMap<String, String>>,
     num_labels: Option<usize>,
-) -> std::result::Result<Vec<String>, String> {
+) -> std::result::Result<Vec<String>, ConfigError> {
+    let bad = |problem: String| ConfigError::new("", "id2label", problem);
     let Some(map) = id2label else {
         return Ok((0..num_labels.unwrap_or(2)).map(|i| format!("LABEL_{i}")).collect());
     };
     let mut by_index = BTreeMap::new();
     for (key, name) in map {
         let i: usize =
-            key.trim().parse().map_err(|_| format!("id2label key {key:?} is not a non-negative integer"))?;
+            key.trim().parse().map_err(|_| bad(format!("key {key:?} is not a non-negative integer")))?;
         by_index.insert(i, name.clone());
     }
     if by_index.keys().copied().ne(0..by_index.len()) {
-        return Err(format!(
-            "id2label keys must be 0..{} without gaps, found {:?}",
+        return Err(bad(format!(
+            "keys must be 0..{} without gaps, found {:?}",
             by_index.len(),
             by_index.keys().collect::<Vec<_>>()
-        ));
+        )));
     }
     if by_index.is_empty() {
-        return Err("id2label is empty; a classifier needs at least one label".into());
+        return Err(bad("is empty; a classifier needs at least one label".into()));
     }
     Ok(by_index.into_values().collect())
 }
@@ -169,32 +170,41 @@ impl BertConfig {
     }
 
     /// Class names by index (see [`resolve_labels`]).
-    pub fn labels(&self) -> std::result::Result<Vec<String>, String> {
+    pub fn labels(&self) -> std::result::Result<Vec<String>, ConfigError> {
         resolve_labels(self.id2label.as_ref(), self.num_labels)
     }
 
     /// Checks the fields that would otherwise fail deep inside a forward pass.
-    pub fn validate(&self) -> std::result::Result<(), String> {
+    pub fn validate(&self) -> std::result::Result<(), ConfigError> {
         let (c, h) = (self.hidden_size, self.num_attention_heads);
         if h == 0 || c % h != 0 {
-            return Err(format!(
-                "hidden_size ({c}) must be a positive multiple of num_attention_heads ({h})"
+            return Err(ConfigError::new(
+                "",
+                "hidden_size",
+                format!("({c}) must be a positive multiple of num_attention_heads ({h})"),
             ));
         }
         if self.vocab_size == 0 || self.num_hidden_layers == 0 || self.max_position_embeddings == 0 {
-            return Err("vocab_size, num_hidden_layers and max_position_embeddings must be positive".into());
-        }
-        if self.type_vocab_size == 0 {
-            return Err("type_vocab_size must be positive".into());
-        }
-        if self.position_embedding_type != "absolute" {
-            return Err(format!(
-                "position_embedding_type {:?} is not supported; rltune implements only \"absolute\" \
-                 (relative_key and relative_key_query add learned distance embeddings)",
-                self.position_embedding_type
+            return Err(ConfigError::table(
+                "",
+                "vocab_size, num_hidden_layers and max_position_embeddings must be positive",
             ));
         }
-        Activation::parse(&self.hidden_act)?;
+        if self.type_vocab_size == 0 {
+            return Err(ConfigError::new("", "type_vocab_size", "must be positive"));
+        }
+        if self.position_embedding_type != "absolute" {
+            return Err(ConfigError::new(
+                "",
+                "position_embedding_type",
+                format!(
+                    "{:?} is not supported; rltune implements only \"absolute\" (relative_key and \
+                     relative_key_query add learned distance embeddings)",
+                    self.position_embedding_type
+                ),
+            ));
+        }
+        Activation::parse("hidden_act", &self.hidden_act)?;
         self.labels().map(|_| ())
     }
 }
@@ -340,7 +350,7 @@ struct Layer {
 impl Layer {
     fn load(p: &Params, cfg: &BertConfig) -> Result<Self> {
         let (c, inner) = (cfg.hidden_size, cfg.intermediate_size);
-        let act = Activation::parse(&cfg.hidden_act).map_err(Error::Input)?;
+        let act = Activation::parse("hidden_act", &cfg.hidden_act)?;
         Ok(Self {
             self_attention: SelfAttention::load(&p.pp("attention").pp("self"), cfg)?,
             attention_output: DenseAddNorm::load(&p.pp("attention").pp("output"), c, cfg)?,

@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 use super::bert::{check_mask, check_positions, resolve_labels};
 use super::layers::{attention, merge_heads, padding_bias, split_heads};
 use super::layers::{Activation, Embedding, LayerNorm, Linear};
-use crate::error::{Error, Result};
+use crate::error::{ConfigError, Error, Result};
 use crate::params::Params;
 
 /// Layer-norm epsilon, hard-coded in transformers' DistilBERT.
@@ -126,25 +126,33 @@ impl DistilBertConfig {
     }
 
     /// Class names by index (see [`resolve_labels`]).
-    pub fn labels(&self) -> std::result::Result<Vec<String>, String> {
+    pub fn labels(&self) -> std::result::Result<Vec<String>, ConfigError> {
         resolve_labels(self.id2label.as_ref(), self.num_labels)
     }
 
     /// Checks the fields that would otherwise fail deep inside a forward pass.
-    pub fn validate(&self) -> std::result::Result<(), String> {
+    pub fn validate(&self) -> std::result::Result<(), ConfigError> {
         if self.n_heads == 0 || !self.dim.is_multiple_of(self.n_heads) {
-            return Err(format!(
-                "dim ({}) must be a positive multiple of n_heads ({})",
-                self.dim, self.n_heads
+            return Err(ConfigError::new(
+                "",
+                "dim",
+                format!("({}) must be a positive multiple of n_heads ({})", self.dim, self.n_heads),
             ));
         }
         if self.vocab_size == 0 || self.n_layers == 0 || self.max_position_embeddings == 0 {
-            return Err("vocab_size, n_layers and max_position_embeddings must be positive".into());
+            return Err(ConfigError::table(
+                "",
+                "vocab_size, n_layers and max_position_embeddings must be positive",
+            ));
         }
         if self.sinusoidal_pos_embds && !self.dim.is_multiple_of(2) {
-            return Err(format!("sinusoidal_pos_embds needs an even dim, got {}", self.dim));
+            return Err(ConfigError::new(
+                "",
+                "sinusoidal_pos_embds",
+                format!("needs an even dim, got {}", self.dim),
+            ));
         }
-        Activation::parse(&self.activation)?;
+        Activation::parse("activation", &self.activation)?;
         self.labels().map(|_| ())
     }
 }
@@ -251,7 +259,7 @@ impl TransformerBlock {
             sa_layer_norm: LayerNorm::load(&p.pp("sa_layer_norm"), c, LAYER_NORM_EPS)?,
             lin1: Linear::load(&p.pp("ffn").pp("lin1"), c, inner, true, std)?,
             lin2: Linear::load(&p.pp("ffn").pp("lin2"), inner, c, true, std)?,
-            act: Activation::parse(&cfg.activation).map_err(Error::Input)?,
+            act: Activation::parse("activation", &cfg.activation)?,
             output_layer_norm: LayerNorm::load(&p.pp("output_layer_norm"), c, LAYER_NORM_EPS)?,
         })
     }

@@ -568,31 +568,27 @@ pub fn hf_name(gguf: &str) -> Option<String> {
 
 /// Undoes llama.cpp's `permute` of q/k rows: `(H, D/2, 2, …) -> (H, 2, D/2, …)` over the first
 /// axis of `t` (`[H·D, in]` weights or `[H·D]` biases), as transformers' `_reverse_permute_weights`.
-pub fn unpermute_rows(t: &Tensor, n_heads: usize) -> std::result::Result<Tensor, String> {
+pub fn unpermute_rows(t: &Tensor, n_heads: usize) -> Result<Tensor> {
     permute_rows(t, n_heads, true)
 }
 
 /// llama.cpp's `LlamaModel.permute` (the inverse of [`unpermute_rows`]): `(H, 2, D/2, …) -> (H, D/2, 2, …)`.
-pub fn llama_cpp_permute_rows(t: &Tensor, n_heads: usize) -> std::result::Result<Tensor, String> {
+pub fn llama_cpp_permute_rows(t: &Tensor, n_heads: usize) -> Result<Tensor> {
     permute_rows(t, n_heads, false)
 }
 
-fn permute_rows(t: &Tensor, n_heads: usize, undo: bool) -> std::result::Result<Tensor, String> {
+/// Rows that do not split into `n_heads` heads of even size are an [`Error::Input`] naming the
+/// counts; the callers add the file and the tensor.
+fn permute_rows(t: &Tensor, n_heads: usize, undo: bool) -> Result<Tensor> {
     let dims = t.dims().to_vec();
     let rows = dims.first().copied().unwrap_or(0);
     if n_heads == 0 || !rows.is_multiple_of(2 * n_heads) {
-        return Err(format!("{rows} rows do not split into {n_heads} heads of even size"));
+        return Err(Error::Input(format!("{rows} rows do not split into {n_heads} heads of even size")));
     }
     let half = rows / n_heads / 2;
     let rest: usize = dims[1..].iter().product();
     let (a, b) = if undo { (half, 2) } else { (2, half) };
-    let r = t
-        .reshape((n_heads, a, b, rest))
-        .and_then(|x| x.transpose(1, 2))
-        .and_then(|x| x.contiguous())
-        .and_then(|x| x.reshape(dims.as_slice()))
-        .map_err(|e| e.to_string())?;
-    Ok(r)
+    Ok(t.reshape((n_heads, a, b, rest))?.transpose(1, 2)?.contiguous()?.reshape(dims.as_slice())?)
 }
 
 /// The dequantized tensors of `path` under transformers' names (f32, CPU).

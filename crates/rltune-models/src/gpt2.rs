@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 use super::layers::{
     attention, checkpointed, merge_heads, split_heads, Activation, Conv1D, Embedding, KvCache, LayerNorm,
 };
-use crate::error::{Error, Result};
+use crate::error::{ConfigError, Error, Result};
 use crate::params::Params;
 use rltune_kernels as ops;
 
@@ -116,17 +116,18 @@ impl Gpt2Config {
     }
 
     /// Checks the fields that would otherwise fail deep inside a forward pass.
-    pub fn validate(&self) -> std::result::Result<(), String> {
+    pub fn validate(&self) -> std::result::Result<(), ConfigError> {
         if self.n_head == 0 || !self.n_embd.is_multiple_of(self.n_head) {
-            return Err(format!(
-                "n_embd ({}) must be a positive multiple of n_head ({})",
-                self.n_embd, self.n_head
+            return Err(ConfigError::new(
+                "",
+                "n_embd",
+                format!("({}) must be a positive multiple of n_head ({})", self.n_embd, self.n_head),
             ));
         }
         if self.vocab_size == 0 || self.n_layer == 0 || self.n_positions == 0 {
-            return Err("vocab_size, n_layer and n_positions must be positive".into());
+            return Err(ConfigError::table("", "vocab_size, n_layer and n_positions must be positive"));
         }
-        Activation::parse(&self.activation_function).map(|_| ())
+        Activation::parse("activation_function", &self.activation_function).map(|_| ())
     }
 }
 
@@ -193,7 +194,7 @@ impl Mlp {
         let inner = cfg.n_inner.unwrap_or(4 * c);
         let std = cfg.initializer_range;
         let proj_std = std / (2.0 * cfg.n_layer as f64).sqrt();
-        let act = Activation::parse(&cfg.activation_function).map_err(Error::Input)?;
+        let act = Activation::parse("activation_function", &cfg.activation_function)?;
         Ok(Self {
             c_fc: Conv1D::load(&p.pp("c_fc"), c, inner, std)?,
             c_proj: Conv1D::load(&p.pp("c_proj"), inner, c, proj_std)?,

@@ -27,7 +27,7 @@ use super::layers::{
     attention, checkpointed, merge_heads, split_heads, Activation, Embedding, KvCache, LayerNorm, Linear,
     MASK_MIN,
 };
-use crate::error::{Error, Result};
+use crate::error::{ConfigError, Error, Result};
 use crate::params::{Init, Params};
 
 /// `config.json` of a GPT-Neo model; defaults are transformers' `GPTNeoConfig` defaults.
@@ -139,34 +139,44 @@ impl GptNeoConfig {
     }
 
     /// Checks the fields that would otherwise fail deep inside a forward pass.
-    pub fn validate(&self) -> std::result::Result<(), String> {
+    pub fn validate(&self) -> std::result::Result<(), ConfigError> {
         if self.num_heads == 0 || !self.hidden_size.is_multiple_of(self.num_heads) {
-            return Err(format!(
-                "hidden_size ({}) must be a positive multiple of num_heads ({})",
-                self.hidden_size, self.num_heads
+            return Err(ConfigError::new(
+                "",
+                "hidden_size",
+                format!(
+                    "({}) must be a positive multiple of num_heads ({})",
+                    self.hidden_size, self.num_heads
+                ),
             ));
         }
         if self.vocab_size == 0 || self.num_layers == 0 || self.max_position_embeddings == 0 {
-            return Err("vocab_size, num_layers and max_position_embeddings must be positive".into());
+            return Err(ConfigError::table(
+                "",
+                "vocab_size, num_layers and max_position_embeddings must be positive",
+            ));
         }
         if let Some(bad) =
             self.attention_types.iter().flat_map(|(k, _)| k).find(|k| *k != "global" && *k != "local")
         {
-            return Err(format!("attention_types: unknown kind {bad:?}; use \"global\" or \"local\""));
+            return Err(ConfigError::new(
+                "",
+                "attention_types",
+                format!(": unknown kind {bad:?}; use \"global\" or \"local\""),
+            ));
         }
         let n = self.local_layers().len();
         if n != self.num_layers {
-            return Err(format!(
-                "attention_types expands to {n} layers but num_layers is {}; make them agree",
-                self.num_layers
+            return Err(ConfigError::new(
+                "",
+                "attention_types",
+                format!("expands to {n} layers but num_layers is {}; make them agree", self.num_layers),
             ));
         }
         if self.window_size == 0 {
-            return Err("window_size must be positive".into());
+            return Err(ConfigError::new("", "window_size", "must be positive"));
         }
-        Activation::parse(&self.activation_function)
-            .map(|_| ())
-            .map_err(|e| format!("activation_function: {e}"))
+        Activation::parse("activation_function", &self.activation_function).map(|_| ())
     }
 }
 
@@ -248,7 +258,7 @@ impl Mlp {
         Ok(Self {
             c_fc: Linear::load(&p.pp("c_fc"), c, inner, true, std)?,
             c_proj: Linear::load(&p.pp("c_proj"), inner, c, true, std)?,
-            act: Activation::parse(&cfg.activation_function).map_err(Error::Input)?,
+            act: Activation::parse("activation_function", &cfg.activation_function)?,
         })
     }
 
@@ -458,9 +468,9 @@ mod tests {
         c.num_layers = 3;
         assert_eq!(c.local_layers(), vec![true, false, false]);
         c.num_layers = 4;
-        assert!(c.validate().unwrap_err().contains("attention_types"));
+        assert_eq!(c.validate().unwrap_err().field, "attention_types");
         c.attention_types = vec![(vec!["sparse".into()], 4)];
-        assert!(c.validate().unwrap_err().contains("sparse"));
+        assert!(c.validate().unwrap_err().to_string().contains("sparse"));
     }
 
     #[test]

@@ -31,7 +31,7 @@ use serde::{Deserialize, Serialize};
 use super::layers::{
     attention, checkpointed, merge_heads, Activation, Embedding, KvCache, LayerNorm, Linear,
 };
-use crate::error::{Error, Result};
+use crate::error::{ConfigError, Error, Result};
 use crate::params::{Init, Params};
 
 /// `config.json` of a GPT-NeoX model; defaults are transformers' `GPTNeoXConfig` defaults.
@@ -172,30 +172,41 @@ impl GptNeoXConfig {
     }
 
     /// Checks the fields that would otherwise fail deep inside a forward pass.
-    pub fn validate(&self) -> std::result::Result<(), String> {
+    pub fn validate(&self) -> std::result::Result<(), ConfigError> {
         let h = self.num_attention_heads;
         if h == 0 || !self.hidden_size.is_multiple_of(h) {
-            return Err(format!(
-                "hidden_size ({}) must be a positive multiple of num_attention_heads ({h})",
-                self.hidden_size
+            return Err(ConfigError::new(
+                "",
+                "hidden_size",
+                format!("({}) must be a positive multiple of num_attention_heads ({h})", self.hidden_size),
             ));
         }
         if self.vocab_size == 0 || self.num_hidden_layers == 0 || self.intermediate_size == 0 {
-            return Err("vocab_size, num_hidden_layers and intermediate_size must be positive".into());
+            return Err(ConfigError::table(
+                "",
+                "vocab_size, num_hidden_layers and intermediate_size must be positive",
+            ));
         }
         let f = self.rotary_fraction();
         if !(0.0..=1.0).contains(&f) {
-            return Err(format!("rotary_pct / partial_rotary_factor ({f}) must be in [0, 1]"));
+            return Err(ConfigError::table(
+                "",
+                format!("rotary_pct / partial_rotary_factor ({f}) must be in [0, 1]"),
+            ));
         }
         if !self.rotary_dims().is_multiple_of(2) {
-            return Err(format!(
-                "rotary dims int(head_dim {} × {f}) = {} must be even; fix rotary_pct",
-                self.head_size(),
-                self.rotary_dims()
+            return Err(ConfigError::new(
+                "",
+                "rotary_pct",
+                format!(
+                    ": rotary dims int(head_dim {} × {f}) = {} must be even; fix rotary_pct",
+                    self.head_size(),
+                    self.rotary_dims()
+                ),
             ));
         }
         if self.rope_base().is_nan() || self.rope_base() <= 0.0 {
-            return Err("rotary_emb_base / rope_theta must be positive".into());
+            return Err(ConfigError::table("", "rotary_emb_base / rope_theta must be positive"));
         }
         for (field, v) in [("rope_parameters", &self.rope_parameters), ("rope_scaling", &self.rope_scaling)] {
             let kind = v
@@ -203,12 +214,14 @@ impl GptNeoXConfig {
                 .and_then(|v| v.get("rope_type").or_else(|| v.get("type")))
                 .and_then(|t| t.as_str());
             if let Some(k) = kind.filter(|k| *k != "default") {
-                return Err(format!(
-                    "{field}: rope_type {k:?} is not supported for gpt_neox; only \"default\""
+                return Err(ConfigError::new(
+                    "",
+                    field,
+                    format!(": rope_type {k:?} is not supported for gpt_neox; only \"default\""),
                 ));
             }
         }
-        Activation::parse(&self.hidden_act).map(|_| ()).map_err(|e| format!("hidden_act: {e}"))
+        Activation::parse("hidden_act", &self.hidden_act).map(|_| ())
     }
 }
 
@@ -309,7 +322,7 @@ impl Mlp {
         Ok(Self {
             dense_h_to_4h: Linear::load(&p.pp("dense_h_to_4h"), c, inner, true, std)?,
             dense_4h_to_h: Linear::load(&p.pp("dense_4h_to_h"), inner, c, true, std)?,
-            act: Activation::parse(&cfg.hidden_act).map_err(Error::Input)?,
+            act: Activation::parse("hidden_act", &cfg.hidden_act)?,
         })
     }
 
@@ -524,6 +537,6 @@ mod tests {
         assert_eq!((c.rotary_dims(), c.rope_base()), (16, 77.0));
         let c = parse(serde_json::json!({"hidden_size": 64, "num_attention_heads": 4,
             "rope_scaling": {"type": "linear", "factor": 2.0}}));
-        assert!(c.validate().unwrap_err().contains("rope_scaling"));
+        assert_eq!(c.validate().unwrap_err().field, "rope_scaling");
     }
 }

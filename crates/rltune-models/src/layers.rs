@@ -5,7 +5,7 @@
 
 use candle_core::{Device, Tensor, D};
 
-use crate::error::{Error, Result};
+use crate::error::{ConfigError, Error, Result};
 use crate::lora::{LoraLinear, WeightLayout};
 use crate::params::{Init, Params};
 use rltune_kernels as ops;
@@ -143,15 +143,18 @@ pub enum Activation {
 }
 
 impl Activation {
-    /// Parses a transformers activation name; the error lists the supported names.
-    pub fn parse(name: &str) -> std::result::Result<Self, String> {
+    /// Parses a transformers activation name, the value of config.json's `field`; the error names
+    /// the field and lists the supported names.
+    pub fn parse(field: &str, name: &str) -> std::result::Result<Self, ConfigError> {
         match name {
             "gelu_new" | "gelu_pytorch_tanh" | "gelu_fast" => Ok(Self::GeluTanh),
             "gelu" => Ok(Self::GeluErf),
             "relu" => Ok(Self::Relu),
             "silu" | "swish" => Ok(Self::Silu),
-            other => Err(format!(
-                "unsupported activation {other:?}; supported: gelu_new, gelu_pytorch_tanh, gelu, relu, silu"
+            other => Err(ConfigError::new(
+                "",
+                field,
+                format!(": unsupported activation {other:?}; supported: gelu_new, gelu_pytorch_tanh, gelu, relu, silu"),
             )),
         }
     }

@@ -64,7 +64,7 @@ use std::path::Path;
 
 use candle_core::Tensor;
 
-pub use error::{Error, Result};
+pub use error::{ConfigError, Error, Result};
 pub use layers::KvCache;
 pub use value_head::{CausalLmWithValueHead, ValueHead, ValueHeadKind, ValueHeadSpec};
 
@@ -96,7 +96,7 @@ impl CausalLmConfig {
             let field = field.map(|f| format!("field {f:?}: ")).unwrap_or_default();
             Error::config(path, format!("invalid {model_type} config: {field}{e}; fix it in config.json"))
         };
-        let invalid = |m: String| {
+        let invalid = |m: ConfigError| {
             Error::config(path, format!("{m}; fix config.json to describe the checkpoint's model"))
         };
         match model_type {

@@ -37,7 +37,7 @@ use super::layers::{
     attention, checkpointed, merge_heads, repeat_kv, split_heads, Activation, Embedding, KvCache, Linear,
     MASK_MIN,
 };
-use crate::error::{Error, Result};
+use crate::error::{ConfigError, Error, Result};
 use crate::params::{Init, Params};
 use rltune_kernels as ops;
 
@@ -175,12 +175,16 @@ impl LlamaConfig {
         serde_json::from_value(v).unwrap_or_else(|_| unreachable!("every field is valid"))
     }
 
-    fn family(&self) -> std::result::Result<Family, String> {
+    fn family(&self) -> std::result::Result<Family, ConfigError> {
         match self.model_type.as_str() {
             "llama" | "" => Ok(Family::Llama),
             "qwen2" => Ok(Family::Qwen2),
             "mistral" => Ok(Family::Mistral),
-            other => Err(format!("model_type {other:?} is not a Llama-family model (llama, qwen2, mistral)")),
+            other => Err(ConfigError::new(
+                "",
+                "model_type",
+                format!("{other:?} is not a Llama-family model (llama, qwen2, mistral)"),
+            )),
         }
     }
 
@@ -240,36 +244,52 @@ impl LlamaConfig {
 
     /// Checks the fields that would otherwise fail deep inside a forward pass; the message names
     /// the field.
-    pub fn validate(&self) -> std::result::Result<(), String> {
+    pub fn validate(&self) -> std::result::Result<(), ConfigError> {
         let family = self.family()?;
         let (h, h_kv) = (self.num_attention_heads, self.kv_heads());
         if self.vocab_size == 0 || self.hidden_size == 0 || self.num_hidden_layers == 0 {
-            return Err("vocab_size, hidden_size and num_hidden_layers must be positive".into());
+            return Err(ConfigError::table(
+                "",
+                "vocab_size, hidden_size and num_hidden_layers must be positive",
+            ));
         }
         if h == 0 || h_kv == 0 || h % h_kv != 0 {
-            return Err(format!(
-                "num_attention_heads ({h}) must be a positive multiple of num_key_value_heads ({h_kv})"
+            return Err(ConfigError::new(
+                "",
+                "num_attention_heads",
+                format!("({h}) must be a positive multiple of num_key_value_heads ({h_kv})"),
             ));
         }
         if (self.head_dim.is_none() || family == Family::Qwen2) && !self.hidden_size.is_multiple_of(h) {
-            return Err(format!(
-                "hidden_size ({}) must be divisible by num_attention_heads ({h}), or set head_dim",
-                self.hidden_size
+            return Err(ConfigError::new(
+                "",
+                "hidden_size",
+                format!(
+                    "({}) must be divisible by num_attention_heads ({h}), or set head_dim",
+                    self.hidden_size
+                ),
             ));
         }
         let d = self.head_size();
         if d == 0 || !d.is_multiple_of(2) {
-            return Err(format!("head_dim ({d}) must be even and positive for rotary embeddings"));
+            return Err(ConfigError::new(
+                "",
+                "head_dim",
+                format!("({d}) must be even and positive for rotary embeddings"),
+            ));
         }
         let not_positive = |x: f64| x.is_nan() || x <= 0.0;
         if self.intermediate() == 0 || not_positive(self.rms_norm_eps) || not_positive(self.rope_theta) {
-            return Err("intermediate_size, rms_norm_eps and rope_theta must be positive".into());
+            return Err(ConfigError::table(
+                "",
+                "intermediate_size, rms_norm_eps and rope_theta must be positive",
+            ));
         }
         if self.window() == Some(0) {
-            return Err("sliding_window must be positive (or null for none)".into());
+            return Err(ConfigError::new("", "sliding_window", "must be positive (or null for none)"));
         }
         RopeScaling::parse(self.rope_scaling.as_ref())?;
-        Activation::parse(&self.hidden_act).map(|_| ()).map_err(|e| format!("hidden_act: {e}"))
+        Activation::parse("hidden_act", &self.hidden_act).map(|_| ())
     }
 }
 
@@ -296,25 +316,28 @@ enum RopeScaling {
 
 impl RopeScaling {
     /// Parses `rope_scaling`; the legacy key `type` wins over `rope_type`, as in `LlamaConfig`.
-    fn parse(v: Option<&serde_json::Value>) -> std::result::Result<Self, String> {
+    fn parse(v: Option<&serde_json::Value>) -> std::result::Result<Self, ConfigError> {
+        let bad = |problem: String| ConfigError::new("", "rope_scaling", problem);
+        let key_bad =
+            |key: &str, problem: String| ConfigError::new("", format!("rope_scaling.{key}"), problem);
         let obj = match v {
             None | Some(serde_json::Value::Null) => return Ok(Self::Default),
             Some(serde_json::Value::Object(o)) => o,
-            Some(other) => return Err(format!("rope_scaling must be null or an object, got {other}")),
+            Some(other) => return Err(bad(format!("must be null or an object, got {other}"))),
         };
         let kind =
             obj.get("type").or_else(|| obj.get("rope_type")).and_then(|t| t.as_str()).unwrap_or("default");
         let num = |key: &str| {
             obj.get(key)
                 .and_then(serde_json::Value::as_f64)
-                .ok_or_else(|| format!("rope_scaling.{key} (a number) is required for rope_type {kind:?}"))
+                .ok_or_else(|| key_bad(key, format!("(a number) is required for rope_type {kind:?}")))
         };
         let positive = |key: &str| {
             num(key).and_then(|x| {
                 if x > 0.0 {
                     Ok(x)
                 } else {
-                    Err(format!("rope_scaling.{key} must be positive, got {x}"))
+                    Err(key_bad(key, format!("must be positive, got {x}")))
                 }
             })
         };
@@ -325,8 +348,9 @@ impl RopeScaling {
             "llama3" => {
                 let (low, high) = (positive("low_freq_factor")?, positive("high_freq_factor")?);
                 if high <= low {
-                    return Err(format!(
-                        "rope_scaling.high_freq_factor ({high}) must exceed low_freq_factor ({low})"
+                    return Err(key_bad(
+                        "high_freq_factor",
+                        format!("({high}) must exceed low_freq_factor ({low})"),
                     ));
                 }
                 Ok(Self::Llama3 {
@@ -336,9 +360,9 @@ impl RopeScaling {
                     original_max_positions: positive("original_max_position_embeddings")?,
                 })
             }
-            other => Err(format!(
-                "rope_scaling: unsupported rope_type {other:?}; supported: default, linear, dynamic, llama3"
-            )),
+            other => Err(bad(format!(
+                ": unsupported rope_type {other:?}; supported: default, linear, dynamic, llama3"
+            ))),
         }
     }
 }
@@ -381,7 +405,7 @@ struct Rope {
 
 impl Rope {
     fn new(cfg: &LlamaConfig, dtype: DType, device: &Device) -> Result<Self> {
-        let scaling = RopeScaling::parse(cfg.rope_scaling.as_ref()).map_err(Error::Input)?;
+        let scaling = RopeScaling::parse(cfg.rope_scaling.as_ref())?;
         let (base, dim) = (cfg.rope_theta, cfg.head_size());
         let inv = default_inv_freq(base, dim);
         let inv = match scaling {
@@ -567,7 +591,7 @@ impl Mlp {
             gate_proj: Linear::load(&p.pp("gate_proj"), c, inner, bias, std)?,
             up_proj: Linear::load(&p.pp("up_proj"), c, inner, bias, std)?,
             down_proj: Linear::load(&p.pp("down_proj"), inner, c, bias, std)?,
-            act: Activation::parse(&cfg.hidden_act).map_err(Error::Input)?,
+            act: Activation::parse("hidden_act", &cfg.hidden_act)?,
         })
     }
 
@@ -1049,13 +1073,18 @@ mod tests {
     #[test]
     fn validate_names_the_field() {
         let err = |extra: serde_json::Value| tiny("llama", extra).validate().unwrap_err();
-        assert!(err(serde_json::json!({"num_key_value_heads": 3})).contains("num_key_value_heads"));
-        assert!(err(serde_json::json!({"num_attention_heads": 3, "num_key_value_heads": 1}))
-            .contains("num_attention_heads"));
+        let e = err(serde_json::json!({"num_key_value_heads": 3}));
+        assert_eq!(e.field, "num_attention_heads");
+        assert!(e.to_string().contains("num_key_value_heads (3)"), "{e}");
+        let e = err(serde_json::json!({"num_attention_heads": 3, "num_key_value_heads": 1}));
+        assert_eq!(e.field, "hidden_size", "{e}");
         let yarn = serde_json::json!({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}});
-        assert!(err(yarn).contains("rope_scaling"));
+        assert_eq!(
+            err(yarn).to_string(),
+            "rope_scaling: unsupported rope_type \"yarn\"; supported: default, linear, dynamic, llama3"
+        );
         let no_factor = serde_json::json!({"rope_scaling": {"type": "linear"}});
-        assert!(err(no_factor).contains("rope_scaling.factor"));
+        assert_eq!(err(no_factor).field, "rope_scaling.factor");
         let store = ParamStore::random(0, false, DType::F32, &Device::Cpu).unwrap();
         let e = Llama::load(&store.root(), &tiny("gemma", serde_json::json!({}))).unwrap_err().to_string();
         assert!(e.contains("<random init>") && e.contains("model_type"), "{e}");

@@ -32,7 +32,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::Tensor;
 
-use crate::error::{Error, Result};
+use crate::error::{ConfigError, Error, Result};
 
 /// The adapter's config file, as PEFT names it.
 pub const ADAPTER_CONFIG: &str = "adapter_config.json";
@@ -121,28 +121,32 @@ pub fn default_target_modules(model_type: &str) -> Option<Vec<String>> {
 }
 
 impl LoraConfig {
-    /// Checks the values; the message names the field (`where_` says where it was set: the
-    /// `[lora]` table or an `adapter_config.json`).
-    pub fn validate(&self, where_: &str) -> std::result::Result<(), String> {
+    /// Checks the values; the error names the field in `section`, the table that set it
+    /// (`lora`, `critic.lora`; empty for an `adapter_config.json`, whose path the caller adds).
+    pub fn validate(&self, section: &str) -> std::result::Result<(), ConfigError> {
+        let bad = |field: &str, message: String| ConfigError::new(section, field, message);
         if self.r == 0 {
-            return Err(format!("{where_}: r = 0; the rank must be at least 1 (PEFT's default is 8)"));
+            return Err(bad("r", "= 0; the rank must be at least 1 (PEFT's default is 8)".into()));
         }
         if !self.lora_alpha.is_finite() || self.lora_alpha <= 0.0 {
-            return Err(format!("{where_}: lora_alpha = {} must be positive", self.lora_alpha));
+            return Err(bad("lora_alpha", format!("= {} must be positive", self.lora_alpha)));
         }
         if !(0.0..1.0).contains(&self.lora_dropout) {
-            return Err(format!("{where_}: lora_dropout = {} must be in [0, 1)", self.lora_dropout));
+            return Err(bad("lora_dropout", format!("= {} must be in [0, 1)", self.lora_dropout)));
         }
         if self.bias != "none" {
-            return Err(format!(
-                "{where_}: bias = {:?} is not supported; only \"none\" (PEFT's default: no bias \
-                 trains) is. Set bias = \"none\", or train the full model without [lora]",
-                self.bias
+            return Err(bad(
+                "bias",
+                format!(
+                    "= {:?} is not supported; only \"none\" (PEFT's default: no bias trains) is. \
+                     Set bias = \"none\", or train the full model without [lora]",
+                    self.bias
+                ),
             ));
         }
         if let Some(TargetModules::Pattern(p)) = &self.target_modules {
             if p != "all-linear" {
-                regex_of(p).map_err(|e| format!("{where_}: target_modules = {p:?}: {e}"))?;
+                regex_of(p).map_err(|e| bad("target_modules", format!("= {p:?}: {e}")))?;
             }
         }
         Ok(())
@@ -171,13 +175,14 @@ impl LoraConfig {
     }
 
     /// `target_modules`, or PEFT's default for `model_type`.
-    pub fn targets(&self, model_type: &str) -> std::result::Result<TargetModules, String> {
+    pub fn targets(&self, model_type: &str) -> std::result::Result<TargetModules, ConfigError> {
         match &self.target_modules {
             Some(t) => Ok(t.clone()),
             None => default_target_modules(model_type).map(TargetModules::Names).ok_or_else(|| {
-                format!(
-                    "target_modules is not set and PEFT has no default for model_type {model_type:?}; \
-                     set target_modules"
+                ConfigError::new(
+                    "lora",
+                    "target_modules",
+                    format!("is not set and PEFT has no default for model_type {model_type:?}; set target_modules"),
                 )
             }),
         }
@@ -248,7 +253,7 @@ impl LoraConfig {
             cfg.modules_to_save =
                 Some(serde_json::from_value(m).map_err(|e| bad(format!("modules_to_save: {e}")))?);
         }
-        cfg.validate(&path.display().to_string()).map_err(|m| Error::config(path, m))?;
+        cfg.validate("").map_err(|m| Error::config(path, m))?;
         let meta = AdapterMeta {
             base_model: obj.get("base_model_name_or_path").and_then(|v| v.as_str()).map(str::to_string),
             task_type: obj.get("task_type").and_then(|v| v.as_str()).map(str::to_string),

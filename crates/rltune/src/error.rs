@@ -5,6 +5,8 @@
 
 use std::path::PathBuf;
 
+pub use rltune_models::ConfigError;
+
 /// Errors returned by rltune.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -69,60 +71,6 @@ pub enum Error {
     /// message names it and the alternative.
     #[error("{0}")]
     Unsupported(String),
-}
-
-/// A setting that cannot be used: its table (`section`) and key (`field`), what is wrong with it
-/// (`problem`), and how to fix it when the problem does not say. Every config's `validate()`
-/// returns it. It prints as `section.field problem; fix` (as `--set section.field=…` names the
-/// key); a problem of a table as a whole, or of several tables, has no field and prints as it is.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{}", self.render())]
-pub struct ConfigError {
-    /// The table: `ppo`, `training`, `grpo`, `logging`, … (empty for a top-level key).
-    pub section: String,
-    /// The key in it (empty when the problem is the table's as a whole).
-    pub field: String,
-    /// What is wrong, e.g. `must be at least 1`.
-    pub problem: String,
-    /// How to fix it, when the problem does not say.
-    pub fix: Option<String>,
-}
-
-impl ConfigError {
-    /// The error of `section.field`: `message` is the problem, then optionally `"; "` and the
-    /// fix.
-    pub fn new(section: impl Into<String>, field: impl Into<String>, message: impl AsRef<str>) -> Self {
-        let message = message.as_ref();
-        let (problem, fix) = match message.split_once("; ") {
-            Some((p, f)) => (p.to_string(), Some(f.to_string())),
-            None => (message.to_string(), None),
-        };
-        Self { section: section.into(), field: field.into(), problem, fix }
-    }
-
-    /// `section.field problem; fix`; a problem of a table as a whole or of several tables (no
-    /// field) prints as it is.
-    /// The error of table `section` as a whole, or of several tables (`message` names them):
-    /// it prints as `message`.
-    pub fn table(section: impl Into<String>, message: impl std::fmt::Display) -> Self {
-        Self::new(section, "", message.to_string())
-    }
-
-    fn render(&self) -> String {
-        let mut out = match (self.section.as_str(), self.field.as_str()) {
-            (_, "") => self.problem.clone(),
-            (s, f) => {
-                let key = if s.is_empty() { f.to_string() } else { format!("{s}.{f}") };
-                let gap = if self.problem.starts_with(':') { "" } else { " " };
-                format!("{key}{gap}{}", self.problem)
-            }
-        };
-        if let Some(fix) = &self.fix {
-            out.push_str("; ");
-            out.push_str(fix);
-        }
-        out
-    }
 }
 
 /// Shorthand for `std::result::Result<T, rltune::Error>`.

@@ -358,7 +358,7 @@ impl RlhfQuickstartConfig {
             return bad(format!("methods names {} twice", m.name()));
         }
         self.proxy.validate().map_err(|m| Error::Input(format!("quickstart rlhf proxy: {m}")))?;
-        self.lora.validate("quickstart rlhf lora").map_err(Error::Input)?;
+        self.lora.validate("lora").map_err(|e| Error::Input(format!("quickstart rlhf: {e}")))?;
         Ok(())
     }
 }

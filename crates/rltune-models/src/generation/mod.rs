@@ -26,7 +26,7 @@ use rayon::prelude::*;
 
 pub use sampler::SamplerConfig;
 
-use crate::error::{Error, Result};
+use crate::error::{ConfigError, Error, Result};
 use crate::layers::causal_bias;
 use crate::tokenizer::{pad, PaddingSide};
 use crate::{CausalLm, ValueHead};
@@ -118,19 +118,17 @@ impl Default for GenerationConfig {
 }
 
 impl GenerationConfig {
-    /// Checks ranges; errors name the field.
-    pub fn validate(&self) -> Result<()> {
+    /// Checks ranges; the error names the field of the `[generation]` table.
+    pub fn validate(&self) -> std::result::Result<(), ConfigError> {
+        let bad = |field: &str, problem: String| ConfigError::new("generation", field, problem);
         if !(self.temperature > 0.0 && self.temperature.is_finite()) {
-            return Err(Error::Input(format!(
-                "generation.temperature must be > 0, got {}",
-                self.temperature
-            )));
+            return Err(bad("temperature", format!("must be > 0, got {}", self.temperature)));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(Error::Input(format!("generation.top_p must be in (0, 1], got {}", self.top_p)));
+            return Err(bad("top_p", format!("must be in (0, 1], got {}", self.top_p)));
         }
         if !(0.0..=1.0).contains(&self.min_p) {
-            return Err(Error::Input(format!("generation.min_p must be in [0, 1], got {}", self.min_p)));
+            return Err(bad("min_p", format!("must be in [0, 1], got {}", self.min_p)));
         }
         Ok(())
     }
@@ -525,6 +523,6 @@ mod tests {
             }
         }
         let bad = GenerationConfig { min_p: 1.5, ..Default::default() };
-        assert!(bad.validate().unwrap_err().to_string().contains("generation.min_p"));
+        assert_eq!(bad.validate().unwrap_err().to_string(), "generation.min_p must be in [0, 1], got 1.5");
     }
 }

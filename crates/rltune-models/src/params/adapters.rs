@@ -19,7 +19,7 @@ impl ParamStore {
     /// `seed` draws the `A` matrices). The tensors are shared, not copied: load the base frozen
     /// (`trainable = false`) to avoid a copy into variables first.
     pub fn with_lora(&self, cfg: &LoraConfig, model_type: &str, origin: &str, seed: u64) -> Result<Self> {
-        cfg.validate(origin).map_err(Error::Input)?;
+        cfg.validate("lora").map_err(|e| Error::Input(format!("{origin}: {e}")))?;
         if cfg.lora_dropout > 0.0 {
             tracing::warn!(
                 "{origin}: lora_dropout = {} is saved in adapter_config.json but not applied (rltune \
@@ -638,10 +638,12 @@ mod tests {
     #[test]
     fn bias_other_than_none_is_refused_naming_the_field() {
         let c = LoraConfig { bias: "all".into(), ..Default::default() };
-        let e = c.validate("[lora]").unwrap_err();
-        assert!(e.contains("[lora]") && e.contains("bias = \"all\"") && e.contains("\"none\""), "{e}");
+        let e = c.validate("lora").unwrap_err();
+        assert_eq!((e.section.as_str(), e.field.as_str()), ("lora", "bias"));
+        let e = e.to_string();
+        assert!(e.contains("lora.bias = \"all\"") && e.contains("\"none\""), "{e}");
         let c = LoraConfig { target_modules: Some(TargetModules::Pattern("(".into())), ..Default::default() };
-        assert!(c.validate("[lora]").unwrap_err().contains("target_modules"));
+        assert_eq!(c.validate("lora").unwrap_err().field, "target_modules");
     }
 
     #[test]

@@ -69,7 +69,7 @@ pub enum Content {
 pub fn extract_prompt(
     chosen: &Content,
     rejected: &Content,
-) -> std::result::Result<(Content, Content, Content), String> {
+) -> std::result::Result<(Content, Content, Content), PairError> {
     fn split<T: PartialEq + Clone>(
         c: &[T],
         r: &[T],
@@ -95,23 +95,37 @@ pub fn extract_prompt(
     match (chosen, rejected) {
         (Content::Text(c), Content::Text(r)) => {
             let (cc, rc): (Vec<char>, Vec<char>) = (c.chars().collect(), r.chars().collect());
-            let (i, j) = split(&cc, &rc, |x| *x == ' ').ok_or("\"chosen\" or \"rejected\" is empty")?;
+            let (i, j) = split(&cc, &rc, |x| *x == ' ').ok_or(PairError::Empty)?;
             let s = |v: &[char]| v.iter().collect::<String>();
             Ok((Content::Text(s(&cc[..i])), Content::Text(s(&cc[i..])), Content::Text(s(&rc[j..]))))
         }
         (Content::Chat(c), Content::Chat(r)) => {
             let (ca, ra) =
                 (c.as_array().cloned().unwrap_or_default(), r.as_array().cloned().unwrap_or_default());
-            let (i, j) = split(&ca, &ra, |m| m == &Value::String(" ".into()))
-                .ok_or("\"chosen\" or \"rejected\" is an empty conversation")?;
+            let (i, j) =
+                split(&ca, &ra, |m| m == &Value::String(" ".into())).ok_or(PairError::EmptyConversation)?;
             Ok((
                 Content::Chat(Value::Array(ca[..i].to_vec())),
                 Content::Chat(Value::Array(ca[i..].to_vec())),
                 Content::Chat(Value::Array(ra[j..].to_vec())),
             ))
         }
-        _ => Err("\"chosen\" and \"rejected\" must both be text or both be conversations".into()),
+        _ => Err(PairError::Mixed),
     }
+}
+
+/// Why [`extract_prompt`] cannot split a preference pair.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum PairError {
+    /// A text completion is empty.
+    #[error("\"chosen\" or \"rejected\" is empty")]
+    Empty,
+    /// A conversation has no message.
+    #[error("\"chosen\" or \"rejected\" is an empty conversation")]
+    EmptyConversation,
+    /// One is text and the other a conversation.
+    #[error("\"chosen\" and \"rejected\" must both be text or both be conversations")]
+    Mixed,
 }
 
 /// A conversation's token ids and, when asked, its assistant mask.

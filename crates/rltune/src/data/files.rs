@@ -43,6 +43,35 @@ fn in_split(file: &str, split: &str) -> bool {
         || [format!("{split}-"), format!("{split}_")].iter().any(|p| stem.starts_with(p.as_str()))
 }
 
+/// Why [`select_split_files`] found no one set of data files; each says the fix.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SplitFilesError {
+    /// None of the files has a supported extension.
+    #[error("no data files ({extensions}) among its {files} files")]
+    NoDataFiles {
+        /// The supported extensions, listed.
+        extensions: String,
+        /// How many files there are.
+        files: usize,
+    },
+    /// No data file belongs to the split.
+    #[error("no data files for split {split:?}; data files: {listed}; choose the split, or name one file")]
+    NoSplit {
+        /// The split asked for.
+        split: String,
+        /// The data files (the first 20).
+        listed: String,
+    },
+    /// The split's files lie in several folders (several dataset configurations).
+    #[error("the files of split {split:?} lie in several folders (dataset configurations?): {files}; name one file")]
+    SeveralFolders {
+        /// The split asked for.
+        split: String,
+        /// Its files.
+        files: String,
+    },
+}
+
 /// Chooses the data files (by extension, see [`SUPPORTED_EXTENSIONS`]) of `split` among `files`
 /// (`/`-separated paths in a directory or hub repository).
 ///
@@ -51,7 +80,10 @@ fn in_split(file: &str, split: &str) -> bool {
 /// followed by `-`, `_` or `.` (the hub's `data/train-00000-of-00001.parquet`). Fails, listing
 /// the data files, when none match, or when the matches lie in different folders (e.g. two
 /// dataset configurations): then name one file.
-pub fn select_split_files(files: &[String], split: Option<&str>) -> std::result::Result<Vec<String>, String> {
+pub fn select_split_files(
+    files: &[String],
+    split: Option<&str>,
+) -> std::result::Result<Vec<String>, SplitFilesError> {
     let mut data: Vec<&String> = files
         .iter()
         .filter(|f| SUPPORTED_EXTENSIONS.contains(&extension(std::path::Path::new(f.as_str())).as_str()))
@@ -64,7 +96,7 @@ pub fn select_split_files(files: &[String], split: Option<&str>) -> std::result:
     };
     if data.is_empty() {
         let exts = SUPPORTED_EXTENSIONS.iter().map(|e| format!(".{e}")).collect::<Vec<_>>().join(", ");
-        return Err(format!("no data files ({exts}) among its {} files", files.len()));
+        return Err(SplitFilesError::NoDataFiles { extensions: exts, files: files.len() });
     }
     if let (None, [only]) = (split, data.as_slice()) {
         return Ok(vec![only.to_string()]);
@@ -72,20 +104,14 @@ pub fn select_split_files(files: &[String], split: Option<&str>) -> std::result:
     let split = split.unwrap_or("train");
     let chosen: Vec<String> = data.iter().filter(|f| in_split(f, split)).map(|f| f.to_string()).collect();
     if chosen.is_empty() {
-        return Err(format!(
-            "no data files for split {split:?}; data files: {}; choose the split, or name one file",
-            listed()
-        ));
+        return Err(SplitFilesError::NoSplit { split: split.to_string(), listed: listed() });
     }
     let folder = |f: &String| f.rsplit_once('/').map_or(String::new(), |(d, _)| d.to_string());
     let mut folders: Vec<String> = chosen.iter().map(folder).collect();
     folders.sort();
     folders.dedup();
     if folders.len() > 1 {
-        return Err(format!(
-            "the files of split {split:?} lie in several folders (dataset configurations?): {}; name one file",
-            chosen.join(", ")
-        ));
+        return Err(SplitFilesError::SeveralFolders { split: split.to_string(), files: chosen.join(", ") });
     }
     Ok(chosen)
 }

@@ -27,7 +27,7 @@ use crate::error::{Error, Result};
 use crate::models::chat_template::{self, ChatTemplate};
 use crate::tokenizer::Tokenizer;
 
-pub use super::files::{select_split_files, SUPPORTED_EXTENSIONS};
+pub use super::files::{select_split_files, SplitFilesError, SUPPORTED_EXTENSIONS};
 
 /// One prompt: its text and the whole row it came from.
 #[derive(Debug, Clone, PartialEq)]

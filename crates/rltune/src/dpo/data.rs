@@ -228,7 +228,7 @@ fn text_or_chat(
     let (chosen, rejected) = (field("chosen")?, field("rejected")?);
     let (prompt, chosen, rejected) = match obj.get("prompt") {
         Some(_) => (field("prompt")?, chosen, rejected),
-        None => chat::extract_prompt(&chosen, &rejected)?,
+        None => chat::extract_prompt(&chosen, &rejected).map_err(|e| e.to_string())?,
     };
     match (prompt, chosen, rejected) {
         (Content::Text(prompt), Content::Text(chosen), Content::Text(rejected)) => {

@@ -92,11 +92,11 @@ impl MetricRow {
     }
 
     /// Parses a line written by [`MetricRow::to_json_line`].
-    pub fn from_json_line(line: &str) -> std::result::Result<Self, String> {
-        let Value::Object(map) = serde_json::from_str::<Value>(line).map_err(|e| e.to_string())? else {
-            return Err("not a JSON object".into());
+    pub fn from_json_line(line: &str) -> std::result::Result<Self, LineError> {
+        let Value::Object(map) = serde_json::from_str::<Value>(line)? else {
+            return Err(LineError::NotAnObject);
         };
-        let step = map.get("step").and_then(Value::as_u64).ok_or("no integer \"step\"")?;
+        let step = map.get("step").and_then(Value::as_u64).ok_or(LineError::NoStep)?;
         let mut row = MetricRow { step: step as usize, ..Default::default() };
         let num = |v: &Value| v.as_f64().unwrap_or(f64::NAN);
         for (k, v) in map.iter().filter(|(k, _)| *k != "step") {
@@ -110,11 +110,34 @@ impl MetricRow {
                 Value::String(s) => {
                     row.texts.insert(k.clone(), s.clone());
                 }
-                _ => return Err(format!("key {k:?}: unexpected {v}")),
+                _ => return Err(LineError::Value { key: k.clone(), value: v.to_string() }),
             }
         }
         Ok(row)
     }
+}
+
+/// Why a `metrics.jsonl` or `samples.jsonl` line does not parse (a line cut short by a crash,
+/// or a file that is not rltune's).
+#[derive(Debug, thiserror::Error)]
+pub enum LineError {
+    /// Not JSON, or JSON of another shape.
+    #[error(transparent)]
+    Json(#[from] serde_json::Error),
+    /// A metrics line that is not a JSON object.
+    #[error("not a JSON object")]
+    NotAnObject,
+    /// A metrics line without its step.
+    #[error("no integer \"step\"")]
+    NoStep,
+    /// A metric whose value is neither a number, an array of numbers, nor a string.
+    #[error("key {key:?}: unexpected {value}")]
+    Value {
+        /// The metric's name.
+        key: String,
+        /// The value found, as JSON.
+        value: String,
+    },
 }
 
 /// The samples of one step, as a `samples.jsonl` line.
@@ -147,8 +170,8 @@ pub fn samples_to_json_line(step: usize, samples: &[SampleRow]) -> String {
 }
 
 /// Parses a line written by [`samples_to_json_line`].
-pub fn samples_from_json_line(line: &str) -> std::result::Result<(usize, Vec<SampleRow>), String> {
-    let parsed: SampleLine = serde_json::from_str(line).map_err(|e| e.to_string())?;
+pub fn samples_from_json_line(line: &str) -> std::result::Result<(usize, Vec<SampleRow>), LineError> {
+    let parsed: SampleLine = serde_json::from_str(line)?;
     let rows = parsed
         .samples
         .into_iter()
@@ -159,7 +182,7 @@ pub fn samples_from_json_line(line: &str) -> std::result::Result<(usize, Vec<Sam
 
 /// Reads a JSON-lines file of per-step records with `parse`, applying the restart rule of the
 /// module docs. A missing file reads as empty.
-pub fn read_steps<T>(path: &Path, parse: impl Fn(&str) -> std::result::Result<T, String>) -> Result<Vec<T>>
+pub fn read_steps<T>(path: &Path, parse: impl Fn(&str) -> std::result::Result<T, LineError>) -> Result<Vec<T>>
 where
     T: HasStep,
 {

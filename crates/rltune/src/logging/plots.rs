@@ -95,8 +95,14 @@ fn fmt_step(v: &f64) -> String {
     }
 }
 
-fn err(e: impl std::fmt::Display) -> String {
-    e.to_string()
+/// A plot that could not be drawn: plotters' message (its error types are generic over the
+/// drawing backend), or why the data cannot be plotted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct PlotError(pub String);
+
+fn err(e: impl std::fmt::Display) -> PlotError {
+    PlotError(e.to_string())
 }
 
 /// `(min, max)` of the finite values, padded so that the range is never empty.
@@ -144,16 +150,17 @@ fn finite_runs<T: Copy>(points: &[T], finite: impl Fn(&T) -> bool) -> Vec<Vec<T>
 }
 
 /// Draws one line panel onto `area`.
-fn draw_panel<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, p: &Panel) -> Result<(), String> {
+fn draw_panel<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, p: &Panel) -> Result<(), PlotError> {
     let xs = p.series.iter().flat_map(|s| s.points.iter().filter(|q| q.1.is_finite()).map(|q| q.0));
     let (x0, x1) = if p.x_desc.is_empty() {
-        step_range(xs).ok_or("no finite values")?
+        step_range(xs).ok_or_else(|| PlotError("no finite values".into()))?
     } else {
-        padded_range(xs, 0.05).ok_or("no finite values")?
+        padded_range(xs, 0.05).ok_or_else(|| PlotError("no finite values".into()))?
     };
     let ys = p.series.iter().flat_map(|s| s.points.iter().map(|q| q.1));
     let band_ys = p.band.iter().flat_map(|b| [b.1, b.2]);
-    let (y0, y1) = padded_range(ys.chain(band_ys), 0.05).ok_or("no finite values")?;
+    let (y0, y1) =
+        padded_range(ys.chain(band_ys), 0.05).ok_or_else(|| PlotError("no finite values".into()))?;
     let mut builder = ChartBuilder::on(area);
     builder.margin(12).x_label_area_size(36).y_label_area_size(72);
     if !p.title.is_empty() {
@@ -200,7 +207,7 @@ fn draw_panel<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, p: &Panel) -> R
 }
 
 /// An SVG of `panels` stacked vertically, [`PANEL_HEIGHT`] each.
-pub fn line_svg(panels: &[Panel]) -> Result<String, String> {
+pub fn line_svg(panels: &[Panel]) -> Result<String, PlotError> {
     let mut buf = String::new();
     {
         let height = PANEL_HEIGHT * panels.len().max(1) as u32;
@@ -276,8 +283,9 @@ pub fn heatmap_grid(dists: &[(f64, Vec<f64>)], bins: usize, max_columns: usize) 
 }
 
 /// An SVG heatmap of a distribution over steps, with a color bar.
-pub fn heatmap_svg(dists: &[(f64, Vec<f64>)], y_desc: &str) -> Result<String, String> {
-    let grid = heatmap_grid(dists, HEATMAP_BINS, MAX_HEATMAP_COLUMNS).ok_or("no finite values")?;
+pub fn heatmap_svg(dists: &[(f64, Vec<f64>)], y_desc: &str) -> Result<String, PlotError> {
+    let grid = heatmap_grid(dists, HEATMAP_BINS, MAX_HEATMAP_COLUMNS)
+        .ok_or_else(|| PlotError("no finite values".into()))?;
     let max_count = grid.counts.iter().flatten().copied().max().unwrap_or(1).max(1);
     let mut buf = String::new();
     {
@@ -319,7 +327,10 @@ pub fn heatmap_svg(dists: &[(f64, Vec<f64>)], y_desc: &str) -> Result<String, St
 }
 
 /// A vertical color bar from 0 to `max_count`.
-fn draw_color_bar<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, max_count: u32) -> Result<(), String> {
+fn draw_color_bar<DB: DrawingBackend>(
+    area: &DrawingArea<DB, Shift>,
+    max_count: u32,
+) -> Result<(), PlotError> {
     let top = max_count as f64;
     let mut chart = ChartBuilder::on(area)
         .margin_top(12)

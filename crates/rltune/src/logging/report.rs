@@ -9,7 +9,7 @@ use std::collections::BTreeSet;
 use std::fmt::Write as _;
 
 use super::jsonl::MetricRow;
-use super::plots::{self, hex, Panel, Series, PALETTE};
+use super::plots::{self, hex, Panel, PlotError, Series, PALETTE};
 use super::SampleRow;
 
 /// Escapes text for HTML element content and attribute values.
@@ -163,7 +163,7 @@ fn header(title: &str, rows: &[MetricRow]) -> String {
 }
 
 /// A `<figure>` with a title, a description, and the plot (or a note saying why there is none).
-fn figure(id: &str, title: &str, desc: &str, plot: Result<String, String>, legend: &[Series]) -> String {
+fn figure(id: &str, title: &str, desc: &str, plot: Result<String, PlotError>, legend: &[Series]) -> String {
     let mut f = format!("<figure id=\"{id}\">\n<figcaption><h2>{title}</h2><p>{desc}</p></figcaption>\n");
     match plot {
         Ok(svg) => {
@@ -182,7 +182,7 @@ fn figure(id: &str, title: &str, desc: &str, plot: Result<String, String>, legen
             }
         }
         Err(note) => {
-            let _ = write!(f, "<p class=\"note\">Not plotted: {}</p>", escape_html(&note));
+            let _ = write!(f, "<p class=\"note\">Not plotted: {}</p>", escape_html(&note.0));
         }
     }
     f.push_str("\n</figure>\n");
@@ -190,12 +190,12 @@ fn figure(id: &str, title: &str, desc: &str, plot: Result<String, String>, legen
 }
 
 /// `Err(note)` naming the keys when none of them was logged with a finite value.
-fn require(rows: &[MetricRow], keys: &[&str]) -> Result<(), String> {
+fn require(rows: &[MetricRow], keys: &[&str]) -> Result<(), PlotError> {
     if keys.iter().any(|k| rows.iter().any(|r| r.get(k).is_some())) {
         Ok(())
     } else {
         let names: Vec<String> = keys.iter().map(|k| format!("`{k}`")).collect();
-        Err(format!("no finite values of {} were logged.", names.join(" or ")))
+        Err(PlotError(format!("no finite values of {} were logged.", names.join(" or "))))
     }
 }
 
@@ -259,7 +259,7 @@ fn episodes_figure(rows: &[MetricRow]) -> String {
         })
         .filter(|p| !p.series.is_empty())
         .collect();
-    let plot = plots::line_svg(&panels).map_err(|e| format!("episode metrics: {e}."));
+    let plot = plots::line_svg(&panels).map_err(|e| PlotError(format!("episode metrics: {e}.")));
     let legend = [series(rows, EPISODE_KEYS[0], 0), series(rows, EPISODE_KEYS[1], 1)];
     let desc = "The episodes of each step's rollouts on training games (<code>env/*</code>) and, when \
                 evaluated, on held-out games (<code>eval/*</code>): wins, score as a fraction of the \
@@ -272,9 +272,9 @@ fn heatmap_figure(rows: &[MetricRow]) -> String {
     let dists: Vec<(f64, Vec<f64>)> =
         rows.iter().filter_map(|r| r.arrays.get(key).map(|d| (r.step as f64, d.clone()))).collect();
     let plot = if dists.is_empty() {
-        Err(format!("`{key}` was not logged."))
+        Err(PlotError(format!("`{key}` was not logged.")))
     } else {
-        plots::heatmap_svg(&dists, "reward").map_err(|e| format!("`{key}`: {e}."))
+        plots::heatmap_svg(&dists, "reward").map_err(|e| PlotError(format!("`{key}`: {e}.")))
     };
     let desc = "How the rewards of each batch are distributed (<code>env/reward_dist</code>): \
                 one column per step, color = number of samples in each reward bin.";
@@ -323,7 +323,7 @@ fn group_figure(rows: &[MetricRow]) -> String {
             ..Panel::default()
         })
         .collect();
-    let plot = plots::line_svg(&panels).map_err(|e| format!("GRPO/RLOO metrics: {e}."));
+    let plot = plots::line_svg(&panels).map_err(|e| PlotError(format!("GRPO/RLOO metrics: {e}.")));
     let desc = "Mean completion length in tokens (<code>completions/mean_length</code>), the fraction of \
                 tokens whose ratio was clipped (<code>clip_ratio/region_mean</code>), the fraction of groups \
                 whose rewards are all equal and so teach nothing (<code>frac_reward_zero_std</code>), and the \
@@ -358,10 +358,10 @@ fn time_figure(rows: &[MetricRow]) -> String {
         .collect();
     let legend: Vec<Series> = keys.iter().enumerate().map(|(i, k)| series(rows, k, i)).collect();
     let plot = if keys.is_empty() {
-        Err("no `time/*` key was logged.".to_string())
+        Err(PlotError("no `time/*` key was logged.".to_string()))
     } else {
         let panel = Panel { y_desc: "seconds".into(), series: legend.clone(), ..Panel::default() };
-        plots::line_svg(&[panel]).map_err(|e| format!("`time/*`: {e}."))
+        plots::line_svg(&[panel]).map_err(|e| PlotError(format!("`time/*`: {e}.")))
     };
     let desc =
         "Wall-clock seconds per step for each phase (every <code>time/*</code> key; nested phases are \

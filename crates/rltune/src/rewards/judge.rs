@@ -145,15 +145,15 @@ impl LlmJudgeReward {
     }
 
     /// The score in `answer`, or why there is none.
-    pub fn parse(&self, answer: &str) -> std::result::Result<f32, String> {
+    pub fn parse(&self, answer: &str) -> std::result::Result<f32, ScoreError> {
         let Some(caps) = self.regex.captures(answer) else {
-            return Err(format!("no match of score_regex {:?}", self.cfg.score_regex));
+            return Err(ScoreError::NoMatch { score_regex: self.cfg.score_regex.clone() });
         };
         let text = caps.get(1).or_else(|| caps.get(0)).map_or("", |m| m.as_str());
         text.trim()
             .parse::<f64>()
             .map(|x| x as f32)
-            .map_err(|_| format!("the match {text:?} is not a number"))
+            .map_err(|_| ScoreError::NotANumber { text: text.to_string() })
     }
 
     /// Asks about one sample and reads the score.
@@ -188,6 +188,23 @@ impl LlmJudgeReward {
             ))),
         }
     }
+}
+
+/// Why a judge's answer holds no score.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ScoreError {
+    /// `score_regex` does not match the answer.
+    #[error("no match of score_regex {score_regex:?}")]
+    NoMatch {
+        /// The configured pattern.
+        score_regex: String,
+    },
+    /// What the pattern matched does not parse as a number.
+    #[error("the match {text:?} is not a number")]
+    NotANumber {
+        /// The matched text.
+        text: String,
+    },
 }
 
 fn truncate(s: &str, n: usize) -> String {
@@ -339,7 +356,7 @@ mod tests {
     #[test]
     fn parse_render_and_config_errors() {
         let r = judge("http://127.0.0.1:9", |c| c.score_regex = r"(?i)grade:\s*([A-F])|(\d+)".into());
-        assert!(r.parse("grade: B").unwrap_err().contains("\"B\" is not a number"));
+        assert_eq!(r.parse("grade: B").unwrap_err(), ScoreError::NotANumber { text: "B".into() });
         let r = judge("http://127.0.0.1:9", |_| {});
         assert_eq!(r.parse("I'd say 7.5 out of 10").unwrap(), 7.5);
         assert_eq!(r.parse("-3").unwrap(), -3.0);

@@ -456,7 +456,7 @@ impl RunConfig {
             ));
         }
         if let Some(l) = &self.lora {
-            l.validate("[lora]").map_err(|m| ConfigError::table("lora", m))?;
+            l.validate("lora")?;
             if self.ref_model.is_some() {
                 return Err(ConfigError::new(
                     "lora",
@@ -539,7 +539,7 @@ impl RunConfig {
                 ));
             }
         }
-        self.generation.validate().map_err(|e| ConfigError::table("generation", e))?;
+        self.generation.validate()?;
         if self.ppo.temperature != self.generation.temperature {
             return Err(ConfigError::new(
                 "ppo",
@@ -584,7 +584,7 @@ impl RunConfig {
             }
         }
         if let Some(l) = self.critic.as_ref().and_then(|c| c.lora.as_ref()) {
-            l.validate("[critic.lora]").map_err(|m| ConfigError::table("critic.lora", m))?;
+            l.validate("critic.lora")?;
         }
         if self.critic.is_some() && self.algorithm.kind != AlgorithmKind::Ppo {
             return Err(ConfigError::new(

@@ -83,28 +83,28 @@ pub fn load_critic(
     Ok(Some((critic, CriticFiles { config_json, files })))
 }
 
-/// `Ok` when both tokenizers map every token to the same id; else a message naming a token
-/// that differs.
-pub fn same_vocabulary(policy: &Tokenizer, critic: &Tokenizer) -> std::result::Result<(), String> {
+/// `Ok` when both tokenizers map every token to the same id; else an [`Error::Tokenizer`] naming
+/// a token that differs.
+pub fn same_vocabulary(policy: &Tokenizer, critic: &Tokenizer) -> Result<()> {
     let (p, c) = (policy.inner().get_vocab(true), critic.inner().get_vocab(true));
     let mut differs: Vec<(&String, Option<&u32>, &u32)> =
         c.iter().filter(|(t, id)| p.get(*t) != Some(*id)).map(|(t, id)| (t, p.get(t), id)).collect();
     differs.sort_by_key(|(_, _, id)| **id);
     if let Some((tok, pid, cid)) = differs.first() {
         let policy_id = pid.map_or("no id".to_string(), |i| format!("id {i}"));
-        return Err(format!(
+        return Err(Error::Tokenizer(format!(
             "the critic's tokenizer differs from the policy's ({} tokens differ, e.g. {tok:?} is id {cid} \
              for the critic and {policy_id} for the policy); the critic reads the policy's token ids, \
              so it needs the policy's tokenizer",
             differs.len()
-        ));
+        )));
     }
     if p.len() != c.len() {
-        return Err(format!(
+        return Err(Error::Tokenizer(format!(
             "the critic's tokenizer has {} tokens and the policy's {}; the critic needs the policy's tokenizer",
             c.len(),
             p.len()
-        ));
+        )));
     }
     Ok(())
 }

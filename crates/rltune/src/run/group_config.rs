@@ -207,7 +207,7 @@ impl RunConfig {
     /// The checks of a GRPO / RLOO run; messages name the field.
     pub(super) fn validate_group(&self) -> std::result::Result<(), ConfigError> {
         let kind = self.algorithm.kind.name();
-        self.generation.validate().map_err(|e| ConfigError::table("generation", e))?;
+        self.generation.validate()?;
         self.eval.validate()?;
         if self.model.path.is_empty() {
             return Err(ConfigError::new("model", "path", "is empty; set it to a model directory or hub id"));

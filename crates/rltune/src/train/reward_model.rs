@@ -103,7 +103,7 @@ pub struct RewardModel {
 }
 
 /// Class names by index of a classifier config.
-fn config_labels(cfg: &SequenceClassifierConfig) -> std::result::Result<Vec<String>, String> {
+fn config_labels(cfg: &SequenceClassifierConfig) -> std::result::Result<Vec<String>, ConfigError> {
     match cfg {
         SequenceClassifierConfig::Bert(c) => c.labels(),
         SequenceClassifierConfig::DistilBert(c) => c.labels(),

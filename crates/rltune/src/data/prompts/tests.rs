@@ -242,9 +242,9 @@ fn select_split_files_follows_hub_layouts() {
     let flat = files(&["train.csv", "train_extra.csv", "validation.csv"]);
     assert_eq!(select_split_files(&flat, None).unwrap(), ["train.csv", "train_extra.csv"]);
     let configs = files(&["a/train.jsonl", "b/train.jsonl"]);
-    let e = select_split_files(&configs, None).unwrap_err();
+    let e = select_split_files(&configs, None).unwrap_err().to_string();
     assert!(e.contains("several folders") && e.contains("a/train.jsonl, b/train.jsonl"), "{e}");
-    let e = select_split_files(&files(&["README.md"]), None).unwrap_err();
+    let e = select_split_files(&files(&["README.md"]), None).unwrap_err().to_string();
     assert!(e.contains("no data files") && e.contains("1 files"), "{e}");
 }
 

@@ -129,29 +129,56 @@ impl LogWriter {
     }
 }
 
+/// Why the bytes are not a well-formed `.wandb` file.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum WandbFileError {
+    /// The file does not start with W&B's header.
+    #[error("not a .wandb file (no \":W&B\" header)")]
+    NoHeader,
+    /// A record at byte `pos` is cut short, fails its checksum, or a block trailer is not zero.
+    #[error("byte {pos}: {what}")]
+    Record {
+        /// The record's offset in the file.
+        pos: usize,
+        /// What is wrong with it.
+        what: &'static str,
+    },
+    /// A record of type `kind` where the FIRST…LAST order does not allow it.
+    #[error("byte {pos}: record type {kind} out of order")]
+    OutOfOrder {
+        /// The record's offset in the file.
+        pos: usize,
+        /// Its record type.
+        kind: u8,
+    },
+    /// The file ends after a FIRST or MIDDLE record.
+    #[error("the file ends inside a split record")]
+    EndsInsideRecord,
+}
+
 /// Splits the bytes of a `.wandb` file into its payloads, checking the header, every checksum
 /// and the FIRST…LAST order. A verifier for tests: a torn tail is an error.
-pub fn read_payloads(bytes: &[u8]) -> std::result::Result<Vec<Vec<u8>>, String> {
+pub fn read_payloads(bytes: &[u8]) -> std::result::Result<Vec<Vec<u8>>, WandbFileError> {
+    let at = |pos: usize, what: &'static str| WandbFileError::Record { pos, what };
     if bytes.get(..HEADER_LEN) != Some(&FILE_HEADER[..]) {
-        return Err("not a .wandb file (no \":W&B\" header)".into());
+        return Err(WandbFileError::NoHeader);
     }
     let (mut pos, mut out, mut partial): (usize, Vec<Vec<u8>>, Option<Vec<u8>>) = (HEADER_LEN, vec![], None);
     while pos < bytes.len() {
         let left = BLOCK_LEN - pos % BLOCK_LEN;
         if left < HEADER_LEN {
             if bytes[pos..(pos + left).min(bytes.len())].iter().any(|&b| b != 0) {
-                return Err(format!("byte {pos}: block trailer is not zero"));
+                return Err(at(pos, "block trailer is not zero"));
             }
             pos += left;
             continue;
         }
-        let h = bytes.get(pos..pos + HEADER_LEN).ok_or(format!("byte {pos}: torn record header"))?;
+        let h = bytes.get(pos..pos + HEADER_LEN).ok_or(at(pos, "torn record header"))?;
         let crc = u32::from_le_bytes([h[0], h[1], h[2], h[3]]);
         let (len, kind) = (u16::from_le_bytes([h[4], h[5]]) as usize, h[6]);
-        let data =
-            bytes.get(pos + HEADER_LEN..pos + HEADER_LEN + len).ok_or(format!("byte {pos}: torn record"))?;
+        let data = bytes.get(pos + HEADER_LEN..pos + HEADER_LEN + len).ok_or(at(pos, "torn record"))?;
         if record_crc(kind, data) != crc {
-            return Err(format!("byte {pos}: checksum mismatch"));
+            return Err(at(pos, "checksum mismatch"));
         }
         match (kind, partial.as_mut()) {
             (FULL, None) => out.push(data.to_vec()),
@@ -161,12 +188,12 @@ pub fn read_payloads(bytes: &[u8]) -> std::result::Result<Vec<Vec<u8>>, String> 
                 p.extend_from_slice(data);
                 out.extend(partial.take());
             }
-            _ => return Err(format!("byte {pos}: record type {kind} out of order")),
+            _ => return Err(WandbFileError::OutOfOrder { pos, kind }),
         }
         pos += HEADER_LEN + len;
     }
     match partial {
-        Some(_) => Err("the file ends inside a split record".into()),
+        Some(_) => Err(WandbFileError::EndsInsideRecord),
         None => Ok(out),
     }
 }
@@ -199,7 +226,7 @@ mod tests {
         let mut bad = file.clone();
         let n = bad.len();
         bad[n - 1] ^= 1;
-        assert!(read_payloads(&bad).unwrap_err().contains("checksum"));
+        assert!(read_payloads(&bad).unwrap_err().to_string().contains("checksum"));
         assert!(read_payloads(&file[..file.len() - 3]).is_err(), "a torn tail is reported");
     }
 
