@@ -103,7 +103,9 @@ fn main() {
     let installed = settings.install();
     // What the library would otherwise read from the environment: the hub's options
     // (HF_HUB_OFFLINE, HF_HOME, HF_ENDPOINT, RLTUNE_CACHE) and the user's name.
-    rltune::runtime::install_host(rltune::runtime::Host::from_vars(|k| std::env::var(k).ok()));
+    rltune::runtime::install_host(
+        rltune::runtime::Host::from_vars(|k| std::env::var(k).ok()).with_secrets(|k| std::env::var(k).ok()),
+    );
     init_tracing();
     let cli = Cli::parse();
     let result = match installed {

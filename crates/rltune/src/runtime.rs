@@ -395,7 +395,45 @@ pub struct Host {
     pub user: Option<String>,
     /// In a data-parallel launch, this process's rank on its machine (its GPU).
     pub local_rank: Option<usize>,
+    /// The variables a config names by `api_key_env` (an HTTP reward's key), looked up when the
+    /// reward is built ([`Host::with_secrets`]); none without.
+    pub secrets: Secrets,
 }
+
+/// A lookup of the environment variables that configs name for secrets (`api_key_env`): the
+/// command line gives `|k| std::env::var(k).ok()`, a program using the library whatever it
+/// keeps its keys in. Its `Debug` form shows no value.
+#[derive(Clone, Default)]
+pub struct Secrets(Option<std::sync::Arc<Lookup>>);
+
+/// A function from a variable's name to its value.
+type Lookup = dyn Fn(&str) -> Option<String> + Send + Sync;
+
+impl Secrets {
+    /// The value of `name`, if the lookup has one.
+    pub fn get(&self, name: &str) -> Option<String> {
+        self.0.as_ref().and_then(|f| f(name))
+    }
+}
+
+impl std::fmt::Debug for Secrets {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() { "Secrets(<lookup>)" } else { "Secrets(none)" })
+    }
+}
+
+/// Two lookups are equal when both are absent or both are the same function.
+impl PartialEq for Secrets {
+    fn eq(&self, other: &Self) -> bool {
+        match (&self.0, &other.0) {
+            (None, None) => true,
+            (Some(a), Some(b)) => std::sync::Arc::ptr_eq(a, b),
+            _ => false,
+        }
+    }
+}
+
+impl Eq for Secrets {}
 
 impl Host {
     /// The host from environment variables read through `var`: the hub's
@@ -409,7 +447,14 @@ impl Host {
             hub: crate::models::hub::HubOptions::from_vars(&var),
             user,
             local_rank: launch.map(|l| l.local_rank),
+            secrets: Secrets::default(),
         }
+    }
+
+    /// This host, looking up the variables that configs name for secrets (`api_key_env`) with
+    /// `lookup`.
+    pub fn with_secrets(self, lookup: impl Fn(&str) -> Option<String> + Send + Sync + 'static) -> Self {
+        Self { secrets: Secrets(Some(std::sync::Arc::new(lookup))), ..self }
     }
 }
 
@@ -573,6 +618,11 @@ mod tests {
             Host::from_vars(vars(&[("USER", "bo"), ("USERNAME", "ada"), ("RANK", "0"), ("WORLD_SIZE", "1")]));
         assert_eq!((h.user.as_deref(), h.local_rank), (Some("bo"), None));
         assert_eq!(Host::from_vars(|_| None), Host::default());
+        // Secrets come only from the lookup given, and never print.
+        let h = Host::default().with_secrets(|k| (k == "JUDGE_KEY").then(|| "s3cret".to_string()));
+        assert_eq!((h.secrets.get("JUDGE_KEY").as_deref(), h.secrets.get("PATH")), (Some("s3cret"), None));
+        assert!(!format!("{h:?}").contains("s3cret"), "{h:?}");
+        assert_eq!(Host::default().secrets.get("JUDGE_KEY"), None);
     }
 
     #[test]

@@ -261,9 +261,15 @@ pub(crate) fn build_http(s: &RewardSourceConfig) -> Result<Box<dyn RewardSource>
     }
 }
 
-/// The key in the environment variable `var`.
+/// The key in the variable `var`, through the installed host's secrets lookup (the command
+/// line's is its environment).
 fn api_key(var: &str, what: &str) -> Result<String> {
-    std::env::var(var).map_err(|_| Error::Input(format!("{what}: api_key_env names {var}, which is not set")))
+    crate::runtime::host().secrets.get(var).ok_or_else(|| {
+        Error::Input(format!(
+            "{what}: api_key_env names {var}, which is not set (set it in the environment of `rltune`; \
+             a program using the library supplies its keys with runtime::Host::with_secrets)"
+        ))
+    })
 }
 
 #[cfg(test)]
