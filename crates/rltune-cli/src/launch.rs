@@ -16,7 +16,8 @@ const DEFAULT_TIMEOUT_S: u64 = 300;
 
 /// Installs the engine that the launcher's variables call for; `None` for one process.
 pub fn init(command: &str, data_parallel: bool) -> anyhow::Result<Option<rltune::dist::Installed>> {
-    let launch = Launch::from_env().context("reading the launcher's variables")?;
+    let launch =
+        Launch::from_lookup(|k| std::env::var(k).ok()).context("reading the launcher's variables")?;
     let forced = forced()?;
     if launch.world_size == 1 {
         // One process through the collectives (`RLTUNE_DIST=single`: the identity, a check of
@@ -153,5 +154,5 @@ fn gpu_engine(_device: &candle_core::Device) -> anyhow::Result<()> {
 
 /// Whether this process is a rank other than 0 of a launch (its logs are kept to warnings).
 pub fn is_secondary_rank() -> bool {
-    Launch::from_env().is_ok_and(|l| l.rank > 0)
+    Launch::from_lookup(|k| std::env::var(k).ok()).is_ok_and(|l| l.rank > 0)
 }

@@ -41,11 +41,6 @@ impl Launch {
         Self { launcher: Launcher::None, rank: 0, world_size: 1, local_rank: 0, master: None }
     }
 
-    /// Reads the process's environment (see [`Self::from_vars`]).
-    pub fn from_env() -> Result<Self> {
-        Self::from_vars(&std::env::vars().collect())
-    }
-
     /// Reads the launcher's variables from `vars`, in the order OpenMPI, MPICH, Slurm, PyTorch
     /// (an MPI launcher under Slurm sets both: MPI's are the ones its collectives follow).
     /// Without any, one process. A malformed or inconsistent value is an error naming it.

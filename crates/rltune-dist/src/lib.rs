@@ -26,8 +26,9 @@
 //!   id travels over MPI's [`Collective::broadcast_bytes`].
 //!
 //! # Launchers
-//! [`Launch::from_env`] reads the rank, the world size and the local rank (one GPU per rank is
-//! picked from it) from OpenMPI (`OMPI_COMM_WORLD_*`), MPICH/Hydra (`PMI_*`), Slurm (`SLURM_*`)
+//! [`Launch::from_lookup`] reads the rank, the world size and the local rank (one GPU per rank is
+//! picked from it) through the lookup it is given (the command line's reads its environment: the
+//! library reads none) from OpenMPI (`OMPI_COMM_WORLD_*`), MPICH/Hydra (`PMI_*`), Slurm (`SLURM_*`)
 //! or the PyTorch world's `RANK`, `WORLD_SIZE`, `LOCAL_RANK` (torchrun, Kubernetes operators).
 //!
 //! # Reductions

@@ -10,7 +10,7 @@ use rltune_mpi::Mpi;
 
 fn main() {
     let mode = std::env::args().nth(1).unwrap_or_default();
-    let launch = Launch::from_env().expect("launcher variables");
+    let launch = Launch::from_lookup(|k| std::env::var(k).ok()).expect("launcher variables");
     let mut comm = Mpi::init(Duration::from_secs(5)).expect("MPI");
     let (rank, n) = (comm.rank(), comm.world_size());
     assert_eq!((launch.rank, launch.world_size), (rank, n), "launcher variables agree with MPI");
