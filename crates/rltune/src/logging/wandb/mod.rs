@@ -67,7 +67,16 @@ impl WandbRun {
     pub fn create(opts: &WandbOptions, run_dir: &Path, id: &str, resume_from: Option<usize>) -> Result<Self> {
         let start = now();
         let root = run_dir.join("wandb");
-        let dir = root.join(format!("offline-run-{}-{id}", utc_stamp(start as i64)));
+        // A resume that starts within the second of the run before it (a short run) would name
+        // the same folder: the folder takes the next free second, as if it had started then.
+        let mut second = start as i64;
+        let dir = loop {
+            let dir = root.join(format!("offline-run-{}-{id}", utc_stamp(second)));
+            if !dir.exists() {
+                break dir;
+            }
+            second += 1;
+        };
         let files = dir.join("files");
         std::fs::create_dir_all(&files).map_err(|e| {
             Error::Input(format!(
@@ -292,6 +301,10 @@ mod tests {
         run.finish(RunEnd::Finished).unwrap();
         let name = run.dir().file_name().unwrap().to_string_lossy().to_string();
         assert!(name.starts_with("offline-run-") && name.ends_with("-abcd1234"), "{name}");
+        // A resume within the same second gets a folder of its own (the next free second).
+        let resumed = WandbRun::create(&opts, dir.path(), "abcd1234", Some(1)).unwrap();
+        assert_ne!(resumed.dir(), run.dir());
+        assert!(resumed.dir().join("run-abcd1234.wandb").is_file());
         let bytes = std::fs::read(run.dir().join("run-abcd1234.wandb")).unwrap();
         let payloads = log::read_payloads(&bytes).unwrap();
         assert_eq!(payloads.len(), 5, "header, run, history, summary, exit");
