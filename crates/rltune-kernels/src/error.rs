@@ -21,6 +21,10 @@ pub enum Error {
     /// `Grads` from `Adam::vars`).
     #[error("{0}")]
     GradsMismatch(String),
+
+    /// A broken invariant: a bug in rltune, never the caller's input.
+    #[error("internal error (a bug in rltune; please report it): {0}")]
+    Internal(String),
 }
 
 /// Shorthand for `std::result::Result<T, rltune_kernels::Error>`.

@@ -67,6 +67,11 @@ pub enum Error {
     #[error("{0}")]
     Unsupported(String),
 
+    /// A broken invariant: a bug in rltune, never the user's input. The message says what
+    /// should have held.
+    #[error("internal error (a bug in rltune; please report it): {0}")]
+    Internal(String),
+
     /// A setting cannot be used (a `[generation]` or `[lora]` value given to the library, not
     /// read from a file): its table and key, what is wrong, and the fix.
     #[error(transparent)]
@@ -132,6 +137,7 @@ impl From<rltune_kernels::Error> for Error {
         match e {
             rltune_kernels::Error::Candle(e) => Error::Candle(e),
             rltune_kernels::Error::Unsupported(msg) => Error::Unsupported(msg),
+            rltune_kernels::Error::Internal(msg) => Error::Internal(msg),
             e @ (rltune_kernels::Error::StateMismatch(_) | rltune_kernels::Error::GradsMismatch(_)) => {
                 Error::Input(e.to_string())
             }

@@ -54,7 +54,7 @@ pub fn install(comm: Box<dyn Collective>) -> Result<Installed> {
     COMM.with(|c| {
         let mut slot = c.borrow_mut();
         if slot.is_some() {
-            return Err(Error::Input("internal: a collective is already installed on this thread".into()));
+            return Err(Error::Internal("a collective is already installed on this thread".into()));
         }
         *slot = Some(comm);
         Ok(Installed(()))
@@ -66,7 +66,7 @@ pub fn install(comm: Box<dyn Collective>) -> Result<Installed> {
 pub fn replace(f: impl FnOnce(Box<dyn Collective>) -> Result<Box<dyn Collective>>) -> Result<()> {
     let current = COMM
         .with(|c| c.borrow_mut().take())
-        .ok_or_else(|| Error::Input("internal: no collective is installed to replace".into()))?;
+        .ok_or_else(|| Error::Internal("no collective is installed to replace".into()))?;
     let next = f(current)?;
     COMM.with(|c| *c.borrow_mut() = Some(next));
     Ok(())

@@ -71,6 +71,10 @@ pub enum Error {
     /// message names it and the alternative.
     #[error("{0}")]
     Unsupported(String),
+    /// A broken invariant: a bug in rltune, never the user's input. The message says what
+    /// should have held.
+    #[error("internal error (a bug in rltune; please report it): {0}")]
+    Internal(String),
 }
 
 /// Shorthand for `std::result::Result<T, rltune::Error>`.

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use candle_core::{DType, Tensor, Var};
 use rayon::prelude::*;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::grad_sink::{GradSink, SinkMap, SinkScope};
 
 /// The gradients of a list of variables, summed over the backward passes of one update (torch's
@@ -145,11 +145,9 @@ impl Grads {
         let mut states: Vec<_> = self.sinks.iter().map(|s| s.as_ref().map(|s| s.state())).collect();
         for s in states.iter_mut().flatten() {
             if s.partial || s.applied {
-                return Err(candle_core::Error::Msg(
-                    "internal: a gradient whose update was fused into the backward cannot be all-reduced"
-                        .into(),
-                )
-                .into());
+                return Err(Error::Internal(
+                    "a gradient whose update was fused into the backward cannot be all-reduced".into(),
+                ));
             }
             if !s.filled {
                 s.buf.iter_mut().for_each(|g| *g = 0.0);

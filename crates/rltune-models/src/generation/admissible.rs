@@ -319,8 +319,7 @@ pub fn generate_admissible_carried(
                 }
                 continue; // this row's command is complete, or it samples none
             }
-            let o =
-                out[i].as_mut().ok_or_else(|| Error::Input(format!("internal: row {i} has no sample")))?;
+            let o = out[i].as_mut().ok_or_else(|| Error::Internal(format!("row {i} has no sample")))?;
             let u: f64 = rngs[i].gen();
             let (tok, lp) = sample_allowed(&logits[i], temperature, allowed, u);
             o.allowed.push(allowed.to_vec());
@@ -329,7 +328,7 @@ pub fn generate_admissible_carried(
             if let Some(v) = &values {
                 o.values.push(v[i]);
             }
-            let trie = tries[i].ok_or_else(|| Error::Input(format!("internal: row {i} has no trie")))?;
+            let trie = tries[i].ok_or_else(|| Error::Internal(format!("row {i} has no trie")))?;
             node[i] = trie.step(node[i], tok).ok_or_else(|| {
                 Error::Input(format!("row {i}: sampled token {tok} is not in its allowed set"))
             })?;

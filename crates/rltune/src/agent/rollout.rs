@@ -117,8 +117,7 @@ fn collect_windows(
         let mut tries = Vec::new();
         for (k, &e) in active.iter().chain(&finals).enumerate() {
             let state = live[e].as_ref().or(truncated[e].as_ref());
-            let (s, m) =
-                state.ok_or_else(|| Error::Input(format!("internal: environment {e} has no state")))?;
+            let (s, m) = state.ok_or_else(|| Error::Internal(format!("environment {e} has no state")))?;
             let mut budget = max_prompt;
             if admissible && k < active.len() {
                 let (trie, longest) = command_trie(tokenizer, &s.admissible_commands)?;
@@ -158,9 +157,8 @@ fn collect_windows(
             if let Some(i) = waiting[e].take() {
                 bootstrap(&mut out[e][i], k);
             }
-            let (s, _) = live[e]
-                .as_ref()
-                .ok_or_else(|| Error::Input(format!("internal: environment {e} has no state")))?;
+            let (s, _) =
+                live[e].as_ref().ok_or_else(|| Error::Internal(format!("environment {e} has no state")))?;
             if cfg.example_turn_prob > 0.0 && rng.gen::<f64>() < cfg.example_turn_prob {
                 let cmd = s.admissible_commands.choose(&mut rng).cloned().unwrap_or_else(|| "look".into());
                 actions.push(cmd);

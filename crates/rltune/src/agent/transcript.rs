@@ -200,8 +200,8 @@ pub(crate) fn collect_transcripts(
             }
             let Some(state) = &live[e] else { continue };
             let command = state.admissible_commands.get(s.action).cloned().ok_or_else(|| {
-                Error::Input(format!(
-                    "internal: env {e} sampled command {} of {}",
+                Error::Internal(format!(
+                    "env {e} sampled command {} of {}",
                     s.action,
                     state.admissible_commands.len()
                 ))
@@ -216,9 +216,7 @@ pub(crate) fn collect_transcripts(
         time_env += t.elapsed();
         for ((e, action), result) in sent.into_iter().zip(results) {
             let Some(before) = live[e].take() else { continue };
-            let s = samples[e]
-                .as_ref()
-                .ok_or_else(|| Error::Input(format!("internal: env {e} sampled nothing")))?;
+            let s = samples[e].as_ref().ok_or_else(|| Error::Internal(format!("env {e} sampled nothing")))?;
             let after = match result {
                 Ok(after) => after,
                 Err(err) => {

@@ -197,11 +197,7 @@ pub fn save_checkpoint(
         let critic = match (trainer.critic(), critic_files) {
             (Some(c), Some(f)) => Some((c, f)),
             (None, None) => None,
-            _ => {
-                return Err(Error::Input(
-                    "internal: a critic without its files, or files without a critic".into(),
-                ))
-            }
+            _ => return Err(Error::Internal("a critic without its files, or files without a critic".into())),
         };
         if let Some((c, f)) = critic {
             let sub = tmp.join(CRITIC_DIR);

@@ -108,10 +108,8 @@ pub struct EpisodeSource {
 impl EpisodeSource {
     /// Starts the training environments of `cfg` (which must have `[env]`).
     pub fn new(cfg: &RunConfig) -> Result<Self> {
-        let mut section = cfg
-            .env
-            .clone()
-            .ok_or_else(|| Error::Input("internal: EpisodeSource needs an [env] table".into()))?;
+        let mut section =
+            cfg.env.clone().ok_or_else(|| Error::Internal("EpisodeSource needs an [env] table".into()))?;
         section.split = Split::Train;
         let games = section.game_count()?;
         let env = section.build()?;

@@ -177,7 +177,7 @@ impl Evaluator<'_> {
         let all = crate::dist::gather_f64(&local)?;
         let rows: Vec<&[f64]> = all.chunks(width).filter(|r| r[0] == 1.0).collect();
         if rows.len() != n {
-            return Err(Error::Input(format!("internal: {} evaluation rows for {n} prompts", rows.len())));
+            return Err(Error::Internal(format!("{} evaluation rows for {n} prompts", rows.len())));
         }
         let scores: Vec<Vec<f64>> = rows.iter().map(|r| r[3..].to_vec()).collect();
         let weights: Vec<f64> = reward.parts().map(|(w, _)| f64::from(w)).collect();

@@ -146,8 +146,8 @@ impl GroupRun {
     ) -> Result<Self> {
         let kind = config.algorithm.kind;
         if !kind.is_group() {
-            return Err(Error::Input(format!(
-                "internal: a GRPO/RLOO run with [algorithm] kind = \"{}\"",
+            return Err(Error::Internal(format!(
+                "a GRPO/RLOO run with [algorithm] kind = \"{}\"",
                 kind.name()
             )));
         }
@@ -398,7 +398,7 @@ impl GroupRun {
         // (B·G) rows: each prompt repeated G times, consecutively.
         let rows: Vec<usize> = batch.iter().flat_map(|&i| std::iter::repeat_n(i, g)).collect();
         let Source::Prompts { prompts, reward, reward_names, .. } = &mut self.source else {
-            return Err(Error::Input("internal: a prompt step on games".into()));
+            return Err(Error::Internal("a prompt step on games".into()));
         };
         let queries: Vec<Vec<u32>> = rows.iter().map(|&i| prompts[i].0.clone()).collect();
         let t = Instant::now();

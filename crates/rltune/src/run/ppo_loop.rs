@@ -306,7 +306,7 @@ impl PpoRun {
 
     fn one_step(&mut self, step: usize, batch: &[(usize, usize)]) -> Result<StepReport> {
         let Source::Prompts { prompts, reward } = &mut self.source else {
-            return Err(Error::Input("internal: a prompt step without prompts".into()));
+            return Err(Error::Internal("a prompt step without prompts".into()));
         };
         // This process's share of the step's prompts (all of them on one process); the global
         // index of its first row keys the rows' sampling streams.
@@ -411,7 +411,7 @@ impl PpoRun {
     /// One step on text games: play, step on the turns, log episodes, evaluate when due.
     fn game_step(&mut self, step: usize) -> Result<StepReport> {
         let Source::Games(games) = &mut self.source else {
-            return Err(Error::Input("internal: a game step without games".into()));
+            return Err(Error::Internal("a game step without games".into()));
         };
         let b = self.config.ppo.batch_size;
         let t = Instant::now();

@@ -39,7 +39,7 @@ impl GroupRun {
     pub(super) fn game_step(&mut self, step: usize) -> Result<StepReport> {
         let seed = self.seed();
         let super::Source::Games(games) = &mut self.source else {
-            return Err(Error::Input("internal: a game step without [env]".into()));
+            return Err(Error::Internal("a game step without [env]".into()));
         };
         // This process's share of the step's games (all of them on one process).
         let g = self.shape.num_generations;
