@@ -165,3 +165,41 @@ fn cited_test_files_and_tests_exist() {
     }
     assert!(missing.is_empty(), "cited tests that do not exist: {missing:#?}");
 }
+
+/// The library crates read no environment variable (issue #54): what they used to read comes
+/// through `runtime::Host` (hub options, user, local rank, the secrets lookup) and
+/// `Launch::from_lookup`. The one read kept by design is `ProcessSettings::install`'s
+/// `CANDLE_NUM_THREADS` (`rltune-kernels/src/cpu.rs`). Unit-test modules (after a file's
+/// `#[cfg(test)]`) and comments are not library code.
+#[test]
+fn the_library_reads_no_environment_variable() {
+    let reads =
+        ["env::var(", "env::var_os(", "env::vars(", "env::vars_os(", "env::set_var(", "env::remove_var("];
+    let mut found = Vec::new();
+    for krate in ["rltune", "rltune-models", "rltune-kernels", "rltune-envs", "rltune-dist"] {
+        let mut files = Vec::new();
+        files_with(&root().join("crates").join(krate).join("src"), ".rs", &mut files);
+        for file in files {
+            let rel = file.strip_prefix(root()).unwrap_or(&file).to_string_lossy().replace('\\', "/");
+            if rel == "crates/rltune-kernels/src/cpu.rs" {
+                continue;
+            }
+            let text = std::fs::read_to_string(&file).unwrap_or_default();
+            for (i, line) in text.lines().enumerate() {
+                if line == "#[cfg(test)]" {
+                    break;
+                }
+                let code = line.trim_start();
+                if !code.starts_with("//") && reads.iter().any(|r| code.contains(r)) {
+                    found.push(format!("{rel}:{}: {code}", i + 1));
+                }
+            }
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "the library reads the environment; take the value through runtime::Host (or a lookup the \
+         caller passes) instead:\n{}",
+        found.join("\n")
+    );
+}
