@@ -27,9 +27,10 @@
 //!
 //! # Launchers
 //! [`Launch::from_lookup`] reads the rank, the world size and the local rank (one GPU per rank is
-//! picked from it) through the lookup it is given (the command line's reads its environment: the
-//! library reads none) from OpenMPI (`OMPI_COMM_WORLD_*`), MPICH/Hydra (`PMI_*`), Slurm (`SLURM_*`)
-//! or the PyTorch world's `RANK`, `WORLD_SIZE`, `LOCAL_RANK` (torchrun, Kubernetes operators).
+//! picked from it) from OpenMPI (`OMPI_COMM_WORLD_*`), MPICH/Hydra (`PMI_*`), Slurm (`SLURM_*`)
+//! or the PyTorch world's `RANK`, `WORLD_SIZE`, `LOCAL_RANK` (torchrun, Kubernetes operators),
+//! through the lookup its caller gives: the `rltune` command passes its environment, and the
+//! library reads none itself.
 //!
 //! # Reductions
 //! Sums are taken in f32 (bf16 buffers are widened to f32, reduced, and rounded back to nearest

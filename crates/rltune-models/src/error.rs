@@ -72,8 +72,9 @@ pub enum Error {
     #[error("internal error (a bug in rltune; please report it): {0}")]
     Internal(String),
 
-    /// A setting cannot be used (a `[generation]` or `[lora]` value given to the library, not
-    /// read from a file): its table and key, what is wrong, and the fix.
+    /// A setting cannot be used: a `[generation]` or `[lora]` value given to the library, or a
+    /// `config.json` key met while building a model from a config that skipped validation (the
+    /// loaders validate first and name the file). Its table and key, what is wrong, the fix.
     #[error(transparent)]
     Setting(#[from] ConfigError),
 }
@@ -107,8 +108,6 @@ impl ConfigError {
         Self { section: section.into(), field: field.into(), problem, fix }
     }
 
-    /// `section.field problem; fix`; a problem of a table as a whole or of several tables (no
-    /// field) prints as it is.
     /// The error of table `section` as a whole, or of several tables (`message` names them):
     /// it prints as `message`.
     pub fn table(section: impl Into<String>, message: impl std::fmt::Display) -> Self {

@@ -174,13 +174,14 @@ impl LoraConfig {
         }
     }
 
-    /// `target_modules`, or PEFT's default for `model_type`.
+    /// `target_modules`, or PEFT's default for `model_type`; the error names the key alone (the
+    /// caller says which table or file set it).
     pub fn targets(&self, model_type: &str) -> std::result::Result<TargetModules, ConfigError> {
         match &self.target_modules {
             Some(t) => Ok(t.clone()),
             None => default_target_modules(model_type).map(TargetModules::Names).ok_or_else(|| {
                 ConfigError::new(
-                    "lora",
+                    "",
                     "target_modules",
                     format!("is not set and PEFT has no default for model_type {model_type:?}; set target_modules"),
                 )

@@ -42,7 +42,7 @@ use rltune::envs::essays::heuristic::HeuristicAgent;
 use rltune::envs::essays::{Essays, EssaysConfig, Label, CLASSES, NONE};
 use rltune::envs::play::{play, ActionMode, Agent, Episode, PromptTemplate, RandomAgent};
 use rltune::envs::{Reset, TextEnv};
-use rltune::error::Result;
+use rltune::error::{Error, Result};
 use rltune::generation::GenerationConfig;
 use rltune::models::load::load_policy;
 use rltune::ppo::PpoConfig;
@@ -371,7 +371,10 @@ pub fn run_essays_quickstart(
     }
     let mut on_validation = Vec::new();
     for (name, path, generation) in models {
-        let Some((_, policy)) = policies.iter().find(|(p, _)| *p == path) else { continue };
+        let (_, policy) = policies
+            .iter()
+            .find(|(p, _)| *p == path)
+            .ok_or_else(|| Error::Internal(format!("{}: its policy was not loaded", path.display())))?;
         let lm = &policy.model.lm;
         let agent = || ModelAgent::new(lm, &tokenizer, cfg.agent.clone(), generation.clone(), device);
         agents.push((name.to_string(), eval_agent(&heldout, &mut agent()?, n, eval_seed)?));

@@ -19,7 +19,7 @@ impl ParamStore {
     /// `seed` draws the `A` matrices). The tensors are shared, not copied: load the base frozen
     /// (`trainable = false`) to avoid a copy into variables first.
     pub fn with_lora(&self, cfg: &LoraConfig, model_type: &str, origin: &str, seed: u64) -> Result<Self> {
-        cfg.validate("lora").map_err(|e| Error::Input(format!("{origin}: {e}")))?;
+        cfg.validate("").map_err(|e| Error::Input(format!("{origin}: {e}")))?;
         if cfg.lora_dropout > 0.0 {
             tracing::warn!(
                 "{origin}: lora_dropout = {} is saved in adapter_config.json but not applied (rltune \

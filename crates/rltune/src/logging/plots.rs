@@ -101,6 +101,12 @@ fn fmt_step(v: &f64) -> String {
 #[error("{0}")]
 pub struct PlotError(pub String);
 
+impl PlotError {
+    fn no_finite_values() -> Self {
+        Self("no finite values".into())
+    }
+}
+
 fn err(e: impl std::fmt::Display) -> PlotError {
     PlotError(e.to_string())
 }
@@ -153,14 +159,13 @@ fn finite_runs<T: Copy>(points: &[T], finite: impl Fn(&T) -> bool) -> Vec<Vec<T>
 fn draw_panel<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, p: &Panel) -> Result<(), PlotError> {
     let xs = p.series.iter().flat_map(|s| s.points.iter().filter(|q| q.1.is_finite()).map(|q| q.0));
     let (x0, x1) = if p.x_desc.is_empty() {
-        step_range(xs).ok_or_else(|| PlotError("no finite values".into()))?
+        step_range(xs).ok_or_else(PlotError::no_finite_values)?
     } else {
-        padded_range(xs, 0.05).ok_or_else(|| PlotError("no finite values".into()))?
+        padded_range(xs, 0.05).ok_or_else(PlotError::no_finite_values)?
     };
     let ys = p.series.iter().flat_map(|s| s.points.iter().map(|q| q.1));
     let band_ys = p.band.iter().flat_map(|b| [b.1, b.2]);
-    let (y0, y1) =
-        padded_range(ys.chain(band_ys), 0.05).ok_or_else(|| PlotError("no finite values".into()))?;
+    let (y0, y1) = padded_range(ys.chain(band_ys), 0.05).ok_or_else(PlotError::no_finite_values)?;
     let mut builder = ChartBuilder::on(area);
     builder.margin(12).x_label_area_size(36).y_label_area_size(72);
     if !p.title.is_empty() {
@@ -284,8 +289,8 @@ pub fn heatmap_grid(dists: &[(f64, Vec<f64>)], bins: usize, max_columns: usize) 
 
 /// An SVG heatmap of a distribution over steps, with a color bar.
 pub fn heatmap_svg(dists: &[(f64, Vec<f64>)], y_desc: &str) -> Result<String, PlotError> {
-    let grid = heatmap_grid(dists, HEATMAP_BINS, MAX_HEATMAP_COLUMNS)
-        .ok_or_else(|| PlotError("no finite values".into()))?;
+    let grid =
+        heatmap_grid(dists, HEATMAP_BINS, MAX_HEATMAP_COLUMNS).ok_or_else(PlotError::no_finite_values)?;
     let max_count = grid.counts.iter().flatten().copied().max().unwrap_or(1).max(1);
     let mut buf = String::new();
     {
