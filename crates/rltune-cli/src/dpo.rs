@@ -117,7 +117,7 @@ fn warn_rows(origins: &[String], what: &str) {
 }
 
 /// Runs `rltune dpo`.
-pub fn run(args: Args) -> Result<()> {
+pub fn run(args: Args, dist: &rltune::dist::Dist) -> Result<()> {
     let (text, source) = match &args.config {
         Some(p) => {
             (std::fs::read_to_string(p).with_context(|| format!("cannot read {}", p.display()))?, p.clone())
@@ -127,7 +127,7 @@ pub fn run(args: Args) -> Result<()> {
     let file: DpoFile = parse_toml(&text, &source, &args.set)?;
     let cfg = file.dpo;
     cfg.validate().map_err(|m| anyhow::anyhow!("{}: {m}", source.display()))?;
-    let rt = args.runtime.resolve(file.runtime)?;
+    let rt = args.runtime.resolve_with(file.runtime, dist)?;
     let lora = match (&file.lora, &args.adapter) {
         (None, None) => None,
         (lc, adapter) => {
@@ -189,9 +189,10 @@ pub fn run(args: Args) -> Result<()> {
         policy.store.clone(),
         policy.lm.clone(),
         reference,
-        pairs_per_process(pairs.len()),
+        pairs_per_process(dist, pairs.len()),
     )
-    .with_context(|| format!("cannot set up DPO from {}", source.display()))?;
+    .with_context(|| format!("cannot set up DPO from {}", source.display()))?
+    .with_dist(dist.clone());
     if cfg.precompute_ref_log_probs && given < pairs.len() {
         let mut missing: Vec<PreferencePair> =
             pairs.iter().filter(|p| p.ref_logps.is_none()).cloned().collect();
@@ -212,18 +213,18 @@ fn train_and_save(
     pairs: &[PreferencePair],
 ) -> Result<()> {
     // On several processes, rank 0 alone writes (every process holds the same weights).
-    let main = rltune::dist::is_main();
+    let main = trainer.dist().is_main();
     let metrics_path = args.output.join("metrics.jsonl");
     if main {
         std::fs::create_dir_all(&args.output)
             .with_context(|| format!("cannot create {}", args.output.display()))?;
     }
-    let bar = Bar::new("dpo");
-    let world = rltune::dist::world_size();
+    let bar = Bar::new("dpo", main);
+    let world = trainer.dist().world_size();
     tracing::info!(
         "DPO on {} pairs: {} optimizer steps of {} × {} pairs{}",
         pairs.len(),
-        trainer.config.total_steps(pairs_per_process(pairs.len())),
+        trainer.config.total_steps(pairs_per_process(trainer.dist(), pairs.len())),
         trainer.config.per_device_train_batch_size,
         trainer.config.gradient_accumulation_steps,
         if world > 1 { format!(" on each of {world} processes") } else { String::new() }
@@ -248,7 +249,7 @@ fn train_and_save(
         Ok(())
     })?;
     bar.finish();
-    if !crate::train::finished(summary.steps, summary.total_steps, &dir) {
+    if !crate::train::finished(summary.steps, summary.total_steps, &dir, main) {
         std::process::exit(130);
     }
     if !main {

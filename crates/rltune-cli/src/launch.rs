@@ -1,21 +1,22 @@
 //! Data-parallel launches: which engine this process trains through, from its launcher's
 //! variables (`mpirun`, MPICH's Hydra, Slurm's `srun`; see `rltune_dist::Launch`).
 //!
-//! One process (no launcher) installs nothing and keeps its bit-for-bit results. Several need
+//! One process (no launcher) has no engine ([`Dist::default`]) and keeps its bit-for-bit results. Several need
 //! the `mpi` feature (`cargo build --release -p rltune-cli --features mpi`, with OpenMPI or
 //! MPICH and `libclang-dev` installed); without it the run is refused with that command.
 
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use rltune::dist::{Launch, Launcher};
+use rltune::dist::{Dist, Launch, Launcher};
 
 /// How long a collective may wait for the other processes before this one gives up (a rank
 /// died or hangs), unless `RLTUNE_DIST_TIMEOUT_S` says otherwise.
 const DEFAULT_TIMEOUT_S: u64 = 300;
 
-/// Installs the engine that the launcher's variables call for; `None` for one process.
-pub fn init(command: &str, data_parallel: bool) -> anyhow::Result<Option<rltune::dist::Installed>> {
+/// The processes and engine that the launcher's variables call for ([`Dist::default`] for one
+/// process). The engine is finalized when the last clone of the handle drops.
+pub fn init(command: &str, data_parallel: bool) -> anyhow::Result<Dist> {
     let launch =
         Launch::from_lookup(|k| std::env::var(k).ok()).context("reading the launcher's variables")?;
     let forced = forced()?;
@@ -25,9 +26,9 @@ pub fn init(command: &str, data_parallel: bool) -> anyhow::Result<Option<rltune:
         return match forced {
             Some(mode) if data_parallel => {
                 tracing::info!("RLTUNE_DIST={mode}: one process through the collectives");
-                Ok(Some(rltune::dist::install(Box::new(rltune::dist::SingleProcess))?))
+                Ok(Dist::new(Box::new(rltune::dist::SingleProcess)))
             }
-            _ => Ok(None),
+            _ => Ok(Dist::default()),
         };
     }
     if !data_parallel {
@@ -53,19 +54,19 @@ pub fn init(command: &str, data_parallel: bool) -> anyhow::Result<Option<rltune:
         })?,
         Err(_) => DEFAULT_TIMEOUT_S,
     };
-    let installed = engine(&launch, Duration::from_secs(timeout))?;
+    let dist = engine(&launch, Duration::from_secs(timeout))?;
     // Every process must run the same command line (`rltune ppo` also compares the resolved
     // configuration before its first step).
     let argv: Vec<String> = std::env::args().skip(1).collect();
-    rltune::dist::check_same(
+    dist.check_same(
         rltune::dist::fingerprint(argv.join("\0").as_bytes()),
         "the command line: start every process with the same arguments",
     )?;
-    Ok(installed)
+    Ok(dist)
 }
 
 #[cfg(feature = "mpi")]
-fn engine(launch: &Launch, timeout: Duration) -> anyhow::Result<Option<rltune::dist::Installed>> {
+fn engine(launch: &Launch, timeout: Duration) -> anyhow::Result<Dist> {
     use rltune::dist::Collective;
     let mpi = rltune_mpi::Mpi::init(timeout).context("starting MPI")?;
     if mpi.world_size() != launch.world_size || mpi.rank() != launch.rank {
@@ -84,11 +85,11 @@ fn engine(launch: &Launch, timeout: Duration) -> anyhow::Result<Option<rltune::d
         launch.world_size,
         launch.launcher
     );
-    Ok(Some(rltune::dist::install(Box::new(mpi))?))
+    Ok(Dist::new(Box::new(mpi)))
 }
 
 #[cfg(not(feature = "mpi"))]
-fn engine(launch: &Launch, _timeout: Duration) -> anyhow::Result<Option<rltune::dist::Installed>> {
+fn engine(launch: &Launch, _timeout: Duration) -> anyhow::Result<Dist> {
     bail!(
         "started as rank {} of {} by {:?}, but this rltune was built without MPI: rebuild it with \
          `cargo build --release -p rltune-cli --features mpi` (needs OpenMPI or MPICH, and libclang-dev)",
@@ -115,8 +116,8 @@ fn forced() -> anyhow::Result<Option<&'static str>> {
 /// collectives go through NCCL (over the MPI that launched the run, or alone on one GPU with
 /// `RLTUNE_DIST=nccl`). Without `nccl` they stay on MPI, which reduces host copies of the
 /// gradients (correct, slower).
-pub fn on_device(device: &candle_core::Device) -> anyhow::Result<()> {
-    if !rltune::dist::active() {
+pub fn on_device(dist: &Dist, device: &candle_core::Device) -> anyhow::Result<()> {
+    if !dist.active() {
         return Ok(());
     }
     let nccl = forced()? == Some("nccl");
@@ -126,22 +127,22 @@ pub fn on_device(device: &candle_core::Device) -> anyhow::Result<()> {
         }
         return Ok(());
     }
-    if rltune::dist::world_size() == 1 && !nccl {
+    if dist.world_size() == 1 && !nccl {
         return Ok(());
     }
-    gpu_engine(device)
+    gpu_engine(dist, device)
 }
 
 #[cfg(feature = "nccl")]
-fn gpu_engine(device: &candle_core::Device) -> anyhow::Result<()> {
+fn gpu_engine(dist: &Dist, device: &candle_core::Device) -> anyhow::Result<()> {
     let candle_core::Device::Cuda(cuda) = device else { return Ok(()) };
-    rltune::dist::replace(|host| Ok(Box::new(rltune_nccl::Nccl::init(cuda, host)?)))?;
+    dist.replace(|host| Ok(Box::new(rltune_nccl::Nccl::init(cuda, host)?)))?;
     tracing::info!("data-parallel: gradients through NCCL");
     Ok(())
 }
 
 #[cfg(not(feature = "nccl"))]
-fn gpu_engine(_device: &candle_core::Device) -> anyhow::Result<()> {
+fn gpu_engine(_dist: &Dist, _device: &candle_core::Device) -> anyhow::Result<()> {
     if forced()? == Some("nccl") {
         bail!("RLTUNE_DIST=nccl: this rltune was built without NCCL; rebuild with --features nccl");
     }

@@ -117,8 +117,8 @@ fn main() {
                 Command::Ppo(_) | Command::Dpo(_) | Command::Sft(_) | Command::Reward(_)
             );
             match launch::init(name, data_parallel) {
-                // The engine stays installed for the run, and is finalized when `_engine` drops.
-                Ok(_engine) => run(cli.command),
+                // The engine is finalized when `dist` (and every clone of it) drops.
+                Ok(dist) => run(cli.command, &dist),
                 Err(e) => Err(e),
             }
         }
@@ -156,20 +156,20 @@ impl Command {
     }
 }
 
-/// Runs one command.
-fn run(command: Command) -> anyhow::Result<()> {
+/// Runs one command; the data-parallel trainers on `dist`'s processes.
+fn run(command: Command, dist: &rltune::dist::Dist) -> anyhow::Result<()> {
     match command {
         Command::Quickstart(args) => quickstart::run(args),
-        Command::Sft(args) => train::run_sft(args),
-        Command::Dpo(args) => dpo::run(args),
-        Command::Reward(args) => train::run_reward(args),
+        Command::Sft(args) => train::run_sft(args, dist),
+        Command::Dpo(args) => dpo::run(args, dist),
+        Command::Reward(args) => train::run_reward(args, dist),
         Command::Generate(args) => generate::run(args),
         Command::Serve(args) => serve::run(args),
         Command::Play(args) => play::run(args),
         Command::Convert(args) => convert::run(args),
         Command::Merge(args) => merge::run(args),
         Command::Export(args) => export::run(args),
-        Command::Ppo(args) => ppo::run(args),
+        Command::Ppo(args) => ppo::run(args, dist),
         Command::PpoStep(args) => ppo_step::run(args),
         Command::GrpoStep(args) => grpo_step::run_grpo(args),
         Command::RlooStep(args) => grpo_step::run_rloo(args),

@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
+use rltune::dist::Dist;
 use rltune::run::{GroupRun, PpoRun, RunConfig, StepReport};
 
 /// Arguments of `rltune ppo`.
@@ -42,17 +43,18 @@ pub fn stop_flag() -> Result<Arc<AtomicBool>> {
     Ok(stop)
 }
 
-/// A progress bar on a terminal, plain lines otherwise.
+/// A progress bar on a terminal, plain lines otherwise; nothing on the other ranks of a
+/// data-parallel run.
 pub struct Progress {
     bar: Option<indicatif::ProgressBar>,
+    main: bool,
 }
 
 impl Progress {
-    /// A progress display for `total` steps.
-    pub fn new(total: usize, done: usize, what: &str) -> Self {
+    /// A progress display for `total` steps, shown when `main` (one bar per run: rank 0's).
+    pub fn new(total: usize, done: usize, what: &str, main: bool) -> Self {
         use std::io::IsTerminal;
-        // One bar per run: rank 0's, in a data-parallel run.
-        let bar = (std::io::stderr().is_terminal() && rltune::dist::is_main()).then(|| {
+        let bar = (std::io::stderr().is_terminal() && main).then(|| {
             let bar = indicatif::ProgressBar::new(total as u64);
             let style = indicatif::ProgressStyle::with_template(&format!(
                 "{what} {{bar:30}} {{pos}}/{{len}} [{{elapsed_precise}} < {{eta_precise}}] {{msg}}"
@@ -62,7 +64,7 @@ impl Progress {
             bar.set_position(done as u64);
             bar
         });
-        Self { bar }
+        Self { bar, main }
     }
 
     /// Shows one step's report.
@@ -78,7 +80,7 @@ impl Progress {
                 bar.set_position(r.step as u64);
                 bar.set_message(msg);
             }
-            None if rltune::dist::is_main() => eprintln!("step {}/{}: {msg}", r.step, r.total),
+            None if self.main => eprintln!("step {}/{}: {msg}", r.step, r.total),
             None => {}
         }
     }
@@ -92,17 +94,18 @@ impl Progress {
 }
 
 /// Runs `rltune ppo`.
-pub fn run(args: Args) -> Result<()> {
+pub fn run(args: Args, dist: &Dist) -> Result<()> {
     let mut config = RunConfig::load(&args.config, &args.set)?;
     config.runtime = args.runtime.apply(config.runtime);
-    let runtime = args.runtime.resolve(config.runtime.clone())?;
+    let runtime = args.runtime.resolve_with(config.runtime.clone(), dist)?;
+    let main = dist.is_main();
     let dir = config.logging.dir.clone();
     let stop = stop_flag()?;
     let (done, total) = if config.algorithm.kind.is_group() {
         // GRPO / RLOO: the same command, config and run directory layout.
         let what = config.algorithm.kind.name();
         let mut run = GroupRun::prepare_on(config, &runtime, Vec::new(), args.resume)?;
-        let progress = Progress::new(run.shape().steps, run.start_step(), what);
+        let progress = Progress::new(run.shape().steps, run.start_step(), what, main);
         let done = run.run(&stop, &mut |r| progress.step(r))?;
         progress.finish();
         (done, run.shape().steps)
@@ -110,17 +113,17 @@ pub fn run(args: Args) -> Result<()> {
         let steps = config.ppo.steps;
         let mut run = PpoRun::prepare_on(config, &runtime, Vec::new(), args.resume)?;
         // A resumed run's bar starts at its checkpoint's step.
-        let progress = Progress::new(steps, run.start_step(), "ppo");
+        let progress = Progress::new(steps, run.start_step(), "ppo", main);
         let done = run.run(&stop, &mut |r| progress.step(r))?;
         progress.finish();
         (done, steps)
     };
-    if rltune::dist::is_main() {
+    if main {
         eprintln!("{done} steps; metrics: {0}/metrics.jsonl, report: {0}/report.html", dir.display());
     }
     if done < total {
         // Stopped by Ctrl-C after a checkpoint: the shell's status for an interrupted command.
-        if rltune::dist::is_main() {
+        if main {
             eprintln!("stopped before step {total}; the same command with --resume continues it");
         }
         std::process::exit(130);

@@ -150,7 +150,7 @@ fn show_event(bar: &mut Option<(Bar, usize)>, e: Event) {
     match e {
         Event::Start { stage, total } => {
             eprintln!("[{stage}] started");
-            *bar = total.map(|t| (Bar::new(stage), t));
+            *bar = total.map(|t| (Bar::new(stage, true), t));
         }
         Event::Cached { stage, path } => eprintln!("[{stage}] cached: {}", path.display()),
         Event::Progress { done, message, .. } => {

@@ -2,6 +2,7 @@
 //! table (where the command has one) and resolve to the one [`Runtime`] the command passes down.
 
 use anyhow::{Context, Result};
+use rltune::dist::Dist;
 use rltune::runtime::{CudaHost, DeviceChoice, Precision, Runtime, RuntimeSection};
 
 /// The runtime flags of a command.
@@ -28,12 +29,21 @@ impl RuntimeArgs {
         section.with_overrides(self.device, self.dtype).with_cuda_host(self.cuda_host)
     }
 
-    /// Resolves `section` with the flags applied, and installs its process-wide settings.
+    /// Resolves `section` with the flags applied, for one process, and installs its
+    /// process-wide settings.
     pub fn resolve(&self, section: RuntimeSection) -> Result<Runtime> {
-        let runtime = Runtime::resolve(&self.apply(section)).context("cannot set up the runtime")?;
+        self.resolve_with(section, &Dist::default())
+    }
+
+    /// [`Self::resolve`] for this process of `dist` (the data-parallel trainers): on a GPU, the
+    /// collectives then go through NCCL where the build has it ([`crate::launch::on_device`]).
+    pub fn resolve_with(&self, section: RuntimeSection, dist: &Dist) -> Result<Runtime> {
+        let runtime = Runtime::resolve(&self.apply(section))
+            .context("cannot set up the runtime")?
+            .with_dist(dist.clone());
         runtime.install()?;
         tracing::debug!("runtime: {runtime}");
-        crate::launch::on_device(runtime.device())?;
+        crate::launch::on_device(dist, runtime.device())?;
         Ok(runtime)
     }
 }

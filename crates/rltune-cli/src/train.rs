@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use rltune::config_file::parse_toml;
 use rltune::data::rows::DataOptions;
+use rltune::dist::Dist;
 use rltune::models::load::LoraSpec;
 use rltune::models::lora::LoraConfig;
 use rltune::runtime::RuntimeSection;
@@ -165,11 +166,11 @@ impl Common {
 /// After a run of `steps` of `total`: true when it finished; when Ctrl-C stopped it, says where
 /// its checkpoint is and how to resume, and gives false (the command then exits with status 130,
 /// its output unsaved).
-pub(crate) fn finished(steps: usize, total: usize, dir: &Path) -> bool {
+pub(crate) fn finished(steps: usize, total: usize, dir: &Path, main: bool) -> bool {
     if steps >= total {
         return true;
     }
-    if rltune::dist::is_main() {
+    if main {
         eprintln!(
             "stopped after step {steps} of {total}; checkpoint in {}; the same command with --resume \
              continues it",
@@ -180,12 +181,12 @@ pub(crate) fn finished(steps: usize, total: usize, dir: &Path) -> bool {
 }
 
 /// Runs `rltune sft`.
-pub fn run_sft(args: SftArgs) -> Result<()> {
+pub fn run_sft(args: SftArgs, dist: &Dist) -> Result<()> {
     let c = &args.common;
     let file: SftFile = settings(c)?;
     check(file.training.validate(), c)?;
     check(file.sft.validate(), c)?;
-    let runtime = c.runtime.resolve(file.runtime.clone())?;
+    let runtime = c.runtime.resolve_with(file.runtime.clone(), dist)?;
     let records = read_sft_data(&c.data.to_string_lossy(), &file.data)?;
     let origin = c.config.as_ref().map_or("--set".to_string(), |p| p.display().to_string());
     let lora = lora_spec(&file.lora, &args.adapter, c, file.training.seed)?;
@@ -199,17 +200,18 @@ pub fn run_sft(args: SftArgs) -> Result<()> {
     if let Some(max) = model.lm.config().max_positions() {
         fit_default(&mut cfg.max_length, SftConfig::default().max_length, max, "sft.max_length");
     }
-    let progress = Bar::new("sft");
+    let progress = Bar::new("sft", dist.is_main());
     let (stop, dir) = (crate::ppo::stop_flag()?, c.checkpoint_dir());
     let ckpt = Checkpointing { dir: &dir, resume: c.resume, stop: Some(&stop) };
-    let summary =
-        sft::train_sft_with(&model, &records, &cfg, &file.training, Some(ckpt), &mut |p| progress.update(p))?;
+    let summary = sft::train_sft_with(&model, &records, &cfg, &file.training, dist, Some(ckpt), &mut |p| {
+        progress.update(p)
+    })?;
     progress.finish();
-    if !finished(summary.steps, summary.total_steps, &dir) {
+    if !finished(summary.steps, summary.total_steps, &dir, dist.is_main()) {
         std::process::exit(130);
     }
     // On several processes every one holds the same weights: rank 0 writes them.
-    if rltune::dist::is_main() {
+    if dist.is_main() {
         model.save(&c.output)?;
         report(&summary, &c.output, true);
     }
@@ -217,7 +219,7 @@ pub fn run_sft(args: SftArgs) -> Result<()> {
 }
 
 /// Runs `rltune reward`.
-pub fn run_reward(args: RewardArgs) -> Result<()> {
+pub fn run_reward(args: RewardArgs, dist: &Dist) -> Result<()> {
     let c = &args.common;
     let file: RewardFile = settings(c)?;
     check(file.training.validate(), c)?;
@@ -245,7 +247,7 @@ pub fn run_reward(args: RewardArgs) -> Result<()> {
             c,
         )?;
     }
-    let runtime = c.runtime.resolve(file.runtime.clone())?;
+    let runtime = c.runtime.resolve_with(file.runtime.clone(), dist)?;
     let records = read_reward_data(&c.data.to_string_lossy(), &file.data)?;
     let mut model = RewardModel::from_pretrained_for(
         &c.model,
@@ -267,7 +269,7 @@ pub fn run_reward(args: RewardArgs) -> Result<()> {
         model.max_positions(),
         "reward.max_length",
     );
-    let progress = Bar::new("reward");
+    let progress = Bar::new("reward", dist.is_main());
     let (stop, dir) = (crate::ppo::stop_flag()?, c.checkpoint_dir());
     let ckpt = Checkpointing { dir: &dir, resume: c.resume, stop: Some(&stop) };
     let summary = reward_model::train_reward_model_with(
@@ -275,14 +277,15 @@ pub fn run_reward(args: RewardArgs) -> Result<()> {
         &records,
         &cfg,
         &file.training,
+        dist,
         Some(ckpt),
         &mut |p| progress.update(p),
     )?;
     progress.finish();
-    if !finished(summary.steps, summary.total_steps, &dir) {
+    if !finished(summary.steps, summary.total_steps, &dir, dist.is_main()) {
         std::process::exit(130);
     }
-    if rltune::dist::is_main() {
+    if dist.is_main() {
         model.save(&c.output)?;
         report(&summary, &c.output, false);
     }
@@ -315,17 +318,20 @@ fn report(s: &TrainSummary, out: &Path, perplexity: bool) {
     eprintln!("saved {}", out.display());
 }
 
-/// A progress bar on a terminal, a line every 10% otherwise.
+/// A progress bar on a terminal, a line every 10% otherwise; nothing on the other ranks of a
+/// data-parallel run.
 pub struct Bar {
     what: &'static str,
     bar: Option<indicatif::ProgressBar>,
+    main: bool,
 }
 
 impl Bar {
-    /// A bar for a trainer; its length is set by the first update.
-    pub fn new(what: &'static str) -> Self {
+    /// A bar for a trainer, shown when `main` (one per run: rank 0's); its length is set by the
+    /// first update.
+    pub fn new(what: &'static str, main: bool) -> Self {
         use std::io::IsTerminal;
-        let bar = (std::io::stderr().is_terminal() && rltune::dist::is_main()).then(|| {
+        let bar = (std::io::stderr().is_terminal() && main).then(|| {
             let bar = indicatif::ProgressBar::new(0);
             let template = format!(
                 "{what:>10} {{bar:30}} {{pos}}/{{len}} [{{elapsed_precise}} < {{eta_precise}}] {{msg}}"
@@ -336,7 +342,7 @@ impl Bar {
             );
             bar
         });
-        Self { what, bar }
+        Self { what, bar, main }
     }
 
     /// Shows `done` of `total` with a message.
@@ -348,7 +354,7 @@ impl Bar {
                 bar.set_message(msg);
             }
             // One progress report per run: rank 0's, on several processes.
-            None if !rltune::dist::is_main() => {}
+            None if !self.main => {}
             None => {
                 let tenth = (total / 10).max(1);
                 if done == total || done.is_multiple_of(tenth) {

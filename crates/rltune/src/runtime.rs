@@ -39,6 +39,7 @@ use std::str::FromStr;
 
 use candle_core::{DType, Device};
 
+use crate::dist::Dist;
 use crate::error::{Error, Result};
 use crate::ops::MatmulPrecision;
 
@@ -264,6 +265,7 @@ pub struct Runtime {
     precision: Precision,
     matmul_precision: MatmulPrecision,
     cuda_host: CudaHost,
+    dist: Dist,
 }
 
 impl Runtime {
@@ -275,6 +277,7 @@ impl Runtime {
             precision: Precision::F32,
             matmul_precision: MatmulPrecision::F32,
             cuda_host: CudaHost::default(),
+            dist: Dist::default(),
         }
     }
 
@@ -307,7 +310,20 @@ impl Runtime {
             precision: section.dtype,
             matmul_precision,
             cuda_host: section.cuda_host,
+            dist: Dist::default(),
         })
+    }
+
+    /// This runtime training through `dist`: the processes of a data-parallel run and their
+    /// engine (one process without an engine until this is called).
+    pub fn with_dist(mut self, dist: Dist) -> Self {
+        self.dist = dist;
+        self
+    }
+
+    /// The processes this run trains with ([`Dist`]); runs hand it to their trainers.
+    pub fn dist(&self) -> &Dist {
+        &self.dist
     }
 
     /// The device every tensor of the run lives on.
@@ -538,12 +554,10 @@ pub const CUDA_BUILD_HINT: &str = "this rltune was built without CUDA support; b
      tools/cuda/build.sh installs it from PyPI and builds: see docs/gpu.md, \"Building with CUDA\"), \
      or use device = \"cpu\" / --device cpu";
 
-/// The GPU of this process in a data-parallel run: its local rank on its machine (the installed
-/// [`Host`]'s; one GPU per process); `None` on one process.
+/// The GPU of this process in a data-parallel launch: its local rank on its machine (the
+/// installed [`Host`]'s, which has one only when the launcher started several processes; one GPU
+/// per process); `None` on one process.
 fn local_gpu() -> Option<usize> {
-    if crate::dist::world_size() == 1 {
-        return None;
-    }
     host().local_rank
 }
 

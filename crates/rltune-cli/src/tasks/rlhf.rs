@@ -35,6 +35,7 @@ use serde::{Deserialize, Serialize};
 use super::pipeline::{json_err, read_stage_jsonl, to_json, write_file};
 use super::{Check, Event};
 use rltune::data::rows::DataOptions;
+use rltune::dist::Dist;
 use rltune::dpo::data::{prepare_pairs_with, read_preference_data};
 use rltune::dpo::run::{pairs_per_process, train_with as train_dpo};
 use rltune::dpo::{DpoConfig, DpoTrainer};
@@ -1072,8 +1073,9 @@ fn run_dpo(
     let eos = config.eos_token_ids().first().copied();
     let prepared = prepare_pairs_with(&records, Some(&tokenizer), template.as_ref(), eos, &cfg.dpo)?;
     let n = prepared.pairs.len();
-    let mut trainer = DpoTrainer::new(cfg.dpo.clone(), store.clone(), lm, None, pairs_per_process(n))?;
-    let total = cfg.dpo.total_steps(pairs_per_process(n));
+    let mut trainer =
+        DpoTrainer::new(cfg.dpo.clone(), store.clone(), lm, None, pairs_per_process(&Dist::default(), n))?;
+    let total = cfg.dpo.total_steps(pairs_per_process(&Dist::default(), n));
     on(Event::Start { stage: "dpo", total: Some(total) });
     let done = train_dpo(&mut trainer, &prepared.pairs, None, None, &mut |step, _, stats| {
         let get = |k: &str| stats.get(k).and_then(rltune::ppo::Stat::as_f64).unwrap_or(f64::NAN);

@@ -20,6 +20,7 @@ use serde::{Deserialize, Serialize};
 use super::config::DpoConfig;
 use super::data::PreferencePair;
 use super::trainer::{DpoCounters, DpoTrainer};
+use crate::dist::Dist;
 use crate::engine::run_loop::Plan;
 use crate::engine::Stats;
 use crate::error::{Error, Result};
@@ -33,10 +34,15 @@ use crate::train::checkpoint::{self, Checkpointing, LoopCheckpoint, LoopKind, Ru
 /// share of each (so that N processes train on what one process with N times the batch trains
 /// on). A last micro-batch that the processes cannot share evenly is left out, as
 /// `dataloader_drop_last` would (logged).
-pub fn epoch_plan(cfg: &DpoConfig, n_pairs: usize, rng: &mut rand::rngs::StdRng) -> Vec<Vec<Vec<usize>>> {
+pub fn epoch_plan(
+    cfg: &DpoConfig,
+    dist: &Dist,
+    n_pairs: usize,
+    rng: &mut rand::rngs::StdRng,
+) -> Vec<Vec<Vec<usize>>> {
     let mut perm: Vec<usize> = (0..n_pairs).collect();
     perm.shuffle(rng);
-    let (world, rank) = (crate::dist::world_size(), crate::dist::rank());
+    let (world, rank) = (dist.world_size(), dist.rank());
     let micro: Vec<Vec<usize>> = perm
         .chunks(cfg.per_device_train_batch_size * world)
         .filter_map(|c| {
@@ -55,11 +61,11 @@ pub fn epoch_plan(cfg: &DpoConfig, n_pairs: usize, rng: &mut rand::rngs::StdRng)
     micro.chunks(cfg.gradient_accumulation_steps).map(<[Vec<usize>]>::to_vec).collect()
 }
 
-/// The pairs one process's schedule counts: all of them on one process, a share on N (so that
-/// `total_steps` and the epochs count global micro-batches of `per_device_train_batch_size` ×
-/// N pairs: ⌈⌈n/N⌉/b⌉ = ⌈n/(N·b)⌉).
-pub fn pairs_per_process(n_pairs: usize) -> usize {
-    n_pairs.div_ceil(crate::dist::world_size())
+/// The pairs one process of `dist` counts in its schedule: all of them on one process, a share
+/// on N (so that `total_steps` and the epochs count global micro-batches of
+/// `per_device_train_batch_size` × N pairs: ⌈⌈n/N⌉/b⌉ = ⌈n/(N·b)⌉).
+pub fn pairs_per_process(dist: &Dist, n_pairs: usize) -> usize {
+    n_pairs.div_ceil(dist.world_size())
 }
 
 /// Trains on `pairs` for the run's optimizer steps; `on_step(step, total, stats)` is called after
@@ -120,19 +126,19 @@ pub fn train_with(
         return Err(Error::Input("no preference pair to train on".into()));
     }
     let cfg = trainer.config.clone();
-    let total = cfg.total_steps(pairs_per_process(pairs.len()));
+    let total = cfg.total_steps(pairs_per_process(trainer.dist(), pairs.len()));
     let shape = RunShape {
         total_steps: total,
         train_examples: pairs.len(),
         seed: cfg.seed,
-        processes: crate::dist::world_size(),
+        processes: trainer.dist().world_size(),
     };
     let config = settings(&cfg)?;
     let (start_step, lines) = match checkpoints.filter(|c| c.resume) {
         Some(c) => resume(trainer, c.dir, &shape, &config)?,
         None => (0, Vec::new()),
     };
-    let writer = match metrics.filter(|_| crate::dist::is_main()) {
+    let writer = match metrics.filter(|_| trainer.dist().is_main()) {
         Some(path) => {
             crate::io::write_bytes_atomic(path, jsonl(&lines).as_bytes())?;
             Some(JsonlWriter::append(path)?)
@@ -173,6 +179,10 @@ impl crate::engine::run_loop::Algorithm for DpoRun<'_> {
         checkpoint::plan(&self.shape, self.start_step, self.trainer.config.save_steps, self.checkpoints)
     }
 
+    fn dist(&self) -> crate::dist::Dist {
+        self.trainer.dist().clone()
+    }
+
     fn settings(&self) -> Result<String> {
         Ok(self.config.to_string())
     }
@@ -183,7 +193,7 @@ impl crate::engine::run_loop::Algorithm for DpoRun<'_> {
 
     fn draw(&self, (rng, plan, drawn): &mut Self::DataOrder) -> Result<Vec<Vec<usize>>> {
         if *drawn == plan.len() {
-            *plan = epoch_plan(&self.trainer.config, self.pairs.len(), rng);
+            *plan = epoch_plan(&self.trainer.config, self.trainer.dist(), self.pairs.len(), rng);
             *drawn = 0;
             if plan.is_empty() {
                 return Err(Error::Input(format!(
@@ -191,7 +201,7 @@ impl crate::engine::run_loop::Algorithm for DpoRun<'_> {
                      lower per_device_train_batch_size",
                     self.pairs.len(),
                     self.trainer.config.per_device_train_batch_size,
-                    crate::dist::world_size()
+                    self.trainer.dist().world_size()
                 )));
             }
         }
@@ -306,7 +316,7 @@ mod tests {
             ..Default::default()
         };
         let mut rng = rand::rngs::StdRng::seed_from_u64(1);
-        let plan = epoch_plan(&cfg, 5, &mut rng);
+        let plan = epoch_plan(&cfg, &Dist::default(), 5, &mut rng);
         // 3 micro-batches (2, 2, 1): a step of two, then the remainder.
         assert_eq!(plan.iter().map(Vec::len).collect::<Vec<_>>(), vec![2, 1]);
         let mut seen: Vec<usize> = plan.iter().flatten().flatten().copied().collect();

@@ -39,6 +39,7 @@
 use candle_core::Var;
 
 use super::schedule::LrSchedule;
+use crate::dist::Dist;
 use crate::error::Result;
 use crate::optim::{Adam, AdamConfig, Grads};
 
@@ -79,6 +80,8 @@ pub struct Optimizer {
     /// Per variable: whether weight decay applies.
     decay: Vec<bool>,
     args: OptimArgs,
+    /// The processes whose gradients each step averages (one process by default).
+    dist: Dist,
 }
 
 impl Optimizer {
@@ -92,7 +95,25 @@ impl Optimizer {
             adam: Adam::new(vars, cfg)?,
             decay: names.iter().map(|n| decays(n)).collect(),
             args,
+            dist: Dist::default(),
         })
+    }
+
+    /// This optimizer averaging the gradients over `dist`'s processes before each clip (a
+    /// data-parallel run; see [`Self::clip`]).
+    pub fn with_dist(mut self, dist: Dist) -> Self {
+        self.dist = dist;
+        self
+    }
+
+    /// Makes it average the gradients over `dist`'s processes ([`Self::with_dist`]).
+    pub fn set_dist(&mut self, dist: Dist) {
+        self.dist = dist;
+    }
+
+    /// The processes it averages the gradients over.
+    pub fn dist(&self) -> &Dist {
+        &self.dist
     }
 
     /// The arguments it was built with.
@@ -131,7 +152,7 @@ impl Optimizer {
     /// A stand-in holding no variables, for while the real one is lent out
     /// (`std::mem::replace`, e.g. around [`crate::optim::Adam::step_fused`]).
     pub fn placeholder(&self) -> Result<Self> {
-        Self::new(Vec::new(), self.args.clone())
+        Ok(Self::new(Vec::new(), self.args.clone())?.with_dist(self.dist.clone()))
     }
 
     /// Replaces the learning rate, Adam's betas and ε, weight decay, clipping and schedule; the
@@ -167,9 +188,9 @@ impl Optimizer {
 
     /// The global gradient norm before clipping; the gradients are clipped to `max_grad_norm`
     /// when it is positive. In a data-parallel run the gradients are first averaged over the
-    /// processes ([`crate::dist::all_reduce_grads`]), so every process clips and steps alike.
+    /// processes ([`Dist::all_reduce_grads`]), so every process clips and steps alike.
     pub fn clip(&self, grads: &mut Grads) -> Result<f64> {
-        crate::dist::all_reduce_grads(grads)?;
+        self.dist.all_reduce_grads(grads)?;
         Ok(if self.args.max_grad_norm > 0.0 {
             grads.clip_norm(self.args.max_grad_norm)?
         } else {

@@ -46,6 +46,9 @@ pub trait Algorithm {
 
     /// The run's shape.
     fn plan(&self) -> Plan;
+    /// The processes the run trains with: each checks that the others share its settings, and
+    /// rank 0 alone writes checkpoints.
+    fn dist(&self) -> crate::dist::Dist;
     /// The resolved settings, which every process of a data-parallel run must share.
     fn settings(&self) -> Result<String>;
     /// The data order at the start of the run.
@@ -93,7 +96,8 @@ fn run_steps<A: Algorithm>(
 ) -> Result<usize> {
     let plan = alg.plan();
     // A data-parallel run: every process must run the same settings as rank 0.
-    crate::dist::check_same(
+    let dist = alg.dist();
+    dist.check_same(
         crate::dist::fingerprint(alg.settings()?.as_bytes()),
         "the resolved configuration (its --config file and --set overrides): start every process \
          with the same ones",
@@ -113,7 +117,7 @@ fn run_steps<A: Algorithm>(
         let stopping = stop.load(Ordering::SeqCst);
         let scheduled = plan.checkpoint_every > 0 && step.is_multiple_of(plan.checkpoint_every);
         // Every process holds the same weights: rank 0 alone writes them.
-        if crate::dist::is_main() && (stopping || scheduled || (step == total && plan.checkpoint_at_end)) {
+        if dist.is_main() && (stopping || scheduled || (step == total && plan.checkpoint_at_end)) {
             alg.checkpoint(step)?;
         }
         if stopping || step == total || step.is_multiple_of(plan.report_every.max(1)) {
@@ -164,6 +168,10 @@ mod tests {
         fn plan(&self) -> Plan {
             self.plan
         }
+        fn dist(&self) -> crate::dist::Dist {
+            crate::dist::Dist::default()
+        }
+
         fn settings(&self) -> Result<String> {
             Ok("counter".into())
         }

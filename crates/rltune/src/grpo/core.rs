@@ -13,6 +13,7 @@ use candle_core::{DType, Device, Tensor};
 
 use super::gigpo::StepCredit;
 use super::math::{nanmean, nanstd};
+use crate::dist::Dist;
 use crate::engine::constraint::{check_allowed, constrained_logprobs};
 use crate::engine::{OptimArgs, Optimizer};
 use crate::engine::{Stat, Stats};
@@ -146,6 +147,8 @@ pub(crate) struct Core {
     pub pad_id: u32,
     pub eos_ids: Vec<u32>,
     pub device: Device,
+    /// The processes this trainer trains with (one by default; [`Self::set_dist`]).
+    pub dist: Dist,
 }
 
 /// The reference a GRPO/RLOO step uses: none when `beta == 0` (TRL loads none), else `reference`
@@ -195,7 +198,15 @@ impl Core {
             pad_id,
             eos_ids,
             device,
+            dist: Dist::default(),
         })
+    }
+
+    /// Trains on `dist`'s processes: the optimizer averages the gradients over them and the
+    /// statistics are the whole batch's.
+    pub fn set_dist(&mut self, dist: Dist) {
+        self.opt.set_dist(dist.clone());
+        self.dist = dist;
     }
 
     /// The optimizer (its moments are checkpointed).
@@ -590,7 +601,7 @@ impl Core {
             }
             // In a data-parallel run the processes agree first: a non-finite loss on any of them
             // skips the update on all (none waits in an all-reduce another never joins).
-            if crate::dist::sum(f64::from(u8::from(!loss_sum.is_finite())))? > 0.0 {
+            if self.dist.sum(f64::from(u8::from(!loss_sum.is_finite())))? > 0.0 {
                 return Ok((extras, loss_sum, f64::NAN));
             }
             let norm = self.opt.clip(&mut grads)?;
@@ -622,13 +633,13 @@ pub(crate) enum Normaliser {
 
 impl Normaliser {
     /// The rows and loss tokens the normaliser counts, given this process's.
-    pub(crate) fn totals(self, rows: usize, tokens: f64) -> Result<(f64, f64)> {
+    pub(crate) fn totals(self, dist: &Dist, rows: usize, tokens: f64) -> Result<(f64, f64)> {
         match self {
             Self::Local => Ok((rows as f64, tokens)),
             Self::Global => {
-                let world = crate::dist::world_size() as f64;
+                let world = dist.world_size() as f64;
                 let mut sums = [rows as f64, tokens];
-                crate::dist::sum_f64(&mut sums)?;
+                dist.sum_f64(&mut sums)?;
                 Ok((sums[0] / world, sums[1] / world))
             }
         }
@@ -637,10 +648,10 @@ impl Normaliser {
 
 /// The rewards of the whole batch, over every process in rank order (as TRL gathers them before
 /// the advantages): on one process, `table` itself.
-pub(crate) fn global_rewards(table: &RewardTable) -> Result<RewardTable> {
+pub(crate) fn global_rewards(dist: &Dist, table: &RewardTable) -> Result<RewardTable> {
     let nf = table.names.len();
     let flat: Vec<f64> = table.values.iter().flatten().copied().collect();
-    let all = crate::dist::gather_f64(&flat)?;
+    let all = dist.gather_f64(&flat)?;
     Ok(RewardTable {
         names: table.names.clone(),
         values: all.chunks(nf.max(1)).map(<[f64]>::to_vec).collect(),
@@ -648,8 +659,8 @@ pub(crate) fn global_rewards(table: &RewardTable) -> Result<RewardTable> {
 }
 
 /// This process's rows within the global batch, each process holding `n`.
-pub(crate) fn local_rows(n: usize) -> std::ops::Range<usize> {
-    let r = crate::dist::rank();
+pub(crate) fn local_rows(dist: &Dist, n: usize) -> std::ops::Range<usize> {
+    let r = dist.rank();
     r * n..(r + 1) * n
 }
 
@@ -668,16 +679,17 @@ pub(crate) fn generation_stats(
     weights: &[f64],
 ) -> Result<Stats> {
     let mut s = Stats::new();
-    let plen = crate::dist::sum(prompts.iter().map(|p| p.len() as f64).sum())?;
+    let plen = core.dist.sum(prompts.iter().map(|p| p.len() as f64).sum())?;
     let lens: Vec<f64> = completions.iter().map(|c| c.len() as f64).collect();
     // Per row: the processes hold different numbers of turns on games.
-    let lens = crate::dist::gather_var_f64(&lens)?.0;
-    let truncated: Vec<bool> =
-        crate::dist::gather_var_f64(&truncated.iter().map(|&t| f64::from(u8::from(t))).collect::<Vec<_>>())?
-            .0
-            .into_iter()
-            .map(|t| t != 0.0)
-            .collect();
+    let lens = core.dist.gather_var_f64(&lens)?.0;
+    let truncated: Vec<bool> = core
+        .dist
+        .gather_var_f64(&truncated.iter().map(|&t| f64::from(u8::from(t))).collect::<Vec<_>>())?
+        .0
+        .into_iter()
+        .map(|t| t != 0.0)
+        .collect();
     core.tokens_seen += plen + lens.iter().sum::<f64>();
     s.insert("num_tokens".into(), Stat::Scalar(core.tokens_seen));
     let stats3 = |xs: &[f64]| {

@@ -48,6 +48,14 @@ impl GrpoTrainer {
         Ok(Self { config, core })
     }
 
+    /// This trainer on `dist`'s processes (a data-parallel run): each holds its share of the
+    /// prompts, the advantages and statistics are the whole batch's, and the optimizer averages
+    /// the gradients over them ([`crate::dist`]).
+    pub fn with_dist(mut self, dist: crate::dist::Dist) -> Self {
+        self.core.set_dist(dist);
+        self
+    }
+
     /// The policy's parameters.
     pub fn store(&self) -> &ParamStore {
         &self.core.store
@@ -104,7 +112,7 @@ impl GrpoTrainer {
         // The advantages over the whole batch (every process's rewards, as TRL gathers them),
         // then this process's rows.
         let b = batch.prompts.len();
-        let table = global_rewards(batch.rewards)?;
+        let table = global_rewards(&self.core.dist, batch.rewards)?;
         let adv = math::grpo_advantages(
             &table.values,
             &weights,
@@ -115,7 +123,7 @@ impl GrpoTrainer {
         let mut first =
             generation_stats(&mut self.core, batch.prompts, batch.completions, &table, &truncated, &weights)?;
         first.insert("frac_reward_zero_std".into(), Stat::Scalar(adv.frac_zero_std()));
-        let advantages = adv.advantages[local_rows(b)].to_vec();
+        let advantages = adv.advantages[local_rows(&self.core.dist, b)].to_vec();
         self.update(padded, advantages, first)
     }
 
@@ -133,8 +141,8 @@ impl GrpoTrainer {
         let _awake = self.core.device.is_cpu().then(crate::cpu::keep_pool_awake);
         let cfg = self.config.clone();
         self.core.check_turns(batch, cfg.num_generations, cfg.max_completion_length)?;
-        let table = RewardTable::episode_returns(&crate::dist::gather_f64(batch.returns)?);
-        let first_episode = local_rows(batch.returns.len()).start;
+        let table = RewardTable::episode_returns(&self.core.dist.gather_f64(batch.returns)?);
+        let first_episode = local_rows(&self.core.dist, batch.returns.len()).start;
         let adv = math::grpo_advantages(
             &table.values,
             &[1.0],
@@ -154,7 +162,7 @@ impl GrpoTrainer {
             for (a, s) in turn_adv.iter_mut().zip(&step.advantages) {
                 *a += w * s;
             }
-            gigpo_stats(&mut first, &step)?;
+            gigpo_stats(&self.core.dist, &mut first, &step)?;
         }
         let chunks = self
             .core
@@ -199,10 +207,10 @@ impl GrpoTrainer {
         let cfg = self.config.clone();
         let own_rows: usize = chunks.iter().map(|(_, a)| a.len()).sum();
         let own_tokens: f64 = chunks.iter().map(|(p, _)| p.n_tokens).sum();
-        let (total_rows, total_tokens) = norm.totals(own_rows, own_tokens)?;
+        let (total_rows, total_tokens) = norm.totals(&self.core.dist, own_rows, own_tokens)?;
         // dapo's normalizer: TRL's num_items_in_batch (the batch's loss tokens over every
         // process) over the number of processes; the gradients' mean then divides by the total.
-        let num_items = crate::dist::sum(own_tokens)? / crate::dist::world_size() as f64;
+        let num_items = self.core.dist.sum(own_tokens)? / self.core.dist.world_size() as f64;
         let mut prepared = Vec::with_capacity(chunks.len());
         for (padded, adv) in chunks {
             // TRL computes old logprobs only when the batch is reused (num_iterations > 1).
@@ -256,7 +264,7 @@ impl GrpoTrainer {
                     Ok((loss, (obj, entropy)))
                 })?;
             let mut s = if k == 0 { std::mem::take(&mut first) } else { Stats::new() };
-            s.insert("loss".into(), Stat::Scalar(crate::dist::mean(loss)?));
+            s.insert("loss".into(), Stat::Scalar(self.core.dist.mean(loss)?));
             s.insert("grad_norm".into(), Stat::Scalar(grad_norm));
             s.insert("learning_rate".into(), Stat::Scalar(lr));
             let chunk_rows = |f: &dyn Fn(usize) -> Option<Tensor>| -> Result<Option<Vec<Vec<f64>>>> {
@@ -304,10 +312,10 @@ impl GrpoTrainer {
         // ratios, or one-token completions) as one per sequence: the plain mean over rows.
         let masked_mean = |x: &[Vec<f64>]| -> Result<f64> {
             if x[0].len() == 1 {
-                crate::dist::mean_of(x.iter().map(|r| r[0]).sum::<f64>(), x.len() as f64)
+                self.core.dist.mean_of(x.iter().map(|r| r[0]).sum::<f64>(), x.len() as f64)
             } else {
                 let s: f64 = x.iter().zip(m).flat_map(|(r, mr)| r.iter().zip(mr).map(|(a, b)| a * b)).sum();
-                crate::dist::mean_of(s, n_mask)
+                self.core.dist.mean_of(s, n_mask)
             }
         };
         // masked_seq_mean: per row Σ x·m / Σ m (NaN for an empty row); (B, 1) values as they are.
@@ -341,8 +349,8 @@ impl GrpoTrainer {
         s.insert("clip_ratio/low_mean".into(), Stat::Scalar(masked_mean(&low)?));
         s.insert("clip_ratio/high_mean".into(), Stat::Scalar(masked_mean(&high)?));
         s.insert("clip_ratio/region_mean".into(), Stat::Scalar(masked_mean(&region)?));
-        let low_seq = crate::dist::gather_var_f64(&seq_mean(&low))?.0;
-        let high_seq = crate::dist::gather_var_f64(&seq_mean(&high))?.0;
+        let low_seq = self.core.dist.gather_var_f64(&seq_mean(&low))?.0;
+        let high_seq = self.core.dist.gather_var_f64(&seq_mean(&high))?.0;
         s.insert("clip_ratio/low_min".into(), Stat::Scalar(nanmin(&low_seq)));
         s.insert("clip_ratio/high_max".into(), Stat::Scalar(nanmax(&high_seq)));
         Ok(())
@@ -366,7 +374,7 @@ fn cat_rows(parts: Vec<Vec<Vec<f64>>>) -> Vec<Vec<f64>> {
 /// GiGPO's metrics, averaged over the processes: `gigpo/step_group_size` (turns per anchor
 /// group, per turn), `gigpo/frac_singleton_turns` (turns alone in their state, whose step
 /// advantage is 0), `gigpo/step_advantage_abs` (mean |A^S|) and `gigpo/step_return` (mean R_t).
-fn gigpo_stats(stats: &mut Stats, step: &StepAdvantages) -> Result<()> {
+fn gigpo_stats(dist: &crate::dist::Dist, stats: &mut Stats, step: &StepAdvantages) -> Result<()> {
     let n = step.advantages.len() as f64;
     let abs: f64 = step.advantages.iter().map(|a| a.abs()).sum();
     let ret: f64 = step.returns.iter().sum();
@@ -377,7 +385,7 @@ fn gigpo_stats(stats: &mut Stats, step: &StepAdvantages) -> Result<()> {
         ("gigpo/step_return", ret),
     ];
     for (name, sum) in metrics {
-        stats.insert(name.into(), Stat::Scalar(crate::dist::mean_of(sum, n)?));
+        stats.insert(name.into(), Stat::Scalar(dist.mean_of(sum, n)?));
     }
     Ok(())
 }

@@ -96,17 +96,23 @@ impl RunLogger {
     /// event file, and TensorBoard shows each step's latest value (its `purge_orphaned_data`,
     /// on by default, drops the earlier ones).
     ///
-    /// On a rank other than 0 of a data-parallel run ([`crate::dist::is_main`]) it touches no
-    /// file and logs nothing: rank 0 writes the run directory.
+    /// One process's logger; see [`RunLogger::create_with`] for a data-parallel run's.
     pub fn create(dir: &Path, resume_from: Option<usize>) -> Result<Self> {
-        Self::create_with(dir, resume_from, &Trackers::default())
+        Self::create_with(dir, resume_from, &Trackers::default(), &crate::dist::Dist::default())
     }
 
-    /// [`RunLogger::create`], also logging to the experiment trackers of `trackers` (MLflow, W&B).
-    /// End the run with [`RunLogger::finish`]; a logger dropped without it marks the tracker runs
-    /// failed.
-    pub fn create_with(dir: &Path, resume_from: Option<usize>, trackers: &Trackers) -> Result<Self> {
-        if !crate::dist::is_main() {
+    /// [`RunLogger::create`], also logging to the experiment trackers of `trackers` (MLflow, W&B),
+    /// for this process of `dist`: on a rank other than 0 of a data-parallel run
+    /// ([`crate::dist::Dist::is_main`]) it touches no file and logs nothing, as rank 0 writes the
+    /// run directory. End the run with [`RunLogger::finish`]; a logger dropped without it marks
+    /// the tracker runs failed.
+    pub fn create_with(
+        dir: &Path,
+        resume_from: Option<usize>,
+        trackers: &Trackers,
+        dist: &crate::dist::Dist,
+    ) -> Result<Self> {
+        if !dist.is_main() {
             return Ok(RunLogger {
                 dir: dir.to_path_buf(),
                 files: None,

@@ -78,9 +78,9 @@ impl Default for Processes {
 }
 
 impl Processes {
-    /// This run's: the world size of [`crate::dist`] and `per_process` samples on each.
-    pub fn current(per_process: usize) -> Self {
-        let world_size = crate::dist::world_size();
+    /// This run's: the world size of `dist` and `per_process` samples on each.
+    pub fn current(dist: &crate::dist::Dist, per_process: usize) -> Self {
+        let world_size = dist.world_size();
         Self { world_size, global_batch: per_process * world_size }
     }
 
@@ -214,7 +214,7 @@ pub fn save_checkpoint(
             skipped_batches,
             skipped_updates: trainer.skipped_updates(),
             critic_adam_steps: trainer.critic().map(|c| c.optimizer().steps()),
-            processes: Processes::current(trainer.config.batch_size),
+            processes: Processes::current(trainer.dist(), trainer.config.batch_size),
         };
         let text = serde_json::to_string_pretty(&state).map_err(|e| Error::Input(e.to_string()))?;
         Ok(write_bytes_atomic(&tmp.join("trainer_state.json"), text.as_bytes())?)
@@ -276,7 +276,7 @@ pub fn load_trainer_state(dir: &Path, trainer: &mut PpoTrainer) -> Result<Traine
     let path = dir.join("trainer_state.json");
     let state: TrainerState = read_json(&path)?;
     state.processes.check_resume(
-        &Processes::current(trainer.config.batch_size),
+        &Processes::current(trainer.dist(), trainer.config.batch_size),
         &path,
         "[ppo] batch_size",
     )?;
@@ -350,7 +350,7 @@ pub(crate) fn group_state(
     per_process: usize,
 ) -> GroupTrainerState {
     GroupTrainerState {
-        processes: Processes::current(per_process),
+        processes: Processes::current(&core.dist, per_process),
         algorithm,
         step,
         adam_steps: core.optimizer().steps(),
@@ -415,7 +415,7 @@ pub(crate) fn load_group_state(
         )));
     }
     let field = format!("[{}] per_device_train_batch_size", algorithm.name());
-    state.processes.check_resume(&Processes::current(per_process), &path, &field)?;
+    state.processes.check_resume(&Processes::current(&core.dist, per_process), &path, &field)?;
     let (ms, vs) = load_moments(dir, &core.store)?;
     core.optimizer_mut().restore(ms, vs, state.adam_steps)?;
     core.global_step = state.global_step;

@@ -20,6 +20,7 @@ use super::config::{AlgorithmKind, EpisodesSection, RunConfig};
 use crate::agent::config::{EnvSection, Split};
 use crate::agent::model_agent::play_model;
 use crate::agent::rollout::{collect_episodes, Actor, Collected, RolloutConfig, RoundCounts, Transition};
+use crate::dist::Dist;
 use crate::engine::{Stat, Stats};
 use crate::envs::play::{Episode, PlayReport, PromptTemplate};
 use crate::envs::{Reset, TextEnv};
@@ -84,11 +85,11 @@ pub enum Pick {
 
 /// The number of turns every process trains on: the least of the processes' `own` (itself on
 /// one process). Each process's count is a multiple of the same unit, and so is the least.
-fn common_size(own: usize) -> Result<usize> {
-    if !crate::dist::active() {
+fn common_size(dist: &Dist, own: usize) -> Result<usize> {
+    if !dist.active() {
         return Ok(own);
     }
-    let all = crate::dist::gather_f64(&[own as f64])?;
+    let all = dist.gather_f64(&[own as f64])?;
     Ok(all.into_iter().fold(own as f64, f64::min) as usize)
 }
 
@@ -103,11 +104,14 @@ pub struct EpisodeSource {
     /// This process's rank in a data-parallel run (0 on one process): rank r plays the
     /// environments `r·num_envs..` of each round and samples from its own stream.
     rank: usize,
+    /// The processes (the minimum of their turn counts is what each trains on).
+    dist: Dist,
 }
 
 impl EpisodeSource {
-    /// Starts the training environments of `cfg` (which must have `[env]`).
-    pub fn new(cfg: &RunConfig) -> Result<Self> {
+    /// Starts the training environments of `cfg` (which must have `[env]`), for this process of
+    /// `dist`.
+    pub fn new(cfg: &RunConfig, dist: &Dist) -> Result<Self> {
         let mut section =
             cfg.env.clone().ok_or_else(|| Error::Internal("EpisodeSource needs an [env] table".into()))?;
         section.split = Split::Train;
@@ -120,13 +124,22 @@ impl EpisodeSource {
             example_turn_prob: cfg.episodes.example_turn_prob,
             shaping: cfg.episodes.shaping.clone(),
         };
-        let rank = crate::dist::rank();
+        let rank = dist.rank();
         let seed = match cfg.algorithm.kind {
             AlgorithmKind::Grpo => cfg.grpo.seed,
             AlgorithmKind::Rloo => cfg.rloo.seed,
             _ => cfg.ppo.seed,
         };
-        Ok(Self { env, section, episodes: cfg.episodes.clone(), rollout, games, seed, rank })
+        Ok(Self {
+            env,
+            section,
+            episodes: cfg.episodes.clone(),
+            rollout,
+            games,
+            seed,
+            rank,
+            dist: dist.clone(),
+        })
     }
 
     /// How many training games there are ([`training_games`]).
@@ -155,7 +168,7 @@ impl EpisodeSource {
         prepare(&mut turns)?;
         let size = match pick {
             Pick::Exactly(n) => n,
-            Pick::Multiple(unit) => common_size(turns.len() / unit * unit)?,
+            Pick::Multiple(unit) => common_size(&self.dist, turns.len() / unit * unit)?,
         };
         let mut rng =
             rand::rngs::StdRng::seed_from_u64(mix(self.seed, step as u64, self.rank as u64, 0x7e4d));
@@ -392,7 +405,7 @@ fn mix(a: u64, b: u64, c: u64, d: u64) -> u64 {
 /// `env/unused_turns`, `env/example_turns`, `env/dropped_episodes`, and the rollout's times.
 /// In a data-parallel run the counts are summed over the processes and the rates and means are
 /// the mean of the processes' (each plays whole rounds of its own games).
-pub fn add_episode_stats(stats: &mut Stats, batch: &EpisodeBatch) -> Result<()> {
+pub fn add_episode_stats(dist: &Dist, stats: &mut Stats, batch: &EpisodeBatch) -> Result<()> {
     let mut own = Stats::new();
     add_own_episode_stats(&mut own, batch);
     let counts = [
@@ -402,7 +415,7 @@ pub fn add_episode_stats(stats: &mut Stats, batch: &EpisodeBatch) -> Result<()> 
         "env/dropped_episodes",
         "env/prefill_tokens",
     ];
-    crate::dist::reduce_stats(&mut own, &counts)?;
+    dist.reduce_stats(&mut own, &counts)?;
     stats.extend(own);
     Ok(())
 }

@@ -123,6 +123,8 @@ pub struct Evaluator<'a> {
     pub eos_ids: &'a [u32],
     /// Where to compute.
     pub device: &'a Device,
+    /// The processes, each answering its share of the prompts.
+    pub dist: &'a crate::dist::Dist,
 }
 
 impl Evaluator<'_> {
@@ -136,9 +138,9 @@ impl Evaluator<'_> {
         names: &[String],
     ) -> Result<EvalResult> {
         let n = self.prompts.len();
-        let world = crate::dist::world_size();
+        let world = self.dist.world_size();
         let per = n.div_ceil(world);
-        let start = (crate::dist::rank() * per).min(n);
+        let start = (self.dist.rank() * per).min(n);
         let end = (start + per).min(n);
         let k = names.len();
         // One row per prompt slot: [present, length, clipped, source scores…], padded to `per`.
@@ -174,7 +176,7 @@ impl Evaluator<'_> {
                 slot += 1;
             }
         }
-        let all = crate::dist::gather_f64(&local)?;
+        let all = self.dist.gather_f64(&local)?;
         let rows: Vec<&[f64]> = all.chunks(width).filter(|r| r[0] == 1.0).collect();
         if rows.len() != n {
             return Err(Error::Internal(format!("{} evaluation rows for {n} prompts", rows.len())));

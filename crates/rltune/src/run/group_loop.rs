@@ -31,6 +31,7 @@ use super::ppo_loop::{build_reward_sum, share_trunk};
 use super::prompts::{decode, encode_prompts, reward_inputs};
 use super::run_loop::StepReport;
 use crate::data::prompts::PromptRow;
+use crate::dist::Dist;
 use crate::engine::{Stat, Stats};
 use crate::error::{Error, Result};
 use crate::generation::{generate, GenerationConfig};
@@ -105,6 +106,8 @@ pub struct GroupRun {
     logger: RunLogger,
     start_step: usize,
     device: Device,
+    /// The processes (the runtime's; the trainer's too).
+    dist: Dist,
 }
 
 /// Where a group run's samples and rewards come from.
@@ -183,14 +186,15 @@ impl GroupRun {
         })?;
         let tokenizer = Tokenizer::from_file(&tok_path)?;
         tokenizer.check_fits(policy.config.vocab_size())?;
-        let world = crate::dist::world_size();
+        let dist = runtime.dist();
+        let world = dist.world_size();
         let source = match &config.env {
             Some(_) if !extra_rewards.is_empty() => {
                 return Err(Error::Input(
                     "reward functions were given with [env]: episodes are scored by the game".into(),
                 ))
             }
-            Some(_) => Source::Games(Box::new(EpisodeSource::new(&config)?)),
+            Some(_) => Source::Games(Box::new(EpisodeSource::new(&config, dist)?)),
             None => {
                 let mut reward_names: Vec<String> =
                     config.reward.sources.iter().map(|s| s.metric_name()).collect();
@@ -266,7 +270,8 @@ impl GroupRun {
                     reward_weights: weights,
                     ..config.rloo.clone()
                 };
-                Box::new(RlooTrainer::new(c, store, lm, reference)?) as Box<dyn GroupTrainer>
+                Box::new(RlooTrainer::new(c, store, lm, reference)?.with_dist(dist.clone()))
+                    as Box<dyn GroupTrainer>
             }
             _ => {
                 let c = crate::grpo::GrpoConfig {
@@ -275,7 +280,7 @@ impl GroupRun {
                     reward_weights: weights,
                     ..config.grpo.clone()
                 };
-                Box::new(GrpoTrainer::new(c, store, lm, reference)?)
+                Box::new(GrpoTrainer::new(c, store, lm, reference)?.with_dist(dist.clone()))
             }
         };
         let mut start_step = 0;
@@ -289,9 +294,9 @@ impl GroupRun {
             config.generation.eos_token_ids.clone()
         };
         let resume_from = ckpt.as_ref().map(|(step, _)| *step);
-        let logger =
-            RunLogger::create_with(&config.logging.dir, resume_from, &super::tracking::trackers(&config)?)?;
-        if crate::dist::is_main() {
+        let trackers = super::tracking::trackers(&config)?;
+        let logger = RunLogger::create_with(&config.logging.dir, resume_from, &trackers, dist)?;
+        if dist.is_main() {
             let resolved = config.to_toml()?;
             crate::io::write_bytes_atomic(&config.logging.dir.join("config.toml"), resolved.as_bytes())?;
         }
@@ -307,6 +312,7 @@ impl GroupRun {
             logger,
             start_step,
             device: runtime.device().clone(),
+            dist: dist.clone(),
         })
     }
 
@@ -364,10 +370,11 @@ impl GroupRun {
             generation: &self.config.generation,
             eos_ids: &self.eos_ids,
             device: &self.device,
+            dist: &self.dist,
         };
         let result = evaluator.run(step, self.trainer.policy(), reward, reward_names)?;
         tracing::info!("{}", result.describe());
-        if crate::dist::is_main() {
+        if self.dist.is_main() {
             record(&self.config.logging.dir, &result, step)?;
         }
         Ok(result)
@@ -392,7 +399,7 @@ impl GroupRun {
         let g = self.shape.num_generations;
         // This process's share of the step's prompts (all of them on one process), and the global
         // index of its first row, which keys the rows' sampling streams.
-        let share = crate::dist::shard(batch.len(), "the prompts of a step")?;
+        let share = self.dist.shard(batch.len(), "the prompts of a step")?;
         let row_offset = (share.start * g) as u64;
         let batch = &batch[share];
         // (B·G) rows: each prompt repeated G times, consecutively.
@@ -446,8 +453,8 @@ impl GroupRun {
         stats.insert(format!("time/{kind}/step"), Stat::Scalar(t.elapsed().as_secs_f64()));
         stats.insert("time/rollout/generation".into(), Stat::Scalar(time_gen));
         stats.insert("time/rollout/reward".into(), Stat::Scalar(time_reward));
-        if crate::dist::world_size() > 1 {
-            stats.insert("time/dist/all_reduce".into(), Stat::Scalar(crate::dist::take_all_reduce_seconds()));
+        if self.dist.world_size() > 1 {
+            stats.insert("time/dist/all_reduce".into(), Stat::Scalar(self.dist.take_all_reduce_seconds()));
         }
 
         let total = weighted_rewards(&table.values, &weights);
@@ -526,6 +533,10 @@ impl super::run_loop::Algorithm for GroupRun {
 
     fn plan(&self) -> super::run_loop::Plan {
         self.config.plan(self.shape.steps, self.start_step)
+    }
+
+    fn dist(&self) -> crate::dist::Dist {
+        self.dist.clone()
     }
 
     fn settings(&self) -> Result<String> {

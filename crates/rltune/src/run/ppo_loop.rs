@@ -23,6 +23,7 @@ use super::prompts::{decode, encode_prompts, reward_inputs};
 use super::run_loop::StepReport;
 use crate::agent::rollout::{lambda_bootstraps, rebootstrap, Transition};
 use crate::data::prompts::{LengthSampler, PromptRow};
+use crate::dist::Dist;
 use crate::engine::stats::mean_std;
 use crate::error::{Error, Result};
 use crate::generation::{generate, GenerationConfig};
@@ -143,7 +144,8 @@ impl PpoRun {
             )));
         }
         tracing::info!("runtime: {runtime}");
-        let world = crate::dist::world_size();
+        let dist = runtime.dist();
+        let world = dist.world_size();
         if world > 1 {
             let b = config.ppo.batch_size;
             tracing::info!(
@@ -196,7 +198,8 @@ impl PpoRun {
         })?;
         let tokenizer = Tokenizer::from_file(&tok_path)?;
         tokenizer.check_fits(lm_cfg.vocab_size())?;
-        let mut trainer = PpoTrainer::new(config.ppo.clone(), store, model, reference)?;
+        let mut trainer =
+            PpoTrainer::new(config.ppo.clone(), store, model, reference)?.with_dist(dist.clone());
         if config.algorithm.kind == AlgorithmKind::RejectionSampling {
             // The fine-tuning steps the policy's optimizer at its own settings (one Adam state
             // for the run, restored from a checkpoint with the rest).
@@ -225,7 +228,7 @@ impl PpoRun {
                             .into(),
                     ));
                 }
-                Source::Games(Box::new(EpisodeSource::new(&config)?))
+                Source::Games(Box::new(EpisodeSource::new(&config, dist)?))
             }
             None => Source::Prompts {
                 prompts: load_encoded_prompts(&config, &tokenizer)?,
@@ -235,9 +238,9 @@ impl PpoRun {
         // Lines logged after the checkpoint (a run killed between two checkpoints) are dropped:
         // those steps run again.
         let resume_from = ckpt.as_ref().map(|(step, _)| *step);
-        let logger =
-            RunLogger::create_with(&config.logging.dir, resume_from, &super::tracking::trackers(&config)?)?;
-        if crate::dist::is_main() {
+        let trackers = super::tracking::trackers(&config)?;
+        let logger = RunLogger::create_with(&config.logging.dir, resume_from, &trackers, dist)?;
+        if dist.is_main() {
             let resolved = config.to_toml()?;
             crate::io::write_bytes_atomic(&config.logging.dir.join("config.toml"), resolved.as_bytes())?;
         }
@@ -310,7 +313,7 @@ impl PpoRun {
         };
         // This process's share of the step's prompts (all of them on one process); the global
         // index of its first row keys the rows' sampling streams.
-        let share = crate::dist::shard(batch.len(), "the prompts of a step")?;
+        let share = self.trainer.dist().shard(batch.len(), "the prompts of a step")?;
         let row_offset = share.start as u64;
         let batch = &batch[share];
         let column = &self.config.data.text_column;
@@ -389,7 +392,16 @@ impl PpoRun {
             allowed: supports.as_deref(),
         })?;
         let logprobs: Vec<&[f32]> = samples.iter().map(|s| s.logprobs.as_slice()).collect();
-        add_env_stats(&mut stats, &logprobs, &scores, &queries, time_gen, time_reward, self.skipped)?;
+        add_env_stats(
+            self.trainer.dist(),
+            &mut stats,
+            &logprobs,
+            &scores,
+            &queries,
+            time_gen,
+            time_reward,
+            self.skipped,
+        )?;
         let rows: Vec<SampleRow> = texts
             .iter()
             .zip(&scores)
@@ -467,9 +479,18 @@ impl PpoRun {
         stats.insert("env/trained_turns".into(), Stat::Scalar(turns.len() as f64));
         let logprobs: Vec<&[f32]> = turns.iter().map(|t| t.logprobs.as_slice()).collect();
         let time_gen = batch.counts.time_generation.as_secs_f64();
-        add_env_stats(&mut stats, &logprobs, &scores, &queries, time_gen, 0.0, self.skipped)?;
+        add_env_stats(
+            self.trainer.dist(),
+            &mut stats,
+            &logprobs,
+            &scores,
+            &queries,
+            time_gen,
+            0.0,
+            self.skipped,
+        )?;
         stats.insert("time/rollout/total".into(), Stat::Scalar(time_rollout));
-        add_episode_stats(&mut stats, &batch)?;
+        add_episode_stats(self.trainer.dist(), &mut stats, &batch)?;
         self.eval_if_due(step, &mut stats)?;
         log_game_step(&mut self.logger, &self.tokenizer, &self.config, step, &stats, &batch)?;
         Ok(StepReport::of(step, self.config.ppo.steps, &stats, "env/reward_mean", "objective/kl"))
@@ -519,7 +540,9 @@ fn load_encoded_prompts(config: &RunConfig, tokenizer: &Tokenizer) -> Result<Vec
 /// TRL `log_stats`'s `env/*` keys, plus rltune's: mean logprobs of policy and reference over the
 /// response tokens (`logprobs[i]` holds sample i's), rollout phase times, skipped batches; of
 /// every process's samples.
+#[allow(clippy::too_many_arguments)]
 fn add_env_stats(
+    dist: &Dist,
     stats: &mut crate::engine::Stats,
     logprobs: &[&[f32]],
     scores: &[f32],
@@ -528,13 +551,13 @@ fn add_env_stats(
     time_reward: f64,
     skipped: usize,
 ) -> Result<()> {
-    let r: Vec<f64> = crate::dist::gather_f64(&scores.iter().map(|&s| s as f64).collect::<Vec<_>>())?;
+    let r: Vec<f64> = dist.gather_f64(&scores.iter().map(|&s| s as f64).collect::<Vec<_>>())?;
     let (mean, std) = mean_std(&r);
     stats.insert("env/reward_mean".into(), Stat::Scalar(mean));
     stats.insert("env/reward_std".into(), Stat::Scalar(std));
     stats.insert("env/reward_dist".into(), Stat::Array(r));
     let lp: Vec<f64> = logprobs.iter().flat_map(|s| s.iter().map(|&x| x as f64)).collect();
-    let lp_mean = crate::dist::mean_of(lp.iter().sum::<f64>(), lp.len() as f64)?;
+    let lp_mean = dist.mean_of(lp.iter().sum::<f64>(), lp.len() as f64)?;
     stats.insert("rltune/logprobs_mean".into(), Stat::Scalar(lp_mean));
     if let Some(Stat::Matrix(refs)) = stats.get("objective/ref_logprobs") {
         let mut sum = 0.0;
@@ -547,7 +570,7 @@ fn add_env_stats(
                 }
             }
         }
-        stats.insert("rltune/ref_logprobs_mean".into(), Stat::Scalar(crate::dist::mean_of(sum, n as f64)?));
+        stats.insert("rltune/ref_logprobs_mean".into(), Stat::Scalar(dist.mean_of(sum, n as f64)?));
     }
     stats.insert("time/rollout/generation".into(), Stat::Scalar(time_gen));
     stats.insert("time/rollout/reward".into(), Stat::Scalar(time_reward));
@@ -571,6 +594,10 @@ impl super::run_loop::Algorithm for PpoRun {
         self.config.plan(self.config.ppo.steps, self.start_step)
     }
 
+    fn dist(&self) -> crate::dist::Dist {
+        self.trainer.dist().clone()
+    }
+
     fn settings(&self) -> Result<String> {
         self.config.to_toml()
     }
@@ -589,7 +616,7 @@ impl super::run_loop::Algorithm for PpoRun {
     /// The next `batch_size` prompts and query lengths per process (none when the run plays
     /// games): every process draws the whole batch and keeps its share.
     fn draw(&self, o: &mut PromptOrder) -> Result<Vec<(usize, usize)>> {
-        let n = self.config.ppo.batch_size * crate::dist::world_size();
+        let n = self.config.ppo.batch_size * self.trainer.dist().world_size();
         Ok(self.next_batch(&mut o.order, &mut o.rng, &o.sampler, n))
     }
 

@@ -32,6 +32,7 @@ use rand::SeedableRng;
 use serde::{Deserialize, Serialize};
 
 use super::{Bio, Encoded, Tagger};
+use crate::dist::Dist;
 use crate::envs::play::mix_seeds;
 use crate::error::{Error, Result};
 use crate::ops;
@@ -153,7 +154,16 @@ pub fn train_imitation(
     checkpoints: Option<Checkpointing>,
     progress: &mut dyn FnMut(&TrainProgress),
 ) -> Result<TrainSummary> {
-    runner::run_with(&Imitation(tagger), tagger.store(), examples, args, progress, true, checkpoints)
+    runner::run_with(
+        &Imitation(tagger),
+        tagger.store(),
+        examples,
+        args,
+        &Dist::default(),
+        progress,
+        true,
+        checkpoints,
+    )
 }
 
 /// `[rl]`: the reinforcement stage's own settings (the optimizer's are [`TrainingArgs`]).
@@ -367,7 +377,7 @@ pub fn train_rl(
     }
     let obj = Reinforce { policy, reference, args: rl, step: Cell::new(0), tally: RefCell::default() };
     let mut report = |p: &TrainProgress| progress(p, &obj.tally.borrow().stats());
-    runner::run_with(&obj, policy.store(), examples, args, &mut report, true, checkpoints)
+    runner::run_with(&obj, policy.store(), examples, args, &Dist::default(), &mut report, true, checkpoints)
 }
 
 /// How [`predict`] picks tags.

@@ -30,6 +30,7 @@ use super::runner::{
     self, BatchLoss, Checkpointing, EvalResult, Objective, TrainProgress, TrainSummary, TrainingArgs,
 };
 use crate::data::chat;
+use crate::dist::Dist;
 use crate::error::{ConfigError, Error, Result};
 use crate::models::bert::{SequenceClassifier, SequenceClassifierConfig};
 use crate::models::chat_template::{ChatTemplate, RenderOptions};
@@ -574,15 +575,18 @@ pub fn train_reward_model(
     args: &TrainingArgs,
     progress: &mut dyn FnMut(&TrainProgress),
 ) -> Result<TrainSummary> {
-    train_reward_model_with(model, records, cfg, args, None, progress)
+    train_reward_model_with(model, records, cfg, args, &Dist::default(), None, progress)
 }
 
-/// [`train_reward_model`] with checkpoints, `--resume` and a stop flag ([`Checkpointing`]).
+/// [`train_reward_model`] on `dist`'s processes (a data-parallel run: each a share of every
+/// step; one process: [`Dist::default`]), with checkpoints, `--resume` and a stop flag
+/// ([`Checkpointing`]).
 pub fn train_reward_model_with(
     model: &RewardModel,
     records: &[RewardRecord],
     cfg: &RewardConfig,
     args: &TrainingArgs,
+    dist: &Dist,
     checkpoints: Option<Checkpointing>,
     progress: &mut dyn FnMut(&TrainProgress),
 ) -> Result<TrainSummary> {
@@ -591,12 +595,19 @@ pub fn train_reward_model_with(
     }
     let scorer = Scorer::new(model);
     match tokenize_reward(model, records, cfg)? {
-        RewardExamples::Labelled(ex) => {
-            runner::run_with(&CrossEntropy(scorer), &model.store, &ex, args, progress, true, checkpoints)
-        }
+        RewardExamples::Labelled(ex) => runner::run_with(
+            &CrossEntropy(scorer),
+            &model.store,
+            &ex,
+            args,
+            dist,
+            progress,
+            true,
+            checkpoints,
+        ),
         RewardExamples::Preference(ex) => {
             let obj = BradleyTerry { scorer, center: cfg.center_rewards_coefficient };
-            runner::run_with(&obj, &model.store, &ex, args, progress, true, checkpoints)
+            runner::run_with(&obj, &model.store, &ex, args, dist, progress, true, checkpoints)
         }
     }
 }

@@ -33,6 +33,7 @@ use serde::{Deserialize, Serialize};
 pub use super::checkpoint::Checkpointing;
 use super::checkpoint::{self, LoopCheckpoint, LoopKind, RunShape};
 use super::data::split_eval;
+use crate::dist::Dist;
 use crate::engine::schedule::{warmup_steps, LrSchedule, ScheduleKind};
 use crate::engine::{OptimArgs, Optimizer};
 use crate::error::{ConfigError, Error, Result};
@@ -278,14 +279,15 @@ pub(crate) fn evaluate<O: Objective>(
 /// returns the step loss, with the summed gradients in `grads`.
 fn accumulate<O: Objective>(
     obj: &O,
+    dist: &Dist,
     grads: &mut Grads,
     group: &[&O::Example],
     batch_size: usize,
 ) -> Result<f64> {
     // On several processes `group` is this process's share: the terms are counted over every
     // process, divided by their number, so that the gradients' mean is the whole step's.
-    let world = crate::dist::world_size() as f64;
-    let terms = crate::dist::sum(group.iter().map(|e| obj.terms(e)).sum::<usize>() as f64)? / world;
+    let world = dist.world_size() as f64;
+    let terms = dist.sum(group.iter().map(|e| obj.terms(e)).sum::<usize>() as f64)? / world;
     grads.clear();
     let mut loss = 0f64;
     for mb in group.chunks(batch_size) {
@@ -298,7 +300,7 @@ fn accumulate<O: Objective>(
         grads.backward(&scaled)?;
     }
     // The step's loss: the mean of the processes' parts.
-    Ok(crate::dist::sum(loss)? / world)
+    Ok(dist.sum(loss)? / world)
 }
 
 /// What the supervised loop carries between steps, in `trainer_state.json` beside the step and
@@ -318,25 +320,29 @@ fn finite(x: f64) -> Option<f64> {
 }
 
 /// Trains the variables of `store` on `examples` (split into train and eval by `args`) in the
-/// run loop ([`crate::engine::run_loop`]), announcing the plan in the log only with `announce` (a
+/// run loop ([`crate::engine::run_loop`]), on `dist`'s processes (each a share of every step),
+/// announcing the plan in the log only with `announce` (a
 /// trainer that calls this every step, such as rejection sampling, passes false), and with
 /// checkpoints when given. Stopped by `checkpoints.stop`, it returns after the step under way and
 /// its checkpoint, with `steps` short of the run's.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn run_with<O: Objective>(
     obj: &O,
     store: &ParamStore,
     examples: &[O::Example],
     args: &TrainingArgs,
+    dist: &Dist,
     progress: &mut dyn FnMut(&TrainProgress),
     announce: bool,
     checkpoints: Option<Checkpointing>,
 ) -> Result<TrainSummary> {
-    run_supervised(obj, store, examples, args, progress, announce, checkpoints, None)
+    run_supervised(obj, store, examples, args, progress, announce, checkpoints, Lend::Own(dist.clone()))
 }
 
 /// [`run_with`] through `opt`, the caller's optimizer, whose learning rate, clipping and
 /// schedule are used in place of `args`' (its Adam state carries on from the caller's last run
-/// and into the next): rejection sampling's fine-tuning. No checkpoints, nothing announced.
+/// and into the next), on its processes: rejection sampling's fine-tuning. No checkpoints,
+/// nothing announced.
 pub(crate) fn run_on<O: Objective>(
     obj: &O,
     store: &ParamStore,
@@ -345,7 +351,14 @@ pub(crate) fn run_on<O: Objective>(
     opt: &mut Optimizer,
     progress: &mut dyn FnMut(&TrainProgress),
 ) -> Result<TrainSummary> {
-    run_supervised(obj, store, examples, args, progress, false, None, Some(opt))
+    run_supervised(obj, store, examples, args, progress, false, None, Lend::Lent(opt))
+}
+
+/// The optimizer of a supervised run: its own, made from `[training]`, on these processes, or
+/// a caller's ([`run_on`]).
+enum Lend<'a> {
+    Own(Dist),
+    Lent(&'a mut Optimizer),
 }
 
 /// [`run_with`] and [`run_on`]: the run's own optimizer from `args`, or `lent`.
@@ -358,7 +371,7 @@ fn run_supervised<O: Objective>(
     progress: &mut dyn FnMut(&TrainProgress),
     announce: bool,
     checkpoints: Option<Checkpointing>,
-    lent: Option<&mut Optimizer>,
+    lent: Lend,
 ) -> Result<TrainSummary> {
     args.validate()?;
     if !store.trainable() {
@@ -367,7 +380,7 @@ fn run_supervised<O: Objective>(
     let _awake = store.device().is_cpu().then(crate::cpu::keep_pool_awake);
     let mut run = Supervised::new(obj, store, examples, args, checkpoints, lent)?;
     if announce {
-        let world = crate::dist::world_size();
+        let world = run.dist.world_size();
         tracing::info!(
             "training on {} examples ({} held out for eval): {} optimizer steps of {} examples{}, {} warm-up",
             run.train_idx.len(),
@@ -406,6 +419,8 @@ struct Supervised<'a, O: Objective> {
     last_loss: f64,
     loss_sum: f64,
     last_eval: Option<EvalResult>,
+    /// The processes (the optimizer's).
+    dist: Dist,
 }
 
 /// The run's optimizer: its own, made from `[training]`, or a caller's whose state outlives the
@@ -449,16 +464,20 @@ impl<'a, O: Objective> Supervised<'a, O> {
         examples: &'a [O::Example],
         args: &'a TrainingArgs,
         checkpoints: Option<Checkpointing<'a>>,
-        lent: Option<&'a mut Optimizer>,
+        lent: Lend<'a>,
     ) -> Result<Self> {
         let (train_idx, eval_idx) = split_eval(examples.len(), args.eval_fraction, args.seed)?;
         let eval = eval_idx.iter().map(|&i| &examples[i]).collect();
         // On N processes a step takes N times the examples, each process a share (module docs).
-        let world = crate::dist::world_size();
+        let dist = match &lent {
+            Lend::Own(d) => d.clone(),
+            Lend::Lent(o) => o.dist().clone(),
+        };
+        let world = dist.world_size();
         let total = args.total_steps(train_idx.len().div_ceil(world));
         let opt = match lent {
-            Some(o) => Opt::Lent(o),
-            None => {
+            Lend::Lent(o) => Opt::Lent(o),
+            Lend::Own(dist) => {
                 let warmup = warmup_steps(total, args.warmup_steps, args.warmup_ratio);
                 let optim = OptimArgs {
                     learning_rate: args.learning_rate,
@@ -468,7 +487,7 @@ impl<'a, O: Objective> Supervised<'a, O> {
                     max_grad_norm: args.max_grad_norm,
                     schedule: LrSchedule::new(args.lr_scheduler_type, args.learning_rate, warmup, total),
                 };
-                Opt::Own(Box::new(Optimizer::new(store.vars(), optim)?))
+                Opt::Own(Box::new(Optimizer::new(store.vars(), optim)?.with_dist(dist)))
             }
         };
         let shape = RunShape {
@@ -491,6 +510,7 @@ impl<'a, O: Objective> Supervised<'a, O> {
             last_loss: f64::NAN,
             loss_sum: 0.0,
             last_eval: None,
+            dist,
         };
         if let Some(c) = checkpoints.filter(|c| c.resume) {
             let (saved, _) = checkpoint::load_latest::<SupervisedState>(
@@ -525,7 +545,7 @@ impl<'a, O: Objective> Supervised<'a, O> {
 
     /// Examples per step over every process.
     fn global_step_examples(&self) -> usize {
-        self.args.examples_per_step() * crate::dist::world_size()
+        self.args.examples_per_step() * self.dist.world_size()
     }
 }
 
@@ -537,6 +557,10 @@ impl<O: Objective> crate::engine::run_loop::Algorithm for Supervised<'_, O> {
 
     fn plan(&self) -> crate::engine::run_loop::Plan {
         checkpoint::plan(&self.shape, self.start_step, self.args.save_steps, self.checkpoints)
+    }
+
+    fn dist(&self) -> crate::dist::Dist {
+        self.dist.clone()
     }
 
     fn settings(&self) -> Result<String> {
@@ -567,13 +591,13 @@ impl<O: Objective> crate::engine::run_loop::Algorithm for Supervised<'_, O> {
     fn step(&mut self, step: usize, (epoch, group): &(usize, Vec<usize>)) -> Result<TrainProgress> {
         // This process's share of the step's examples (balanced; exact however they split, as
         // the loss is divided by the terms of every process).
-        let (world, rank) = (crate::dist::world_size(), crate::dist::rank());
+        let (world, rank) = (self.dist.world_size(), self.dist.rank());
         let share = &group[rank * group.len() / world..(rank + 1) * group.len() / world];
         let group: Vec<&O::Example> = share.iter().map(|&i| &self.examples[i]).collect();
         let opt = self.opt.get_mut();
         let (mut grads, lr) = opt.begin(step);
         self.obj.begin_step(step);
-        let loss = accumulate(self.obj, &mut grads, &group, self.args.batch_size)?;
+        let loss = accumulate(self.obj, &self.dist, &mut grads, &group, self.args.batch_size)?;
         let grad_norm = opt.clip(&mut grads)?;
         if !opt.finish(grads, lr, grad_norm)? {
             tracing::warn!("step {}: the gradient is not finite, so no weight changed", step + 1);

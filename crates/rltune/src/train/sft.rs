@@ -44,6 +44,7 @@ use super::runner::{
     self, BatchLoss, Checkpointing, EvalResult, Objective, TrainProgress, TrainSummary, TrainingArgs,
 };
 use crate::data::chat;
+use crate::dist::Dist;
 use crate::error::{ConfigError, Error, Result};
 use crate::models::chat_template::{ChatTemplate, RenderOptions};
 use crate::models::layers::{causal_bias, position_ids_from_mask};
@@ -452,15 +453,18 @@ pub fn train_sft(
     args: &TrainingArgs,
     progress: &mut dyn FnMut(&TrainProgress),
 ) -> Result<TrainSummary> {
-    train_sft_with(model, records, cfg, args, None, progress)
+    train_sft_with(model, records, cfg, args, &Dist::default(), None, progress)
 }
 
-/// [`train_sft`] with checkpoints, `--resume` and a stop flag ([`Checkpointing`]).
+/// [`train_sft`] on `dist`'s processes (a data-parallel run: each a share of every step; one
+/// process: [`Dist::default`]), with checkpoints, `--resume` and a stop flag
+/// ([`Checkpointing`]).
 pub fn train_sft_with(
     model: &SftModel,
     records: &[SftRecord],
     cfg: &SftConfig,
     args: &TrainingArgs,
+    dist: &Dist,
     checkpoints: Option<Checkpointing>,
     progress: &mut dyn FnMut(&TrainProgress),
 ) -> Result<TrainSummary> {
@@ -474,7 +478,8 @@ pub fn train_sft_with(
         )));
     }
     let obj = SftObjective::new(model);
-    let mut summary = runner::run_with(&obj, &model.store, &examples, args, progress, true, checkpoints)?;
+    let mut summary =
+        runner::run_with(&obj, &model.store, &examples, args, dist, progress, true, checkpoints)?;
     summary.skipped_examples = skipped;
     Ok(summary)
 }
@@ -490,7 +495,16 @@ pub fn train_sft_examples(
     if examples.is_empty() {
         return Err(Error::Input("no SFT example to train on".into()));
     }
-    runner::run_with(&SftObjective::new(model), &model.store, examples, args, progress, false, None)
+    runner::run_with(
+        &SftObjective::new(model),
+        &model.store,
+        examples,
+        args,
+        &Dist::default(),
+        progress,
+        false,
+        None,
+    )
 }
 
 /// [`train_sft_examples`] through `opt`, whose learning rate, clipping and schedule replace

@@ -3,6 +3,7 @@
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor, D};
+use rltune::dist::Dist;
 use rltune::generation::{generate, GenerationConfig};
 use rltune::models::bert::{BertConfig, SequenceClassifier};
 use rltune::models::distilbert::DistilBertConfig;
@@ -415,13 +416,14 @@ fn sft_stopped_and_resumed_equals_one_run_bit_for_bit() {
     };
     let train = |model: &SftModel, ckpt: Option<Checkpointing>, stop_at: Option<&AtomicBool>| {
         let mut log: Vec<TrainProgress> = Vec::new();
-        let s = sft::train_sft_with(model, &records, &sft_config(), &args, ckpt, &mut |p| {
-            log.push(p.clone());
-            if let Some(flag) = stop_at.filter(|_| p.step == 5) {
-                flag.store(true, Ordering::SeqCst);
-            }
-        })
-        .unwrap();
+        let s =
+            sft::train_sft_with(model, &records, &sft_config(), &args, &Dist::default(), ckpt, &mut |p| {
+                log.push(p.clone());
+                if let Some(flag) = stop_at.filter(|_| p.step == 5) {
+                    flag.store(true, Ordering::SeqCst);
+                }
+            })
+            .unwrap();
         (s, log)
     };
     let straight = tiny_sft_model(4, DType::F32);
@@ -458,6 +460,7 @@ fn sft_stopped_and_resumed_equals_one_run_bit_for_bit() {
         &records,
         &sft_config(),
         &other,
+        &Dist::default(),
         Some(ckpt),
         &mut |_| {},
     )
@@ -471,6 +474,7 @@ fn sft_stopped_and_resumed_equals_one_run_bit_for_bit() {
         &records,
         &sft_config(),
         &args,
+        &Dist::default(),
         Some(ckpt),
         &mut |_| {},
     )
@@ -497,11 +501,19 @@ fn reward_model_stopped_and_resumed_equals_one_run_bit_for_bit() {
     let cfg = RewardConfig { max_length: 32, ..Default::default() };
     let args = TrainingArgs { num_train_epochs: 3, batch_size: 4, save_steps: 0, ..rm_args() };
     let run = |model: &RewardModel, ckpt: Option<Checkpointing>, stop_at: Option<&AtomicBool>| {
-        reward_model::train_reward_model_with(model, &records, &cfg, &args, ckpt, &mut |p| {
-            if let Some(flag) = stop_at.filter(|_| p.step == 7) {
-                flag.store(true, Ordering::SeqCst);
-            }
-        })
+        reward_model::train_reward_model_with(
+            model,
+            &records,
+            &cfg,
+            &args,
+            &Dist::default(),
+            ckpt,
+            &mut |p| {
+                if let Some(flag) = stop_at.filter(|_| p.step == 7) {
+                    flag.store(true, Ordering::SeqCst);
+                }
+            },
+        )
         .unwrap()
     };
     let straight = tiny_rm(json(), "bert", &["LABEL_0"]);

@@ -15,6 +15,7 @@
 
 use candle_core::Tensor;
 
+use crate::dist::Dist;
 use crate::engine::{Stat, Stats};
 use crate::error::Result;
 use crate::ppo::math::{self, scalar};
@@ -37,17 +38,17 @@ pub(super) const MEAN_KEYS: [&str; 12] = [
 
 /// `masked_whiten` over the masked elements of every process's `x`. TRL `core.masked_whiten`
 /// (unbiased variance), its mean and variance taken over the whole batch.
-pub(super) fn masked_whiten(x: &Tensor, mask: &Tensor, shift_mean: bool) -> Result<Tensor> {
-    if crate::dist::world_size() == 1 {
+pub(super) fn masked_whiten(dist: &Dist, x: &Tensor, mask: &Tensor, shift_mean: bool) -> Result<Tensor> {
+    if dist.world_size() == 1 {
         return math::masked_whiten(x, mask, shift_mean);
     }
     let mut s = [scalar(&(x * mask)?.sum_all()?)?, scalar(&mask.sum_all()?)?];
-    crate::dist::sum_f64(&mut s)?;
+    dist.sum_f64(&mut s)?;
     let n = s[1];
     let mean = s[0] / n;
     let centered = (x - mean)?;
     let mut sq = [scalar(&(centered.sqr()? * mask)?.sum_all()?)?];
-    crate::dist::sum_f64(&mut sq)?;
+    dist.sum_f64(&mut sq)?;
     if n < 2.0 {
         return Err(crate::Error::Input(format!(
             "whitening needs at least 2 response tokens in the whole batch, got {n}"
@@ -59,36 +60,38 @@ pub(super) fn masked_whiten(x: &Tensor, mask: &Tensor, shift_mean: bool) -> Resu
 }
 
 /// [`math::whiten_rewards`] with the statistics of the whole batch.
-pub(super) fn whiten_rewards(rewards: &Tensor, mask: &Tensor) -> Result<Tensor> {
-    Ok((masked_whiten(rewards, mask, false)? * mask)?)
+pub(super) fn whiten_rewards(dist: &Dist, rewards: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    Ok((masked_whiten(dist, rewards, mask, false)? * mask)?)
 }
 
 /// A process's part of one global minibatch: its response tokens and the global count.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(super) struct Share {
     /// Response tokens of this process's rows of the minibatch.
     pub n_local: f64,
     /// Response tokens of the whole minibatch, over every process.
     pub n_global: f64,
+    /// The processes.
+    dist: Dist,
 }
 
 impl Share {
     /// Agrees on the global token count (every process calls it, also with no rows).
-    pub fn new(n_local: f64) -> Result<Self> {
-        Ok(Self { n_local, n_global: crate::dist::sum(n_local)? })
+    pub fn new(dist: &Dist, n_local: f64) -> Result<Self> {
+        Ok(Self { n_local, n_global: dist.sum(n_local)?, dist: dist.clone() })
     }
 
     /// The factor that turns this process's masked mean into its part of the global mean's
     /// gradient, averaged over the processes: `n_local · N / n_global`.
     pub fn loss_scale(&self) -> f64 {
-        self.n_local * crate::dist::world_size() as f64 / self.n_global.max(1.0)
+        self.n_local * self.dist.world_size() as f64 / self.n_global.max(1.0)
     }
 
     /// The global masked mean of a quantity whose local masked mean is `local_mean` (0 with no
     /// rows here).
     pub fn global_mean(&self, local_mean: f64) -> Result<f64> {
         let part = if self.n_local > 0.0 { local_mean * self.n_local } else { 0.0 };
-        Ok(crate::dist::sum(part)? / self.n_global.max(1.0))
+        Ok(self.dist.sum(part)? / self.n_global.max(1.0))
     }
 
     /// The minibatch metrics of the whole minibatch, from this process's `local` ones (none
@@ -107,7 +110,7 @@ impl Share {
             }
             _ => vec![0.0; MEAN_KEYS.len() + 2],
         };
-        crate::dist::sum_f64(&mut sums)?;
+        self.dist.sum_f64(&mut sums)?;
         let n = self.n_global.max(1.0);
         let means: Vec<f64> = sums[..MEAN_KEYS.len()].iter().map(|s| s / n).collect();
         let mean = |k: &str| MEAN_KEYS.iter().position(|x| *x == k).map_or(0.0, |i| means[i]);
@@ -151,10 +154,10 @@ mod tests {
     fn one_process_whitens_as_trl() {
         let x = Tensor::new(&[[1f32, 2.0, 3.0], [4.0, 5.0, 9.0]], &Device::Cpu).unwrap();
         let m = Tensor::new(&[[1f32, 1.0, 0.0], [1.0, 1.0, 1.0]], &Device::Cpu).unwrap();
-        let a = masked_whiten(&x, &m, true).unwrap().to_vec2::<f32>().unwrap();
+        let a = masked_whiten(&Dist::default(), &x, &m, true).unwrap().to_vec2::<f32>().unwrap();
         let b = math::masked_whiten(&x, &m, true).unwrap().to_vec2::<f32>().unwrap();
         assert_eq!(a, b, "one process runs TRL's function itself");
-        let s = Share::new(5.0).unwrap();
+        let s = Share::new(&Dist::default(), 5.0).unwrap();
         assert_eq!((s.n_global, s.loss_scale()), (5.0, 1.0));
         assert_eq!(s.global_mean(0.25).unwrap(), 0.25);
     }

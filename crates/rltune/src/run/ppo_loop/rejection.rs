@@ -32,6 +32,10 @@ impl Algorithm for RejectionRun<'_> {
         self.0.plan()
     }
 
+    fn dist(&self) -> crate::dist::Dist {
+        self.0.trainer.dist().clone()
+    }
+
     fn settings(&self) -> Result<String> {
         self.0.settings()
     }
@@ -86,7 +90,7 @@ impl PpoRun {
             Source::Games(games) => {
                 let b = self.config.ppo.batch_size;
                 let got = games.play_rounds(step, &self.trainer.policy, &self.tokenizer, b, &self.device)?;
-                add_episode_stats(&mut stats, &got)?;
+                add_episode_stats(self.trainer.dist(), &mut stats, &got)?;
                 episodes = got.episodes.clone();
                 let gamma = self.config.episodes.game_gamma;
                 // Per episode: its turns' shaped rewards, discounted to each turn or summed.
@@ -125,7 +129,7 @@ impl PpoRun {
                 let n = rs.samples_per_prompt;
                 // This process's share of the prompts; its first row's global index keys the
                 // rows' sampling streams.
-                let share = crate::dist::shard(batch.len(), "the prompts of a step")?;
+                let share = self.trainer.dist().shard(batch.len(), "the prompts of a step")?;
                 let row_offset = (share.start * n) as u64;
                 let batch = &batch[share];
                 let mut queries = Vec::with_capacity(batch.len() * n);
@@ -241,7 +245,7 @@ impl PpoRun {
             // One group of everything is ranked over every process's units (a per-prompt
             // group is held by one process).
             let (all, start) =
-                if together { crate::dist::gather_var_f64(&unit_scores)? } else { (unit_scores, 0) };
+                if together { self.trainer.dist().gather_var_f64(&unit_scores)? } else { (unit_scores, 0) };
             let local = start..start + units.len();
             let chosen: Vec<usize> = select_top(&all, rs.kept_of(all.len()))
                 .into_iter()
@@ -269,7 +273,10 @@ impl PpoRun {
             })
             .collect();
         // Every process's kept examples, in rank order (one process: its own).
-        let examples: Vec<SftExample> = crate::dist::gather_sequences(&own)?
+        let examples: Vec<SftExample> = self
+            .trainer
+            .dist()
+            .gather_sequences(&own)?
             .into_iter()
             .map(|(input_ids, loss_mask)| SftExample { input_ids, loss_mask })
             .collect();
@@ -304,13 +311,22 @@ impl PpoRun {
         let raw: Vec<f32> = candidates.iter().map(|c| c.score as f32).collect();
         let queries: Vec<Vec<u32>> = candidates.iter().map(|c| c.query.clone()).collect();
         let logprobs: Vec<&[f32]> = candidates.iter().map(|c| c.logprobs.as_slice()).collect();
-        add_env_stats(&mut stats, &logprobs, &raw, &queries, time_rollout, 0.0, self.skipped)?;
+        add_env_stats(
+            self.trainer.dist(),
+            &mut stats,
+            &logprobs,
+            &raw,
+            &queries,
+            time_rollout,
+            0.0,
+            self.skipped,
+        )?;
         let kept_scores: Vec<f64> = scores.iter().zip(&kept).filter(|(_, &k)| k).map(|(&s, _)| s).collect();
         // Of every process's candidates.
         let (kept_scores, scores, kls) = (
-            crate::dist::gather_var_f64(&kept_scores)?.0,
-            crate::dist::gather_var_f64(&scores)?.0,
-            crate::dist::gather_var_f64(&kls)?.0,
+            self.trainer.dist().gather_var_f64(&kept_scores)?.0,
+            self.trainer.dist().gather_var_f64(&scores)?.0,
+            self.trainer.dist().gather_var_f64(&kls)?.0,
         );
         let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
         for (k, v) in [
