@@ -6,7 +6,7 @@
 //! (`mpirun -np N rltune …`, built with the `mpi` feature) makes its engine once
 //! ([`Dist::new`]); the trainers then
 //! - all-reduce the gradients once per optimizer step, in buckets ([`Dist::all_reduce_grads`],
-//!   called by [`crate::engine::Optimizer::clip`] before the norm);
+//!   called by the optimizer before the norm);
 //! - take their share of each batch ([`Dist::shard`]), sampled with seeds that follow the
 //!   sample, not the process (`generation::GenerationConfig::row_offset`);
 //! - reduce every statistic that normalises across the batch ([`Dist::sum_f64`],
@@ -190,29 +190,6 @@ impl Dist {
             }
             None => Ok(all),
         }
-    }
-
-    /// Makes every scalar of `stats` the one of the whole batch, from each process's value: the mean
-    /// over the processes, or for the keys in `summed` (counts, e.g. `num_tokens`) the sum. As TRL's
-    /// `gather(...).mean()`: exact when every process holds as many samples. Every process must hold
-    /// the same keys. A no-op on one process.
-    pub fn reduce_stats(&self, stats: &mut crate::engine::Stats, summed: &[&str]) -> Result<()> {
-        let world = self.world_size();
-        if !self.active() {
-            return Ok(());
-        }
-        use crate::engine::Stat;
-        let keys: Vec<String> =
-            stats.iter().filter(|(_, v)| v.as_f64().is_some()).map(|(k, _)| k.clone()).collect();
-        let names = keys.join("\n");
-        self.check_same(fingerprint(names.as_bytes()), "the metric names of a step")?;
-        let mut values: Vec<f64> = keys.iter().map(|k| stats[k].as_f64().unwrap_or(0.0)).collect();
-        self.sum_f64(&mut values)?;
-        for (k, v) in keys.into_iter().zip(values) {
-            let v = if summed.contains(&k.as_str()) { v } else { v / world as f64 };
-            stats.insert(k, Stat::Scalar(v));
-        }
-        Ok(())
     }
 
     /// Every process's `local` values, concatenated in rank order, where the processes may hold

@@ -226,7 +226,7 @@ impl DpoTrainer {
         s.insert("epoch".into(), Stat::Scalar(self.micro_done as f64 / self.batches_per_epoch as f64));
         s.insert("rltune/skipped_updates".into(), Stat::Scalar(self.core.skipped_updates as f64));
         // On several processes: the loss is the mean over them, the tokens their sum.
-        self.core.dist.reduce_stats(&mut s, &["num_tokens"])?;
+        crate::engine::stats::reduce_over(&self.core.dist, &mut s, &["num_tokens"])?;
         // Each micro-batch's metrics of the whole global micro-batch: weighted by its tokens or
         // pairs over the processes (the same values on one).
         let mut values: Vec<Vec<f64>> =

@@ -4,6 +4,9 @@
 
 use std::collections::BTreeMap;
 
+use crate::dist::Dist;
+use crate::error::Result;
+
 /// One statistic: a number, a vector (per sequence or flattened per token), a matrix, or text.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(untagged)]
@@ -37,4 +40,26 @@ pub fn mean_std(xs: &[f64]) -> (f64, f64) {
     let mean = xs.iter().sum::<f64>() / n;
     let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0);
     (mean, var.sqrt())
+}
+
+/// Makes every scalar of `stats` the one of the whole batch of `dist`'s processes, from each
+/// process's value: the mean over the processes, or for the keys in `summed` (counts, e.g.
+/// `num_tokens`) the sum. As TRL's `gather(...).mean()`: exact when every process holds as many
+/// samples. Every process must hold the same keys. A no-op on one process.
+pub fn reduce_over(dist: &Dist, stats: &mut Stats, summed: &[&str]) -> Result<()> {
+    let world = dist.world_size();
+    if !dist.active() {
+        return Ok(());
+    }
+    let keys: Vec<String> =
+        stats.iter().filter(|(_, v)| v.as_f64().is_some()).map(|(k, _)| k.clone()).collect();
+    let names = keys.join("\n");
+    dist.check_same(crate::dist::fingerprint(names.as_bytes()), "the metric names of a step")?;
+    let mut values: Vec<f64> = keys.iter().map(|k| stats[k].as_f64().unwrap_or(0.0)).collect();
+    dist.sum_f64(&mut values)?;
+    for (k, v) in keys.into_iter().zip(values) {
+        let v = if summed.contains(&k.as_str()) { v } else { v / world as f64 };
+        stats.insert(k, Stat::Scalar(v));
+    }
+    Ok(())
 }

@@ -415,7 +415,7 @@ pub fn add_episode_stats(dist: &Dist, stats: &mut Stats, batch: &EpisodeBatch) -
         "env/dropped_episodes",
         "env/prefill_tokens",
     ];
-    dist.reduce_stats(&mut own, &counts)?;
+    crate::engine::stats::reduce_over(dist, &mut own, &counts)?;
     stats.extend(own);
     Ok(())
 }
