@@ -32,7 +32,26 @@ pub enum Error {
         msg: String,
     },
 
-    /// Input data (prompts, rollouts, datasets) is invalid; the message names the row or field.
+    /// A data file (prompts, rollouts, datasets) or one of its rows is invalid.
+    #[error("{at}: {problem}")]
+    Data {
+        /// Where: the file, with the row or line where there is one (`data.jsonl line 3`).
+        at: String,
+        /// What is wrong, naming the field, and the fix.
+        problem: String,
+    },
+
+    /// A checkpoint cannot be written or resumed.
+    #[error("{path}: {problem}")]
+    Checkpoint {
+        /// The checkpoint's folder or file.
+        path: PathBuf,
+        /// What is wrong (e.g. a setting that differs from the run's) and the fix.
+        problem: String,
+    },
+
+    /// Input that fits no narrower variant (a trainer's arguments, a batch, a reward's answer) is
+    /// invalid; the message names the row or field.
     #[error("{0}")]
     Input(String),
 
@@ -89,6 +108,16 @@ impl Error {
     /// An [`Error::Config`] for `path`.
     pub fn config(path: impl Into<PathBuf>, msg: impl std::fmt::Display) -> Self {
         Error::Config { path: path.into(), msg: msg.to_string() }
+    }
+
+    /// An [`Error::Data`] at `at` (a file, or a file's row).
+    pub fn data(at: impl std::fmt::Display, problem: impl std::fmt::Display) -> Self {
+        Error::Data { at: at.to_string(), problem: problem.to_string() }
+    }
+
+    /// An [`Error::Checkpoint`] for the checkpoint at `path`.
+    pub fn checkpoint(path: impl Into<PathBuf>, problem: impl std::fmt::Display) -> Self {
+        Error::Checkpoint { path: path.into(), problem: problem.to_string() }
     }
 
     /// A weight file that does not hold what it should ([`rltune_models::Error::Weights`]).

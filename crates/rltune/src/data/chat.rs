@@ -29,7 +29,7 @@ pub fn is_conversational(fields: &Map<String, Value>) -> bool {
 /// Checks that `fields[field]` is a non-empty list of `{"role": string, …}` objects; the error
 /// names the origin, the field and the message.
 pub fn check_messages(v: &Value, origin: &str, field: &str) -> Result<()> {
-    let bad = |m: String| Error::Input(format!("{origin}: field {field:?}: {m}"));
+    let bad = |m: String| Error::data(origin, format!("field {field:?}: {m}"));
     let list = v.as_array().ok_or_else(|| {
         bad(format!("is {}, not a list of {{\"role\", \"content\"}} messages", crate::data::rows::shorten(v)))
     })?;
@@ -164,11 +164,12 @@ pub fn common_prefix_length(a: &[u32], b: &[u32]) -> usize {
 
 /// The error for conversational rows when the model has no chat template.
 pub fn no_template(origin: &str) -> Error {
-    Error::Input(format!(
-        "{origin}: the row is a conversation (a list of messages) but the model has no chat template \
+    Error::data(
+        origin,
+        "the row is a conversation (a list of messages) but the model has no chat template \
          (tokenizer_config.json has no chat_template); add one to the model's tokenizer_config.json, or give \
-         plain-text rows"
-    ))
+         plain-text rows",
+    )
 }
 
 #[cfg(test)]

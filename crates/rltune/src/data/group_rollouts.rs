@@ -97,18 +97,15 @@ pub fn read_group_rollouts(path: &Path, reward_funcs: Option<&[String]>) -> Resu
         rows.push(row);
     }
     let Some(found) = names else {
-        return Err(Error::Input(format!("{}: no rollouts (the file is empty)", path.display())));
+        return Err(Error::data(path.display(), "no rollouts (the file is empty)"));
     };
     let order: Vec<String> = match reward_funcs {
         Some(list) => {
             let mut sorted = list.to_vec();
             sorted.sort();
             if sorted != found {
-                return Err(Error::Input(format!(
-                    "{}: reward functions {found:?}, but the config's reward_funcs lists {list:?}; make them \
-                     the same names",
-                    path.display()
-                )));
+                return Err(Error::data(path.display(), format!("reward functions {found:?}, but the config's reward_funcs lists {list:?}; make them \
+                     the same names")));
             }
             list.to_vec()
         }

@@ -56,8 +56,8 @@ pub fn load_prompts(source: &str, text_column: &str, split: Option<&str>) -> Res
 /// [`load_prompts`] with the split and a column mapping (`[data] split`, `[data] columns`).
 pub fn load_prompts_with(source: &str, text_column: &str, opts: &DataOptions) -> Result<Vec<PromptRow>> {
     let rows = read_rows(source, opts).map_err(|e| match e {
-        Error::Input(m) if m.ends_with("the dataset has no rows") => {
-            Error::Input(format!("{m}; nothing to prompt with"))
+        Error::Data { at, problem } if problem == "the dataset has no rows" => {
+            Error::Data { at, problem: format!("{problem}; nothing to prompt with") }
         }
         other => other,
     })?;
@@ -82,22 +82,28 @@ fn to_prompt(row: Row, text_column: &str) -> Result<PromptRow> {
             return Ok(PromptRow { text: last.to_string(), meta: row.to_value() });
         }
         Some(other) => {
-            return Err(Error::Input(format!(
-                "{at}: column {text_column:?} is {}, not a string (nor a list of {{\"role\", \"content\"}} \
+            return Err(Error::data(
+                at,
+                format!(
+                    "column {text_column:?} is {}, not a string (nor a list of {{\"role\", \"content\"}} \
                  messages)",
-                shorten(other)
-            )));
+                    shorten(other)
+                ),
+            ));
         }
         None => {
-            return Err(Error::Input(format!(
-                "{at}: no column {text_column:?} (the prompt text); columns present: {}; choose the text \
+            return Err(Error::data(
+                at,
+                format!(
+                    "no column {text_column:?} (the prompt text); columns present: {}; choose the text \
                  column with the text column setting (`[data] text_column`)",
-                column_list(&row.fields)
-            )));
+                    column_list(&row.fields)
+                ),
+            ));
         }
     };
     if text.trim().is_empty() {
-        return Err(Error::Input(format!("{at}: column {text_column:?} is empty; every prompt needs text")));
+        return Err(Error::data(at, format!("column {text_column:?} is empty; every prompt needs text")));
     }
     Ok(PromptRow { text, meta: row.to_value() })
 }

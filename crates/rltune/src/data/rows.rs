@@ -72,12 +72,14 @@ impl ColumnMap {
                     row.fields.insert(field.clone(), v);
                 }
                 None => {
-                    return Err(Error::Input(format!(
-                        "{}: no column {column:?} (read as {field:?} through `[data] columns`); columns \
+                    return Err(Error::data(
+                        &row.origin,
+                        format!(
+                            "no column {column:?} (read as {field:?} through `[data] columns`); columns \
                          present: {}; fix the column name in `[data] columns`",
-                        row.origin,
-                        column_list(&row.fields)
-                    )))
+                            column_list(&row.fields)
+                        ),
+                    ))
                 }
             }
         }
@@ -126,7 +128,7 @@ pub fn read_rows(source: &str, opts: &DataOptions) -> Result<Vec<Row>> {
         ));
     };
     if rows.is_empty() {
-        return Err(Error::Input(format!("{source}: the dataset has no rows")));
+        return Err(Error::data(source, "the dataset has no rows"));
     }
     for row in &mut rows {
         opts.columns.apply(row)?;
@@ -151,12 +153,14 @@ pub fn read_file(path: &Path) -> Result<Vec<Row>> {
         "txt" => read_text_lines(path),
         "parquet" => read_parquet(path),
         "arrow" => read_arrow(path),
-        _ => Err(Error::Input(format!(
-            "{}: unknown data file type {:?}; supported extensions: {}, .txt",
+        _ => Err(Error::data(
             path.display(),
-            ext,
-            SUPPORTED_EXTENSIONS.iter().map(|e| format!(".{e}")).collect::<Vec<_>>().join(", ")
-        ))),
+            format!(
+                "unknown data file type {:?}; supported extensions: {}, .txt",
+                ext,
+                SUPPORTED_EXTENSIONS.iter().map(|e| format!(".{e}")).collect::<Vec<_>>().join(", ")
+            ),
+        )),
     }
 }
 
@@ -170,8 +174,7 @@ fn read_dir(dir: &Path, split: Option<&str>) -> Result<Vec<Row>> {
     }
     let mut files = Vec::new();
     list_files(dir, dir, &mut files)?;
-    let chosen =
-        select_split_files(&files, split).map_err(|m| Error::Input(format!("{}: {m}", dir.display())))?;
+    let chosen = select_split_files(&files, split).map_err(|m| Error::data(dir.display(), m))?;
     let mut rows = Vec::new();
     for f in chosen {
         rows.extend(read_file(&dir.join(&f))?);
@@ -183,24 +186,23 @@ fn read_dir(dir: &Path, split: Option<&str>) -> Result<Vec<Row>> {
 fn read_dataset_dict(dir: &Path, split: Option<&str>) -> Result<Vec<Row>> {
     let file = dir.join("dataset_dict.json");
     let v: Value = serde_json::from_str(&super::read_utf8(&file)?)
-        .map_err(|e| Error::Input(format!("{}: invalid JSON: {e}", file.display())))?;
+        .map_err(|e| Error::data(file.display(), format!("invalid JSON: {e}")))?;
     let splits: Vec<String> = v
         .get("splits")
         .and_then(|s| s.as_array())
         .map(|a| a.iter().filter_map(|x| x.as_str().map(str::to_string)).collect())
         .ok_or_else(|| {
-            Error::Input(format!(
-                "{}: no \"splits\" list; a `DatasetDict.save_to_disk` directory has {{\"splits\": [\"train\", ..]}}",
-                file.display()
-            ))
+            Error::data(file.display(), "no \"splits\" list; a `DatasetDict.save_to_disk` directory has {\"splits\": [\"train\", ..]}")
         })?;
     let split = split.unwrap_or("train");
     if !splits.iter().any(|s| s == split) {
-        return Err(Error::Input(format!(
-            "{}: no split {split:?}; the dataset has {}; choose one with `[data] split`",
+        return Err(Error::data(
             dir.display(),
-            splits.iter().map(|s| format!("{s:?}")).collect::<Vec<_>>().join(", ")
-        )));
+            format!(
+                "no split {split:?}; the dataset has {}; choose one with `[data] split`",
+                splits.iter().map(|s| format!("{s:?}")).collect::<Vec<_>>().join(", ")
+            ),
+        ));
     }
     read_saved_dataset(&dir.join(split))
 }
@@ -209,23 +211,22 @@ fn read_dataset_dict(dir: &Path, split: Option<&str>) -> Result<Vec<Row>> {
 fn read_saved_dataset(dir: &Path) -> Result<Vec<Row>> {
     let state = dir.join("state.json");
     let v: Value = serde_json::from_str(&super::read_utf8(&state)?)
-        .map_err(|e| Error::Input(format!("{}: invalid JSON: {e}", state.display())))?;
-    let files: Vec<PathBuf> = v
-        .get("_data_files")
-        .and_then(|f| f.as_array())
-        .and_then(|a| a.iter().map(|f| f.get("filename")?.as_str().map(|n| dir.join(n))).collect())
-        .ok_or_else(|| {
-            Error::Input(format!(
-                "{}: no \"_data_files\" list of {{\"filename\": ..}}; is this a `Dataset.save_to_disk` directory?",
-                state.display()
-            ))
-        })?;
+        .map_err(|e| Error::data(state.display(), format!("invalid JSON: {e}")))?;
+    let files: Vec<PathBuf> =
+        v.get("_data_files")
+            .and_then(|f| f.as_array())
+            .and_then(|a| a.iter().map(|f| f.get("filename")?.as_str().map(|n| dir.join(n))).collect())
+            .ok_or_else(|| {
+                Error::data(state.display(),
+                "no \"_data_files\" list of {\"filename\": ..}; is this a `Dataset.save_to_disk` directory?",
+            )
+            })?;
     if v.get("_indices_data_files").and_then(|x| x.as_array()).is_some_and(|a| !a.is_empty()) {
-        return Err(Error::Input(format!(
-            "{}: the dataset has an indices mapping (a `select`/`shuffle` view); save it with \
+        return Err(Error::data(
+            state.display(),
+            "the dataset has an indices mapping (a `select`/`shuffle` view); save it with \
              `ds.flatten_indices().save_to_disk(..)`",
-            state.display()
-        )));
+        ));
     }
     let mut rows = Vec::new();
     for f in files {
@@ -249,7 +250,7 @@ pub(crate) fn shorten(v: &Value) -> String {
 fn object(v: Value, origin: String) -> Result<Row> {
     match v {
         Value::Object(fields) => Ok(Row { fields, origin }),
-        other => Err(Error::Input(format!("{origin}: a row must be a JSON object, got {}", shorten(&other)))),
+        other => Err(Error::data(&origin, format!("a row must be a JSON object, got {}", shorten(&other)))),
     }
 }
 
@@ -263,12 +264,13 @@ fn read_json_lines(path: &Path, text: &str) -> Result<Vec<Row>> {
         let at = format!("{} line {}", path.display(), i + 1);
         let v: Value = serde_json::from_str(line).map_err(|e| {
             if e.is_syntax() && (line.contains("NaN") || line.contains("Infinity")) {
-                return Error::Input(format!(
-                    "{at}: invalid JSON: a value is NaN or Infinity, which JSON cannot hold; write finite numbers \
-                     (or drop the field)"
-                ));
+                return Error::data(
+                    &at,
+                    "invalid JSON: a value is NaN or Infinity, which JSON cannot hold; write finite numbers \
+                     (or drop the field)",
+                );
             }
-            Error::Input(format!("{at}: invalid JSON: {e}"))
+            Error::data(&at, format!("invalid JSON: {e}"))
         })?;
         rows.push(object(v, at)?);
     }
@@ -278,7 +280,7 @@ fn read_json_lines(path: &Path, text: &str) -> Result<Vec<Row>> {
 /// A JSON array of objects.
 fn read_json_array(path: &Path, text: &str) -> Result<Vec<Row>> {
     let items: Vec<Value> = serde_json::from_str(text)
-        .map_err(|e| Error::Input(format!("{}: invalid JSON array of rows: {e}", path.display())))?;
+        .map_err(|e| Error::data(path.display(), format!("invalid JSON array of rows: {e}")))?;
     items
         .into_iter()
         .enumerate()
@@ -306,7 +308,7 @@ fn read_csv(path: &Path) -> Result<Vec<Row>> {
     // Read as UTF-8 first: invalid bytes then get the line and the fix.
     let text = super::read_utf8(path)?;
     let mut reader = csv::ReaderBuilder::new().has_headers(true).from_reader(text.as_bytes());
-    let bad = |e: csv::Error| Error::Input(format!("{}: invalid CSV: {e}", path.display()));
+    let bad = |e: csv::Error| Error::data(path.display(), format!("invalid CSV: {e}"));
     let headers = reader.headers().map_err(bad)?.clone();
     let mut rows = Vec::new();
     for record in reader.records() {
@@ -324,8 +326,7 @@ fn read_csv(path: &Path) -> Result<Vec<Row>> {
 fn read_parquet(path: &Path) -> Result<Vec<Row>> {
     use parquet::file::reader::{FileReader, SerializedFileReader};
 
-    let bad =
-        |e: parquet::errors::ParquetError| Error::Input(format!("{}: invalid Parquet: {e}", path.display()));
+    let bad = |e: parquet::errors::ParquetError| Error::data(path.display(), format!("invalid Parquet: {e}"));
     let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
     let reader = SerializedFileReader::new(file).map_err(bad)?;
     let mut rows = Vec::new();
@@ -360,13 +361,15 @@ fn read_arrow(path: &Path) -> Result<Vec<Row>> {
 /// Without the `parquet` or `arrow` feature: an error that says how to get it.
 #[cfg(any(not(feature = "parquet"), not(feature = "arrow")))]
 fn needs_feature(path: &Path, what: &str, feature: &str, read: &str) -> Error {
-    Error::Input(format!(
-        "{}: reading {what} needs the `{feature}` cargo feature, which this build was made without: \
+    Error::data(
+        path.display(),
+        format!(
+            "reading {what} needs the `{feature}` cargo feature, which this build was made without: \
          the `rltune` binary has it by default (`cargo build --release -p rltune-cli`, without \
          `--no-default-features`); a program using the library adds `features = [\"{feature}\"]` to its \
-         `rltune` dependency. Or convert the data to JSON lines in Python, e.g. `{read}`",
-        path.display()
-    ))
+         `rltune` dependency. Or convert the data to JSON lines in Python, e.g. `{read}`"
+        ),
+    )
 }
 
 #[cfg(test)]

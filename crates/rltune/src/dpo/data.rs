@@ -98,7 +98,7 @@ pub fn read_preference_data(source: &str, opts: &DataOptions) -> Result<Vec<Pref
     let rows = read_rows(source, opts)?;
     let mut out = Vec::new();
     for row in rows {
-        let at = |msg: String| Error::Input(format!("{}: {msg}", row.origin));
+        let at = |msg: String| Error::data(&row.origin, msg);
         let record = parse_record(&row.fields, &row.origin).map_err(at)?;
         out.push(record);
     }
@@ -108,11 +108,8 @@ pub fn read_preference_data(source: &str, opts: &DataOptions) -> Result<Vec<Pref
         PreferenceText::Chat { .. } => 2,
     };
     if let Some(r) = out.iter().find(|r| kind(r) != kind(&out[0])) {
-        return Err(Error::Input(format!(
-            "{}: mixes text rows (\"prompt\"), tokenized rows (\"prompt_ids\") and conversations (message lists); \
-             use one kind per file",
-            r.origin
-        )));
+        return Err(Error::data(&r.origin, "mixes text rows (\"prompt\"), tokenized rows (\"prompt_ids\") and conversations (message lists); \
+             use one kind per file"));
     }
     Ok(out)
 }
@@ -293,23 +290,20 @@ pub fn prepare_pairs_with(
             }
             PreferenceText::Text { prompt, chosen, rejected } => {
                 let tok = tokenizer.ok_or_else(|| {
-                    Error::Input(format!(
-                        "{origin}: a text row needs a tokenizer, but the model has no tokenizer.json; add one, or give \
-                         tokenized rows (\"prompt_ids\", \"chosen_ids\", \"rejected_ids\")"
-                    ))
+                    Error::data(&origin, "a text row needs a tokenizer, but the model has no tokenizer.json; add one, or give \
+                         tokenized rows (\"prompt_ids\", \"chosen_ids\", \"rejected_ids\")")
                 })?;
-                tokenize_text(tok, eos, prompt, chosen, rejected)
-                    .map_err(|e| Error::Input(format!("{origin}: {e}")))?
+                tokenize_text(tok, eos, prompt, chosen, rejected).map_err(|e| Error::data(&origin, e))?
             }
             PreferenceText::Chat { prompt, chosen, rejected } => {
                 let tok = tokenizer.ok_or_else(|| {
-                    Error::Input(format!(
-                        "{origin}: a conversational row needs a tokenizer, but the model has no tokenizer.json"
-                    ))
+                    Error::data(
+                        &origin,
+                        "a conversational row needs a tokenizer, but the model has no tokenizer.json",
+                    )
                 })?;
                 let template = template.ok_or_else(|| chat::no_template(&origin))?;
-                tokenize_chat(tok, template, prompt, chosen, rejected)
-                    .map_err(|e| Error::Input(format!("{origin}: {e}")))?
+                tokenize_chat(tok, template, prompt, chosen, rejected).map_err(|e| Error::data(&origin, e))?
             }
         };
         let pair = PreferencePair { prompt_ids, chosen_ids, rejected_ids, ref_logps: rec.ref_logps, origin };

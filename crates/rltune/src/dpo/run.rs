@@ -265,7 +265,8 @@ fn jsonl(lines: &[String]) -> String {
 /// The settings a checkpoint records: `cfg` as JSON, without `save_steps` (which a resumed run
 /// may change).
 fn settings(cfg: &DpoConfig) -> Result<serde_json::Value> {
-    let mut v = serde_json::to_value(cfg).map_err(|e| Error::Input(e.to_string()))?;
+    let mut v = serde_json::to_value(cfg)
+        .map_err(|e| Error::Internal(format!("the [dpo] settings do not serialize: {e}")))?;
     if let Some(m) = v.as_object_mut() {
         m.remove("save_steps");
     }

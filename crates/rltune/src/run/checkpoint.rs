@@ -91,25 +91,27 @@ impl Processes {
             return Ok(());
         }
         let fits = self.global_batch.is_multiple_of(now.world_size);
-        Err(Error::Input(format!(
-            "{}: written by a run of {} process(es) with a global batch of {} per step; this run has {} \
+        Err(Error::checkpoint(
+            path,
+            format!(
+                "written by a run of {} process(es) with a global batch of {} per step; this run has {} \
              process(es) × {} = {}. {}, or start a new run with this checkpoint as [model]",
-            path.display(),
-            self.world_size,
-            self.global_batch,
-            now.world_size,
-            now.global_batch / now.world_size.max(1),
-            now.global_batch,
-            if fits {
-                format!(
+                self.world_size,
+                self.global_batch,
+                now.world_size,
+                now.global_batch / now.world_size.max(1),
+                now.global_batch,
+                if fits {
+                    format!(
                     "Set {field} = {} to keep the global batch (the run then continues as it would have, \
                      up to the order of floating-point sums)",
                     self.global_batch / now.world_size
                 )
-            } else {
-                format!("Resume on a number of processes that divides {}", self.global_batch)
-            }
-        )))
+                } else {
+                    format!("Resume on a number of processes that divides {}", self.global_batch)
+                }
+            ),
+        ))
     }
 }
 
@@ -136,7 +138,8 @@ fn save_model(
         store.save_adapter(dir, None)?;
     } else {
         store.save_safetensors(&dir.join("model.safetensors"))?;
-        let cfg = serde_json::to_string_pretty(config_json).map_err(|e| Error::Input(e.to_string()))?;
+        let cfg = serde_json::to_string_pretty(config_json)
+            .map_err(|e| Error::Internal(format!("a model config does not serialize: {e}")))?;
         write_bytes_atomic(&dir.join("config.json"), cfg.as_bytes())?;
     }
     copy_side_files(files, dir)?;
@@ -216,7 +219,8 @@ pub fn save_checkpoint(
             critic_adam_steps: trainer.critic().map(|c| c.optimizer().steps()),
             processes: Processes::current(trainer.dist(), trainer.config.batch_size),
         };
-        let text = serde_json::to_string_pretty(&state).map_err(|e| Error::Input(e.to_string()))?;
+        let text = serde_json::to_string_pretty(&state)
+            .map_err(|e| Error::Internal(format!("a trainer state does not serialize: {e}")))?;
         Ok(write_bytes_atomic(&tmp.join("trainer_state.json"), text.as_bytes())?)
     })
 }
@@ -281,22 +285,22 @@ pub fn load_trainer_state(dir: &Path, trainer: &mut PpoTrainer) -> Result<Traine
         "[ppo] batch_size",
     )?;
     if !state.optimizer_state {
-        return Err(Error::Input(format!(
-            "{}: saved without optimizer state, so the run cannot resume exactly; set \
+        return Err(Error::checkpoint(
+            dir,
+            "saved without optimizer state, so the run cannot resume exactly; set \
              [checkpoint] optimizer_state = true (or start a new run from this directory as [model])",
-            dir.display()
-        )));
+        ));
     }
     let (ms, vs) = load_moments(dir, &trainer.store)?;
     trainer.optimizer_mut().restore(ms, vs, state.adam_steps)?;
     if let Some(c) = trainer.critic_mut() {
         let sub = dir.join(CRITIC_DIR);
         let steps = state.critic_adam_steps.ok_or_else(|| {
-            Error::Input(format!(
-                "{}: no critic_adam_steps although the run has a [critic]; this checkpoint was \
+            Error::checkpoint(
+                dir.join("trainer_state.json"),
+                "no critic_adam_steps although the run has a [critic]; this checkpoint was \
                  saved by a run without one: remove [critic] to resume it",
-                dir.join("trainer_state.json").display()
-            ))
+            )
         })?;
         let (ms, vs) = load_moments(&sub, &c.store)?;
         c.optimizer_mut().restore(ms, vs, steps)?;
@@ -373,7 +377,8 @@ pub(crate) fn save_group_checkpoint(
 ) -> Result<()> {
     save_dir_atomic(dir, |tmp: &Path| -> Result<()> {
         save_model(tmp, &core.store, config_json, files, state.optimizer_state.then_some(core.optimizer()))?;
-        let text = serde_json::to_string_pretty(state).map_err(|e| Error::Input(e.to_string()))?;
+        let text = serde_json::to_string_pretty(state)
+            .map_err(|e| Error::Internal(format!("a trainer state does not serialize: {e}")))?;
         Ok(write_bytes_atomic(&tmp.join("trainer_state.json"), text.as_bytes())?)
     })
 }
@@ -391,28 +396,32 @@ pub(crate) fn load_group_state(
     let value: serde_json::Value = read_json(&path)?;
     let state: GroupTrainerState = serde_json::from_value(value.clone()).map_err(|e| {
         let by = if value.get("kl_controller").is_some() { "a PPO run" } else { "another trainer" };
-        Error::Input(format!(
-            "{}: not a GRPO/RLOO checkpoint ({e}); it was written by {by}: resume it with its own \
-             [algorithm] kind, or start a new run with this checkpoint as [model]",
-            path.display()
-        ))
+        Error::checkpoint(
+            &path,
+            format!(
+                "not a GRPO/RLOO checkpoint ({e}); it was written by {by}: resume it with its own \
+             [algorithm] kind, or start a new run with this checkpoint as [model]"
+            ),
+        )
     })?;
     if state.algorithm != algorithm {
-        return Err(Error::Input(format!(
-            "{}: written by a {} run but [algorithm] kind = \"{}\"; resume with kind = \"{}\", or start \
+        return Err(Error::checkpoint(
+            &path,
+            format!(
+                "written by a {} run but [algorithm] kind = \"{}\"; resume with kind = \"{}\", or start \
              a new run with this checkpoint as [model]",
-            path.display(),
-            state.algorithm.name(),
-            algorithm.name(),
-            state.algorithm.name()
-        )));
+                state.algorithm.name(),
+                algorithm.name(),
+                state.algorithm.name()
+            ),
+        ));
     }
     if !state.optimizer_state {
-        return Err(Error::Input(format!(
-            "{}: saved without optimizer state, so the run cannot resume exactly; set \
+        return Err(Error::checkpoint(
+            dir,
+            "saved without optimizer state, so the run cannot resume exactly; set \
              [checkpoint] optimizer_state = true (or start a new run from this directory as [model])",
-            dir.display()
-        )));
+        ));
     }
     let field = format!("[{}] per_device_train_batch_size", algorithm.name());
     state.processes.check_resume(&Processes::current(&core.dist, per_process), &path, &field)?;

@@ -131,7 +131,8 @@ pub(crate) fn save<T: Serialize>(
         for (name, bytes) in files {
             crate::io::write_bytes_atomic(&tmp.join(name), bytes)?;
         }
-        let text = serde_json::to_string_pretty(ck).map_err(|e| Error::Input(e.to_string()))?;
+        let text = serde_json::to_string_pretty(ck)
+            .map_err(|e| Error::Internal(format!("a checkpoint state does not serialize: {e}")))?;
         Ok(crate::io::write_bytes_atomic(&tmp.join("trainer_state.json"), text.as_bytes())?)
     })?;
     tracing::info!("checkpoint after step {}: {}", ck.step, path.display());
@@ -162,20 +163,21 @@ pub(crate) fn load_latest<T: DeserializeOwned>(
         .get("trainer")
         .map(|t| serde_json::from_value(t.clone()))
         .transpose()
-        .map_err(|e| Error::Input(format!("{}: trainer: {e}", file.display())))?
+        .map_err(|e| Error::checkpoint(&file, format!("trainer: {e}")))?
         .unwrap_or_default();
     if written_by != kind {
-        return Err(Error::Input(format!(
-            "{}: a checkpoint of {}, not of {}; resume it with the command that wrote it, or give \
+        return Err(Error::checkpoint(
+            &file,
+            format!(
+                "a checkpoint of {}, not of {}; resume it with the command that wrote it, or give \
              this run its own --checkpoint-dir",
-            file.display(),
-            written_by.command(),
-            kind.command()
-        )));
+                written_by.command(),
+                kind.command()
+            ),
+        ));
     }
-    let ck: LoopCheckpoint<T> = serde_json::from_value(value).map_err(|e| {
-        Error::Input(format!("{}: not a checkpoint of {} ({e})", file.display(), kind.command()))
-    })?;
+    let ck: LoopCheckpoint<T> = serde_json::from_value(value)
+        .map_err(|e| Error::checkpoint(&file, format!("not a checkpoint of {} ({e})", kind.command())))?;
     let (saved, now) = (ck.shape, expect);
     let differs = [
         ("total_steps (epochs, max_steps, batch sizes)", saved.total_steps, now.total_steps),
@@ -185,11 +187,13 @@ pub(crate) fn load_latest<T: DeserializeOwned>(
     ];
     for (what, saved, now) in differs {
         if saved != now {
-            return Err(Error::Input(format!(
-                "{}: saved with {what} = {saved} but this run has {now}; resume with the settings, \
-                 data and processes it was started with",
-                file.display()
-            )));
+            return Err(Error::checkpoint(
+                &file,
+                format!(
+                    "saved with {what} = {saved} but this run has {now}; resume with the settings, \
+                 data and processes it was started with"
+                ),
+            ));
         }
     }
     check(&ck.state, &file)?;
@@ -202,19 +206,17 @@ pub(crate) fn load_latest<T: DeserializeOwned>(
 
 /// Sets every trainable variable of `store` from `weights`, which must hold each, of its shape.
 fn load_weights(weights: &Path, store: &ParamStore) -> Result<()> {
-    let saved = candle_core::safetensors::load(weights, store.device())
-        .map_err(|e| Error::Input(format!("{}: {e}", weights.display())))?;
+    let saved =
+        candle_core::safetensors::load(weights, store.device()).map_err(|e| Error::checkpoint(weights, e))?;
     for (name, var) in store.vars() {
         let t = saved.get(&name).ok_or_else(|| {
-            Error::Input(format!("{}: no tensor {name}; it is another model's checkpoint", weights.display()))
+            Error::checkpoint(weights, format!("no tensor {name}; it is another model's checkpoint"))
         })?;
         if t.dims() != var.dims() {
-            return Err(Error::Input(format!(
-                "{}: {name} has shape {:?}, the model {:?}",
-                weights.display(),
-                t.dims(),
-                var.dims()
-            )));
+            return Err(Error::checkpoint(
+                weights,
+                format!("{name} has shape {:?}, the model {:?}", t.dims(), var.dims()),
+            ));
         }
         var.set(&t.to_dtype(var.dtype())?)?;
     }

@@ -123,7 +123,7 @@ pub fn read_sft_data(source: &str, opts: &DataOptions) -> Result<Vec<SftRecord>>
     let rows = read_rows(source, opts).map_err(|e| with_hint(e, SFT_EXPECTED))?;
     let mut out: Vec<SftRecord> = Vec::with_capacity(rows.len());
     for row in rows {
-        let at = |msg: String| Error::Input(format!("{}: {msg}", row.origin));
+        let at = |msg: String| Error::data(&row.origin, msg);
         let rec = sft_record(row.fields, &row.origin).map_err(at)?;
         if let Some(prev) = out.last() {
             if std::mem::discriminant(prev) != std::mem::discriminant(&rec) {
@@ -225,7 +225,7 @@ pub fn read_reward_records(path: &Path) -> Result<Vec<RewardRecord>> {
 pub fn read_reward_data(source: &str, opts: &DataOptions) -> Result<Vec<RewardRecord>> {
     let mut out: Vec<RewardRecord> = Vec::new();
     for row in read_rows(source, opts).map_err(|e| with_hint(e, REWARD_EXPECTED))? {
-        let at = |msg: String| Error::Input(format!("{}: {msg}", row.origin));
+        let at = |msg: String| Error::data(&row.origin, msg);
         let rec = reward_record(row.fields, &row.origin).map_err(at)?;
         if out.first().is_some_and(|first| first.is_preference() != rec.is_preference()) {
             return Err(at("mixes labelled texts and preference pairs; use one kind per file".into()));
@@ -308,7 +308,9 @@ fn reward_record(mut row: Map<String, Value>, origin: &str) -> std::result::Resu
 /// A JSON syntax error, with the rows the trainer expects.
 fn with_hint(e: Error, expected: &str) -> Error {
     match e {
-        Error::Input(m) if m.contains("invalid JSON") => Error::Input(format!("{m}; {expected}")),
+        Error::Data { at, problem } if problem.starts_with("invalid JSON") => {
+            Error::Data { at, problem: format!("{problem}; {expected}") }
+        }
         other => other,
     }
 }
