@@ -63,7 +63,7 @@ impl Default for AgentQuickstartConfig<AdventureConfig> {
     fn default() -> Self {
         let bc = TrainingArgs {
             learning_rate: 2e-3,
-            max_steps: Some(400),
+            max_steps: 400,
             batch_size: 32,
             lr_scheduler_type: ScheduleKind::Cosine,
             warmup_ratio: 0.05,
@@ -152,7 +152,7 @@ impl AgentQuickstartConfig<AdventureConfig> {
             context: 160,
             max_steps: 4,
             num_envs: 4,
-            bc: TrainingArgs { max_steps: Some(4), batch_size: 8, ..d.bc },
+            bc: TrainingArgs { max_steps: 4, batch_size: 8, ..d.bc },
             ppo: PpoConfig { steps: 2, batch_size: 8, mini_batch_size: 4, ppo_epochs: 1, ..d.ppo },
             episodes: EpisodesSection { eval_every: 2, eval_episodes: 4, ..d.episodes },
             eval_episodes: 8,

@@ -682,11 +682,11 @@ pub fn train_bc_longer<G: AgentGames>(
     let steps = p.steps * p.ppo_epochs * (p.batch_size / p.backward_batch_size()).max(1);
     let args = TrainingArgs {
         learning_rate: p.learning_rate,
-        max_steps: Some(steps),
+        max_steps: (steps) as i64,
         batch_size: p.backward_batch_size(),
         lr_scheduler_type: rltune::train::ScheduleKind::Constant,
         warmup_ratio: 0.0,
-        warmup_steps: 0,
+        warmup_steps: 0.0,
         seed: cfg.bc.seed ^ 0x10e6,
         ..cfg.bc.clone()
     };

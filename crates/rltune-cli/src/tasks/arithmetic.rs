@@ -87,10 +87,10 @@ impl Default for ArithmeticQuickstartConfig {
             learning_rate: 2e-3,
             // A cap: the target accuracy stops it first (seed 0 at 1200 steps: 31.5% held out;
             // 600: 7%, 2000: 66%; the steps it takes vary with the seed).
-            max_steps: Some(3000),
+            max_steps: 3000,
             batch_size: 64,
             lr_scheduler_type: ScheduleKind::ConstantWithWarmup,
-            warmup_steps: 20,
+            warmup_steps: 20.0,
             eval_fraction: 0.0,
             seed: 1,
             ..TrainingArgs::default()
@@ -145,7 +145,7 @@ impl ArithmeticQuickstartConfig {
             policy_dim: 32,
             policy_layers: 1,
             policy_heads: 2,
-            sft: TrainingArgs { max_steps: Some(4), batch_size: 16, warmup_steps: 1, ..d.sft },
+            sft: TrainingArgs { max_steps: 4, batch_size: 16, warmup_steps: 1.0, ..d.sft },
             sft_check_every: 2,
             grpo: GrpoConfig { max_steps: 2, per_device_train_batch_size: Some(16), ..grpo },
             rloo: RlooConfig { max_steps: 2, per_device_train_batch_size: Some(16), ..rloo },
@@ -523,9 +523,9 @@ fn train_sft_partly(
     while done < max {
         let steps = every.min(max - done);
         let args = TrainingArgs {
-            max_steps: Some(steps),
+            max_steps: (steps) as i64,
             // Warm-up once; each round reshuffles with its own seed.
-            warmup_steps: if done == 0 { cfg.sft.warmup_steps } else { 0 },
+            warmup_steps: if done == 0 { cfg.sft.warmup_steps } else { 0.0 },
             seed: cfg.sft.seed.wrapping_add(done as u64),
             ..cfg.sft.clone()
         };

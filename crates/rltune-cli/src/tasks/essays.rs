@@ -94,7 +94,7 @@ impl Default for AgentQuickstartConfig<EssaysConfig> {
     fn default() -> Self {
         let bc = TrainingArgs {
             learning_rate: 2e-3,
-            max_steps: Some(300),
+            max_steps: 300,
             batch_size: 32,
             lr_scheduler_type: ScheduleKind::Cosine,
             warmup_ratio: 0.05,
@@ -173,7 +173,7 @@ impl AgentQuickstartConfig<EssaysConfig> {
             policy_heads: 2,
             context: 160,
             num_envs: 2,
-            bc: TrainingArgs { max_steps: Some(4), batch_size: 8, ..d.bc },
+            bc: TrainingArgs { max_steps: 4, batch_size: 8, ..d.bc },
             ppo: PpoConfig { steps: 2, batch_size: 16, mini_batch_size: 8, ppo_epochs: 1, ..d.ppo },
             eval_episodes: 6,
             validation_episodes: 4,

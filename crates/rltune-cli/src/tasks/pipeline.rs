@@ -95,7 +95,7 @@ impl Default for QuickstartConfig {
         let sft = TrainingArgs {
             learning_rate: 2e-3,
             // Half an epoch: the held-out loss stops improving after ~150 steps on this corpus.
-            max_steps: Some(320),
+            max_steps: 320,
             batch_size: 32,
             lr_scheduler_type: ScheduleKind::Cosine,
             warmup_ratio: 0.05,
@@ -106,7 +106,7 @@ impl Default for QuickstartConfig {
         let classifier = TrainingArgs {
             learning_rate: 1e-3,
             // About half an epoch of the 39k texts (reviews and prefixes).
-            max_steps: Some(600),
+            max_steps: 600,
             batch_size: 32,
             warmup_ratio: 0.05,
             eval_fraction: 0.05,
@@ -155,10 +155,10 @@ impl QuickstartConfig {
             policy_layers: 1,
             policy_heads: 2,
             max_length: 48,
-            sft: TrainingArgs { max_steps: Some(6), batch_size: 16, eval_fraction: 0.05, ..d.sft },
+            sft: TrainingArgs { max_steps: 6, batch_size: 16, eval_fraction: 0.05, ..d.sft },
             classifier_dim: 16,
             classifier_layers: 1,
-            classifier: TrainingArgs { max_steps: Some(6), batch_size: 16, ..d.classifier },
+            classifier: TrainingArgs { max_steps: 6, batch_size: 16, ..d.classifier },
             ppo: PpoConfig { steps: 3, batch_size: 8, mini_batch_size: 4, ppo_epochs: 1, ..d.ppo },
             response_tokens: 6,
             eval_samples: 8,

@@ -226,7 +226,7 @@ impl Default for RlhfQuickstartConfig {
         };
         let proxy = TrainingArgs {
             learning_rate: 1e-4,
-            num_train_epochs: 1,
+            num_train_epochs: 1.0,
             batch_size: 16,
             lr_scheduler_type: ScheduleKind::Linear,
             eval_fraction: 0.0,
@@ -302,7 +302,7 @@ impl RlhfQuickstartConfig {
             label_prompts: 16,
             min_gold_gap: 0.0,
             proxy_eval_fraction: 0.25,
-            proxy: TrainingArgs { num_train_epochs: 1, batch_size: 4, ..d.proxy.clone() },
+            proxy: TrainingArgs { num_train_epochs: 1.0, batch_size: 4, ..d.proxy.clone() },
             lora: LoraConfig { r: 2, lora_alpha: 4.0, ..d.lora.clone() },
             methods: vec![
                 Method::Ppo,

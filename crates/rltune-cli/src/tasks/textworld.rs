@@ -203,7 +203,7 @@ impl AgentQuickstartConfig<TextworldGames> {
             context: 160,
             max_steps: 4,
             num_envs: 2,
-            bc: TrainingArgs { max_steps: Some(4), batch_size: 8, ..d.bc },
+            bc: TrainingArgs { max_steps: 4, batch_size: 8, ..d.bc },
             ppo: PpoConfig { steps: 2, batch_size: 8, mini_batch_size: 4, ppo_epochs: 1, ..d.ppo },
             episodes: EpisodesSection { eval_every: 2, eval_episodes: 2, ..d.episodes },
             eval_episodes: 4,

@@ -79,7 +79,7 @@ impl Default for WnutQuickstartConfig {
     fn default() -> Self {
         let bc = TrainingArgs {
             learning_rate: 1e-4,
-            num_train_epochs: 10,
+            num_train_epochs: 10.0,
             batch_size: 16,
             lr_scheduler_type: ScheduleKind::Linear,
             warmup_ratio: 0.1,
@@ -89,7 +89,7 @@ impl Default for WnutQuickstartConfig {
         };
         let rl = TrainingArgs {
             learning_rate: 2e-5,
-            max_steps: Some(300),
+            max_steps: 300,
             batch_size: 32,
             lr_scheduler_type: ScheduleKind::Constant,
             eval_fraction: 0.0,
@@ -123,8 +123,8 @@ impl WnutQuickstartConfig {
         let d = Self::default();
         Self {
             encoder: TINY_RANDOM.into(),
-            bc: TrainingArgs { max_steps: Some(4), learning_rate: 1e-3, ..d.bc },
-            rl: TrainingArgs { max_steps: Some(2), batch_size: 8, ..d.rl },
+            bc: TrainingArgs { max_steps: 4, learning_rate: 1e-3, ..d.bc },
+            rl: TrainingArgs { max_steps: 2, batch_size: 8, ..d.rl },
             train_eval_tweets: 8,
             ..d
         }
@@ -454,10 +454,10 @@ pub fn run_wnut_quickstart(
         let tagger = Tagger::load(&bc_dir, true, device)?;
         let ex = train::examples(&tagger, &splits.train)?;
         let args = TrainingArgs {
-            max_steps: Some(rl_total),
+            max_steps: (rl_total) as i64,
             seed: cfg.bc.seed + 1,
             warmup_ratio: 0.0,
-            warmup_steps: 0,
+            warmup_steps: 0.0,
             lr_scheduler_type: ScheduleKind::Constant,
             learning_rate: cfg.rl.learning_rate,
             ..cfg.bc.clone()

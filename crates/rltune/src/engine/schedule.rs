@@ -71,16 +71,6 @@ impl LrSchedule {
     }
 }
 
-/// Warm-up steps as transformers' `TrainingArguments.get_warmup_steps`: `warmup_steps` when
-/// positive, else `ceil(total_steps · warmup_ratio)`.
-pub fn warmup_steps(total_steps: usize, warmup_steps: usize, warmup_ratio: f64) -> usize {
-    if warmup_steps > 0 {
-        warmup_steps
-    } else {
-        (total_steps as f64 * warmup_ratio).ceil() as usize
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -122,13 +112,6 @@ mod tests {
         assert!(close(s.factor(1), 0.5) && close(s.factor(2), 1.0) && close(s.factor(9), 1.0));
         let s = LrSchedule { kind: ScheduleKind::Linear, base_lr: 3e-4, warmup_steps: 0, total_steps: 4 };
         assert!(close(s.lr(0), 3e-4) && close(s.lr(1), 2.25e-4) && close(s.lr(3), 0.75e-4));
-    }
-
-    #[test]
-    fn warmup_from_ratio_rounds_up_and_steps_win() {
-        assert_eq!(warmup_steps(10, 0, 0.15), 2);
-        assert_eq!(warmup_steps(10, 3, 0.5), 3);
-        assert_eq!(warmup_steps(10, 0, 0.0), 0);
     }
 
     #[test]

@@ -3,9 +3,10 @@
 //! `DPOConfig` derive from `TrainingArguments`. [`training_arguments!`] writes them at the head of
 //! a config's struct and gives it `optim_args_for`; [`resolve_optim`] turns them into the
 //! engine's [`OptimArgs`]. What a pass of `num_train_epochs` is, and how many optimizer steps a
-//! run makes, is each trainer's (its config's docs). `rltune sft` / `rltune reward`
-//! (`train::TrainingArgs`) and PPO (`ppo::PpoConfig`, TRL 0.11.4's own `PPOConfig` names, which
-//! do not derive from `TrainingArguments`) keep their own names.
+//! run makes, is each trainer's (its config's docs). The `[training]` table of `rltune sft` and
+//! `rltune reward` (`train::TrainingArgs`; TRL's `SFTConfig` and `RewardConfig` derive from
+//! `TrainingArguments`) takes them too. PPO (`ppo::PpoConfig`) keeps TRL 0.11.4's own
+//! `PPOConfig` names, which do not derive from `TrainingArguments` (docs/trl-deviations.md).
 
 use super::schedule::{LrSchedule, ScheduleKind};
 use super::OptimArgs;
@@ -17,7 +18,7 @@ macro_rules! training_arguments {
     ($(#[$m:meta])* pub struct $name:ident { $($body:tt)* }) => {
         $(#[$m])*
         pub struct $name {
-            /// AdamW learning rate (TRL: 1e-6).
+            /// AdamW learning rate (the config's default: TRL's GRPO 1e-6, transformers 5e-5).
             pub learning_rate: f64,
             /// AdamW β₁ (0.9).
             pub adam_beta1: f64,

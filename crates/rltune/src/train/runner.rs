@@ -20,10 +20,10 @@
 //! step and continues bit for bit: its weights and every later step's loss are those of a run
 //! that never stopped.
 //!
-//! Deviations from transformers' `Trainer`: Adam without weight decay (its AdamW with the default
-//! `weight_decay = 0` is the same update); a step count fixed up front as
-//! `epochs · ceil(n / (batch_size · gradient_accumulation_steps))` (the last step of an epoch
-//! takes the remainder) unless `max_steps` is set; no dropout.
+//! Deviations from transformers' `Trainer`: a step count fixed up front as
+//! `ceil(epochs · ceil(n / (batch_size · gradient_accumulation_steps)))` (the last step of an
+//! epoch takes the remainder) unless `max_steps` is set; no dropout. AdamW's weight decay
+//! (`weight_decay`, 0 by default) skips biases and norms, as transformers groups them.
 
 use candle_core::{DType, Tensor};
 use rand::seq::SliceRandom;
@@ -34,76 +34,63 @@ pub use super::checkpoint::Checkpointing;
 use super::checkpoint::{self, LoopCheckpoint, LoopKind, RunShape};
 use super::data::split_eval;
 use crate::dist::Dist;
-use crate::engine::schedule::{warmup_steps, LrSchedule, ScheduleKind};
+use crate::engine::schedule::{LrSchedule, ScheduleKind};
 use crate::engine::{OptimArgs, Optimizer};
 use crate::error::{ConfigError, Error, Result};
 use crate::optim::Grads;
 use crate::params::ParamStore;
 
-/// Optimization settings shared by SFT and reward-model training (the `[training]` table).
-///
-/// Names and defaults follow transformers' `TrainingArguments` where they exist.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct TrainingArgs {
-    /// Peak learning rate (transformers: 5e-5).
-    pub learning_rate: f64,
-    /// Passes over the training split (transformers: 3); ignored when `max_steps` is set.
-    pub num_train_epochs: usize,
-    /// Total optimizer steps, overriding `num_train_epochs` (cycling over the data as needed).
-    pub max_steps: Option<usize>,
-    /// Examples per forward/backward pass (transformers' `per_device_train_batch_size`: 8).
-    pub batch_size: usize,
-    /// Examples per eval forward pass; default `batch_size`.
-    pub eval_batch_size: Option<usize>,
-    /// Micro-batches whose gradients are summed into one optimizer step (transformers: 1).
-    pub gradient_accumulation_steps: usize,
-    /// Decay after warm-up: `linear` (default), `cosine`, `constant` (no warm-up, as in
-    /// transformers) or `constant_with_warmup`.
-    pub lr_scheduler_type: ScheduleKind,
-    /// Warm-up steps; when 0, `ceil(total_steps · warmup_ratio)`.
-    pub warmup_steps: usize,
-    /// Warm-up as a fraction of the total steps (transformers: 0).
-    pub warmup_ratio: f64,
-    /// Clip the global gradient norm to this; 0 disables (transformers: 1.0).
-    pub max_grad_norm: f64,
-    /// Adam β₁ (0.9).
-    pub adam_beta1: f64,
-    /// Adam β₂ (0.999).
-    pub adam_beta2: f64,
-    /// Adam ε (1e-8).
-    pub adam_epsilon: f64,
-    /// Fraction of the examples held out for evaluation, chosen by a seeded shuffle (default 0.1;
-    /// 0 disables evaluation).
-    pub eval_fraction: f64,
-    /// Evaluate every this many optimizer steps (0: only after the last step).
-    pub eval_every: usize,
-    /// Seed of the eval split and the per-epoch shuffles (transformers: 42).
-    pub seed: u64,
-    /// Write a checkpoint every this many optimizer steps (transformers' `save_steps`; 0: only
-    /// when stopped by Ctrl-C). Where they go: the command's `--checkpoint-dir`.
-    pub save_steps: usize,
+crate::engine::training_arguments::training_arguments! {
+    /// Optimization settings shared by SFT and reward-model training (the `[training]` table):
+    /// transformers' `TrainingArguments` fields, declared once for every trainer that takes them
+    /// ([`crate::engine::training_arguments`]; TRL's `SFTConfig` and `RewardConfig` derive from
+    /// `TrainingArguments` too), then the supervised loop's own.
+    ///
+    /// Defaults follow transformers' `TrainingArguments` (learning rate 5e-5, 3 epochs, batch 8).
+    #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+    #[serde(deny_unknown_fields, default)]
+    pub struct TrainingArgs {
+        /// Examples per forward/backward pass (transformers' `per_device_train_batch_size`, which
+        /// is accepted as this key's other name: 8).
+        #[serde(alias = "per_device_train_batch_size")]
+        pub batch_size: usize,
+        /// Examples per eval forward pass (`per_device_eval_batch_size`); default `batch_size`.
+        #[serde(alias = "per_device_eval_batch_size")]
+        pub eval_batch_size: Option<usize>,
+        /// Warm-up as a fraction of the total steps, used when `warmup_steps` is 0
+        /// (transformers 4's `warmup_ratio`: 0).
+        pub warmup_ratio: f64,
+        /// Fraction of the examples held out for evaluation, chosen by a seeded shuffle (default
+        /// 0.1; 0 disables evaluation).
+        pub eval_fraction: f64,
+        /// Evaluate every this many optimizer steps (0: only after the last step).
+        pub eval_every: usize,
+        /// Write a checkpoint every this many optimizer steps (transformers' `save_steps`; 0: only
+        /// when stopped by Ctrl-C). Where they go: the command's `--checkpoint-dir`.
+        pub save_steps: usize,
+    }
 }
 
 impl Default for TrainingArgs {
     fn default() -> Self {
         Self {
             learning_rate: 5e-5,
-            num_train_epochs: 3,
-            max_steps: None,
-            batch_size: 8,
-            eval_batch_size: None,
-            gradient_accumulation_steps: 1,
-            lr_scheduler_type: ScheduleKind::Linear,
-            warmup_steps: 0,
-            warmup_ratio: 0.0,
-            max_grad_norm: 1.0,
             adam_beta1: 0.9,
             adam_beta2: 0.999,
             adam_epsilon: 1e-8,
+            weight_decay: 0.0,
+            max_grad_norm: 1.0,
+            lr_scheduler_type: ScheduleKind::Linear,
+            warmup_steps: 0.0,
+            max_steps: -1,
+            num_train_epochs: 3.0,
+            gradient_accumulation_steps: 1,
+            seed: 42,
+            batch_size: 8,
+            eval_batch_size: None,
+            warmup_ratio: 0.0,
             eval_fraction: 0.1,
             eval_every: 0,
-            seed: 42,
             save_steps: 0,
         }
     }
@@ -113,15 +100,28 @@ impl TrainingArgs {
     /// Checks every field; the message names the field (`training.<name>`) and the fix.
     pub fn validate(&self) -> std::result::Result<(), ConfigError> {
         let positive = [
-            ("num_train_epochs", self.num_train_epochs),
             ("batch_size", self.batch_size),
             ("eval_batch_size", self.eval_batch_size.unwrap_or(1)),
             ("gradient_accumulation_steps", self.gradient_accumulation_steps),
-            ("max_steps", self.max_steps.unwrap_or(1)),
         ];
         for (name, v) in positive {
             if v == 0 {
                 return Err(ConfigError::new("training", name, "must be at least 1"));
+            }
+        }
+        if self.max_steps <= 0 && !(self.num_train_epochs.is_finite() && self.num_train_epochs > 0.0) {
+            return Err(ConfigError::new(
+                "training",
+                "num_train_epochs",
+                format!(
+                    "must be a positive number (fractions are allowed) when max_steps is unset, got {}",
+                    self.num_train_epochs
+                ),
+            ));
+        }
+        for (name, v) in [("warmup_steps", self.warmup_steps), ("weight_decay", self.weight_decay)] {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(ConfigError::new("training", name, format!("must be ≥ 0, got {v}")));
             }
         }
         if !(self.learning_rate.is_finite() && self.learning_rate > 0.0) {
@@ -165,9 +165,26 @@ impl TrainingArgs {
         self.batch_size * self.gradient_accumulation_steps
     }
 
-    /// Optimizer steps for `n_train` training examples.
+    /// Optimizer steps for `n_train` training examples: `max_steps` when positive, else
+    /// `ceil(num_train_epochs · ceil(n_train / examples_per_step))` (transformers' count).
     pub fn total_steps(&self, n_train: usize) -> usize {
-        self.max_steps.unwrap_or_else(|| self.num_train_epochs * n_train.div_ceil(self.examples_per_step()))
+        if self.max_steps > 0 {
+            return self.max_steps as usize;
+        }
+        let per_epoch = n_train.div_ceil(self.examples_per_step());
+        (self.num_train_epochs * per_epoch as f64).ceil() as usize
+    }
+
+    /// The optimizer and schedule of a run of `total` optimizer steps. The warm-up is
+    /// `warmup_steps` (a fraction of `total` below 1, as the other trainers read it), or, when
+    /// that is 0, `ceil(total · warmup_ratio)` steps.
+    pub fn optim_args(&self, total: usize) -> OptimArgs {
+        let mut args = self.optim_args_for(total);
+        if self.warmup_steps == 0.0 {
+            let warmup = (total as f64 * self.warmup_ratio).ceil() as usize;
+            args.schedule = LrSchedule::new(self.lr_scheduler_type, self.learning_rate, warmup, total);
+        }
+        args
     }
 }
 
@@ -478,16 +495,7 @@ impl<'a, O: Objective> Supervised<'a, O> {
         let opt = match lent {
             Lend::Lent(o) => Opt::Lent(o),
             Lend::Own(dist) => {
-                let warmup = warmup_steps(total, args.warmup_steps, args.warmup_ratio);
-                let optim = OptimArgs {
-                    learning_rate: args.learning_rate,
-                    betas: (args.adam_beta1, args.adam_beta2),
-                    eps: args.adam_epsilon,
-                    weight_decay: 0.0,
-                    max_grad_norm: args.max_grad_norm,
-                    schedule: LrSchedule::new(args.lr_scheduler_type, args.learning_rate, warmup, total),
-                };
-                Opt::Own(Box::new(Optimizer::new(store.vars(), optim)?.with_dist(dist)))
+                Opt::Own(Box::new(Optimizer::new(store.vars(), args.optim_args(total))?.with_dist(dist)))
             }
         };
         let shape = RunShape {
@@ -628,5 +636,37 @@ impl<O: Objective> crate::engine::run_loop::Algorithm for Supervised<'_, O> {
             },
         };
         checkpoint::save(c.dir, self.store, self.opt.get().adam(), &ck, &[]).map(drop)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `[training]` reads transformers' names and whole numbers where it holds floats, and the
+    /// warm-up and step counts are transformers'.
+    #[test]
+    fn training_table_reads_transformers_names_and_counts_steps_as_transformers() {
+        let text = "num_train_epochs = 2\nwarmup_steps = 3\nper_device_train_batch_size = 4\n\
+                    per_device_eval_batch_size = 2\nweight_decay = 0.01\n";
+        let a: TrainingArgs = toml::from_str(text).unwrap();
+        assert_eq!((a.num_train_epochs, a.warmup_steps, a.batch_size), (2.0, 3.0, 4));
+        assert_eq!((a.eval_batch_size, a.weight_decay, a.max_steps), (Some(2), 0.01, -1));
+        a.validate().unwrap();
+        // 10 examples in steps of 4: 3 per epoch, 2 epochs; 1.5 epochs round up.
+        assert_eq!(a.total_steps(10), 6);
+        assert_eq!(TrainingArgs { num_train_epochs: 1.5, ..a.clone() }.total_steps(10), 5);
+        assert_eq!(TrainingArgs { max_steps: 4, ..a.clone() }.total_steps(10), 4);
+        assert_eq!(a.optim_args(6).schedule.warmup_steps, 3);
+        // Warm-up as a fraction: warmup_steps below 1, or warmup_ratio when warmup_steps is 0.
+        assert_eq!(TrainingArgs { warmup_steps: 0.5, ..a.clone() }.optim_args(6).schedule.warmup_steps, 3);
+        let ratio = TrainingArgs { warmup_steps: 0.0, warmup_ratio: 0.15, ..a.clone() };
+        assert_eq!(ratio.optim_args(10).schedule.warmup_steps, 2);
+        let whole = TrainingArgs { warmup_steps: 0.0, warmup_ratio: 1.0, ..a.clone() };
+        assert_eq!(whole.optim_args(10).schedule.warmup_steps, 10);
+        assert_eq!(a.optim_args(6).weight_decay, 0.01);
+        let err = TrainingArgs { num_train_epochs: 0.0, ..a.clone() }.validate().unwrap_err().to_string();
+        assert!(err.contains("num_train_epochs"), "{err}");
+        assert!(toml::from_str::<TrainingArgs>("batch_sise = 4").is_err(), "unknown keys are refused");
     }
 }

@@ -431,7 +431,7 @@ fn reward_training_with_lora_trains_adapters_and_head_only() {
         .collect();
     let args = TrainingArgs {
         learning_rate: 2e-2,
-        num_train_epochs: 10,
+        num_train_epochs: 10.0,
         batch_size: 8,
         eval_fraction: 0.0,
         ..Default::default()

@@ -72,7 +72,7 @@ fn f1(t: &Tagger, ex: &[TagExample], decoding: Decoding) -> f64 {
 fn args(steps: usize, lr: f64) -> TrainingArgs {
     TrainingArgs {
         learning_rate: lr,
-        max_steps: Some(steps),
+        max_steps: (steps) as i64,
         batch_size: 16,
         eval_fraction: 0.0,
         seed: 5,

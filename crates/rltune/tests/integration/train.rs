@@ -62,9 +62,9 @@ fn sft_learns_a_repetitive_corpus_then_saves_and_reloads() {
     let (rate_before, _) = pattern_rate(&model, 1);
     let args = TrainingArgs {
         learning_rate: 1e-2,
-        num_train_epochs: 12,
+        num_train_epochs: 12.0,
         batch_size: 8,
-        warmup_steps: 4,
+        warmup_steps: 4.0,
         lr_scheduler_type: ScheduleKind::Cosine,
         eval_fraction: 0.125,
         eval_every: 10,
@@ -141,7 +141,7 @@ fn sft_gradient_accumulation_1x8_equals_8x1() {
         let model = tiny_sft_model(3, DType::F64);
         let args = TrainingArgs {
             learning_rate: 0.1,
-            max_steps: Some(1),
+            max_steps: 1,
             batch_size,
             gradient_accumulation_steps: accum,
             max_grad_norm: 0.0,
@@ -227,8 +227,7 @@ fn sft_trains_a_llama_model() {
     let json = serde_json::to_value(&cfg).unwrap();
     let store = ParamStore::random(1, true, DType::F32, &Device::Cpu).unwrap();
     let model = SftModel::new(store, json, word_tokenizer(&COLORS, false)).unwrap();
-    let args =
-        TrainingArgs { learning_rate: 1e-2, max_steps: Some(40), eval_fraction: 0.0, ..Default::default() };
+    let args = TrainingArgs { learning_rate: 1e-2, max_steps: 40, eval_fraction: 0.0, ..Default::default() };
     let mut losses = Vec::new();
     sft::train_sft(&model, &color_corpus(16), &sft_config(), &args, &mut |p| losses.push(p.loss)).unwrap();
     println!("llama sft: loss {:.3} -> {:.3}", losses[0], losses[39]);
@@ -268,7 +267,7 @@ fn rm_args() -> TrainingArgs {
         learning_rate: 3e-3,
         // 8 epochs (48 steps) left the BERT classifier on its initial plateau (loss 0.6931);
         // it leaves it after ~60 steps and reaches 0.01 by 180.
-        num_train_epochs: 30,
+        num_train_epochs: 30.0,
         batch_size: 8,
         eval_fraction: 0.25,
         seed: 3,
@@ -405,10 +404,10 @@ fn sft_stopped_and_resumed_equals_one_run_bit_for_bit() {
     let records = color_corpus(40);
     let args = TrainingArgs {
         learning_rate: 3e-3,
-        num_train_epochs: 2,
+        num_train_epochs: 2.0,
         batch_size: 4,
         gradient_accumulation_steps: 2,
-        warmup_steps: 2,
+        warmup_steps: 2.0,
         eval_fraction: 0.2,
         eval_every: 3,
         save_steps: 2,
@@ -453,7 +452,7 @@ fn sft_stopped_and_resumed_equals_one_run_bit_for_bit() {
     assert_eq!((resumed.mean_train_loss, resumed.eval.clone()), (whole.mean_train_loss, whole.eval.clone()));
 
     // Resuming under other settings is refused, naming the setting.
-    let other = TrainingArgs { num_train_epochs: 3, ..args.clone() };
+    let other = TrainingArgs { num_train_epochs: 3.0, ..args.clone() };
     let ckpt = Checkpointing { dir: dir.path(), resume: true, stop: None };
     let err = sft::train_sft_with(
         &tiny_sft_model(4, DType::F32),
@@ -499,7 +498,7 @@ fn reward_model_stopped_and_resumed_equals_one_run_bit_for_bit() {
         })
         .collect();
     let cfg = RewardConfig { max_length: 32, ..Default::default() };
-    let args = TrainingArgs { num_train_epochs: 3, batch_size: 4, save_steps: 0, ..rm_args() };
+    let args = TrainingArgs { num_train_epochs: 3.0, batch_size: 4, save_steps: 0, ..rm_args() };
     let run = |model: &RewardModel, ckpt: Option<Checkpointing>, stop_at: Option<&AtomicBool>| {
         reward_model::train_reward_model_with(
             model,

@@ -293,7 +293,7 @@ impl PpoRun {
         // The data order and passes; the optimizer is the run's (`RejectionConfig::optim_args`).
         let args = TrainingArgs {
             learning_rate: rs.learning_rate,
-            num_train_epochs: rs.epochs,
+            num_train_epochs: rs.epochs as f64,
             batch_size: rs.batch_size,
             lr_scheduler_type: ScheduleKind::Constant,
             eval_fraction: 0.0,
