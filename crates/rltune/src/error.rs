@@ -50,6 +50,16 @@ pub enum Error {
         problem: String,
     },
 
+    /// A reward source failed or answered what cannot be used (an HTTP endpoint, a judge, a
+    /// command, a function).
+    #[error("{source_name}: {problem}")]
+    Reward {
+        /// The source: `reward NAME`, or the config table that defines it.
+        source_name: String,
+        /// What went wrong, and the fix where there is one.
+        problem: String,
+    },
+
     /// Input that fits no narrower variant (a trainer's arguments, a batch, a reward's answer) is
     /// invalid; the message names the row or field.
     #[error("{0}")]
@@ -113,6 +123,11 @@ impl Error {
     /// An [`Error::Data`] at `at` (a file, or a file's row).
     pub fn data(at: impl std::fmt::Display, problem: impl std::fmt::Display) -> Self {
         Error::Data { at: at.to_string(), problem: problem.to_string() }
+    }
+
+    /// An [`Error::Reward`] from the source named `source_name`.
+    pub fn reward(source_name: impl std::fmt::Display, problem: impl std::fmt::Display) -> Self {
+        Error::Reward { source_name: source_name.to_string(), problem: problem.to_string() }
     }
 
     /// An [`Error::Checkpoint`] for the checkpoint at `path`.

@@ -104,8 +104,13 @@ pub fn read_group_rollouts(path: &Path, reward_funcs: Option<&[String]>) -> Resu
             let mut sorted = list.to_vec();
             sorted.sort();
             if sorted != found {
-                return Err(Error::data(path.display(), format!("reward functions {found:?}, but the config's reward_funcs lists {list:?}; make them \
-                     the same names")));
+                return Err(Error::data(
+                    path.display(),
+                    format!(
+                        "reward functions {found:?}, but the config's reward_funcs lists {list:?}; make \
+                         them the same names"
+                    ),
+                ));
             }
             list.to_vec()
         }

@@ -112,7 +112,7 @@ impl CommandReward {
 
     /// An error about the program, naming it.
     fn err(&self, msg: String) -> Error {
-        Error::Input(format!("reward {}: {msg}", self.name))
+        Error::reward(format!("reward {}", self.name), msg)
     }
 
     /// The error for a program that closed its stdout after answering `i` of `n`: its exit status

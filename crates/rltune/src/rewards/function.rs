@@ -43,7 +43,7 @@ impl RewardSource for FnReward {
         let mut out = Vec::with_capacity(batch.len());
         for (i, sample) in batch.iter().enumerate() {
             let s = (self.f)(sample)
-                .map_err(|e| Error::Input(format!("reward {}, sample {i}: {e}", self.name)))?;
+                .map_err(|e| Error::reward(format!("reward {}, sample {i}", self.name), e))?;
             out.push(s);
         }
         Ok(out)

@@ -59,10 +59,13 @@ impl RetryPolicy {
         let secs = |v: f64, field: &str, zero_ok: bool| {
             let ok = v.is_finite() && (v > 0.0 || (zero_ok && v == 0.0)) && v < 1e9;
             if !ok {
-                return Err(Error::Input(format!(
-                    "{what}: {field} must be a {} number of seconds, got {v}",
-                    if zero_ok { "non-negative" } else { "positive" }
-                )));
+                return Err(Error::reward(
+                    what,
+                    format!(
+                        "{field} must be a {} number of seconds, got {v}",
+                        if zero_ok { "non-negative" } else { "positive" }
+                    ),
+                ));
             }
             Ok(Duration::from_secs_f64(v))
         };
@@ -90,7 +93,7 @@ pub fn check_url(url: &str, what: &str) -> Result<()> {
     if url.starts_with("http://") || url.starts_with("https://") {
         return Ok(());
     }
-    Err(Error::Input(format!("{what}: url must start with http:// or https://, got {url:?}")))
+    Err(Error::reward(what, format!("url must start with http:// or https://, got {url:?}")))
 }
 
 /// Whether an answer with this status is worth another attempt.
@@ -137,10 +140,13 @@ pub fn post_json(
                 match response.into_string() {
                     Ok(text) => {
                         return serde_json::from_str(&text).map_err(|e| {
-                            Error::Input(format!(
-                                "{what}: POST {url} answered {status} with a body that is not JSON ({e}): {}",
-                                first_line(&text)
-                            ))
+                            Error::reward(
+                                what,
+                                format!(
+                                    "POST {url} answered {status} with a body that is not JSON ({e}): {}",
+                                    first_line(&text)
+                                ),
+                            )
                         })
                     }
                     // The connection broke in the middle of the answer: as a transport error.
@@ -156,20 +162,27 @@ pub fn post_json(
                 let text = response.into_string().unwrap_or_default();
                 let failure = format!("HTTP {status}: {}", first_line(&text));
                 if !retryable(status) {
-                    return Err(Error::Input(format!(
-                        "{what}: POST {url} failed with {failure} (not retried: a {status} is the request's fault)"
-                    )));
+                    return Err(Error::reward(
+                        what,
+                        format!(
+                            "POST {url} failed with {failure} (not retried: a {status} is the \
+                             request's fault)"
+                        ),
+                    ));
                 }
                 (failure, retry_after)
             }
             Err(ureq::Error::Transport(t)) => (format!("{t}"), None),
         };
         if attempt >= attempts {
-            return Err(Error::Input(format!(
-                "{what}: POST {url} failed after {attempts} attempt{} (max_retries = {}): {failure}",
-                if attempts == 1 { "" } else { "s" },
-                policy.max_retries
-            )));
+            return Err(Error::reward(
+                what,
+                format!(
+                    "POST {url} failed after {attempts} attempt{} (max_retries = {}): {failure}",
+                    if attempts == 1 { "" } else { "s" },
+                    policy.max_retries
+                ),
+            ));
         }
         let wait = policy.delay(attempt - 1).max(retry_after.unwrap_or_default());
         tracing::warn!(
@@ -220,7 +233,7 @@ impl HttpReward {
     /// Sets the samples per request (at least 1).
     pub fn with_batch_size(mut self, n: usize) -> Result<Self> {
         if n == 0 {
-            return Err(Error::Input(format!("reward {}: batch_size must be at least 1", self.name)));
+            return Err(Error::reward(format!("reward {}", self.name), "batch_size must be at least 1"));
         }
         self.batch_size = n;
         Ok(self)
@@ -247,12 +260,15 @@ impl HttpReward {
         let what = format!("reward {}", self.name);
         let answer = post_json(&self.agent, &self.url, &body, &headers, &self.policy, &what)?;
         parse_scores(&answer, samples.len()).map_err(|why| {
-            Error::Input(format!(
-                "{what}: POST {} (request_id {id}) answered {}: {why}; answer {{\"scores\": [one number per \
+            Error::reward(
+                &what,
+                format!(
+                    "POST {} (request_id {id}) answered {}: {why}; answer {{\"scores\": [one number per \
                  sample, in order]}} or {{\"scores\": [{{\"index\": i, \"score\": x}}, …]}}",
-                self.url,
-                first_line(&answer.to_string())
-            ))
+                    self.url,
+                    first_line(&answer.to_string())
+                ),
+            )
         })
     }
 }

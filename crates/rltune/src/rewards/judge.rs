@@ -98,7 +98,7 @@ impl LlmJudgeReward {
         let name = format!("llm_judge({})", cfg.model);
         let what = format!("reward {name}");
         check_url(&cfg.url, &what)?;
-        let bad = |msg: String| Err(Error::Input(format!("{what}: {msg}")));
+        let bad = |msg: String| Err(Error::reward(&what, msg));
         if !cfg.prompt_template.contains("{completion}") {
             return bad(
                 "prompt_template must contain {completion}, where the sample's completion goes".into()
@@ -173,19 +173,25 @@ impl LlmJudgeReward {
         let what = format!("reward {}", self.name);
         let answer = post_json(&self.agent, &self.endpoint, &body, &headers, &self.cfg.policy, &what)?;
         let Some(content) = answer.pointer("/choices/0/message/content").and_then(Value::as_str) else {
-            return Err(Error::Input(format!(
-                "{what}: POST {} answered without choices[0].message.content: {}",
-                self.endpoint,
-                truncate(&answer.to_string(), 200)
-            )));
+            return Err(Error::reward(
+                &what,
+                format!(
+                    "POST {} answered without choices[0].message.content: {}",
+                    self.endpoint,
+                    truncate(&answer.to_string(), 200)
+                ),
+            ));
         };
         match (self.parse(content), self.cfg.default) {
             (Ok(score), _) => Ok(score),
             (Err(_), Some(default)) => Ok(default),
-            (Err(why), None) => Err(Error::Input(format!(
-                "{what}: the judge's answer for sample {i} is {:?}: {why}; set `default` to score such answers",
-                truncate(content, 200)
-            ))),
+            (Err(why), None) => Err(Error::reward(
+                &what,
+                format!(
+                    "the judge's answer for sample {i} is {:?}: {why}; set `default` to score such answers",
+                    truncate(content, 200)
+                ),
+            )),
         }
     }
 }
@@ -252,7 +258,7 @@ impl RewardSource for LlmJudgeReward {
         });
         let results = results
             .into_inner()
-            .map_err(|_| Error::Input(format!("reward {}: a request thread panicked", self.name)))?;
+            .map_err(|_| Error::Internal(format!("reward {}: a request thread panicked", self.name)))?;
         let mut out = Vec::with_capacity(batch.len());
         let mut first_error = None;
         for r in results {
@@ -267,7 +273,7 @@ impl RewardSource for LlmJudgeReward {
         match first_error {
             Some(e) => Err(e),
             None if out.len() == batch.len() => Ok(out),
-            None => Err(Error::Input(format!("reward {}: some samples were not judged", self.name))),
+            None => Err(Error::Internal(format!("reward {}: some samples were not judged", self.name))),
         }
     }
 }

@@ -120,12 +120,10 @@ pub fn score_checked<R: RewardSource + ?Sized>(
 ) -> Result<Vec<f32>> {
     let scores = source.score(batch)?;
     if scores.len() != batch.len() {
-        return Err(Error::Input(format!(
-            "reward {}: returned {} scores for a batch of {} samples",
-            source.name(),
-            scores.len(),
-            batch.len()
-        )));
+        return Err(Error::reward(
+            format!("reward {}", source.name()),
+            format!("returned {} scores for a batch of {} samples", scores.len(), batch.len()),
+        ));
     }
     Ok(scores)
 }

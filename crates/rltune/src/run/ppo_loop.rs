@@ -23,7 +23,6 @@ use super::prompts::{decode, encode_prompts, reward_inputs};
 use super::run_loop::StepReport;
 use crate::agent::rollout::{lambda_bootstraps, rebootstrap, Transition};
 use crate::data::prompts::{LengthSampler, PromptRow};
-use crate::dist::Dist;
 use crate::engine::stats::mean_std;
 use crate::error::{Error, Result};
 use crate::generation::{generate, GenerationConfig};
@@ -392,16 +391,7 @@ impl PpoRun {
             allowed: supports.as_deref(),
         })?;
         let logprobs: Vec<&[f32]> = samples.iter().map(|s| s.logprobs.as_slice()).collect();
-        add_env_stats(
-            self.trainer.dist(),
-            &mut stats,
-            &logprobs,
-            &scores,
-            &queries,
-            time_gen,
-            time_reward,
-            self.skipped,
-        )?;
+        self.add_env_stats(&mut stats, &logprobs, &scores, &queries, time_gen, time_reward)?;
         let rows: Vec<SampleRow> = texts
             .iter()
             .zip(&scores)
@@ -410,6 +400,46 @@ impl PpoRun {
             .collect();
         self.logger.log_step(step + 1, &stats, &rows)?;
         Ok(StepReport::of(step, self.config.ppo.steps, &stats, "env/reward_mean", "objective/kl"))
+    }
+
+    /// TRL `log_stats`'s `env/*` keys, plus rltune's: mean logprobs of policy and reference
+    /// over the response tokens (`logprobs[i]` holds sample i's), rollout phase times, skipped
+    /// batches; of every process's samples.
+    fn add_env_stats(
+        &self,
+        stats: &mut crate::engine::Stats,
+        logprobs: &[&[f32]],
+        scores: &[f32],
+        queries: &[Vec<u32>],
+        time_gen: f64,
+        time_reward: f64,
+    ) -> Result<()> {
+        let dist = self.trainer.dist();
+        let r: Vec<f64> = dist.gather_f64(&scores.iter().map(|&s| s as f64).collect::<Vec<_>>())?;
+        let (mean, std) = mean_std(&r);
+        stats.insert("env/reward_mean".into(), Stat::Scalar(mean));
+        stats.insert("env/reward_std".into(), Stat::Scalar(std));
+        stats.insert("env/reward_dist".into(), Stat::Array(r));
+        let lp: Vec<f64> = logprobs.iter().flat_map(|s| s.iter().map(|&x| x as f64)).collect();
+        let lp_mean = dist.mean_of(lp.iter().sum::<f64>(), lp.len() as f64)?;
+        stats.insert("rltune/logprobs_mean".into(), Stat::Scalar(lp_mean));
+        if let Some(Stat::Matrix(refs)) = stats.get("objective/ref_logprobs") {
+            let mut sum = 0.0;
+            let mut n = 0usize;
+            for ((row, q), s) in refs.iter().zip(queries).zip(logprobs) {
+                for j in 0..s.len() {
+                    if let Some(v) = row.get(q.len() - 1 + j) {
+                        sum += v;
+                        n += 1;
+                    }
+                }
+            }
+            stats.insert("rltune/ref_logprobs_mean".into(), Stat::Scalar(dist.mean_of(sum, n as f64)?));
+        }
+        stats.insert("time/rollout/generation".into(), Stat::Scalar(time_gen));
+        stats.insert("time/rollout/reward".into(), Stat::Scalar(time_reward));
+        stats.insert("rltune/skipped_batches".into(), Stat::Scalar(self.skipped as f64));
+        Ok(())
     }
 
     /// On text games, after `step` (from 0) when `eval_every` says so: the policy on held-out
@@ -479,16 +509,7 @@ impl PpoRun {
         stats.insert("env/trained_turns".into(), Stat::Scalar(turns.len() as f64));
         let logprobs: Vec<&[f32]> = turns.iter().map(|t| t.logprobs.as_slice()).collect();
         let time_gen = batch.counts.time_generation.as_secs_f64();
-        add_env_stats(
-            self.trainer.dist(),
-            &mut stats,
-            &logprobs,
-            &scores,
-            &queries,
-            time_gen,
-            0.0,
-            self.skipped,
-        )?;
+        self.add_env_stats(&mut stats, &logprobs, &scores, &queries, time_gen, 0.0)?;
         stats.insert("time/rollout/total".into(), Stat::Scalar(time_rollout));
         add_episode_stats(self.trainer.dist(), &mut stats, &batch)?;
         self.eval_if_due(step, &mut stats)?;
@@ -535,47 +556,6 @@ fn load_encoded_prompts(config: &RunConfig, tokenizer: &Tokenizer) -> Result<Vec
         )));
     }
     Ok(prompts)
-}
-
-/// TRL `log_stats`'s `env/*` keys, plus rltune's: mean logprobs of policy and reference over the
-/// response tokens (`logprobs[i]` holds sample i's), rollout phase times, skipped batches; of
-/// every process's samples.
-#[allow(clippy::too_many_arguments)]
-fn add_env_stats(
-    dist: &Dist,
-    stats: &mut crate::engine::Stats,
-    logprobs: &[&[f32]],
-    scores: &[f32],
-    queries: &[Vec<u32>],
-    time_gen: f64,
-    time_reward: f64,
-    skipped: usize,
-) -> Result<()> {
-    let r: Vec<f64> = dist.gather_f64(&scores.iter().map(|&s| s as f64).collect::<Vec<_>>())?;
-    let (mean, std) = mean_std(&r);
-    stats.insert("env/reward_mean".into(), Stat::Scalar(mean));
-    stats.insert("env/reward_std".into(), Stat::Scalar(std));
-    stats.insert("env/reward_dist".into(), Stat::Array(r));
-    let lp: Vec<f64> = logprobs.iter().flat_map(|s| s.iter().map(|&x| x as f64)).collect();
-    let lp_mean = dist.mean_of(lp.iter().sum::<f64>(), lp.len() as f64)?;
-    stats.insert("rltune/logprobs_mean".into(), Stat::Scalar(lp_mean));
-    if let Some(Stat::Matrix(refs)) = stats.get("objective/ref_logprobs") {
-        let mut sum = 0.0;
-        let mut n = 0usize;
-        for ((row, q), s) in refs.iter().zip(queries).zip(logprobs) {
-            for j in 0..s.len() {
-                if let Some(v) = row.get(q.len() - 1 + j) {
-                    sum += v;
-                    n += 1;
-                }
-            }
-        }
-        stats.insert("rltune/ref_logprobs_mean".into(), Stat::Scalar(dist.mean_of(sum, n as f64)?));
-    }
-    stats.insert("time/rollout/generation".into(), Stat::Scalar(time_gen));
-    stats.insert("time/rollout/reward".into(), Stat::Scalar(time_reward));
-    stats.insert("rltune/skipped_batches".into(), Stat::Scalar(skipped as f64));
-    Ok(())
 }
 
 /// The data order of a PPO run: the prompt permutation, its RNG, and the query-length sampler.

@@ -5,7 +5,7 @@
 
 use std::time::Instant;
 
-use super::{add_env_stats, PpoRun, Source};
+use super::{PpoRun, Source};
 use crate::engine::{Stat, Stats};
 use crate::error::{Error, Result};
 use crate::generation::{generate, GenerationConfig};
@@ -311,16 +311,7 @@ impl PpoRun {
         let raw: Vec<f32> = candidates.iter().map(|c| c.score as f32).collect();
         let queries: Vec<Vec<u32>> = candidates.iter().map(|c| c.query.clone()).collect();
         let logprobs: Vec<&[f32]> = candidates.iter().map(|c| c.logprobs.as_slice()).collect();
-        add_env_stats(
-            self.trainer.dist(),
-            &mut stats,
-            &logprobs,
-            &raw,
-            &queries,
-            time_rollout,
-            0.0,
-            self.skipped,
-        )?;
+        self.add_env_stats(&mut stats, &logprobs, &raw, &queries, time_rollout, 0.0)?;
         let kept_scores: Vec<f64> = scores.iter().zip(&kept).filter(|(_, &k)| k).map(|(&s, _)| s).collect();
         // Of every process's candidates.
         let (kept_scores, scores, kls) = (
