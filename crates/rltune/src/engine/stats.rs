@@ -63,3 +63,56 @@ pub fn reduce_over(dist: &Dist, stats: &mut Stats, summed: &[&str]) -> Result<()
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dist::Collective;
+
+    /// Rank 1 of 2 whose other rank holds `other` where this one holds `x` (sums `x + other`).
+    struct Pair {
+        other: Vec<f64>,
+    }
+
+    impl Collective for Pair {
+        fn rank(&self) -> usize {
+            1
+        }
+        fn world_size(&self) -> usize {
+            2
+        }
+        fn all_reduce_sum_f32(&mut self, _: &mut [f32]) -> rltune_dist::Result<()> {
+            unreachable!("statistics reduce in f64")
+        }
+        fn all_reduce_sum_f64(&mut self, buf: &mut [f64]) -> rltune_dist::Result<()> {
+            buf.iter_mut().zip(&self.other).for_each(|(x, o)| *x += o);
+            Ok(())
+        }
+        fn broadcast_bytes(&mut self, _: &mut [u8]) -> rltune_dist::Result<()> {
+            Ok(())
+        }
+        fn barrier(&mut self) -> rltune_dist::Result<()> {
+            Ok(())
+        }
+        fn all_gather_u64(&mut self, value: u64) -> rltune_dist::Result<Vec<u64>> {
+            Ok(vec![value; 2])
+        }
+    }
+
+    #[test]
+    fn reduce_over_means_scalars_sums_counts_and_leaves_one_process_alone() {
+        let mut stats = Stats::new();
+        stats.insert("loss".into(), Stat::Scalar(1.0));
+        stats.insert("num_tokens".into(), Stat::Scalar(10.0));
+        stats.insert("dist".into(), Stat::Array(vec![5.0]));
+        let before = stats.clone();
+        reduce_over(&Dist::default(), &mut stats, &["num_tokens"]).unwrap();
+        assert_eq!(stats, before, "one process: unchanged");
+        // Keys in order: loss, num_tokens (the array is not reduced); the other rank has 3 and 30.
+        let dist = Dist::new(Box::new(Pair { other: vec![3.0, 30.0] }));
+        reduce_over(&dist, &mut stats, &["num_tokens"]).unwrap();
+        assert_eq!(stats["loss"], Stat::Scalar(2.0), "the mean over the processes");
+        assert_eq!(stats["num_tokens"], Stat::Scalar(40.0), "a count is summed");
+        assert_eq!(stats["dist"], Stat::Array(vec![5.0]));
+    }
+}
