@@ -1,9 +1,12 @@
-//! The runtime: where rltune computes (CPU or a CUDA GPU) and in which precision.
+//! The runtime: where rltune computes (CPU or a CUDA GPU), in which precision, and with which
+//! processes.
 //!
 //! A [`Runtime`] is resolved once, from a config's `[runtime]` table ([`RuntimeSection`]) and the
 //! command line's `--device` / `--dtype`, and then passed down explicitly: models, generation,
 //! the trainers and classifier rewards take its [`Runtime::device`] and [`Runtime::dtype`], as
-//! candle's `VarBuilder` takes a `&Device` and a `DType`. Nothing below it picks a device.
+//! candle's `VarBuilder` takes a `&Device` and a `DType`. Nothing below it picks a device. A
+//! data-parallel run's processes ride along ([`Runtime::with_dist`], [`crate::dist::Dist`]); the
+//! runs hand them to their trainers.
 //!
 //! ```
 //! use rltune::runtime::{DeviceChoice, Precision, Runtime, RuntimeSection};
