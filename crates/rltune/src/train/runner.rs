@@ -43,7 +43,7 @@ use crate::params::ParamStore;
 crate::engine::training_arguments::training_arguments! {
     /// Optimization settings shared by SFT and reward-model training (the `[training]` table):
     /// transformers' `TrainingArguments` fields, declared once for every trainer that takes them
-    /// ([`crate::engine::training_arguments`]; TRL's `SFTConfig` and `RewardConfig` derive from
+    /// (`engine::training_arguments!`; TRL's `SFTConfig` and `RewardConfig` derive from
     /// `TrainingArguments` too), then the supervised loop's own.
     ///
     /// Defaults follow transformers' `TrainingArguments` (learning rate 5e-5, 3 epochs, batch 8).
