@@ -255,6 +255,45 @@ pub fn fingerprint(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
 }
 
+/// For tests: rank `rank` of a world of `world` whose other ranks hold the same values as this
+/// one, or, where `others` is given, whose other ranks' f64 values sum to `others`.
+#[cfg(test)]
+pub(crate) struct Mirror {
+    pub rank: usize,
+    pub world: usize,
+    pub others: Option<Vec<f64>>,
+}
+
+#[cfg(test)]
+impl Collective for Mirror {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn world_size(&self) -> usize {
+        self.world
+    }
+    fn all_reduce_sum_f32(&mut self, buf: &mut [f32]) -> rltune_dist::Result<()> {
+        buf.iter_mut().for_each(|x| *x *= self.world as f32);
+        Ok(())
+    }
+    fn all_reduce_sum_f64(&mut self, buf: &mut [f64]) -> rltune_dist::Result<()> {
+        match &self.others {
+            Some(others) => buf.iter_mut().zip(others).for_each(|(x, o)| *x += o),
+            None => buf.iter_mut().for_each(|x| *x *= self.world as f64),
+        }
+        Ok(())
+    }
+    fn broadcast_bytes(&mut self, _: &mut [u8]) -> rltune_dist::Result<()> {
+        Ok(())
+    }
+    fn barrier(&mut self) -> rltune_dist::Result<()> {
+        Ok(())
+    }
+    fn all_gather_u64(&mut self, value: u64) -> rltune_dist::Result<Vec<u64>> {
+        Ok(vec![value; self.world])
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -277,41 +316,9 @@ mod tests {
         assert_ne!(fingerprint(b"room 1"), fingerprint(b"room 2"));
     }
 
-    /// Rank `rank` of a world of `world` whose other ranks hold the same values as this one.
-    struct Mirror {
-        rank: usize,
-        world: usize,
-    }
-
-    impl Collective for Mirror {
-        fn rank(&self) -> usize {
-            self.rank
-        }
-        fn world_size(&self) -> usize {
-            self.world
-        }
-        fn all_reduce_sum_f32(&mut self, buf: &mut [f32]) -> rltune_dist::Result<()> {
-            buf.iter_mut().for_each(|x| *x *= self.world as f32);
-            Ok(())
-        }
-        fn all_reduce_sum_f64(&mut self, buf: &mut [f64]) -> rltune_dist::Result<()> {
-            buf.iter_mut().for_each(|x| *x *= self.world as f64);
-            Ok(())
-        }
-        fn broadcast_bytes(&mut self, _: &mut [u8]) -> rltune_dist::Result<()> {
-            Ok(())
-        }
-        fn barrier(&mut self) -> rltune_dist::Result<()> {
-            Ok(())
-        }
-        fn all_gather_u64(&mut self, value: u64) -> rltune_dist::Result<Vec<u64>> {
-            Ok(vec![value; self.world])
-        }
-    }
-
     #[test]
     fn shards_follow_the_rank_and_uneven_batches_are_refused() {
-        let d = Dist::new(Box::new(Mirror { rank: 1, world: 2 }));
+        let d = Dist::new(Box::new(Mirror { rank: 1, world: 2, others: None }));
         assert_eq!((d.world_size(), d.rank(), d.is_main()), (2, 1, false));
         assert_eq!(d.shard(6, "x").unwrap(), 3..6);
         let err = d.shard(5, "[grpo] prompts_per_step").unwrap_err().to_string();
@@ -323,9 +330,9 @@ mod tests {
         );
         // A replaced engine is every clone's.
         let clone = d.clone();
-        d.replace(|_| Ok(Box::new(Mirror { rank: 0, world: 3 }))).unwrap();
+        d.replace(|_| Ok(Box::new(Mirror { rank: 0, world: 3, others: None }))).unwrap();
         assert_eq!((clone.world_size(), clone.rank()), (3, 0));
-        clone.replace(|_| Ok(Box::new(Mirror { rank: 1, world: 2 }))).unwrap();
+        clone.replace(|_| Ok(Box::new(Mirror { rank: 1, world: 2, others: None }))).unwrap();
         // The mirror's rank 0 holds as many values as this rank 1: its part comes first.
         let (all, start) = d.gather_var_f64(&[3.0]).unwrap();
         assert_eq!((all, start), (vec![0.0, 6.0], 1));
@@ -334,7 +341,7 @@ mod tests {
     #[test]
     fn gradients_are_averaged_and_missing_ones_count_as_zero() {
         use candle_core::{Device, Tensor, Var};
-        let d = Dist::new(Box::new(Mirror { rank: 0, world: 2 }));
+        let d = Dist::new(Box::new(Mirror { rank: 0, world: 2, others: None }));
         let a = Var::from_tensor(&Tensor::new(&[1f32, 2.0], &Device::Cpu).unwrap()).unwrap();
         let b = Var::from_tensor(&Tensor::new(&[3f32], &Device::Cpu).unwrap()).unwrap();
         let mut grads = Grads::new(&[a.clone(), b.clone()]);

@@ -67,37 +67,7 @@ pub fn reduce_over(dist: &Dist, stats: &mut Stats, summed: &[&str]) -> Result<()
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dist::Collective;
-
-    /// Rank 1 of 2 whose other rank holds `other` where this one holds `x` (sums `x + other`).
-    struct Pair {
-        other: Vec<f64>,
-    }
-
-    impl Collective for Pair {
-        fn rank(&self) -> usize {
-            1
-        }
-        fn world_size(&self) -> usize {
-            2
-        }
-        fn all_reduce_sum_f32(&mut self, _: &mut [f32]) -> rltune_dist::Result<()> {
-            unreachable!("statistics reduce in f64")
-        }
-        fn all_reduce_sum_f64(&mut self, buf: &mut [f64]) -> rltune_dist::Result<()> {
-            buf.iter_mut().zip(&self.other).for_each(|(x, o)| *x += o);
-            Ok(())
-        }
-        fn broadcast_bytes(&mut self, _: &mut [u8]) -> rltune_dist::Result<()> {
-            Ok(())
-        }
-        fn barrier(&mut self) -> rltune_dist::Result<()> {
-            Ok(())
-        }
-        fn all_gather_u64(&mut self, value: u64) -> rltune_dist::Result<Vec<u64>> {
-            Ok(vec![value; 2])
-        }
-    }
+    use crate::dist::Mirror;
 
     #[test]
     fn reduce_over_means_scalars_sums_counts_and_leaves_one_process_alone() {
@@ -109,7 +79,7 @@ mod tests {
         reduce_over(&Dist::default(), &mut stats, &["num_tokens"]).unwrap();
         assert_eq!(stats, before, "one process: unchanged");
         // Keys in order: loss, num_tokens (the array is not reduced); the other rank has 3 and 30.
-        let dist = Dist::new(Box::new(Pair { other: vec![3.0, 30.0] }));
+        let dist = Dist::new(Box::new(Mirror { rank: 1, world: 2, others: Some(vec![3.0, 30.0]) }));
         reduce_over(&dist, &mut stats, &["num_tokens"]).unwrap();
         assert_eq!(stats["loss"], Stat::Scalar(2.0), "the mean over the processes");
         assert_eq!(stats["num_tokens"], Stat::Scalar(40.0), "a count is summed");
