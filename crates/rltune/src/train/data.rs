@@ -308,7 +308,7 @@ fn reward_record(mut row: Map<String, Value>, origin: &str) -> std::result::Resu
 /// A JSON syntax error, with the rows the trainer expects.
 fn with_hint(e: Error, expected: &str) -> Error {
     match e {
-        Error::Data { at, problem } if problem.starts_with("invalid JSON") => {
+        Error::Data { at, problem } if problem.contains("invalid JSON") => {
             Error::Data { at, problem: format!("{problem}; {expected}") }
         }
         other => other,
