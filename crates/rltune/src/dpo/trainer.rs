@@ -130,7 +130,7 @@ impl DpoTrainer {
 
     /// The processes this trainer trains with.
     pub fn dist(&self) -> &crate::dist::Dist {
-        &self.core.dist
+        self.core.dist()
     }
 
     /// The policy's parameters.
@@ -226,15 +226,15 @@ impl DpoTrainer {
         s.insert("epoch".into(), Stat::Scalar(self.micro_done as f64 / self.batches_per_epoch as f64));
         s.insert("rltune/skipped_updates".into(), Stat::Scalar(self.core.skipped_updates as f64));
         // On several processes: the loss is the mean over them, the tokens their sum.
-        crate::engine::stats::reduce_over(&self.core.dist, &mut s, &["num_tokens"])?;
+        crate::engine::stats::reduce_over(self.core.dist(), &mut s, &["num_tokens"])?;
         // Each micro-batch's metrics of the whole global micro-batch: weighted by its tokens or
         // pairs over the processes (the same values on one).
         let mut values: Vec<Vec<f64>> =
             outs.iter().map(|o| o.metrics.iter().map(|m| m.1).collect()).collect();
-        if self.core.dist.world_size() > 1 {
+        if self.core.dist().world_size() > 1 {
             let mut sums: Vec<f64> =
                 outs.iter().flat_map(|o| o.metrics.iter().flat_map(|&(_, v, w)| [v * w, w])).collect();
-            self.core.dist.sum_f64(&mut sums)?;
+            self.core.dist().sum_f64(&mut sums)?;
             let mut it = sums.chunks(2).map(|c| if c[1] > 0.0 { c[0] / c[1] } else { 0.0 });
             values.iter_mut().flatten().for_each(|v| *v = it.next().unwrap_or(*v));
         }

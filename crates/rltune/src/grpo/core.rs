@@ -147,8 +147,6 @@ pub(crate) struct Core {
     pub pad_id: u32,
     pub eos_ids: Vec<u32>,
     pub device: Device,
-    /// The processes this trainer trains with (one by default; [`Self::set_dist`]).
-    pub dist: Dist,
 }
 
 /// The reference a GRPO/RLOO step uses: none when `beta == 0` (TRL loads none), else `reference`
@@ -198,15 +196,18 @@ impl Core {
             pad_id,
             eos_ids,
             device,
-            dist: Dist::default(),
         })
     }
 
     /// Trains on `dist`'s processes: the optimizer averages the gradients over them and the
     /// statistics are the whole batch's.
     pub fn set_dist(&mut self, dist: Dist) {
-        self.opt.set_dist(dist.clone());
-        self.dist = dist;
+        self.opt.set_dist(dist);
+    }
+
+    /// The processes this trainer trains with (its optimizer's).
+    pub fn dist(&self) -> &Dist {
+        self.opt.dist()
     }
 
     /// The optimizer (its moments are checkpointed).
@@ -601,7 +602,7 @@ impl Core {
             }
             // In a data-parallel run the processes agree first: a non-finite loss on any of them
             // skips the update on all (none waits in an all-reduce another never joins).
-            if self.dist.sum(f64::from(u8::from(!loss_sum.is_finite())))? > 0.0 {
+            if self.dist().sum(f64::from(u8::from(!loss_sum.is_finite())))? > 0.0 {
                 return Ok((extras, loss_sum, f64::NAN));
             }
             let norm = self.opt.clip(&mut grads)?;
@@ -679,12 +680,12 @@ pub(crate) fn generation_stats(
     weights: &[f64],
 ) -> Result<Stats> {
     let mut s = Stats::new();
-    let plen = core.dist.sum(prompts.iter().map(|p| p.len() as f64).sum())?;
+    let plen = core.dist().sum(prompts.iter().map(|p| p.len() as f64).sum())?;
     let lens: Vec<f64> = completions.iter().map(|c| c.len() as f64).collect();
     // Per row: the processes hold different numbers of turns on games.
-    let lens = core.dist.gather_var_f64(&lens)?.0;
+    let lens = core.dist().gather_var_f64(&lens)?.0;
     let truncated: Vec<bool> = core
-        .dist
+        .dist()
         .gather_var_f64(&truncated.iter().map(|&t| f64::from(u8::from(t))).collect::<Vec<_>>())?
         .0
         .into_iter()

@@ -102,7 +102,7 @@ impl RlooTrainer {
         // In a data-parallel run: the rewards of every process (as TRL gathers them); the KL term
         // below is folded into this process's rows, then gathered too.
         let b = batch.prompts.len();
-        let table = global_rewards(&self.core.dist, batch.rewards)?;
+        let table = global_rewards(self.core.dist(), batch.rewards)?;
         let mut rewards = math::weighted_rewards(&batch.rewards.values, &weights);
         if let Some((lo, hi)) = cfg.reward_clip_range {
             rewards.iter_mut().for_each(|r| *r = r.clamp(lo, hi));
@@ -112,11 +112,11 @@ impl RlooTrainer {
             for (r, k) in rewards.iter_mut().zip(kl_seq) {
                 *r -= cfg.beta * k;
             }
-            kl_metric = Some(self.core.dist.mean_of(kl_seq.iter().sum::<f64>(), padded.n_tokens)?);
+            kl_metric = Some(self.core.dist().mean_of(kl_seq.iter().sum::<f64>(), padded.n_tokens)?);
         }
-        let rewards = self.core.dist.gather_f64(&rewards)?;
+        let rewards = self.core.dist().gather_f64(&rewards)?;
         let (adv, group_std) = math::rloo_advantages(&rewards, g, cfg.normalize_advantages);
-        let adv = adv[local_rows(&self.core.dist, b)].to_vec();
+        let adv = adv[local_rows(self.core.dist(), b)].to_vec();
         let first =
             generation_stats(&mut self.core, batch.prompts, batch.completions, &table, &truncated, &weights)?;
         self.update(vec![(padded, old_seq, adv)], first, &group_std, kl_metric, Normaliser::Local)
@@ -160,11 +160,11 @@ impl RlooTrainer {
             chunks.push((idx, padded, old_seq));
         }
         let kl_metric = match self.core.reference {
-            Some(_) => Some(self.core.dist.mean_of(kl_sum, tokens)?),
+            Some(_) => Some(self.core.dist().mean_of(kl_sum, tokens)?),
             None => None,
         };
-        let rewards = self.core.dist.gather_f64(&rewards)?;
-        let first_episode = local_rows(&self.core.dist, batch.returns.len()).start;
+        let rewards = self.core.dist().gather_f64(&rewards)?;
+        let first_episode = local_rows(self.core.dist(), batch.returns.len()).start;
         let (adv, group_std) = math::rloo_advantages(&rewards, g, cfg.normalize_advantages);
         let chunks = chunks
             .into_iter()
@@ -172,7 +172,7 @@ impl RlooTrainer {
                 (padded, old, idx.iter().map(|&i| adv[first_episode + batch.episodes[i]]).collect())
             })
             .collect();
-        let returns = RewardTable::episode_returns(&self.core.dist.gather_f64(batch.returns)?);
+        let returns = RewardTable::episode_returns(&self.core.dist().gather_f64(batch.returns)?);
         let first = turn_generation_stats(&mut self.core, batch, &returns)?;
         self.update(chunks, first, &group_std, kl_metric, Normaliser::Global)
     }
@@ -210,7 +210,7 @@ impl RlooTrainer {
         let total_rows: usize = chunks.iter().map(|c| c.2.len()).sum();
         let total_tokens: f64 = chunks.iter().map(|c| c.0.n_tokens).sum();
         // The rows the loss is the mean over: this process's, or (turns) every process's share.
-        let (norm_rows, _) = norm.totals(&self.core.dist, total_rows, total_tokens)?;
+        let (norm_rows, _) = norm.totals(self.core.dist(), total_rows, total_tokens)?;
         let single = chunks.len() == 1 && norm_rows == total_rows as f64;
         let zero =
             group_std.iter().filter(|s| math::is_zero_std(**s)).count() as f64 / group_std.len() as f64;
@@ -238,11 +238,11 @@ impl RlooTrainer {
                 Ok((loss, (ratio.detach(), ent)))
             })?;
             let mut s = if k == 0 { std::mem::take(&mut first) } else { Stats::new() };
-            s.insert("loss".into(), Stat::Scalar(self.core.dist.mean(loss)?));
+            s.insert("loss".into(), Stat::Scalar(self.core.dist().mean(loss)?));
             s.insert("grad_norm".into(), Stat::Scalar(grad_norm));
             s.insert("learning_rate".into(), Stat::Scalar(lr));
             let ent: f64 = parts.iter().map(|p| p.1).sum();
-            s.insert("entropy".into(), Stat::Scalar(self.core.dist.mean_of(ent, total_tokens)?));
+            s.insert("entropy".into(), Stat::Scalar(self.core.dist().mean_of(ent, total_tokens)?));
             let mut ratio: Vec<f64> = Vec::with_capacity(total_rows);
             for p in &parts {
                 ratio.extend(rows(&p.0)?.into_iter().map(|r| r[0]));
@@ -250,7 +250,7 @@ impl RlooTrainer {
             let flag = |f: &dyn Fn(f64, f64) -> bool| -> Result<Vec<f64>> {
                 let own: Vec<f64> =
                     ratio.iter().zip(&adv).map(|(&x, &a)| f64::from(u8::from(f(x, a)))).collect();
-                Ok(self.core.dist.gather_var_f64(&own)?.0)
+                Ok(self.core.dist().gather_var_f64(&own)?.0)
             };
             let low = flag(&|x, a| x < lo && a < 0.0)?;
             let high = flag(&|x, a| x > hi && a > 0.0)?;

@@ -112,7 +112,7 @@ impl GrpoTrainer {
         // The advantages over the whole batch (every process's rewards, as TRL gathers them),
         // then this process's rows.
         let b = batch.prompts.len();
-        let table = global_rewards(&self.core.dist, batch.rewards)?;
+        let table = global_rewards(self.core.dist(), batch.rewards)?;
         let adv = math::grpo_advantages(
             &table.values,
             &weights,
@@ -123,7 +123,7 @@ impl GrpoTrainer {
         let mut first =
             generation_stats(&mut self.core, batch.prompts, batch.completions, &table, &truncated, &weights)?;
         first.insert("frac_reward_zero_std".into(), Stat::Scalar(adv.frac_zero_std()));
-        let advantages = adv.advantages[local_rows(&self.core.dist, b)].to_vec();
+        let advantages = adv.advantages[local_rows(self.core.dist(), b)].to_vec();
         self.update(padded, advantages, first)
     }
 
@@ -141,8 +141,8 @@ impl GrpoTrainer {
         let _awake = self.core.device.is_cpu().then(crate::cpu::keep_pool_awake);
         let cfg = self.config.clone();
         self.core.check_turns(batch, cfg.num_generations, cfg.max_completion_length)?;
-        let table = RewardTable::episode_returns(&self.core.dist.gather_f64(batch.returns)?);
-        let first_episode = local_rows(&self.core.dist, batch.returns.len()).start;
+        let table = RewardTable::episode_returns(&self.core.dist().gather_f64(batch.returns)?);
+        let first_episode = local_rows(self.core.dist(), batch.returns.len()).start;
         let adv = math::grpo_advantages(
             &table.values,
             &[1.0],
@@ -162,7 +162,7 @@ impl GrpoTrainer {
             for (a, s) in turn_adv.iter_mut().zip(&step.advantages) {
                 *a += w * s;
             }
-            gigpo_stats(&self.core.dist, &mut first, &step)?;
+            gigpo_stats(self.core.dist(), &mut first, &step)?;
         }
         let chunks = self
             .core
@@ -207,10 +207,10 @@ impl GrpoTrainer {
         let cfg = self.config.clone();
         let own_rows: usize = chunks.iter().map(|(_, a)| a.len()).sum();
         let own_tokens: f64 = chunks.iter().map(|(p, _)| p.n_tokens).sum();
-        let (total_rows, total_tokens) = norm.totals(&self.core.dist, own_rows, own_tokens)?;
+        let (total_rows, total_tokens) = norm.totals(self.core.dist(), own_rows, own_tokens)?;
         // dapo's normalizer: TRL's num_items_in_batch (the batch's loss tokens over every
         // process) over the number of processes; the gradients' mean then divides by the total.
-        let num_items = self.core.dist.sum(own_tokens)? / self.core.dist.world_size() as f64;
+        let num_items = self.core.dist().sum(own_tokens)? / self.core.dist().world_size() as f64;
         let mut prepared = Vec::with_capacity(chunks.len());
         for (padded, adv) in chunks {
             // TRL computes old logprobs only when the batch is reused (num_iterations > 1).
@@ -264,7 +264,7 @@ impl GrpoTrainer {
                     Ok((loss, (obj, entropy)))
                 })?;
             let mut s = if k == 0 { std::mem::take(&mut first) } else { Stats::new() };
-            s.insert("loss".into(), Stat::Scalar(self.core.dist.mean(loss)?));
+            s.insert("loss".into(), Stat::Scalar(self.core.dist().mean(loss)?));
             s.insert("grad_norm".into(), Stat::Scalar(grad_norm));
             s.insert("learning_rate".into(), Stat::Scalar(lr));
             let chunk_rows = |f: &dyn Fn(usize) -> Option<Tensor>| -> Result<Option<Vec<Vec<f64>>>> {
@@ -312,10 +312,10 @@ impl GrpoTrainer {
         // ratios, or one-token completions) as one per sequence: the plain mean over rows.
         let masked_mean = |x: &[Vec<f64>]| -> Result<f64> {
             if x[0].len() == 1 {
-                self.core.dist.mean_of(x.iter().map(|r| r[0]).sum::<f64>(), x.len() as f64)
+                self.core.dist().mean_of(x.iter().map(|r| r[0]).sum::<f64>(), x.len() as f64)
             } else {
                 let s: f64 = x.iter().zip(m).flat_map(|(r, mr)| r.iter().zip(mr).map(|(a, b)| a * b)).sum();
-                self.core.dist.mean_of(s, n_mask)
+                self.core.dist().mean_of(s, n_mask)
             }
         };
         // masked_seq_mean: per row Σ x·m / Σ m (NaN for an empty row); (B, 1) values as they are.
@@ -349,8 +349,8 @@ impl GrpoTrainer {
         s.insert("clip_ratio/low_mean".into(), Stat::Scalar(masked_mean(&low)?));
         s.insert("clip_ratio/high_mean".into(), Stat::Scalar(masked_mean(&high)?));
         s.insert("clip_ratio/region_mean".into(), Stat::Scalar(masked_mean(&region)?));
-        let low_seq = self.core.dist.gather_var_f64(&seq_mean(&low))?.0;
-        let high_seq = self.core.dist.gather_var_f64(&seq_mean(&high))?.0;
+        let low_seq = self.core.dist().gather_var_f64(&seq_mean(&low))?.0;
+        let high_seq = self.core.dist().gather_var_f64(&seq_mean(&high))?.0;
         s.insert("clip_ratio/low_min".into(), Stat::Scalar(nanmin(&low_seq)));
         s.insert("clip_ratio/high_max".into(), Stat::Scalar(nanmax(&high_seq)));
         Ok(())

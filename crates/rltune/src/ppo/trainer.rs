@@ -192,8 +192,6 @@ pub struct PpoTrainer {
     recorded_grads: Option<Vec<(String, Tensor)>>,
     var_names: Vec<String>,
     device: Device,
-    /// The processes this trainer trains with ([`Self::with_dist`]; one by default).
-    dist: Dist,
 }
 
 impl PpoTrainer {
@@ -243,7 +241,6 @@ impl PpoTrainer {
             recorded_grads: None,
             var_names,
             device,
-            dist: Dist::default(),
         })
     }
 
@@ -251,17 +248,16 @@ impl PpoTrainer {
     /// and together they give the weights one process gives with N × `batch_size`
     /// ([`crate::dist`]). The optimizers (the critic's too) average the gradients over them.
     pub fn with_dist(mut self, dist: Dist) -> Self {
-        self.optimizer.set_dist(dist.clone());
         if let Some(c) = self.critic.as_mut() {
             c.optimizer.set_dist(dist.clone());
         }
-        self.dist = dist;
+        self.optimizer.set_dist(dist);
         self
     }
 
-    /// The processes this trainer trains with.
+    /// The processes this trainer trains with (its optimizer's).
     pub fn dist(&self) -> &Dist {
-        &self.dist
+        self.optimizer.dist()
     }
 
     /// The current KL controller.
@@ -389,7 +385,7 @@ impl PpoTrainer {
         let t = Instant::now();
         // Whitening takes the statistics of the whole batch, over every process.
         let rewards = if self.config.whiten_rewards {
-            data_parallel::whiten_rewards(&self.dist, &(&rewards * &batch.mask)?, &batch.mask)?
+            data_parallel::whiten_rewards(self.dist(), &(&rewards * &batch.mask)?, &batch.mask)?
         } else {
             rewards
         };
@@ -404,7 +400,7 @@ impl PpoTrainer {
             &batch.mask,
             self.config.gamma,
             self.config.lam,
-            |x, m| data_parallel::masked_whiten(&self.dist, x, m, true),
+            |x, m| data_parallel::masked_whiten(self.dist(), x, m, true),
         )?;
         let time_adv = t.elapsed().as_secs_f64();
 
@@ -429,7 +425,7 @@ impl PpoTrainer {
         stats.insert("rltune/skipped_updates".into(), Stat::Scalar(self.skipped_updates as f64));
         let mean_kl = stats.get("objective/kl").and_then(Stat::as_f64).unwrap_or(0.0);
         // TRL: the controller counts every process's samples.
-        self.kl_ctl.update(mean_kl, self.config.batch_size * self.dist.world_size());
+        self.kl_ctl.update(mean_kl, self.config.batch_size * self.dist().world_size());
         negative_kl_guard(&mut stats, mean_kl);
         let time_stats = t.elapsed().as_secs_f64();
 
@@ -443,8 +439,8 @@ impl PpoTrainer {
         ] {
             stats.insert(format!("time/ppo/{k}"), Stat::Scalar(v));
         }
-        if self.dist.world_size() > 1 {
-            stats.insert("time/dist/all_reduce".into(), Stat::Scalar(self.dist.take_all_reduce_seconds()));
+        if self.dist().world_size() > 1 {
+            stats.insert("time/dist/all_reduce".into(), Stat::Scalar(self.dist().take_all_reduce_seconds()));
         }
         Ok(stats)
     }
@@ -552,7 +548,7 @@ impl PpoTrainer {
         }
         if self.config.use_score_scaling {
             // The running moments see every process's scores.
-            self.running.update(&self.dist.gather_f64(&scores)?);
+            self.running.update(&self.dist().gather_f64(&scores)?);
             let scale = self.running.std + f32::EPSILON as f64;
             let shift = if self.config.use_score_norm { self.running.mean } else { 0.0 };
             scores.iter_mut().for_each(|s| *s = (*s - shift) / scale);

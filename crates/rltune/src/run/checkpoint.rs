@@ -354,7 +354,7 @@ pub(crate) fn group_state(
     per_process: usize,
 ) -> GroupTrainerState {
     GroupTrainerState {
-        processes: Processes::current(&core.dist, per_process),
+        processes: Processes::current(core.dist(), per_process),
         algorithm,
         step,
         adam_steps: core.optimizer().steps(),
@@ -424,7 +424,7 @@ pub(crate) fn load_group_state(
         ));
     }
     let field = format!("[{}] per_device_train_batch_size", algorithm.name());
-    state.processes.check_resume(&Processes::current(&core.dist, per_process), &path, &field)?;
+    state.processes.check_resume(&Processes::current(core.dist(), per_process), &path, &field)?;
     let (ms, vs) = load_moments(dir, &core.store)?;
     core.optimizer_mut().restore(ms, vs, state.adam_steps)?;
     core.global_step = state.global_step;

@@ -101,10 +101,8 @@ pub struct EpisodeSource {
     rollout: RolloutConfig,
     games: usize,
     seed: u64,
-    /// This process's rank in a data-parallel run (0 on one process): rank r plays the
-    /// environments `r·num_envs..` of each round and samples from its own stream.
-    rank: usize,
-    /// The processes (the minimum of their turn counts is what each trains on).
+    /// The processes: rank r plays the environments `r·num_envs..` of each round and samples
+    /// from its own stream, and each trains on the least of their turn counts.
     dist: Dist,
 }
 
@@ -124,22 +122,12 @@ impl EpisodeSource {
             example_turn_prob: cfg.episodes.example_turn_prob,
             shaping: cfg.episodes.shaping.clone(),
         };
-        let rank = dist.rank();
         let seed = match cfg.algorithm.kind {
             AlgorithmKind::Grpo => cfg.grpo.seed,
             AlgorithmKind::Rloo => cfg.rloo.seed,
             _ => cfg.ppo.seed,
         };
-        Ok(Self {
-            env,
-            section,
-            episodes: cfg.episodes.clone(),
-            rollout,
-            games,
-            seed,
-            rank,
-            dist: dist.clone(),
-        })
+        Ok(Self { env, section, episodes: cfg.episodes.clone(), rollout, games, seed, dist: dist.clone() })
     }
 
     /// How many training games there are ([`training_games`]).
@@ -171,7 +159,7 @@ impl EpisodeSource {
             Pick::Multiple(unit) => common_size(&self.dist, turns.len() / unit * unit)?,
         };
         let mut rng =
-            rand::rngs::StdRng::seed_from_u64(mix(self.seed, step as u64, self.rank as u64, 0x7e4d));
+            rand::rngs::StdRng::seed_from_u64(mix(self.seed, step as u64, self.dist.rank() as u64, 0x7e4d));
         let mut picked = sample(&mut rng, turns.len(), size).into_vec();
         picked.sort_unstable();
         batch.unused_turns = turns.len() - size;
@@ -288,13 +276,13 @@ impl EpisodeSource {
 
     /// The sampling seed of round `round` of `step` (this process's own).
     fn round_seed(&self, step: usize, round: usize) -> u64 {
-        mix(self.seed, step as u64, round as u64, u64::MAX - self.rank as u64)
+        mix(self.seed, step as u64, round as u64, u64::MAX - self.dist.rank() as u64)
     }
 
     /// How environment `e` starts in round `round` of `step`: a training game drawn from the
     /// run's seed, the step, the round and the environment.
     fn train_reset(&self, step: usize, round: usize, e: usize) -> Reset {
-        let e = self.rank * self.env.num_envs() + e;
+        let e = self.dist.rank() * self.env.num_envs() + e;
         let i = mix(self.seed, step as u64, round as u64, e as u64);
         self.section.reset_for(0, i as usize, self.games)
     }

@@ -31,7 +31,6 @@ use super::ppo_loop::{build_reward_sum, share_trunk};
 use super::prompts::{decode, encode_prompts, reward_inputs};
 use super::run_loop::StepReport;
 use crate::data::prompts::PromptRow;
-use crate::dist::Dist;
 use crate::engine::{Stat, Stats};
 use crate::error::{Error, Result};
 use crate::generation::{generate, GenerationConfig};
@@ -106,8 +105,6 @@ pub struct GroupRun {
     logger: RunLogger,
     start_step: usize,
     device: Device,
-    /// The processes (the runtime's; the trainer's too).
-    dist: Dist,
 }
 
 /// Where a group run's samples and rewards come from.
@@ -312,7 +309,6 @@ impl GroupRun {
             logger,
             start_step,
             device: runtime.device().clone(),
-            dist: dist.clone(),
         })
     }
 
@@ -370,11 +366,11 @@ impl GroupRun {
             generation: &self.config.generation,
             eos_ids: &self.eos_ids,
             device: &self.device,
-            dist: &self.dist,
+            dist: self.trainer.core().dist(),
         };
         let result = evaluator.run(step, self.trainer.policy(), reward, reward_names)?;
         tracing::info!("{}", result.describe());
-        if self.dist.is_main() {
+        if self.trainer.core().dist().is_main() {
             record(&self.config.logging.dir, &result, step)?;
         }
         Ok(result)
@@ -399,7 +395,7 @@ impl GroupRun {
         let g = self.shape.num_generations;
         // This process's share of the step's prompts (all of them on one process), and the global
         // index of its first row, which keys the rows' sampling streams.
-        let share = self.dist.shard(batch.len(), "the prompts of a step")?;
+        let share = self.trainer.core().dist().shard(batch.len(), "the prompts of a step")?;
         let row_offset = (share.start * g) as u64;
         let batch = &batch[share];
         // (B·G) rows: each prompt repeated G times, consecutively.
@@ -453,8 +449,11 @@ impl GroupRun {
         stats.insert(format!("time/{kind}/step"), Stat::Scalar(t.elapsed().as_secs_f64()));
         stats.insert("time/rollout/generation".into(), Stat::Scalar(time_gen));
         stats.insert("time/rollout/reward".into(), Stat::Scalar(time_reward));
-        if self.dist.world_size() > 1 {
-            stats.insert("time/dist/all_reduce".into(), Stat::Scalar(self.dist.take_all_reduce_seconds()));
+        if self.trainer.core().dist().world_size() > 1 {
+            stats.insert(
+                "time/dist/all_reduce".into(),
+                Stat::Scalar(self.trainer.core().dist().take_all_reduce_seconds()),
+            );
         }
 
         let total = weighted_rewards(&table.values, &weights);
@@ -536,7 +535,7 @@ impl super::run_loop::Algorithm for GroupRun {
     }
 
     fn dist(&self) -> crate::dist::Dist {
-        self.dist.clone()
+        self.trainer.core().dist().clone()
     }
 
     fn settings(&self) -> Result<String> {

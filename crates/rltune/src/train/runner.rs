@@ -397,7 +397,7 @@ fn run_supervised<O: Objective>(
     let _awake = store.device().is_cpu().then(crate::cpu::keep_pool_awake);
     let mut run = Supervised::new(obj, store, examples, args, checkpoints, lent)?;
     if announce {
-        let world = run.dist.world_size();
+        let world = run.opt.get().dist().world_size();
         tracing::info!(
             "training on {} examples ({} held out for eval): {} optimizer steps of {} examples{}, {} warm-up",
             run.train_idx.len(),
@@ -436,8 +436,6 @@ struct Supervised<'a, O: Objective> {
     last_loss: f64,
     loss_sum: f64,
     last_eval: Option<EvalResult>,
-    /// The processes (the optimizer's).
-    dist: Dist,
 }
 
 /// The run's optimizer: its own, made from `[training]`, or a caller's whose state outlives the
@@ -486,11 +484,10 @@ impl<'a, O: Objective> Supervised<'a, O> {
         let (train_idx, eval_idx) = split_eval(examples.len(), args.eval_fraction, args.seed)?;
         let eval = eval_idx.iter().map(|&i| &examples[i]).collect();
         // On N processes a step takes N times the examples, each process a share (module docs).
-        let dist = match &lent {
-            Lend::Own(d) => d.clone(),
-            Lend::Lent(o) => o.dist().clone(),
+        let world = match &lent {
+            Lend::Own(dist) => dist.world_size(),
+            Lend::Lent(o) => o.dist().world_size(),
         };
-        let world = dist.world_size();
         let total = args.total_steps(train_idx.len().div_ceil(world));
         let opt = match lent {
             Lend::Lent(o) => Opt::Lent(o),
@@ -518,7 +515,6 @@ impl<'a, O: Objective> Supervised<'a, O> {
             last_loss: f64::NAN,
             loss_sum: 0.0,
             last_eval: None,
-            dist,
         };
         if let Some(c) = checkpoints.filter(|c| c.resume) {
             let (saved, _) = checkpoint::load_latest::<SupervisedState>(
@@ -553,7 +549,7 @@ impl<'a, O: Objective> Supervised<'a, O> {
 
     /// Examples per step over every process.
     fn global_step_examples(&self) -> usize {
-        self.args.examples_per_step() * self.dist.world_size()
+        self.args.examples_per_step() * self.opt.get().dist().world_size()
     }
 }
 
@@ -568,7 +564,7 @@ impl<O: Objective> crate::engine::run_loop::Algorithm for Supervised<'_, O> {
     }
 
     fn dist(&self) -> crate::dist::Dist {
-        self.dist.clone()
+        self.opt.get().dist().clone()
     }
 
     fn settings(&self) -> Result<String> {
@@ -599,13 +595,14 @@ impl<O: Objective> crate::engine::run_loop::Algorithm for Supervised<'_, O> {
     fn step(&mut self, step: usize, (epoch, group): &(usize, Vec<usize>)) -> Result<TrainProgress> {
         // This process's share of the step's examples (balanced; exact however they split, as
         // the loss is divided by the terms of every process).
-        let (world, rank) = (self.dist.world_size(), self.dist.rank());
+        let dist = self.opt.get().dist();
+        let (world, rank) = (dist.world_size(), dist.rank());
         let share = &group[rank * group.len() / world..(rank + 1) * group.len() / world];
         let group: Vec<&O::Example> = share.iter().map(|&i| &self.examples[i]).collect();
         let opt = self.opt.get_mut();
         let (mut grads, lr) = opt.begin(step);
         self.obj.begin_step(step);
-        let loss = accumulate(self.obj, &self.dist, &mut grads, &group, self.args.batch_size)?;
+        let loss = accumulate(self.obj, opt.dist(), &mut grads, &group, self.args.batch_size)?;
         let grad_norm = opt.clip(&mut grads)?;
         if !opt.finish(grads, lr, grad_norm)? {
             tracing::warn!("step {}: the gradient is not finite, so no weight changed", step + 1);

@@ -25,7 +25,7 @@ impl PpoTrainer {
         }
         let mut critic = critic;
         critic.optimizer.set_max_grad_norm(self.config.max_grad_norm.unwrap_or(0.0));
-        critic.optimizer.set_dist(self.dist.clone());
+        critic.optimizer.set_dist(self.dist().clone());
         self.critic = Some(critic);
         self.check_value_head()?;
         Ok(self)

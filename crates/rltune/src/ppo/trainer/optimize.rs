@@ -46,10 +46,10 @@ impl PpoTrainer {
     /// process trains on its rows of each and the gradients are averaged before the update.
     pub(super) fn optimize(&mut self, batch: &Batch, data: &TrainData) -> Result<Vec<Stats>> {
         let cfg = self.config.clone();
-        let world = self.dist.world_size();
+        let world = self.dist().world_size();
         let dp = world > 1;
         // This process's rows are [first, first + batch_size) of the whole batch.
-        let first = self.dist.rank() * cfg.batch_size;
+        let first = self.dist().rank() * cfg.batch_size;
         let row_tokens: Vec<f64> =
             if dp { batch.mask.sum(1)?.to_dtype(DType::F64)?.to_vec1()? } else { Vec::new() };
         let mut all = Vec::new();
@@ -113,8 +113,10 @@ impl PpoTrainer {
                             .filter(|&&g| (first..first + cfg.batch_size).contains(&g))
                             .map(|&g| g - first)
                             .collect();
-                        let share =
-                            data_parallel::Share::new(&self.dist, rows.iter().map(|&r| row_tokens[r]).sum())?;
+                        let share = data_parallel::Share::new(
+                            self.dist(),
+                            rows.iter().map(|&r| row_tokens[r]).sum(),
+                        )?;
                         if rows.is_empty() {
                             self.empty_minibatch(&share)?
                         } else {
@@ -137,7 +139,7 @@ impl PpoTrainer {
                 }
                 if dp {
                     // The processes agree: a non-finite loss anywhere skips the update everywhere.
-                    non_finite = self.dist.sum(f64::from(u8::from(non_finite)))? > 0.0;
+                    non_finite = self.dist().sum(f64::from(u8::from(non_finite)))? > 0.0;
                 }
                 if non_finite {
                     // Part of the accumulated gradient is missing: no update at all.
@@ -325,9 +327,9 @@ impl PpoTrainer {
         let mask = &batch.mask;
         // Per-sample values of every process (one process: its own).
         let kl_dist = (kl * mask)?.sum(1)?;
-        let kl_list: Vec<f64> = self.dist.gather_f64(&kl_dist.to_dtype(DType::F64)?.to_vec1()?)?;
+        let kl_list: Vec<f64> = self.dist().gather_f64(&kl_dist.to_dtype(DType::F64)?.to_vec1()?)?;
         let nll: Vec<f64> = self
-            .dist
+            .dist()
             .gather_f64(&(rollout.logprobs.neg()? * mask)?.sum(1)?.to_dtype(DType::F64)?.to_vec1()?)?;
         let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
         let mut s = Stats::new();
@@ -337,19 +339,19 @@ impl PpoTrainer {
         s.insert("objective/ref_logprobs".into(), Stat::Matrix(matrix(&rollout.ref_logprobs)?));
         s.insert("objective/kl_coef".into(), Stat::Scalar(kl_coef));
         s.insert("objective/entropy".into(), Stat::Scalar(mean(&nll)));
-        let non_score_mean = if self.dist.world_size() == 1 {
+        let non_score_mean = if self.dist().world_size() == 1 {
             scalar(&math::masked_mean(non_score, mask)?)?
         } else {
-            self.dist.mean_of(scalar(&(non_score * mask)?.sum_all()?)?, scalar(&mask.sum_all()?)?)?
+            self.dist().mean_of(scalar(&(non_score * mask)?.sum_all()?)?, scalar(&mask.sum_all()?)?)?
         };
         s.insert("ppo/mean_non_score_reward".into(), Stat::Scalar(non_score_mean));
-        let sc: Vec<f64> = self.dist.gather_f64(&scores.iter().map(|&x| x as f64).collect::<Vec<_>>())?;
+        let sc: Vec<f64> = self.dist().gather_f64(&scores.iter().map(|&x| x as f64).collect::<Vec<_>>())?;
         let (m, sd) = mean_std(&sc);
         s.insert("ppo/mean_scores".into(), Stat::Scalar(m));
         s.insert("ppo/std_scores".into(), Stat::Scalar(sd));
         for (name, rows) in [("queries", input.queries), ("responses", input.responses)] {
             let lens: Vec<f64> =
-                self.dist.gather_f64(&rows.iter().map(|r| r.len() as f64).collect::<Vec<_>>())?;
+                self.dist().gather_f64(&rows.iter().map(|r| r.len() as f64).collect::<Vec<_>>())?;
             let (m, sd) = mean_std(&lens);
             s.insert(format!("tokens/{name}_len_mean"), Stat::Scalar(m));
             s.insert(format!("tokens/{name}_len_std"), Stat::Scalar(sd));

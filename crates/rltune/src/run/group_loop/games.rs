@@ -43,7 +43,7 @@ impl GroupRun {
         };
         // This process's share of the step's games (all of them on one process).
         let g = self.shape.num_generations;
-        let share = self.dist.shard(self.shape.prompts_per_step, "the games of a step")?;
+        let share = self.trainer.core().dist().shard(self.shape.prompts_per_step, "the games of a step")?;
         let n_games = share.len();
         let t = Instant::now();
         let policy = self.trainer.policy();
@@ -92,8 +92,8 @@ impl GroupRun {
             "time/rollout/generation".into(),
             Stat::Scalar(batch.counts.time_generation.as_secs_f64()),
         );
-        stats.insert("env/turns".into(), Stat::Scalar(self.dist.sum(prompts.len() as f64)?));
-        add_episode_stats(&self.dist, &mut stats, &batch)?;
+        stats.insert("env/turns".into(), Stat::Scalar(self.trainer.core().dist().sum(prompts.len() as f64)?));
+        add_episode_stats(self.trainer.core().dist(), &mut stats, &batch)?;
         let (lm, gen) = (self.trainer.policy(), &self.config.generation);
         games.evaluate_if_due(step + 1, lm, &self.tokenizer, gen, seed, &self.device, &mut stats)?;
         log_game_step(&mut self.logger, &self.tokenizer, &self.config, step, &stats, &batch)?;
