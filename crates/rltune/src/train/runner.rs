@@ -34,7 +34,7 @@ pub use super::checkpoint::Checkpointing;
 use super::checkpoint::{self, LoopCheckpoint, LoopKind, RunShape};
 use super::data::split_eval;
 use crate::dist::Dist;
-use crate::engine::schedule::{LrSchedule, ScheduleKind};
+use crate::engine::schedule::ScheduleKind;
 use crate::engine::{OptimArgs, Optimizer};
 use crate::error::{ConfigError, Error, Result};
 use crate::optim::Grads;
@@ -179,12 +179,13 @@ impl TrainingArgs {
     /// `warmup_steps` (a fraction of `total` below 1, as the other trainers read it), or, when
     /// that is 0, `ceil(total · warmup_ratio)` steps.
     pub fn optim_args(&self, total: usize) -> OptimArgs {
-        let mut args = self.optim_args_for(total);
-        if self.warmup_steps == 0.0 {
-            let warmup = (total as f64 * self.warmup_ratio).ceil() as usize;
-            args.schedule = LrSchedule::new(self.lr_scheduler_type, self.learning_rate, warmup, total);
-        }
-        args
+        // A whole number of steps (≥ 1, or 0) is read as steps by the shared declaration.
+        let warmup_steps = if self.warmup_steps == 0.0 {
+            (total as f64 * self.warmup_ratio).ceil()
+        } else {
+            self.warmup_steps
+        };
+        Self { warmup_steps, ..self.clone() }.optim_args_for(total)
     }
 }
 
