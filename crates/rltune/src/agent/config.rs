@@ -196,8 +196,10 @@ impl EnvSection {
         for pattern in &self.games {
             let found = glob(pattern)?;
             if found.is_empty() {
-                return Err(Error::Input(format!(
-                    "[env] games: {pattern:?} names no file; generate games with tools/textworld/make_games.sh"
+                return Err(Error::Setting(ConfigError::new(
+                    "env",
+                    "games",
+                    format!(": {pattern:?} names no file; generate games with tools/textworld/make_games.sh"),
                 )));
             }
             out.extend(found);
@@ -298,11 +300,12 @@ fn default_bridge() -> Result<PathBuf> {
         roots.extend(exe.ancestors().map(Path::to_path_buf));
     }
     roots.iter().map(|r| r.join(rel)).find(|p| p.is_file()).ok_or_else(|| {
-        Error::Input(
-            "[env] kind = \"textworld\": tools/textworld/bridge.py not found from here; set [env] bridge \
-                      = \"path/to/bridge.py\""
-                .into(),
-        )
+        Error::Setting(ConfigError::new(
+            "env",
+            "kind",
+            "= \"textworld\": tools/textworld/bridge.py not found from here; set [env] bridge = \
+             \"path/to/bridge.py\"",
+        ))
     })
 }
 

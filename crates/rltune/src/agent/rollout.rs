@@ -22,7 +22,7 @@ use super::turns::{anchor_state, command_trie, drop_episode, prompt_budget, star
 pub use super::turns::{Actor, Collected, RolloutConfig, RoundCounts, Shaping, Transition};
 use crate::envs::play::{ActionMode, Memory, Turn, ACTION_STOPS};
 use crate::envs::{EnvStep, Reset, TextEnv};
-use crate::error::{Error, Result};
+use crate::error::{ConfigError, Error, Result};
 use crate::generation::admissible::{generate_admissible, ActionTrie};
 use crate::generation::{generate, GenerationConfig, Sample};
 use crate::tokenizer::Tokenizer;
@@ -64,10 +64,11 @@ pub fn collect_episodes<'a>(
         Memory::Transcript => {
             cfg.template.validate()?;
             if cfg.example_turn_prob > 0.0 {
-                return Err(Error::Input(
-                    "[agent] memory = \"transcript\" plays no example turns; set example_turn_prob = 0"
-                        .into(),
-                ));
+                return Err(Error::Setting(ConfigError::new(
+                    "agent",
+                    "memory",
+                    "= \"transcript\" plays no example turns; set example_turn_prob = 0",
+                )));
             }
             let streams = super::transcript::Streams::Round(seed);
             super::transcript::collect_transcripts(env, policy, tokenizer, cfg, resets, streams, device)?

@@ -30,7 +30,7 @@ use super::turns::{
 };
 use crate::envs::play::{episode_stream, Episode, Turn};
 use crate::envs::{EnvStep, Reset, TextEnv};
-use crate::error::{Error, Result};
+use crate::error::{ConfigError, Error, Result};
 use crate::generation::admissible::{generate_admissible_carried, ActionSample, ActionTrie};
 use crate::generation::carried::Carried;
 use crate::generation::{generate, GenerationConfig};
@@ -100,11 +100,15 @@ pub(crate) fn collect_transcripts(
             };
             if ids[e].len() + chunk.len() + longest.max(1) > context {
                 if ids[e].is_empty() {
-                    return Err(Error::Input(format!(
-                        "[agent] memory = \"transcript\": the first prompt ({} tokens) and its longest \
-                         command ({longest}) do not fit the model's {context} positions; shorten the \
-                         instruction, hide the admissible list, or use memory = \"window\"",
-                        chunk.len()
+                    return Err(Error::Setting(ConfigError::new(
+                        "agent",
+                        "memory",
+                        format!(
+                            "= \"transcript\": the first prompt ({} tokens) and its longest command \
+                             ({longest}) do not fit the model's {context} positions; shorten the \
+                             instruction, hide the admissible list, or use memory = \"window\"",
+                            chunk.len()
+                        ),
                     )));
                 }
                 let mut whole = std::mem::take(&mut ids[e]);

@@ -7,7 +7,7 @@ use std::time::Duration;
 use crate::envs::letters::count_e;
 use crate::envs::play::{action_text, Episode, PromptTemplate};
 use crate::envs::{EnvStep, Reset, TextEnv};
-use crate::error::{Error, Result};
+use crate::error::{ConfigError, Error, Result};
 use crate::generation::admissible::ActionTrie;
 use crate::generation::GenerationConfig;
 use crate::models::{CausalLm, CausalLmWithValueHead, ValueHead};
@@ -193,11 +193,12 @@ pub(crate) fn drop_episode(
 /// policy writes after its prompt), and the longest command's token count.
 pub(crate) fn command_trie(tokenizer: &Tokenizer, commands: &[String]) -> Result<(ActionTrie, usize)> {
     if commands.is_empty() {
-        return Err(Error::Input(
-            "[agent] actions = \"admissible\": the game lists no admissible command for this state; \
-             use actions = \"free\" with environments that do not list their commands"
-                .into(),
-        ));
+        return Err(Error::Setting(ConfigError::new(
+            "agent",
+            "actions",
+            "= \"admissible\": the game lists no admissible command for this state; use actions = \
+             \"free\" with environments that do not list their commands",
+        )));
     }
     let tokens = commands
         .iter()
@@ -211,7 +212,11 @@ pub(crate) fn command_trie(tokenizer: &Tokenizer, commands: &[String]) -> Result
         .collect::<Result<Vec<_>>>()?;
     let longest = tokens.iter().map(Vec::len).max().unwrap_or(0);
     let trie = ActionTrie::new(&tokens).map_err(|e| {
-        Error::Input(format!("[agent] actions = \"admissible\": the commands {commands:?}: {e}"))
+        Error::Setting(ConfigError::new(
+            "agent",
+            "actions",
+            format!("= \"admissible\": the commands {commands:?}: {e}"),
+        ))
     })?;
     Ok((trie, longest))
 }
@@ -221,8 +226,10 @@ pub(crate) fn command_trie(tokenizer: &Tokenizer, commands: &[String]) -> Result
 pub fn prompt_budget(lm: &CausalLm, max_new_tokens: usize) -> Result<usize> {
     let context = lm.config().max_positions().unwrap_or(usize::MAX);
     context.checked_sub(max_new_tokens).filter(|&n| n > 0).ok_or_else(|| {
-        Error::Input(format!(
-            "generation.max_new_tokens = {max_new_tokens} leaves no room for a prompt in the model's {context} positions"
+        Error::Setting(ConfigError::new(
+            "generation",
+            "max_new_tokens",
+            format!("= {max_new_tokens} leaves no room for a prompt in the model's {context} positions"),
         ))
     })
 }

@@ -27,7 +27,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use super::tracker_ids::RunEnd;
-use crate::error::{Error, Result};
+use crate::error::{ConfigError, Error, Result};
 
 /// What an MLflow run is made from.
 #[derive(Debug, Clone, PartialEq)]
@@ -77,11 +77,15 @@ impl MlflowRun {
         let store = if opts.store.is_absolute() { opts.store.clone() } else { run_dir.join(&opts.store) };
         let store = normalize(&std::path::absolute(&store).unwrap_or(store));
         let unwritable = |path: &Path, e: std::io::Error| {
-            Error::Input(format!(
-                "[logging] mlflow = {:?}: cannot write the MLflow store at {}: {e}; set [logging] \
-                 mlflow to a writable directory (relative paths are under [logging] dir) or remove it",
-                opts.store.display().to_string(),
-                path.display()
+            Error::Setting(ConfigError::new(
+                "logging",
+                "mlflow",
+                format!(
+                    "= {:?}: cannot write the MLflow store at {}: {e}; set [logging] mlflow to a \
+                     writable directory (relative paths are under [logging] dir) or remove it",
+                    opts.store.display().to_string(),
+                    path.display()
+                ),
             ))
         };
         let trash = store.join(".trash");
@@ -435,7 +439,12 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("not-a-dir");
         std::fs::write(&file, "x").unwrap();
-        let err = MlflowRun::open(&opts(&file.join("store")), dir.path(), None).unwrap_err().to_string();
+        let err = MlflowRun::open(&opts(&file.join("store")), dir.path(), None).unwrap_err();
+        assert!(
+            matches!(&err, Error::Setting(ConfigError { section, field, .. }) if section == "logging" && field == "mlflow"),
+            "{err:?}"
+        );
+        let err = err.to_string();
         assert!(err.contains("[logging] mlflow") && err.contains("writable directory"), "{err}");
     }
 }

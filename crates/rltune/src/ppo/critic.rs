@@ -30,7 +30,7 @@ use candle_core::Tensor;
 use super::config::optim_args;
 use super::forward::hidden_states;
 use crate::engine::Optimizer;
-use crate::error::{Error, Result};
+use crate::error::{ConfigError, Error, Result};
 use crate::models::CausalLmWithValueHead;
 use crate::optim::{Adam, Grads};
 use crate::params::ParamStore;
@@ -53,8 +53,10 @@ impl Critic {
             return Err(Error::Input("the critic's parameters must be trainable".into()));
         }
         if !(learning_rate.is_finite() && learning_rate > 0.0) {
-            return Err(Error::Input(format!(
-                "critic learning_rate must be a positive number, got {learning_rate}"
+            return Err(Error::Setting(ConfigError::new(
+                "critic",
+                "learning_rate",
+                format!("must be a positive number, got {learning_rate}"),
             )));
         }
         let optimizer = Optimizer::new(store.vars(), optim_args(learning_rate, None))?;

@@ -20,7 +20,7 @@ use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
 
 use super::{RewardInput, RewardSource};
-use crate::error::{Error, Result};
+use crate::error::{ConfigError, Error, Result};
 use crate::models::bert::{SequenceClassifier, SequenceClassifierConfig};
 use crate::models::load::{locate, read_config_json};
 use crate::params::ParamStore;
@@ -146,7 +146,11 @@ impl ClassifierReward {
         device: &Device,
     ) -> Result<Self> {
         if cfg.batch_size == 0 {
-            return Err(Error::Input("classifier reward: batch_size must be at least 1".into()));
+            return Err(Error::Setting(ConfigError::new(
+                "reward.sources",
+                "batch_size",
+                "must be at least 1 for a classifier reward",
+            )));
         }
         let label_index = model.label_index(&cfg.label)?;
         let mut inner = tokenizer.inner().clone();

@@ -32,7 +32,7 @@ use super::prompts::{decode, encode_prompts, reward_inputs};
 use super::run_loop::StepReport;
 use crate::data::prompts::PromptRow;
 use crate::engine::{Stat, Stats};
-use crate::error::{Error, Result};
+use crate::error::{ConfigError, Error, Result};
 use crate::generation::{generate, GenerationConfig};
 use crate::grpo::core::Core;
 use crate::grpo::math::weighted_rewards;
@@ -355,9 +355,10 @@ impl GroupRun {
     /// appended to `eval.jsonl` by rank 0.
     pub fn evaluate(&mut self, step: usize) -> Result<EvalResult> {
         let Source::Prompts { reward, reward_names, eval_prompts, .. } = &mut self.source else {
-            return Err(Error::Input(
-                "[eval] scores prompts; a run on games evaluates with [episodes]".into(),
-            ));
+            return Err(Error::Setting(ConfigError::table(
+                "eval",
+                "[eval] scores prompts; a run on games evaluates with [episodes]",
+            )));
         };
         let evaluator = Evaluator {
             section: &self.config.eval,

@@ -24,7 +24,7 @@ use super::run_loop::StepReport;
 use crate::agent::rollout::{lambda_bootstraps, rebootstrap, Transition};
 use crate::data::prompts::{LengthSampler, PromptRow};
 use crate::engine::stats::mean_std;
-use crate::error::{Error, Result};
+use crate::error::{ConfigError, Error, Result};
 use crate::generation::{generate, GenerationConfig};
 use crate::logging::{RunEnd, RunLogger, SampleRow};
 use crate::models::load::{load_policy_adapted, load_reference, LoadedPolicy};
@@ -137,9 +137,13 @@ impl PpoRun {
         resume: bool,
     ) -> Result<Self> {
         if config.algorithm.kind.is_group() {
-            return Err(Error::Input(format!(
-                "[algorithm] kind = \"{}\" runs in GroupRun (rltune::run::GroupRun), not PpoRun",
-                config.algorithm.kind.name()
+            return Err(Error::Setting(ConfigError::new(
+                "algorithm",
+                "kind",
+                format!(
+                    "= \"{}\" runs in GroupRun (rltune::run::GroupRun), not PpoRun",
+                    config.algorithm.kind.name()
+                ),
             )));
         }
         tracing::info!("runtime: {runtime}");

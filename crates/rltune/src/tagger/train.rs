@@ -34,7 +34,7 @@ use serde::{Deserialize, Serialize};
 use super::{Bio, Encoded, Tagger};
 use crate::dist::Dist;
 use crate::envs::play::mix_seeds;
-use crate::error::{Error, Result};
+use crate::error::{ConfigError, Error, Result};
 use crate::ops;
 use crate::rewards::metrics::bio::{sequence_counts, Tagged};
 use crate::train::runner::{self, BatchLoss, Objective};
@@ -214,19 +214,28 @@ impl RlArgs {
             Baseline::Greedy => 1,
         };
         if self.samples_per_sentence < least {
-            return Err(Error::Input(format!(
-                "rl.samples_per_sentence = {}: needs at least {least} with baseline {:?} (leave_one_out \
-                 compares each sample with the mean of the others)",
-                self.samples_per_sentence, self.baseline
+            return Err(Error::Setting(ConfigError::new(
+                "rl",
+                "samples_per_sentence",
+                format!(
+                    "= {}: needs at least {least} with baseline {:?} (leave_one_out compares each \
+                     sample with the mean of the others)",
+                    self.samples_per_sentence, self.baseline
+                ),
             )));
         }
         if !(self.kl_coef >= 0.0 && self.kl_coef.is_finite()) {
-            return Err(Error::Input(format!("rl.kl_coef = {}: must be a finite number ≥ 0", self.kl_coef)));
+            return Err(Error::Setting(ConfigError::new(
+                "rl",
+                "kl_coef",
+                format!("= {}: must be a finite number ≥ 0", self.kl_coef),
+            )));
         }
         if !(self.temperature > 0.0 && self.temperature.is_finite()) {
-            return Err(Error::Input(format!(
-                "rl.temperature = {}: must be a finite number > 0",
-                self.temperature
+            return Err(Error::Setting(ConfigError::new(
+                "rl",
+                "temperature",
+                format!("= {}: must be a finite number > 0", self.temperature),
             )));
         }
         Ok(())
@@ -508,5 +517,18 @@ mod tests {
         assert_eq!(reward(&gold, &["B-a", "O", "O", "B-b"]), 1.0 - 1.0);
         assert_eq!(reward(&["O", "O"], &["O", "O"]), 0.0);
         assert_eq!(reward(&["O", "O"], &["B-a", "O"]), -0.5);
+    }
+
+    /// A bad `[rl]` value is a setting error naming its key, and prints as it did as `Input`.
+    #[test]
+    fn rl_args_errors_name_the_rl_key() {
+        let err = RlArgs { kl_coef: -1.0, ..RlArgs::default() }.validate().unwrap_err();
+        assert!(
+            matches!(&err, Error::Setting(ConfigError { section, field, .. }) if section == "rl" && field == "kl_coef"),
+            "{err:?}"
+        );
+        assert_eq!(err.to_string(), "rl.kl_coef = -1: must be a finite number ≥ 0");
+        let err = RlArgs { samples_per_sentence: 1, ..RlArgs::default() }.validate().unwrap_err();
+        assert!(err.to_string().starts_with("rl.samples_per_sentence = 1: needs at least 2"), "{err}");
     }
 }

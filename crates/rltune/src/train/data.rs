@@ -22,7 +22,7 @@ use serde_json::{Map, Value};
 
 use crate::data::chat;
 use crate::data::rows::{column_list, read_rows, DataOptions};
-use crate::error::{Error, Result};
+use crate::error::{ConfigError, Error, Result};
 
 /// One supervised fine-tuning example, before tokenization.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -328,9 +328,13 @@ fn strip(e: Error, origin: &str) -> String {
 pub fn split_eval(n: usize, fraction: f64, seed: u64) -> Result<(Vec<usize>, Vec<usize>)> {
     let n_eval = if fraction > 0.0 { ((n as f64 * fraction).round() as usize).max(1) } else { 0 };
     if n_eval >= n {
-        return Err(Error::Input(format!(
-            "training.eval_fraction = {fraction} leaves no training example out of {n}; lower it (or set it \
-             to 0 for no eval split), or add data"
+        return Err(Error::Setting(ConfigError::new(
+            "training",
+            "eval_fraction",
+            format!(
+                "= {fraction} leaves no training example out of {n}; lower it (or set it to 0 for no \
+                 eval split), or add data"
+            ),
         )));
     }
     let mut idx: Vec<usize> = (0..n).collect();

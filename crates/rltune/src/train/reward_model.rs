@@ -391,10 +391,14 @@ pub fn tokenize_reward(
 ) -> Result<RewardExamples> {
     cfg.validate()?;
     if cfg.max_length > model.max_positions() {
-        return Err(Error::Input(format!(
-            "reward.max_length ({}) exceeds the model's max_position_embeddings ({}); lower it",
-            cfg.max_length,
-            model.max_positions()
+        return Err(Error::Setting(ConfigError::new(
+            "reward",
+            "max_length",
+            format!(
+                "({}) exceeds the model's max_position_embeddings ({}); lower it",
+                cfg.max_length,
+                model.max_positions()
+            ),
         )));
     }
     let mut inner = model.tokenizer.inner().clone();

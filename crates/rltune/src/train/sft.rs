@@ -127,16 +127,18 @@ pub fn tokenize_sft_with(
 ) -> Result<(Vec<SftExample>, usize)> {
     cfg.validate()?;
     check_assistant_only_loss(records, template, cfg)?;
-    let eos =
-        match (cfg.add_eos, eos_id) {
-            (true, None) => return Err(Error::Input(
-                "sft.add_eos is true but the model's config.json has no eos_token_id; add it there or set \
-                 sft.add_eos = false"
-                    .into(),
-            )),
-            (true, Some(e)) => Some(e),
-            (false, _) => None,
-        };
+    let eos = match (cfg.add_eos, eos_id) {
+        (true, None) => {
+            return Err(Error::Setting(ConfigError::new(
+                "sft",
+                "add_eos",
+                "is true but the model's config.json has no eos_token_id; add it there or set \
+                 sft.add_eos = false",
+            )))
+        }
+        (true, Some(e)) => Some(e),
+        (false, _) => None,
+    };
     let (mut out, mut dropped) = (Vec::with_capacity(records.len()), 0);
     for (i, rec) in records.iter().enumerate() {
         let (mut ids, mut mask) = match rec {
@@ -195,18 +197,27 @@ fn check_assistant_only_loss(
         return Ok(());
     }
     if let Some(i) = records.iter().position(|r| !r.is_conversational()) {
-        return Err(Error::Input(format!(
-            "sft.assistant_only_loss is true, but SFT example {} is not conversational; it applies to \
-             `messages` (or conversational prompt/completion) rows only: set it to false",
-            i + 1
+        return Err(Error::Setting(ConfigError::new(
+            "sft",
+            "assistant_only_loss",
+            format!(
+                "is true, but SFT example {} is not conversational; it applies to `messages` (or \
+                 conversational prompt/completion) rows only: set it to false",
+                i + 1
+            ),
         )));
     }
     if let Some(t) = template.filter(|t| !t.has_generation_markers()) {
-        return Err(Error::Input(format!(
-            "sft.assistant_only_loss is true, but the chat template ({t:?}) has no `{{% generation %}}` markers, so \
-             the assistant's tokens cannot be told apart. Wrap each assistant message's text (and its end-of-turn \
-             token) in `{{% generation %}}…{{% endgeneration %}}` in tokenizer_config.json's chat_template (TRL 1.16 \
-             swaps in its own training template for some known models), or set sft.assistant_only_loss = false"
+        return Err(Error::Setting(ConfigError::new(
+            "sft",
+            "assistant_only_loss",
+            format!(
+                "is true, but the chat template ({t:?}) has no `{{% generation %}}` markers, so the \
+                 assistant's tokens cannot be told apart. Wrap each assistant message's text (and its \
+                 end-of-turn token) in `{{% generation %}}…{{% endgeneration %}}` in \
+                 tokenizer_config.json's chat_template (TRL 1.16 swaps in its own training template for \
+                 some known models), or set sft.assistant_only_loss = false"
+            ),
         )));
     }
     Ok(())
@@ -250,11 +261,12 @@ fn tokenize_chat(
     };
     if let Some(a) = assistant {
         if !a.contains(&1) {
-            return Err(Error::Input(
-                "sft.assistant_only_loss is true, but the rendered conversation has no assistant token (no \
-                 `{% generation %}` block rendered any text); check the template and the roles"
-                    .into(),
-            ));
+            return Err(Error::Setting(ConfigError::new(
+                "sft",
+                "assistant_only_loss",
+                "is true, but the rendered conversation has no assistant token (no `{% generation %}` \
+                 block rendered any text); check the template and the roles",
+            )));
         }
         for (m, a) in mask.iter_mut().zip(a) {
             *m &= a;
@@ -530,9 +542,10 @@ pub fn evaluate_sft(model: &SftModel, examples: &[SftExample], batch_size: usize
 
 fn check_max_length(model: &SftModel, cfg: &SftConfig) -> Result<()> {
     match model.lm.config().max_positions() {
-        Some(max) if cfg.max_length > max => Err(Error::Input(format!(
-            "sft.max_length ({}) exceeds the model's {max} positions; set sft.max_length ≤ {max}",
-            cfg.max_length
+        Some(max) if cfg.max_length > max => Err(Error::Setting(ConfigError::new(
+            "sft",
+            "max_length",
+            format!("({}) exceeds the model's {max} positions; set sft.max_length ≤ {max}", cfg.max_length),
         ))),
         _ => Ok(()),
     }

@@ -31,7 +31,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use super::jsonl::MetricRow;
 use super::tensorboard::Histogram;
 use super::tracker_ids::RunEnd;
-use crate::error::{Error, Result};
+use crate::error::{ConfigError, Error, Result};
 use records::{json_number, Item, Record, RunInfo};
 
 /// What a W&B offline run is made from.
@@ -79,10 +79,14 @@ impl WandbRun {
         };
         let files = dir.join("files");
         std::fs::create_dir_all(&files).map_err(|e| {
-            Error::Input(format!(
-                "[logging] wandb = \"offline\": cannot create {}: {e}; make [logging] dir writable \
-                 or remove the wandb key",
-                files.display()
+            Error::Setting(ConfigError::new(
+                "logging",
+                "wandb",
+                format!(
+                    "= \"offline\": cannot create {}: {e}; make [logging] dir writable or remove the \
+                     wandb key",
+                    files.display()
+                ),
             ))
         })?;
         let mut log = log::LogWriter::create(&dir.join(format!("run-{id}.wandb")))?;

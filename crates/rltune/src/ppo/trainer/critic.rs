@@ -2,7 +2,7 @@
 //! rollout values and its update.
 
 use super::{PpoTrainer, StepInput};
-use crate::error::{Error, Result};
+use crate::error::{ConfigError, Error, Result};
 use crate::optim::Grads;
 use crate::ppo::critic::Critic;
 use crate::ppo::forward::hidden_states;
@@ -14,10 +14,13 @@ impl PpoTrainer {
     pub fn with_critic(mut self, critic: Critic) -> Result<Self> {
         let (pv, cv) = (self.policy.lm.vocab_size(), critic.model.lm.vocab_size());
         if pv != cv {
-            return Err(Error::Input(format!(
-                "[critic]: the critic's vocab_size is {cv} but the policy's is {pv}; the critic reads \
-                 the policy's token ids, so it needs the same tokenizer: pick a critic of the \
-                 policy's family"
+            return Err(Error::Setting(ConfigError::table(
+                "critic",
+                format!(
+                    "[critic]: the critic's vocab_size is {cv} but the policy's is {pv}; the critic \
+                     reads the policy's token ids, so it needs the same tokenizer: pick a critic of \
+                     the policy's family"
+                ),
             )));
         }
         if critic.store.device().location() != self.store.device().location() {
@@ -51,14 +54,18 @@ impl PpoTrainer {
         let spec = self.config.value_head_spec();
         let width_differs = matches!((spec.hidden, head.mlp_width()), (Some(a), Some(b)) if a != b);
         if head.kind() != spec.kind || width_differs {
-            return Err(Error::Input(format!(
-                "ppo.value_head = {:?} (value_head_hidden {:?}) but the {whose} value head is {} \
-                 (width {:?}); build the model with CausalLmWithValueHead::load_with(.., \
-                 config.value_head_spec()) or change ppo.value_head",
-                spec.kind.as_str(),
-                spec.hidden,
-                head.kind().as_str(),
-                head.mlp_width()
+            return Err(Error::Setting(ConfigError::new(
+                "ppo",
+                "value_head",
+                format!(
+                    "= {:?} (value_head_hidden {:?}) but the {whose} value head is {} (width {:?}); \
+                     build the model with CausalLmWithValueHead::load_with(.., \
+                     config.value_head_spec()) or change ppo.value_head",
+                    spec.kind.as_str(),
+                    spec.hidden,
+                    head.kind().as_str(),
+                    head.mlp_width()
+                ),
             )));
         }
         Ok(())
