@@ -7,7 +7,7 @@ use candle_core::{DType, Device};
 
 use super::checkpoint::{CriticFiles, CRITIC_DIR};
 use super::config::RunConfig;
-use crate::error::{Error, Result};
+use crate::error::{ConfigError, Error, Result};
 use crate::models::load::{load_policy_adapted, LoadedPolicy, LoraSpec};
 
 /// Added to `[ppo] seed` for the critic's new LoRA `A` matrices, so that they are not the
@@ -31,11 +31,11 @@ pub fn load_critic(
     let saved = ckpt.map(|d| d.join(CRITIC_DIR)).filter(|d| d.is_dir());
     let Some(section) = &config.critic else {
         if let Some(dir) = saved {
-            return Err(Error::Input(format!(
-                "--resume: {} holds a critic but the config has no [critic] table; add [critic] \
-                 (path = the critic the run started from) to resume this run",
-                dir.display()
-            )));
+            return Err(Error::checkpoint(
+                dir,
+                "holds a critic but the config has no [critic] table; add [critic] (path = the \
+                 critic the run started from) to resume this run",
+            ));
         }
         return Ok(None);
     };
@@ -50,30 +50,37 @@ pub fn load_critic(
         _ if lora.is_some() => section.path.clone(),
         (_, Some(dir)) => dir.display().to_string(),
         (Some(dir), None) => {
-            return Err(Error::Input(format!(
-                "--resume: {} has no {CRITIC_DIR}/ (the run was started without a critic) but the \
-                 config has [critic]; remove the [critic] table to resume it",
-                dir.display()
-            )))
+            return Err(Error::checkpoint(
+                dir,
+                format!(
+                    "has no {CRITIC_DIR}/ (the run was started without a critic) but the config has \
+                     [critic]; remove the [critic] table to resume it"
+                ),
+            ))
         }
         (None, None) => section.path.clone(),
     };
     let spec = Some(config.ppo.value_head_spec());
     let LoadedPolicy { files, config_json, config: cfg, store, model } =
-        load_policy_adapted(&src, spec, lora.as_ref(), true, dtype, device)
-            .map_err(|e| Error::Input(format!("[critic] path = {:?}: {e}", section.path)))?;
+        load_policy_adapted(&src, spec, lora.as_ref(), true, dtype, device).map_err(|e| {
+            Error::Setting(ConfigError::table("critic", format!("[critic] path = {:?}: {e}", section.path)))
+        })?;
     if cfg.vocab_size() != policy_vocab_size {
-        return Err(Error::Input(format!(
-            "[critic] path = {:?}: the critic's vocab_size is {} but the policy's is {policy_vocab_size}; \
-             the critic reads the policy's token ids, so it needs the policy's tokenizer: choose a \
-             critic of the policy's family",
-            section.path,
-            cfg.vocab_size()
+        return Err(Error::Setting(ConfigError::table(
+            "critic",
+            format!(
+                "[critic] path = {:?}: the critic's vocab_size is {} but the policy's is \
+                 {policy_vocab_size}; the critic reads the policy's token ids, so it needs the \
+                 policy's tokenizer: choose a critic of the policy's family",
+                section.path,
+                cfg.vocab_size()
+            ),
         )));
     }
     match &files.tokenizer {
-        Some(path) => same_vocabulary(policy_tokenizer, &Tokenizer::from_file(path)?)
-            .map_err(|m| Error::Input(format!("[critic] path = {:?}: {m}", section.path)))?,
+        Some(path) => same_vocabulary(policy_tokenizer, &Tokenizer::from_file(path)?).map_err(|m| {
+            Error::Setting(ConfigError::table("critic", format!("[critic] path = {:?}: {m}", section.path)))
+        })?,
         None => tracing::warn!(
             "[critic] {}: no tokenizer.json, so only its vocab size was checked against the policy's",
             files.dir.display()
