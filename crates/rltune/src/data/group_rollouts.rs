@@ -51,7 +51,7 @@ pub fn read_group_rollouts(path: &Path, reward_funcs: Option<&[String]>) -> Resu
     let mut first_line = 0;
     for (i, raw) in text.lines().enumerate() {
         let n = i + 1;
-        let at = |msg: String| Error::Input(format!("{} line {n}: {msg}", path.display()));
+        let at = |msg: String| Error::data(format!("{} line {n}", path.display()), msg);
         if raw.trim().is_empty() {
             continue;
         }

@@ -21,11 +21,13 @@ pub(crate) fn read_utf8(path: &Path) -> Result<String> {
         let bytes = e.as_bytes();
         let line = bytes[..at].iter().filter(|&&b| b == b'\n').count() + 1;
         let col = at - bytes[..at].iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1) + 1;
-        Error::Input(format!(
-            "{} line {line}: byte {col} of the line (0x{:02x}) is not valid UTF-8; rltune reads text \
-             files as UTF-8: re-encode the file, e.g. `iconv -f latin1 -t utf-8 IN > OUT`",
-            path.display(),
-            bytes[at]
-        ))
+        Error::data(
+            format!("{} line {line}", path.display()),
+            format!(
+                "byte {col} of the line (0x{:02x}) is not valid UTF-8; rltune reads text files as \
+                 UTF-8: re-encode the file, e.g. `iconv -f latin1 -t utf-8 IN > OUT`",
+                bytes[at]
+            ),
+        )
     })
 }

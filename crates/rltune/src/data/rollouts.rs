@@ -37,7 +37,7 @@ pub fn read_rollouts(path: &Path, tokenizer: Option<&Tokenizer>, vocab_size: usi
     let mut out = Vec::new();
     for (i, raw) in text.lines().enumerate() {
         let n = i + 1;
-        let at = |msg: String| Error::Input(format!("{} line {n}: {msg}", path.display()));
+        let at = |msg: String| Error::data(format!("{} line {n}", path.display()), msg);
         if raw.trim().is_empty() {
             continue;
         }

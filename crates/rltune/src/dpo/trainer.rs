@@ -252,7 +252,7 @@ impl DpoTrainer {
         let vocab = self.core.policy.vocab_size();
         let max_pos = self.core.policy.config().max_positions();
         for p in pairs {
-            let bad = |m: String| Err(Error::Input(format!("{}: {m}", p.origin)));
+            let bad = |m: String| Err(Error::data(&p.origin, m));
             if p.chosen_ids.is_empty() || p.rejected_ids.is_empty() {
                 return bad("empty chosen or rejected completion; each needs at least one token".into());
             }

@@ -294,8 +294,7 @@ pub fn read_events(path: &Path) -> Result<Vec<Event>> {
         .iter()
         .enumerate()
         .map(|(i, r)| {
-            decode_event(r)
-                .ok_or_else(|| Error::Input(format!("{}: record {i} is not an Event", path.display())))
+            decode_event(r).ok_or_else(|| Error::data(path.display(), format!("record {i} is not an Event")))
         })
         .collect()
 }

@@ -74,7 +74,7 @@ pub fn parse_records(bytes: &[u8], what: &str) -> Result<Vec<Vec<u8>>> {
     let mut pos = 0usize;
     while pos < bytes.len() {
         let n = records.len();
-        let bad = |msg: &str| Error::Input(format!("{what}: record {n} at byte {pos}: {msg}"));
+        let bad = |msg: &str| Error::data(what, format!("record {n} at byte {pos}: {msg}"));
         let header = bytes.get(pos..pos + 12).ok_or_else(|| bad("truncated header"))?;
         let (len_bytes, len_crc) = header.split_at(8);
         if masked_crc32c(len_bytes) != u32::from_le_bytes(le4(len_crc)) {

@@ -232,7 +232,7 @@ pub(super) fn encode_eval_prompts(
 ) -> Result<Vec<(Vec<u32>, PromptRow)>> {
     let prompts = super::prompts::encode_from(config, &config.eval.source, tokenizer)?;
     if prompts.is_empty() {
-        return Err(Error::Input(format!("[eval] source {}: no usable prompt", config.eval.source)));
+        return Err(Error::data(format!("[eval] source {}", config.eval.source), "no usable prompt"));
     }
     Ok(prompts)
 }

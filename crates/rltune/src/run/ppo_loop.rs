@@ -552,12 +552,10 @@ impl PpoRun {
 fn load_encoded_prompts(config: &RunConfig, tokenizer: &Tokenizer) -> Result<Vec<(Vec<u32>, PromptRow)>> {
     let prompts = encode_prompts(config, tokenizer)?;
     if prompts.len() < config.ppo.batch_size {
-        return Err(Error::Input(format!(
-            "{}: {} usable prompts but [ppo] batch_size is {}",
-            config.data.source,
-            prompts.len(),
-            config.ppo.batch_size
-        )));
+        return Err(Error::data(
+            &config.data.source,
+            format!("{} usable prompts but [ppo] batch_size is {}", prompts.len(), config.ppo.batch_size),
+        ));
     }
     Ok(prompts)
 }

@@ -19,9 +19,8 @@ use crate::error::{Error, Result};
 
 /// Reads every record batch of `path` into rows.
 pub(super) fn read_arrow(path: &Path) -> Result<Vec<Row>> {
-    let bad = |e: arrow_schema::ArrowError| {
-        Error::Input(format!("{}: invalid Arrow IPC data: {e}", path.display()))
-    };
+    let bad =
+        |e: arrow_schema::ArrowError| Error::data(path.display(), format!("invalid Arrow IPC data: {e}"));
     let open = || std::fs::File::open(path).map_err(|e| Error::io(path, e));
     let mut magic = [0u8; 6];
     let is_file = {
@@ -47,10 +46,13 @@ pub(super) fn read_arrow(path: &Path) -> Result<Vec<Row>> {
             let mut fields = Map::new();
             for (field, column) in schema.fields().iter().zip(batch.columns()) {
                 let v = value_at(column.as_ref(), i).map_err(|m| {
-                    Error::Input(format!(
-                        "{origin}: column {:?}: {m}; convert it to text or numbers before saving",
-                        field.name()
-                    ))
+                    Error::data(
+                        &origin,
+                        format!(
+                            "column {:?}: {m}; convert it to text or numbers before saving",
+                            field.name()
+                        ),
+                    )
                 })?;
                 fields.insert(field.name().clone(), v);
             }
