@@ -280,11 +280,13 @@ fn same_settings(saved: &serde_json::Value, now: &serde_json::Value, file: &Path
     for (key, value) in now {
         let was = saved.get(key).unwrap_or(&serde_json::Value::Null);
         if was != value {
-            return Err(Error::Input(format!(
-                "{}: saved with dpo.{key} = {was} but this run has {value}; resume with the settings it \
-                 was started with (only dpo.save_steps may change)",
-                file.display()
-            )));
+            return Err(Error::checkpoint(
+                file,
+                format!(
+                    "saved with dpo.{key} = {was} but this run has {value}; resume with the settings \
+                     it was started with (only dpo.save_steps may change)"
+                ),
+            ));
         }
     }
     Ok(())
@@ -295,12 +297,14 @@ fn read_lines(path: &Path, steps: usize) -> Result<Vec<String>> {
     let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
     let lines: Vec<String> = text.lines().filter(|l| !l.trim().is_empty()).map(str::to_string).collect();
     if lines.len() != steps {
-        return Err(Error::Input(format!(
-            "{}: {} lines for {steps} steps; the checkpoint is damaged: resume from an earlier one \
-             (remove this step-N folder) or start anew",
-            path.display(),
-            lines.len()
-        )));
+        return Err(Error::checkpoint(
+            path,
+            format!(
+                "{} lines for {steps} steps; the checkpoint is damaged: resume from an earlier one \
+                 (remove this step-N folder) or start anew",
+                lines.len()
+            ),
+        ));
     }
     Ok(lines)
 }

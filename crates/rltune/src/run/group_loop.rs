@@ -158,10 +158,10 @@ impl GroupRun {
         }
         let ckpt = if resume { latest_checkpoint(&config.logging.dir)? } else { None };
         if resume && ckpt.is_none() {
-            return Err(Error::Input(format!(
-                "--resume: no checkpoint under {dir}/checkpoints; run without --resume to start",
-                dir = config.logging.dir.display()
-            )));
+            return Err(Error::checkpoint(
+                config.logging.dir.join("checkpoints"),
+                "no checkpoint to --resume from; run without --resume to start",
+            ));
         }
         // With LoRA the base is always `[model] path`, and a checkpoint holds the adapter.
         let lora = config.lora_spec(ckpt.as_ref().map(|(_, d)| d.as_path()), "the run config");
@@ -490,11 +490,13 @@ impl GroupRun {
         );
         save_group_checkpoint(&dir, self.trainer.core(), &self.config_json, &self.policy_files, &state)
             .map_err(|e| {
-                Error::Input(format!(
-                    "checkpoint {} could not be written ({e}); nothing of it was kept (a full disk?). \
-                     Free some room, then continue with --resume",
-                    dir.display()
-                ))
+                Error::checkpoint(
+                    &dir,
+                    format!(
+                        "could not be written ({e}); nothing of it was kept (a full disk?). Free some \
+                         room, then continue with --resume"
+                    ),
+                )
             })
     }
 }

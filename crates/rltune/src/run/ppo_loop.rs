@@ -164,11 +164,14 @@ impl PpoRun {
         }
         let ckpt = if resume { latest_checkpoint(&config.logging.dir)? } else { None };
         if resume && ckpt.is_none() {
-            return Err(Error::Input(format!(
-                "--resume: no checkpoint under {dir}/checkpoints; run without --resume to start (if \
-                 {dir} holds a run stopped before its first checkpoint, delete it first)",
-                dir = config.logging.dir.display()
-            )));
+            return Err(Error::checkpoint(
+                config.logging.dir.join("checkpoints"),
+                format!(
+                    "no checkpoint to --resume from; run without --resume to start (if {dir} holds a \
+                     run stopped before its first checkpoint, delete it first)",
+                    dir = config.logging.dir.display()
+                ),
+            ));
         }
         // With LoRA the base is always `[model] path`, and a checkpoint holds the adapter.
         let lora = config.lora_spec(ckpt.as_ref().map(|(_, d)| d.as_path()), "the run config");
@@ -535,15 +538,17 @@ impl PpoRun {
         )
         .map_err(|e| {
             let previous = latest_checkpoint(&self.config.logging.dir).ok().flatten();
-            Error::Input(format!(
-                "checkpoint {} could not be written ({e}); nothing of it was kept (a full disk?). {} \
-                 Free some room, then continue with --resume",
-                dir.display(),
-                match previous {
-                    Some((k, _)) => format!("The checkpoint of step {k} is intact."),
-                    None => "No earlier checkpoint exists.".into(),
-                }
-            ))
+            Error::checkpoint(
+                &dir,
+                format!(
+                    "could not be written ({e}); nothing of it was kept (a full disk?). {} Free some \
+                     room, then continue with --resume",
+                    match previous {
+                        Some((k, _)) => format!("The checkpoint of step {k} is intact."),
+                        None => "No earlier checkpoint exists.".into(),
+                    }
+                ),
+            )
         })
     }
 }

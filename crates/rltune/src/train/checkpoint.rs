@@ -151,11 +151,11 @@ pub(crate) fn load_latest<T: DeserializeOwned>(
     check: impl FnOnce(&T, &Path) -> Result<()>,
 ) -> Result<(LoopCheckpoint<T>, PathBuf)> {
     let Some((_, path)) = crate::run::checkpoint::latest_checkpoint_in(dir)? else {
-        return Err(Error::Input(format!(
-            "--resume: no checkpoint (step-N folder) in {}; run without --resume to start anew, or \
+        return Err(Error::checkpoint(
+            dir,
+            "no checkpoint (step-N folder) to --resume from; run without --resume to start anew, or \
              give the folder the run wrote them to with --checkpoint-dir",
-            dir.display()
-        )));
+        ));
     };
     let file = path.join("trainer_state.json");
     let value = crate::io::read_json::<serde_json::Value>(&file)?;
