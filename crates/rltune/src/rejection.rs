@@ -170,7 +170,7 @@ pub fn response_logprobs(
     device: &Device,
 ) -> Result<Vec<f32>> {
     let mut out = batch_response_logprobs(lm, &[(query, response)], temperature, device)?;
-    out.pop().ok_or_else(|| Error::Input("response_logprobs: no result".into()))
+    out.pop().ok_or_else(|| Error::Internal("response_logprobs: no result for its one pair".into()))
 }
 
 /// [`response_logprobs`] of several (query, response) pairs in one forward pass: the rows

@@ -245,7 +245,7 @@ impl RunLogger {
         }
         for ep in episodes {
             let mut v = serde_json::to_value(ep)
-                .map_err(|e| Error::Input(format!("cannot serialize a transcript: {e}")))?;
+                .map_err(|e| Error::Internal(format!("cannot serialize a transcript: {e}")))?;
             if let serde_json::Value::Object(m) = &mut v {
                 m.insert("step".into(), step.into());
             }

@@ -85,7 +85,7 @@ impl TrackerRuns {
         };
         if !ids.is_empty() {
             let text = serde_json::to_string_pretty(&serde_json::Value::Object(ids))
-                .map_err(|e| Error::Input(format!("cannot write {}: {e}", ids_path.display())))?;
+                .map_err(|e| Error::Internal(format!("cannot serialize {}: {e}", ids_path.display())))?;
             crate::io::write_bytes_atomic(&ids_path, text.as_bytes())?;
         }
         Ok(TrackerRuns { mlflow, wandb, ended: false })

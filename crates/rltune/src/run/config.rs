@@ -636,7 +636,7 @@ impl RunConfig {
     /// The resolved config as TOML (saved in the run directory), without the tables of the
     /// other trainers (so it loads again: see `Self::check_tables`).
     pub fn to_toml(&self) -> Result<String> {
-        let err = |e: &dyn std::fmt::Display| Error::Input(format!("cannot serialize the config: {e}"));
+        let err = |e: &dyn std::fmt::Display| Error::Internal(format!("cannot serialize the config: {e}"));
         let mut doc = toml::Table::try_from(self).map_err(|e| err(&e))?;
         for table in self.unused_tables() {
             doc.remove(*table);

@@ -15,7 +15,7 @@ pub fn trackers(config: &RunConfig) -> Result<Trackers> {
         return Ok(Trackers::default());
     }
     let resolved: toml::Table = toml::from_str(&config.to_toml()?)
-        .map_err(|e| Error::Input(format!("cannot re-read the resolved config: {e}")))?;
+        .map_err(|e| Error::Internal(format!("cannot re-read the resolved config: {e}")))?;
     let name =
         logging.dir.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_else(|| "rltune".into());
     let run_dir = std::path::absolute(&logging.dir).unwrap_or_else(|_| logging.dir.clone());

@@ -232,7 +232,8 @@ pub fn write_tiny_encoder(
     cfg.max_position_embeddings = max_positions;
     let store = ParamStore::random(seed, false, DType::F32, &Device::Cpu)?;
     BertForTokenClassification::load(&store.root(), &cfg)?;
-    let mut config = serde_json::to_value(&cfg).map_err(|e| Error::Input(format!("a BERT config: {e}")))?;
+    let mut config = serde_json::to_value(&cfg)
+        .map_err(|e| Error::Internal(format!("cannot serialize a BERT config: {e}")))?;
     config["model_type"] = "bert".into();
     let tmp = dir.with_extension("tmp");
     std::fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;

@@ -285,8 +285,9 @@ impl RewardModel {
         if self.store.has_lora() {
             return save_dir_atomic(dir, |tmp| -> crate::models::Result<()> {
                 self.store.save_adapter(tmp, None)?;
-                let text = serde_json::to_string_pretty(&self.config_json)
-                    .map_err(|e| crate::models::Error::Input(format!("config.json: {e}")))?;
+                let text = serde_json::to_string_pretty(&self.config_json).map_err(|e| {
+                    crate::models::Error::Internal(format!("cannot serialize config.json: {e}"))
+                })?;
                 crate::models::io::write_bytes_atomic(&tmp.join(CLASSIFIER_CONFIG), text.as_bytes())?;
                 self.tokenizer.save(&tmp.join("tokenizer.json"))
             })

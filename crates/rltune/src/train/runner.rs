@@ -570,7 +570,7 @@ impl<O: Objective> crate::engine::run_loop::Algorithm for Supervised<'_, O> {
 
     fn settings(&self) -> Result<String> {
         serde_json::to_string(self.args)
-            .map_err(|e| Error::Input(format!("cannot serialize [training]: {e}")))
+            .map_err(|e| Error::Internal(format!("cannot serialize [training]: {e}")))
     }
 
     fn data_order(&self) -> Result<EpochOrder> {
