@@ -265,10 +265,13 @@ pub(crate) fn build_http(s: &RewardSourceConfig) -> Result<Box<dyn RewardSource>
 /// line's is its environment).
 fn api_key(var: &str, what: &str) -> Result<String> {
     crate::runtime::host().secrets.get(var).ok_or_else(|| {
-        Error::Input(format!(
-            "{what}: api_key_env names {var}, which is not set (set it in the environment of `rltune`; \
-             a program using the library supplies its keys with runtime::Host::with_secrets)"
-        ))
+        Error::reward(
+            what,
+            format!(
+                "api_key_env names {var}, which is not set (set it in the environment of `rltune`; a \
+                 program using the library supplies its keys with runtime::Host::with_secrets)"
+            ),
+        )
     })
 }
 
