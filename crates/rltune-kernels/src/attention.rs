@@ -43,19 +43,40 @@ fn axpy<T: Elem>(out: &mut [T], a: T, x: &[T]) {
     }
 }
 
-/// The geometry of one call.
+/// The geometry of one call. A row of the packed projection holds the `h` query heads, then the
+/// `kv` key heads, then the `kv` value heads (GPT-2's `qkv` has `kv = h`); query head `i` reads
+/// key and value head `i / (h / kv)` (grouped-query attention).
 #[derive(Debug, Clone, Copy)]
-struct Dims {
-    t: usize,
-    c: usize,
-    h: usize,
+pub(crate) struct Dims {
+    pub t: usize,
+    /// The query width `H·D` (the output's).
+    pub c: usize,
+    pub h: usize,
+    /// Key and value heads (`h` for multi-head attention).
+    pub kv: usize,
     /// Rows of the bias: `(B|1, H|1, T|1)` as multipliers; see [`Dims::bias_row`].
-    bias: [usize; 3],
+    pub bias: [usize; 3],
 }
 
 impl Dims {
-    fn d(&self) -> usize {
+    pub fn d(&self) -> usize {
         self.c / self.h
+    }
+
+    /// Query heads per key head.
+    fn rep(&self) -> usize {
+        self.h / self.kv
+    }
+
+    /// The packed row's width: `H·D + 2·H_kv·D` (`3C` for GPT-2).
+    pub fn width(&self) -> usize {
+        self.c + 2 * self.kv * self.d()
+    }
+
+    /// The columns of query head `h`'s query, key and value in a packed row.
+    fn cols(&self, h: usize) -> (usize, usize, usize) {
+        let (d, g) = (self.d(), h / self.rep());
+        (h * d, self.c + g * d, self.c + (self.kv + g) * d)
     }
 
     /// The bias row for query `i` of head `h` in sequence `b`.
@@ -69,16 +90,16 @@ impl Dims {
 /// `t` rounded up to whole SIMD vectors: the row length of the transposed heads and of the
 /// score rows, so the loops along positions have no scalar remainder (T = 31 in PPO: 3 vectors
 /// and 7 scalar steps per row otherwise). The padding columns hold zeros.
-fn padded(t: usize) -> usize {
+pub(crate) fn padded(t: usize) -> usize {
     t.div_ceil(LANES) * LANES
 }
 
-/// Columns `col..col + d` of the `t` rows of `qkv` (row stride `3c`), transposed into
+/// Columns `col..col + d` of the `t` rows of `qkv` (row stride `w`), transposed into
 /// `out (d, ld)`: a head's keys or values with the positions contiguous.
 #[inline(always)]
-fn transpose_head<T: Elem>(out: &mut [T], qkv: &[T], col: usize, t: usize, c: usize, d: usize, ld: usize) {
+fn transpose_head<T: Elem>(out: &mut [T], qkv: &[T], col: usize, t: usize, w: usize, d: usize, ld: usize) {
     for j in 0..t {
-        let row = &qkv[j * 3 * c + col..j * 3 * c + col + d];
+        let row = &qkv[j * w + col..j * w + col + d];
         for (e, &x) in row.iter().enumerate() {
             out[e * ld + j] = x;
         }
@@ -195,7 +216,7 @@ fn weighted_tile<T: Elem, const R: usize, const N: usize>(
 
 /// Rows per call of [`weighted_rows_by`]: 4 rows of 2 vectors are 8 sums in flight, enough to
 /// cover the add latency on two ports.
-const ROWS: usize = 4;
+pub(crate) const ROWS: usize = 4;
 
 /// The blocks `(first, count)` that cover the rows `0..t`: [`ROWS`] rows each, then 2 and 1.
 fn row_blocks(t: usize) -> impl Iterator<Item = (usize, usize)> {
@@ -228,17 +249,21 @@ fn live_keys<T: Elem>(bias: &[T], dead: T) -> usize {
 }
 
 simd_kernel! {
-    /// One sequence: `out (T, C)` and the probabilities `p (H, T, T)` from `qkv (T, 3C)`;
-    /// `kt (D, Tp)` (zeros) and `srows (ROWS, Tp)` are scratch, `Tp = padded(T)`. Keys past the
-    /// last live one of a row (the causal future) are skipped: their probabilities are exactly 0.
+    /// One sequence: `out (T, C)` and the probabilities `p (H, T, T)` from the packed rows
+    /// `qkv (T, W)` ([`Dims::width`]); `kt (D, Tp)` (zeros) and `srows (ROWS, Tp)` are scratch,
+    /// `Tp = padded(T)`. Keys past the last live one of a row (the causal future) are skipped:
+    /// their probabilities are exactly 0.
     #[allow(clippy::too_many_arguments)]
-    fn fwd_seq<T: Elem>(out: &mut [T], p: &mut [T], kt: &mut [T], srows: &mut [T], qkv: &[T], bias: &[T], b: usize, dims: &Dims, scale: T) {
-        let (t, c, d) = (dims.t, dims.c, dims.d());
+    pub(crate) fn fwd_seq<T: Elem>(out: &mut [T], p: &mut [T], kt: &mut [T], srows: &mut [T], qkv: &[T], bias: &[T], b: usize, dims: &Dims, scale: T) {
+        let (t, c, d, w) = (dims.t, dims.c, dims.d(), dims.width());
         let tp = padded(t);
         let dead = T::from(DEAD).unwrap_or_else(T::min_value);
         for h in 0..dims.h {
-            let (q, v) = (h * d, 2 * c + h * d);
-            transpose_head(kt, qkv, c + h * d, t, c, d, tp);
+            let (q, k, v) = dims.cols(h);
+            // The group's first query head transposes its keys; the others reuse them.
+            if h % dims.rep() == 0 {
+                transpose_head(kt, qkv, k, t, w, d, tp);
+            }
             let live_of = |i: usize| {
                 let br = dims.bias_row(b, h, i);
                 live_keys(&bias[br..br + t], dead)
@@ -246,7 +271,7 @@ simd_kernel! {
             for (i0, r) in row_blocks(t) {
                 // The block's scores up to its longest row (a row's extra scores are unused).
                 let n = padded((i0..i0 + r).map(live_of).max().unwrap_or(0));
-                weighted_rows_by(r, srows, tp, &qkv[i0 * 3 * c + q..], 3 * c, d, kt, tp, n);
+                weighted_rows_by(r, srows, tp, &qkv[i0 * w + q..], w, d, kt, tp, n);
                 for i in i0..i0 + r {
                     let br = dims.bias_row(b, h, i);
                     let brow = &bias[br..br + t];
@@ -266,7 +291,7 @@ simd_kernel! {
                     for s in row.iter_mut() {
                         *s *= inv;
                     }
-                    weighted_rows(&mut out[i * c + h * d..i * c + h * d + d], row, &qkv[v..], 3 * c);
+                    weighted_rows(&mut out[i * c + h * d..i * c + h * d + d], row, &qkv[v..], w);
                 }
             }
         }
@@ -274,18 +299,23 @@ simd_kernel! {
 }
 
 simd_kernel! {
-    /// One sequence's `dqkv (T, 3C)` from `g (T, C)`. Scratch: `vt (D, Tp)` (zeros), `dsp (ROWS,
-    /// Tp)`, `dsm (T, T)`, `col (2·ROWS·T)`, `Tp = padded(T)`. Per head: the rows of `dS`
-    /// (skipping the keys whose probability is 0) and `dq_i = Σ_j dS_ij·k_j`, then per key
-    /// `dk_j = Σ_i dS_ij·q_i` and `dv_j = Σ_i P_ij·g_i`; every output is written once.
+    /// One sequence's `dqkv (T, W)` from `g (T, C)`. Scratch: `vt (D, Tp)` (zeros), `dsp (ROWS,
+    /// Tp)`, `dsm (T, T)`, `col (2·ROWS·T)`, `kv (2·ROWS·D)`, `Tp = padded(T)`. Per head: the rows
+    /// of `dS` (skipping the keys whose probability is 0) and `dq_i = Σ_j dS_ij·k_j`, then per
+    /// key `dk_j = Σ_i dS_ij·q_i` and `dv_j = Σ_i P_ij·g_i`. Every query output is written once;
+    /// a key or value head shared by several query heads gets the first one's terms written,
+    /// then each other's added in head order (GPT-2's heads write each output once).
     #[allow(clippy::too_many_arguments)]
-    fn bwd_seq<T: Elem>(dqkv: &mut [T], vt: &mut [T], dsp: &mut [T], dsm: &mut [T], col: &mut [T], g: &[T], p: &[T], qkv: &[T], dims: &Dims, scale: T) {
-        let (t, c, d) = (dims.t, dims.c, dims.d());
+    pub(crate) fn bwd_seq<T: Elem>(dqkv: &mut [T], vt: &mut [T], dsp: &mut [T], dsm: &mut [T], col: &mut [T], kv: &mut [T], g: &[T], p: &[T], qkv: &[T], dims: &Dims, scale: T) {
+        let (t, c, d, w) = (dims.t, dims.c, dims.d(), dims.width());
         let tp = padded(t);
         let (wds, wp) = col.split_at_mut(ROWS * t);
         for h in 0..dims.h {
-            let (q, k, v) = (h * d, c + h * d, 2 * c + h * d);
-            transpose_head(vt, qkv, v, t, c, d, tp);
+            let (q, k, v) = dims.cols(h);
+            let first_of_group = h % dims.rep() == 0;
+            if first_of_group {
+                transpose_head(vt, qkv, v, t, w, d, tp);
+            }
             let live_of = |i: usize| {
                 let pi = &p[(h * t + i) * t..(h * t + i + 1) * t];
                 pi.iter().rposition(|&x| x != T::zero()).map_or(0, |j| j + 1)
@@ -305,8 +335,8 @@ simd_kernel! {
                     for ((x, &dp), &pij) in dsi.iter_mut().zip(&dsp[..live]).zip(pi) {
                         *x = scale * pij * (dp - dot);
                     }
-                    let qi = i * 3 * c + q;
-                    weighted_rows(&mut dqkv[qi..qi + d], &dsi[..live], &qkv[k..], 3 * c);
+                    let qi = i * w + q;
+                    weighted_rows(&mut dqkv[qi..qi + d], &dsi[..live], &qkv[k..], w);
                 }
             }
             // Queries before the first that attends to key j add exact zeros (the causal past).
@@ -314,9 +344,11 @@ simd_kernel! {
             for (j0, r) in row_blocks(t) {
                 let lo = (j0..j0 + r).map(first).min().unwrap_or(t);
                 if lo == t {
-                    for j in j0..j0 + r {
-                        dqkv[j * 3 * c + k..][..d].fill(T::zero());
-                        dqkv[j * 3 * c + v..][..d].fill(T::zero());
+                    if first_of_group {
+                        for j in j0..j0 + r {
+                            dqkv[j * w + k..][..d].fill(T::zero());
+                            dqkv[j * w + v..][..d].fill(T::zero());
+                        }
                     }
                     continue;
                 }
@@ -328,10 +360,21 @@ simd_kernel! {
                         wp[jj * t + i] = p[(h * t + i) * t + j0 + jj];
                     }
                 }
-                let (n, at) = (t - lo, j0 * 3 * c);
-                let (qs, gs) = (&qkv[lo * 3 * c + q..], &g[lo * c + h * d..]);
-                weighted_rows_by(r, &mut dqkv[at + k..], 3 * c, &wds[lo..], t, n, qs, 3 * c, d);
-                weighted_rows_by(r, &mut dqkv[at + v..], 3 * c, &wp[lo..], t, n, gs, c, d);
+                let (n, at) = (t - lo, j0 * w);
+                let (qs, gs) = (&qkv[lo * w + q..], &g[lo * c + h * d..]);
+                if first_of_group {
+                    weighted_rows_by(r, &mut dqkv[at + k..], w, &wds[lo..], t, n, qs, w, d);
+                    weighted_rows_by(r, &mut dqkv[at + v..], w, &wp[lo..], t, n, gs, c, d);
+                } else {
+                    let (dk, dv) = kv.split_at_mut(ROWS * d);
+                    weighted_rows_by(r, dk, d, &wds[lo..], t, n, qs, w, d);
+                    weighted_rows_by(r, dv, d, &wp[lo..], t, n, gs, c, d);
+                    for jj in 0..r {
+                        let row = &mut dqkv[(j0 + jj) * w..];
+                        axpy(&mut row[k..k + d], T::one(), &dk[jj * d..][..d]);
+                        axpy(&mut row[v..v + d], T::one(), &dv[jj * d..][..d]);
+                    }
+                }
             }
         }
     }
@@ -386,7 +429,7 @@ fn dims_of(qkv: &Layout, bias: &Layout, n_head: usize) -> CResult<Dims> {
         }
         d => candle_core::bail!("self-attention: bias {d:?} does not broadcast to ({b}, {n_head}, {t}, {t})"),
     };
-    Ok(Dims { t, c, h: n_head, bias })
+    Ok(Dims { t, c, h: n_head, kv: n_head, bias })
 }
 
 impl SelfAttention {
@@ -500,7 +543,7 @@ impl SelfAttentionBwd {
                     let tp = padded(t);
                     let (vt, dsp) = (&mut vec![T::zero(); c / h * tp], &mut vec![T::zero(); ROWS * tp]);
                     let (dsm, col) = (&mut vec![T::zero(); t * t], &mut vec![T::zero(); 2 * ROWS * t]);
-                    bwd_seq(dx, vt, dsp, dsm, col, g, p, x, &self.dims, scale)
+                    bwd_seq(dx, vt, dsp, dsm, col, &mut [], g, p, x, &self.dims, scale)
                 });
         }
         Ok((T::to_cpu_storage_owned(dqkv), l1.shape().clone()))

@@ -38,6 +38,7 @@
 //! | [`logprobs_of`] | log-softmax over the vocabulary, then gather (no `(B, T, V)` log-softmax kept) |
 //! | [`entropy_from_logits`] | log-softmax, exp, mul, sum (one pass per row) |
 //! | [`lm_head_logprobs`] | the LM head's product, then logprobs and entropy, on selected rows only (no `(N, V)` tensor in the graph) |
+//! | [`rope_attention`] | Llama's attention from its projections: [`rope_heads`] on queries and keys, `repeat_kv`, a transposed copy of the keys, `q·kᵀ`, masked softmax, `·v`, merge of the heads (keeps its three inputs and the probabilities; about 870 MiB less in a SmolLM2-135M GRPO step) |
 //! | [`rope_heads`] | Llama's head split and rotary embedding: a contiguous copy, two narrows, four products, a difference, a sum and a concatenation (about four input-sized tensors kept for the backward) |
 //! | [`swiglu`] | Llama's `silu(gate) * up` (three `(rows, inner)` tensors kept for the backward instead of two) |
 //! | [`gelu_tanh`] | candle's `gelu` (its backward: ~12 ops with `powf` and `tanh`) |
@@ -85,6 +86,7 @@ mod linear;
 mod lm_head;
 mod norm;
 mod rope;
+mod rope_attention;
 pub(crate) mod simd;
 mod softmax;
 mod swiglu;
@@ -119,6 +121,7 @@ pub use linear::{
 pub use lm_head::lm_head_logprobs;
 pub use norm::{layer_norm, layer_norm_composed, rms_norm, rms_norm_composed};
 pub use rope::{rope_heads, rope_heads_composed};
+pub use rope_attention::{rope_attention, rope_attention_composed, rope_attention_takes};
 pub use softmax::{
     entropy_from_logits, entropy_from_logits_composed, log_softmax_composed, log_softmax_last_dim,
     logprobs_of, logprobs_of_composed, scaled_masked_softmax, scaled_masked_softmax_composed,
