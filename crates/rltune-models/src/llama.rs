@@ -540,8 +540,16 @@ impl Attention {
         cache: Option<(&mut KvCache, usize)>,
     ) -> Result<Tensor> {
         let (cos, sin) = rope;
-        let q = ops::rope_heads(&self.q_proj.forward(x)?, cos, sin, self.n_heads)?; // (B, H, T, D)
-        let k = ops::rope_heads(&self.k_proj.forward(x)?, cos, sin, self.n_kv_heads)?; // (B, H_kv, T, D)
+        let (q, k) = (self.q_proj.forward(x)?, self.k_proj.forward(x)?); // (B, T, H·D), (B, T, H_kv·D)
+        if cache.is_none() && ops::rope_attention_takes(&q, &k, cos, bias) {
+            // Training and scoring on the CPU: rotation, grouped-query attention and the merge
+            // as one node, which keeps its inputs and the probabilities only.
+            let heads = (self.n_heads, self.n_kv_heads);
+            let y = ops::rope_attention(&q, &k, &self.v_proj.forward(x)?, cos, sin, bias, heads, self.scale)?;
+            return self.o_proj.forward(&y);
+        }
+        let q = ops::rope_heads(&q, cos, sin, self.n_heads)?; // (B, H, T, D)
+        let k = ops::rope_heads(&k, cos, sin, self.n_kv_heads)?; // (B, H_kv, T, D)
         if let Some((cache, layer)) = cache {
             if ops::cached_attention_takes(x, bias) {
                 // Generation on the CPU: keys and values appended in place, the H_kv heads shared
