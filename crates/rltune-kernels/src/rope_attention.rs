@@ -88,6 +88,26 @@ fn seq<T>(x: &[T], bi: usize, n: usize) -> &[T] {
     &x[bi * n..][..n]
 }
 
+/// The values the packed rows are made from: the projections and the angles.
+struct Inputs<'a, T> {
+    q: &'a [T],
+    k: &'a [T],
+    v: &'a [T],
+    cos: &'a [T],
+    sin: &'a [T],
+}
+
+impl<T: Elem> Inputs<'_, T> {
+    /// Sequence `bi`'s packed rows `(T, W)` ([`pack`]).
+    fn packed(&self, bi: usize, dims: &Dims) -> Vec<T> {
+        let (t, c, ckv, half) = (dims.t, dims.c, dims.kv * dims.d(), dims.d() / 2);
+        let mut rows = vec![T::zero(); t * dims.width()];
+        let (q, k, v) = (seq(self.q, bi, t * c), seq(self.k, bi, t * ckv), seq(self.v, bi, t * ckv));
+        pack(&mut rows, q, k, v, seq(self.cos, bi, t * half), seq(self.sin, bi, t * half), dims);
+        rows
+    }
+}
+
 /// One sequence's packed rows `(T, W)`: the rotated queries, the rotated keys, the values.
 #[allow(clippy::too_many_arguments)]
 fn pack<T: Elem>(out: &mut [T], q: &[T], k: &[T], v: &[T], cos: &[T], sin: &[T], dims: &Dims) {
@@ -152,28 +172,19 @@ impl RopeAttention {
             contiguous::<T>(k.0, k.1, what)?,
             contiguous::<T>(v.0, v.1, what)?,
         );
-        let (t, c, h, ckv) = (dims.t, dims.c, dims.h, dims.kv * dims.d());
+        let (t, c, h) = (dims.t, dims.c, dims.h);
         let scale = T::from(self.scale).unwrap_or_else(T::one);
         let mut out = super::zeros_par(b * t * c);
         let mut p = super::zeros_par(b * h * t * t);
         let ((cos, lc), (sin, ls), (bias, lb)) =
             (self.cos.storage_and_layout(), self.sin.storage_and_layout(), self.bias.storage_and_layout());
         let (cos, sin, bias) = (values::<T>(&cos, lc)?, values::<T>(&sin, ls)?, values::<T>(&bias, lb)?);
-        let (half, w, tp) = (dims.d() / 2, dims.width(), padded(t));
+        let inputs = Inputs { q, k, v, cos, sin };
+        let tp = padded(t);
         if t > 0 && c > 0 {
             out.par_chunks_mut(t * c).zip(p.par_chunks_mut(h * t * t)).enumerate().for_each(
                 |(bi, (o, p))| {
-                    let mut rows = vec![T::zero(); t * w];
-                    let (cs, sn) = (seq(cos, bi, t * half), seq(sin, bi, t * half));
-                    pack(
-                        &mut rows,
-                        seq(q, bi, t * c),
-                        seq(k, bi, t * ckv),
-                        seq(v, bi, t * ckv),
-                        cs,
-                        sn,
-                        &dims,
-                    );
+                    let rows = inputs.packed(bi, &dims);
                     let (kt, srows) = (&mut vec![T::zero(); dims.d() * tp], &mut vec![T::zero(); ROWS * tp]);
                     fwd_seq(o, p, kt, srows, &rows, bias, bi, &dims, scale);
                 },
@@ -201,15 +212,11 @@ impl RopeAttention {
         let (mut dq, mut dk, mut dv) =
             (super::zeros_par(b * t * c), super::zeros_par(b * t * ckv), super::zeros_par(b * t * ckv));
         let guards = [q, k, v, &g, &self.cos, &self.sin].map(|x| x.storage_and_layout());
-        let [qs, ks, vs, gs, cos, sin] = match guards.each_ref().map(|(s, l)| values::<T>(s, l)) {
-            [Ok(q), Ok(k), Ok(v), Ok(g), Ok(cos), Ok(sin)] => [q, k, v, g, cos, sin],
-            other => {
-                return Err(other
-                    .into_iter()
-                    .find_map(Result::err)
-                    .unwrap_or_else(|| candle_core::Error::Msg("rope attention".into())))
-            }
-        };
+        let mut read = guards.each_ref().map(|(s, l)| values::<T>(s, l)).into_iter();
+        let mut next =
+            || read.next().unwrap_or_else(|| candle_core::bail!("rope attention: an operand is missing"));
+        let (qs, ks, vs, gs, cos, sin) = (next()?, next()?, next()?, next()?, next()?, next()?);
+        let inputs = Inputs { q: qs, k: ks, v: vs, cos, sin };
         let tp = padded(t);
         if t > 0 && c > 0 {
             dq.par_chunks_mut(t * c)
@@ -218,16 +225,7 @@ impl RopeAttention {
                 .enumerate()
                 .for_each(|(bi, ((dq, dk), dv))| {
                     let (cs, sn) = (seq(cos, bi, t * half), seq(sin, bi, t * half));
-                    let mut rows = vec![T::zero(); t * w];
-                    pack(
-                        &mut rows,
-                        seq(qs, bi, t * c),
-                        seq(ks, bi, t * ckv),
-                        seq(vs, bi, t * ckv),
-                        cs,
-                        sn,
-                        &dims,
-                    );
+                    let rows = inputs.packed(bi, &dims);
                     let mut drows = vec![T::zero(); t * w];
                     let (vt, dsp) = (&mut vec![T::zero(); d * tp], &mut vec![T::zero(); ROWS * tp]);
                     let (dsm, col) = (&mut vec![T::zero(); t * t], &mut vec![T::zero(); 2 * ROWS * t]);
