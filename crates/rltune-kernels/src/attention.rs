@@ -421,15 +421,21 @@ fn dims_of(qkv: &Layout, bias: &Layout, n_head: usize) -> CResult<Dims> {
     if c3 % 3 != 0 || n_head == 0 || c % n_head != 0 {
         candle_core::bail!("self-attention: 3C = {c3} does not split into 3 × {n_head} heads");
     }
-    let bias = match bias.dims() {
-        &[bb, bh, bt, bs]
-            if bs == t && (bb == 1 || bb == b) && (bh == 1 || bh == n_head) && (bt == 1 || bt == t) =>
-        {
-            [bb, bh, bt]
-        }
-        d => candle_core::bail!("self-attention: bias {d:?} does not broadcast to ({b}, {n_head}, {t}, {t})"),
-    };
+    let bias = bias_rows(bias.dims(), [b, n_head, t], "self-attention")?;
     Ok(Dims { t, c, h: n_head, kv: n_head, bias })
+}
+
+/// A bias of shape `(B|1, H|1, T|1, T)` as its `(B|1, H|1, T|1)` multipliers ([`Dims::bias`])
+/// for `[b, h, t]`, or `op`'s error naming the shape.
+pub(crate) fn bias_rows(bias: &[usize], [b, h, t]: [usize; 3], op: &str) -> CResult<[usize; 3]> {
+    match *bias {
+        [bb, bh, bt, bs]
+            if bs == t && (bb == 1 || bb == b) && (bh == 1 || bh == h) && (bt == 1 || bt == t) =>
+        {
+            Ok([bb, bh, bt])
+        }
+        _ => candle_core::bail!("{op}: bias {bias:?} does not broadcast to ({b}, {h}, {t}, {t})"),
+    }
 }
 
 impl SelfAttention {

@@ -60,21 +60,29 @@ fn rotate<T: Elem>(x: &[T], cos: &[T], sin: &[T], [_, t, h, d]: [usize; 4], inve
                 let thd = (ti * h + hi) * d;
                 let htd = (hi * t + ti) * d;
                 let (src, dst) = if inverse { (htd, thd) } else { (thd, htd) };
-                let (x1, x2) = xs[src..src + d].split_at(half);
-                let (o1, o2) = o[dst..dst + d].split_at_mut(half);
-                for j in 0..half {
-                    if inverse {
-                        o1[j] = x1[j] * c[j] + x2[j] * s[j];
-                        o2[j] = x2[j] * c[j] - x1[j] * s[j];
-                    } else {
-                        o1[j] = x1[j] * c[j] - x2[j] * s[j];
-                        o2[j] = x2[j] * c[j] + x1[j] * s[j];
-                    }
-                }
+                rotate_head(&mut o[dst..dst + d], &xs[src..src + d], c, s, inverse);
             }
         }
     });
     out
+}
+
+/// One head `x = [x₁ | x₂]` rotated into `out` by `c`, `s` (`D/2` each): `[x₁·c − x₂·s | x₂·c +
+/// x₁·s]`, or its transpose (`inverse`, the backward), products and sums in the composed order.
+#[inline(always)]
+pub(crate) fn rotate_head<T: Elem>(out: &mut [T], x: &[T], c: &[T], s: &[T], inverse: bool) {
+    let half = x.len() / 2;
+    let (x1, x2) = x.split_at(half);
+    let (o1, o2) = out.split_at_mut(half);
+    for j in 0..half {
+        if inverse {
+            o1[j] = x1[j] * c[j] + x2[j] * s[j];
+            o2[j] = x2[j] * c[j] - x1[j] * s[j];
+        } else {
+            o1[j] = x1[j] * c[j] - x2[j] * s[j];
+            o2[j] = x2[j] * c[j] + x1[j] * s[j];
+        }
+    }
 }
 
 impl RopeHeads {

@@ -27,7 +27,8 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::attention::{bwd_seq, fwd_seq, padded, Dims, ROWS};
+use super::attention::{bias_rows, bwd_seq, fwd_seq, padded, Dims, ROWS};
+use super::rope::rotate_head;
 use super::{contiguous, CResult, Elem};
 
 /// The operands' geometry: `(b, t, h, kv, d)`, checked.
@@ -49,18 +50,6 @@ fn geometry(q: &[usize], k: &[usize], v: &[usize], heads: (usize, usize)) -> CRe
         );
     }
     Ok([b, t, h, kv, d])
-}
-
-/// The bias rows as `(B|1, H|1, T|1)` multipliers for `(b, h, t)`, checked.
-fn bias_rows(bias: &[usize], b: usize, h: usize, t: usize) -> CResult<[usize; 3]> {
-    match *bias {
-        [bb, bh, bt, bs]
-            if bs == t && (bb == 1 || bb == b) && (bh == 1 || bh == h) && (bt == 1 || bt == t) =>
-        {
-            Ok([bb, bh, bt])
-        }
-        _ => candle_core::bail!("rope attention: bias {bias:?} does not broadcast to ({b}, {h}, {t}, {t})"),
-    }
 }
 
 /// The forward op; `cos`, `sin (B, 1, T, D/2)` and the bias are constants it holds. It keeps the
@@ -98,49 +87,32 @@ struct Inputs<'a, T> {
 }
 
 impl<T: Elem> Inputs<'_, T> {
-    /// Sequence `bi`'s packed rows `(T, W)` ([`pack`]).
+    /// Sequence `bi`'s packed rows `(T, W)`: the rotated queries, the rotated keys, the values.
     fn packed(&self, bi: usize, dims: &Dims) -> Vec<T> {
-        let (t, c, ckv, half) = (dims.t, dims.c, dims.kv * dims.d(), dims.d() / 2);
-        let mut rows = vec![T::zero(); t * dims.width()];
+        let (t, c, d) = (dims.t, dims.c, dims.d());
+        let (w, ckv, half) = (dims.width(), dims.kv * d, d / 2);
         let (q, k, v) = (seq(self.q, bi, t * c), seq(self.k, bi, t * ckv), seq(self.v, bi, t * ckv));
-        pack(&mut rows, q, k, v, seq(self.cos, bi, t * half), seq(self.sin, bi, t * half), dims);
-        rows
-    }
-}
-
-/// One sequence's packed rows `(T, W)`: the rotated queries, the rotated keys, the values.
-#[allow(clippy::too_many_arguments)]
-fn pack<T: Elem>(out: &mut [T], q: &[T], k: &[T], v: &[T], cos: &[T], sin: &[T], dims: &Dims) {
-    let (t, c, d) = (dims.t, dims.c, dims.d());
-    let (w, ckv, half) = (dims.width(), dims.kv * d, d / 2);
-    for ti in 0..t {
-        let (cs, sn) = (&cos[ti * half..][..half], &sin[ti * half..][..half]);
-        let row = &mut out[ti * w..(ti + 1) * w];
-        let (rq, rest) = row.split_at_mut(c);
-        let (rk, rv) = rest.split_at_mut(ckv);
-        rotate(rq, &q[ti * c..][..c], cs, sn, d, false);
-        rotate(rk, &k[ti * ckv..][..ckv], cs, sn, d, false);
-        rv.copy_from_slice(&v[ti * ckv..][..ckv]);
-    }
-}
-
-/// Each head of `x` (heads of `d` values side by side) rotated into `out` as `rope::rotate`
-/// rotates it (`inverse`: its transpose, the backward).
-#[inline(always)]
-fn rotate<T: Elem>(out: &mut [T], x: &[T], c: &[T], s: &[T], d: usize, inverse: bool) {
-    let half = d / 2;
-    for (o, x) in out.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
-        let (x1, x2) = x.split_at(half);
-        let (o1, o2) = o.split_at_mut(half);
-        for j in 0..half {
-            if inverse {
-                o1[j] = x1[j] * c[j] + x2[j] * s[j];
-                o2[j] = x2[j] * c[j] - x1[j] * s[j];
-            } else {
-                o1[j] = x1[j] * c[j] - x2[j] * s[j];
-                o2[j] = x2[j] * c[j] + x1[j] * s[j];
-            }
+        let (cos, sin) = (seq(self.cos, bi, t * half), seq(self.sin, bi, t * half));
+        let mut out = vec![T::zero(); t * w];
+        for ti in 0..t {
+            let (cs, sn) = (&cos[ti * half..][..half], &sin[ti * half..][..half]);
+            let row = &mut out[ti * w..(ti + 1) * w];
+            let (rq, rest) = row.split_at_mut(c);
+            let (rk, rv) = rest.split_at_mut(ckv);
+            rotate_heads(rq, &q[ti * c..][..c], cs, sn, d, false);
+            rotate_heads(rk, &k[ti * ckv..][..ckv], cs, sn, d, false);
+            rv.copy_from_slice(&v[ti * ckv..][..ckv]);
         }
+        out
+    }
+}
+
+/// Each head of `x` (heads of `d` values side by side) rotated into `out` as `rope_heads` rotates
+/// it ([`rotate_head`]; `inverse`: its transpose, the backward).
+#[inline(always)]
+fn rotate_heads<T: Elem>(out: &mut [T], x: &[T], c: &[T], s: &[T], d: usize, inverse: bool) {
+    for (o, x) in out.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
+        rotate_head(o, x, c, s, inverse);
     }
 }
 
@@ -155,7 +127,7 @@ impl RopeAttention {
                 d / 2
             );
         }
-        let bias = bias_rows(self.bias.dims(), b, h, t)?;
+        let bias = bias_rows(self.bias.dims(), [b, h, t], "rope attention")?;
         Ok((b, Dims { t, c: h * d, h, kv, bias }))
     }
 
@@ -212,10 +184,8 @@ impl RopeAttention {
         let (mut dq, mut dk, mut dv) =
             (super::zeros_par(b * t * c), super::zeros_par(b * t * ckv), super::zeros_par(b * t * ckv));
         let guards = [q, k, v, &g, &self.cos, &self.sin].map(|x| x.storage_and_layout());
-        let mut read = guards.each_ref().map(|(s, l)| values::<T>(s, l)).into_iter();
-        let mut next =
-            || read.next().unwrap_or_else(|| candle_core::bail!("rope attention: an operand is missing"));
-        let (qs, ks, vs, gs, cos, sin) = (next()?, next()?, next()?, next()?, next()?, next()?);
+        let [qs, ks, vs, gs, cos, sin] = guards.each_ref().map(|(s, l)| values::<T>(s, l));
+        let (qs, ks, vs, gs, cos, sin) = (qs?, ks?, vs?, gs?, cos?, sin?);
         let inputs = Inputs { q: qs, k: ks, v: vs, cos, sin };
         let tp = padded(t);
         if t > 0 && c > 0 {
@@ -236,8 +206,8 @@ impl RopeAttention {
                     for ti in 0..t {
                         let row = &drows[ti * w..(ti + 1) * w];
                         let (c_, s_) = (&cs[ti * half..][..half], &sn[ti * half..][..half]);
-                        rotate(&mut dq[ti * c..][..c], &row[..c], c_, s_, d, true);
-                        rotate(&mut dk[ti * ckv..][..ckv], &row[c..c + ckv], c_, s_, d, true);
+                        rotate_heads(&mut dq[ti * c..][..c], &row[..c], c_, s_, d, true);
+                        rotate_heads(&mut dk[ti * ckv..][..ckv], &row[c..c + ckv], c_, s_, d, true);
                         dv[ti * ckv..][..ckv].copy_from_slice(&row[c + ckv..]);
                     }
                 });
@@ -283,7 +253,7 @@ impl CustomOp3 for RopeAttention {
             Some(p) => p,
             // A second backward through the same graph: compute them again.
             None => {
-                let again = RopeAttention { probs: Mutex::new(None), ..self.clone_constants() };
+                let again = self.clone_constants();
                 q.apply_op3_no_bwd(k, v, &again)?;
                 let p = super::lock(&again.probs).take();
                 p.ok_or_else(|| candle_core::Error::Msg("rope attention: no probabilities".into()))?
