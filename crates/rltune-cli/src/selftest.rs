@@ -21,6 +21,7 @@
 //! | `kernels/layer_norm`, `rms_norm`, `gelu`, `softmax`, `log_softmax`, `logprobs`, `entropy` | the op on the device (CUDA: its twin in `rltune_kernels::cuda`) against the CPU's fused kernel, on odd shapes: outputs and every input's gradient, as max \|a − b\| / max(1, max \|b\|) | 1e-5 |
 //! | `kernels/rope` | the rotary embedding while splitting the heads on the device (CUDA: `rope.cu`) against the CPU's fused kernel, `(B, T, heads, D)` up to Qwen2-0.5B's 14 × 64: output and the input's gradient | 1e-5 |
 //! | `kernels/attention` | GPT-2's fused self-attention on the device (CUDA: `attention.cu`) against the CPU's fused kernel, up to 12 heads of 64 at T = 64, causal (left padding, a fully masked row) and padding biases: output and `dqkv` | 1e-5 |
+//! | `kernels/rope_attention` | Llama's fused attention on the device (CUDA: `rope.cu`'s pack and unpack around `attention.cu`) against the CPU's fused kernel, up to 14 query heads over 2 key heads of 64 at T = 64, causal and padding biases: output and the gradients of q, k and v | 1e-5 |
 //! | `kernels/scaled_masked_softmax` | attention's scaled masked softmax on the device (CUDA: `softmax.cu`) against the CPU's fused kernel, up to 14 heads at T = S = 128, causal and padding biases: probabilities and the scores' gradient | 1e-5 |
 //! | `kernels/grad_norm` | the global gradient norm of gradients on the device (CUDA: one sum-of-squares kernel per tensor) against the CPU's, relative difference | 1e-12 |
 //! | `kernels/adam` | three Adam steps on the device (CUDA: the in-place kernel) against the CPU's fused kernel, on odd sizes: weights and moments | 0 (bit for bit) |
@@ -135,6 +136,8 @@ pub fn run(args: Args) -> Result<()> {
     checks.push(("kernels/rope".into(), Box::new(move || kernel_rope(&dev))));
     let dev = device.clone();
     checks.push(("kernels/attention".into(), Box::new(move || kernel_attention(&dev))));
+    let dev = device.clone();
+    checks.push(("kernels/rope_attention".into(), Box::new(move || kernel_rope_attention(&dev))));
     let dev = device.clone();
     checks.push(("kernels/scaled_masked_softmax".into(), Box::new(move || kernel_masked_softmax(&dev))));
     let dev = device.clone();
@@ -363,6 +366,35 @@ fn kernel_attention(device: &Device) -> Result<Outcome> {
             worst = worst.max(output_and_gradient(device, &qkv, &r, |x, dev| {
                 let bias = &mask_biases(b, t, t, dev)?[which];
                 Ok(rltune::ops::self_attention(x, bias, h, scale)?)
+            })?);
+        }
+    }
+    Ok(kernel_outcome(worst, device))
+}
+
+/// Llama's fused attention (`rltune::ops::rope_attention`: the rotary embedding, grouped-query
+/// attention and the merge; on CUDA `rope.cu`'s pack and unpack around `attention.cu`) against
+/// the CPU's fused kernel: `(B, T, heads, key heads, D)` from one position and head to
+/// SmolLM2-135M's 9 × 64 over 3 key heads and Qwen2-0.5B's 14 × 64 over 2, under
+/// [`mask_biases`]. `q`, `k` and `v` are cut from one input, so its gradient holds all three.
+/// The measure is [`kernel_op`]'s.
+fn kernel_rope_attention(device: &Device) -> Result<Outcome> {
+    use rand::SeedableRng;
+    let shapes = [[1usize, 1, 1, 1, 2], [2, 7, 4, 2, 10], [3, 31, 9, 3, 64], [2, 64, 14, 2, 64]];
+    let mut worst = 0f64;
+    for (case, &[b, t, h, kv, d]) in shapes.iter().enumerate() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(131 + case as u64);
+        let mut randn = |shape: &[usize]| uniform(&mut rng, shape);
+        let (c, ckv) = (h * d, kv * d);
+        let (x, angles, r) = (randn(&[b, t, c + 2 * ckv])?, randn(&[b, 1, t, d / 2])?, randn(&[b, t, c])?);
+        let (cos, sin) = (angles.cos()?, angles.sin()?);
+        let scale = 1.0 / (d as f64).sqrt();
+        for which in 0..2 {
+            worst = worst.max(output_and_gradient(device, &x, &r, |x, dev| {
+                let bias = &mask_biases(b, t, t, dev)?[which];
+                let (q, k, v) = (x.narrow(2, 0, c)?, x.narrow(2, c, ckv)?, x.narrow(2, c + ckv, ckv)?);
+                let (cos, sin) = (cos.to_device(dev)?, sin.to_device(dev)?);
+                Ok(rltune::ops::rope_attention(&q, &k, &v, &cos, &sin, bias, (h, kv), scale)?)
             })?);
         }
     }

@@ -389,7 +389,7 @@ pub(crate) enum Probs {
 
 impl Probs {
     /// The probabilities kept on the CPU.
-    fn cpu(&self) -> CResult<&CpuStorage> {
+    pub(crate) fn cpu(&self) -> CResult<&CpuStorage> {
         match self {
             Probs::Cpu(p) => Ok(p),
             #[cfg(feature = "cuda")]
@@ -505,7 +505,7 @@ impl CustomOp2 for SelfAttention {
     ) -> CResult<(candle_core::CudaStorage, Shape)> {
         let dims = dims_of(l1, l2, self.n_head)?;
         let b = l1.dims()[0];
-        let geometry = [b, dims.t, dims.c, dims.h];
+        let geometry = [b, dims.t, dims.c, dims.h, dims.kv];
         let (y, p) = crate::cuda::attention_fwd((s1, l1), (s2, l2), geometry, dims.bias, self.scale as f32)?;
         *super::lock(&self.probs) = Some(Probs::Cuda(p));
         Ok((y, (b, dims.t, dims.c).into()))
@@ -582,8 +582,8 @@ impl CustomOp2 for SelfAttentionBwd {
         let Probs::Cuda(p) = &self.probs else {
             candle_core::bail!("self-attention backward: the probabilities are on another device")
         };
-        let Dims { t, c, h, .. } = self.dims;
-        let geometry = [l1.dims()[0], t, c, h];
+        let Dims { t, c, h, kv, .. } = self.dims;
+        let geometry = [l1.dims()[0], t, c, h, kv];
         let dqkv = crate::cuda::attention_bwd((s1, l1), (s2, l2), p, geometry, self.scale as f32)?;
         Ok((dqkv, l1.shape().clone()))
     }

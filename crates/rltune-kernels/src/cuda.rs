@@ -10,8 +10,9 @@
 //! | layer norm, RMS norm (`norms.cu`) | `norm.rs` | forward 1 (composed: 9); backward 3 (dx and row statistics, per-chunk weight gradients, their sum) |
 //! | GELU, tanh form (`gelu.cu`) | `activation.rs` | forward 1; backward 1 (candle's `gelu` backward: about 12) |
 //! | SwiGLU, `silu(gate)·up` (`swiglu.cu`) | `swiglu.rs` | forward 1 (composed: 2, keeping `silu(gate)`); backward 1 for both gradients |
-//! | GPT-2's self-attention core from the fused `qkv` (`attention.cu`) | `attention.rs` | forward 1, one block per query row, keeping the probabilities; backward 2 (the query side with `dS`, then the key side), deterministic, no atomics |
+//! | the self-attention core from packed `qkv` rows, GPT-2's or grouped (`attention.cu`) | `attention.rs` | forward 1, one block per query row, keeping the probabilities; backward 2 (the query side with `dS`, then the key side), deterministic, no atomics |
 //! | rotary embedding while splitting the heads (`rope.cu`) | `rope.rs` | forward 1 (composed: a copy, two narrows, six products and sums, a concatenation); backward 1 |
+//! | Llama's attention from its three projections: rotation, grouped-query attention, merged heads (`rope.cu`'s pack and unpack, `attention.cu`) | `rope_attention.rs` | forward 2 (pack, then the attention forward with the grouped geometry), keeping the inputs and the probabilities; backward 4 (pack again, the two attention kernels, unpack with the rotation's transpose) |
 //! | softmax, log-softmax, the logprob of a target, entropy, attention's scaled masked softmax (`softmax.cu`) | `softmax.rs` | 1 per op and per backward, one block per row; the logprob keeps no `(rows, V)` log-softmax (composed: a log-softmax, a gather, and ~10 ops backward) |
 //! | [`sums_of_squares`] (`sumsq.cu`) | the gradient norm's f64 sums (`Grads::global_norm`) | one per tensor and one for all, one read back (candle's ops: 4 per tensor) |
 //!
@@ -432,20 +433,22 @@ fn attention_rows(rows: usize, shared: usize) -> CResult<LaunchConfig> {
     })
 }
 
-/// GPT-2's self-attention core (`crate::attention`, which checks the shapes): `y (B, T, C)` and
-/// the probabilities `P (B, H, T, T)` from `qkv (B, T, 3C)` and `bias` (`[bB, bH, bT]` rows of
-/// `T`, each 1 or the full size), for `[b, t, c, h]`.
+/// The self-attention core (`crate::attention`, which checks the shapes): `y (B, T, C)` and the
+/// probabilities `P (B, H, T, T)` from the packed rows `qkv (B, T, W)` (`W = C + 2·KV·C/H`: `H`
+/// query heads, `KV` key heads, `KV` value heads; GPT-2's `qkv` has `KV = H`) and `bias`
+/// (`[bB, bH, bT]` rows of `T`, each 1 or the full size), for `[b, t, c, h, kv]`.
 pub(crate) fn attention_fwd(
     (qs, ql): (&CudaStorage, &Layout),
     (bs, bl): (&CudaStorage, &Layout),
-    [b, t, c, h]: [usize; 4],
+    [b, t, c, h, kv]: [usize; 5],
     [bb, bh, bt]: [usize; 3],
     scale: f32,
 ) -> CResult<(CudaStorage, CudaStorage)> {
     let dev = qs.device().clone();
     let (x, bias) = (input(qs, ql, "self-attention")?, input(bs, bl, "self-attention")?);
-    if x.len() != b * t * 3 * c || bias.len() != bb * bh * bt * t {
-        candle_core::bail!("self-attention: {} qkv and {} bias values for {b}×{t}×{c}", x.len(), bias.len());
+    let w = packed_width([c, h, kv], "self-attention")?;
+    if x.len() != b * t * w || bias.len() != bb * bh * bt * t {
+        candle_core::bail!("self-attention: {} qkv and {} bias values for {b}×{t}×{w}", x.len(), bias.len());
     }
     let rows = b * h * t;
     if rows == 0 || c == 0 {
@@ -460,57 +463,139 @@ pub(crate) fn attention_fwd(
     let func = dev.get_or_load_custom_func("rltune_attention_f32", "rltune_attention", ATTENTION_PTX)?;
     let mut l = func.builder();
     l.arg(&mut y).arg(&mut p).arg(&x).arg(&bias);
-    l.arg(&b).arg(&t).arg(&c).arg(&h).arg(&bb).arg(&bh).arg(&bt).arg(&scale);
+    l.arg(&b).arg(&t).arg(&c).arg(&h).arg(&kv).arg(&bb).arg(&bh).arg(&bt).arg(&scale);
     // SAFETY: the arguments match the kernel's parameters.
     unsafe { l.launch(cfg) }.w()?;
     Ok((CudaStorage::wrap_cuda_slice(y, dev.clone()), CudaStorage::wrap_cuda_slice(p, dev)))
 }
 
-/// `dqkv (B, T, 3C)` of [`attention_fwd`] for the upstream gradient `g (B, T, C)`, from the
+/// The packed row's width `C + 2·KV·D` for `[c, h, kv]`, or `op`'s error when the heads do not
+/// split evenly.
+fn packed_width([c, h, kv]: [usize; 3], op: &str) -> CResult<usize> {
+    if h == 0 || kv == 0 || !h.is_multiple_of(kv) || !c.is_multiple_of(h) {
+        candle_core::bail!("{op}: {c} query values in {h} heads with {kv} key heads do not split evenly");
+    }
+    Ok(c + 2 * kv * (c / h))
+}
+
+/// `dqkv (B, T, W)` of [`attention_fwd`] for the upstream gradient `g (B, T, C)`, from the
 /// probabilities `p` it kept.
 pub(crate) fn attention_bwd(
     (qs, ql): (&CudaStorage, &Layout),
     (gs, gl): (&CudaStorage, &Layout),
     p: &CudaStorage,
-    [b, t, c, h]: [usize; 4],
+    [b, t, c, h, kv]: [usize; 5],
     scale: f32,
 ) -> CResult<CudaStorage> {
     let dev = qs.device().clone();
     let op = "self-attention backward";
     let (x, g) = (input(qs, ql, op)?, input(gs, gl, op)?);
+    let w = packed_width([c, h, kv], op)?;
     let rows = b * h * t;
     let p = p.as_cuda_slice::<f32>()?.slice(0..);
-    if x.len() != b * t * 3 * c || g.len() != b * t * c || p.len() != rows * t {
+    if x.len() != b * t * w || g.len() != b * t * c || p.len() != rows * t {
         candle_core::bail!(
-            "{op}: {} qkv, {} gradient and {} probability values for {b}×{t}×{c}",
+            "{op}: {} qkv, {} gradient and {} probability values for {b}×{t}×{w}",
             x.len(),
             g.len(),
             p.len()
         );
     }
     if rows == 0 || c == 0 {
-        return Ok(CudaStorage::wrap_cuda_slice(dev.alloc_zeros::<f32>(b * t * 3 * c)?, dev));
+        return Ok(CudaStorage::wrap_cuda_slice(dev.alloc_zeros::<f32>(b * t * w)?, dev));
     }
     let d = c / h;
     let cfg = attention_rows(rows, d + t)?;
     // SAFETY: the query side writes every dq and every row of dS, the key side every dk and dv.
-    let (mut dqkv, mut ds) = unsafe { (dev.alloc::<f32>(b * t * 3 * c)?, dev.alloc::<f32>(rows * t)?) };
+    let (mut dqkv, mut ds) = unsafe { (dev.alloc::<f32>(b * t * w)?, dev.alloc::<f32>(rows * t)?) };
     let q_side =
         dev.get_or_load_custom_func("rltune_attention_bwd_q_f32", "rltune_attention", ATTENTION_PTX)?;
     let mut l = q_side.builder();
-    l.arg(&mut dqkv).arg(&mut ds).arg(&g).arg(&p).arg(&x).arg(&b).arg(&t).arg(&c).arg(&h).arg(&scale);
+    l.arg(&mut dqkv)
+        .arg(&mut ds)
+        .arg(&g)
+        .arg(&p)
+        .arg(&x)
+        .arg(&b)
+        .arg(&t)
+        .arg(&c)
+        .arg(&h)
+        .arg(&kv)
+        .arg(&scale);
     // SAFETY: the arguments match the kernel's parameters.
     unsafe { l.launch(cfg) }.w()?;
     let kv_side =
         dev.get_or_load_custom_func("rltune_attention_bwd_kv_f32", "rltune_attention", ATTENTION_PTX)?;
-    // One thread per column of a head.
+    // One block per key row of each key head, one thread per column of a head.
     let threads = (d.div_ceil(32) * 32).min(THREADS as usize) as u32;
-    let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+    let key_rows = (b * kv * t) as u32;
+    let cfg = LaunchConfig { grid_dim: (key_rows, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
     let mut l = kv_side.builder();
-    l.arg(&mut dqkv).arg(&ds).arg(&g).arg(&p).arg(&x).arg(&b).arg(&t).arg(&c).arg(&h);
+    l.arg(&mut dqkv).arg(&ds).arg(&g).arg(&p).arg(&x).arg(&b).arg(&t).arg(&c).arg(&h).arg(&kv);
     // SAFETY: the arguments match the kernel's parameters.
     unsafe { l.launch(cfg) }.w()?;
     Ok(CudaStorage::wrap_cuda_slice(dqkv, dev))
+}
+
+/// Llama's attention operands packed for [`attention_fwd`] (`crate::rope_attention`, which
+/// checks the shapes): `q (B, T, H·D)`, `k`, `v (B, T, KV·D)` and `cos`, `sin (B, 1, T, D/2)`
+/// → `(B, T, W)` rows of the rotated query heads, the rotated key heads and the values, for
+/// `[b, t, h, kv, d]`.
+pub(crate) fn rope_pack(
+    [q, k, v]: [(&CudaStorage, &Layout); 3],
+    [cos, sin]: [(&CudaStorage, &Layout); 2],
+    [b, t, h, kv, d]: [usize; 5],
+) -> CResult<CudaStorage> {
+    let op = "rope attention";
+    let dev = q.0.device().clone();
+    let (qv, kv_, vv) = (input(q.0, q.1, op)?, input(k.0, k.1, op)?, input(v.0, v.1, op)?);
+    let (cv, sv) = (input(cos.0, cos.1, op)?, input(sin.0, sin.1, op)?);
+    let (c, ckv) = (h * d, kv * d);
+    let n = b * t * (c + 2 * ckv);
+    if qv.len() != b * t * c || kv_.len() != b * t * ckv || vv.len() != kv_.len() || cv.len() != b * t * d / 2
+    {
+        candle_core::bail!("{op}: the operands do not hold {b}×{t} rows of {h} and {kv} heads of {d}");
+    }
+    if sv.len() != cv.len() {
+        candle_core::bail!("{op}: {} sin values for {} cos values", sv.len(), cv.len());
+    }
+    // SAFETY: every value is written (grid-stride loop over n).
+    let mut out = unsafe { dev.alloc::<f32>(n)? };
+    if n > 0 {
+        let func = dev.get_or_load_custom_func("rltune_rope_pack_f32", "rltune_rope", ROPE_PTX)?;
+        let mut l = func.builder();
+        l.arg(&mut out).arg(&qv).arg(&kv_).arg(&vv).arg(&cv).arg(&sv);
+        l.arg(&b).arg(&t).arg(&h).arg(&kv).arg(&d);
+        // SAFETY: the arguments match the kernel's parameters.
+        unsafe { l.launch(elementwise(n)) }.w()?;
+    }
+    Ok(CudaStorage::wrap_cuda_slice(out, dev))
+}
+
+/// The backward of [`rope_pack`]: the packed rows' gradient `(B, T, W)` → one buffer `[dq | dk
+/// | dv]` of `B·T·H·D`, `B·T·KV·D` and `B·T·KV·D` values.
+pub(crate) fn rope_unpack(
+    (rs, rl): (&CudaStorage, &Layout),
+    [cos, sin]: [(&CudaStorage, &Layout); 2],
+    [b, t, h, kv, d]: [usize; 5],
+) -> CResult<CudaStorage> {
+    let op = "rope attention backward";
+    let dev = rs.device().clone();
+    let (rows, cv, sv) = (input(rs, rl, op)?, input(cos.0, cos.1, op)?, input(sin.0, sin.1, op)?);
+    let n = b * t * (h + 2 * kv) * d;
+    if rows.len() != n || cv.len() != b * t * d / 2 || sv.len() != cv.len() {
+        candle_core::bail!("{op}: the operands do not hold {b}×{t} rows of {h} and {kv} heads of {d}");
+    }
+    // SAFETY: every value is written once (grid-stride loop over n, one output per input).
+    let mut out = unsafe { dev.alloc::<f32>(n)? };
+    if n > 0 {
+        let func = dev.get_or_load_custom_func("rltune_rope_unpack_f32", "rltune_rope", ROPE_PTX)?;
+        let mut l = func.builder();
+        l.arg(&mut out).arg(&rows).arg(&cv).arg(&sv).arg(&b).arg(&t).arg(&h).arg(&kv).arg(&d);
+        // SAFETY: the arguments match the kernel's parameters.
+        unsafe { l.launch(elementwise(n)) }.w()?;
+    }
+    Ok(CudaStorage::wrap_cuda_slice(out, dev))
 }
 
 /// Blocks per tensor of [`sums_of_squares`]: about 8 values a thread, at most two waves of an

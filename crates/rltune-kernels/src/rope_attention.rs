@@ -17,9 +17,11 @@
 //! `rope_heads`'s, product for product, so the rotated heads are the composed path's bit for
 //! bit; the products sum in another order than candle's matmul, so the outputs and gradients
 //! agree with [`rope_attention_composed`] to rounding (tested). `cos`, `sin` and the bias are
-//! functions of the positions and the mask: they get no gradient. CPU, f32 and f64;
-//! [`rope_attention_takes`] says when the fused op applies, and [`rope_attention_composed`]
-//! runs elsewhere.
+//! functions of the positions and the mask: they get no gradient. CPU, f32 and f64; CUDA, f32:
+//! `rope.cu`'s pack kernel writes the same rows (`rope_pack`), `attention.cu` runs the grouped
+//! geometry, and the backward unpacks the rows' gradient with the rotation's transpose
+//! (`rope_unpack`), four launches in all. [`rope_attention_takes`] says when the fused op
+//! applies, and [`rope_attention_composed`] runs elsewhere.
 
 use std::sync::Mutex;
 
@@ -27,7 +29,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::attention::{bias_rows, bwd_seq, fwd_seq, padded, Dims, ROWS};
+use super::attention::{bias_rows, bwd_seq, fwd_seq, padded, Dims, Probs, ROWS};
 use super::rope::rotate_head;
 use super::{contiguous, CResult, Elem};
 
@@ -60,7 +62,7 @@ struct RopeAttention {
     bias: Tensor,
     heads: (usize, usize),
     scale: f64,
-    probs: Mutex<Option<CpuStorage>>,
+    probs: Mutex<Option<Probs>>,
 }
 
 /// A contiguous CPU tensor's values, read through its storage's guard.
@@ -162,7 +164,7 @@ impl RopeAttention {
                 },
             );
         }
-        *super::lock(&self.probs) = Some(T::to_cpu_storage_owned(p));
+        *super::lock(&self.probs) = Some(Probs::Cpu(T::to_cpu_storage_owned(p)));
         Ok((T::to_cpu_storage_owned(out), (b, t, c).into()))
     }
 
@@ -241,6 +243,29 @@ impl CustomOp3 for RopeAttention {
         by_dtype!(s1, "rope attention", self.fwd((s1, l1), (s2, l2), (s3, l3)))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> CResult<(candle_core::CudaStorage, Shape)> {
+        let (b, dims) = self.dims(l1, l2, l3)?;
+        let geometry = [b, dims.t, dims.h, dims.kv, dims.d()];
+        let held = [&self.cos, &self.sin, &self.bias].map(|x| x.storage_and_layout());
+        let [cos, sin, bias] = held.each_ref().map(|(s, l)| cuda_storage(s).map(|s| (s, *l)));
+        let (cos, sin, bias) = (cos?, sin?, bias?);
+        let rows = crate::cuda::rope_pack([(s1, l1), (s2, l2), (s3, l3)], [cos, sin], geometry)?;
+        let packed = Layout::contiguous((b, dims.t, dims.width()));
+        let at = [b, dims.t, dims.c, dims.h, dims.kv];
+        let (y, p) = crate::cuda::attention_fwd((&rows, &packed), bias, at, dims.bias, self.scale as f32)?;
+        *super::lock(&self.probs) = Some(Probs::Cuda(p));
+        Ok((y, (b, dims.t, dims.c).into()))
+    }
+
     fn bwd(
         &self,
         q: &Tensor,
@@ -259,9 +284,15 @@ impl CustomOp3 for RopeAttention {
                 p.ok_or_else(|| candle_core::Error::Msg("rope attention: no probabilities".into()))?
             }
         };
+        #[cfg(feature = "cuda")]
+        if let Probs::Cuda(p) = probs {
+            let (dq, dk, dv) = self.bwd_cuda(q, k, v, g, p)?;
+            return Ok((Some(dq), Some(dk), Some(dv)));
+        }
+        let probs = probs.cpu()?;
         let (dq, dk, dv) = match q.dtype() {
-            candle_core::DType::F32 => self.bwd_cpu::<f32>(q, k, v, g, &probs)?,
-            candle_core::DType::F64 => self.bwd_cpu::<f64>(q, k, v, g, &probs)?,
+            candle_core::DType::F32 => self.bwd_cpu::<f32>(q, k, v, g, probs)?,
+            candle_core::DType::F64 => self.bwd_cpu::<f64>(q, k, v, g, probs)?,
             dt => return Err(super::unsupported("rope attention", dt)),
         };
         Ok((Some(dq), Some(dk), Some(dv)))
@@ -282,13 +313,110 @@ impl RopeAttention {
     }
 }
 
+/// The CUDA storage of a tensor the op holds, or an error: every operand must be on one GPU.
+#[cfg(feature = "cuda")]
+fn cuda_storage(s: &candle_core::Storage) -> CResult<&candle_core::CudaStorage> {
+    match s {
+        candle_core::Storage::Cuda(cs) => Ok(cs),
+        _ => candle_core::bail!("rope attention: cos, sin and the bias must be on the GPU with q, k and v"),
+    }
+}
+
+/// The backward on CUDA: `(q, k, v) → [dq | dk | dv]` as one flat buffer, for the upstream
+/// gradient and the probabilities it holds. It packs the rows again (the rotation is cheap),
+/// runs the attention backward on them, and unpacks with the rotation's transpose.
+#[cfg(feature = "cuda")]
+struct RopeAttentionBwd<'a> {
+    op: &'a RopeAttention,
+    g: Tensor,
+    probs: candle_core::CudaStorage,
+}
+
+#[cfg(feature = "cuda")]
+impl CustomOp3 for RopeAttentionBwd<'_> {
+    fn name(&self) -> &'static str {
+        "rltune-rope-attention-bwd"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        candle_core::bail!("rope attention backward: the probabilities are on the GPU, the operands are not")
+    }
+
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> CResult<(candle_core::CudaStorage, Shape)> {
+        let (b, dims) = self.op.dims(l1, l2, l3)?;
+        let geometry = [b, dims.t, dims.h, dims.kv, dims.d()];
+        let held = [&self.op.cos, &self.op.sin, &self.g].map(|x| x.storage_and_layout());
+        let [cos, sin, g] = held.each_ref().map(|(s, l)| cuda_storage(s).map(|s| (s, *l)));
+        let (cos, sin, g) = (cos?, sin?, g?);
+        let rows = crate::cuda::rope_pack([(s1, l1), (s2, l2), (s3, l3)], [cos, sin], geometry)?;
+        let packed = Layout::contiguous((b, dims.t, dims.width()));
+        let at = [b, dims.t, dims.c, dims.h, dims.kv];
+        let drows = crate::cuda::attention_bwd((&rows, &packed), g, &self.probs, at, self.op.scale as f32)?;
+        let grads = crate::cuda::rope_unpack((&drows, &packed), [cos, sin], geometry)?;
+        Ok((grads, (b * dims.t * dims.width(),).into()))
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl RopeAttention {
+    /// `(dq, dk, dv)` on CUDA from the kept probabilities: one flat buffer, cut into the three
+    /// (views, no copies).
+    fn bwd_cuda(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        g: &Tensor,
+        probs: candle_core::CudaStorage,
+    ) -> CResult<(Tensor, Tensor, Tensor)> {
+        let bwd = RopeAttentionBwd { op: self, g: g.contiguous()?, probs };
+        let flat = q.apply_op3_no_bwd(k, v, &bwd)?;
+        let (nq, nk) = (q.elem_count(), k.elem_count());
+        Ok((
+            flat.narrow(0, 0, nq)?.reshape(q.shape())?,
+            flat.narrow(0, nq, nk)?.reshape(k.shape())?,
+            flat.narrow(0, nq + nk, nk)?.reshape(v.shape())?,
+        ))
+    }
+}
+
 /// Whether [`rope_attention`] runs as one fused op for these operands: f32 or f64 on the CPU,
-/// one dtype, and keys as long as the queries (no KV cache).
+/// or f32 on CUDA with `D + T` within the attention kernel's shared memory; one dtype; keys as
+/// long as the queries (no KV cache).
 pub fn rope_attention_takes(q: &Tensor, k: &Tensor, cos: &Tensor, bias: &Tensor) -> bool {
     let one_dtype = [k, cos, bias].iter().all(|t| t.dtype() == q.dtype());
     let same_length =
         q.dims().get(1).is_some_and(|&t| bias.dims().last() == Some(&t) && k.dims().get(1) == Some(&t));
-    super::fused_cpu(&[q, k, cos, bias]) && one_dtype && same_length
+    (super::fused_cpu(&[q, k, cos, bias]) || cuda_fits(q, k, cos, bias)) && one_dtype && same_length
+}
+
+/// Whether the CUDA kernels take these operands: f32 on a GPU, a head and a row of keys that
+/// fit the attention kernel's shared memory.
+#[cfg(feature = "cuda")]
+fn cuda_fits(q: &Tensor, k: &Tensor, cos: &Tensor, bias: &Tensor) -> bool {
+    let (t, d) = (q.dims().get(1).copied().unwrap_or(0), cos.dims().last().copied().unwrap_or(0) * 2);
+    super::cuda_f32(&[q, k, cos, bias]) && d + t <= crate::cuda::ATTENTION_MAX_ROW
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_fits(_: &Tensor, _: &Tensor, _: &Tensor, _: &Tensor) -> bool {
+    false
 }
 
 /// Attention as Llama computes it: `q (B, T, H·D)`, `k`, `v (B, T, H_kv·D)` from the projections;

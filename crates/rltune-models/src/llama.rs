@@ -542,8 +542,8 @@ impl Attention {
         let (cos, sin) = rope;
         let (q, k) = (self.q_proj.forward(x)?, self.k_proj.forward(x)?); // (B, T, H·D), (B, T, H_kv·D)
         if cache.is_none() && ops::rope_attention_takes(&q, &k, cos, bias) {
-            // Training and scoring on the CPU: rotation, grouped-query attention and the merge
-            // as one node, which keeps its inputs and the probabilities only.
+            // Training and scoring (CPU; CUDA in f32): rotation, grouped-query attention and the
+            // merge as one node, which keeps its inputs and the probabilities only.
             let heads = (self.n_heads, self.n_kv_heads);
             let y = ops::rope_attention(&q, &k, &self.v_proj.forward(x)?, cos, sin, bias, heads, self.scale)?;
             return self.o_proj.forward(&y);
