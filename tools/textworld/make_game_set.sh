@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Generate a training set and a held-out set of TextWorld games of one family, with distinct
-# tw-make seeds, for `rltune quickstart --task textworld`.
+# Generate a training set, a validation set and a held-out (test) set of TextWorld games of one
+# family, with distinct tw-make seeds, for `rltune quickstart --task textworld`.
 #
 #   tools/textworld/make_game_set.sh FAMILY N_TRAIN N_HELDOUT [OUT_DIR] [VENV_DIR]
 #
@@ -11,13 +11,17 @@
 #   treasure  tw-treasure_hunter --level L, L = 1 + i mod 10: fetch one object among
 #             distractors; taking a wrong one loses (1 point)
 # where i counts the games of a split from 0. Training games use seeds 1..N_TRAIN, held-out
-# games seeds 1000001..1000000+N_HELDOUT, so the two sets never share a seed; the script also
-# fails if a held-out story file is byte-identical to a training one.
+# games seeds 1000001..1000000+N_HELDOUT, validation games (N_VALIDATION of them, from the
+# environment, default 32; 0 makes none) seeds 2000001..2000000+N_VALIDATION, so no two sets
+# share a seed; the script also fails if a story file of one set is byte-identical to one of
+# another. Settings are chosen on the validation games; the held-out games are the test set.
 #
-# OUT_DIR defaults to target/textworld-games/FAMILY; the games go to OUT_DIR/train/ and
-# OUT_DIR/heldout/ (each a .z8 with the .json the bridge needs beside it). VENV_DIR defaults to
-# .venv-textworld (tools/textworld/install.sh). Deterministic (PYTHONHASHSEED is fixed), and
-# resumable: games already made are kept. tw-make takes 3 to 9 s per game.
+# OUT_DIR defaults to target/textworld-games/FAMILY; the games go to OUT_DIR/train/,
+# OUT_DIR/validation/ and OUT_DIR/heldout/ (each a .z8 with the .json the bridge needs beside
+# it). VENV_DIR defaults to .venv-textworld (tools/textworld/install.sh). Deterministic
+# (PYTHONHASHSEED is fixed), and resumable: games already made are kept, so rerunning it on a
+# set made before the validation split adds only the validation games. tw-make takes 3 to 9 s
+# per game.
 set -euo pipefail
 
 usage="usage: make_game_set.sh FAMILY N_TRAIN N_HELDOUT [OUT_DIR] [VENV_DIR] (FAMILY: coin, custom, treasure)"
@@ -25,7 +29,7 @@ if [ $# -lt 3 ]; then
     echo "$usage" >&2
     exit 2
 fi
-family="$1" n_train="$2" n_heldout="$3"
+family="$1" n_train="$2" n_heldout="$3" n_validation="${N_VALIDATION:-32}"
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 out="${4:-$repo_root/target/textworld-games/$family}"
 venv="${5:-$repo_root/.venv-textworld}"
@@ -36,6 +40,10 @@ for n in "$n_train" "$n_heldout"; do
         exit 2
     fi
 done
+if ! [[ "$n_validation" =~ ^[0-9]+$ ]] || [ "$n_validation" -gt 999999 ]; then
+    echo "make_game_set.sh: N_VALIDATION must be an integer in 0..999999, got '$n_validation'" >&2
+    exit 2
+fi
 case "$family" in
     coin|custom|treasure) ;;
     *) echo "make_game_set.sh: unknown FAMILY '$family'; $usage" >&2; exit 2 ;;
@@ -71,11 +79,15 @@ make_split() {
 start=$(date +%s)
 make_split train "$n_train" 1
 make_split heldout "$n_heldout" 1000001
-hashes() { (cd "$out/$1" && sha256sum -- *.z8 | awk '{print $1}' | sort -u); }
-shared="$(comm -12 <(hashes train) <(hashes heldout))"
-if [ -n "$shared" ]; then
-    echo "make_game_set.sh: held-out games byte-identical to training games (sha256):" >&2
-    echo "$shared" >&2
-    exit 1
-fi
-echo "make_game_set.sh: $n_train training and $n_heldout held-out $family games in $out ($(( $(date +%s) - start ))s)"
+[ "$n_validation" -eq 0 ] || make_split validation "$n_validation" 2000001
+hashes() { [ -d "$out/$1" ] || return 0; (cd "$out/$1" && sha256sum -- *.z8 | awk '{print $1}' | sort -u); }
+for pair in "train heldout" "train validation" "validation heldout"; do
+    read -r a b <<<"$pair"
+    shared="$(comm -12 <(hashes "$a") <(hashes "$b"))"
+    if [ -n "$shared" ]; then
+        echo "make_game_set.sh: $b games byte-identical to $a games (sha256):" >&2
+        echo "$shared" >&2
+        exit 1
+    fi
+done
+echo "make_game_set.sh: $n_train training, $n_validation validation and $n_heldout held-out $family games in $out ($(( $(date +%s) - start ))s)"

@@ -114,8 +114,8 @@ fn demonstrations_come_from_the_bridges_walkthroughs_with_detours() {
 }
 
 /// `rltune quickstart --task textworld --preset tiny` as a library call: every stage runs on real
-/// TextWorld games (two for training, one held out) and the summary compares the three agents on
-/// the same held-out episodes.
+/// TextWorld games (one for training, one for validation, one held out) and the summary compares
+/// the three agents on the same held-out episodes, and BC and PPO on the validation episodes.
 #[test]
 fn the_textworld_quickstart_runs_end_to_end() {
     use rltune_cli::tasks::{run_textworld_quickstart, TextworldGames, TextworldQuickstartConfig};
@@ -124,8 +124,9 @@ fn the_textworld_quickstart_runs_end_to_end() {
     let mut cfg = TextworldQuickstartConfig::tiny();
     cfg.game = TextworldGames {
         python,
-        train: vec![path("coin5_s6.z8"), path("custom_w3_o5_q3_s2.z8")],
+        train: vec![path("custom_w3_o5_q3_s2.z8")],
         heldout: vec![path("treasure5_s4.z8")],
+        validation: vec![path("coin5_s6.z8")],
     };
     let dir = tempfile::tempdir().unwrap();
     let stop = std::sync::atomic::AtomicBool::new(false);
@@ -143,13 +144,27 @@ fn the_textworld_quickstart_runs_end_to_end() {
         assert_eq!((r.episodes, r.dropped_episodes), (cfg.eval_episodes, 0), "{r:?}");
         assert!(r.mean_steps >= 1.0 && r.mean_steps <= cfg.max_steps as f64, "{r:?}");
     }
+    let v = s.validation.as_ref().expect("the validation games are played");
+    for r in [&v.bc, &v.rl] {
+        assert_eq!((r.episodes, r.dropped_episodes), (cfg.validation_episodes, 0), "{r:?}");
+    }
     let ppo_toml = std::fs::read_to_string(dir.path().join("ppo.toml")).unwrap();
-    assert!(ppo_toml.contains("treasure5_s4.z8"), "PPO's evaluation plays the held-out games:\n{ppo_toml}");
-    // Overlapping splits and a missing interpreter are refused before anything runs.
+    assert!(ppo_toml.contains("coin5_s6.z8"), "PPO's evaluation plays the validation games:\n{ppo_toml}");
+    assert!(!ppo_toml.contains("treasure5_s4.z8"), "PPO never plays the test games:\n{ppo_toml}");
+    // Overlapping splits, a missing validation set and a missing interpreter are refused before
+    // anything runs.
     let mut both = cfg.clone();
-    both.game.heldout = vec![path("coin5_s6.z8")];
+    both.game.heldout = vec![path("custom_w3_o5_q3_s2.z8")];
     let e = run_textworld_quickstart(&dir.path().join("x"), &both, &runtime, &stop, &mut |_| {}).unwrap_err();
     assert!(e.to_string().contains("both a training and a held-out game"), "{e}");
+    let mut both = cfg.clone();
+    both.game.validation = vec![path("treasure5_s4.z8")];
+    let e = run_textworld_quickstart(&dir.path().join("w"), &both, &runtime, &stop, &mut |_| {}).unwrap_err();
+    assert!(e.to_string().contains("both a validation and a held-out game"), "{e}");
+    let mut old = cfg.clone();
+    old.game.validation = vec![path("validation/*.z8")];
+    let e = run_textworld_quickstart(&dir.path().join("v"), &old, &runtime, &stop, &mut |_| {}).unwrap_err();
+    assert!(e.to_string().contains("game.validation") && e.to_string().contains("make_game_set.sh"), "{e}");
     let mut nopy = cfg.clone();
     nopy.game.python = "/no/such/venv/bin/python".into();
     let e = run_textworld_quickstart(&dir.path().join("y"), &nopy, &runtime, &stop, &mut |_| {}).unwrap_err();

@@ -2,11 +2,12 @@
 //! by `tw-make`, played through `tools/textworld/bridge.py`): the [`super::agent`] pipeline with
 //! demonstrations from TextWorld's own walkthroughs (`policy_commands`, detours included), PPO
 //! on the training games, and the random agent, the BC policy and the PPO policy on the
-//! held-out games.
+//! held-out (test) games; the BC and PPO policies also play the validation games, which
+//! settings are chosen on (and which PPO's evaluation during training plays).
 //!
 //! It needs TextWorld (`tools/textworld/install.sh`) and a game set
-//! (`tools/textworld/make_game_set.sh coin 64 64`): training and held-out games of one family
-//! with distinct `tw-make` seeds.
+//! (`tools/textworld/make_game_set.sh coin 64 64`): training, validation and held-out games of
+//! one family with distinct `tw-make` seeds.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
@@ -23,7 +24,8 @@ use rltune::run::config::EpisodesSection;
 use rltune::runtime::Runtime;
 use rltune::train::TrainingArgs;
 
-/// The TextWorld games of the quickstart: training and held-out files of one family.
+/// The TextWorld games of the quickstart: training, validation and held-out (test) files of one
+/// family.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TextworldGames {
@@ -32,8 +34,12 @@ pub struct TextworldGames {
     pub python: String,
     /// Training games: `.z8` files or glob patterns on the file name.
     pub train: Vec<String>,
-    /// Held-out games, none of them a training game.
+    /// Held-out (test) games, none of them a training game.
     pub heldout: Vec<String>,
+    /// Validation games, for choosing settings, in neither other split; empty: none (then
+    /// `validation_episodes` plays nothing and PPO's evaluation plays held-out games).
+    #[serde(default)]
+    pub validation: Vec<String>,
 }
 
 impl Default for TextworldGames {
@@ -43,6 +49,7 @@ impl Default for TextworldGames {
             python: ".venv-textworld/bin/python".into(),
             train: vec![format!("{dir}/train/*.z8")],
             heldout: vec![format!("{dir}/heldout/*.z8")],
+            validation: vec![format!("{dir}/validation/*.z8")],
         }
     }
 }
@@ -92,7 +99,7 @@ impl TextworldGames {
 }
 
 impl AgentGames for TextworldGames {
-    /// The interpreter exists and the two splits name games, none of them in both.
+    /// The interpreter exists and the splits name games, none of them in two.
     fn check(&self) -> Result<()> {
         if self.python.contains('/') && !Path::new(&self.python).is_file() {
             return Err(Error::Input(format!(
@@ -104,13 +111,33 @@ impl AgentGames for TextworldGames {
         }
         let train = self.files("train", &self.train)?;
         let heldout = self.files("heldout", &self.heldout)?;
+        let validation = if self.validation.is_empty() {
+            Vec::new()
+        } else {
+            self.files("validation", &self.validation).map_err(|_| {
+                Error::Input(format!(
+                    "quickstart textworld: game.validation = {:?} names no file. Game sets made before \
+                     2026-11-30 have no validation games: run {MAKE_GAMES} again (it keeps the games \
+                     it made and adds them), or play none with --set 'game.validation=[]'",
+                    self.validation
+                ))
+            })?
+        };
         let canon = |p: &PathBuf| p.canonicalize().unwrap_or_else(|_| p.clone());
-        let train: std::collections::HashSet<PathBuf> = train.iter().map(canon).collect();
-        if let Some(both) = heldout.iter().find(|p| train.contains(&canon(p))) {
-            return Err(Error::Input(format!(
-                "quickstart textworld: {} is both a training and a held-out game; the splits must be disjoint",
-                both.display()
-            )));
+        let split = |files: &[PathBuf]| files.iter().map(canon).collect::<std::collections::HashSet<_>>();
+        let (train, held) = (split(&train), split(&heldout));
+        let pairs = [
+            ("a training and a held-out", &train, &heldout),
+            ("a training and a validation", &train, &validation),
+            ("a validation and a held-out", &held, &validation),
+        ];
+        for (what, a, b) in pairs {
+            if let Some(both) = b.iter().find(|p| a.contains(&canon(p))) {
+                return Err(Error::Input(format!(
+                    "quickstart textworld: {} is both {what} game; the splits must be disjoint",
+                    both.display()
+                )));
+            }
         }
         Ok(())
     }
@@ -118,7 +145,8 @@ impl AgentGames for TextworldGames {
     fn env_section(&self, split: Split, num_envs: usize, max_steps: usize) -> EnvSection {
         let games = match split {
             Split::Train => &self.train,
-            // No validation files (has_validation is false): the held-out set.
+            Split::Validation if self.has_validation() => &self.validation,
+            // No validation files: the held-out set.
             Split::Heldout | Split::Validation => &self.heldout,
         };
         self.section(games, num_envs, max_steps, split)
@@ -138,8 +166,14 @@ impl AgentGames for TextworldGames {
         Ok((env, resets))
     }
 
+    /// The validation games where there are, else the held-out ones.
     fn eval_games(&self) -> Vec<String> {
-        self.heldout.iter().map(|g| absolute(g)).collect()
+        let games = if self.has_validation() { &self.validation } else { &self.heldout };
+        games.iter().map(|g| absolute(g)).collect()
+    }
+
+    fn has_validation(&self) -> bool {
+        !self.validation.is_empty()
     }
 }
 
@@ -179,9 +213,9 @@ impl Default for AgentQuickstartConfig<TextworldGames> {
             // Quests take up to 15 moves and pay only at the coin: 0.6 (the fork's) would leave
             // the first move 0.6^14 = 8e-4 of it, 0.9 leaves 0.23.
             episodes: EpisodesSection { game_gamma: 0.9, ..d.episodes },
-            // 4 episodes per held-out game.
+            // 4 episodes per held-out game, and per validation game (32).
             eval_episodes: 256,
-            validation_episodes: 0,
+            validation_episodes: 128,
             algorithm: Default::default(),
             grpo: super::agent::agent_grpo(),
             rloo: super::agent::agent_rloo(),
@@ -207,6 +241,7 @@ impl AgentQuickstartConfig<TextworldGames> {
             ppo: PpoConfig { steps: 2, batch_size: 8, mini_batch_size: 4, ppo_epochs: 1, ..d.ppo },
             episodes: EpisodesSection { eval_every: 2, eval_episodes: 2, ..d.episodes },
             eval_episodes: 4,
+            validation_episodes: 2,
             ..d
         }
     }
