@@ -671,7 +671,8 @@ impl KvBlock {
     }
 
     /// Keeps the sequences `rows` (indices among the cached ones, in the order given): the
-    /// batch shrinks to them, their cached keys and values untouched.
+    /// batch becomes them, their cached keys and values untouched. A row named twice is copied
+    /// (a prompt prefilled once for several samples).
     pub fn select_rows(&mut self, rows: &[usize]) -> CResult<()> {
         if self.k.is_empty() {
             return Ok(());
@@ -684,10 +685,18 @@ impl KvBlock {
         }
         let pick = |slots: &mut Vec<Vec<f32>>| {
             let mut old: Vec<Option<Vec<f32>>> = std::mem::take(slots).into_iter().map(Some).collect();
+            // Where each row's first copy went: a later one clones it.
+            let mut placed: Vec<Option<usize>> = vec![None; b];
             for &r in rows {
+                let at = slots.len();
                 for i in 0..h {
-                    slots.push(old[r * h + i].take().unwrap_or_default());
+                    let slot = match placed[r] {
+                        Some(first) => slots[first + i].clone(),
+                        None => old[r * h + i].take().unwrap_or_default(),
+                    };
+                    slots.push(slot);
                 }
+                placed[r].get_or_insert(at);
             }
         };
         pick(&mut self.k);

@@ -199,12 +199,13 @@ impl KvCache {
     }
 
     /// Keeps the sequences `rows` (indices into the cached batch, in the order given), dropping
-    /// the others: a batch of growing sequences sheds the finished ones.
+    /// the others: a batch of growing sequences sheds the finished ones. A row named more than
+    /// once is copied: a prompt prefilled once becomes the cache of each of its samples.
     pub fn select_rows(&mut self, rows: &[usize]) -> Result<()> {
         for (k, v) in self.layers.iter_mut().flatten() {
             let idx = Tensor::new(rows.iter().map(|&r| r as u32).collect::<Vec<_>>(), k.device())?;
-            *k = k.index_select(&idx, 0)?;
-            *v = v.index_select(&idx, 0)?;
+            *k = k.contiguous()?.index_select(&idx, 0)?;
+            *v = v.contiguous()?.index_select(&idx, 0)?;
         }
         for block in &mut self.blocks {
             block.select_rows(rows)?;
@@ -217,8 +218,8 @@ impl KvCache {
     pub fn select_positions(&mut self, keep: &[usize]) -> Result<()> {
         for (k, v) in self.layers.iter_mut().flatten() {
             let idx = Tensor::new(keep.iter().map(|&p| p as u32).collect::<Vec<_>>(), k.device())?;
-            *k = k.index_select(&idx, 2)?;
-            *v = v.index_select(&idx, 2)?;
+            *k = k.contiguous()?.index_select(&idx, 2)?;
+            *v = v.contiguous()?.index_select(&idx, 2)?;
         }
         for block in &mut self.blocks {
             block.select_positions(keep)?;

@@ -314,11 +314,28 @@ pub fn generate_with(
     let mut next_pos: Vec<u32> = mask.iter().map(|m| m.iter().map(|&x| x as u32).sum()).collect();
 
     let started = std::time::Instant::now();
+    // A prompt that repeats an earlier one (GRPO's and RLOO's `num_generations` samples of each
+    // prompt, best-of-N's candidates) is prefilled once, and its cache and last hidden state
+    // copied to the rows that repeat it. Each row's prefill is computed by itself (the batch is
+    // padded to the same length, and no op mixes rows), so on the CPU the samples are the same
+    // bit for bit (tested); a GPU's products may round differently for fewer rows.
+    let (of_row, distinct) = distinct_rows(prompts);
+    let repeats = distinct.len() < b;
+    let (ids, prefill_mask) = match repeats {
+        true => (pick_rows(&ids, &distinct), pick_rows(&mask, &distinct)),
+        false => (ids, mask.clone()),
+    };
     let input = Tensor::new(ids, device)?;
-    let positions = crate::layers::position_ids_from_mask(&mask, device)?;
-    let bias = causal_bias(&mask, prompt_len, DType::F32, device)?;
+    let positions = crate::layers::position_ids_from_mask(&prefill_mask, device)?;
+    let bias = causal_bias(&prefill_mask, prompt_len, DType::F32, device)?;
     let mut hidden = lm.forward(&input, &positions, &bias, Some(&mut cache))?;
-    add_prefill(started.elapsed(), prompts.iter().map(Vec::len).sum());
+    if repeats {
+        let last = hidden.narrow(1, hidden.dim(1)? - 1, 1)?.contiguous()?;
+        let idx = Tensor::new(of_row.iter().map(|&r| r as u32).collect::<Vec<_>>(), device)?;
+        hidden = last.index_select(&idx, 0)?;
+        cache.select_rows(&of_row)?;
+    }
+    add_prefill(started.elapsed(), distinct.iter().map(|&r| prompts[r].len()).sum());
     // Every decoding step multiplies the same weights by B rows: pack them once.
     let _packed = rltune_kernels::gemm::pack_scope(&lm.weight_matrices());
     for step in 0..cfg.max_new_tokens {
@@ -376,6 +393,29 @@ pub fn generate_with(
         hidden = lm.forward(&input, &positions, &bias, Some(&mut cache))?;
     }
     Ok(samples)
+}
+
+/// Rows `which` of `rows`, in order.
+fn pick_rows<T: Clone>(rows: &[Vec<T>], which: &[usize]) -> Vec<Vec<T>> {
+    which.iter().map(|&r| rows[r].clone()).collect()
+}
+
+/// Each row's index among the distinct prompts, and the first row of each distinct prompt, in
+/// order of appearance.
+fn distinct_rows(prompts: &[Vec<u32>]) -> (Vec<usize>, Vec<usize>) {
+    let mut seen: std::collections::HashMap<&[u32], usize> = std::collections::HashMap::new();
+    let mut distinct = Vec::new();
+    let of_row = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            *seen.entry(p.as_slice()).or_insert_with(|| {
+                distinct.push(i);
+                distinct.len() - 1
+            })
+        })
+        .collect();
+    (of_row, distinct)
 }
 
 /// A sampled token, its logprob, and (when recorded) the support it was drawn from.
@@ -524,5 +564,38 @@ mod tests {
         }
         let bad = GenerationConfig { min_p: 1.5, ..Default::default() };
         assert_eq!(bad.validate().unwrap_err().to_string(), "generation.min_p must be in [0, 1], got 1.5");
+    }
+
+    /// A repeated prompt is prefilled once and its cache copied (GRPO's samples of one prompt):
+    /// a row that repeats an earlier prompt samples exactly what it samples when it is the first
+    /// of its prompt, with other prompts around it. GPT-2 and Llama keep their caches in place,
+    /// GPT-NeoX as tensors; widths past the GEMM's 256-deep blocks.
+    #[test]
+    fn repeated_prompts_are_prefilled_once_and_sample_the_same() {
+        use crate::{gpt_neox::GptNeoXConfig, llama::LlamaConfig};
+        let configs = [
+            CausalLmConfig::Gpt2(Gpt2Config::tiny(40, 288, 2, 4, 32)),
+            CausalLmConfig::Llama(LlamaConfig::tiny(40, 288, 2, 9, 3)),
+            CausalLmConfig::GptNeoX(GptNeoXConfig::tiny(40, 64, 2, 4)),
+        ];
+        let p = |x: u32| vec![x, x + 1, 3, x % 7, 5];
+        // Rows 1 and 4 repeat rows 0 and 3 in the first batch, and are their prompt's first in
+        // the second (all prompts of one length, so the padding is the same).
+        let repeated = vec![p(10), p(10), p(10), p(20), p(20), p(20)];
+        let distinct = vec![p(11), p(10), p(12), p(13), p(20), p(14)];
+        for cfg in configs {
+            let store = ParamStore::random(3, false, DType::F32, &Device::Cpu).unwrap();
+            let lm = CausalLm::load(&store.root(), &cfg).unwrap();
+            let gen =
+                GenerationConfig { max_new_tokens: 6, stop_at_eos: false, seed: 9, ..Default::default() };
+            let a = generate(&lm, None, &repeated, &gen, &Device::Cpu).unwrap();
+            let b = generate(&lm, None, &distinct, &gen, &Device::Cpu).unwrap();
+            for row in [1, 4] {
+                assert_eq!(a[row].response_ids, b[row].response_ids, "{cfg:?} row {row}");
+                assert_eq!(a[row].logprobs, b[row].logprobs, "{cfg:?} row {row}");
+            }
+            // The copies draw from their own streams.
+            assert_ne!(a[0].response_ids, a[1].response_ids, "{cfg:?}");
+        }
     }
 }
