@@ -60,8 +60,31 @@ pub enum Error {
         problem: String,
     },
 
-    /// Input that fits no narrower variant (a trainer's arguments, a batch, a reward's answer) is
-    /// invalid; the message names the row or field.
+    /// A trainer step's in-memory inputs (queries, responses, scores, masks, rewards, pairs) do
+    /// not fit together or with the model.
+    #[error("{}", at_sample(.unit, *.sample, .problem))]
+    Batch {
+        /// The row at fault, when one row is; `None` when the batch as a whole is (its size, a
+        /// count that differs between two inputs).
+        sample: Option<usize>,
+        /// What the trainer calls a row, for the message: `sample`, `row`, `turn`, `pair`.
+        unit: &'static str,
+        /// What is wrong and the fix.
+        problem: String,
+    },
+
+    /// An argument of a library function that no config key holds (a model, a tag set, a
+    /// weight) cannot be used.
+    #[error("{name}: {problem}")]
+    Argument {
+        /// The argument: `policy`, `critic`, `reference`, …
+        name: &'static str,
+        /// What is wrong and the fix.
+        problem: String,
+    },
+
+    /// Input that an application built on the library (the CLI's tasks) rejects; the message
+    /// names the row or field. The library itself returns the typed variants above.
     #[error("{0}")]
     Input(String),
 
@@ -106,6 +129,15 @@ pub enum Error {
     Internal(String),
 }
 
+/// How [`Error::Batch`] prints: `sample 3: {problem}` (or `row 3`, `turn 3`), or the problem
+/// alone.
+fn at_sample(unit: &str, sample: Option<usize>, problem: &str) -> String {
+    match sample {
+        Some(i) => format!("{unit} {i}: {problem}"),
+        None => problem.to_string(),
+    }
+}
+
 /// Shorthand for `std::result::Result<T, rltune::Error>`.
 pub type Result<T> = std::result::Result<T, Error>;
 
@@ -128,6 +160,26 @@ impl Error {
     /// An [`Error::Reward`] from the source named `source_name`.
     pub fn reward(source_name: impl std::fmt::Display, problem: impl std::fmt::Display) -> Self {
         Error::Reward { source_name: source_name.to_string(), problem: problem.to_string() }
+    }
+
+    /// An [`Error::Batch`] at sample `i`.
+    pub fn sample(i: usize, problem: impl std::fmt::Display) -> Self {
+        Self::row_of("sample", i, problem)
+    }
+
+    /// An [`Error::Batch`] at row `i`, where the trainer calls a row `unit` (`row`, `turn`).
+    pub fn row_of(unit: &'static str, i: usize, problem: impl std::fmt::Display) -> Self {
+        Error::Batch { sample: Some(i), unit, problem: problem.to_string() }
+    }
+
+    /// An [`Error::Batch`] of the batch as a whole.
+    pub fn batch(problem: impl std::fmt::Display) -> Self {
+        Error::Batch { sample: None, unit: "sample", problem: problem.to_string() }
+    }
+
+    /// An [`Error::Argument`] for the argument `name`.
+    pub fn argument(name: &'static str, problem: impl std::fmt::Display) -> Self {
+        Error::Argument { name, problem: problem.to_string() }
     }
 
     /// An [`Error::Checkpoint`] for the checkpoint at `path`.
