@@ -115,7 +115,7 @@ impl Dist {
     pub fn shard(&self, n: usize, what: &str) -> Result<Range<usize>> {
         let world = self.world_size();
         if !n.is_multiple_of(world) {
-            return Err(Error::Input(format!(
+            return Err(Error::batch(format!(
                 "{what} is {n}, which {world} processes cannot share evenly: make it a multiple of {world} \
                  (the global batch is split by rank, so that N processes give the results of one)"
             )));

@@ -183,7 +183,10 @@ pub fn batch_response_logprobs(
     device: &Device,
 ) -> Result<Vec<Vec<f32>>> {
     if let Some(i) = pairs.iter().position(|(q, r)| q.is_empty() || r.is_empty()) {
-        return Err(Error::Input(format!("response_logprobs: pair {i} has an empty query or response")));
+        return Err(Error::argument(
+            "pairs",
+            format!("response_logprobs: pair {i} has an empty query or response"),
+        ));
     }
     let Some(l) = pairs.iter().map(|(q, r)| q.len() + r.len() - 1).max() else { return Ok(Vec::new()) };
     let b = pairs.len();

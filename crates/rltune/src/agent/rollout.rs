@@ -312,11 +312,16 @@ pub fn rebootstrap(
     let queries: Vec<Vec<u32>> = open.iter().map(|&i| turns[i].next_query_ids.clone()).collect();
     let v = values(&queries, &vec![vec![filler]; open.len()])?;
     if v.len() != open.len() {
-        return Err(Error::Input(format!("rebootstrap: {} values for {} states", v.len(), open.len())));
+        return Err(Error::argument(
+            "values",
+            format!("rebootstrap: {} values for {} states", v.len(), open.len()),
+        ));
     }
     for (&i, row) in open.iter().zip(&v) {
-        let first =
-            row.first().copied().ok_or_else(|| Error::Input("rebootstrap: an empty value row".into()))?;
+        let first = row
+            .first()
+            .copied()
+            .ok_or_else(|| Error::argument("values", "rebootstrap: an empty value row"))?;
         turns[i].bootstrap = (game_gamma * f64::from(first)) as f32;
     }
     Ok(())

@@ -205,7 +205,11 @@ pub(crate) fn command_trie(tokenizer: &Tokenizer, commands: &[String]) -> Result
         .map(|c| {
             let ids = tokenizer.encode(&action_text(c))?;
             if ids.is_empty() {
-                return Err(Error::Input(format!("admissible command {c:?} encodes to no token")));
+                return Err(Error::Setting(ConfigError::new(
+                    "agent",
+                    "actions",
+                    format!("= \"admissible\": admissible command {c:?} encodes to no token"),
+                )));
             }
             Ok(ids)
         })
@@ -242,7 +246,10 @@ pub(crate) fn start_round(
 ) -> Result<(Vec<EnvStep>, Vec<Option<Episode>>, Duration)> {
     let b = env.num_envs();
     if resets.len() != b {
-        return Err(Error::Input(format!("collect_episodes: {} resets for {b} environments", resets.len())));
+        return Err(Error::argument(
+            "resets",
+            format!("collect_episodes: {} resets for {b} environments", resets.len()),
+        ));
     }
     let envs: Vec<usize> = (0..b).collect();
     let t = std::time::Instant::now();

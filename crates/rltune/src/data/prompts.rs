@@ -130,10 +130,13 @@ impl LengthSampler {
     /// A sampler over `min..max` (max exclusive); fails unless `min < max`.
     pub fn new(min: usize, max: usize) -> Result<Self> {
         if min >= max {
-            return Err(Error::Input(format!(
-                "length sampler: min ({min}) must be below max ({max}); max is exclusive, as in TRL's \
-                 LengthSampler (e.g. 2..8 samples 2 to 7)"
-            )));
+            return Err(Error::argument(
+                "max",
+                format!(
+                    "length sampler: min ({min}) must be below max ({max}); max is exclusive, as in \
+                     TRL's LengthSampler (e.g. 2..8 samples 2 to 7)"
+                ),
+            ));
         }
         Ok(Self { min, max })
     }

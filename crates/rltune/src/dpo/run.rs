@@ -23,7 +23,7 @@ use super::trainer::{DpoCounters, DpoTrainer};
 use crate::dist::Dist;
 use crate::engine::run_loop::Plan;
 use crate::engine::Stats;
-use crate::error::{Error, Result};
+use crate::error::{ConfigError, Error, Result};
 use crate::logging::jsonl::{JsonlWriter, MetricRow};
 use crate::train::checkpoint::{self, Checkpointing, LoopCheckpoint, LoopKind, RunShape};
 
@@ -123,7 +123,7 @@ pub fn train_with(
     on_step: &mut dyn FnMut(usize, usize, &Stats) -> Result<()>,
 ) -> Result<DpoSummary> {
     if pairs.is_empty() {
-        return Err(Error::Input("no preference pair to train on".into()));
+        return Err(Error::argument("pairs", "no preference pair to train on"));
     }
     let cfg = trainer.config.clone();
     let total = cfg.total_steps(pairs_per_process(trainer.dist(), pairs.len()));
@@ -196,12 +196,16 @@ impl crate::engine::run_loop::Algorithm for DpoRun<'_> {
             *plan = epoch_plan(&self.trainer.config, self.trainer.dist(), self.pairs.len(), rng);
             *drawn = 0;
             if plan.is_empty() {
-                return Err(Error::Input(format!(
-                    "{} preference pairs give no step of {} per process on {} processes; add pairs or \
-                     lower per_device_train_batch_size",
-                    self.pairs.len(),
-                    self.trainer.config.per_device_train_batch_size,
-                    self.trainer.dist().world_size()
+                let bs = self.trainer.config.per_device_train_batch_size;
+                return Err(Error::Setting(ConfigError::new(
+                    "dpo",
+                    "per_device_train_batch_size",
+                    format!(
+                        "= {bs}: {} preference pairs give no step of {bs} per process on {} processes; add \
+                         pairs or lower per_device_train_batch_size",
+                        self.pairs.len(),
+                        self.trainer.dist().world_size()
+                    ),
                 )));
             }
         }

@@ -99,7 +99,7 @@ impl DpoTrainer {
     ) -> Result<Self> {
         config.validate()?;
         if n_train_pairs == 0 {
-            return Err(Error::Input("no preference pair to train on".into()));
+            return Err(Error::argument("n_train_pairs", "no preference pair to train on"));
         }
         let reference = match reference {
             Some(r) => Some(r),
@@ -179,10 +179,10 @@ impl DpoTrainer {
             match &self.core.reference {
                 Some(r) => r,
                 None if self.core.global_step == 0 => &self.core.policy,
-                None => return Err(Error::Input(
+                None => return Err(Error::argument(
+                    "reference",
                     "cannot precompute the reference logprobs after training started without a reference \
-                     model: precompute them before the first step, or pass a reference"
-                        .into(),
+                     model: precompute them before the first step, or pass a reference",
                 )),
             };
         let bs = self.config.precompute_ref_batch_size.unwrap_or(self.config.per_device_train_batch_size);
@@ -204,9 +204,7 @@ impl DpoTrainer {
     pub fn step(&mut self, micro_batches: &[Vec<&PreferencePair>]) -> Result<Stats> {
         let _awake = self.core.device.is_cpu().then(crate::cpu::keep_pool_awake);
         if micro_batches.is_empty() || micro_batches.iter().any(Vec::is_empty) {
-            return Err(Error::Input(
-                "a DPO step needs at least one micro-batch of at least one pair".into(),
-            ));
+            return Err(Error::batch("a DPO step needs at least one micro-batch of at least one pair"));
         }
         for mb in micro_batches {
             self.check(mb, self.config.precompute_ref_log_probs)?;
@@ -390,7 +388,9 @@ fn micro_step(
     let refs: Vec<(f64, f64)> = if cfg.precompute_ref_log_probs {
         pairs.iter().map(|p| p.ref_logps.unwrap_or((f64::NAN, f64::NAN))).collect()
     } else {
-        let r = core.reference.as_ref().ok_or_else(|| Error::Input("no reference model".into()))?;
+        let r = core.reference.as_ref().ok_or_else(|| {
+            Error::Internal("no reference model, though the reference logprobs are not precomputed".into())
+        })?;
         let rs = sequence_logps(r, &batch, false)?.1;
         (0..b).map(|i| (rs[i], rs[b + i])).collect()
     };

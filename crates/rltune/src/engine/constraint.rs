@@ -90,32 +90,36 @@ impl Constraint {
 }
 
 /// Checks that `allowed` holds, for each row of `tokens`, one set per token that contains it
-/// (the tokens were sampled under these sets). Messages read `{what}: {row} i, {token} token j
+/// (the tokens were sampled under these sets). Messages read `{row} i: {what}: {token} token j
 /// …`, naming the caller's field and words.
 pub(crate) fn check_allowed(
     tokens: &[Vec<u32>],
     allowed: &[Vec<Vec<u32>>],
     what: &str,
-    row: &str,
+    row: &'static str,
     token: &str,
 ) -> Result<()> {
     if allowed.len() != tokens.len() {
-        return Err(Error::Input(format!("{what}: {} rows for a batch of {}", allowed.len(), tokens.len())));
+        return Err(Error::batch(format!("{what}: {} rows for a batch of {}", allowed.len(), tokens.len())));
     }
     for (i, (a, r)) in allowed.iter().zip(tokens).enumerate() {
         if a.len() != r.len() {
-            return Err(Error::Input(format!(
-                "{what}: {row} {i} has {} allowed sets for {} {token} tokens",
-                a.len(),
-                r.len()
-            )));
+            return Err(Error::row_of(
+                row,
+                i,
+                format!("{what}: {} allowed sets for {} {token} tokens", a.len(), r.len()),
+            ));
         }
         for (j, (set, tok)) in a.iter().zip(r).enumerate() {
             if !set.contains(tok) {
-                return Err(Error::Input(format!(
-                    "{what}: {row} {i}, {token} token {j} ({tok}) is not in its allowed set {set:?}: the \
-                     {token} was not sampled under these sets"
-                )));
+                return Err(Error::row_of(
+                    row,
+                    i,
+                    format!(
+                        "{what}: {token} token {j} ({tok}) is not in its allowed set {set:?}: the {token} \
+                         was not sampled under these sets"
+                    ),
+                ));
             }
         }
     }
@@ -129,9 +133,9 @@ pub(crate) fn row_sets(sets: &[&[u32]], device: &Device) -> Result<(Tensor, Tens
     let k = sets.iter().map(|s| s.len()).max().unwrap_or(1).max(1);
     let (mut idx, mut pad) = (vec![0u32; n * k], vec![PAD; n * k]);
     for (r, set) in sets.iter().enumerate() {
-        let first = *set.first().ok_or_else(|| {
-            Error::Input(format!("position {r}: an empty allowed set (no token may follow)"))
-        })?;
+        let first = *set
+            .first()
+            .ok_or_else(|| Error::row_of("position", r, "an empty allowed set (no token may follow)"))?;
         for slot in 0..k {
             idx[r * k + slot] = *set.get(slot).unwrap_or(&first);
             if slot < set.len() {

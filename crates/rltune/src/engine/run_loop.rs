@@ -184,7 +184,7 @@ mod tests {
         }
         fn step(&mut self, step: usize, batch: &usize) -> Result<usize> {
             if self.fail_at == Some(step) {
-                return Err(crate::Error::Input("failed".into()));
+                return Err(crate::Error::batch("failed"));
             }
             self.seen.push(*batch);
             Ok(step + 1)

@@ -176,7 +176,7 @@ impl Core {
         temperature: f64,
     ) -> Result<Self> {
         if !store.trainable() {
-            return Err(Error::Input("the policy's parameters must be trainable".into()));
+            return Err(Error::argument("policy", "its parameters must be trainable"));
         }
         let cfg = policy.config();
         let eos_ids = cfg.eos_token_ids();
@@ -231,7 +231,8 @@ impl Core {
         weights: Option<&[f64]>,
     ) -> Result<Vec<bool>> {
         let n = batch.prompts.len();
-        let bad = |m: String| Err(Error::Input(m));
+        let bad = |m: String| Err(Error::batch(m));
+        let at = |i: usize, m: String| Err(Error::row_of("row", i, m));
         if n == 0 {
             return bad("no rollouts: a step needs at least one group of num_generations completions".into());
         }
@@ -271,37 +272,45 @@ impl Core {
             let (p, c) = (&batch.prompts[i], &batch.completions[i]);
             let first = i - i % g;
             if *p != batch.prompts[first] {
-                return bad(format!(
-                    "row {i}: its prompt differs from row {first}'s, the first of its group (rows {first}..{}); \
-                     consecutive rows with the same prompt form a group of num_generations = {g}",
-                    first + g - 1
-                ));
+                return at(
+                    i,
+                    format!(
+                        "its prompt differs from row {first}'s, the first of its group (rows {first}..{}); \
+                         consecutive rows with the same prompt form a group of num_generations = {g}",
+                        first + g - 1
+                    ),
+                );
             }
             if p.is_empty() {
-                return bad(format!("row {i}: empty prompt; every prompt needs at least one token"));
+                return at(i, "empty prompt; every prompt needs at least one token".into());
             }
             if c.is_empty() {
-                return bad(format!(
-                    "row {i}: empty completion; a completion needs at least one token (an immediate stop \
-                     is the EOS token; TRL fails on an empty one)"
-                ));
+                return at(
+                    i,
+                    "empty completion; a completion needs at least one token (an immediate stop is the \
+                     EOS token; TRL fails on an empty one)"
+                        .into(),
+                );
             }
             if c.len() > max_completion_length {
-                return bad(format!(
-                    "row {i}: completion of {} tokens but max_completion_length is {max_completion_length}; \
-                     raise max_completion_length",
-                    c.len()
-                ));
+                return at(
+                    i,
+                    format!(
+                        "completion of {} tokens but max_completion_length is {max_completion_length}; \
+                         raise max_completion_length",
+                        c.len()
+                    ),
+                );
             }
             if let Some(&t) = p.iter().chain(c).find(|&&t| t as usize >= vocab) {
-                return bad(format!("row {i}: token id {t} is not below the model's vocab_size {vocab}"));
+                return at(i, format!("token id {t} is not below the model's vocab_size {vocab}"));
             }
             let row = &batch.rewards.values[i];
             if row.len() != nf {
-                return bad(format!("row {i}: {} rewards for {nf} reward functions", row.len()));
+                return at(i, format!("{} rewards for {nf} reward functions", row.len()));
             }
             if let Some(r) = row.iter().find(|r| r.is_infinite()) {
-                return bad(format!("row {i}: reward {r} is infinite; rewards must be finite or missing"));
+                return at(i, format!("reward {r} is infinite; rewards must be finite or missing"));
             }
             p_max = p_max.max(p.len());
             c_max = c_max.max(c.len());
@@ -355,7 +364,8 @@ impl Core {
 
     /// Checks a [`TurnBatch`] against the config and the model, naming the turn at fault.
     pub fn check_turns(&self, batch: &TurnBatch, g: usize, max_completion_length: usize) -> Result<()> {
-        let bad = |m: String| Err(Error::Input(m));
+        let bad = |m: String| Err(Error::batch(m));
+        let at = |i: usize, m: String| Err(Error::row_of("turn", i, m));
         let (n, e) = (batch.prompts.len(), batch.returns.len());
         if e == 0 || !e.is_multiple_of(g) {
             return bad(format!(
@@ -382,7 +392,7 @@ impl Core {
                 ));
             }
             if let Some(i) = c.rewards.iter().position(|r| !r.is_finite()) {
-                return bad(format!("GiGPO: turn {i}'s reward {} is not finite", c.rewards[i]));
+                return at(i, format!("GiGPO: its step reward {} is not finite", c.rewards[i]));
             }
             c.args.validate()?;
         }
@@ -393,28 +403,34 @@ impl Core {
         for i in 0..n {
             let (p, c, ep) = (&batch.prompts[i], &batch.completions[i], batch.episodes[i]);
             if ep >= e || batch.returns[ep].is_nan() {
-                return bad(format!("turn {i}: episode {ep} has no return (of {e} episodes)"));
+                return at(i, format!("episode {ep} has no return (of {e} episodes)"));
             }
             if p.is_empty() || c.is_empty() {
-                return bad(format!("turn {i}: an empty prompt or action; each needs at least one token"));
+                return at(i, "an empty prompt or action; each needs at least one token".into());
             }
             // An admissible command is as long as the game's command (its trie bounds it).
             if batch.allowed.is_none() && c.len() > max_completion_length {
-                return bad(format!(
-                    "turn {i}: an action of {} tokens but max_completion_length is {max_completion_length}",
-                    c.len()
-                ));
+                return at(
+                    i,
+                    format!(
+                        "an action of {} tokens but max_completion_length is {max_completion_length}",
+                        c.len()
+                    ),
+                );
             }
             if let Some(&t) = p.iter().chain(c).find(|&&t| t as usize >= vocab) {
-                return bad(format!("turn {i}: token id {t} is not below the model's vocab_size {vocab}"));
+                return at(i, format!("token id {t} is not below the model's vocab_size {vocab}"));
             }
             if let Some(max) = self.policy.config().max_positions().filter(|&m| p.len() + c.len() > m) {
-                return bad(format!(
-                    "turn {i}: its prompt ({} tokens) and action ({}) are longer than the model's {max} \
-                     positions; shorten the prompt ([agent] memory_turns) or the actions",
-                    p.len(),
-                    c.len()
-                ));
+                return at(
+                    i,
+                    format!(
+                        "its prompt ({} tokens) and action ({}) are longer than the model's {max} \
+                         positions; shorten the prompt ([agent] memory_turns) or the actions",
+                        p.len(),
+                        c.len()
+                    ),
+                );
             }
         }
         Ok(())

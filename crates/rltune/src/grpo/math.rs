@@ -285,7 +285,13 @@ pub fn aggregate_loss(
         LossType::DrGrpo => (masked.sum_all()? / (b * max_completion_length) as f64)?,
         LossType::Dapo => (masked.sum_all()? / num_items.max(1.0))?,
         other => {
-            return Err(crate::Error::Input(format!("loss_type {other:?} is not implemented in rltune")))
+            return Err(crate::Error::Setting(crate::error::ConfigError::new(
+                "grpo",
+                "loss_type",
+                format!(
+                    "{other:?} is not implemented in rltune; use \"dapo\", \"grpo\", \"dr_grpo\" or \"bnpo\""
+                ),
+            )))
         }
     })
 }

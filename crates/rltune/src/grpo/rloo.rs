@@ -17,7 +17,7 @@ use super::core::{
 };
 use super::math::{self, nanmax, nanmean, nanmin};
 use crate::engine::{Stat, Stats};
-use crate::error::{Error, Result};
+use crate::error::{ConfigError, Error, Result};
 use crate::models::CausalLm;
 use crate::params::ParamStore;
 
@@ -138,10 +138,10 @@ impl RlooTrainer {
         let g = cfg.num_generations;
         self.core.check_turns(batch, g, cfg.max_completion_length)?;
         if batch.step_credit.is_some() {
-            return Err(Error::Input(
-                "GiGPO's step credit is for GRPO: use [algorithm] kind = \"grpo\" with [episodes.gigpo]"
-                    .into(),
-            ));
+            return Err(Error::Setting(ConfigError::table(
+                "episodes.gigpo",
+                "GiGPO's step credit is for GRPO: use [algorithm] kind = \"grpo\" with [episodes.gigpo]",
+            )));
         }
         let mut rewards = batch.returns.to_vec();
         if let Some((lo, hi)) = cfg.reward_clip_range {

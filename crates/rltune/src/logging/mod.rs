@@ -131,10 +131,10 @@ impl RunLogger {
         let samples_path = dir.join("samples.jsonl");
         let nonempty = |p: &Path| std::fs::metadata(p).map(|m| m.len() > 0).unwrap_or(false);
         if !resume && (nonempty(&metrics_path) || nonempty(&samples_path)) {
-            return Err(Error::Input(format!(
-                "{}: the directory already holds a run's metrics; resume that run or choose a new directory",
-                metrics_path.display()
-            )));
+            return Err(Error::checkpoint(
+                &metrics_path,
+                "the directory already holds a run's metrics; resume that run or choose a new directory",
+            ));
         }
         let (mut rows, mut samples) = (Vec::new(), Vec::new());
         if let Some(last) = resume_from {

@@ -50,7 +50,7 @@ impl Critic {
     /// A critic over a trainable `store` holding `model`, trained by Adam at `learning_rate`.
     pub fn new(store: ParamStore, model: CausalLmWithValueHead, learning_rate: f64) -> Result<Self> {
         if !store.trainable() {
-            return Err(Error::Input("the critic's parameters must be trainable".into()));
+            return Err(Error::argument("critic", "its parameters must be trainable"));
         }
         if !(learning_rate.is_finite() && learning_rate > 0.0) {
             return Err(Error::Setting(ConfigError::new(

@@ -25,12 +25,11 @@ pub fn masked_var(x: &Tensor, mask: &Tensor, unbiased: bool) -> Result<Tensor> {
     }
     let n = mask.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
     if n == 0.0 {
-        return Err(Error::Input("masked_var: the mask is empty (no response tokens)".into()));
+        return Err(Error::batch("masked_var: the mask is empty (no response tokens)"));
     }
     if n == 1.0 {
-        return Err(Error::Input(
-            "masked_var: one masked element has no unbiased variance; use batches with more response tokens"
-                .into(),
+        return Err(Error::batch(
+            "masked_var: one masked element has no unbiased variance; use batches with more response tokens",
         ));
     }
     Ok((var * (n / (n - 1.0)))?)
@@ -92,7 +91,10 @@ pub fn kl_penalty(kind: KlPenalty, logp: &Tensor, ref_logp: &Tensor) -> Result<T
             ((log_r.exp()? - 1.0)? - log_r)?
         }
         KlPenalty::Full => {
-            return Err(Error::Input("kl_penalty \"full\" needs the full distributions: use full_kl".into()))
+            return Err(Error::argument(
+                "kind",
+                "kl_penalty \"full\" needs the full distributions: use full_kl",
+            ))
         }
     })
 }
@@ -120,9 +122,10 @@ fn at_last_token(x: &[f32], mask: &Tensor, dtype: DType) -> Result<Tensor> {
     let mask_rows = mask.to_dtype(DType::F32)?.to_vec2::<f32>()?;
     let mut out = vec![0f32; b * t];
     for (i, row) in mask_rows.iter().enumerate() {
-        let last = row.iter().rposition(|&m| m != 0.0).ok_or_else(|| {
-            Error::Input(format!("row {i} has no response tokens under the mask; every response needs one"))
-        })?;
+        let last = row
+            .iter()
+            .rposition(|&m| m != 0.0)
+            .ok_or_else(|| Error::sample(i, "no response tokens under the mask; every response needs one"))?;
         out[i * t + last] = x[i];
     }
     Ok(Tensor::from_vec(out, (b, t), mask.device())?.to_dtype(dtype)?)

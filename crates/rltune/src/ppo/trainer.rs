@@ -205,7 +205,7 @@ impl PpoTrainer {
     ) -> Result<Self> {
         config.validate()?;
         if !store.trainable() {
-            return Err(Error::Input("the policy's parameters must be trainable".into()));
+            return Err(Error::argument("policy", "its parameters must be trainable"));
         }
         let var_names: Vec<String> = store.vars().into_iter().map(|(n, _)| n).collect();
         let optimizer = Optimizer::new(store.vars(), optim_args(config.learning_rate, config.max_grad_norm))?;
@@ -350,7 +350,7 @@ impl PpoTrainer {
         let n = input.queries.len();
         let unit = self.config.backward_batch_size();
         if n == 0 || !n.is_multiple_of(unit) {
-            return Err(Error::Input(format!(
+            return Err(Error::batch(format!(
                 "a step of {n} samples: it must be a positive multiple of mini_batch_size × \
                  gradient_accumulation_steps ({unit}) so that every minibatch is whole"
             )));
@@ -451,7 +451,7 @@ impl PpoTrainer {
         let b = self.config.batch_size;
         let n = input.queries.len();
         if n != b || input.responses.len() != b || input.scores.len() != b {
-            return Err(Error::Input(format!(
+            return Err(Error::batch(format!(
                 "got {n} queries, {} responses and {} scores but ppo.batch_size is {b}; pass exactly batch_size samples",
                 input.responses.len(),
                 input.scores.len()
@@ -462,45 +462,37 @@ impl PpoTrainer {
         for i in 0..b {
             let (q, r) = (&input.queries[i], &input.responses[i]);
             if q.is_empty() {
-                return Err(Error::Input(format!(
-                    "sample {i}: empty query; every query needs a token (e.g. the BOS token)"
-                )));
+                return Err(Error::sample(i, "empty query; every query needs a token (e.g. the BOS token)"));
             }
             if r.is_empty() {
-                return Err(Error::Input(format!(
-                    "sample {i}: empty response; every response needs a token"
-                )));
+                return Err(Error::sample(i, "empty response; every response needs a token"));
             }
             if let Some(max) = max_positions.filter(|&max| q.len() + r.len() > max) {
-                return Err(Error::Input(format!(
-                    "sample {i}: {} tokens (query {} + response {}) but the model has {max} positions; \
-                     truncate the query or lower max_new_tokens",
-                    q.len() + r.len(),
-                    q.len(),
-                    r.len()
-                )));
+                return Err(Error::sample(
+                    i,
+                    format!(
+                        "{} tokens (query {} + response {}) but the model has {max} positions; \
+                         truncate the query or lower max_new_tokens",
+                        q.len() + r.len(),
+                        q.len(),
+                        r.len()
+                    ),
+                ));
             }
             if let Some(&t) = q.iter().chain(r).find(|&&t| t as usize >= vocab) {
-                return Err(Error::Input(format!(
-                    "sample {i}: token id {t} is not below vocab_size {vocab}"
-                )));
+                return Err(Error::sample(i, format!("token id {t} is not below vocab_size {vocab}")));
             }
             if !input.scores[i].is_finite() {
-                return Err(Error::Input(format!(
-                    "sample {i}: score is {} (must be finite)",
-                    input.scores[i]
-                )));
+                return Err(Error::sample(i, format!("score is {} (must be finite)", input.scores[i])));
             }
             if let Some(next) = input.bootstrap {
                 match next.get(i) {
                     Some(v) if v.is_finite() => {}
                     Some(v) => {
-                        return Err(Error::Input(format!(
-                            "sample {i}: bootstrap value is {v} (must be finite)"
-                        )))
+                        return Err(Error::sample(i, format!("bootstrap value is {v} (must be finite)")))
                     }
                     None => {
-                        return Err(Error::Input(format!(
+                        return Err(Error::batch(format!(
                             "{} bootstrap values for {b} samples; pass one per sample",
                             next.len()
                         )))
@@ -517,9 +509,7 @@ impl PpoTrainer {
             }
             if let Some(m) = input.response_masks {
                 if m.get(i).map(Vec::len) != Some(r.len()) {
-                    return Err(Error::Input(format!(
-                        "sample {i}: response mask length differs from the response"
-                    )));
+                    return Err(Error::sample(i, "response mask length differs from the response"));
                 }
             }
             if let Some(c) = input.rollout {
@@ -527,9 +517,7 @@ impl PpoTrainer {
                 let values_ok = |n: usize| n == r.len() || (n == 0 && self.critic.is_some());
                 let ok = c.get(i).is_some_and(|c| c.logprobs.len() == r.len() && values_ok(c.values.len()));
                 if !ok {
-                    return Err(Error::Input(format!(
-                        "sample {i}: rollout cache length differs from the response"
-                    )));
+                    return Err(Error::sample(i, "rollout cache length differs from the response"));
                 }
             }
         }

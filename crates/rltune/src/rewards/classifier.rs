@@ -220,10 +220,13 @@ impl ClassifierReward {
                 let ids = self.encode(&self.text_of(sample))?;
                 if ids.is_empty() {
                     let i = c * self.cfg.batch_size + j;
-                    return Err(Error::Input(format!(
-                        "classifier reward: sample {i} encodes to no tokens (empty text and a tokenizer \
-                         without special tokens)"
-                    )));
+                    return Err(Error::reward(
+                        "classifier reward",
+                        format!(
+                            "sample {i} encodes to no tokens (empty text and a tokenizer without special \
+                             tokens)"
+                        ),
+                    ));
                 }
                 rows.push(ids);
             }

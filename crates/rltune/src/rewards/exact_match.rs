@@ -100,12 +100,17 @@ pub fn matches(answer: Option<&str>, gold: &str, rule: Extract) -> bool {
 pub fn exact_match_reward(name: &str, column: &str, rule: Extract) -> FnReward {
     let column = column.to_string();
     FnReward::new(name, move |s: &RewardInput| {
-        let Some(gold) = gold(s.meta, &column).map_err(Error::Input)? else { return Ok(f32::NAN) };
+        let Some(gold) = gold(s.meta, &column).map_err(|m| Error::data("meta", m))? else {
+            return Ok(f32::NAN);
+        };
         if rule == Extract::LastNumber && gold.replace(',', "").parse::<f64>().is_err() {
-            return Err(Error::Input(format!(
-                "column {column:?} holds {gold:?}, not a number; extract = \"last_number\" compares numbers \
-                 (use extract = \"first_line\" to compare text)"
-            )));
+            return Err(Error::data(
+                "meta",
+                format!(
+                    "column {column:?} holds {gold:?}, not a number; extract = \"last_number\" compares \
+                     numbers (use extract = \"first_line\" to compare text)"
+                ),
+            ));
         }
         let answer = extract_answer(s.response, rule);
         Ok(f32::from(u8::from(matches(answer.as_deref(), &gold, rule))))
@@ -115,7 +120,10 @@ pub fn exact_match_reward(name: &str, column: &str, rule: Extract) -> FnReward {
 /// [`exact_match_reward`] scores of a batch, for code that has no [`RewardInput`]s.
 pub fn exact_match_scores(responses: &[&str], golds: &[&str], rule: Extract) -> Result<Vec<f32>> {
     if responses.len() != golds.len() {
-        return Err(Error::Input(format!("{} responses but {} gold answers", responses.len(), golds.len())));
+        return Err(Error::argument(
+            "golds",
+            format!("{} responses but {} gold answers", responses.len(), golds.len()),
+        ));
     }
     Ok(responses
         .iter()

@@ -133,12 +133,13 @@ pub fn token_f1_reward(answer_key: &str) -> FnReward {
                 Some(o) => o.keys().cloned().collect::<Vec<_>>().join(", "),
                 None => format!("none: meta is {}", s.meta),
             };
-            return Err(Error::Input(format!(
-                "meta has no field {key:?} holding the gold answer; fields: {fields}"
-            )));
+            return Err(Error::data(
+                "meta",
+                format!("no field {key:?} holding the gold answer; fields: {fields}"),
+            ));
         };
         let answers = gold_answers(value).ok_or_else(|| {
-            Error::Input(format!("meta field {key:?} is {value}; expected a string or a list of strings"))
+            Error::data("meta", format!("field {key:?} is {value}; expected a string or a list of strings"))
         })?;
         Ok(answers.iter().map(|a| token_f1(s.response, a)).fold(0.0, f32::max))
     })

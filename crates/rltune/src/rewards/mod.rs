@@ -140,13 +140,13 @@ impl WeightedSum {
     /// Combines `parts` (weight, source). Fails when there are none or a weight is not finite.
     pub fn new(parts: Vec<(f32, Box<dyn RewardSource>)>) -> Result<Self> {
         if parts.is_empty() {
-            return Err(Error::Input("a weighted sum of rewards needs at least one part".into()));
+            return Err(Error::argument("parts", "a weighted sum of rewards needs at least one part"));
         }
         if let Some((w, r)) = parts.iter().find(|(w, _)| !w.is_finite()) {
-            return Err(Error::Input(format!(
-                "the weight of reward {} is {w}; weights must be finite",
-                r.name()
-            )));
+            return Err(Error::argument(
+                "parts",
+                format!("the weight of reward {} is {w}; weights must be finite", r.name()),
+            ));
         }
         let name = parts.iter().map(|(w, r)| format!("{w}*{}", r.name())).collect::<Vec<_>>().join(" + ");
         Ok(Self { parts, name })
@@ -220,6 +220,7 @@ mod tests {
     #[test]
     fn weighted_sum_rejects_empty_and_bad_weights() {
         assert!(WeightedSum::new(vec![]).unwrap_err().to_string().contains("at least one"));
+        assert!(matches!(WeightedSum::new(vec![]), Err(Error::Argument { name: "parts", .. })));
         let err = WeightedSum::new(vec![(f32::NAN, Box::new(Fixed(vec![])) as Box<dyn RewardSource>)]);
         assert!(err.unwrap_err().to_string().contains("fixed"));
     }

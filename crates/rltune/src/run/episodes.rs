@@ -185,7 +185,7 @@ impl EpisodeSource {
         let mut groups = 0;
         while out.transitions.len() < min_turns {
             if round == MAX_ROUNDS {
-                return Err(Error::Input(format!(
+                return Err(Error::batch(format!(
                     "step {}: {MAX_ROUNDS} rounds of {b} episodes gave {} trainable turns, fewer than \
                      {min_turns} (is [episodes] example_turn_prob too high, or [env] max_steps too low?)",
                     step + 1,

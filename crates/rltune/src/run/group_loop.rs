@@ -187,8 +187,9 @@ impl GroupRun {
         let world = dist.world_size();
         let source = match &config.env {
             Some(_) if !extra_rewards.is_empty() => {
-                return Err(Error::Input(
-                    "reward functions were given with [env]: episodes are scored by the game".into(),
+                return Err(Error::argument(
+                    "extra_rewards",
+                    "reward functions were given with [env]: episodes are scored by the game",
                 ))
             }
             Some(_) => Source::Games(Box::new(EpisodeSource::new(&config, dist)?)),
@@ -199,9 +200,13 @@ impl GroupRun {
                 if let Some(i) =
                     (1..reward_names.len()).find(|&i| reward_names[..i].contains(&reward_names[i]))
                 {
-                    return Err(Error::Input(format!(
-                        "two reward functions are named {:?}; the metrics rewards/<name>/mean need distinct names",
-                        reward_names[i]
+                    return Err(Error::Setting(ConfigError::table(
+                        "reward",
+                        format!(
+                            "two reward functions are named {:?}; the metrics rewards/<name>/mean need distinct \
+                             names",
+                            reward_names[i]
+                        ),
                     )));
                 }
                 Source::Prompts {

@@ -229,9 +229,9 @@ impl PpoRun {
         let source = match &config.env {
             Some(_) => {
                 if !extra_rewards.is_empty() {
-                    return Err(Error::Input(
-                        "reward functions from code are not used with [env]: the game scores the turns"
-                            .into(),
+                    return Err(Error::argument(
+                        "extra_rewards",
+                        "reward functions from code are not used with [env]: the game scores the turns",
                     ));
                 }
                 Source::Games(Box::new(EpisodeSource::new(&config, dist)?))

@@ -257,7 +257,10 @@ pub(crate) fn build_http(s: &RewardSourceConfig) -> Result<Box<dyn RewardSource>
             };
             Ok(Box::new(LlmJudgeReward::new(cfg)?))
         }
-        other => Err(Error::Input(format!("reward source {} is not an HTTP source", other.metric_name()))),
+        other => Err(Error::Internal(format!(
+            "build_http: reward source {} is not an HTTP source",
+            other.metric_name()
+        ))),
     }
 }
 

@@ -26,7 +26,7 @@ impl Bio {
     /// The constraint over `tags`: each `O`, `B-X` or `I-X`, with `O` among them and a `B-X` for
     /// every `I-X`.
     pub fn new(tags: &[String]) -> Result<Self> {
-        let bad = |msg: String| Error::Input(format!("tag set {tags:?}: {msg}"));
+        let bad = |msg: String| Error::argument("tags", format!("tag set {tags:?}: {msg}"));
         if !tags.iter().any(|t| t == "O") {
             return Err(bad("has no \"O\"; a BIO tag set needs it for words outside every entity".into()));
         }
@@ -78,7 +78,7 @@ impl Bio {
         for t in tags {
             let t = t.as_ref();
             let i = self.index(t).ok_or_else(|| {
-                Error::Input(format!("tag {t:?} is not in the tagger's tag set {:?}", self.tags))
+                Error::argument("tags", format!("tag {t:?} is not in the tagger's tag set {:?}", self.tags))
             })?;
             let prev = out.last().map(|&p| p as usize);
             let i = if self.allowed(prev, i) {

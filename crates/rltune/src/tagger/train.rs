@@ -62,10 +62,8 @@ pub fn examples(tagger: &Tagger, sentences: &[Tagged]) -> Result<Vec<TagExample>
         .map(|(index, s)| {
             let encoded = tagger.encode(&s.tokens)?;
             let mut gold_ids = tagger.bio().valid_indices(&s.tags).map_err(|e| {
-                Error::Input(format!(
-                    "sentence {index} ({}…): {e}",
-                    s.tokens.iter().take(5).cloned().collect::<Vec<_>>().join(" ")
-                ))
+                let words = s.tokens.iter().take(5).cloned().collect::<Vec<_>>().join(" ");
+                Error::data(format!("sentence {index} ({words}…)"), e)
             })?;
             gold_ids.truncate(encoded.first.len());
             Ok(TagExample { index, encoded, gold: s.tags.clone(), gold_ids })
@@ -378,11 +376,14 @@ pub fn train_rl(
 ) -> Result<TrainSummary> {
     rl.validate()?;
     if policy.tags() != reference.tags() {
-        return Err(Error::Input(format!(
-            "the reference tags {:?} but the policy {:?}; start RL from the imitation policy",
-            reference.tags(),
-            policy.tags()
-        )));
+        return Err(Error::argument(
+            "reference",
+            format!(
+                "the reference tags {:?} but the policy {:?}; start RL from the imitation policy",
+                reference.tags(),
+                policy.tags()
+            ),
+        ));
     }
     let obj = Reinforce { policy, reference, args: rl, step: Cell::new(0), tally: RefCell::default() };
     let mut report = |p: &TrainProgress| progress(p, &obj.tally.borrow().stats());

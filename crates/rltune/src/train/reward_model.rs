@@ -322,9 +322,8 @@ impl RewardModel {
         };
         let spec = LoraSpec::from_dir(dir);
         let mut model =
-            Self::from_pretrained_adapted(&base, labels.as_deref(), 0, Some(&spec), dtype, device).map_err(
-                |e| Error::Input(format!("{}: cannot apply the adapter to {base}: {e}", dir.display())),
-            )?;
+            Self::from_pretrained_adapted(&base, labels.as_deref(), 0, Some(&spec), dtype, device)
+                .map_err(|e| Error::checkpoint(dir, format!("cannot apply the adapter to {base}: {e}")))?;
         let tok = dir.join("tokenizer.json");
         if tok.is_file() {
             model.tokenizer = Tokenizer::from_file(&tok)?;
@@ -410,11 +409,14 @@ pub fn tokenize_reward(
     let first_pref = records.first().is_some_and(RewardRecord::is_preference);
     if first_pref {
         if model.model.num_labels() != 1 {
-            return Err(Error::Input(format!(
-                "preference pairs train a single reward logit, but the model has {} labels; load it with \
-                 one label (RewardModel::from_pretrained_for does)",
-                model.model.num_labels()
-            )));
+            return Err(Error::argument(
+                "model",
+                format!(
+                    "preference pairs train a single reward logit, but the model has {} labels; load it \
+                     with one label (RewardModel::from_pretrained_for does)",
+                    model.model.num_labels()
+                ),
+            ));
         }
         let pairs = records.iter().enumerate().map(|(i, r)| match r {
             RewardRecord::Preference { prompt, chosen, rejected } => {
@@ -438,8 +440,9 @@ pub fn tokenize_reward(
         return Ok(RewardExamples::Preference(pairs.collect::<Result<_>>()?));
     }
     if model.model.num_labels() < 2 {
-        return Err(Error::Input(
-            "labelled texts need a classifier with at least 2 labels; set id2label (RewardModel::from_pretrained_for does)".into(),
+        return Err(Error::argument(
+            "model",
+            "labelled texts need a classifier with at least 2 labels; set id2label (RewardModel::from_pretrained_for does)",
         ));
     }
     let texts = records.iter().enumerate().map(|(i, r)| match r {
@@ -448,7 +451,7 @@ pub fn tokenize_reward(
             label: model
                 .model
                 .label_index(&label.to_string())
-                .map_err(|e| Error::Input(format!("example {i}: {e}")))?,
+                .map_err(|e| Error::data(format!("example {i}"), e))?,
         }),
         RewardRecord::Preference { .. } | RewardRecord::ChatPreference { .. } => Err(mixed(i)),
     });
@@ -474,7 +477,7 @@ pub fn tokenize_chat_pair(
 }
 
 fn mixed(i: usize) -> Error {
-    Error::Input(format!("example {i}: labelled texts and preference pairs are mixed; use one kind"))
+    Error::data(format!("example {i}"), "labelled texts and preference pairs are mixed; use one kind")
 }
 
 /// Forward passes of a classifier on right-padded rows.
@@ -596,7 +599,7 @@ pub fn train_reward_model_with(
     progress: &mut dyn FnMut(&TrainProgress),
 ) -> Result<TrainSummary> {
     if records.is_empty() {
-        return Err(Error::Input("no reward-model examples to train on".into()));
+        return Err(Error::argument("records", "no reward-model examples to train on"));
     }
     let scorer = Scorer::new(model);
     match tokenize_reward(model, records, cfg)? {

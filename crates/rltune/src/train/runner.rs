@@ -393,7 +393,7 @@ fn run_supervised<O: Objective>(
 ) -> Result<TrainSummary> {
     args.validate()?;
     if !store.trainable() {
-        return Err(Error::Input("the model's parameters must be trainable (load them trainable)".into()));
+        return Err(Error::argument("model", "its parameters must be trainable (load them trainable)"));
     }
     let _awake = store.device().is_cpu().then(crate::cpu::keep_pool_awake);
     let mut run = Supervised::new(obj, store, examples, args, checkpoints, lent)?;

@@ -157,7 +157,7 @@ pub fn tokenize_sft_with(
                 let template =
                     template.ok_or_else(|| chat::no_template(&format!("SFT example {}", i + 1)))?;
                 tokenize_chat(rec, tokenizer, template, cfg)
-                    .map_err(|e| Error::Input(format!("SFT example {}: {e}", i + 1)))?
+                    .map_err(|e| Error::data(format!("SFT example {}", i + 1), e))?
             }
         };
         if let (Some(e), false) = (eos, rec.is_conversational()) {
@@ -257,7 +257,9 @@ fn tokenize_chat(
             let mask = [vec![m; n], vec![1u8; pc.ids.len() - n]].concat();
             (pc.ids, mask, pc.assistant_mask)
         }
-        _ => return Err(Error::Input("not a conversational record".into())),
+        _ => {
+            return Err(Error::Internal("tokenize_chat was given a record that is not conversational".into()))
+        }
     };
     if let Some(a) = assistant {
         if !a.contains(&1) {
@@ -483,10 +485,18 @@ pub fn train_sft_with(
     check_max_length(model, cfg)?;
     let (examples, skipped) =
         tokenize_sft_with(records, &model.tokenizer, model.chat_template.as_deref(), model.eos_id(), cfg)?;
+    if records.is_empty() {
+        return Err(Error::argument("records", "no SFT example to train on"));
+    }
     if examples.is_empty() {
-        return Err(Error::Input(format!(
-            "no SFT example left to train on ({skipped} dropped: no target token within sft.max_length = {})",
-            cfg.max_length
+        return Err(Error::Setting(ConfigError::new(
+            "sft",
+            "max_length",
+            format!(
+                "= {}: no SFT example left to train on ({skipped} dropped: no target token within \
+                 sft.max_length); raise it",
+                cfg.max_length
+            ),
         )));
     }
     let obj = SftObjective::new(model);
@@ -505,7 +515,7 @@ pub fn train_sft_examples(
     progress: &mut dyn FnMut(&TrainProgress),
 ) -> Result<TrainSummary> {
     if examples.is_empty() {
-        return Err(Error::Input("no SFT example to train on".into()));
+        return Err(Error::argument("examples", "no SFT example to train on"));
     }
     runner::run_with(
         &SftObjective::new(model),
@@ -529,7 +539,7 @@ pub fn train_sft_examples_on(
     progress: &mut dyn FnMut(&TrainProgress),
 ) -> Result<TrainSummary> {
     if examples.is_empty() {
-        return Err(Error::Input("no SFT example to train on".into()));
+        return Err(Error::argument("examples", "no SFT example to train on"));
     }
     runner::run_on(&SftObjective::new(model), &model.store, examples, args, opt, progress)
 }

@@ -575,6 +575,9 @@ fn bad_input_is_rejected_naming_the_sample() {
 
     let e = err(&mut t, &q[..3], &r[..3], &s[..3]);
     assert!(e.contains("batch_size is 4") && e.contains("got 3"), "{e}");
+    // The batch as a whole is at fault: no row.
+    let typed = t.step(&q[..3], &r[..3], &s[..3]).unwrap_err();
+    assert!(matches!(typed, rltune::Error::Batch { sample: None, .. }), "{typed:?}");
     let e = err(&mut t, &q, &r, &s[..3]);
     assert!(e.contains("3 scores"), "{e}");
 
@@ -582,6 +585,10 @@ fn bad_input_is_rejected_naming_the_sample() {
     empty[2].clear();
     let e = err(&mut t, &q, &empty, &s);
     assert!(e.contains("sample 2") && e.contains("empty response"), "{e}");
+    // A program finds the row without parsing the message.
+    let typed = t.step(&q, &empty, &s).unwrap_err();
+    assert!(matches!(typed, rltune::Error::Batch { sample: Some(2), .. }), "{typed:?}");
+    assert!(typed.to_string().starts_with("sample 2: empty response; "), "{typed}");
 
     let mut empty_q = q.clone();
     empty_q[1].clear();

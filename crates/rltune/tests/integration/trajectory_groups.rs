@@ -342,6 +342,8 @@ fn bad_turn_batches_are_refused_naming_the_turn() {
     lost[2] = f64::NAN;
     let e = err(&mut t, TurnBatch { returns: &lost, ..base });
     assert!(e.contains("turn 2") && e.contains("episode 2 has no return"), "{e}");
+    let typed = t.step_turns(&TurnBatch { returns: &lost, ..base }).unwrap_err();
+    assert!(matches!(typed, rltune::Error::Batch { sample: Some(2), unit: "turn", .. }), "{typed:?}");
     let mut bad = completions.clone();
     bad[1] = vec![VOCAB as u32];
     let e = err(&mut t, TurnBatch { completions: &bad, ..base });

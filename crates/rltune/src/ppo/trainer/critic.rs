@@ -24,7 +24,7 @@ impl PpoTrainer {
             )));
         }
         if critic.store.device().location() != self.store.device().location() {
-            return Err(Error::Input("[critic]: the critic must be on the policy's device".into()));
+            return Err(Error::argument("critic", "it must be on the policy's device"));
         }
         let mut critic = critic;
         critic.optimizer.set_max_grad_norm(self.config.max_grad_norm.unwrap_or(0.0));
@@ -76,7 +76,7 @@ impl PpoTrainer {
     /// `generate(.., None, ..)` needs for the values of a multi-turn bootstrap.
     pub fn values(&self, queries: &[Vec<u32>], responses: &[Vec<u32>]) -> Result<Vec<Vec<f32>>> {
         if queries.len() != responses.len() || queries.is_empty() {
-            return Err(Error::Input(format!(
+            return Err(Error::batch(format!(
                 "values: {} queries and {} responses; pass one response per query (at least one)",
                 queries.len(),
                 responses.len()
@@ -85,12 +85,13 @@ impl PpoTrainer {
         let vocab = self.policy.lm.vocab_size();
         for (i, (q, r)) in queries.iter().zip(responses).enumerate() {
             if q.is_empty() || r.is_empty() {
-                return Err(Error::Input(format!("values: sample {i} has an empty query or response")));
+                return Err(Error::sample(i, "values: an empty query or response"));
             }
             if let Some(t) = q.iter().chain(r).find(|&&t| t as usize >= vocab) {
-                return Err(Error::Input(format!(
-                    "values: sample {i}: token id {t} is not below vocab_size {vocab}"
-                )));
+                return Err(Error::sample(
+                    i,
+                    format!("values: token id {t} is not below vocab_size {vocab}"),
+                ));
             }
         }
         let input = StepInput {

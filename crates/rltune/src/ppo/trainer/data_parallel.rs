@@ -50,7 +50,7 @@ pub(super) fn masked_whiten(dist: &Dist, x: &Tensor, mask: &Tensor, shift_mean: 
     let mut sq = [scalar(&(centered.sqr()? * mask)?.sum_all()?)?];
     dist.sum_f64(&mut sq)?;
     if n < 2.0 {
-        return Err(crate::Error::Input(format!(
+        return Err(crate::Error::batch(format!(
             "whitening needs at least 2 response tokens in the whole batch, got {n}"
         )));
     }

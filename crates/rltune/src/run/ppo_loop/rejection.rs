@@ -163,11 +163,14 @@ impl PpoRun {
                     .collect();
                 let scores = reward.score(&inputs)?;
                 if scores.len() != samples.len() {
-                    return Err(Error::Input(format!(
-                        "the reward sources gave {} scores for {} samples",
-                        scores.len(),
-                        samples.len()
-                    )));
+                    return Err(Error::reward(
+                        "[reward]",
+                        format!(
+                            "the reward sources gave {} scores for {} samples",
+                            scores.len(),
+                            samples.len()
+                        ),
+                    ));
                 }
                 let grouped = n > 1;
                 samples
