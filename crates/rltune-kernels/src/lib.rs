@@ -389,3 +389,26 @@ pub(crate) mod testutil {
         assert!(worst.is_finite());
     }
 }
+
+#[cfg(test)]
+mod candle_patch_tests {
+    use candle_core::{Device, Var};
+
+    /// The workspace builds candle-core with `vendor/candle-core.patch`: a backward stores a
+    /// tensor's first gradient as it is, not as `0 + g`. Seen in the sign of a zero: `x`'s
+    /// gradient through `−x · 0` is `−(+0) = −0`, which an addition to zeroes turns into `+0`.
+    /// (Fails if the patch is lost, e.g. the `[patch.crates-io]` entry dropped.)
+    #[test]
+    fn backward_stores_the_first_gradient_without_adding_zeros() {
+        let x = Var::new(&[1.5f32, -2.0], &Device::Cpu).unwrap();
+        let zeros = x.as_tensor().zeros_like().unwrap();
+        let y = (x.as_tensor().neg().unwrap() * zeros).unwrap().sum_all().unwrap();
+        let g = y.backward().unwrap().get(x.as_tensor()).unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(g, [0.0, 0.0]);
+        assert!(g.iter().all(|v| v.is_sign_negative()), "{g:?}: the first gradient was added to zeros");
+        // A second contribution is still added: `x + x` has gradient 2.
+        let y = (x.as_tensor() + x.as_tensor()).unwrap().sum_all().unwrap();
+        let g = y.backward().unwrap().get(x.as_tensor()).unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(g, [2.0, 2.0]);
+    }
+}
