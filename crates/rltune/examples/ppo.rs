@@ -216,7 +216,7 @@ fn main() -> rltune::Result<()> {
                 adam.step(&grads)?;
                 pg += scalar(&loss_parts.pg_loss)?;
                 vf += scalar(&loss_parts.vf_loss)?;
-                clipfrac += loss_parts.pg_clipfrac;
+                clipfrac += scalar(&loss_parts.pg_clipfrac)?;
                 n += 1.0;
             }
         }

@@ -24,6 +24,19 @@ pub fn masked_var(x: &Tensor, mask: &Tensor, unbiased: bool) -> Result<Tensor> {
         return Ok(var);
     }
     let n = mask.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+    unbiased_from(var, n)
+}
+
+/// [`masked_var`] (unbiased) of a mask whose element count `n` the caller already knows: no
+/// read of the mask's sum (a synchronization on a GPU).
+pub fn masked_var_of_count(x: &Tensor, mask: &Tensor, n: f64) -> Result<Tensor> {
+    let mean = masked_mean(x, mask)?;
+    let var = masked_mean(&x.broadcast_sub(&mean)?.sqr()?, mask)?;
+    unbiased_from(var, n)
+}
+
+/// The biased masked variance `var` of `n` elements made unbiased.
+fn unbiased_from(var: Tensor, n: f64) -> Result<Tensor> {
     if n == 0.0 {
         return Err(Error::batch("masked_var: the mask is empty (no response tokens)"));
     }
@@ -200,10 +213,10 @@ pub struct Losses {
     pub pg_loss: Tensor,
     /// Clipped value loss `½·masked_mean(max(…))` (scalar, with gradient, before `vf_coef`).
     pub vf_loss: Tensor,
-    /// `masked_mean(pg_losses2 > pg_losses)`
-    pub pg_clipfrac: f64,
-    /// `masked_mean(vf_losses2 > vf_losses1)`
-    pub vf_clipfrac: f64,
+    /// `masked_mean(pg_losses2 > pg_losses)` (scalar; [`scalar`] reads it)
+    pub pg_clipfrac: Tensor,
+    /// `masked_mean(vf_losses2 > vf_losses1)` (scalar)
+    pub vf_clipfrac: Tensor,
     /// `exp(logp − old_logp)`, `(B, T)`, detached.
     pub ratio: Tensor,
 }
@@ -230,20 +243,41 @@ pub fn ppo_losses(
     let vf1 = (vpreds - returns)?.sqr()?;
     let vf2 = (&vpred_clipped - returns)?.sqr()?;
     let vf_loss = (masked_mean(&vf1.maximum(&vf2)?, mask)? * 0.5)?;
-    let vf_clipfrac = scalar(&masked_mean(&vf2.gt(&vf1)?.to_dtype(mask.dtype())?, mask)?)?;
+    let vf_clipfrac = masked_mean(&vf2.gt(&vf1)?.to_dtype(mask.dtype())?, mask)?;
 
     let ratio = (logp - old_logp)?.exp()?;
     let neg_adv = advantages.neg()?;
     let pg1 = (&neg_adv * &ratio)?;
     let pg2 = (&neg_adv * ratio.clamp(1.0 - cliprange, 1.0 + cliprange)?)?;
     let pg_loss = masked_mean(&pg1.maximum(&pg2)?, mask)?;
-    let pg_clipfrac = scalar(&masked_mean(&pg2.gt(&pg1)?.to_dtype(mask.dtype())?, mask)?)?;
+    let pg_clipfrac = masked_mean(&pg2.gt(&pg1)?.to_dtype(mask.dtype())?, mask)?;
     Ok(Losses { pg_loss, vf_loss, pg_clipfrac, vf_clipfrac, ratio: ratio.detach() })
 }
 
 /// A scalar tensor as f64.
 pub fn scalar(t: &Tensor) -> Result<f64> {
     Ok(t.to_dtype(DType::F64)?.to_scalar::<f64>()?)
+}
+
+/// Every tensor's values as f64, flattened, in order, read to the host in one transfer: on a
+/// GPU one synchronization where a read per value costs one each. The values are those of
+/// [`scalar`] and of a flattened `to_vec1` of each tensor.
+pub fn read_f64(ts: &[Tensor]) -> Result<Vec<Vec<f64>>> {
+    if ts.is_empty() {
+        return Ok(Vec::new());
+    }
+    let flat: Vec<Tensor> = ts
+        .iter()
+        .map(|t| t.detach().flatten_all()?.to_dtype(DType::F64))
+        .collect::<candle_core::Result<_>>()?;
+    let all = Tensor::cat(&flat, 0)?.to_vec1::<f64>()?;
+    let mut out = Vec::with_capacity(flat.len());
+    let mut at = 0;
+    for t in &flat {
+        out.push(all[at..at + t.elem_count()].to_vec());
+        at += t.elem_count();
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -384,9 +418,28 @@ mod tests {
         let l = ppo_losses(&old, &vals, &new, &vpred, &m, &adv, &ret, 0.2, 0.2).unwrap();
         // pg: max(-1.65, -1.2) = -1.2 ; max(1*1, 1*1) = 1 → mean -0.1
         assert!((scalar(&l.pg_loss).unwrap() - (-0.1)).abs() < 1e-6);
-        assert!((l.pg_clipfrac - 0.5).abs() < 1e-9);
+        assert!((scalar(&l.pg_clipfrac).unwrap() - 0.5).abs() < 1e-9);
         // vf: vpred 1.0 clipped to 0.2: max(0, 0.64) = 0.64; 0.1 in range: 0.81 → ½·mean = 0.3625
         assert!((scalar(&l.vf_loss).unwrap() - 0.3625).abs() < 1e-6);
-        assert!((l.vf_clipfrac - 0.5).abs() < 1e-9);
+        assert!((scalar(&l.vf_clipfrac).unwrap() - 0.5).abs() < 1e-9);
+    }
+
+    /// One read gives each tensor's values as `scalar` and a flattened `to_vec1` give them, and
+    /// the unbiased variance of a known count is `masked_var`'s, bit for bit.
+    #[test]
+    fn one_read_gives_every_value_and_the_counted_variance_is_the_same() {
+        let x = t(&[&[0.3, -1.7, 2.1], &[0.9, 1.1, -0.2]]);
+        let m = t(&[&[1.0, 1.0, 0.0], &[1.0, 0.0, 1.0]]);
+        let mean = masked_mean(&x, &m).unwrap();
+        let got = read_f64(&[mean.clone(), x.clone(), m.sum_all().unwrap()]).unwrap();
+        assert_eq!(got.len(), 3);
+        assert_eq!(got[0], [scalar(&mean).unwrap()]);
+        assert_eq!(got[1], x.flatten_all().unwrap().to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap());
+        assert_eq!(got[2], [4.0]);
+        assert!(read_f64(&[]).unwrap().is_empty());
+        let a = scalar(&masked_var(&x, &m, true).unwrap()).unwrap();
+        let b = scalar(&masked_var_of_count(&x, &m, 4.0).unwrap()).unwrap();
+        assert_eq!(a.to_bits(), b.to_bits());
+        assert!(masked_var_of_count(&x, &m, 1.0).is_err());
     }
 }

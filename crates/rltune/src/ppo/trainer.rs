@@ -765,10 +765,6 @@ impl PpoTrainer {
     }
 }
 
-fn flat(t: &Tensor) -> Result<Vec<f64>> {
-    Ok(t.flatten_all()?.to_dtype(DType::F64)?.to_vec1()?)
-}
-
 fn matrix(t: &Tensor) -> Result<Vec<Vec<f64>>> {
     Ok(t.to_dtype(DType::F64)?.to_vec2()?)
 }

@@ -5,7 +5,7 @@
 use candle_core::{DType, Tensor};
 use rand::seq::SliceRandom;
 
-use super::{data_parallel, flat, matrix, Batch, PpoTrainer, Rollout, StepInput};
+use super::{data_parallel, matrix, Batch, PpoTrainer, Rollout, StepInput};
 use crate::engine::stats::{mean_std, Stat, Stats};
 use crate::error::Result;
 use crate::optim::{FusedStep, Grads};
@@ -50,8 +50,9 @@ impl PpoTrainer {
         let dp = world > 1;
         // This process's rows are [first, first + batch_size) of the whole batch.
         let first = self.dist().rank() * cfg.batch_size;
-        let row_tokens: Vec<f64> =
-            if dp { batch.mask.sum(1)?.to_dtype(DType::F64)?.to_vec1()? } else { Vec::new() };
+        // Each row's response tokens, read once per step: a minibatch's token count (its
+        // variances' divisor, its share of a global minibatch) then needs no read of its own.
+        let row_tokens: Vec<f64> = batch.mask.sum(1)?.to_dtype(DType::F64)?.to_vec1()?;
         let mut all = Vec::new();
         let mut grads = self.grads.take().unwrap_or_else(|| Grads::new(self.optimizer.adam().vars()));
         let mut critic_grads = self
@@ -83,8 +84,15 @@ impl PpoTrainer {
                     let mut stats = None;
                     let mut ran_backward = false;
                     let ran: Result<FusedStep> = optimizer.adam_mut().step_fused(&mut grads, |grads| {
-                        let (s, skip) =
-                            self.train_minibatch(batch, data, backward, grads, critic_grads.as_mut(), None)?;
+                        let (s, skip) = self.train_minibatch(
+                            batch,
+                            data,
+                            backward,
+                            &row_tokens,
+                            grads,
+                            critic_grads.as_mut(),
+                            None,
+                        )?;
                         stats = Some(s);
                         ran_backward = skip == Skip::No;
                         Ok(ran_backward)
@@ -124,13 +132,22 @@ impl PpoTrainer {
                                 batch,
                                 data,
                                 &rows,
+                                &row_tokens,
                                 &mut grads,
                                 critic_grads.as_mut(),
                                 Some(&share),
                             )?
                         }
                     } else {
-                        self.train_minibatch(batch, data, mb, &mut grads, critic_grads.as_mut(), None)?
+                        self.train_minibatch(
+                            batch,
+                            data,
+                            mb,
+                            &row_tokens,
+                            &mut grads,
+                            critic_grads.as_mut(),
+                            None,
+                        )?
                     };
                     last_policykl = stats.get("policy/policykl").and_then(Stat::as_f64).unwrap_or(0.0);
                     any |= skip == Skip::No;
@@ -204,11 +221,17 @@ impl PpoTrainer {
     ///
     /// With `share` (several processes), the ratio test, the loss's normalisation and the stats
     /// are of the whole global minibatch ([`super::data_parallel`]).
+    ///
+    /// It reads from the device twice: the mean ratio and the loss before the backward (whether
+    /// to run it), then every statistic at once (on a GPU each read is a synchronization; one
+    /// per value was about 26 a minibatch). `row_tokens[r]` is row `r`'s response token count.
+    #[allow(clippy::too_many_arguments)]
     fn train_minibatch(
         &self,
         batch: &Batch,
         data: &TrainData,
         rows: &[usize],
+        row_tokens: &[f64],
         grads: &mut Grads,
         critic_grads: Option<&mut Grads>,
         share: Option<&data_parallel::Share>,
@@ -239,13 +262,15 @@ impl PpoTrainer {
             cfg.cliprange,
             cfg.cliprange_value,
         )?;
+        let loss = (&l.pg_loss + (&l.vf_loss * cfg.vf_coef)?)?;
+        let decide = math::read_f64(&[math::masked_mean(&l.ratio, &mask)?, loss.clone()])?;
+        let (local_ratio, loss_value) = (decide[0][0], decide[1][0]);
         let avg_ratio = match share {
-            None => scalar(&math::masked_mean(&l.ratio, &mask)?)?,
-            Some(sh) => sh.global_mean(scalar(&math::masked_mean(&l.ratio, &mask)?)?)?,
+            None => local_ratio,
+            Some(sh) => sh.global_mean(local_ratio)?,
         };
         let skipped = avg_ratio > cfg.ratio_threshold;
-        let loss = (&l.pg_loss + (&l.vf_loss * cfg.vf_coef)?)?;
-        let finite = scalar(&loss)?.is_finite();
+        let finite = loss_value.is_finite();
         let skip = match (skipped, finite) {
             (true, _) => Skip::Ratio,
             (false, false) => Skip::NonFinite,
@@ -279,35 +304,64 @@ impl PpoTrainer {
         let logp = logp.detach();
         let d = (&logp - &old_lp)?;
         let vpreds = vpreds.detach();
+        let n_tokens: f64 = rows.iter().map(|&r| row_tokens[r]).sum();
+        // Every statistic, as TRL's `loss` names them, in one read: rank-0 tensors are scalars,
+        // the others arrays. The losses read 0 for a skipped minibatch.
+        let mut named: Vec<(&str, Tensor)> = vec![
+            ("loss/policy", l.pg_loss.clone()),
+            ("loss/value", l.vf_loss.clone()),
+            ("loss/total", loss),
+            ("policy/entropy", entropy),
+            ("policy/approxkl", (math::masked_mean(&d.sqr()?, &mask)? * 0.5)?),
+            ("policy/policykl", math::masked_mean(&d.neg()?, &mask)?),
+            ("policy/clipfrac", l.pg_clipfrac.clone()),
+            ("policy/advantages", adv.clone()),
+            ("policy/advantages_mean", math::masked_mean(&adv, &mask)?),
+            ("policy/ratio", l.ratio.clone()),
+            ("returns/mean", math::masked_mean(&ret, &mask)?),
+            ("val/vpred", math::masked_mean(&vpreds, &mask)?),
+            ("val/error", math::masked_mean(&(&vpreds - &ret)?.sqr()?, &mask)?),
+            ("val/clipfrac", l.vf_clipfrac.clone()),
+            ("val/mean", math::masked_mean(&old_v, &mask)?),
+        ];
+        // Several processes: the local means of ret² and old_v² (for the global variances). One
+        // process: the unbiased variances, where there are two response tokens or more (TRL
+        // divides by zero on one and reports NaN; such a minibatch leaves both out of the step's
+        // averages).
+        let extra = match share {
+            Some(_) => vec![
+                ("ret2", math::masked_mean(&ret.sqr()?, &mask)?),
+                ("v2", math::masked_mean(&old_v.sqr()?, &mask)?),
+            ],
+            None if n_tokens >= 2.0 => vec![
+                ("returns/var", math::masked_var_of_count(&ret, &mask, n_tokens)?),
+                ("val/var", math::masked_var_of_count(&old_v, &mask, n_tokens)?),
+            ],
+            None => Vec::new(),
+        };
+        named.extend(extra);
+        let tensors: Vec<Tensor> = named.iter().map(|(_, t)| t.clone()).collect();
+        let values = math::read_f64(&tensors)?;
         let mut s = Stats::new();
-        let zero = |x: f64| if skipped { 0.0 } else { x };
-        let sc = |t: &Tensor| scalar(t);
-        s.insert("loss/policy".into(), Stat::Scalar(zero(sc(&l.pg_loss)?)));
-        s.insert("loss/value".into(), Stat::Scalar(zero(sc(&l.vf_loss)?)));
-        s.insert("loss/total".into(), Stat::Scalar(zero(sc(&loss)?)));
-        s.insert("policy/entropy".into(), Stat::Scalar(sc(&entropy)?));
-        s.insert("policy/approxkl".into(), Stat::Scalar(sc(&(math::masked_mean(&d.sqr()?, &mask)? * 0.5)?)?));
-        s.insert("policy/policykl".into(), Stat::Scalar(sc(&math::masked_mean(&d.neg()?, &mask)?)?));
-        s.insert("policy/clipfrac".into(), Stat::Scalar(l.pg_clipfrac));
-        s.insert("policy/advantages".into(), Stat::Array(flat(&adv)?));
-        s.insert("policy/advantages_mean".into(), Stat::Scalar(sc(&math::masked_mean(&adv, &mask)?)?));
-        s.insert("policy/ratio".into(), Stat::Array(flat(&l.ratio)?));
-        s.insert("returns/mean".into(), Stat::Scalar(sc(&math::masked_mean(&ret, &mask)?)?));
-        s.insert("val/vpred".into(), Stat::Scalar(sc(&math::masked_mean(&vpreds, &mask)?)?));
-        let err = math::masked_mean(&(&vpreds - &ret)?.sqr()?, &mask)?;
-        s.insert("val/error".into(), Stat::Scalar(sc(&err)?));
-        s.insert("val/clipfrac".into(), Stat::Scalar(l.vf_clipfrac));
-        s.insert("val/mean".into(), Stat::Scalar(sc(&math::masked_mean(&old_v, &mask)?)?));
-        // One response token has no unbiased variance (TRL divides by zero and reports NaN):
-        // such a minibatch leaves both variances out of the step's averages.
-        if let Some(sh) = share {
-            let ret2 = sc(&math::masked_mean(&ret.sqr()?, &mask)?)?;
-            let v2 = sc(&math::masked_mean(&old_v.sqr()?, &mask)?)?;
-            return Ok((sh.global_stats(Some((&s, ret2, v2)), cfg.vf_coef, skipped)?, skip));
+        let (mut ret2, mut v2) = (0.0, 0.0);
+        for ((name, t), v) in named.iter().zip(values) {
+            let zero = skipped && name.starts_with("loss/");
+            let stat = match (t.rank(), *name) {
+                (_, "ret2") => {
+                    ret2 = v[0];
+                    continue;
+                }
+                (_, "v2") => {
+                    v2 = v[0];
+                    continue;
+                }
+                (0, _) => Stat::Scalar(if zero { 0.0 } else { v[0] }),
+                _ => Stat::Array(v),
+            };
+            s.insert((*name).into(), stat);
         }
-        if scalar(&mask.sum_all()?)? >= 2.0 {
-            s.insert("returns/var".into(), Stat::Scalar(sc(&math::masked_var(&ret, &mask, true)?)?));
-            s.insert("val/var".into(), Stat::Scalar(sc(&math::masked_var(&old_v, &mask, true)?)?));
+        if let Some(sh) = share {
+            return Ok((sh.global_stats(Some((&s, ret2, v2)), cfg.vf_coef, skipped)?, skip));
         }
         Ok((s, skip))
     }
