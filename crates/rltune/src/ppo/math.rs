@@ -17,9 +17,7 @@ pub fn masked_mean(x: &Tensor, mask: &Tensor) -> Result<Tensor> {
 /// TRL `core.masked_var`: `masked_mean((x − mean)²) · n/(n − 1)`. Fails when the mask is empty,
 /// or has one element and `unbiased` is set.
 pub fn masked_var(x: &Tensor, mask: &Tensor, unbiased: bool) -> Result<Tensor> {
-    let mean = masked_mean(x, mask)?;
-    let centered = x.broadcast_sub(&mean)?;
-    let var = masked_mean(&centered.sqr()?, mask)?;
+    let var = biased_masked_var(x, mask)?;
     if !unbiased {
         return Ok(var);
     }
@@ -30,9 +28,13 @@ pub fn masked_var(x: &Tensor, mask: &Tensor, unbiased: bool) -> Result<Tensor> {
 /// [`masked_var`] (unbiased) of a mask whose element count `n` the caller already knows: no
 /// read of the mask's sum (a synchronization on a GPU).
 pub fn masked_var_of_count(x: &Tensor, mask: &Tensor, n: f64) -> Result<Tensor> {
+    unbiased_from(biased_masked_var(x, mask)?, n)
+}
+
+/// `masked_mean((x − mean)²)`, the variance before Bessel's correction.
+fn biased_masked_var(x: &Tensor, mask: &Tensor) -> Result<Tensor> {
     let mean = masked_mean(x, mask)?;
-    let var = masked_mean(&x.broadcast_sub(&mean)?.sqr()?, mask)?;
-    unbiased_from(var, n)
+    masked_mean(&x.broadcast_sub(&mean)?.sqr()?, mask)
 }
 
 /// The biased masked variance `var` of `n` elements made unbiased.

@@ -324,44 +324,30 @@ impl PpoTrainer {
             ("val/clipfrac", l.vf_clipfrac.clone()),
             ("val/mean", math::masked_mean(&old_v, &mask)?),
         ];
-        // Several processes: the local means of ret² and old_v² (for the global variances). One
-        // process: the unbiased variances, where there are two response tokens or more (TRL
+        // One process: the unbiased variances, where there are two response tokens or more (TRL
         // divides by zero on one and reports NaN; such a minibatch leaves both out of the step's
-        // averages).
-        let extra = match share {
-            Some(_) => vec![
-                ("ret2", math::masked_mean(&ret.sqr()?, &mask)?),
-                ("v2", math::masked_mean(&old_v.sqr()?, &mask)?),
-            ],
-            None if n_tokens >= 2.0 => vec![
-                ("returns/var", math::masked_var_of_count(&ret, &mask, n_tokens)?),
-                ("val/var", math::masked_var_of_count(&old_v, &mask, n_tokens)?),
-            ],
-            None => Vec::new(),
-        };
-        named.extend(extra);
-        let tensors: Vec<Tensor> = named.iter().map(|(_, t)| t.clone()).collect();
-        let values = math::read_f64(&tensors)?;
+        // averages). Several processes: the local means of ret² and old_v², read after the
+        // statistics, for the global variances.
+        if share.is_none() && n_tokens >= 2.0 {
+            named.push(("returns/var", math::masked_var_of_count(&ret, &mask, n_tokens)?));
+            named.push(("val/var", math::masked_var_of_count(&old_v, &mask, n_tokens)?));
+        }
+        let mut tensors: Vec<Tensor> = named.iter().map(|(_, t)| t.clone()).collect();
+        if share.is_some() {
+            tensors.push(math::masked_mean(&ret.sqr()?, &mask)?);
+            tensors.push(math::masked_mean(&old_v.sqr()?, &mask)?);
+        }
+        let mut values = math::read_f64(&tensors)?;
+        let squares: Vec<f64> = values.split_off(named.len()).into_iter().map(|v| v[0]).collect();
         let mut s = Stats::new();
-        let (mut ret2, mut v2) = (0.0, 0.0);
         for ((name, t), v) in named.iter().zip(values) {
             let zero = skipped && name.starts_with("loss/");
-            let stat = match (t.rank(), *name) {
-                (_, "ret2") => {
-                    ret2 = v[0];
-                    continue;
-                }
-                (_, "v2") => {
-                    v2 = v[0];
-                    continue;
-                }
-                (0, _) => Stat::Scalar(if zero { 0.0 } else { v[0] }),
-                _ => Stat::Array(v),
-            };
+            let stat =
+                if t.rank() == 0 { Stat::Scalar(if zero { 0.0 } else { v[0] }) } else { Stat::Array(v) };
             s.insert((*name).into(), stat);
         }
         if let Some(sh) = share {
-            return Ok((sh.global_stats(Some((&s, ret2, v2)), cfg.vf_coef, skipped)?, skip));
+            return Ok((sh.global_stats(Some((&s, squares[0], squares[1])), cfg.vf_coef, skipped)?, skip));
         }
         Ok((s, skip))
     }
