@@ -28,12 +28,12 @@ use super::episodes::EpisodeSource;
 use super::eval::{encode_eval_prompts, record, EvalResult, Evaluator};
 use super::group_config::GroupShape;
 use super::ppo_loop::{build_reward_sum, share_trunk};
-use super::prompts::{decode, encode_prompts, reward_inputs};
+use super::prompts::encode_prompts;
+use super::rollout::PromptSampler;
 use super::run_loop::StepReport;
 use crate::data::prompts::PromptRow;
 use crate::engine::{Stat, Stats};
 use crate::error::{ConfigError, Error, Result};
-use crate::generation::{generate, GenerationConfig};
 use crate::grpo::core::Core;
 use crate::grpo::math::weighted_rewards;
 use crate::grpo::{GroupBatch, GrpoTrainer, RewardTable, RlooTrainer};
@@ -398,49 +398,42 @@ impl GroupRun {
     }
 
     fn one_step(&mut self, step: usize, batch: &[usize]) -> Result<StepReport> {
-        let g = self.shape.num_generations;
-        // This process's share of the step's prompts (all of them on one process), and the global
-        // index of its first row, which keys the rows' sampling streams.
-        let share = self.trainer.core().dist().shard(batch.len(), "the prompts of a step")?;
-        let row_offset = (share.start * g) as u64;
-        let batch = &batch[share];
-        // (B·G) rows: each prompt repeated G times, consecutively.
-        let rows: Vec<usize> = batch.iter().flat_map(|&i| std::iter::repeat_n(i, g)).collect();
         let Source::Prompts { prompts, reward, reward_names, .. } = &mut self.source else {
             return Err(Error::Internal("a prompt step on games".into()));
         };
-        let queries: Vec<Vec<u32>> = rows.iter().map(|&i| prompts[i].0.clone()).collect();
-        let t = Instant::now();
-        let gen_cfg = GenerationConfig {
-            seed: self.config.generation.seed.wrapping_add(step as u64),
-            row_offset,
-            ..self.config.generation.clone()
+        let sampler = PromptSampler {
+            lm: self.trainer.policy(),
+            v_head: None,
+            tokenizer: &self.tokenizer,
+            generation: &self.config.generation,
+            text_column: &self.config.data.text_column,
+            dist: self.trainer.core().dist(),
+            device: &self.device,
         };
-        let samples = generate(self.trainer.policy(), None, &queries, &gen_cfg, &self.device)?;
-        let time_gen = t.elapsed().as_secs_f64();
+        // (B·G) rows: each prompt repeated G times, consecutively, and used whole.
+        let picks: Vec<(usize, usize)> = batch.iter().map(|&i| (i, usize::MAX)).collect();
+        let rollout = sampler.roll_out(prompts, &picks, self.shape.num_generations, step)?;
+        let time_gen = rollout.time_gen;
 
         let t = Instant::now();
-        let texts = decode(&self.tokenizer, &samples)?;
-        let metas: Vec<&serde_json::Value> = rows.iter().map(|&i| &prompts[i].1.meta).collect();
-        let inputs = reward_inputs(&samples, &texts, &metas);
         // [part][sample] → values[sample][part]; NaN stays: a missing reward.
-        let parts = reward.score_parts(&inputs)?;
+        let parts = reward.score_parts(&rollout.reward_inputs(prompts))?;
         let weights: Vec<f64> = reward.parts().map(|(w, _)| f64::from(w)).collect();
         let values: Vec<Vec<f64>> =
-            (0..inputs.len()).map(|i| parts.iter().map(|p| f64::from(p[i])).collect()).collect();
-        let time_reward = t.elapsed().as_secs_f64();
+            (0..rollout.samples.len()).map(|i| parts.iter().map(|p| f64::from(p[i])).collect()).collect();
+        let time_reward = rollout.time_decode + t.elapsed().as_secs_f64();
         let table = RewardTable { names: reward_names.clone(), values };
 
         let t = Instant::now();
-        let completions: Vec<Vec<u32>> = samples.iter().map(|s| s.response_ids.clone()).collect();
+        let completions = rollout.responses();
         // Truncated sampling: the policy, old and reference logprobs are renormalized over each
         // token's support, the distribution it was drawn from.
-        let supports: Option<Vec<Vec<Vec<u32>>>> = samples.iter().map(|s| s.support.clone()).collect();
+        let supports = rollout.supports();
         // Truncated: no EOS within max_new_tokens.
         let truncated: Vec<bool> =
             completions.iter().map(|c| !c.last().is_some_and(|t| self.eos_ids.contains(t))).collect();
         let logs = self.trainer.step_with(&GroupBatch {
-            prompts: &queries,
+            prompts: &rollout.queries,
             completions: &completions,
             rewards: &table,
             truncated: Some(&truncated),
@@ -463,7 +456,8 @@ impl GroupRun {
         }
 
         let total = weighted_rewards(&table.values, &weights);
-        let shown: Vec<SampleRow> = texts
+        let shown: Vec<SampleRow> = rollout
+            .texts
             .iter()
             .zip(&total)
             .take(self.config.logging.samples_per_step)

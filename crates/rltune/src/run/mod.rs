@@ -12,6 +12,7 @@ pub mod logging_config;
 pub mod ppo_loop;
 pub mod prompts;
 pub mod reward_config;
+pub(crate) mod rollout;
 pub mod run_loop;
 pub mod tracking;
 

@@ -19,13 +19,13 @@ use super::checkpoint::{
 };
 use super::config::{AlgorithmKind, RewardSourceConfig, RunConfig, TrainTurns};
 use super::episodes::{add_episode_stats, log_game_step, EpisodeSource, Pick};
-use super::prompts::{decode, encode_prompts, reward_inputs};
+use super::prompts::encode_prompts;
+use super::rollout::PromptSampler;
 use super::run_loop::StepReport;
 use crate::agent::rollout::{lambda_bootstraps, rebootstrap, Transition};
 use crate::data::prompts::{LengthSampler, PromptRow};
 use crate::engine::stats::mean_std;
 use crate::error::{ConfigError, Error, Result};
-use crate::generation::{generate, GenerationConfig};
 use crate::logging::{RunEnd, RunLogger, SampleRow};
 use crate::models::load::{load_policy_adapted, load_reference, LoadedPolicy};
 use crate::models::CausalLm;
@@ -317,42 +317,24 @@ impl PpoRun {
         let Source::Prompts { prompts, reward } = &mut self.source else {
             return Err(Error::Internal("a prompt step without prompts".into()));
         };
-        // This process's share of the step's prompts (all of them on one process); the global
-        // index of its first row keys the rows' sampling streams.
-        let share = self.trainer.dist().shard(batch.len(), "the prompts of a step")?;
-        let row_offset = share.start as u64;
-        let batch = &batch[share];
-        let column = &self.config.data.text_column;
-        let queries: Vec<Vec<u32>> = batch
-            .iter()
-            .map(|&(i, len)| {
-                let (ids, row) = &prompts[i];
-                // A conversation rendered with the chat template is used whole: its first tokens
-                // are the template's header, not the user's words. TRL's LengthSampler cut (its
-                // sentiment example's) applies to text prompts.
-                let n = if row.is_conversation(column) { ids.len() } else { ids.len().min(len) };
-                ids[..n].to_vec()
-            })
-            .collect();
-        let t = Instant::now();
-        let gen_cfg = GenerationConfig {
-            seed: self.config.generation.seed.wrapping_add(step as u64),
-            row_offset,
-            ..self.config.generation.clone()
-        };
         let policy = &self.trainer.policy;
-        // With a critic, the step computes the values (the policy's head is not read).
-        let v_head = self.trainer.critic().is_none().then_some(&policy.v_head);
-        let samples = generate(&policy.lm, v_head, &queries, &gen_cfg, &self.device)?;
-        let time_gen = t.elapsed().as_secs_f64();
+        let sampler = PromptSampler {
+            lm: &policy.lm,
+            // With a critic, the step computes the values (the policy's head is not read).
+            v_head: self.trainer.critic().is_none().then_some(&policy.v_head),
+            tokenizer: &self.tokenizer,
+            generation: &self.config.generation,
+            text_column: &self.config.data.text_column,
+            dist: self.trainer.dist(),
+            device: &self.device,
+        };
+        let rollout = sampler.roll_out(prompts, batch, 1, step)?;
+        let time_gen = rollout.time_gen;
 
         let t = Instant::now();
-        let texts = decode(&self.tokenizer, &samples)?;
-        let metas: Vec<&serde_json::Value> = batch.iter().map(|&(i, _)| &prompts[i].1.meta).collect();
-        let inputs = reward_inputs(&samples, &texts, &metas);
-        let scores = reward.score(&inputs)?;
-        let time_reward = t.elapsed().as_secs_f64();
-        if scores.len() != inputs.len() || scores.iter().any(|s| !s.is_finite()) {
+        let scores = reward.score(&rollout.reward_inputs(prompts))?;
+        let time_reward = rollout.time_decode + t.elapsed().as_secs_f64();
+        if scores.len() != rollout.samples.len() || scores.iter().any(|s| !s.is_finite()) {
             self.skipped += 1;
             let bad = scores.iter().position(|s| !s.is_finite());
             tracing::warn!(
@@ -377,11 +359,12 @@ impl PpoRun {
                 win_rate: None,
             });
         }
-        let responses: Vec<Vec<u32>> = samples.iter().map(|s| s.response_ids.clone()).collect();
+        let responses = rollout.responses();
         // Truncated sampling: the policy and the reference are renormalized over each token's
         // support, the distribution it was drawn from.
-        let supports: Option<Vec<Vec<Vec<u32>>>> = samples.iter().map(|s| s.support.clone()).collect();
-        let caches: Vec<RolloutCache> = samples
+        let supports = rollout.supports();
+        let caches: Vec<RolloutCache> = rollout
+            .samples
             .iter()
             .map(|s| RolloutCache {
                 logprobs: s.logprobs.clone(),
@@ -389,7 +372,7 @@ impl PpoRun {
             })
             .collect();
         let mut stats = self.trainer.step_with(StepInput {
-            queries: &queries,
+            queries: &rollout.queries,
             responses: &responses,
             scores: &scores,
             response_masks: None,
@@ -397,9 +380,10 @@ impl PpoRun {
             bootstrap: None,
             allowed: supports.as_deref(),
         })?;
-        let logprobs: Vec<&[f32]> = samples.iter().map(|s| s.logprobs.as_slice()).collect();
-        self.add_env_stats(&mut stats, &logprobs, &scores, &queries, time_gen, time_reward)?;
-        let rows: Vec<SampleRow> = texts
+        let logprobs: Vec<&[f32]> = rollout.samples.iter().map(|s| s.logprobs.as_slice()).collect();
+        self.add_env_stats(&mut stats, &logprobs, &scores, &rollout.queries, time_gen, time_reward)?;
+        let rows: Vec<SampleRow> = rollout
+            .texts
             .iter()
             .zip(&scores)
             .take(self.config.logging.samples_per_step)

@@ -8,13 +8,11 @@ use std::time::Instant;
 use super::{PpoRun, Source};
 use crate::engine::{Stat, Stats};
 use crate::error::{Error, Result};
-use crate::generation::{generate, GenerationConfig};
 use crate::logging::RunEnd;
 use crate::logging::SampleRow;
 use crate::rejection::{batch_response_logprobs, returns_to_go, select_top, Per};
-use crate::rewards::RewardInput;
 use crate::run::episodes::add_episode_stats;
-use crate::run::prompts::decode;
+use crate::run::rollout::PromptSampler;
 use crate::run::run_loop::{Algorithm, Plan, StepReport};
 use crate::train::sft::{train_sft_examples_on, SftExample, SftModel};
 use crate::train::{ScheduleKind, TrainingArgs};
@@ -127,56 +125,33 @@ impl PpoRun {
             }
             Source::Prompts { prompts, reward } => {
                 let n = rs.samples_per_prompt;
-                // This process's share of the prompts; its first row's global index keys the
-                // rows' sampling streams.
-                let share = self.trainer.dist().shard(batch.len(), "the prompts of a step")?;
-                let row_offset = (share.start * n) as u64;
-                let batch = &batch[share];
-                let mut queries = Vec::with_capacity(batch.len() * n);
-                let mut rows = Vec::with_capacity(batch.len() * n);
-                for &(i, len) in batch {
-                    let ids = &prompts[i].0;
-                    for _ in 0..n {
-                        queries.push(ids[..ids.len().min(len)].to_vec());
-                        rows.push(i);
-                    }
-                }
-                let gen = GenerationConfig {
-                    seed: self.config.generation.seed.wrapping_add(step as u64),
-                    row_offset,
-                    ..self.config.generation.clone()
+                let sampler = PromptSampler {
+                    lm: &self.trainer.policy.lm,
+                    v_head: None,
+                    tokenizer: &self.tokenizer,
+                    generation: &self.config.generation,
+                    text_column: &self.config.data.text_column,
+                    dist: self.trainer.dist(),
+                    device: &self.device,
                 };
-                let policy = &self.trainer.policy;
-                let samples = generate(&policy.lm, None, &queries, &gen, &self.device)?;
-                let texts = decode(&self.tokenizer, &samples)?;
-                let inputs: Vec<RewardInput> = samples
-                    .iter()
-                    .zip(&texts)
-                    .zip(&rows)
-                    .map(|((s, (q, r)), &i)| RewardInput {
-                        query: q,
-                        response: r,
-                        query_ids: &s.query_ids,
-                        response_ids: &s.response_ids,
-                        meta: &prompts[i].1.meta,
-                    })
-                    .collect();
-                let scores = reward.score(&inputs)?;
-                if scores.len() != samples.len() {
+                let rollout = sampler.roll_out(prompts, batch, n, step)?;
+                let scores = reward.score(&rollout.reward_inputs(prompts))?;
+                if scores.len() != rollout.samples.len() {
                     return Err(Error::reward(
                         "[reward]",
                         format!(
                             "the reward sources gave {} scores for {} samples",
                             scores.len(),
-                            samples.len()
+                            rollout.samples.len()
                         ),
                     ));
                 }
                 let grouped = n > 1;
-                samples
+                rollout
+                    .samples
                     .into_iter()
                     .zip(scores)
-                    .zip(texts)
+                    .zip(rollout.texts)
                     .enumerate()
                     .map(|(k, ((s, score), shown))| Candidate {
                         query: s.query_ids,
