@@ -3,7 +3,10 @@
 //! Batch B = 16 prompts of 8 tokens, 24 new tokens each, `stop_at_eos: false`, so every run
 //! samples exactly 16 · 24 = 384 tokens. One warm-up run, then `--runs N` (default 5, at least 3)
 //! timed runs of [`rltune_models::generation::generate`]; prints the median and tokens/s, then one JSON
-//! line (`"bench": "generate"`). `--batch N` changes B (the profile runs only at B = 16).
+//! line (`"bench": "generate"`). `--batch N` changes B, `--new-tokens N` the 24 new tokens, and
+//! `--family neox` takes a random Pythia-160M-shaped GPT-NeoX instead, whose KV cache is the
+//! tensor path's (what every family takes on a GPU); the profile runs only on GPT-2 at the
+//! defaults.
 //!
 //! Set `CANDLE_NUM_THREADS=1` to measure what the `rltune` binary runs (it sets that variable:
 //! candle's spinning element-wise pool otherwise takes cores from the matmul pool, see
@@ -59,17 +62,36 @@ fn main() -> rltune_models::Result<()> {
         .unwrap_or(B)
         .max(1);
 
+    let new_tokens = args
+        .iter()
+        .position(|a| a == "--new-tokens")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|s| s.parse::<usize>().ok())
+        .unwrap_or(N)
+        .max(1);
+    // `--family neox`: a Pythia-160M-shaped GPT-NeoX, whose cache is the tensor path's
+    // (`layers::KvCache::append`, what every family takes on a GPU).
+    let neox = args.windows(2).any(|w| w[0] == "--family" && w[1] == "neox");
+    let model = if neox { "pythia-160m-random" } else { "gpt2-small-random" };
+    let n = new_tokens;
+
     let dev = Device::Cpu;
-    let cfg = CausalLmConfig::Gpt2(Gpt2Config::tiny(V, C, 12, 12, 1024));
+    let cfg = if neox {
+        let mut c = rltune_models::gpt_neox::GptNeoXConfig::tiny(V, C, 12, 12);
+        c.max_position_embeddings = 2048;
+        CausalLmConfig::GptNeoX(c)
+    } else {
+        CausalLmConfig::Gpt2(Gpt2Config::tiny(V, C, 12, 12, 1024))
+    };
     let store = ParamStore::random(0, false, DType::F32, &dev)?;
     let t0 = Instant::now();
     let lm = CausalLm::load(&store.root(), &cfg)?;
-    eprintln!("built random GPT-2 small (124M params) in {:.1}s", t0.elapsed().as_secs_f64());
+    eprintln!("built random {model} in {:.1}s", t0.elapsed().as_secs_f64());
 
     // (B, P) prompt ids, deterministic.
     let prompts: Vec<Vec<u32>> =
         (0..b_sz).map(|i| (0..P).map(|j| ((i * 131 + j * 17 + 1) % (V - 1)) as u32).collect()).collect();
-    let gen = GenerationConfig { max_new_tokens: N, stop_at_eos: false, seed: 0, ..Default::default() };
+    let gen = GenerationConfig { max_new_tokens: n, stop_at_eos: false, seed: 0, ..Default::default() };
 
     let warm = Instant::now();
     let reference = generate(&lm, None, &prompts, &gen, &dev)?;
@@ -79,25 +101,25 @@ fn main() -> rltune_models::Result<()> {
         let t = Instant::now();
         let out = generate(&lm, None, &prompts, &gen, &dev)?;
         times.push(t.elapsed().as_secs_f64());
-        assert!(out.iter().all(|s| s.response_ids.len() == N));
+        assert!(out.iter().all(|s| s.response_ids.len() == n));
         eprintln!("run {r}: {:.3}s", times[r]);
     }
     let median = median(&times);
-    let tps = (b_sz * N) as f64 / median;
-    println!("generate: B={b_sz} prompt={P} new={N} ({} tokens/run), {runs} runs", b_sz * N);
+    let tps = (b_sz * n) as f64 / median;
+    println!("generate: {model} B={b_sz} prompt={P} new={n} ({} tokens/run), {runs} runs", b_sz * n);
     println!("median {median:.3} s, {tps:.1} tokens/s");
     // candle's element-wise pool size; the `rltune` binary sets 1 (see `rltune_kernels::cpu`).
     let candle_threads = std::env::var("CANDLE_NUM_THREADS").unwrap_or_else(|_| "default".into());
     println!("CANDLE_NUM_THREADS={candle_threads}");
     let times_json: Vec<String> = times.iter().map(|t| format!("{t:.4}")).collect();
     println!(
-        "{{\"bench\":\"generate\",\"model\":\"gpt2-small-random\",\"dtype\":\"f32\",\"device\":\"cpu\",\
-         \"batch\":{b_sz},\"prompt_len\":{P},\"new_tokens\":{N},\"runs\":{runs},\"times_s\":[{}],\
+        "{{\"bench\":\"generate\",\"model\":\"{model}\",\"dtype\":\"f32\",\"device\":\"cpu\",\
+         \"batch\":{b_sz},\"prompt_len\":{P},\"new_tokens\":{n},\"runs\":{runs},\"times_s\":[{}],\
          \"median_s\":{median:.4},\"tokens_per_s\":{tps:.2},\"candle_num_threads\":\"{candle_threads}\"}}",
         times_json.join(",")
     );
 
-    if profile && b_sz == B {
+    if profile && b_sz == B && !neox && n == N {
         let mut prof = Profile::default();
         let mut drawn = Vec::new();
         for _ in 0..runs {

@@ -172,24 +172,91 @@ impl Activation {
 
 /// Keys and values of every layer for incremental decoding, kept outside the model.
 ///
-/// Layer `l` holds either `(k, v)` tensors, each `(B, H_kv, S, D)`, grown by [`KvCache::append`]
-/// (any device and dtype), or an [`ops::KvBlock`] that [`ops::cached_self_attention`] appends to
-/// in place (GPT-2 on the CPU in f32); a model uses one kind throughout.
-#[derive(Debug, Clone, Default)]
+/// Layer `l` holds either [`KvTensors`], grown by [`KvCache::append`] (any device and dtype), or
+/// an [`ops::KvBlock`] that [`ops::cached_self_attention`] appends to in place (GPT-2 and Llama
+/// on the CPU in f32); a model uses one kind throughout.
+#[derive(Debug, Default)]
 pub struct KvCache {
-    layers: Vec<Option<(Tensor, Tensor)>>,
+    layers: Vec<Option<KvTensors>>,
     blocks: Vec<ops::KvBlock>,
+    /// Positions to allocate room for at the first append ([`Self::reserve`]).
+    reserved: usize,
+}
+
+/// One layer's keys and values, `(B, H_kv, capacity, D)` each, of which the first `len`
+/// positions hold the sequences: an append copies only the new positions in (a concatenation
+/// would copy the whole cache each token), and the room grows by half when it runs out. Not
+/// `Clone`: a copy would share the buffers that appends write into.
+#[derive(Debug)]
+pub struct KvTensors {
+    k: Tensor,
+    v: Tensor,
+    len: usize,
+}
+
+impl KvTensors {
+    /// Buffers of `capacity` positions holding `k, v (B, H_kv, S, D)` (contiguous or not).
+    fn with_capacity(k: &Tensor, v: &Tensor, capacity: usize) -> Result<Self> {
+        let len = k.dim(2)?;
+        let room = |t: &Tensor| -> Result<Tensor> {
+            let (b, h, _, d) = t.dims4()?;
+            let buf = Tensor::zeros((b, h, capacity.max(len), d), t.dtype(), t.device())?;
+            buf.slice_set(&t.contiguous()?, 2, 0)?;
+            Ok(buf)
+        };
+        Ok(Self { k: room(k)?, v: room(v)?, len })
+    }
+
+    /// The cached keys and values, `(B, H_kv, len, D)` views of the buffers.
+    fn views(&self) -> Result<(Tensor, Tensor)> {
+        Ok((self.k.narrow(2, 0, self.len)?, self.v.narrow(2, 0, self.len)?))
+    }
+
+    /// Room for this many positions.
+    fn capacity(&self) -> usize {
+        self.k.dim(2).unwrap_or(0)
+    }
+
+    /// Appends `k, v (B, H_kv, T, D)` in place, first moving to buffers half as large again when
+    /// they are full.
+    fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<()> {
+        let t = k.dim(2)?;
+        if self.len + t > self.capacity() {
+            let (ok, ov) = self.views()?;
+            let grown = (self.len + t).max(self.capacity() + self.capacity() / 2);
+            *self = Self::with_capacity(&ok, &ov, grown)?;
+        }
+        self.k.slice_set(&k.contiguous()?, 2, self.len)?;
+        self.v.slice_set(&v.contiguous()?, 2, self.len)?;
+        self.len += t;
+        Ok(())
+    }
+
+    /// Keeps `f(k), f(v)` of the whole buffers (`f` must select cached positions only), in
+    /// buffers of the same capacity.
+    fn map(&mut self, f: impl Fn(&Tensor) -> Result<Tensor>) -> Result<()> {
+        let capacity = self.capacity();
+        *self = Self::with_capacity(&f(&self.k)?, &f(&self.v)?, capacity)?;
+        Ok(())
+    }
 }
 
 impl KvCache {
     /// An empty cache for `n_layers` layers.
     pub fn new(n_layers: usize) -> Self {
-        Self { layers: vec![None; n_layers], blocks: vec![ops::KvBlock::default(); n_layers] }
+        let layers = (0..n_layers).map(|_| None).collect();
+        Self { layers, blocks: vec![ops::KvBlock::default(); n_layers], reserved: 0 }
+    }
+
+    /// Allocates room for `positions` positions at the first append (the prompt and every token
+    /// to be sampled), so that decoding never moves the cache.
+    pub fn reserve(&mut self, positions: usize) {
+        self.reserved = positions;
     }
 
     /// Number of cached positions (0 when empty).
     pub fn seq_len(&self) -> usize {
-        let tensors = self.layers.iter().flatten().next().and_then(|(k, _)| k.dim(2).ok());
+        let tensors = self.layers.iter().flatten().next().map(|l| l.len);
         tensors.or_else(|| self.blocks.first().map(ops::KvBlock::len)).unwrap_or(0)
     }
 
@@ -202,10 +269,11 @@ impl KvCache {
     /// the others: a batch of growing sequences sheds the finished ones. A row named more than
     /// once is copied: a prompt prefilled once becomes the cache of each of its samples.
     pub fn select_rows(&mut self, rows: &[usize]) -> Result<()> {
-        for (k, v) in self.layers.iter_mut().flatten() {
-            let idx = Tensor::new(rows.iter().map(|&r| r as u32).collect::<Vec<_>>(), k.device())?;
-            *k = k.contiguous()?.index_select(&idx, 0)?;
-            *v = v.contiguous()?.index_select(&idx, 0)?;
+        for layer in self.layers.iter_mut().flatten() {
+            let idx = Tensor::new(rows.iter().map(|&r| r as u32).collect::<Vec<_>>(), layer.k.device())?;
+            // The whole buffers: the room is kept.
+            layer.k = layer.k.index_select(&idx, 0)?;
+            layer.v = layer.v.index_select(&idx, 0)?;
         }
         for block in &mut self.blocks {
             block.select_rows(rows)?;
@@ -216,10 +284,12 @@ impl KvCache {
     /// Keeps the cached positions `keep` (increasing indices) of every sequence: positions that
     /// every sequence masks out can go.
     pub fn select_positions(&mut self, keep: &[usize]) -> Result<()> {
-        for (k, v) in self.layers.iter_mut().flatten() {
-            let idx = Tensor::new(keep.iter().map(|&p| p as u32).collect::<Vec<_>>(), k.device())?;
-            *k = k.contiguous()?.index_select(&idx, 2)?;
-            *v = v.contiguous()?.index_select(&idx, 2)?;
+        for layer in self.layers.iter_mut().flatten() {
+            let idx = Tensor::new(keep.iter().map(|&p| p as u32).collect::<Vec<_>>(), layer.k.device())?;
+            if keep.iter().any(|&p| p >= layer.len) {
+                return Err(Error::Input(format!("KV cache positions {keep:?} kept of {}", layer.len)));
+            }
+            layer.map(|t| Ok(t.index_select(&idx, 2)?))?;
         }
         for block in &mut self.blocks {
             block.select_positions(keep)?;
@@ -249,12 +319,15 @@ impl KvCache {
             .layers
             .get_mut(layer)
             .ok_or_else(|| Error::Input(format!("KV cache has no layer {layer}")))?;
-        let (k, v) = match slot.take() {
-            Some((pk, pv)) => (Tensor::cat(&[&pk, &k.detach()], 2)?, Tensor::cat(&[&pv, &v.detach()], 2)?),
-            None => (k.detach(), v.detach()),
+        let (k, v) = (k.detach(), v.detach());
+        let cached = match slot {
+            Some(cached) => {
+                cached.append(&k, &v)?;
+                cached
+            }
+            None => slot.insert(KvTensors::with_capacity(&k, &v, self.reserved)?),
         };
-        *slot = Some((k.clone(), v.clone()));
-        Ok((k, v))
+        cached.views()
     }
 }
 
@@ -340,6 +413,49 @@ mod tests {
     fn positions_skip_left_padding() {
         let p = position_ids_from_mask(&[vec![0, 0, 1, 1, 1], vec![1, 1, 1, 1, 1]], &Device::Cpu).unwrap();
         assert_eq!(p.to_vec2::<u32>().unwrap(), vec![vec![0, 0, 0, 1, 2], vec![0, 1, 2, 3, 4]]);
+    }
+
+    /// Appends in place give what a concatenation gives: from a reserved room, through growth,
+    /// after rows are selected (one repeated) and positions dropped.
+    #[test]
+    fn kv_tensors_grow_and_select_as_a_concatenation() {
+        let dev = Device::Cpu;
+        let piece = |seed: f64, t: usize, b: usize| {
+            let n = b * 2 * t * 3;
+            Tensor::arange(0f32, n as f32, &dev)
+                .unwrap()
+                .affine(0.1, seed)
+                .unwrap()
+                .reshape((b, 2, t, 3))
+                .unwrap()
+        };
+        let values = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        for reserved in [0, 4, 64] {
+            let mut cache = KvCache::new(2);
+            cache.reserve(reserved);
+            let (mut want_k, mut want_v) = (piece(0.0, 3, 2), piece(100.0, 3, 2));
+            cache.append(1, &want_k, &want_v).unwrap();
+            for step in 0..5 {
+                let (k, v) = (piece(step as f64, 1, 2), piece(50.0 + step as f64, 1, 2));
+                let (ck, cv) = cache.append(1, &k, &v).unwrap();
+                want_k = Tensor::cat(&[&want_k, &k], 2).unwrap();
+                want_v = Tensor::cat(&[&want_v, &v], 2).unwrap();
+                assert_eq!(ck.dims(), want_k.dims(), "reserved {reserved}, step {step}");
+                assert_eq!((values(&ck), values(&cv)), (values(&want_k), values(&want_v)));
+            }
+            assert_eq!(cache.seq_len(), 8);
+            cache.select_rows(&[1, 1, 0]).unwrap();
+            cache.select_positions(&[0, 2, 7]).unwrap();
+            let (ck, cv) = cache.append(1, &piece(9.0, 1, 3), &piece(19.0, 1, 3)).unwrap();
+            let pick = |t: &Tensor, extra: f64| {
+                let rows = t.index_select(&Tensor::new(&[1u32, 1, 0], &dev).unwrap(), 0).unwrap();
+                let kept = rows.index_select(&Tensor::new(&[0u32, 2, 7], &dev).unwrap(), 2).unwrap();
+                Tensor::cat(&[&kept, &piece(extra, 1, 3)], 2).unwrap()
+            };
+            assert_eq!(values(&ck), values(&pick(&want_k, 9.0)), "reserved {reserved}");
+            assert_eq!(values(&cv), values(&pick(&want_v, 19.0)), "reserved {reserved}");
+            assert_eq!(cache.seq_len(), 4);
+        }
     }
 
     /// Keys and values computed from trainable weights enter the cache without their graph

@@ -299,6 +299,7 @@ pub fn generate_with(
         (0..b as u64).map(|i| rand::rngs::StdRng::seed_from_u64(cfg.stream_seed(i))).collect();
     let mut noise = if on_device { Some(sampler::DeviceNoise::new(device, cfg.seed)?) } else { None };
     let mut cache = lm.new_cache();
+    cache.reserve(prompt_len + cfg.max_new_tokens);
     let mut samples: Vec<Sample> = prompts
         .iter()
         .map(|p| Sample {
