@@ -5,7 +5,9 @@
 //! timed runs of [`rltune_models::generation::generate`]; prints the median and tokens/s, then one JSON
 //! line (`"bench": "generate"`). `--batch N` changes B, `--new-tokens N` the 24 new tokens, and
 //! `--family neox` takes a random Pythia-160M-shaped GPT-NeoX instead, whose KV cache is the
-//! tensor path's (what every family takes on a GPU); the profile runs only on GPT-2 at the
+//! tensor path's (what every family takes on a GPU), `--family llama` a SmolLM2-135M-shaped
+//! Llama (grouped-query attention), and `--composed` runs candle's composed ops (the GPU's code
+//! path, on which Llama takes the tensor path too); the profile runs only on GPT-2 at the
 //! defaults.
 //!
 //! Set `CANDLE_NUM_THREADS=1` to measure what the `rltune` binary runs (it sets that variable:
@@ -71,17 +73,36 @@ fn main() -> rltune_models::Result<()> {
         .max(1);
     // `--family neox`: a Pythia-160M-shaped GPT-NeoX, whose cache is the tensor path's
     // (`layers::KvCache::append`, what every family takes on a GPU).
-    let neox = args.windows(2).any(|w| w[0] == "--family" && w[1] == "neox");
-    let model = if neox { "pythia-160m-random" } else { "gpt2-small-random" };
+    // `--family llama`: a SmolLM2-135M-shaped Llama (9 query heads sharing 3 key heads); on the
+    // CPU in f32 it decodes through its in-place `KvBlock` unless `--composed` (candle's
+    // composed ops, the GPU's code path) is given too.
+    let family = args.windows(2).find(|w| w[0] == "--family").map_or("gpt2", |w| w[1].as_str());
+    let model = match family {
+        "neox" => "pythia-160m-random",
+        "llama" => "smollm2-135m-random",
+        _ => "gpt2-small-random",
+    };
     let n = new_tokens;
+    let _composed = args.iter().any(|a| a == "--composed").then(rltune_kernels::composed_scope);
 
     let dev = Device::Cpu;
-    let cfg = if neox {
-        let mut c = rltune_models::gpt_neox::GptNeoXConfig::tiny(V, C, 12, 12);
-        c.max_position_embeddings = 2048;
-        CausalLmConfig::GptNeoX(c)
-    } else {
-        CausalLmConfig::Gpt2(Gpt2Config::tiny(V, C, 12, 12, 1024))
+    let cfg = match family {
+        "neox" => {
+            let mut c = rltune_models::gpt_neox::GptNeoXConfig::tiny(V, C, 12, 12);
+            c.max_position_embeddings = 2048;
+            CausalLmConfig::GptNeoX(c)
+        }
+        "llama" => {
+            let mut c = rltune_models::llama::LlamaConfig::tiny(49152, 576, 30, 9, 3);
+            c.max_position_embeddings = Some(2048);
+            CausalLmConfig::Llama(c)
+        }
+        "gpt2" => CausalLmConfig::Gpt2(Gpt2Config::tiny(V, C, 12, 12, 1024)),
+        other => {
+            return Err(rltune_models::Error::Input(format!(
+                "--family {other}: expected gpt2, neox or llama"
+            )))
+        }
     };
     let store = ParamStore::random(0, false, DType::F32, &dev)?;
     let t0 = Instant::now();
@@ -119,7 +140,7 @@ fn main() -> rltune_models::Result<()> {
         times_json.join(",")
     );
 
-    if profile && b_sz == B && !neox && n == N {
+    if profile && b_sz == B && family == "gpt2" && n == N {
         let mut prof = Profile::default();
         let mut drawn = Vec::new();
         for _ in 0..runs {

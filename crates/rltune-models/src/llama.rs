@@ -577,7 +577,16 @@ impl Attention {
     fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor) -> Result<Tensor> {
         // The cache keeps the un-repeated (B, H_kv, S, D) keys and values.
         let n_rep = self.n_heads / self.n_kv_heads;
-        let y = attention(q, &repeat_kv(k, n_rep)?, &repeat_kv(v, n_rep)?, bias, self.scale)?;
+        let (b, h, t, d) = q.dims4()?;
+        let y = if n_rep > 1 && t == 1 {
+            // A decoding step: query head h reads key head h / n_rep, so the n_rep query heads of
+            // a key head are n_rep rows against its keys, `(B, H_kv, n_rep, D)`; the bias
+            // `(B, 1, 1, S)` broadcasts over them. No copy of the keys and values per head.
+            let grouped = q.reshape((b, self.n_kv_heads, n_rep, d))?;
+            attention(&grouped, k, v, bias, self.scale)?.reshape((b, h, 1, d))?
+        } else {
+            attention(q, &repeat_kv(k, n_rep)?, &repeat_kv(v, n_rep)?, bias, self.scale)?
+        };
         self.o_proj.forward(&merge_heads(&y)?)
     }
 }
@@ -975,6 +984,16 @@ mod tests {
 
     #[test]
     fn cached_forward_matches_full_forward_with_sliding_window() {
+        check_cached_matches_uncached(&tiny("mistral", serde_json::json!({"sliding_window": 3})));
+    }
+
+    /// The tensor path, which every family decodes through on a GPU (composed ops on the CPU):
+    /// a grouped-query decoding step reads the cached keys and values un-repeated, against the
+    /// full forward's repeated ones.
+    #[test]
+    fn cached_forward_matches_full_forward_on_the_tensor_path() {
+        let _composed = ops::composed_scope();
+        check_cached_matches_uncached(&tiny("qwen2", serde_json::json!({})));
         check_cached_matches_uncached(&tiny("mistral", serde_json::json!({"sliding_window": 3})));
     }
 
