@@ -355,9 +355,24 @@ pub fn position_ids_from_mask(mask: &[Vec<u8>], device: &Device) -> Result<Tenso
 ///
 /// `q (B, H, T, D)`, `k, v (B, H, S, D)`, `bias` broadcastable to `(B, H, T, S)`.
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64) -> Result<Tensor> {
-    let scores = ops::matmul(&q.contiguous()?, &k.t()?.contiguous()?)?;
+    let scores = ops::matmul(&q.contiguous()?, &batched_operand(&k.t()?)?)?;
     let probs = ops::scaled_masked_softmax(&scores, bias, scale)?;
-    Ok(ops::matmul(&probs, &v.contiguous()?)?)
+    Ok(ops::matmul(&probs, &batched_operand(v)?)?)
+}
+
+/// `x (B, H, R, C)` as the right operand of a batched product: as it is where every matrix is
+/// packed row- or column-major and the batches lie one stride apart (the KV cache's views of
+/// its buffers, and their transpose: candle's CPU and CUDA products read those in place), else
+/// a contiguous copy.
+fn batched_operand(x: &Tensor) -> Result<Tensor> {
+    let packed = match (x.dims(), x.stride()) {
+        (&[b, h, r, c], &[s0, s1, s2, s3]) => {
+            let matrix = (s3 == 1 && s2 == c) || (s2 == 1 && s3 == r);
+            matrix && (s0 == s1 * h || b == 1) && r > 1 && c > 1
+        }
+        _ => false,
+    };
+    Ok(if packed { x.clone() } else { x.contiguous()? })
 }
 
 /// Repeats each key/value head `n_rep` times for grouped-query attention: `(B, H_kv, S, D) -> (B, H_kv·n_rep, S, D)`.
