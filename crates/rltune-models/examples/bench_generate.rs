@@ -49,28 +49,17 @@ const V: usize = 50257;
 fn main() -> rltune_models::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let profile = args.iter().any(|a| a == "--profile");
-    let runs = args
-        .iter()
-        .position(|a| a == "--runs")
-        .and_then(|i| args.get(i + 1))
-        .and_then(|s| s.parse::<usize>().ok())
-        .unwrap_or(5)
-        .max(3);
-    let b_sz = args
-        .iter()
-        .position(|a| a == "--batch")
-        .and_then(|i| args.get(i + 1))
-        .and_then(|s| s.parse::<usize>().ok())
-        .unwrap_or(B)
-        .max(1);
-
-    let new_tokens = args
-        .iter()
-        .position(|a| a == "--new-tokens")
-        .and_then(|i| args.get(i + 1))
-        .and_then(|s| s.parse::<usize>().ok())
-        .unwrap_or(N)
-        .max(1);
+    // The number after `flag`, else `default`.
+    let number = |flag: &str, default: usize| {
+        args.iter()
+            .position(|a| a == flag)
+            .and_then(|i| args.get(i + 1))
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(default)
+    };
+    let runs = number("--runs", 5).max(3);
+    let b_sz = number("--batch", B).max(1);
+    let new_tokens = number("--new-tokens", N).max(1);
     // `--family neox`: a Pythia-160M-shaped GPT-NeoX, whose cache is the tensor path's
     // (`layers::KvCache::append`, what every family takes on a GPU).
     // `--family llama`: a SmolLM2-135M-shaped Llama (9 query heads sharing 3 key heads); on the
