@@ -578,10 +578,10 @@ impl Attention {
         // The cache keeps the un-repeated (B, H_kv, S, D) keys and values.
         let n_rep = self.n_heads / self.n_kv_heads;
         let (b, h, t, d) = q.dims4()?;
-        let y = if n_rep > 1 && t == 1 {
+        let y = if n_rep > 1 && t == 1 && bias.dim(1)? == 1 {
             // A decoding step: query head h reads key head h / n_rep, so the n_rep query heads of
-            // a key head are n_rep rows against its keys, `(B, H_kv, n_rep, D)`; the bias
-            // `(B, 1, 1, S)` broadcasts over them. No copy of the keys and values per head.
+            // a key head are n_rep rows against its keys, `(B, H_kv, n_rep, D)`; a bias of one
+            // head, `(B, 1, 1, S)`, broadcasts over them. No copy of the keys and values per head.
             let grouped = q.reshape((b, self.n_kv_heads, n_rep, d))?;
             attention(&grouped, k, v, bias, self.scale)?.reshape((b, h, 1, d))?
         } else {
