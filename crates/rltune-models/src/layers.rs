@@ -287,7 +287,7 @@ impl KvCache {
         for layer in self.layers.iter_mut().flatten() {
             let idx = Tensor::new(keep.iter().map(|&p| p as u32).collect::<Vec<_>>(), layer.k.device())?;
             if keep.iter().any(|&p| p >= layer.len) {
-                return Err(Error::Input(format!("KV cache positions {keep:?} kept of {}", layer.len)));
+                return Err(Error::Internal(format!("KV cache positions {keep:?} kept of {}", layer.len)));
             }
             layer.map(|t| Ok(t.index_select(&idx, 2)?))?;
         }
