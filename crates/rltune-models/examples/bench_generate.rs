@@ -59,34 +59,28 @@ fn main() -> rltune_models::Result<()> {
     };
     let runs = number("--runs", 5).max(3);
     let b_sz = number("--batch", B).max(1);
-    let new_tokens = number("--new-tokens", N).max(1);
+    let n = number("--new-tokens", N).max(1);
+    let _composed = args.iter().any(|a| a == "--composed").then(rltune_kernels::composed_scope);
+
+    let dev = Device::Cpu;
     // `--family neox`: a Pythia-160M-shaped GPT-NeoX, whose cache is the tensor path's
     // (`layers::KvCache::append`, what every family takes on a GPU).
     // `--family llama`: a SmolLM2-135M-shaped Llama (9 query heads sharing 3 key heads); on the
     // CPU in f32 it decodes through its in-place `KvBlock` unless `--composed` (candle's
     // composed ops, the GPU's code path) is given too.
     let family = args.windows(2).find(|w| w[0] == "--family").map_or("gpt2", |w| w[1].as_str());
-    let model = match family {
-        "neox" => "pythia-160m-random",
-        "llama" => "smollm2-135m-random",
-        _ => "gpt2-small-random",
-    };
-    let n = new_tokens;
-    let _composed = args.iter().any(|a| a == "--composed").then(rltune_kernels::composed_scope);
-
-    let dev = Device::Cpu;
-    let cfg = match family {
+    let (model, cfg) = match family {
         "neox" => {
             let mut c = rltune_models::gpt_neox::GptNeoXConfig::tiny(V, C, 12, 12);
             c.max_position_embeddings = 2048;
-            CausalLmConfig::GptNeoX(c)
+            ("pythia-160m-random", CausalLmConfig::GptNeoX(c))
         }
         "llama" => {
             let mut c = rltune_models::llama::LlamaConfig::tiny(49152, 576, 30, 9, 3);
             c.max_position_embeddings = Some(2048);
-            CausalLmConfig::Llama(c)
+            ("smollm2-135m-random", CausalLmConfig::Llama(c))
         }
-        "gpt2" => CausalLmConfig::Gpt2(Gpt2Config::tiny(V, C, 12, 12, 1024)),
+        "gpt2" => ("gpt2-small-random", CausalLmConfig::Gpt2(Gpt2Config::tiny(V, C, 12, 12, 1024))),
         other => {
             return Err(rltune_models::Error::Input(format!(
                 "--family {other}: expected gpt2, neox or llama"
