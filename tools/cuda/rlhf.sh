@@ -68,7 +68,7 @@ case "$cmd" in
       . tools/cuda/cuda_libs.sh
     fi
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >"$OUTDIR/device.txt" 2>&1 || true
-    RUN=/tmp/rlhf-gpu-run
+    RUN="$(mktemp -d /tmp/rlhf-gpu-run.XXXXXX)" # fresh: a second run's settings meet no cached stages
     t0=$(date +%s)
     rc=0
     timeout --kill-after=5 "$LIMIT" "$BIN" quickstart --task rlhf --device "$DEVICE" --preset "$PRESET" \
