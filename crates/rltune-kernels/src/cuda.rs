@@ -433,6 +433,39 @@ fn attention_rows(rows: usize, shared: usize) -> CResult<LaunchConfig> {
     })
 }
 
+/// The f32 values of shared memory a block may use without opting in (48 KiB).
+const SHARED_FLOATS: usize = 48 * 1024 / 4;
+/// attention.cu's `RLTUNE_ATT_TK` (the keys or values of one shared tile) and `RLTUNE_ATT_ACC`
+/// (outputs per thread), and the tallest tile it is given.
+const ATT_TILE_KEYS: usize = 32;
+const ATT_OUTPUTS_PER_THREAD: usize = 16;
+const ATT_MAX_TILE: usize = 32;
+
+/// The query rows per block of the tiled forward and query-side backward for heads of `d` and
+/// sequences of `t`, and the block's shared memory in bytes; `None` where not even one row's
+/// tiles fit (the per-row kernels then).
+fn attention_query_tile(d: usize, t: usize) -> Option<(usize, u32)> {
+    let ld = d + 1;
+    let room = SHARED_FLOATS.checked_sub(ATT_TILE_KEYS * ld)?;
+    let tq = ATT_MAX_TILE.min(ATT_OUTPUTS_PER_THREAD * THREADS as usize / d).min(room / (ld + t));
+    let floats = tq * ld + ATT_TILE_KEYS * ld + tq * t;
+    (tq > 0).then(|| (tq, (floats * std::mem::size_of::<f32>()) as u32))
+}
+
+/// The key rows per block of the tiled key-side backward, the query rows of its tiles, and its
+/// shared memory in bytes, for heads of `d` (`None` past any tile: the per-row kernel then).
+fn attention_key_tile(d: usize) -> Option<(usize, usize, u32)> {
+    let tj = ATT_MAX_TILE.min(ATT_OUTPUTS_PER_THREAD * THREADS as usize / d);
+    let ti = ATT_MAX_TILE.min(SHARED_FLOATS / (2 * (d + 1) + 2 * (tj + 1)));
+    let floats = 2 * ti * (d + 1) + 2 * ti * (tj + 1);
+    (tj > 0 && ti > 0).then(|| (tj, ti, (floats * std::mem::size_of::<f32>()) as u32))
+}
+
+/// The launch of a tiled attention kernel: `blocks` of [`THREADS`].
+fn tiled(blocks: usize, shared_mem_bytes: u32) -> LaunchConfig {
+    LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes }
+}
+
 /// The self-attention core (`crate::attention`, which checks the shapes): `y (B, T, C)` and the
 /// probabilities `P (B, H, T, T)` from the packed rows `qkv (B, T, W)` (`W = C + 2·KV·C/H`: `H`
 /// query heads, `KV` key heads, `KV` value heads; GPT-2's `qkv` has `KV = H`) and `bias`
@@ -457,13 +490,22 @@ pub(crate) fn attention_fwd(
             CudaStorage::wrap_cuda_slice(dev.alloc_zeros::<f32>(rows * t)?, dev),
         ));
     }
-    let cfg = attention_rows(rows, c / h + t)?;
+    // Tiles of `tq` query rows sharing each tile of keys and values, or one block per row.
+    let tile = attention_query_tile(c / h, t);
+    let (name, cfg) = match tile {
+        Some((tq, shared)) => ("rltune_attention_tiled_f32", tiled(b * h * t.div_ceil(tq), shared)),
+        None => ("rltune_attention_f32", attention_rows(rows, c / h + t)?),
+    };
     // SAFETY: every row's output head and probabilities are written by its block.
     let (mut y, mut p) = unsafe { (dev.alloc::<f32>(b * t * c)?, dev.alloc::<f32>(rows * t)?) };
-    let func = dev.get_or_load_custom_func("rltune_attention_f32", "rltune_attention", ATTENTION_PTX)?;
+    let func = dev.get_or_load_custom_func(name, "rltune_attention", ATTENTION_PTX)?;
     let mut l = func.builder();
     l.arg(&mut y).arg(&mut p).arg(&x).arg(&bias);
     l.arg(&b).arg(&t).arg(&c).arg(&h).arg(&kv).arg(&bb).arg(&bh).arg(&bt).arg(&scale);
+    let tq = tile.map_or(0, |(tq, _)| tq);
+    if tile.is_some() {
+        l.arg(&tq);
+    }
     // SAFETY: the arguments match the kernel's parameters.
     unsafe { l.launch(cfg) }.w()?;
     Ok((CudaStorage::wrap_cuda_slice(y, dev.clone()), CudaStorage::wrap_cuda_slice(p, dev)))
@@ -505,11 +547,14 @@ pub(crate) fn attention_bwd(
         return Ok(CudaStorage::wrap_cuda_slice(dev.alloc_zeros::<f32>(b * t * w)?, dev));
     }
     let d = c / h;
-    let cfg = attention_rows(rows, d + t)?;
+    let q_tile = attention_query_tile(d, t);
+    let (q_name, cfg) = match q_tile {
+        Some((tq, shared)) => ("rltune_attention_tiled_bwd_q_f32", tiled(b * h * t.div_ceil(tq), shared)),
+        None => ("rltune_attention_bwd_q_f32", attention_rows(rows, d + t)?),
+    };
     // SAFETY: the query side writes every dq and every row of dS, the key side every dk and dv.
     let (mut dqkv, mut ds) = unsafe { (dev.alloc::<f32>(b * t * w)?, dev.alloc::<f32>(rows * t)?) };
-    let q_side =
-        dev.get_or_load_custom_func("rltune_attention_bwd_q_f32", "rltune_attention", ATTENTION_PTX)?;
+    let q_side = dev.get_or_load_custom_func(q_name, "rltune_attention", ATTENTION_PTX)?;
     let mut l = q_side.builder();
     l.arg(&mut dqkv)
         .arg(&mut ds)
@@ -522,16 +567,34 @@ pub(crate) fn attention_bwd(
         .arg(&h)
         .arg(&kv)
         .arg(&scale);
+    let tq = q_tile.map_or(0, |(tq, _)| tq);
+    if q_tile.is_some() {
+        l.arg(&tq);
+    }
     // SAFETY: the arguments match the kernel's parameters.
     unsafe { l.launch(cfg) }.w()?;
-    let kv_side =
-        dev.get_or_load_custom_func("rltune_attention_bwd_kv_f32", "rltune_attention", ATTENTION_PTX)?;
-    // One block per key row of each key head, one thread per column of a head.
-    let threads = (d.div_ceil(32) * 32).min(THREADS as usize) as u32;
-    let key_rows = (b * kv * t) as u32;
-    let cfg = LaunchConfig { grid_dim: (key_rows, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+    // Tiles of `tj` key rows reading tiles of `ti` query rows, or one block per key row of each
+    // key head with one thread per column of a head.
+    let key_tile = attention_key_tile(d);
+    let (kv_name, cfg) = match key_tile {
+        Some((tj, _, shared)) => {
+            ("rltune_attention_tiled_bwd_kv_f32", tiled(b * kv * t.div_ceil(tj), shared))
+        }
+        None => {
+            let threads = (d.div_ceil(32) * 32).min(THREADS as usize) as u32;
+            let key_rows = (b * kv * t) as u32;
+            let cfg =
+                LaunchConfig { grid_dim: (key_rows, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+            ("rltune_attention_bwd_kv_f32", cfg)
+        }
+    };
+    let kv_side = dev.get_or_load_custom_func(kv_name, "rltune_attention", ATTENTION_PTX)?;
     let mut l = kv_side.builder();
     l.arg(&mut dqkv).arg(&ds).arg(&g).arg(&p).arg(&x).arg(&b).arg(&t).arg(&c).arg(&h).arg(&kv);
+    let (tj, ti) = key_tile.map_or((0, 0), |(tj, ti, _)| (tj, ti));
+    if key_tile.is_some() {
+        l.arg(&tj).arg(&ti);
+    }
     // SAFETY: the arguments match the kernel's parameters.
     unsafe { l.launch(cfg) }.w()?;
     Ok(CudaStorage::wrap_cuda_slice(dqkv, dev))

@@ -34,7 +34,7 @@ extern "C" __global__ void rltune_attention_f32(float *__restrict__ y, float *__
                                                 const float *__restrict__ qkv, const float *__restrict__ bias,
                                                 size_t b, size_t t, size_t c, size_t h, size_t kv, size_t bb,
                                                 size_t bh, size_t bt, float scale) {
-  extern __shared__ float sh[];
+  RLTUNE_DYNAMIC_SHARED(float, sh);
   const size_t row = blockIdx.x;
   if (row >= b * h * t) return;
   const size_t d = c / h, w = c + 2 * kv * d, i = row % t, hi = (row / t) % h, bi = row / (t * h);
@@ -81,7 +81,7 @@ extern "C" __global__ void rltune_attention_bwd_q_f32(float *__restrict__ dqkv, 
                                                       const float *__restrict__ g, const float *__restrict__ p,
                                                       const float *__restrict__ qkv, size_t b, size_t t, size_t c,
                                                       size_t h, size_t kv, float scale) {
-  extern __shared__ float sh[];
+  RLTUNE_DYNAMIC_SHARED(float, sh);
   const size_t row = blockIdx.x;
   if (row >= b * h * t) return;
   const size_t d = c / h, w = c + 2 * kv * d, i = row % t, hi = (row / t) % h, bi = row / (t * h);
@@ -140,5 +140,231 @@ extern "C" __global__ void rltune_attention_bwd_kv_f32(float *__restrict__ dqkv,
     }
     out[e] = dk;
     out[kv * d + e] = dv;
+  }
+}
+
+// ---- The tiled kernels ------------------------------------------------------------------------
+// The kernels above read every key and value row of a head from global memory once per query
+// row. These let a block of `tq` query rows (or `tj` key rows) share each tile of keys, values,
+// queries or gradients in shared memory, `tq` times fewer reads. They compute the same sums in
+// the same order as the kernels above (each dot product over its index in order, each output
+// over the keys or queries in order, a key head's query heads one after the other), so only the
+// softmax's row sums are added in another order (by warp here). The launch (cuda.rs) picks the
+// tile heights so that a block's shared memory fits 48 KiB, `tq·D` and `tj·D` are at most
+// RLTUNE_ATT_ACC outputs per thread, and takes the per-row kernels where no tile fits.
+#define RLTUNE_ATT_TK 32
+#define RLTUNE_ATT_ACC 16
+
+// s[r T + j] = a_r . x_j[col..col + D] for the block's nq rows a (shared, D + 1 apart) and every
+// row j of the sequence x (B's slice, W apart), through tiles of RLTUNE_ATT_TK rows in `tile`.
+// Every thread of the block must call it; the scores are complete when it returns.
+__device__ __forceinline__ void rows_dot_rows(float *s, const float *a, float *tile, const float *x, size_t col, size_t nq,
+                              size_t t, size_t d, size_t w) {
+  const size_t ld = d + 1;
+  for (size_t j0 = 0; j0 < t; j0 += RLTUNE_ATT_TK) {
+    const size_t nk = min_size(RLTUNE_ATT_TK, t - j0);
+    __syncthreads(); // `a` is loaded, and the previous tile is read
+    for (size_t idx = threadIdx.x; idx < nk * d; idx += blockDim.x) {
+      const size_t k = idx / d, e = idx % d;
+      tile[k * ld + e] = x[(j0 + k) * w + col + e];
+    }
+    __syncthreads();
+    for (size_t idx = threadIdx.x; idx < nq * nk; idx += blockDim.x) {
+      const size_t r = idx / nk, k = idx % nk;
+      const float *ar = a + r * ld, *xr = tile + k * ld;
+      float acc = 0.0f;
+      for (size_t e = 0; e < d; ++e) acc += ar[e] * xr[e];
+      s[r * t + j0 + k] = acc;
+    }
+  }
+  __syncthreads();
+}
+
+// acc[k] = sum_j s[r T + j] x_j[col + e] for this thread's outputs (r, e) = idx / D, idx % D,
+// idx = threadIdx.x + k blockDim.x < nq D, through tiles of x's rows in `tile`. Every thread of
+// the block must call it.
+__device__ __forceinline__ void rows_times_rows(float *acc, const float *s, float *tile, const float *x, size_t col, size_t nq,
+                                size_t t, size_t d, size_t w) {
+  const size_t ld = d + 1;
+#pragma unroll
+  for (int k = 0; k < RLTUNE_ATT_ACC; ++k) acc[k] = 0.0f;
+  for (size_t j0 = 0; j0 < t; j0 += RLTUNE_ATT_TK) {
+    const size_t nk = min_size(RLTUNE_ATT_TK, t - j0);
+    __syncthreads(); // `s` is complete, and the previous tile is read
+    for (size_t idx = threadIdx.x; idx < nk * d; idx += blockDim.x) {
+      const size_t k = idx / d, e = idx % d;
+      tile[k * ld + e] = x[(j0 + k) * w + col + e];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < RLTUNE_ATT_ACC; ++k) {
+      const size_t idx = threadIdx.x + k * blockDim.x;
+      if (idx < nq * d) {
+        const size_t r = idx / d, e = idx % d;
+        const float *sr = s + r * t + j0;
+        float a = acc[k];
+        for (size_t j = 0; j < nk; ++j) a += sr[j] * tile[j * ld + e];
+        acc[k] = a;
+      }
+    }
+  }
+}
+
+// The forward for `tq` query rows of one head, blockIdx.x = (b H + h) ceil(T / tq) + tile.
+// Dynamic shared memory: the rows' queries (tq, D + 1), a tile (RLTUNE_ATT_TK, D + 1), the rows'
+// scores (tq, T).
+extern "C" __global__ void rltune_attention_tiled_f32(float *__restrict__ y, float *__restrict__ p,
+                                                      const float *__restrict__ qkv, const float *__restrict__ bias,
+                                                      size_t b, size_t t, size_t c, size_t h, size_t kv, size_t bb,
+                                                      size_t bh, size_t bt, float scale, size_t tq) {
+  RLTUNE_DYNAMIC_SHARED(float, sh);
+  const size_t tiles = (t + tq - 1) / tq, head = blockIdx.x / tiles;
+  if (head >= b * h) return;
+  const size_t d = c / h, w = c + 2 * kv * d, ld = d + 1, hi = head % h, bi = head / h;
+  const size_t i0 = (blockIdx.x % tiles) * tq, nq = min_size(tq, t - i0);
+  float *a = sh, *tile = a + tq * ld, *s = tile + RLTUNE_ATT_TK * ld;
+  const float *x = qkv + bi * t * w;
+  for (size_t idx = threadIdx.x; idx < nq * d; idx += blockDim.x) {
+    const size_t r = idx / d, e = idx % d;
+    a[r * ld + e] = x[(i0 + r) * w + hi * d + e];
+  }
+  rows_dot_rows(s, a, tile, x, key_col(hi, c, h, kv), nq, t, d, w);
+  const size_t lane = threadIdx.x & 31u, warps = blockDim.x >> 5;
+  for (size_t r = threadIdx.x >> 5; r < nq; r += warps) {
+    const float *br = bias + bias_row(bi, hi, i0 + r, bb, bh, bt, t);
+    float *sr = s + r * t, mx = -INFINITY, sum = 0.0f;
+    for (size_t j = lane; j < t; j += 32) {
+      const float v = sr[j] * scale + br[j];
+      sr[j] = v;
+      mx = fmaxf(mx, v);
+    }
+    mx = warp_max(mx);
+    for (size_t j = lane; j < t; j += 32) {
+      const float e = expf(sr[j] - mx);
+      sr[j] = e;
+      sum += e;
+    }
+    const float inv = 1.0f / warp_sum(sum);
+    float *pr = p + (head * t + i0 + r) * t;
+    for (size_t j = lane; j < t; j += 32) {
+      sr[j] *= inv;
+      pr[j] = sr[j];
+    }
+  }
+  float acc[RLTUNE_ATT_ACC];
+  rows_times_rows(acc, s, tile, x, value_col(hi, c, h, kv), nq, t, d, w);
+#pragma unroll
+  for (int k = 0; k < RLTUNE_ATT_ACC; ++k) {
+    const size_t idx = threadIdx.x + k * blockDim.x;
+    if (idx < nq * d) y[(bi * t + i0 + idx / d) * c + hi * d + idx % d] = acc[k];
+  }
+}
+
+// The backward's query side for `tq` query rows of one head, laid out as the tiled forward:
+// dS's rows (kept in ds for the key side) and dq. Shared memory: the rows' gradients g_i
+// (tq, D + 1), a tile (RLTUNE_ATT_TK, D + 1), the rows of dS (tq, T).
+extern "C" __global__ void rltune_attention_tiled_bwd_q_f32(float *__restrict__ dqkv, float *__restrict__ ds,
+                                                            const float *__restrict__ g, const float *__restrict__ p,
+                                                            const float *__restrict__ qkv, size_t b, size_t t,
+                                                            size_t c, size_t h, size_t kv, float scale, size_t tq) {
+  RLTUNE_DYNAMIC_SHARED(float, sh);
+  const size_t tiles = (t + tq - 1) / tq, head = blockIdx.x / tiles;
+  if (head >= b * h) return;
+  const size_t d = c / h, w = c + 2 * kv * d, ld = d + 1, hi = head % h, bi = head / h;
+  const size_t i0 = (blockIdx.x % tiles) * tq, nq = min_size(tq, t - i0);
+  float *a = sh, *tile = a + tq * ld, *s = tile + RLTUNE_ATT_TK * ld;
+  const float *x = qkv + bi * t * w;
+  for (size_t idx = threadIdx.x; idx < nq * d; idx += blockDim.x) {
+    const size_t r = idx / d, e = idx % d;
+    a[r * ld + e] = g[(bi * t + i0 + r) * c + hi * d + e];
+  }
+  rows_dot_rows(s, a, tile, x, value_col(hi, c, h, kv), nq, t, d, w); // dP
+  const size_t lane = threadIdx.x & 31u, warps = blockDim.x >> 5;
+  for (size_t r = threadIdx.x >> 5; r < nq; r += warps) {
+    const size_t row = (head * t + i0 + r) * t;
+    const float *pr = p + row;
+    float *sr = s + r * t, dot = 0.0f;
+    for (size_t j = lane; j < t; j += 32) dot += pr[j] * sr[j];
+    dot = warp_sum(dot);
+    for (size_t j = lane; j < t; j += 32) {
+      sr[j] = scale * pr[j] * (sr[j] - dot);
+      ds[row + j] = sr[j];
+    }
+  }
+  float acc[RLTUNE_ATT_ACC];
+  rows_times_rows(acc, s, tile, x, key_col(hi, c, h, kv), nq, t, d, w);
+#pragma unroll
+  for (int k = 0; k < RLTUNE_ATT_ACC; ++k) {
+    const size_t idx = threadIdx.x + k * blockDim.x;
+    if (idx < nq * d) dqkv[(bi * t + i0 + idx / d) * w + hi * d + idx % d] = acc[k];
+  }
+}
+
+// The backward's key side for `tj` key rows of key head g, blockIdx.x = (b KV + g) ceil(T / tj)
+// + tile: dk_j and dv_j summed over g's query heads, through tiles of `ti` query rows. Shared
+// memory: the queries and the gradients of `ti` rows (ti, D + 1) each, dS and P of those rows
+// at the block's keys (ti, tj + 1) each.
+extern "C" __global__ void rltune_attention_tiled_bwd_kv_f32(float *__restrict__ dqkv, const float *__restrict__ ds,
+                                                             const float *__restrict__ g, const float *__restrict__ p,
+                                                             const float *__restrict__ qkv, size_t b, size_t t,
+                                                             size_t c, size_t h, size_t kv, size_t tj, size_t ti) {
+  RLTUNE_DYNAMIC_SHARED(float, sh);
+  const size_t tiles = (t + tj - 1) / tj, key_head = blockIdx.x / tiles;
+  if (key_head >= b * kv) return;
+  const size_t d = c / h, w = c + 2 * kv * d, rep = h / kv, ld = d + 1, lj = tj + 1;
+  const size_t gi = key_head % kv, bi = key_head / kv;
+  const size_t j0 = (blockIdx.x % tiles) * tj, nj = min_size(tj, t - j0);
+  float *sq = sh, *sg = sq + ti * ld, *sds = sg + ti * ld, *sp = sds + ti * lj;
+  const float *x = qkv + bi * t * w;
+  float dk[RLTUNE_ATT_ACC], dv[RLTUNE_ATT_ACC], hk[RLTUNE_ATT_ACC], hv[RLTUNE_ATT_ACC];
+#pragma unroll
+  for (int k = 0; k < RLTUNE_ATT_ACC; ++k) dk[k] = dv[k] = 0.0f;
+  for (size_t hi = gi * rep; hi < (gi + 1) * rep; ++hi) {
+    const size_t head = (bi * h + hi) * t;
+#pragma unroll
+    for (int k = 0; k < RLTUNE_ATT_ACC; ++k) hk[k] = hv[k] = 0.0f;
+    for (size_t i0 = 0; i0 < t; i0 += ti) {
+      const size_t ni = min_size(ti, t - i0);
+      __syncthreads(); // the previous tiles are read
+      for (size_t idx = threadIdx.x; idx < ni * d; idx += blockDim.x) {
+        const size_t r = idx / d, e = idx % d;
+        sq[r * ld + e] = x[(i0 + r) * w + hi * d + e];
+        sg[r * ld + e] = g[(bi * t + i0 + r) * c + hi * d + e];
+      }
+      for (size_t idx = threadIdx.x; idx < ni * nj; idx += blockDim.x) {
+        const size_t r = idx / nj, k = idx % nj, at = (head + i0 + r) * t + j0 + k;
+        sds[r * lj + k] = ds[at];
+        sp[r * lj + k] = p[at];
+      }
+      __syncthreads();
+#pragma unroll
+      for (int k = 0; k < RLTUNE_ATT_ACC; ++k) {
+        const size_t idx = threadIdx.x + k * blockDim.x;
+        if (idx < nj * d) {
+          const size_t jj = idx / d, e = idx % d;
+          float ak = hk[k], av = hv[k];
+          for (size_t r = 0; r < ni; ++r) {
+            ak += sds[r * lj + jj] * sq[r * ld + e];
+            av += sp[r * lj + jj] * sg[r * ld + e];
+          }
+          hk[k] = ak;
+          hv[k] = av;
+        }
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < RLTUNE_ATT_ACC; ++k) {
+      dk[k] += hk[k];
+      dv[k] += hv[k];
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < RLTUNE_ATT_ACC; ++k) {
+    const size_t idx = threadIdx.x + k * blockDim.x;
+    if (idx < nj * d) {
+      float *out = dqkv + (bi * t + j0 + idx / d) * w + c + gi * d + idx % d;
+      out[0] = dk[k];
+      out[kv * d] = dv[k];
+    }
   }
 }

@@ -3,9 +3,23 @@
 #include <math.h>
 #include <stddef.h>
 
+// A block's dynamic shared memory as `type *name` (tools/cuda/emulate defines it for the CPU
+// emulation that CI runs the kernels in).
+#ifndef RLTUNE_DYNAMIC_SHARED
+#define RLTUNE_DYNAMIC_SHARED(type, name) extern __shared__ type name[]
+#endif
+
+__device__ __forceinline__ size_t min_size(size_t a, size_t b) { return a < b ? a : b; }
+
 // The sum of v over a warp, in every lane.
 __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// The maximum of v over a warp, in every lane.
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
 
