@@ -440,22 +440,32 @@ const SHARED_FLOATS: usize = 48 * 1024 / 4;
 const ATT_TILE_KEYS: usize = 32;
 const ATT_OUTPUTS_PER_THREAD: usize = 16;
 const ATT_MAX_TILE: usize = 32;
+/// Blocks a tiled attention launch aims for at least (about two per SM of an H100 or H200, 132
+/// SMs): where the rows are few (the `gpt2` preset's 4 × 12 heads of 32 tokens), lower tiles
+/// keep the GPU busy rather than a few blocks doing all the work.
+const ATT_MIN_BLOCKS: usize = 256;
 
-/// The query rows per block of the tiled forward and query-side backward for heads of `d` and
-/// sequences of `t`, and the block's shared memory in bytes; `None` where not even one row's
-/// tiles fit (the per-row kernels then).
-fn attention_query_tile(d: usize, t: usize) -> Option<(usize, u32)> {
+/// The query rows per block of the tiled forward and query-side backward for `rows` query rows
+/// (all heads of all sequences) of heads of `d` and sequences of `t`, and the block's shared
+/// memory in bytes; `None` where not even one row's tiles fit (the per-row kernels then).
+fn attention_query_tile(rows: usize, d: usize, t: usize) -> Option<(usize, u32)> {
     let ld = d + 1;
     let room = SHARED_FLOATS.checked_sub(ATT_TILE_KEYS * ld)?;
-    let tq = ATT_MAX_TILE.min(ATT_OUTPUTS_PER_THREAD * THREADS as usize / d).min(room / (ld + t));
+    let tq = ATT_MAX_TILE
+        .min(ATT_OUTPUTS_PER_THREAD * THREADS as usize / d)
+        .min(room / (ld + t))
+        .min(rows.div_ceil(ATT_MIN_BLOCKS).max(1));
     let floats = tq * ld + ATT_TILE_KEYS * ld + tq * t;
     (tq > 0).then(|| (tq, (floats * std::mem::size_of::<f32>()) as u32))
 }
 
-/// The key rows per block of the tiled key-side backward, the query rows of its tiles, and its
-/// shared memory in bytes, for heads of `d` (`None` past any tile: the per-row kernel then).
-fn attention_key_tile(d: usize) -> Option<(usize, usize, u32)> {
-    let tj = ATT_MAX_TILE.min(ATT_OUTPUTS_PER_THREAD * THREADS as usize / d);
+/// The key rows per block of the tiled key-side backward for `key_rows` key rows (all key heads
+/// of all sequences), the query rows of its tiles, and its shared memory in bytes, for heads of
+/// `d` (`None` past any tile: the per-row kernel then).
+fn attention_key_tile(key_rows: usize, d: usize) -> Option<(usize, usize, u32)> {
+    let tj = ATT_MAX_TILE
+        .min(ATT_OUTPUTS_PER_THREAD * THREADS as usize / d)
+        .min(key_rows.div_ceil(ATT_MIN_BLOCKS).max(1));
     let ti = ATT_MAX_TILE.min(SHARED_FLOATS / (2 * (d + 1) + 2 * (tj + 1)));
     let floats = 2 * ti * (d + 1) + 2 * ti * (tj + 1);
     (tj > 0 && ti > 0).then(|| (tj, ti, (floats * std::mem::size_of::<f32>()) as u32))
@@ -491,7 +501,7 @@ pub(crate) fn attention_fwd(
         ));
     }
     // Tiles of `tq` query rows sharing each tile of keys and values, or one block per row.
-    let tile = attention_query_tile(c / h, t);
+    let tile = attention_query_tile(rows, c / h, t);
     let (name, cfg) = match tile {
         Some((tq, shared)) => ("rltune_attention_tiled_f32", tiled(b * h * t.div_ceil(tq), shared)),
         None => ("rltune_attention_f32", attention_rows(rows, c / h + t)?),
@@ -547,7 +557,7 @@ pub(crate) fn attention_bwd(
         return Ok(CudaStorage::wrap_cuda_slice(dev.alloc_zeros::<f32>(b * t * w)?, dev));
     }
     let d = c / h;
-    let q_tile = attention_query_tile(d, t);
+    let q_tile = attention_query_tile(rows, d, t);
     let (q_name, cfg) = match q_tile {
         Some((tq, shared)) => ("rltune_attention_tiled_bwd_q_f32", tiled(b * h * t.div_ceil(tq), shared)),
         None => ("rltune_attention_bwd_q_f32", attention_rows(rows, d + t)?),
@@ -575,7 +585,7 @@ pub(crate) fn attention_bwd(
     unsafe { l.launch(cfg) }.w()?;
     // Tiles of `tj` key rows reading tiles of `ti` query rows, or one block per key row of each
     // key head with one thread per column of a head.
-    let key_tile = attention_key_tile(d);
+    let key_tile = attention_key_tile(b * kv * t, d);
     let (kv_name, cfg) = match key_tile {
         Some((tj, _, shared)) => {
             ("rltune_attention_tiled_bwd_kv_f32", tiled(b * kv * t.div_ceil(tj), shared))
