@@ -13,7 +13,9 @@ Workload (the Rust side, ``rltune bench grpo``, does identical work):
                                                            (for the GPU: --device cuda --bf16)
 
 * The model is built in-process (``torch.manual_seed(0)``, random ``GPT2LMHeadModel``), never
-  loaded from the hub. f32 on the CPU (``bf16=False``; TRL's default would autocast to bf16).
+  loaded from the hub; ``--model DIR`` loads a local Hugging Face directory instead (e.g. the one
+  ``rltune convert`` writes from SmolLM2's GGUF, which ``rltune bench grpo --model`` loads too),
+  in f32, with the preset's batch geometry. f32 on the CPU (``bf16=False``; TRL's default would autocast to bf16).
 * Generation is not timed and not run: as in ``tools/fixtures/make_grpo_fixture.py``, the
   trainer's ``_tokenize_prompts`` and ``_generate_single_turn`` are replaced by functions that
   return fixed random ids (prompt tokens and 24 completion tokens, never EOS, so every
@@ -65,6 +67,7 @@ import trl  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
     PreTrainedTokenizerFast,
@@ -138,14 +141,21 @@ def main():
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda (accelerate's GPU)")
     ap.add_argument("--bf16", action="store_true", help="GRPOConfig bf16: autocast, f32 weights")
+    ap.add_argument("--model", help="a local Hugging Face model directory instead of the preset's random "
+                    "weights (the preset keeps the batch geometry)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cuda = args.device.startswith("cuda")
     p = PRESETS[args.preset]
-    V, B, G = p["vocab_size"], p["batch"], p["generations"]
+    B, G = p["batch"], p["generations"]
     PROMPT_LEN, COMPLETION_LEN = p["prompt_len"], p["completion_len"]
+    if args.model:
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+        V = model.config.vocab_size
+    else:
+        model = build_model(p)
+        V = p["vocab_size"]
     eos = V - 1
-    model = build_model(p)
     n_params = sum(t.numel() for t in model.parameters())
     steps = args.warmup + args.iters
     n_prompts = B // G
@@ -188,6 +198,7 @@ def main():
     out = {
         "impl": "trl",
         "preset": args.preset,
+        "model": args.model,
         "beta": args.beta,
         "gradient_checkpointing": args.gradient_checkpointing,
         "median_step_s": statistics.median(times),

@@ -14,7 +14,8 @@
 #   2. carry target/gpu-carry-rlhf/part.1:                     tools/cuda/rlhf.sh stage
 #   3. carry target/gpu-carry-rlhf/part.2:                     tools/cuda/rlhf.sh stage
 #   4. carry target/gpu-carry-rlhf/part.3:  tools/cuda/rlhf.sh run --out "$OUT" [--limit S] [--set K=V]...
-# `run` joins the parts (checking the SHA-256), unpacks them into target/, and runs the quickstart
+# `join` joins the parts (checking the SHA-256) and unpacks them into target/ (what verify.sh's
+# bench-grpo-smollm2 step reads); `run` does the same, then runs the quickstart
 # with --device cuda under a time limit (default 480 s), writing summary.json, heldout.jsonl,
 # report.html and the log into OUT. BIN=path runs another binary instead of .gpu/rltune.xz's
 # (to rehearse here: BIN=target/release/rltune tools/cuda/rlhf.sh run --device cpu --preset tiny).
@@ -52,15 +53,19 @@ case "$cmd" in
   stage)
     ls -l "$CARRY"/part.? .gpu/rltune.xz 2>/dev/null || true
     ;;
-  run)
+  join | run)
     for f in "$CARRY/part.0" "$CARRY/part.1" "$CARRY/part.2" "$CARRY/part.3" "$CARRY/part.3.sha256"; do
       [ -f "$f" ] || { echo "rlhf.sh: $f is not here (the machine was released between the calls?): stage again" >&2; exit 2; }
     done
-    mkdir -p "$OUTDIR"
     cat "$CARRY"/part.0 "$CARRY"/part.1 "$CARRY"/part.2 "$CARRY"/part.3 >"$CARRY/inputs.tar"
     [ "$(sha256sum "$CARRY/inputs.tar" | cut -d' ' -f1)" = "$(cat "$CARRY/part.3.sha256")" ] \
       || { echo "rlhf.sh: the joined inputs' SHA-256 differs" >&2; exit 2; }
     tar -xf "$CARRY/inputs.tar" && rm "$CARRY/inputs.tar"
+    if [ "$cmd" = join ]; then
+      ls -l "${INPUTS[@]}"
+      exit 0
+    fi
+    mkdir -p "$OUTDIR"
     if [ -z "${BIN:-}" ]; then
       BIN="$(mktemp -d)/rltune"
       xz -dc .gpu/rltune.xz >"$BIN" && chmod +x "$BIN"

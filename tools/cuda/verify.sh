@@ -416,6 +416,26 @@ EOF
   }
   bench_grpo qwen2-0.5b bf16 2 150
   bench_grpo qwen2-0.5b bf16 2 150 ckpt
+  # 7b. The same GRPO step (the 0.5B preset's geometry, 16 × (128 + 128)) on SmolLM2-135M-Instruct's
+  #     own weights (issue #55), where its GGUF is here: staged in parts by tools/cuda/rlhf.sh
+  #     (`stage` four times, then `join`). `rltune convert` writes the Hugging Face directory that
+  #     both sides load.
+  bench_grpo_smollm2() {
+    local name=grpo-smollm2-135m-bf16 gguf="$ROOT/target/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+    wanted "bench-$name" || return 0
+    if [ ! -f "$gguf" ]; then
+      skip "bench-$name" "no SmolLM2 GGUF in target/models (tools/cuda/rlhf.sh: stage the four parts, then join)"
+      return 0
+    fi
+    if ! "$BIN" convert "$gguf" --output "$WORK/smollm2-hf" >"$LOGS/convert-smollm2.log" 2>&1; then
+      skip "bench-$name" "rltune convert failed (logs/convert-smollm2.log)"
+      return 0
+    fi
+    OURS_CMD=("$BIN" bench grpo --preset qwen2-0.5b --model "$WORK/smollm2-hf" --device "$DEVICE" --dtype bf16 --iters 2 --json)
+    THEIRS_CMD=("$ROOT/bench/trl_grpo.py" --preset qwen2-0.5b --model "$WORK/smollm2-hf" --device "$DEVICE" --iters 2 --bf16 --json)
+    bench_pair "$name" 120 "$(trl_site trl116)" 1.16.0 median_step_s median_step_s || true
+  }
+  bench_grpo_smollm2
   # 8. The quickstart's default preset with its acceptance checks.
   #    Then the same with bf16 matrix products: learning must pass the same acceptance checks.
   for dtype in f32 bf16; do

@@ -270,6 +270,11 @@ pub struct GrpoArgs {
     /// `bench/trl_grpo.py --gradient-checkpointing`).
     #[arg(long)]
     gradient_checkpointing: bool,
+    /// A model's own weights instead of the preset's random ones: a Hugging Face directory (e.g.
+    /// what `rltune convert` writes, which `bench/trl_grpo.py --model` loads too) or a GGUF
+    /// file. The preset keeps the batch geometry.
+    #[arg(long)]
+    model: Option<String>,
     #[command(flatten)]
     runtime: crate::runtime::RuntimeArgs,
     /// Print one JSON object.
@@ -293,9 +298,21 @@ pub fn run_grpo(args: GrpoArgs) -> Result<()> {
     }
     let runtime = args.runtime.resolve(RuntimeSection::default())?;
     let dev = runtime.device().clone();
+    let (store, lm) = match &args.model {
+        Some(model) => {
+            let loaded = rltune::models::load::load_lm(model, true, runtime.dtype(), &dev)
+                .map_err(|e| anyhow::anyhow!("cannot load --model {model:?}: {e}"))?;
+            p.cfg = loaded.config;
+            (loaded.store, loaded.lm)
+        }
+        None => {
+            let store = ParamStore::random(0, true, runtime.dtype(), &dev)?;
+            let lm = CausalLm::load(&store.root(), &p.cfg)?;
+            (store, lm)
+        }
+    };
     let cfg = p.cfg.clone();
-    let store = ParamStore::random(0, true, runtime.dtype(), &dev)?;
-    let lm = CausalLm::load(&store.root(), &cfg)?.with_gradient_checkpointing(args.gradient_checkpointing);
+    let lm = lm.with_gradient_checkpointing(args.gradient_checkpointing);
     let n_params = store.vars().iter().map(|(_, v)| v.elem_count()).sum::<usize>();
     let reference =
         (args.beta != 0.0).then(|| CausalLm::load(&store.frozen_copy()?.root(), &cfg)).transpose()?;
@@ -340,6 +357,7 @@ pub fn run_grpo(args: GrpoArgs) -> Result<()> {
     let out = serde_json::json!({
         "impl": "rltune",
         "preset": args.preset,
+        "model": args.model,
         "beta": args.beta,
         "gradient_checkpointing": args.gradient_checkpointing,
         "runtime": runtime.to_string(),
