@@ -155,6 +155,51 @@ extern "C" __global__ void rltune_attention_bwd_kv_f32(float *__restrict__ dqkv,
 #define RLTUNE_ATT_TK 32
 #define RLTUNE_ATT_ACC 16
 
+// dst[r (D + 1) + e] = src[(i0 + r) stride + col + e] for rows r < n: a tile of rows into shared
+// memory, D + 1 apart (no bank conflicts between rows).
+__device__ __forceinline__ void load_rows(float *dst, const float *src, size_t stride, size_t col, size_t i0,
+                                          size_t n, size_t d) {
+  for (size_t idx = threadIdx.x; idx < n * d; idx += blockDim.x) {
+    const size_t r = idx / d, e = idx % d;
+    dst[r * (d + 1) + e] = src[(i0 + r) * stride + col + e];
+  }
+}
+
+// f(k, r, e) for each of this thread's outputs (r, e) of n rows of D: (r, e) = idx / D, idx % D
+// for idx = threadIdx.x + k blockDim.x < n D (k < RLTUNE_ATT_ACC: each thread's k-th output
+// lives in registers).
+template <class F> __device__ __forceinline__ void for_each_output(size_t n, size_t d, F f) {
+#pragma unroll
+  for (int k = 0; k < RLTUNE_ATT_ACC; ++k) {
+    const size_t idx = threadIdx.x + k * blockDim.x;
+    if (idx < n * d) f(k, idx / d, idx % d);
+  }
+}
+
+// dst[(i0 + r) stride + col + e] = acc[k] for this thread's outputs (for_each_output).
+__device__ __forceinline__ void store_rows(float *dst, const float *acc, size_t stride, size_t col, size_t i0,
+                                           size_t n, size_t d) {
+  for_each_output(n, d, [&](int k, size_t r, size_t e) { dst[(i0 + r) * stride + col + e] = acc[k]; });
+}
+
+// The tile of `tq` query rows of one head that block blockIdx.x = (b H + h) ceil(T / tq) + tile
+// works on; `valid` is false for a block past the last head.
+struct QueryTile {
+  size_t head, hi, bi, d, w, ld, i0, nq;
+  bool valid;
+};
+
+__device__ __forceinline__ QueryTile query_tile(size_t b, size_t t, size_t c, size_t h, size_t kv, size_t tq) {
+  QueryTile q;
+  const size_t tiles = (t + tq - 1) / tq;
+  q.head = blockIdx.x / tiles;
+  q.valid = q.head < b * h;
+  q.d = c / h, q.w = c + 2 * kv * q.d, q.ld = q.d + 1, q.hi = q.head % h, q.bi = q.head / h;
+  q.i0 = (blockIdx.x % tiles) * tq;
+  q.nq = q.valid ? min_size(tq, t - q.i0) : 0;
+  return q;
+}
+
 // s[r T + j] = a_r . x_j[col..col + D] for the block's nq rows a (shared, D + 1 apart) and every
 // row j of the sequence x (B's slice, W apart), through tiles of RLTUNE_ATT_TK rows in `tile`.
 // Every thread of the block must call it; the scores are complete when it returns.
@@ -164,10 +209,7 @@ __device__ __forceinline__ void rows_dot_rows(float *s, const float *a, float *t
   for (size_t j0 = 0; j0 < t; j0 += RLTUNE_ATT_TK) {
     const size_t nk = min_size(RLTUNE_ATT_TK, t - j0);
     __syncthreads(); // `a` is loaded, and the previous tile is read
-    for (size_t idx = threadIdx.x; idx < nk * d; idx += blockDim.x) {
-      const size_t k = idx / d, e = idx % d;
-      tile[k * ld + e] = x[(j0 + k) * w + col + e];
-    }
+    load_rows(tile, x, w, col, j0, nk, d);
     __syncthreads();
     for (size_t idx = threadIdx.x; idx < nq * nk; idx += blockDim.x) {
       const size_t r = idx / nk, k = idx % nk;
@@ -191,22 +233,14 @@ __device__ __forceinline__ void rows_times_rows(float *acc, const float *s, floa
   for (size_t j0 = 0; j0 < t; j0 += RLTUNE_ATT_TK) {
     const size_t nk = min_size(RLTUNE_ATT_TK, t - j0);
     __syncthreads(); // `s` is complete, and the previous tile is read
-    for (size_t idx = threadIdx.x; idx < nk * d; idx += blockDim.x) {
-      const size_t k = idx / d, e = idx % d;
-      tile[k * ld + e] = x[(j0 + k) * w + col + e];
-    }
+    load_rows(tile, x, w, col, j0, nk, d);
     __syncthreads();
-#pragma unroll
-    for (int k = 0; k < RLTUNE_ATT_ACC; ++k) {
-      const size_t idx = threadIdx.x + k * blockDim.x;
-      if (idx < nq * d) {
-        const size_t r = idx / d, e = idx % d;
-        const float *sr = s + r * t + j0;
-        float a = acc[k];
-        for (size_t j = 0; j < nk; ++j) a += sr[j] * tile[j * ld + e];
-        acc[k] = a;
-      }
-    }
+    for_each_output(nq, d, [&](int k, size_t r, size_t e) {
+      const float *sr = s + r * t + j0;
+      float a = acc[k];
+      for (size_t j = 0; j < nk; ++j) a += sr[j] * tile[j * ld + e];
+      acc[k] = a;
+    });
   }
 }
 
@@ -218,16 +252,12 @@ extern "C" __global__ void rltune_attention_tiled_f32(float *__restrict__ y, flo
                                                       size_t b, size_t t, size_t c, size_t h, size_t kv, size_t bb,
                                                       size_t bh, size_t bt, float scale, size_t tq) {
   RLTUNE_DYNAMIC_SHARED(float, sh);
-  const size_t tiles = (t + tq - 1) / tq, head = blockIdx.x / tiles;
-  if (head >= b * h) return;
-  const size_t d = c / h, w = c + 2 * kv * d, ld = d + 1, hi = head % h, bi = head / h;
-  const size_t i0 = (blockIdx.x % tiles) * tq, nq = min_size(tq, t - i0);
-  float *a = sh, *tile = a + tq * ld, *s = tile + RLTUNE_ATT_TK * ld;
+  const QueryTile q = query_tile(b, t, c, h, kv, tq);
+  if (!q.valid) return;
+  const size_t d = q.d, w = q.w, hi = q.hi, bi = q.bi, head = q.head, i0 = q.i0, nq = q.nq;
+  float *a = sh, *tile = a + tq * q.ld, *s = tile + RLTUNE_ATT_TK * q.ld;
   const float *x = qkv + bi * t * w;
-  for (size_t idx = threadIdx.x; idx < nq * d; idx += blockDim.x) {
-    const size_t r = idx / d, e = idx % d;
-    a[r * ld + e] = x[(i0 + r) * w + hi * d + e];
-  }
+  load_rows(a, x, w, hi * d, i0, nq, d);
   rows_dot_rows(s, a, tile, x, key_col(hi, c, h, kv), nq, t, d, w);
   const size_t lane = threadIdx.x & 31u, warps = blockDim.x >> 5;
   for (size_t r = threadIdx.x >> 5; r < nq; r += warps) {
@@ -253,11 +283,7 @@ extern "C" __global__ void rltune_attention_tiled_f32(float *__restrict__ y, flo
   }
   float acc[RLTUNE_ATT_ACC];
   rows_times_rows(acc, s, tile, x, value_col(hi, c, h, kv), nq, t, d, w);
-#pragma unroll
-  for (int k = 0; k < RLTUNE_ATT_ACC; ++k) {
-    const size_t idx = threadIdx.x + k * blockDim.x;
-    if (idx < nq * d) y[(bi * t + i0 + idx / d) * c + hi * d + idx % d] = acc[k];
-  }
+  store_rows(y + bi * t * c, acc, c, hi * d, i0, nq, d);
 }
 
 // The backward's query side for `tq` query rows of one head, laid out as the tiled forward:
@@ -268,16 +294,12 @@ extern "C" __global__ void rltune_attention_tiled_bwd_q_f32(float *__restrict__ 
                                                             const float *__restrict__ qkv, size_t b, size_t t,
                                                             size_t c, size_t h, size_t kv, float scale, size_t tq) {
   RLTUNE_DYNAMIC_SHARED(float, sh);
-  const size_t tiles = (t + tq - 1) / tq, head = blockIdx.x / tiles;
-  if (head >= b * h) return;
-  const size_t d = c / h, w = c + 2 * kv * d, ld = d + 1, hi = head % h, bi = head / h;
-  const size_t i0 = (blockIdx.x % tiles) * tq, nq = min_size(tq, t - i0);
-  float *a = sh, *tile = a + tq * ld, *s = tile + RLTUNE_ATT_TK * ld;
+  const QueryTile q = query_tile(b, t, c, h, kv, tq);
+  if (!q.valid) return;
+  const size_t d = q.d, w = q.w, hi = q.hi, bi = q.bi, head = q.head, i0 = q.i0, nq = q.nq;
+  float *a = sh, *tile = a + tq * q.ld, *s = tile + RLTUNE_ATT_TK * q.ld;
   const float *x = qkv + bi * t * w;
-  for (size_t idx = threadIdx.x; idx < nq * d; idx += blockDim.x) {
-    const size_t r = idx / d, e = idx % d;
-    a[r * ld + e] = g[(bi * t + i0 + r) * c + hi * d + e];
-  }
+  load_rows(a, g + bi * t * c, c, hi * d, i0, nq, d);
   rows_dot_rows(s, a, tile, x, value_col(hi, c, h, kv), nq, t, d, w); // dP
   const size_t lane = threadIdx.x & 31u, warps = blockDim.x >> 5;
   for (size_t r = threadIdx.x >> 5; r < nq; r += warps) {
@@ -293,11 +315,7 @@ extern "C" __global__ void rltune_attention_tiled_bwd_q_f32(float *__restrict__ 
   }
   float acc[RLTUNE_ATT_ACC];
   rows_times_rows(acc, s, tile, x, key_col(hi, c, h, kv), nq, t, d, w);
-#pragma unroll
-  for (int k = 0; k < RLTUNE_ATT_ACC; ++k) {
-    const size_t idx = threadIdx.x + k * blockDim.x;
-    if (idx < nq * d) dqkv[(bi * t + i0 + idx / d) * w + hi * d + idx % d] = acc[k];
-  }
+  store_rows(dqkv + bi * t * w, acc, w, hi * d, i0, nq, d);
 }
 
 // The backward's key side for `tj` key rows of key head g, blockIdx.x = (b KV + g) ceil(T / tj)
@@ -326,31 +344,23 @@ extern "C" __global__ void rltune_attention_tiled_bwd_kv_f32(float *__restrict__
     for (size_t i0 = 0; i0 < t; i0 += ti) {
       const size_t ni = min_size(ti, t - i0);
       __syncthreads(); // the previous tiles are read
-      for (size_t idx = threadIdx.x; idx < ni * d; idx += blockDim.x) {
-        const size_t r = idx / d, e = idx % d;
-        sq[r * ld + e] = x[(i0 + r) * w + hi * d + e];
-        sg[r * ld + e] = g[(bi * t + i0 + r) * c + hi * d + e];
-      }
+      load_rows(sq, x, w, hi * d, i0, ni, d);
+      load_rows(sg, g + bi * t * c, c, hi * d, i0, ni, d);
       for (size_t idx = threadIdx.x; idx < ni * nj; idx += blockDim.x) {
         const size_t r = idx / nj, k = idx % nj, at = (head + i0 + r) * t + j0 + k;
         sds[r * lj + k] = ds[at];
         sp[r * lj + k] = p[at];
       }
       __syncthreads();
-#pragma unroll
-      for (int k = 0; k < RLTUNE_ATT_ACC; ++k) {
-        const size_t idx = threadIdx.x + k * blockDim.x;
-        if (idx < nj * d) {
-          const size_t jj = idx / d, e = idx % d;
-          float ak = hk[k], av = hv[k];
-          for (size_t r = 0; r < ni; ++r) {
-            ak += sds[r * lj + jj] * sq[r * ld + e];
-            av += sp[r * lj + jj] * sg[r * ld + e];
-          }
-          hk[k] = ak;
-          hv[k] = av;
+      for_each_output(nj, d, [&](int k, size_t jj, size_t e) {
+        float ak = hk[k], av = hv[k];
+        for (size_t r = 0; r < ni; ++r) {
+          ak += sds[r * lj + jj] * sq[r * ld + e];
+          av += sp[r * lj + jj] * sg[r * ld + e];
         }
-      }
+        hk[k] = ak;
+        hv[k] = av;
+      });
     }
 #pragma unroll
     for (int k = 0; k < RLTUNE_ATT_ACC; ++k) {
@@ -358,13 +368,6 @@ extern "C" __global__ void rltune_attention_tiled_bwd_kv_f32(float *__restrict__
       dv[k] += hv[k];
     }
   }
-#pragma unroll
-  for (int k = 0; k < RLTUNE_ATT_ACC; ++k) {
-    const size_t idx = threadIdx.x + k * blockDim.x;
-    if (idx < nj * d) {
-      float *out = dqkv + (bi * t + j0 + idx / d) * w + c + gi * d + idx % d;
-      out[0] = dk[k];
-      out[kv * d] = dv[k];
-    }
-  }
+  store_rows(dqkv + bi * t * w, dk, w, c + gi * d, j0, nj, d);
+  store_rows(dqkv + bi * t * w, dv, w, c + kv * d + gi * d, j0, nj, d);
 }
