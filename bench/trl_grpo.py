@@ -15,7 +15,8 @@ Workload (the Rust side, ``rltune bench grpo``, does identical work):
 * The model is built in-process (``torch.manual_seed(0)``, random ``GPT2LMHeadModel``), never
   loaded from the hub; ``--model DIR`` loads a local Hugging Face directory instead (e.g. the one
   ``rltune convert`` writes from SmolLM2's GGUF, which ``rltune bench grpo --model`` loads too),
-  in f32, with the preset's batch geometry. f32 on the CPU (``bf16=False``; TRL's default would autocast to bf16).
+  in f32, with the preset's batch geometry. f32 on the CPU (``bf16=False``; TRL's default would
+  autocast to bf16).
 * Generation is not timed and not run: as in ``tools/fixtures/make_grpo_fixture.py``, the
   trainer's ``_tokenize_prompts`` and ``_generate_single_turn`` are replaced by functions that
   return fixed random ids (prompt tokens and 24 completion tokens, never EOS, so every

@@ -512,9 +512,8 @@ pub(crate) fn attention_fwd(
     let mut l = func.builder();
     l.arg(&mut y).arg(&mut p).arg(&x).arg(&bias);
     l.arg(&b).arg(&t).arg(&c).arg(&h).arg(&kv).arg(&bb).arg(&bh).arg(&bt).arg(&scale);
-    let tq = tile.map_or(0, |(tq, _)| tq);
-    if tile.is_some() {
-        l.arg(&tq);
+    if let Some((tq, _)) = &tile {
+        l.arg(tq);
     }
     // SAFETY: the arguments match the kernel's parameters.
     unsafe { l.launch(cfg) }.w()?;
@@ -577,9 +576,8 @@ pub(crate) fn attention_bwd(
         .arg(&h)
         .arg(&kv)
         .arg(&scale);
-    let tq = q_tile.map_or(0, |(tq, _)| tq);
-    if q_tile.is_some() {
-        l.arg(&tq);
+    if let Some((tq, _)) = &q_tile {
+        l.arg(tq);
     }
     // SAFETY: the arguments match the kernel's parameters.
     unsafe { l.launch(cfg) }.w()?;
@@ -601,9 +599,8 @@ pub(crate) fn attention_bwd(
     let kv_side = dev.get_or_load_custom_func(kv_name, "rltune_attention", ATTENTION_PTX)?;
     let mut l = kv_side.builder();
     l.arg(&mut dqkv).arg(&ds).arg(&g).arg(&p).arg(&x).arg(&b).arg(&t).arg(&c).arg(&h).arg(&kv);
-    let (tj, ti) = key_tile.map_or((0, 0), |(tj, ti, _)| (tj, ti));
-    if key_tile.is_some() {
-        l.arg(&tj).arg(&ti);
+    if let Some((tj, ti, _)) = &key_tile {
+        l.arg(tj).arg(ti);
     }
     // SAFETY: the arguments match the kernel's parameters.
     unsafe { l.launch(cfg) }.w()?;

@@ -20,16 +20,20 @@ struct Shape {
             //    first row of each padded sequence masked whole
 };
 
+// The forward's output and probabilities, the backward's dS and dqkv.
+struct Reference {
+  std::vector<double> y, p, ds, dqkv;
+};
+
 struct Case {
   Shape s;
   size_t c, w, bb, bh, bt;
   std::vector<float> qkv, bias, g;
-  // the reference
-  std::vector<double> y, p, ds, dqkv;
+  Reference ref; // in double
 };
 
 Case make(Shape s, unsigned seed) {
-  Case k{s, s.h * s.d, 0, 1, 1, 1, {}, {}, {}, {}, {}, {}, {}};
+  Case k{s, s.h * s.d, 0, 1, 1, 1, {}, {}, {}, {}};
   k.w = k.c + 2 * s.kv * s.d;
   std::mt19937 rng(seed);
   std::normal_distribution<float> n(0.0f, 1.0f);
@@ -59,10 +63,11 @@ Case make(Shape s, unsigned seed) {
   // The reference, in double.
   const size_t b = s.b, t = s.t, h = s.h, d = s.d, rep = s.h / s.kv, c = k.c, w = k.w;
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
-  k.y.assign(b * t * c, 0.0);
-  k.p.assign(b * h * t * t, 0.0);
-  k.ds.assign(b * h * t * t, 0.0);
-  k.dqkv.assign(b * t * w, 0.0);
+  Reference &r = k.ref;
+  r.y.assign(b * t * c, 0.0);
+  r.p.assign(b * h * t * t, 0.0);
+  r.ds.assign(b * h * t * t, 0.0);
+  r.dqkv.assign(b * t * w, 0.0);
   auto X = [&](size_t bi, size_t i, size_t col) { return static_cast<double>(k.qkv[(bi * t + i) * w + col]); };
   for (size_t bi = 0; bi < b; ++bi)
     for (size_t hi = 0; hi < h; ++hi) {
@@ -81,11 +86,11 @@ Case make(Shape s, unsigned seed) {
         }
         double sum = 0.0;
         for (size_t j = 0; j < t; ++j) sum += (sc[j] = std::exp(sc[j] - mx));
-        for (size_t j = 0; j < t; ++j) k.p[row * t + j] = sc[j] / sum;
+        for (size_t j = 0; j < t; ++j) r.p[row * t + j] = sc[j] / sum;
         for (size_t e = 0; e < d; ++e) {
           double acc = 0.0;
-          for (size_t j = 0; j < t; ++j) acc += k.p[row * t + j] * X(bi, j, vc + e);
-          k.y[(bi * t + i) * c + hi * d + e] = acc;
+          for (size_t j = 0; j < t; ++j) acc += r.p[row * t + j] * X(bi, j, vc + e);
+          r.y[(bi * t + i) * c + hi * d + e] = acc;
         }
         // The backward of this row.
         const float *gi_row = &k.g[(bi * t + i) * c + hi * d];
@@ -95,15 +100,15 @@ Case make(Shape s, unsigned seed) {
           double acc = 0.0;
           for (size_t e = 0; e < d; ++e) acc += static_cast<double>(gi_row[e]) * X(bi, j, vc + e);
           dp[j] = acc;
-          dot += k.p[row * t + j] * acc;
+          dot += r.p[row * t + j] * acc;
         }
         for (size_t j = 0; j < t; ++j) {
-          const double dsv = scale * k.p[row * t + j] * (dp[j] - dot);
-          k.ds[row * t + j] = dsv;
+          const double dsv = scale * r.p[row * t + j] * (dp[j] - dot);
+          r.ds[row * t + j] = dsv;
           for (size_t e = 0; e < d; ++e) {
-            k.dqkv[(bi * t + i) * w + hi * d + e] += dsv * X(bi, j, kc + e);
-            k.dqkv[(bi * t + j) * w + kc + e] += dsv * X(bi, i, hi * d + e);
-            k.dqkv[(bi * t + j) * w + vc + e] += k.p[row * t + j] * gi_row[e];
+            r.dqkv[(bi * t + i) * w + hi * d + e] += dsv * X(bi, j, kc + e);
+            r.dqkv[(bi * t + j) * w + kc + e] += dsv * X(bi, i, hi * d + e);
+            r.dqkv[(bi * t + j) * w + vc + e] += r.p[row * t + j] * gi_row[e];
           }
         }
       }
@@ -132,12 +137,21 @@ struct Outputs {
   std::vector<float> y, p, ds, dqkv;
 };
 
-std::vector<double> widen(const std::vector<float> &v) { return std::vector<double>(v.begin(), v.end()); }
+// Outputs as a reference (for kernels compared with kernels).
+Reference widen(const Outputs &o) {
+  auto w = [](const std::vector<float> &v) { return std::vector<double>(v.begin(), v.end()); };
+  return {w(o.y), w(o.p), w(o.ds), w(o.dqkv)};
+}
 
-// Runs the per-row (tiled = false) or tiled kernels; compares with `want` where given, else with
-// the case's reference unless `unchecked`.
-Outputs run(const Case &k, const std::string &name, bool tiled, size_t tq, size_t tj, size_t ti,
-            const Outputs *want = nullptr, bool unchecked = false) {
+void check(const std::string &name, const Outputs &got, const Reference &want) {
+  compare(name + ": y", got.y, want.y);
+  compare(name + ": P", got.p, want.p);
+  compare(name + ": dS", got.ds, want.ds);
+  compare(name + ": dqkv", got.dqkv, want.dqkv);
+}
+
+// Runs the per-row (tiled = false) or tiled kernels, outputs starting as NaN.
+Outputs run(const Case &k, bool tiled, size_t tq, size_t tj, size_t ti) {
   const Shape &s = k.s;
   const size_t b = s.b, t = s.t, h = s.h, kv = s.kv, d = s.d, c = k.c, w = k.w;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
@@ -169,17 +183,6 @@ Outputs run(const Case &k, const std::string &name, bool tiled, size_t tq, size_
       rltune_attention_bwd_kv_f32(dqkv.data(), ds.data(), g, p.data(), x, b, t, c, h, kv);
     });
   }
-  if (want) {
-    compare(name + " vs per-row: y", y, widen(want->y));
-    compare(name + " vs per-row: P", p, widen(want->p));
-    compare(name + " vs per-row: dS", ds, widen(want->ds));
-    compare(name + " vs per-row: dqkv", dqkv, widen(want->dqkv));
-  } else if (!unchecked) {
-    compare(name + ": y", y, k.y);
-    compare(name + ": P", p, k.p);
-    compare(name + ": dS", ds, k.ds);
-    compare(name + ": dqkv", dqkv, k.dqkv);
-  }
   return {y, p, ds, dqkv};
 }
 
@@ -201,15 +204,15 @@ int main() {
     const std::string name = "B" + std::to_string(s.b) + " T" + std::to_string(s.t) + " H" + std::to_string(s.h) +
                              " KV" + std::to_string(s.kv) + " D" + std::to_string(s.d) + " bias" +
                              std::to_string(s.bias);
-    run(k, name + " per-row", false, 0, 0, 0);
-    run(k, name + " tiled 32/32/32", true, 32, 32, 32);
-    run(k, name + " tiled 7/5/3", true, 7, 5, 3);
-    run(k, name + " tiled 1/1/1", true, 1, 1, 1);
+    check(name + " per-row", run(k, false, 0, 0, 0), k.ref);
+    check(name + " tiled 32/32/32", run(k, true, 32, 32, 32), k.ref);
+    check(name + " tiled 7/5/3", run(k, true, 7, 5, 3), k.ref);
+    check(name + " tiled 1/1/1", run(k, true, 1, 1, 1), k.ref);
   }
   const Case k = make(padded, seed);
-  const Outputs rows = run(k, "", false, 0, 0, 0, nullptr, true);
-  run(k, "B3 T33 H4 KV2 D32 left padding tiled 32/32/32", true, 32, 32, 32, &rows);
-  run(k, "B3 T33 H4 KV2 D32 left padding tiled 7/5/3", true, 7, 5, 3, &rows);
+  const Reference rows = widen(run(k, false, 0, 0, 0));
+  check("B3 T33 H4 KV2 D32 left padding tiled 32/32/32 vs per-row", run(k, true, 32, 32, 32), rows);
+  check("B3 T33 H4 KV2 D32 left padding tiled 7/5/3 vs per-row", run(k, true, 7, 5, 3), rows);
   std::printf("%s\n", failures ? "attention: FAILED" : "attention: every kernel matches the reference");
   return failures ? 1 : 0;
 }

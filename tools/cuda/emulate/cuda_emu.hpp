@@ -4,11 +4,10 @@
 // kernels' indexing, tiling and synchronization are exercised as written. Not emulated: timing,
 // memory coalescing, bank conflicts, fast-math differences. Include it before the .cu file.
 #pragma once
+#include <algorithm>
 #include <barrier>
 #include <cmath>
 #include <cstddef>
-#include <algorithm>
-#include <cstring>
 #include <memory>
 #include <thread>
 #include <vector>
