@@ -9,7 +9,12 @@
  *    "kernel_ms": the kernels' summed time, "kernel_launches": how many ran,
  *    "busy": kernel_ms / span_ms (well below 1: the GPU waits on the host: launch overhead,
  *            synchronizations, host work between kernels),
- *    "kernels": [{"name", "count", "total_ms", "mean_us", "share"}, ...] (the 60 largest),
+ *    "kernels": [{"name", "count", "total_ms", "mean_us", "share",
+ *                 "grids": [{"blocks", "threads", "count", "total_ms"}, ...]}, ...] (the 60
+ *               largest; "grids" their launch sizes, the 8 largest by time, blocks in the grid
+ *               and threads in a block, and "other_grids" the rest summed: candle's elementwise
+ *               kernels launch one thread per value, so blocks × threads tells a weight's
+ *               kernels from an activation's),
  *    "memcpy": {"HtoD" | "DtoH" | "DtoD" | ...: {"count", "mb", "ms"}}, "dropped": records lost}
  *
  * Built by tools/cuda/pack.sh against CUPTI 13.0's headers (PyPI's nvidia-cuda-cupti), whose
@@ -26,10 +31,18 @@
 #define SLOTS 16384 /* distinct kernel names (open addressing) */
 #define TOP 60
 #define BUF_SIZE (8u << 20)
+#define GRIDS 512 /* distinct launch sizes counted per kernel name; later ones go to "other" */
+#define TOP_GRIDS 8
+
+typedef struct {
+  uint64_t blocks, threads, count, ns;
+} Grid;
 
 typedef struct {
   char *name;
   uint64_t count, ns;
+  Grid *grids; /* GRIDS of them, allocated at the name's first launch */
+  uint64_t other_count, other_ns;
 } Slot;
 
 static Slot slots[SLOTS];
@@ -44,7 +57,23 @@ static uint64_t fnv(const char *s) {
   return h;
 }
 
-static void add_kernel(const char *name, uint64_t start, uint64_t end) {
+/* Counts one launch of `blocks` blocks of `threads` threads that took `ns` under `s`. */
+static void add_grid(Slot *s, uint64_t blocks, uint64_t threads, uint64_t ns) {
+  if (!s->grids) s->grids = calloc(GRIDS, sizeof(Grid));
+  for (size_t g = 0; s->grids && g < GRIDS; g++) {
+    Grid *x = &s->grids[g];
+    if (!x->count) x->blocks = blocks, x->threads = threads;
+    if (x->blocks == blocks && x->threads == threads) {
+      x->count++;
+      x->ns += ns;
+      return;
+    }
+  }
+  s->other_count++;
+  s->other_ns += ns;
+}
+
+static void add_kernel(const char *name, uint64_t start, uint64_t end, uint64_t blocks, uint64_t threads) {
   if (!name) name = "?";
   uint64_t i = fnv(name) % SLOTS;
   for (uint64_t probe = 0; probe < SLOTS; probe++, i = (i + 1) % SLOTS) {
@@ -52,6 +81,7 @@ static void add_kernel(const char *name, uint64_t start, uint64_t end) {
     if (strcmp(slots[i].name, name) == 0) {
       slots[i].count++;
       slots[i].ns += end - start;
+      add_grid(&slots[i], blocks, threads, end - start);
       break;
     }
   }
@@ -74,7 +104,8 @@ static void CUPTIAPI completed(CUcontext ctx, uint32_t stream, uint8_t *buffer, 
   while (cuptiActivityGetNextRecord(buffer, valid, &r) == CUPTI_SUCCESS) {
     if (r->kind == CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL || r->kind == CUPTI_ACTIVITY_KIND_KERNEL) {
       const CUpti_ActivityKernel10 *k = (const CUpti_ActivityKernel10 *)r;
-      add_kernel(k->name, k->start, k->end);
+      uint64_t blocks = (uint64_t)k->gridX * k->gridY * k->gridZ, threads = (uint64_t)k->blockX * k->blockY * k->blockZ;
+      add_kernel(k->name, k->start, k->end, blocks, threads);
     } else if (r->kind == CUPTI_ACTIVITY_KIND_MEMCPY) {
       const CUpti_ActivityMemcpy6 *m = (const CUpti_ActivityMemcpy6 *)r;
       unsigned kind = m->copyKind < 16 ? m->copyKind : 0;
@@ -103,6 +134,31 @@ __attribute__((constructor)) static void start(void) {
 static int by_time(const void *a, const void *b) {
   uint64_t x = ((const Slot *)a)->ns, y = ((const Slot *)b)->ns;
   return x < y ? 1 : x > y ? -1 : 0;
+}
+
+static int grid_by_time(const void *a, const void *b) {
+  uint64_t x = ((const Grid *)a)->ns, y = ((const Grid *)b)->ns;
+  return x < y ? 1 : x > y ? -1 : 0;
+}
+
+/* ", "grids": [...], "other_grids": {...}" for `s` (its grids sorted by time in place). */
+static void json_grids(FILE *f, Slot *s) {
+  size_t n = 0;
+  while (s->grids && n < GRIDS && s->grids[n].count) n++;
+  if (n) qsort(s->grids, n, sizeof(Grid), grid_by_time);
+  uint64_t rest_count = s->other_count, rest_ns = s->other_ns;
+  fprintf(f, ", \"grids\": [");
+  for (size_t g = 0; g < n; g++) {
+    const Grid *x = &s->grids[g];
+    if (g >= TOP_GRIDS) {
+      rest_count += x->count, rest_ns += x->ns;
+      continue;
+    }
+    fprintf(f, "%s{\"blocks\": %llu, \"threads\": %llu, \"count\": %llu, \"total_ms\": %.3f}", g ? ", " : "",
+            (unsigned long long)x->blocks, (unsigned long long)x->threads, (unsigned long long)x->count, x->ns / 1e6);
+  }
+  fprintf(f, "], \"other_grids\": {\"count\": %llu, \"total_ms\": %.3f}", (unsigned long long)rest_count,
+          rest_ns / 1e6);
 }
 
 static void json_string(FILE *f, const char *s) {
@@ -153,9 +209,11 @@ __attribute__((destructor)) static void finish(void) {
   for (size_t i = 0; i < n && i < TOP; i++) {
     fprintf(f, "%s\n  {\"name\": ", i ? "," : "");
     json_string(f, used[i].name);
-    fprintf(f, ", \"count\": %llu, \"total_ms\": %.3f, \"mean_us\": %.2f, \"share\": %.4f}",
+    fprintf(f, ", \"count\": %llu, \"total_ms\": %.3f, \"mean_us\": %.2f, \"share\": %.4f",
             (unsigned long long)used[i].count, used[i].ns / 1e6, used[i].ns / 1e3 / used[i].count,
             kernel_ns ? (double)used[i].ns / kernel_ns : 0.0);
+    json_grids(f, &used[i]);
+    fputc('}', f);
   }
   fprintf(f, "],\n \"memcpy\": {");
   int first = 1;

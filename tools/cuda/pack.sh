@@ -77,9 +77,14 @@ if [ "$CPU" = 0 ]; then
 import json, sys
 r = json.load(open(sys.argv[1]))
 k = {x["name"]: x for x in r["kernels"]}
-assert r["kernel_launches"] == 4 and r["span_ms"] == 5.5 and k["ucopy_f32"]["count"] == 2, r
-assert r["kernels"][0]["name"] == "ucopy_f32" and abs(r["busy"] - 5000 / 5500) < 1e-4, r
+assert r["kernel_launches"] == 14 and r["span_ms"] == 6.01 and k["ucopy_f32"]["count"] == 2, r
+assert r["kernels"][0]["name"] == "ucopy_f32" and abs(r["busy"] - 5055 / 6010) < 1e-4, r
 assert 'sm90_xmma_gemm "bf16"\\x' in k and "?" in k, k
+assert k["ucopy_f32"]["grids"] == [{"blocks": 40, "threads": 1024, "count": 1, "total_ms": 2.0},
+                                   {"blocks": 8, "threads": 1024, "count": 1, "total_ms": 1.0}], k
+c = k["cast_f32_bf16"]
+assert [g["blocks"] for g in c["grids"]] == list(range(10, 2, -1)), c
+assert c["other_grids"] == {"count": 2, "total_ms": 0.003} and c["count"] == 10, c
 EOF
     echo "pack.sh: kernel tracer built and checked"
   else

@@ -355,18 +355,20 @@ if [ "$QUICK" = 0 ]; then
       grep -qs "out of memory\|OUT_OF_MEMORY" "$LOGS/bench-$name-rltune.log" && OOM=1
     done
   }
-  # profile_ppo PRESET DTYPE ITERATIONS LIMIT: rltune's PPO benchmark again under the kernel
-  # tracer (tools/cuda/kernel_trace.c, LD_PRELOAD): the whole process's GPU time by kernel, how
-  # busy the GPU was, the copies. The trace goes to OUT/profile-*.json, its summary to the report.
-  profile_ppo() {
-    local name="profile-ppo-$1-$2"
+  # profile BENCH PRESET DTYPE ITERATIONS LIMIT: rltune's `bench ppo` or `bench grpo` again
+  # under the kernel tracer (tools/cuda/kernel_trace.c, LD_PRELOAD): the whole process's GPU time
+  # by kernel and by launch size, how busy the GPU was, the copies. The trace goes to
+  # OUT/profile-*.json, its summary to the report.
+  profile() {
+    local bench="$1"; shift
+    local name="profile-$bench-$1-$2"
     wanted "$name" || return 0
     if [ ! -f "$PACK/kernel_trace.so" ] || [ "$REHEARSE" = 1 ]; then
       skip "$name" "no kernel tracer on this device (tools/cuda/pack.sh builds $PACK/kernel_trace.so)"
       return 0
     fi
     if run "$name" "$4" env LD_PRELOAD="$PACK/kernel_trace.so" RLTUNE_KERNEL_TRACE="$OUTDIR/$name.json" \
-      "$BIN" bench ppo --preset "$1" --device "$DEVICE" --dtype "$2" --iters "$3" --json; then
+      "$BIN" bench "$bench" --preset "$1" --device "$DEVICE" --dtype "$2" --iters "$3" --json; then
       record profile "$name" "$(python3 - "$OUTDIR/$name.json" "$LOGS/$name.log" "$RC" <<'EOF'
 import json, sys
 path, log, rc = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -377,7 +379,7 @@ except (OSError, ValueError) as e:
 bench = next((json.loads(l) for l in open(log) if l.startswith("{")), {})
 t["kernels"] = t.get("kernels", [])[:20]
 t["exit"] = rc
-t["bench"] = {k: bench.get(k) for k in ("median_total_s", "median_generation_s", "median_forward_pass_s", "median_optimize_step_s")}
+t["bench"] = {k: bench.get(k) for k in ("median_total_s", "median_generation_s", "median_forward_pass_s", "median_optimize_step_s", "median_step_s")}
 print(json.dumps(t))
 EOF
 )"
@@ -398,7 +400,7 @@ EOF
       gpu_mem_stop >/dev/null
     fi
   done
-  profile_ppo gpt2 bf16 3 90
+  profile ppo gpt2 bf16 3 90
 
   # 6. The 0.5B preset (before the full quickstarts: the speed goals are measured here, and a
   #    spent budget then costs the quickstarts, which passed on the H100 before).
@@ -444,8 +446,10 @@ EOF
       check "$name" "{\"pass\": $([ $RC = 0 ] && echo true || echo false), \"exit\": $RC, \"seconds\": $SECS, \"acceptance\": $(grep -E '^(PASS|FAIL)' "$LOGS/$name.log" | python3 -c 'import json,sys; print(json.dumps(sys.stdin.read().splitlines()))')}"
     fi
   done
-  # 9. The 0.5B iteration under the kernel tracer, last: the largest single step.
-  profile_ppo qwen2-0.5b bf16 1 150
+  # 9. The 0.5B iteration and the 0.5B GRPO step under the kernel tracer, last: the largest
+  #    single steps.
+  profile ppo qwen2-0.5b bf16 1 150
+  profile grpo qwen2-0.5b bf16 2 120
 
 fi
 
