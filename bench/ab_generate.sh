@@ -5,7 +5,8 @@
 # Build each side with `cargo build --release -p rltune-models --example bench_generate` and copy
 # target/release/examples/bench_generate away. Prints a TSV: each round's median seconds,
 # tokens/s and peak RSS (KiB, GNU time), A then B, with candle's element-wise pool at one
-# thread as in the rltune binary.
+# thread as in the rltune binary; then, as `#` lines, each side's median over the rounds and
+# B's time as a ratio of A's.
 set -euo pipefail
 if [ $# -lt 3 ]; then
   echo "usage: $0 BIN_A BIN_B ROUNDS [bench_generate arguments]" >&2
@@ -28,6 +29,17 @@ for r in $(seq 1 "$rounds"); do
     [ "$side" = B ] && bin=$b
     /usr/bin/time -f '%M' -o "$tmp/rss" "$bin" "$@" >"$tmp/out" 2>"$tmp/err" || { cat "$tmp/err" >&2; exit 1; }
     grep '^{' "$tmp/out" | python3 -c 'import json, sys; d = json.load(sys.stdin); print(d["median_s"], d["tokens_per_s"], sep="\t", end="")' >"$tmp/row"
-    printf '%s\t%s\t%s\t%s\n' "$r" "$side" "$(cat "$tmp/row")" "$(cat "$tmp/rss")"
+    printf '%s\t%s\t%s\t%s\n' "$r" "$side" "$(cat "$tmp/row")" "$(cat "$tmp/rss")" | tee -a "$tmp/rows"
   done
 done
+python3 - "$tmp/rows" <<'EOF'
+import statistics, sys
+rows = [l.rstrip("\n").split("\t") for l in open(sys.argv[1])]
+med = {}
+for side in "AB":
+    mine = [r for r in rows if r[1] == side]
+    med[side] = [statistics.median(float(r[i]) for r in mine) for i in (2, 3, 4)]
+    print(f"# median of {len(mine)} rounds, {side}: {med[side][0]:.4f} s, {med[side][1]:.1f} tokens/s, "
+          f"peak RSS {med[side][2]:.0f} KiB")
+print(f"# B / A: time {med['B'][0] / med['A'][0]:.3f}, peak RSS {med['B'][2] / med['A'][2]:.3f}")
+EOF
