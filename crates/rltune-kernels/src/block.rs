@@ -21,8 +21,8 @@
 //!
 //! The weights' gradients can only go to sinks (a custom op returns gradients for its inputs,
 //! and the weights are not inputs), so the block is used only where every weight that tracks a
-//! gradient has a sink in the scope installed while the forward runs; the model falls back to
-//! the composed block otherwise. Same values as the composed block (the same kernels in the
+//! gradient has a sink where the model's [`GradSlot`] points while the forward runs; the model
+//! falls back to the composed block otherwise. Same values as the composed block (the same kernels in the
 //! same order; tested, values and every gradient).
 
 use std::sync::{Arc, Mutex};
@@ -31,7 +31,7 @@ use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
 
 use super::activation::{gelu_bwd_of_product, linear_in_out_gelu};
 use super::attention::{self_attention_bwd, self_attention_keep};
-use super::grad_sink;
+use super::grad_sink::{GradSlot, Sinks};
 use super::linear::{column_sum_of, gemm_no_bwd, weight_grad};
 use super::norm::layer_norm_bwd_parts;
 use super::{f32_cpu, layer_norm, linear_in_out, lock, with_f32, CResult};
@@ -189,7 +189,7 @@ fn forward(
 
 /// GPT-2's block `z = h + mlp(ln_2(h))`, `h = x + attn(ln_1(x))` on `x (B, T, C)` with the
 /// attention bias `(B|1, 1, T, T)`; `None` where it does not apply (not f32 on a CPU with the
-/// fast SGEMM, a weight that tracks a gradient has no sink in the installed scope, or weights
+/// fast SGEMM, a weight that tracks a gradient has no sink where `grads` points, or weights
 /// that track a gradient on an `x` that does not), and the caller composes the block instead.
 ///
 /// With `rows`, only those rows of `(B·T)` get the block's output; the others hold `x`
@@ -199,12 +199,14 @@ pub fn gpt2_block(
     bias: &Tensor,
     p: &Gpt2BlockParams,
     rows: Option<&Rows>,
+    grads: &GradSlot,
 ) -> CResult<Option<Tensor>> {
     let ws = p.all();
     if !super::gemm::fast_available() || !f32_cpu(x) || !f32_cpu(bias) || !ws.iter().all(|w| f32_cpu(w)) {
         return Ok(None);
     }
-    if !ws.iter().all(|w| !w.track_op() || grad_sink::sink_of(w).is_some()) {
+    let sinks = grads.sinks();
+    if !ws.iter().all(|w| !w.track_op() || sinks.of(w).is_some()) {
         return Ok(None);
     }
     // The graph node hangs off `x`: with an untracked `x` (a frozen trunk's detached output)
@@ -225,6 +227,7 @@ pub fn gpt2_block(
         rows: rows.cloned(),
         out: Mutex::new(Some((h, m))),
         saved: Mutex::new(saved),
+        sinks,
     };
     Ok(Some(x.contiguous()?.apply_op1_arc(Arc::new(Box::new(op)))?))
 }
@@ -236,6 +239,8 @@ struct BlockOp {
     rows: Option<Rows>,
     out: Mutex<Option<(Tensor, Tensor)>>,
     saved: Mutex<Option<Saved>>,
+    /// Where the backward writes the weights' gradients: a sink for every tracked weight.
+    sinks: Sinks,
 }
 
 impl CustomOp1 for BlockOp {
@@ -278,10 +283,10 @@ impl CustomOp1 for BlockOp {
         // update it in place, so it comes after every read of the weight).
         let param_grads = |x: &Tensor, (w, bias): &(Tensor, Tensor), g: &Tensor| -> CResult<()> {
             if w.track_op() {
-                sunk(weight_grad(w, &x.t()?, g)?, w)?;
+                sunk(weight_grad(&self.sinks, w, &x.t()?, g)?, w)?;
             }
             if bias.track_op() {
-                sunk(grad_sink::give(bias, column_sum_of(g)?)?, bias)?;
+                sunk(self.sinks.give(bias, column_sum_of(g)?)?, bias)?;
             }
             Ok(())
         };
@@ -293,10 +298,10 @@ impl CustomOp1 for BlockOp {
         let norm_bwd = |x: &Tensor, (w, bias): &(Tensor, Tensor), g: &Tensor| -> CResult<Tensor> {
             let (dx, dw, db) = layer_norm_bwd_parts(x, &d(w), g, p.eps)?;
             if w.track_op() {
-                sunk(grad_sink::give(w, dw)?, w)?;
+                sunk(self.sinks.give(w, dw)?, w)?;
             }
             if bias.track_op() {
-                sunk(grad_sink::give(bias, db)?, bias)?;
+                sunk(self.sinks.give(bias, db)?, bias)?;
             }
             Ok(dx)
         };
@@ -323,14 +328,13 @@ impl CustomOp1 for BlockOp {
     }
 }
 
-/// An error if a weight's gradient did not go into its sink (the backward ran outside the
-/// gradient-sink scope that the forward saw).
+/// An error if a weight's gradient did not go into its sink (the forward found one for every
+/// tracked weight, so this is a broken invariant).
 fn sunk(left: Option<Tensor>, w: &Tensor) -> CResult<()> {
     match left {
         None => Ok(()),
         Some(_) => candle_core::bail!(
-            "gpt2 block: no gradient sink for a weight of shape {:?} in the backward (run the \
-             backward inside the same `Grads` scope as the forward)",
+            "internal: gpt2 block: no gradient sink for a weight of shape {:?} in the backward",
             w.dims()
         ),
     }

@@ -6,19 +6,20 @@
 //! for the backward but `x` itself: the segment's graph, with every activation it saved, is
 //! dropped as soon as its output is copied out. The backward runs `f` again on the same input,
 //! backpropagates the output's gradient through that fresh graph, and hands the weights'
-//! gradients over to the [`crate::Grads`] being filled: a weight with a gradient sink gets them in
-//! its sink (the ops that take weights write there directly, as in any backward inside a
-//! scope), any other variable of the `Grads` gets them set aside, and [`crate::Grads::backward`]
-//! adds them after candle's backward. The input's gradient goes back to candle.
+//! gradients over to the [`crate::Grads`] that the segment's [`GradSlot`] pointed at in the
+//! forward: a weight with a gradient sink gets them in its sink (the ops that take weights write
+//! there directly, as in any backward of a bound model), any other variable of the `Grads` gets
+//! them set aside, and [`crate::Grads::backward`] adds them after candle's backward. The input's
+//! gradient goes back to candle.
 //!
 //! The recomputation takes the same path as the first run (the same ops on the same values, the
 //! fused ones included), so the gradients are those of the plain forward: the segment's output
 //! is the same bits, and so is each gradient it produces (what may differ is the order in which
 //! a tensor's gradient contributions from inside and outside the segment are summed).
 //!
-//! Outside a scope (no `Grads` collects the gradients) [`checkpoint`] runs `f` plainly: there
-//! is no place to hand a nested backward's weight gradients to, and checkpointing never changes
-//! a result, only the memory. A segment must be a pure function of its input and of tensors it
+//! With an unbound slot (no `Grads` collects the gradients) [`checkpoint`] runs `f` plainly:
+//! there is no place to hand a nested backward's weight gradients to, and checkpointing never
+//! changes a result, only the memory. A segment must be a pure function of its input and of tensors it
 //! owns (no dropout, no state it updates).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -27,7 +28,7 @@ use std::sync::{Arc, Mutex};
 use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Storage, Tensor, Var};
 
-use crate::grad_sink;
+use crate::grad_sink::{GradSlot, Sinks};
 use crate::{lock, CResult};
 
 /// Segments recomputed by backward passes in this process, for tests and reports that must
@@ -42,10 +43,12 @@ pub fn checkpoint_recomputations() -> usize {
 /// A checkpointed segment: `x ↦ f(x)`, run twice (forward, then again in the backward).
 pub type Segment = Arc<dyn Fn(&Tensor) -> CResult<Tensor> + Send + Sync>;
 
-/// `f(x)` keeping only `x` for the backward (see the module docs). With no gradient scope
-/// installed, or when neither `x` nor anything in `f` is tracked, this is `f(x)`.
-pub fn checkpoint(x: &Tensor, f: Segment) -> CResult<Tensor> {
-    if !grad_sink::scope_active() {
+/// `f(x)` keeping only `x` for the backward (see the module docs); the weights' gradients go
+/// where `grads` points (the slot of the store that `f`'s weights come from). With `grads`
+/// unbound, or when neither `x` nor anything in `f` is tracked, this is `f(x)`.
+pub fn checkpoint(x: &Tensor, f: Segment, grads: &GradSlot) -> CResult<Tensor> {
+    let sinks = grads.sinks();
+    if !sinks.active() {
         return f(x);
     }
     let tracked = x.track_op();
@@ -61,7 +64,7 @@ pub fn checkpoint(x: &Tensor, f: Segment) -> CResult<Tensor> {
     // The node hangs off `x` when `x` is tracked; otherwise off a fresh leaf, so that the
     // backward still reaches it for the weights inside.
     let arg = if tracked { x.clone() } else { leaf(x)? };
-    arg.apply_op1(Checkpoint { f, out: Mutex::new(Some(kept)), tracked })
+    arg.apply_op1(Checkpoint { f, out: Mutex::new(Some(kept)), tracked, sinks })
 }
 
 /// The segment's input, tracked as `x` is: a fresh leaf when `x` is tracked (so the fused ops
@@ -86,6 +89,8 @@ struct Checkpoint {
     out: Mutex<Option<Tensor>>,
     /// Whether the segment's input is tracked (then the backward gives it a gradient).
     tracked: bool,
+    /// The buffers of the `Grads` that collects the segment's weight gradients.
+    sinks: Sinks,
 }
 
 impl Checkpoint {
@@ -137,7 +142,7 @@ impl CustomOp1 for Checkpoint {
     }
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> CResult<Option<Tensor>> {
-        if !grad_sink::scope_active() {
+        if !self.sinks.collecting() {
             candle_core::bail!(
                 "checkpoint: the backward of a checkpointed forward must run through Grads::backward, \
                  which collects the segment's weight gradients"
@@ -148,7 +153,7 @@ impl CustomOp1 for Checkpoint {
         RECOMPUTED.fetch_add(1, Ordering::Relaxed);
         // d(Σ out ⊙ g)/d out = g exactly: the segment's backward starts from the gradient given.
         let mut grads = (out * grad_res.detach())?.sum_all()?.backward()?;
-        grad_sink::hand_over(&mut grads)?;
+        self.sinks.hand_over(&mut grads)?;
         Ok(if self.tracked { grads.remove(&input) } else { None })
     }
 }
@@ -164,12 +169,14 @@ mod tests {
         Var::from_tensor(&Tensor::from_vec(v, shape, &Device::Cpu).unwrap().to_dtype(dtype).unwrap()).unwrap()
     }
 
-    /// A residual block: `x + W2·gelu(W1·x + b1)`, its weights the segment's own.
-    fn block(w1: &Var, b1: &Var, w2: &Var) -> Segment {
+    /// A residual block: `x + W2·gelu(W1·x + b1)`, its weights the segment's own, their
+    /// gradients written where `slot` points.
+    fn block(w1: &Var, b1: &Var, w2: &Var, slot: &GradSlot) -> Segment {
         let (w1, b1, w2) = (w1.as_tensor().clone(), b1.as_tensor().clone(), w2.as_tensor().clone());
+        let slot = slot.clone();
         Arc::new(move |x: &Tensor| {
-            let h = crate::gelu_tanh(&crate::linear(x, &w1, Some(&b1))?)?;
-            x + crate::linear(&h, &w2, None)?
+            let h = crate::gelu_tanh(&crate::linear_with(x, &w1, Some(&b1), &slot)?)?;
+            x + crate::linear_with(&h, &w2, None, &slot)?
         })
     }
 
@@ -188,16 +195,17 @@ mod tests {
             vars.extend([w1.clone(), b1.clone(), w2.clone()]);
         }
         let mut g = Grads::new(&vars);
-        let loss = g
-            .forward(|| -> CResult<Tensor> {
-                let mut x = if tracked_input { (a.as_tensor() * 2.0)? } else { a.as_tensor().detach() };
-                for (w1, b1, w2) in &layers {
-                    let f = block(w1, b1, w2);
-                    x = if checkpointed { checkpoint(&x, f)? } else { f(&x)? };
-                }
-                x.sqr()?.sum_all()
-            })
-            .unwrap();
+        let slot = GradSlot::new();
+        g.bind(&slot);
+        let loss = (|| -> CResult<Tensor> {
+            let mut x = if tracked_input { (a.as_tensor() * 2.0)? } else { a.as_tensor().detach() };
+            for (w1, b1, w2) in &layers {
+                let f = block(w1, b1, w2, &slot);
+                x = if checkpointed { checkpoint(&x, f, &slot)? } else { f(&x)? };
+            }
+            x.sqr()?.sum_all()
+        })()
+        .unwrap();
         let bits = loss.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
         g.backward(&loss).unwrap();
         let all = (0..vars.len())
@@ -229,11 +237,12 @@ mod tests {
     }
 
     #[test]
-    fn without_a_scope_it_is_the_plain_forward() {
+    fn with_an_unbound_slot_it_is_the_plain_forward() {
         let (w1, b1, w2) =
             (var(48, (8, 6), DType::F32, 1.0), var(8, 8, DType::F32, 2.0), var(48, (6, 8), DType::F32, 3.0));
         let x = var(24, (4, 6), DType::F32, 0.0);
-        let y = checkpoint(x.as_tensor(), block(&w1, &b1, &w2)).unwrap();
+        let slot = GradSlot::new();
+        let y = checkpoint(x.as_tensor(), block(&w1, &b1, &w2, &slot), &slot).unwrap();
         // A plain graph: candle's own backward reaches the weights.
         let store = y.sum_all().unwrap().backward().unwrap();
         assert!(store.get(w1.as_tensor()).is_some() && store.get(x.as_tensor()).is_some());
@@ -245,7 +254,9 @@ mod tests {
             (var(48, (8, 6), DType::F32, 1.0), var(8, 8, DType::F32, 2.0), var(48, (6, 8), DType::F32, 3.0));
         let x = var(24, (4, 6), DType::F32, 0.0);
         let g = Grads::new(&[w1.clone(), b1.clone(), w2.clone()]);
-        let y = g.forward(|| checkpoint(x.as_tensor(), block(&w1, &b1, &w2))).unwrap();
+        let slot = GradSlot::new();
+        g.bind(&slot);
+        let y = checkpoint(x.as_tensor(), block(&w1, &b1, &w2, &slot), &slot).unwrap();
         let err = y.sum_all().unwrap().backward().unwrap_err().to_string();
         assert!(err.contains("must run through Grads::backward"), "{err}");
     }

@@ -2,21 +2,24 @@
 //!
 //! candle's `index_select` backward zero-fills a table-sized tensor, adds the rows into it,
 //! and its gradient store then zero-fills and adds another: for GPT-2's tied 50257 × 768 `wte`
-//! that is four passes over 154 MB per minibatch. [`embedding`] gathers the same rows forward;
-//! backward, inside a [`super::grad_sink::SinkScope`], it adds each row's gradient into the
-//! table's sink (after the LM head's product has filled it, for a tied table), and otherwise
-//! returns the dense gradient as `index_select` would.
+//! that is four passes over 154 MB per minibatch. [`embedding_with`] gathers the same rows
+//! forward; backward, where its [`GradSlot`] pointed at the forward, it adds each row's gradient
+//! into the table's sink (after the LM head's product has filled it, for a tied table), and
+//! otherwise returns the dense gradient as `index_select` would.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 
 use rayon::prelude::*;
 
-use super::grad_sink;
+use super::grad_sink::{GradSlot, Sinks};
 use super::{contiguous, CResult, Elem};
 
-/// `(n, C), (N) u32 -> (N, C)`: rows of the table.
-struct Embedding;
+/// `(n, C), (N) u32 -> (N, C)`: rows of the table; the backward adds the rows' gradients to the
+/// table's sink in `sinks` when it has one.
+struct Embedding {
+    sinks: Sinks,
+}
 
 fn gather<T: Elem>(
     table: (&CpuStorage, &Layout),
@@ -69,30 +72,39 @@ impl CustomOp2 for Embedding {
         _y: &Tensor,
         g: &Tensor,
     ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
-        if let (Some(sink), DType::F32) = (grad_sink::sink_of(table), g.dtype()) {
+        if let (Some(sink), DType::F32) = (self.sinks.of(table), g.dtype()) {
             let g = g.flatten_all()?.to_vec1::<f32>()?;
             sink.add_rows(&ids.to_vec1::<u32>()?, table.dim(1)?, &g)?;
             return Ok((None, None));
         }
         let dense = table.zeros_like()?.index_add(ids, g, 0)?;
-        Ok((grad_sink::give(table, dense)?, None))
+        Ok((self.sinks.give(table, dense)?, None))
     }
 }
 
 /// `table (n, C)`, `ids` of any shape and integer dtype -> `(…ids, C)`, differentiable in `table`
 /// (`index_select` on rows). On the CPU (f32, f64) one op; an id out of range is an error naming
-/// it.
+/// it. The table's gradient goes to candle's store ([`embedding_with`] writes it where a slot
+/// says).
 pub fn embedding(table: &Tensor, ids: &Tensor) -> CResult<Tensor> {
+    embedding_with(table, ids, &GradSlot::new())
+}
+
+/// [`embedding`], whose backward adds the table's gradient rows into the buffers `grads` points
+/// at when its forward runs (see [`GradSlot`]).
+pub fn embedding_with(table: &Tensor, ids: &Tensor, grads: &GradSlot) -> CResult<Tensor> {
     let mut dims = ids.dims().to_vec();
     dims.push(table.dim(1)?);
     let flat = ids.flatten_all()?.to_dtype(DType::U32)?;
     let rows = if super::cpu_kernels(table.device()) && matches!(table.dtype(), DType::F32 | DType::F64) {
-        // Inside a gradient scope, the looked-up rows are held in the table's sink, so that an
+        // With a sink for a tracked table, the looked-up rows are held in it, so that an
         // optimizer fused into a tied LM head's product leaves them for this op's backward.
-        if let Some(sink) = grad_sink::sink_of(table).filter(|_| table.dtype() == DType::F32) {
+        let sinks = grads.sinks();
+        let sink = sinks.of(table).filter(|_| table.dtype() == DType::F32 && table.track_op());
+        if let Some(sink) = sink {
             sink.hold_rows(&flat.to_vec1::<u32>()?, table.dim(1)?)?;
         }
-        table.contiguous()?.apply_op2(&flat, Embedding)?
+        table.contiguous()?.apply_op2(&flat, Embedding { sinks })?
     } else {
         table.index_select(&flat, 0)?
     };
@@ -104,7 +116,7 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::grad_sink::{GradSink, SinkScope};
+    use crate::grad_sink::{GradSink, SinkMap};
     use crate::testutil::{max_diff, randn};
     use candle_core::{Device, Var};
 
@@ -148,15 +160,16 @@ mod tests {
     fn backward_scatters_into_the_sink() {
         let table = Var::from_tensor(&randn(&[6, 4], 1).to_dtype(DType::F32).unwrap()).unwrap();
         let proj = randn(&[2, 3, 4], 9).to_dtype(DType::F32).unwrap();
-        let loss = || (embedding(&table, &ids()).unwrap() * &proj).unwrap().sum_all().unwrap();
+        let slot = GradSlot::new();
+        let loss = || (embedding_with(&table, &ids(), &slot).unwrap() * &proj).unwrap().sum_all().unwrap();
         let want =
             loss().backward().unwrap().get(&table).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
         let sink = Arc::new(GradSink::new(24));
         // Stale values in the buffer must not leak into the first write.
         sink.write(|b, _| b.fill(7.0)).unwrap();
         sink.clear();
-        let map = Arc::new([(table.as_tensor().id(), Arc::clone(&sink))].into_iter().collect());
-        let _scope = SinkScope::install(map);
+        let map: Arc<SinkMap> = Arc::new([(table.as_tensor().id(), Arc::clone(&sink))].into_iter().collect());
+        slot.bind(&map);
         let store = loss().backward().unwrap();
         assert!(store.get(&table).is_none(), "the gradient went to candle's store");
         assert_eq!(sink.state().buf, want);

@@ -6,33 +6,37 @@
 //! freshly faulted memory per minibatch, zero-filled and added on one thread while the other
 //! core idled (perf: the main thread's `memset`, page faults and `binary_map` adds).
 //!
-//! A [`GradSink`] is a persistent f32 buffer for one parameter. While a [`SinkScope`] is
-//! installed on the thread that runs `backward()`, the ops that take weights write a weight's
-//! gradient straight into its sink and hand candle none: the linear layers and the LM head run
-//! their weight-gradient GEMM into it, the embedding scatters its rows into it, layer and RMS
-//! norm add theirs. The first write after [`GradSink::clear`] overwrites, later ones add, so
+//! A [`GradSink`] is a persistent f32 buffer for one parameter, owned by a [`crate::Grads`]. Its
+//! sinks reach the ops explicitly: a model's layers each keep their store's [`GradSlot`], hand it
+//! to the ops that take their weights (`linear_with`, `embedding_with`, …), and each op reads it
+//! once, at its forward ([`Sinks`]); [`crate::Grads::bind`] points the slot at its buffers. In
+//! the backward those ops write a weight's gradient straight into its sink and hand candle none:
+//! the linear layers and the LM head run their weight-gradient GEMM into it, the embedding
+//! scatters its rows into it, layer and RMS norm add theirs. No thread-local or global says
+//! where gradients go: a model trained on one thread and evaluated on another, or two models
+//! trained at once, each write where their own slot points. The first write after [`GradSink::clear`] overwrites, later ones add, so
 //! nothing is zero-filled (a tied weight gets the LM head's product first, then the embedding's
 //! rows). Gradients that reach a parameter through other ops still arrive in candle's store; the
 //! owner adds them with [`GradSink::add`] (`optim::Grads` does).
 //!
 //! A sink can also be *armed* with an optimizer update ([`FusedUpdate`]): the first product
-//! written to it ([`gemm_into_sink`]) is then never stored, and each block of it updates the
+//! written to it ([`Sinks::gemm_into`]) is then never stored, and each block of it updates the
 //! parameter in place from the GEMM's epilogue, while the block is still in cache (torch's
 //! optimizer-in-backward, done at the level of the product). The owner arms only parameters
 //! whose whole gradient is that one product (one write in the previous backward, nothing in
 //! candle's store); a later write to an updated parameter is an error.
 //!
 //! A tied table (GPT-2's `wte`: the LM head's product, then the embedding's rows) is updated in
-//! its product too, all but the rows the embedding will add to: its forward, run inside a
-//! scope, *holds* the rows it looked up ([`GradSink::hold_rows`]); the product's epilogue then
+//! its product too, all but the rows the embedding will add to: its forward, with a sink for the
+//! table, *holds* the rows it looked up ([`GradSink::hold_rows`]); the product's epilogue then
 //! stores the held rows' gradient in the buffer and updates every other row in place, the
 //! embedding adds its rows ([`GradSink::add_rows`], only into held rows), and the optimizer
 //! updates the held rows after the backward. For GPT-2 that takes the 50257 × 768 table's
 //! gradient (all but a few hundred rows) out of memory: it is never written and read back.
 
-use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock, Weak};
 
 use candle_core::{CpuStorage, DType, InplaceOp1, Layout, Tensor, TensorId};
 
@@ -225,14 +229,17 @@ impl GradSink {
     }
 }
 
-/// What a scope installs: the sinks of a set of parameters by tensor id, and the ids of its
-/// other variables (those without a sink), whose gradients from a nested backward
+/// The buffers of one [`crate::Grads`], by tensor id: the sinks of its parameters, and the ids of
+/// its other variables (those without a sink), whose gradients from a nested backward
 /// ([`crate::checkpoint`]) are set aside here for their owner to add.
 #[derive(Debug, Default)]
 pub(crate) struct SinkMap {
     pub sinks: HashMap<TensorId, Arc<GradSink>>,
     pub dense: HashSet<TensorId>,
     pub aside: Mutex<HashMap<TensorId, Tensor>>,
+    /// Whether [`crate::Grads::backward`] is running the backward, and so will collect what is
+    /// set aside.
+    pub collecting: AtomicBool,
 }
 
 impl FromIterator<(TensorId, Arc<GradSink>)> for SinkMap {
@@ -241,105 +248,139 @@ impl FromIterator<(TensorId, Arc<GradSink>)> for SinkMap {
     }
 }
 
-thread_local! {
-    static ACTIVE: RefCell<Option<Arc<SinkMap>>> = const { RefCell::new(None) };
-}
+/// Where the backward of a model's ops writes its weights' gradients: torch's `param.grad`, for
+/// the parameters of one store. A model's layers keep a clone of their store's slot and hand it to
+/// the ops that take weights ([`crate::linear_with`], …); [`crate::Grads::bind`] points it at the
+/// gradient buffers of one [`crate::Grads`]. Each op reads the slot once, at its forward, and its
+/// backward writes where the slot pointed then (so a checkpointed segment's recomputation, run in
+/// the backward, writes where the first forward did).
+///
+/// The slot holds the buffers weakly: once its `Grads` is dropped, the ops behind it hand their
+/// gradients to candle's store again, as an unbound slot's do.
+#[derive(Clone, Default)]
+pub struct GradSlot(Arc<RwLock<Weak<SinkMap>>>);
 
-/// While alive, the ops on this thread write the gradients of the parameters in its map into
-/// their sinks (see the module docs); dropping it restores the previous scope.
-pub struct SinkScope {
-    prev: Option<Arc<SinkMap>>,
-}
-
-impl SinkScope {
-    /// Installs `map` on this thread.
-    pub(crate) fn install(map: Arc<SinkMap>) -> Self {
-        Self { prev: ACTIVE.with(|a| a.borrow_mut().replace(map)) }
+impl std::fmt::Debug for GradSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GradSlot").field("bound", &self.is_bound()).finish()
     }
 }
 
-impl Drop for SinkScope {
-    fn drop(&mut self) {
-        let prev = self.prev.take();
-        ACTIVE.with(|a| *a.borrow_mut() = prev);
+impl GradSlot {
+    /// An unbound slot.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Points the slot at `map` (replacing what it pointed at).
+    pub(crate) fn bind(&self, map: &Arc<SinkMap>) {
+        *self.0.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::downgrade(map);
+    }
+
+    /// Unbinds the slot: the ops behind it hand their gradients to candle's store.
+    pub fn unbind(&self) {
+        *self.0.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Weak::new();
+    }
+
+    /// Whether the slot points at the buffers of a live [`crate::Grads`].
+    pub fn is_bound(&self) -> bool {
+        self.0.read().unwrap_or_else(std::sync::PoisonError::into_inner).strong_count() > 0
+    }
+
+    /// The sinks the slot points at now, for an op's forward to keep.
+    pub(crate) fn sinks(&self) -> Sinks {
+        Sinks(self.0.read().unwrap_or_else(std::sync::PoisonError::into_inner).upgrade())
     }
 }
 
-/// The sink of `w` in the installed scope, if any.
-pub(crate) fn sink_of(w: &Tensor) -> Option<Arc<GradSink>> {
-    ACTIVE.with(|a| a.borrow().as_ref().and_then(|m| m.sinks.get(&w.id()).cloned()))
-}
+/// The sinks an op writes its weights' gradients into, read from a [`GradSlot`] at its forward
+/// (`Sinks::default()`: none, every gradient goes to candle's store).
+#[derive(Clone, Default)]
+pub(crate) struct Sinks(Option<Arc<SinkMap>>);
 
-/// Whether a scope is installed on this thread.
-pub(crate) fn scope_active() -> bool {
-    ACTIVE.with(|a| a.borrow().is_some())
-}
+impl Sinks {
+    /// The sink of `w`, if any.
+    pub fn of(&self, w: &Tensor) -> Option<Arc<GradSink>> {
+        self.0.as_ref().and_then(|m| m.sinks.get(&w.id()).cloned())
+    }
 
-/// Hands the gradients of the installed scope's variables in `grads` (a nested backward's
-/// store) to their owner: into a variable's sink when it has one, else set aside
-/// ([`SinkMap::aside`]). The other gradients in `grads` (the segment's activations') are left.
-pub(crate) fn hand_over(grads: &mut candle_core::backprop::GradStore) -> CResult<()> {
-    let Some(map) = ACTIVE.with(|a| a.borrow().clone()) else {
-        candle_core::bail!("internal: gradients handed over with no scope installed");
-    };
-    let ids: Vec<TensorId> = grads.get_ids().copied().collect();
-    for id in ids {
-        let Some(g) = grads.get_id(id) else { continue };
-        if let Some(sink) = map.sinks.get(&id) {
-            sink.add(g)?;
-        } else if map.dense.contains(&id) {
-            let g = g.detach();
-            let mut aside = lock(&map.aside);
-            let sum = match aside.remove(&id) {
-                Some(prev) => (prev + g)?,
-                None => g,
-            };
-            aside.insert(id, sum);
+    /// Whether these are the buffers of a [`crate::Grads`].
+    pub fn active(&self) -> bool {
+        self.0.is_some()
+    }
+
+    /// Whether their [`crate::Grads`] is running a backward ([`crate::Grads::backward`]), which
+    /// collects the gradients set aside.
+    pub fn collecting(&self) -> bool {
+        self.0.as_ref().is_some_and(|m| m.collecting.load(Ordering::Acquire))
+    }
+
+    /// `dw` for candle, or `None` after adding it to `w`'s sink.
+    pub fn give(&self, w: &Tensor, dw: Tensor) -> CResult<Option<Tensor>> {
+        match self.of(w) {
+            Some(sink) => sink.add(&dw).map(|()| None),
+            None => Ok(Some(dw)),
         }
     }
-    Ok(())
-}
 
-/// `dw` for candle, or `None` after adding it to `w`'s sink.
-pub(crate) fn give(w: &Tensor, dw: Tensor) -> CResult<Option<Tensor>> {
-    match sink_of(w) {
-        Some(sink) => sink.add(&dw).map(|()| None),
-        None => Ok(Some(dw)),
-    }
-}
-
-/// Writes `a·b` into `w`'s sink with the GEMM (accumulating in its epilogue after the first
-/// write); `Ok(false)` when `w` has no sink, the CPU has no fast SGEMM, or the operands are not
-/// f32 CPU matrices; the caller then computes the product itself.
-pub(crate) fn gemm_into_sink(w: &Tensor, a: &Tensor, b: &Tensor) -> CResult<bool> {
-    let Some(sink) = sink_of(w) else { return Ok(false) };
-    if !gemm::fast_available() {
-        return Ok(false);
-    }
-    let (m, n) = (a.dim(0)?, b.dim(1)?);
-    if m * n != w.elem_count() {
-        candle_core::bail!("weight gradient of {m} × {n} for a weight of shape {:?}", w.dims());
-    }
-    let f32_matrix = |t: &Tensor| super::f32_cpu(t) && t.rank() == 2;
-    if f32_matrix(a) && f32_matrix(b) {
-        if let Some(update) = sink.first_fused() {
-            let mut s = sink.state();
-            let held = s.held.take();
-            let rows = held.as_ref().filter(|(len, _)| *len == n).map(|(_, h)| h.as_slice());
-            let buf = gemm::SendPtr(s.buf.as_mut_ptr());
-            let done = w.inplace_op1(&FusedProduct { a, b, update, held: rows.map(|h| (h, buf)) });
-            s.writes += 1;
-            // With rows held, the buffer holds their gradient; without, nothing.
-            (s.applied, s.partial, s.filled) = (rows.is_none(), rows.is_some(), rows.is_some());
-            s.held = held;
-            return done.map(|()| true);
+    /// Hands the gradients of these sinks' variables in `grads` (a nested backward's store) to
+    /// their owner: into a variable's sink when it has one, else set aside
+    /// ([`SinkMap::aside`]). The other gradients in `grads` (the segment's activations') are left.
+    pub fn hand_over(&self, grads: &mut candle_core::backprop::GradStore) -> CResult<()> {
+        let Some(map) = &self.0 else {
+            candle_core::bail!("internal: gradients handed over with no gradient buffers");
+        };
+        let ids: Vec<TensorId> = grads.get_ids().copied().collect();
+        for id in ids {
+            let Some(g) = grads.get_id(id) else { continue };
+            if let Some(sink) = map.sinks.get(&id) {
+                sink.add(g)?;
+            } else if map.dense.contains(&id) {
+                let g = g.detach();
+                let mut aside = lock(&map.aside);
+                let sum = match aside.remove(&id) {
+                    Some(prev) => (prev + g)?,
+                    None => g,
+                };
+                aside.insert(id, sum);
+            }
         }
+        Ok(())
     }
-    let done =
-        with_matref(a, |a| with_matref(b, |b| sink.write(|buf, acc| gemm::sgemm(a, b, buf, None, acc))));
-    match done {
-        Some(Some(r)) => r.map(|()| true),
-        _ => Ok(false),
+
+    /// Writes `a·b` into `w`'s sink with the GEMM (accumulating in its epilogue after the first
+    /// write); `Ok(false)` when `w` has no sink, the CPU has no fast SGEMM, or the operands are
+    /// not f32 CPU matrices; the caller then computes the product itself.
+    pub fn gemm_into(&self, w: &Tensor, a: &Tensor, b: &Tensor) -> CResult<bool> {
+        let Some(sink) = self.of(w) else { return Ok(false) };
+        if !gemm::fast_available() {
+            return Ok(false);
+        }
+        let (m, n) = (a.dim(0)?, b.dim(1)?);
+        if m * n != w.elem_count() {
+            candle_core::bail!("weight gradient of {m} × {n} for a weight of shape {:?}", w.dims());
+        }
+        let f32_matrix = |t: &Tensor| super::f32_cpu(t) && t.rank() == 2;
+        if f32_matrix(a) && f32_matrix(b) {
+            if let Some(update) = sink.first_fused() {
+                let mut s = sink.state();
+                let held = s.held.take();
+                let rows = held.as_ref().filter(|(len, _)| *len == n).map(|(_, h)| h.as_slice());
+                let buf = gemm::SendPtr(s.buf.as_mut_ptr());
+                let done = w.inplace_op1(&FusedProduct { a, b, update, held: rows.map(|h| (h, buf)) });
+                s.writes += 1;
+                // With rows held, the buffer holds their gradient; without, nothing.
+                (s.applied, s.partial, s.filled) = (rows.is_none(), rows.is_some(), rows.is_some());
+                s.held = held;
+                return done.map(|()| true);
+            }
+        }
+        let done =
+            with_matref(a, |a| with_matref(b, |b| sink.write(|buf, acc| gemm::sgemm(a, b, buf, None, acc))));
+        match done {
+            Some(Some(r)) => r.map(|()| true),
+            _ => Ok(false),
+        }
     }
 }
 
@@ -411,6 +452,10 @@ mod tests {
         Arc::new(pairs.iter().map(|(t, s)| (t.id(), Arc::clone(s))).collect())
     }
 
+    fn sinks_of(pairs: &[(&Tensor, &Arc<GradSink>)]) -> Sinks {
+        Sinks(Some(map_of(pairs)))
+    }
+
     #[test]
     fn first_write_overwrites_then_adds() {
         let s = GradSink::new(3);
@@ -450,7 +495,7 @@ mod tests {
         let b = Tensor::arange(0f32, 8.0, &dev).unwrap().reshape((4, 2)).unwrap();
         let ab = a.matmul(&b).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
         let sink = Arc::new(GradSink::new(6));
-        let _scope = SinkScope::install(map_of(&[(w.as_tensor(), &sink)]));
+        let sinks = sinks_of(&[(w.as_tensor(), &sink)]);
         if !gemm::fast_available() {
             return;
         }
@@ -461,7 +506,7 @@ mod tests {
             }
             let rec = Arc::new(Recorder(Mutex::new(Vec::new())));
             sink.arm(Some(rec.clone()));
-            let done = gemm_into_sink(&w, &a, &b);
+            let done = sinks.gemm_into(&w, &a, &b);
             sink.arm(None);
             done.unwrap();
             let mut at = lock(&rec.0).clone();
@@ -493,19 +538,32 @@ mod tests {
     }
 
     #[test]
-    fn scope_is_per_thread_and_restored() {
+    fn a_slot_points_at_live_buffers_only() {
         let w = Var::new(&[1f32, 2.0], &Device::Cpu).unwrap();
         let sink = Arc::new(GradSink::new(2));
-        assert!(sink_of(&w).is_none());
-        {
-            let _scope = SinkScope::install(map_of(&[(w.as_tensor(), &sink)]));
-            assert!(sink_of(&w).is_some());
-            // A detached copy is another tensor.
-            assert!(sink_of(&w.as_tensor().detach()).is_none());
-            let on_other_thread = std::thread::scope(|s| s.spawn(|| sink_of(&w).is_some()).join().unwrap());
-            assert!(!on_other_thread);
-        }
-        assert!(sink_of(&w).is_none());
+        let slot = GradSlot::new();
+        assert!(!slot.is_bound() && slot.sinks().of(&w).is_none());
+        let map = map_of(&[(w.as_tensor(), &sink)]);
+        slot.bind(&map);
+        let sinks = slot.sinks();
+        assert!(slot.is_bound() && sinks.of(&w).is_some());
+        // A detached copy is another tensor.
+        assert!(sinks.of(&w.as_tensor().detach()).is_none());
+        // Read from another thread, the slot is the same.
+        let elsewhere = std::thread::scope(|s| s.spawn(|| slot.sinks().of(&w).is_some()).join().unwrap());
+        assert!(elsewhere);
+        // What an op kept stays valid after its owner drops the buffers; once nobody keeps
+        // them, the slot is unbound.
+        drop(map);
+        assert!(sinks.of(&w).is_some());
+        drop(sinks);
+        assert!(!slot.is_bound() && slot.sinks().of(&w).is_none());
+        slot.bind(&map_of(&[(w.as_tensor(), &sink)]));
+        assert!(!slot.is_bound(), "bound to buffers nobody keeps");
+        let map = map_of(&[(w.as_tensor(), &sink)]);
+        slot.bind(&map);
+        slot.unbind();
+        assert!(!slot.is_bound());
     }
 
     #[test]
@@ -516,16 +574,16 @@ mod tests {
         let b = Tensor::arange(0f32, 8.0, &dev).unwrap().reshape((4, 2)).unwrap();
         let want = a.matmul(&b).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
         let sink = Arc::new(GradSink::new(6));
-        let _scope = SinkScope::install(map_of(&[(w.as_tensor(), &sink)]));
+        let sinks = sinks_of(&[(w.as_tensor(), &sink)]);
         if !gemm::fast_available() {
-            assert!(!gemm_into_sink(&w, &a, &b).unwrap());
+            assert!(!sinks.gemm_into(&w, &a, &b).unwrap());
             return;
         }
-        assert!(gemm_into_sink(&w, &a, &b).unwrap());
-        assert!(gemm_into_sink(&w, &a, &b).unwrap());
+        assert!(sinks.gemm_into(&w, &a, &b).unwrap());
+        assert!(sinks.gemm_into(&w, &a, &b).unwrap());
         let twice: Vec<f32> = want.iter().map(|v| 2.0 * v).collect();
         assert_eq!(sink.state().buf, twice);
-        let err = gemm_into_sink(&w, &a, &b.narrow(1, 0, 1).unwrap()).unwrap_err().to_string();
+        let err = sinks.gemm_into(&w, &a, &b.narrow(1, 0, 1).unwrap()).unwrap_err().to_string();
         assert!(err.contains("3 × 1 for a weight of shape [3, 2]"), "{err}");
     }
 }

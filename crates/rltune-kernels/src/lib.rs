@@ -56,8 +56,9 @@
 //! microkernel, whichever the CPU has; AMX tiles under [`MatmulPrecision::Bf16`]), else (f64,
 //! CPUs with neither) on candle's.
 //!
-//! Inside a `grad_sink::SinkScope`, the ops that take weights write the weights' gradients into
-//! persistent buffers instead of candle's gradient store (see `ops::grad_sink`).
+//! The ops that take weights have a `_with` form taking a [`GradSlot`], their store's: where a
+//! [`Grads`] has bound the slot ([`Grads::bind`]), the backward writes the weights' gradients into
+//! its persistent buffers instead of candle's gradient store (see `ops::grad_sink`).
 //!
 //! Every op has a test against its composed twin (values and gradients) and a finite-difference
 //! gradient check in f64.
@@ -101,7 +102,7 @@ pub mod optim;
 
 pub use checkpoint::{checkpoint, checkpoint_recomputations, Segment};
 pub use error::{Error, Result};
-pub use grad_sink::SinkScope;
+pub use grad_sink::GradSlot;
 pub use mask::{causal_bias, padding_bias, MASK_MIN};
 pub use optim::{Adam, AdamConfig, Grads};
 
@@ -110,16 +111,19 @@ pub use attention::{
     cached_attention, cached_attention_takes, cached_self_attention, self_attention, self_attention_composed,
     KvBlock,
 };
-pub use embedding::embedding;
+pub use embedding::{embedding, embedding_with};
 pub use gemm::{
     check_matmul_precision, device_matmul_precision, matmul_precision, set_device_matmul_precision,
     set_matmul_precision, MatmulPrecision,
 };
 pub use linear::{
-    linear, linear_composed, linear_in_out, linear_in_out_composed, linear_in_out_lora, linear_lora, matmul,
+    linear, linear_composed, linear_in_out, linear_in_out_composed, linear_in_out_lora, linear_in_out_with,
+    linear_lora, linear_with, matmul,
 };
-pub use lm_head::lm_head_logprobs;
-pub use norm::{layer_norm, layer_norm_composed, rms_norm, rms_norm_composed};
+pub use lm_head::{lm_head_logprobs, lm_head_logprobs_with};
+pub use norm::{
+    layer_norm, layer_norm_composed, layer_norm_with, rms_norm, rms_norm_composed, rms_norm_with,
+};
 pub use rope::{rope_heads, rope_heads_composed};
 pub use rope_attention::{rope_attention, rope_attention_composed, rope_attention_takes};
 pub use softmax::{

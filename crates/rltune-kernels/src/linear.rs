@@ -20,7 +20,7 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Sh
 use rayon::prelude::*;
 
 use super::gemm::{self, MatRef};
-use super::grad_sink;
+use super::grad_sink::{GradSlot, Sinks};
 use super::{contiguous, unsupported, CResult, Elem};
 
 /// How a linear layer stores its weight.
@@ -127,30 +127,34 @@ pub(super) fn gemm_no_bwd(a: &Tensor, b: &Tensor) -> CResult<Tensor> {
 /// The gradient `a·b` of weight `w`: written into `w`'s gradient sink when it has one (`None`
 /// is then candle's share), else the product. `None` for a frozen weight (no variable behind it,
 /// e.g. a LoRA base): nothing reads its gradient, so the product is not computed.
-pub(super) fn weight_grad(w: &Tensor, a: &Tensor, b: &Tensor) -> CResult<Option<Tensor>> {
+pub(super) fn weight_grad(sinks: &Sinks, w: &Tensor, a: &Tensor, b: &Tensor) -> CResult<Option<Tensor>> {
     if !w.track_op() {
         return Ok(None);
     }
-    if grad_sink::gemm_into_sink(w, a, b)? {
+    if sinks.gemm_into(w, a, b)? {
         return Ok(None);
     }
-    grad_sink::give(w, gemm_no_bwd(a, b)?)
+    sinks.give(w, gemm_no_bwd(a, b)?)
 }
 
-/// `y = x·W (+ b)` with `W` read through `layout`; inputs `x (rows, in)`, `W`, `b (out)`.
-struct LinearOp(WeightLayout);
+/// `y = x·W (+ b)` with `W` read through `layout`; inputs `x (rows, in)`, `W`, `b (out)`; the
+/// backward writes the weight's and bias's gradients into `sinks` where they have one.
+struct LinearOp {
+    layout: WeightLayout,
+    sinks: Sinks,
+}
 
 impl LinearOp {
     /// `W` as the `(in, out)` right operand: a transposed view for nn.Linear.
     fn rhs_layout(&self, l: &Layout) -> CResult<Layout> {
-        match self.0 {
+        match self.layout {
             WeightLayout::OutIn => l.transpose(0, 1),
             WeightLayout::InOut => Ok(l.clone()),
         }
     }
 
     fn rhs(&self, w: &Tensor) -> CResult<Tensor> {
-        match self.0 {
+        match self.layout {
             WeightLayout::OutIn => w.t(),
             WeightLayout::InOut => Ok(w.clone()),
         }
@@ -162,11 +166,11 @@ impl LinearOp {
         // `dx` reads W, so it comes first: the weight-gradient product may update W in place
         // (an armed gradient sink, see `grad_sink`).
         let dx = gemm_no_bwd(g, &self.rhs(w)?.t()?)?;
-        let (a, b) = match self.0 {
+        let (a, b) = match self.layout {
             WeightLayout::OutIn => (g.t()?, x.clone()),
             WeightLayout::InOut => (x.t()?, g.clone()),
         };
-        Ok((dx, weight_grad(w, &a, &b)?))
+        Ok((dx, weight_grad(&self.sinks, w, &a, &b)?))
     }
 }
 
@@ -223,7 +227,7 @@ impl CustomOp3 for LinearOp {
         g: &Tensor,
     ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (dx, dw) = self.grads(x, w, g)?;
-        let db = grad_sink::give(b, g.contiguous()?.apply_op1_no_bwd(&ColumnSum)?)?;
+        let db = self.sinks.give(b, g.contiguous()?.apply_op1_no_bwd(&ColumnSum)?)?;
         Ok((Some(dx), dw, db))
     }
 }
@@ -289,25 +293,39 @@ fn flatten_rows(x: &Tensor, d_out: usize) -> CResult<(Tensor, Vec<usize>)> {
     Ok((x2, dims))
 }
 
-fn apply_linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>, layout: WeightLayout) -> CResult<Tensor> {
+fn apply_linear(
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    layout: WeightLayout,
+    grads: &GradSlot,
+) -> CResult<Tensor> {
     let d_out = match layout {
         WeightLayout::OutIn => w.dim(0)?,
         WeightLayout::InOut => w.dim(1)?,
     };
     let (x2, out_dims) = flatten_rows(x, d_out)?;
+    let op = LinearOp { layout, sinks: grads.sinks() };
     let y = match bias {
-        Some(b) => x2.apply_op3(w, b, LinearOp(layout))?,
-        None => x2.apply_op2(w, LinearOp(layout))?,
+        Some(b) => x2.apply_op3(w, b, op)?,
+        None => x2.apply_op2(w, op)?,
     };
     y.reshape(out_dims)
 }
 
-/// nn.Linear: `(…, in) -> (…, out)`, `y = x·Wᵀ + b` for `W (out, in)` and `b (out)`.
+/// nn.Linear: `(…, in) -> (…, out)`, `y = x·Wᵀ + b` for `W (out, in)` and `b (out)`; the
+/// weights' gradients go to candle's store ([`linear_with`] writes them where a slot says).
 pub fn linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> CResult<Tensor> {
+    linear_with(x, w, bias, &GradSlot::new())
+}
+
+/// [`linear`], whose backward writes the gradients of `w` and `bias` into the buffers `grads`
+/// points at when its forward runs (see [`GradSlot`]).
+pub fn linear_with(x: &Tensor, w: &Tensor, bias: Option<&Tensor>, grads: &GradSlot) -> CResult<Tensor> {
     let mut ts = vec![x, w];
     ts.extend(bias);
     if super::fused_cpu(&ts) {
-        apply_linear(x, w, bias, WeightLayout::OutIn)
+        apply_linear(x, w, bias, WeightLayout::OutIn, grads)
     } else {
         linear_composed(x, w, bias)
     }
@@ -315,10 +333,20 @@ pub fn linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> CResult<Tensor> 
 
 /// GPT-2's Conv1D: `(…, in) -> (…, out)`, `y = x·W + b` for `W (in, out)` and `b (out)`.
 pub fn linear_in_out(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> CResult<Tensor> {
+    linear_in_out_with(x, w, bias, &GradSlot::new())
+}
+
+/// [`linear_in_out`] with the weights' gradients written where `grads` points ([`linear_with`]).
+pub fn linear_in_out_with(
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    grads: &GradSlot,
+) -> CResult<Tensor> {
     let mut ts = vec![x, w];
     ts.extend(bias);
     if super::fused_cpu(&ts) {
-        apply_linear(x, w, bias, WeightLayout::InOut)
+        apply_linear(x, w, bias, WeightLayout::InOut, grads)
     } else {
         linear_in_out_composed(x, w, bias)
     }
@@ -341,6 +369,12 @@ struct LoraLinearOp {
 }
 
 impl LoraLinearOp {
+    /// The base layer's op. Its weight is frozen under an adapter (no product is computed for
+    /// it); were it tracked, its gradient would go to candle's store.
+    fn base(&self) -> LinearOp {
+        LinearOp { layout: self.layout, sinks: Sinks::default() }
+    }
+
     fn pack_len(&self) -> usize {
         self.r * self.d_in + self.d_out * self.r + if self.bias { self.d_out } else { 0 }
     }
@@ -397,7 +431,7 @@ impl CustomOp3 for LoraLinearOp {
         let a_t = Layout::new((i, r).into(), vec![1, i], at);
         let b_t = Layout::new((r, o).into(), vec![1, r], at + r * i);
         let bias = Layout::contiguous_with_offset(o, at + r * i + o * r);
-        let w = LinearOp(self.layout).rhs_layout(lw)?;
+        let w = self.base().rhs_layout(lw)?;
         let (h, _) = cpu_gemm((sx, lx), (sp, &a_t), None, OP)?;
         let (y, shape) = cpu_gemm((sx, lx), (sw, &w), self.bias.then_some((sp, &bias)), OP)?;
         let h_layout = Layout::contiguous(shape_of(lx, r)?);
@@ -418,7 +452,7 @@ impl CustomOp3 for LoraLinearOp {
         // Through the adapter: h = x·Aᵀ (recomputed), dh = s·g·B, dA = dhᵀ·x, dB = s·gᵀ·h.
         let h = gemm_no_bwd(x, &a.t()?)?;
         let dh = (gemm_no_bwd(g, &b)? * s)?;
-        let (dx, dw) = LinearOp(self.layout).grads(x, w, g)?;
+        let (dx, dw) = self.base().grads(x, w, g)?;
         let dx = (dx + gemm_no_bwd(&dh, &a)?)?;
         if !pack.track_op() {
             return Ok((Some(dx), dw, None));

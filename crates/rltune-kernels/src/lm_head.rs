@@ -23,6 +23,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, DType, Device, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
+use super::grad_sink::{GradSlot, Sinks};
 use super::linear::{cpu_gemm, gemm_no_bwd, weight_grad};
 use super::simd::{self, simd_kernel, LANES};
 use super::{contiguous, lock, CResult, Elem};
@@ -294,6 +295,8 @@ struct LmHead {
     saved: Mutex<Option<CpuStorage>>,
     /// The entropy `(N)`, taken by [`lm_head_logprobs`].
     entropy: Arc<Mutex<Option<Tensor>>>,
+    /// Where the backward writes the weight's gradient.
+    sinks: Sinks,
 }
 
 impl LmHead {
@@ -375,7 +378,7 @@ impl CustomOp2 for LmHead {
         // `dh` reads W, so it comes first: the weight-gradient product may update W in place
         // (an armed gradient sink, see `grad_sink`).
         let dh_sel = gemm_no_bwd(&d, &w)?;
-        let dw = weight_grad(w_param, &d.t()?, &h_sel)?;
+        let dw = weight_grad(&self.sinks, w_param, &d.t()?, &h_sel)?;
         let dh = match &self.sel.rows {
             None => dh_sel,
             Some(rows) => by_dtype!(h, "lm-head", scatter_rows(rows, &dh_sel, self.sel.n))?,
@@ -450,6 +453,9 @@ impl CustomOp2 for Probs {
 /// On the CPU (f32, f64) one fused op. Elsewhere (CUDA, bf16, the composed path) composed from
 /// [`super::linear()`], [`super::logprobs_of`] and [`super::entropy_from_logits`], with the same
 /// results, by chunks of rows (see [`by_chunks`]): no `(N, V)` tensor is kept for the backward.
+///
+/// The weight's gradient goes to candle's store; [`lm_head_logprobs_with`] writes it where a
+/// [`GradSlot`] points.
 pub fn lm_head_logprobs(
     hidden: &Tensor,
     weight: &Tensor,
@@ -457,6 +463,21 @@ pub fn lm_head_logprobs(
     select: Option<&Tensor>,
     temperature: f64,
     keep: bool,
+) -> CResult<(Tensor, Tensor)> {
+    lm_head_logprobs_with(hidden, weight, targets, select, temperature, keep, &GradSlot::new())
+}
+
+/// [`lm_head_logprobs`], whose backward writes the weight's gradient into the buffers `grads`
+/// points at when its forward runs (see [`GradSlot`]); off the fused CPU op, its chunks are
+/// checkpointed segments whose weight gradients go there too.
+pub fn lm_head_logprobs_with(
+    hidden: &Tensor,
+    weight: &Tensor,
+    targets: &Tensor,
+    select: Option<&Tensor>,
+    temperature: f64,
+    keep: bool,
+    grads: &GradSlot,
 ) -> CResult<(Tensor, Tensor)> {
     let (n, _) = hidden.dims2()?;
     let (v, _) = weight.dims2()?;
@@ -469,7 +490,7 @@ pub fn lm_head_logprobs(
         && weight.dtype() == dt
         && matches!(dt, DType::F32 | DType::F64);
     if !fused {
-        let (logp, entropy) = by_chunks(hidden, weight, targets, temperature, chunk_rows(v))?;
+        let (logp, entropy) = by_chunks(hidden, weight, targets, temperature, chunk_rows(v), grads)?;
         return match select {
             None => Ok((logp, entropy)),
             Some(s) => {
@@ -502,6 +523,7 @@ pub fn lm_head_logprobs(
         keep,
         saved: Mutex::new(None),
         entropy: entropy.clone(),
+        sinks: grads.sinks(),
     };
     let logp = hidden.contiguous()?.apply_op2_arc(&weight.contiguous()?, Arc::new(Box::new(op)))?;
     let entropy = lock(&entropy).take();
@@ -528,32 +550,33 @@ fn chunk_rows(v: usize) -> usize {
 /// 8 × 256 tokens of Qwen2-0.5B. The cost is the LM head's product run again in the backward.
 ///
 /// Each chunk's values are those of the composed form on its rows (the same ops); the weight's
-/// gradient is the sum of the chunks' products. Outside a gradient scope (an inference pass, or
-/// a backward that [`crate::Grads`] does not collect) each chunk runs plainly: the forward still
-/// holds one chunk's logits at a time.
+/// gradient is the sum of the chunks' products. With `grads` unbound (an inference pass, or a
+/// backward that no [`crate::Grads`] collects) each chunk runs plainly: the forward still holds
+/// one chunk's logits at a time.
 fn by_chunks(
     hidden: &Tensor,
     weight: &Tensor,
     targets: &Tensor,
     temperature: f64,
     rows: usize,
+    grads: &GradSlot,
 ) -> CResult<(Tensor, Tensor)> {
     let n = hidden.dim(0)?;
     let targets = targets.flatten_all()?;
     let (mut logp, mut entropy) = (Vec::new(), Vec::new());
     for start in (0..n).step_by(rows.max(1)) {
         let len = rows.min(n - start);
-        let (w, t) = (weight.clone(), targets.narrow(0, start, len)?);
+        let (w, t, slot) = (weight.clone(), targets.narrow(0, start, len)?, grads.clone());
         // The chunk's log-probabilities and (detached) entropies side by side: one segment, whose
         // output's second column gets no gradient.
         let segment: super::Segment = Arc::new(move |h: &Tensor| {
-            let logits = super::linear(h, &w, None)?;
+            let logits = super::linear_with(h, &w, None, &slot)?;
             let logits = if temperature != 1.0 { (logits / temperature)? } else { logits };
             let logp = super::logprobs_of(&logits, &t)?;
             let entropy = super::entropy_from_logits(&logits.detach())?;
             Tensor::stack(&[&logp, &entropy], 1)
         });
-        let out = super::checkpoint(&hidden.narrow(0, start, len)?, segment)?;
+        let out = super::checkpoint(&hidden.narrow(0, start, len)?, segment, grads)?;
         logp.push(out.narrow(1, 0, 1)?.squeeze(1)?);
         entropy.push(out.narrow(1, 1, 1)?.squeeze(1)?.detach());
     }
@@ -702,11 +725,13 @@ mod tests {
     }
 
     /// Values and gradients of `Σ c_r · logp_r` (plus the entropies) from [`by_chunks`], its
-    /// backward run through [`crate::Grads`] (which the recomputing chunks need), in f64.
+    /// gradients collected by a bound [`crate::Grads`] (which the recomputing chunks need), in f64.
     fn chunked(h: &Tensor, w: &Tensor, t: &Tensor, temp: f64, rows: usize) -> [Tensor; 4] {
         let (hv, wv) = (candle_core::Var::from_tensor(h).unwrap(), candle_core::Var::from_tensor(w).unwrap());
         let mut g = crate::Grads::new(&[hv.clone(), wv.clone()]);
-        let (lp, en) = g.forward(|| by_chunks(hv.as_tensor(), wv.as_tensor(), t, temp, rows)).unwrap();
+        let slot = GradSlot::new();
+        g.bind(&slot);
+        let (lp, en) = by_chunks(hv.as_tensor(), wv.as_tensor(), t, temp, rows, &slot).unwrap();
         let n = h.dim(0).unwrap();
         let c = Tensor::from_vec((0..n).map(|i| 0.3 + 0.1 * i as f64).collect::<Vec<_>>(), n, &Device::Cpu)
             .unwrap();

@@ -9,7 +9,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor, D};
 use rayon::prelude::*;
 
-use super::grad_sink;
+use super::grad_sink::{GradSlot, Sinks};
 use super::simd::{self, simd_kernel, LANES};
 use super::{contiguous, last_dim, par_rows, rows_per_task, CResult, Elem};
 
@@ -62,6 +62,8 @@ fn reduce_partials<T: Elem>(out: &mut [T], partials: Vec<Vec<T>>) {
 
 struct LayerNorm {
     eps: f64,
+    /// Where the backward writes the weight's and bias's gradients.
+    sinks: Sinks,
 }
 
 struct LayerNormBwd {
@@ -232,7 +234,7 @@ impl CustomOp3 for LayerNorm {
         g: &Tensor,
     ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (dx, dw, db) = layer_norm_bwd_parts(x, w, g, self.eps)?;
-        Ok((Some(dx), grad_sink::give(w, dw)?, grad_sink::give(b, db)?))
+        Ok((Some(dx), self.sinks.give(w, dw)?, self.sinks.give(b, db)?))
     }
 }
 
@@ -284,8 +286,15 @@ pub(crate) fn layer_norm_bwd_parts(
 
 /// Layer norm over the last dimension with weight and bias (torch's `nn.LayerNorm`), differentiable.
 pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> CResult<Tensor> {
+    layer_norm_with(x, w, b, eps, &GradSlot::new())
+}
+
+/// [`layer_norm`], whose backward writes the gradients of `w` and `b` into the buffers `grads`
+/// points at when its forward runs (see [`GradSlot`]).
+pub fn layer_norm_with(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64, grads: &GradSlot) -> CResult<Tensor> {
     if super::cpu_kernels(x.device()) || super::cuda_f32(&[x, w, b]) {
-        x.contiguous()?.apply_op3(&w.contiguous()?, &b.contiguous()?, LayerNorm { eps })
+        let op = LayerNorm { eps, sinks: grads.sinks() };
+        x.contiguous()?.apply_op3(&w.contiguous()?, &b.contiguous()?, op)
     } else {
         layer_norm_composed(x, w, b, eps)
     }
@@ -305,6 +314,8 @@ pub fn layer_norm_composed(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> CRes
 
 struct RmsNorm {
     eps: f64,
+    /// Where the backward writes the weight's gradient.
+    sinks: Sinks,
 }
 
 struct RmsNormBwd {
@@ -429,7 +440,7 @@ impl CustomOp2 for RmsNorm {
         let rows = all.dim(0)? - 1;
         let dx = all.narrow(0, 0, rows)?.reshape(x.shape())?;
         let dw = all.narrow(0, rows, 1)?.reshape(w.shape())?;
-        Ok((Some(dx), grad_sink::give(w, dw)?))
+        Ok((Some(dx), self.sinks.give(w, dw)?))
     }
 }
 
@@ -466,8 +477,14 @@ impl CustomOp3 for RmsNormBwd {
 
 /// RMS norm over the last dimension (Llama's `LlamaRMSNorm`), differentiable.
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> CResult<Tensor> {
+    rms_norm_with(x, w, eps, &GradSlot::new())
+}
+
+/// [`rms_norm`], whose backward writes the gradient of `w` into the buffers `grads` points at
+/// when its forward runs (see [`GradSlot`]).
+pub fn rms_norm_with(x: &Tensor, w: &Tensor, eps: f64, grads: &GradSlot) -> CResult<Tensor> {
     if super::cpu_kernels(x.device()) || super::cuda_f32(&[x, w]) {
-        x.contiguous()?.apply_op2(&w.contiguous()?, RmsNorm { eps })
+        x.contiguous()?.apply_op2(&w.contiguous()?, RmsNorm { eps, sinks: grads.sinks() })
     } else {
         rms_norm_composed(x, w, eps)
     }

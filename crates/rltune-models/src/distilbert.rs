@@ -184,7 +184,7 @@ impl Embeddings {
         let word_embeddings = Embedding::load(&p.pp("word_embeddings"), cfg.vocab_size, c, std)?;
         let position_embeddings = if cfg.sinusoidal_pos_embds {
             let store = p.store();
-            Embedding { weight: sinusoidal_positions(n_pos, c, store.dtype(), store.device())? }
+            Embedding::fixed(sinusoidal_positions(n_pos, c, store.dtype(), store.device())?)
         } else {
             Embedding::load(&p.pp("position_embeddings"), n_pos, c, std)?
         };

@@ -13,7 +13,8 @@ use candle_core::Tensor;
 use serde::{Deserialize, Serialize};
 
 use super::layers::{
-    attention, checkpointed, merge_heads, split_heads, Activation, Conv1D, Embedding, KvCache, LayerNorm,
+    attention, checkpointed, merge_heads, split_heads, Activation, Conv1D, Embedding, GradSlot, KvCache,
+    LayerNorm,
 };
 use crate::error::{ConfigError, Error, Result};
 use crate::params::Params;
@@ -255,7 +256,8 @@ impl Block {
         if cache.is_none() && self.mlp.act == Activation::GeluTanh && !adapted {
             // One graph node with a hand-written backward, where its weights' gradients can go to
             // gradient sinks (`ops::block`); else the composed block below.
-            if let Some(z) = ops::block::gpt2_block(x, bias, &self.params(), rows)? {
+            // Its layers' slot is the store's: the block writes every weight's gradient there.
+            if let Some(z) = ops::block::gpt2_block(x, bias, &self.params(), rows, &self.ln_1.grads)? {
                 return Ok(z);
             }
         }
@@ -285,6 +287,8 @@ pub struct Gpt2 {
     lm_head: Tensor,
     /// Gradient checkpointing of every block in training forwards (no cache).
     checkpointing: bool,
+    /// The store's gradient slot, where the backward writes the weights' gradients.
+    grads: GradSlot,
     cfg: Gpt2Config,
 }
 
@@ -307,12 +311,26 @@ impl Gpt2 {
         } else {
             p.get("lm_head.weight", (cfg.vocab_size, c), crate::params::Init::Normal(std))?
         };
-        Ok(Self { wte, wpe, h, ln_f, lm_head, checkpointing: false, cfg: cfg.clone() })
+        Ok(Self {
+            wte,
+            wpe,
+            h,
+            ln_f,
+            lm_head,
+            checkpointing: false,
+            grads: p.grad_slot().clone(),
+            cfg: cfg.clone(),
+        })
     }
 
     /// Gradient checkpointing of every block in training forwards ([`super::layers::checkpointed`]).
     pub(crate) fn set_checkpointing(&mut self, on: bool) {
         self.checkpointing = on;
+    }
+
+    /// The store's gradient slot (see [`GradSlot`]).
+    pub(crate) fn grad_slot(&self) -> &GradSlot {
+        &self.grads
     }
 
     /// The config this model was built from.
@@ -383,7 +401,7 @@ impl Gpt2 {
             x = match cache.as_deref_mut() {
                 None if self.checkpointing => {
                     let (block, bias, rows) = (self.h[i].clone(), bias.clone(), rows.cloned());
-                    checkpointed(&x, move |x| block.forward(x, &bias, None, rows.as_ref()))?
+                    checkpointed(&x, &self.grads, move |x| block.forward(x, &bias, None, rows.as_ref()))?
                 }
                 c => self.h[i].forward(&x, bias, c.map(|c| (c, i)), rows)?,
             };
@@ -444,7 +462,7 @@ impl Gpt2 {
     /// `(B, T, C) -> (B, T, V)`
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
         hidden.dims3()?;
-        Ok(rltune_kernels::linear(hidden, &self.lm_head, None)?)
+        Ok(rltune_kernels::linear_with(hidden, &self.lm_head, None, &self.grads)?)
     }
 }
 
@@ -492,19 +510,16 @@ mod tests {
         let mut grads = Grads::new(&vars);
         let block = &model.h[0];
         let x = (model.wte.forward(&ids).unwrap() + model.wpe.forward(&pos).unwrap()).unwrap();
-        // Without sinks for its weights the block cannot be fused; with them it is.
-        assert!(ops::block::gpt2_block(&x, &bias, &block.params(), None).unwrap().is_none());
-        {
-            let _sinks = grads.scope();
-            assert!(ops::block::gpt2_block(&x, &bias, &block.params(), None).unwrap().is_some());
-        }
-
+        // Without sinks for its weights the block cannot be fused (the model composes it); with
+        // the store's slot bound to the gradients it is.
+        let slot = store.grad_slot();
+        assert!(ops::block::gpt2_block(&x, &bias, &block.params(), None, slot).unwrap().is_none());
         let composed = model.forward(&ids, &pos, &bias, None).unwrap();
         let want = loss(&composed).backward().unwrap();
-        let fused = {
-            let _sinks = grads.scope();
-            model.forward(&ids, &pos, &bias, None).unwrap()
-        };
+        grads.bind(slot);
+        assert!(ops::block::gpt2_block(&x, &bias, &block.params(), None, slot).unwrap().is_some());
+
+        let fused = model.forward(&ids, &pos, &bias, None).unwrap();
         grads.backward(&loss(&fused)).unwrap();
         let close =
             |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| (x - y).abs() <= 1e-6 * (1.0 + y.abs()));
@@ -527,12 +542,10 @@ mod tests {
         let vars: Vec<Var> = store.vars().into_iter().map(|(_, v)| v).collect();
         let run = |selected: bool| {
             let mut grads = Grads::new(&vars);
-            let h = {
-                let _sinks = grads.scope();
-                match selected {
-                    true => lm.forward_rows(&ids, &pos, &bias, &rows).unwrap(),
-                    false => lm.forward(&ids, &pos, &bias, None).unwrap(),
-                }
+            grads.bind(store.grad_slot());
+            let h = match selected {
+                true => lm.forward_rows(&ids, &pos, &bias, &rows).unwrap(),
+                false => lm.forward(&ids, &pos, &bias, None).unwrap(),
             };
             let h = pick(&h);
             grads.backward(&loss(&h)).unwrap();
@@ -553,7 +566,7 @@ mod tests {
     }
 
     #[test]
-    fn frozen_blocks_run_fused_and_a_backward_outside_the_scope_is_an_error() {
+    fn frozen_blocks_run_fused_and_a_plain_backward_fills_the_bound_gradients() {
         let (_, frozen) = model(false);
         let (store, trainable) = model(true);
         let (ids, pos, bias) = inputs(&Device::Cpu);
@@ -565,11 +578,13 @@ mod tests {
         }
         let vars: Vec<Var> = store.vars().into_iter().map(|(_, v)| v).collect();
         let grads = Grads::new(&vars);
-        let h = {
-            let _sinks = grads.scope();
-            trainable.forward(&ids, &pos, &bias, None).unwrap()
-        };
-        let err = loss(&h).backward().unwrap_err().to_string();
-        assert!(err.contains("no gradient sink"), "{err}");
+        grads.bind(store.grad_slot());
+        let h = trainable.forward(&ids, &pos, &bias, None).unwrap();
+        // torch's `loss.backward()` into `param.grad`: the fused blocks' weights get theirs in
+        // the bound buffers, the rest comes back in candle's store.
+        let store_grads = loss(&h).backward().unwrap();
+        let c_attn = store.vars().iter().position(|(n, _)| n.ends_with("h.0.attn.c_attn.weight")).unwrap();
+        assert!(grads.has(c_attn), "the fused block's weight gradient is in the buffers");
+        assert!(store_grads.get(&vars[c_attn]).is_none());
     }
 }

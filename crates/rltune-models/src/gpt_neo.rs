@@ -24,8 +24,8 @@ use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
 
 use super::layers::{
-    attention, checkpointed, merge_heads, split_heads, Activation, Embedding, KvCache, LayerNorm, Linear,
-    MASK_MIN,
+    attention, checkpointed, merge_heads, split_heads, Activation, Embedding, GradSlot, KvCache, LayerNorm,
+    Linear, MASK_MIN,
 };
 use crate::error::{ConfigError, Error, Result};
 use crate::params::{Init, Params};
@@ -303,6 +303,8 @@ pub struct GptNeo {
     lm_head: Tensor,
     /// Gradient checkpointing of every block in training forwards (no cache).
     checkpointing: bool,
+    /// The store's gradient slot, where the backward writes the weights' gradients.
+    grads: GradSlot,
     cfg: Box<GptNeoConfig>,
 }
 
@@ -327,12 +329,26 @@ impl GptNeo {
         } else {
             p.get("lm_head.weight", (cfg.vocab_size, c), Init::Normal(std))?
         };
-        Ok(Self { wte, wpe, h, ln_f, lm_head, checkpointing: false, cfg: Box::new(cfg.clone()) })
+        Ok(Self {
+            wte,
+            wpe,
+            h,
+            ln_f,
+            lm_head,
+            checkpointing: false,
+            grads: p.grad_slot().clone(),
+            cfg: Box::new(cfg.clone()),
+        })
     }
 
     /// Gradient checkpointing of every block in training forwards ([`super::layers::checkpointed`]).
     pub(crate) fn set_checkpointing(&mut self, on: bool) {
         self.checkpointing = on;
+    }
+
+    /// The store's gradient slot (see [`GradSlot`]).
+    pub(crate) fn grad_slot(&self) -> &GradSlot {
+        &self.grads
     }
 
     /// The config this model was built from.
@@ -380,7 +396,7 @@ impl GptNeo {
             x = match cache.as_deref_mut() {
                 None if self.checkpointing => {
                     let (block, b) = (block.clone(), b.clone());
-                    checkpointed(&x, move |x| block.forward(x, &b, None))?
+                    checkpointed(&x, &self.grads, move |x| block.forward(x, &b, None))?
                 }
                 c => block.forward(&x, b, c.map(|c| (c, i)))?,
             };
@@ -452,7 +468,7 @@ impl GptNeo {
     /// `(B, T, C) -> (B, T, V)`
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
         hidden.dims3()?;
-        Ok(rltune_kernels::linear(hidden, &self.lm_head, None)?)
+        Ok(rltune_kernels::linear_with(hidden, &self.lm_head, None, &self.grads)?)
     }
 }
 

@@ -29,7 +29,7 @@ use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
 
 use super::layers::{
-    attention, checkpointed, merge_heads, Activation, Embedding, KvCache, LayerNorm, Linear,
+    attention, checkpointed, merge_heads, Activation, Embedding, GradSlot, KvCache, LayerNorm, Linear,
 };
 use crate::error::{ConfigError, Error, Result};
 use crate::params::{Init, Params};
@@ -381,6 +381,8 @@ pub struct GptNeoX {
     rope: Rope,
     /// Gradient checkpointing of every block in training forwards (no cache).
     checkpointing: bool,
+    /// The store's gradient slot, where the backward writes the weights' gradients.
+    grads: GradSlot,
     cfg: Box<GptNeoXConfig>,
 }
 
@@ -410,6 +412,7 @@ impl GptNeoX {
             embed_out,
             rope,
             checkpointing: false,
+            grads: p.grad_slot().clone(),
             cfg: Box::new(cfg.clone()),
         })
     }
@@ -417,6 +420,11 @@ impl GptNeoX {
     /// Gradient checkpointing of every block in training forwards ([`super::layers::checkpointed`]).
     pub(crate) fn set_checkpointing(&mut self, on: bool) {
         self.checkpointing = on;
+    }
+
+    /// The store's gradient slot (see [`GradSlot`]).
+    pub(crate) fn grad_slot(&self) -> &GradSlot {
+        &self.grads
     }
 
     /// The config this model was built from.
@@ -455,7 +463,9 @@ impl GptNeoX {
                 None if self.checkpointing => {
                     let (layer, rope, cos, sin, bias) =
                         (self.layers[i].clone(), self.rope.clone(), cos.clone(), sin.clone(), bias.clone());
-                    checkpointed(&x, move |x| layer.forward(x, (&rope, &cos, &sin), &bias, None))?
+                    checkpointed(&x, &self.grads, move |x| {
+                        layer.forward(x, (&rope, &cos, &sin), &bias, None)
+                    })?
                 }
                 c => self.layers[i].forward(&x, (&self.rope, &cos, &sin), bias, c.map(|c| (c, i)))?,
             };
@@ -516,7 +526,7 @@ impl GptNeoX {
     /// `(B, T, C) -> (B, T, V)`
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
         hidden.dims3()?;
-        Ok(rltune_kernels::linear(hidden, &self.embed_out, None)?)
+        Ok(rltune_kernels::linear_with(hidden, &self.embed_out, None, &self.grads)?)
     }
 }
 

@@ -9,7 +9,7 @@ use crate::error::{ConfigError, Error, Result};
 use crate::lora::{LoraLinear, WeightLayout};
 use crate::params::{Init, Params};
 use rltune_kernels as ops;
-pub use rltune_kernels::{causal_bias, padding_bias, MASK_MIN};
+pub use rltune_kernels::{causal_bias, padding_bias, GradSlot, MASK_MIN};
 
 /// `nn.Linear`: weight `[out, in]`, optional bias `[out]`, and a LoRA adapter when the store
 /// targets this module ([`crate::lora`]).
@@ -21,6 +21,8 @@ pub struct Linear {
     pub bias: Option<Tensor>,
     /// The adapter, `y += (x·Aᵀ·Bᵀ)·scaling`.
     pub lora: Option<LoraLinear>,
+    /// Where the backward writes the weight's and bias's gradients (the store's slot).
+    pub grads: GradSlot,
 }
 
 impl Linear {
@@ -29,7 +31,7 @@ impl Linear {
         let weight = p.get("weight", (d_out, d_in), Init::Normal(std))?;
         let bias = if bias { Some(p.get("bias", d_out, Init::Zeros)?) } else { None };
         let lora = p.lora(d_in, d_out, WeightLayout::OutIn)?;
-        Ok(Self { weight, bias, lora })
+        Ok(Self { weight, bias, lora, grads: p.grad_slot().clone() })
     }
 
     /// Folds the adapter into a detached `W + ΔW` (PEFT's `merge`), for inference; whether it
@@ -44,7 +46,7 @@ impl Linear {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         Ok(match &self.lora {
             Some(l) => ops::linear_lora(x, &self.weight, self.bias.as_ref(), &l.a, &l.b, l.scaling)?,
-            None => ops::linear(x, &self.weight, self.bias.as_ref())?,
+            None => ops::linear_with(x, &self.weight, self.bias.as_ref(), &self.grads)?,
         })
     }
 }
@@ -59,6 +61,8 @@ pub struct Conv1D {
     pub bias: Tensor,
     /// The adapter, `A (r, in)`, `B (out, r)` as for `nn.Linear`.
     pub lora: Option<LoraLinear>,
+    /// Where the backward writes the weight's and bias's gradients (the store's slot).
+    pub grads: GradSlot,
 }
 
 impl Conv1D {
@@ -68,6 +72,7 @@ impl Conv1D {
             weight: p.get("weight", (d_in, d_out), Init::Normal(std))?,
             bias: p.get("bias", d_out, Init::Zeros)?,
             lora: p.lora(d_in, d_out, WeightLayout::InOut)?,
+            grads: p.grad_slot().clone(),
         })
     }
 
@@ -82,7 +87,7 @@ impl Conv1D {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         Ok(match &self.lora {
             Some(l) => ops::linear_in_out_lora(x, &self.weight, Some(&self.bias), &l.a, &l.b, l.scaling)?,
-            None => ops::linear_in_out(x, &self.weight, Some(&self.bias))?,
+            None => ops::linear_in_out_with(x, &self.weight, Some(&self.bias), &self.grads)?,
         })
     }
 }
@@ -92,17 +97,24 @@ impl Conv1D {
 pub struct Embedding {
     /// `[n, C]`
     pub weight: Tensor,
+    /// Where the backward writes the table's gradient (the store's slot).
+    pub grads: GradSlot,
 }
 
 impl Embedding {
     /// Loads `weight` under `p`.
     pub fn load(p: &Params, n: usize, dim: usize, std: f64) -> Result<Self> {
-        Ok(Self { weight: p.get("weight", (n, dim), Init::Normal(std))? })
+        Ok(Self { weight: p.get("weight", (n, dim), Init::Normal(std))?, grads: p.grad_slot().clone() })
+    }
+
+    /// A table that is not a parameter (e.g. fixed sinusoidal positions).
+    pub fn fixed(weight: Tensor) -> Self {
+        Self { weight, grads: GradSlot::new() }
     }
 
     /// `(B, T)` ids -> `(B, T, C)`
     pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
-        Ok(ops::embedding(&self.weight, ids)?)
+        Ok(ops::embedding_with(&self.weight, ids, &self.grads)?)
     }
 }
 
@@ -115,17 +127,20 @@ pub struct LayerNorm {
     pub bias: Tensor,
     /// Added to the variance.
     pub eps: f64,
+    /// Where the backward writes the weight's and bias's gradients (the store's slot).
+    pub grads: GradSlot,
 }
 
 impl LayerNorm {
     /// Loads `weight` and `bias` under `p`.
     pub fn load(p: &Params, dim: usize, eps: f64) -> Result<Self> {
-        Ok(Self { weight: p.get("weight", dim, Init::Ones)?, bias: p.get("bias", dim, Init::Zeros)?, eps })
+        let (weight, bias) = (p.get("weight", dim, Init::Ones)?, p.get("bias", dim, Init::Zeros)?);
+        Ok(Self { weight, bias, eps, grads: p.grad_slot().clone() })
     }
 
     /// Normalizes over the last dimension.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(ops::layer_norm(x, &self.weight, &self.bias, self.eps)?)
+        Ok(ops::layer_norm_with(x, &self.weight, &self.bias, self.eps, &self.grads)?)
     }
 }
 
@@ -406,9 +421,11 @@ pub fn mean_pool(hidden: &Tensor, mask: &Tensor) -> Result<Tensor> {
 }
 
 /// `block(x)` under gradient checkpointing ([`ops::checkpoint`]): the backward keeps only `x`
-/// and runs `block` again (transformers' `gradient_checkpointing_enable()`, per decoder layer).
+/// and runs `block` again (transformers' `gradient_checkpointing_enable()`, per decoder layer),
+/// its weights' gradients going where `grads` (their store's slot) points.
 pub(crate) fn checkpointed(
     x: &Tensor,
+    grads: &GradSlot,
     block: impl Fn(&Tensor) -> Result<Tensor> + Send + Sync + 'static,
 ) -> Result<Tensor> {
     let segment = move |x: &Tensor| {
@@ -417,7 +434,7 @@ pub(crate) fn checkpointed(
             e => candle_core::Error::wrap(e),
         })
     };
-    Ok(ops::checkpoint(x, std::sync::Arc::new(segment))?)
+    Ok(ops::checkpoint(x, std::sync::Arc::new(segment), grads)?)
 }
 
 #[cfg(test)]

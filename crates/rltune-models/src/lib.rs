@@ -322,8 +322,9 @@ impl CausalLm {
     /// Gradient checkpointing (TRL's `gradient_checkpointing`, transformers'
     /// `gradient_checkpointing_enable()`): training forwards keep only each block's input for
     /// the backward, which runs the block again (`rltune_kernels::checkpoint`); the gradients are
-    /// those of the plain forward. It takes effect where the gradients are collected by
-    /// `rltune_kernels::Grads` (every trainer's), and never in generation (a KV cache).
+    /// those of the plain forward. It takes effect where a `rltune_kernels::Grads` collects the
+    /// gradients (every trainer's binds the store's slot to one), and never in generation (a KV
+    /// cache).
     pub fn with_gradient_checkpointing(mut self, on: bool) -> Self {
         match &mut self.arch {
             Arch::Gpt2(m) => m.set_checkpointing(on),
@@ -436,6 +437,19 @@ impl CausalLm {
             Arch::Llama(m) => m.lm_head_weight(),
             Arch::GptNeo(m) => m.lm_head_weight(),
             Arch::GptNeoX(m) => m.lm_head_weight(),
+        }
+    }
+
+    /// The gradient slot of the store this model was built from: the backward of its ops writes
+    /// the weights' gradients where `rltune_kernels::Grads::bind` pointed it (torch's
+    /// `param.grad`); an op that takes one of its weights outside the model (the LM head's
+    /// log-probabilities) takes this slot too.
+    pub fn grad_slot(&self) -> &rltune_kernels::GradSlot {
+        match &self.arch {
+            Arch::Gpt2(m) => m.grad_slot(),
+            Arch::Llama(m) => m.grad_slot(),
+            Arch::GptNeo(m) => m.grad_slot(),
+            Arch::GptNeoX(m) => m.grad_slot(),
         }
     }
 

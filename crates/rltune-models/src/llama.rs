@@ -34,8 +34,8 @@ use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Deserializer, Serialize};
 
 use super::layers::{
-    attention, checkpointed, merge_heads, repeat_kv, split_heads, Activation, Embedding, KvCache, Linear,
-    MASK_MIN,
+    attention, checkpointed, merge_heads, repeat_kv, split_heads, Activation, Embedding, GradSlot, KvCache,
+    Linear, MASK_MIN,
 };
 use crate::error::{ConfigError, Error, Result};
 use crate::params::{Init, Params};
@@ -492,15 +492,17 @@ struct RmsNorm {
     /// `[C]`
     weight: Tensor,
     eps: f64,
+    /// Where the backward writes the weight's gradient (the store's slot).
+    grads: GradSlot,
 }
 
 impl RmsNorm {
     fn load(p: &Params, dim: usize, eps: f64) -> Result<Self> {
-        Ok(Self { weight: p.get("weight", dim, Init::Ones)?, eps })
+        Ok(Self { weight: p.get("weight", dim, Init::Ones)?, eps, grads: p.grad_slot().clone() })
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(ops::rms_norm(x, &self.weight, self.eps)?)
+        Ok(ops::rms_norm_with(x, &self.weight, self.eps, &self.grads)?)
     }
 }
 
@@ -667,6 +669,8 @@ pub struct Llama {
     window: Option<usize>,
     /// Gradient checkpointing of every block in training forwards (no cache).
     checkpointing: bool,
+    /// The store's gradient slot, where the backward writes the weights' gradients.
+    grads: GradSlot,
     /// Boxed to keep [`super::CausalLm`]'s variants of similar size.
     cfg: Box<LlamaConfig>,
 }
@@ -698,6 +702,7 @@ impl Llama {
             rope,
             window: cfg.window(),
             checkpointing: false,
+            grads: p.grad_slot().clone(),
             cfg: Box::new(cfg.clone()),
         })
     }
@@ -705,6 +710,11 @@ impl Llama {
     /// Gradient checkpointing of every block in training forwards ([`super::layers::checkpointed`]).
     pub(crate) fn set_checkpointing(&mut self, on: bool) {
         self.checkpointing = on;
+    }
+
+    /// The store's gradient slot (see [`GradSlot`]).
+    pub(crate) fn grad_slot(&self) -> &GradSlot {
+        &self.grads
     }
 
     /// The config this model was built from.
@@ -756,7 +766,7 @@ impl Llama {
                 None if self.checkpointing => {
                     let (layer, cos, sin, bias) =
                         (self.layers[i].clone(), cos.clone(), sin.clone(), bias.clone());
-                    checkpointed(&x, move |x| layer.forward(x, (&cos, &sin), &bias, None))?
+                    checkpointed(&x, &self.grads, move |x| layer.forward(x, (&cos, &sin), &bias, None))?
                 }
                 c => self.layers[i].forward(&x, (&cos, &sin), &bias, c.map(|c| (c, i)))?,
             };

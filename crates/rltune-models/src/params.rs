@@ -16,6 +16,7 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Shape, Tensor, Var};
 use rand::{Rng, SeedableRng};
+use rltune_kernels::GradSlot;
 
 use crate::error::{Error, Result};
 use crate::lora::{LoraLinear, LoraState, WeightLayout};
@@ -73,6 +74,10 @@ pub struct ParamStore {
     /// With LoRA: whether models built from this view get their adapters (false for the
     /// reference view, [`ParamStore::frozen_copy`]).
     pub(crate) adapters_on: bool,
+    /// Where the backward of the models built from this store writes their weights'
+    /// gradients: every layer keeps a clone, and [`rltune_kernels::Grads::bind`] points it at a
+    /// `Grads`' buffers (torch's `param.grad`). Shared by the store's clones and views.
+    pub(crate) grads: GradSlot,
 }
 
 impl ParamStore {
@@ -114,6 +119,7 @@ impl ParamStore {
             device: device.clone(),
             source,
             adapters_on: false,
+            grads: GradSlot::new(),
         })
     }
 
@@ -183,6 +189,12 @@ impl ParamStore {
     /// The root view, with no prefix.
     pub fn root(&self) -> Params<'_> {
         Params { store: self, prefix: String::new() }
+    }
+
+    /// The slot through which the models built from this store write their weights' gradients
+    /// (see [`GradSlot`]): `grads.bind(store.grad_slot())` sends them to `grads`' buffers.
+    pub fn grad_slot(&self) -> &GradSlot {
+        &self.grads
     }
 
     /// Whether gradients are tracked for this store's tensors.
@@ -448,6 +460,11 @@ impl<'a> Params<'a> {
         let prefix =
             if self.prefix.is_empty() { name.to_string() } else { format!("{}.{name}", self.prefix) };
         Params { store: self.store, prefix }
+    }
+
+    /// The gradient slot of the store (see [`ParamStore::grad_slot`]), for a layer to keep.
+    pub fn grad_slot(&self) -> &'a GradSlot {
+        &self.store.grads
     }
 
     /// The full name of `name` under this view.

@@ -146,12 +146,9 @@ fn main() -> rltune::Result<()> {
         for idx in order.chunks(a.batch_size) {
             let pick = |rows: &[Vec<u32>]| idx.iter().map(|&i| rows[i].clone()).collect::<Vec<_>>();
             grads.clear();
-            // 3. The policy's summed logprobs (the forward runs for `grads`: weight gradients go
-            // straight into its buffers), the loss and its derivatives in them.
-            let (c, r) = grads.forward(|| -> rltune::Result<_> {
-                let seqs = |rows: &[Vec<u32>]| sequence_logprobs(&policy, &pick(rows), a.prompt_len, &device);
-                Ok((seqs(&chosen)?, seqs(&rejected)?))
-            })?;
+            // 3. The policy's summed logprobs, the loss and its derivatives in them.
+            let seqs = |rows: &[Vec<u32>]| sequence_logprobs(&policy, &pick(rows), a.prompt_len, &device);
+            let (c, r) = (seqs(&chosen)?, seqs(&rejected)?);
             let (cv, rv): (Vec<f32>, Vec<f32>) = (c.to_vec1()?, r.to_vec1()?);
             let pairs: Vec<PairLogps> = idx
                 .iter()

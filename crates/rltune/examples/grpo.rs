@@ -136,8 +136,7 @@ fn main() -> rltune::Result<()> {
         let mut loss_sum = 0.0;
         for _ in 0..a.num_iterations {
             grads.clear();
-            // The forward runs for `grads`: weight gradients go straight into its buffers.
-            let logp = grads.forward(|| completion_logprobs(&policy, &rows, a.prompt_len, &device))?;
+            let logp = completion_logprobs(&policy, &rows, a.prompt_len, &device)?;
             let o = grpo_objective(&logp, &old_logp, Some(&ref_logp), &advantages, &mask, &objective)?;
             let loss = aggregate_loss(&o.per_token_loss, &mask, LossType::Dapo, a.completion_len, tokens)?;
             grads.backward(&loss)?;

@@ -152,7 +152,8 @@ fn main() -> rltune::Result<()> {
     let policy = CausalLmWithValueHead::load(&store.root(), lm)?;
     let (_reference_store, reference) = toy::reference(&store)?;
 
-    // torch's Adam over every trainable variable, and the gradient buffers it reads.
+    // torch's Adam over every trainable variable, and the gradient buffers it reads: the
+    // models built from `store` write their weights' gradients there (torch's `param.grad`).
     let (mut adam, mut grads) = toy::adam(&store, a.learning_rate)?;
 
     println!("iter  reward  kl/token  pg_loss  vf_loss  clipfrac");
@@ -198,8 +199,7 @@ fn main() -> rltune::Result<()> {
                 let idx = Tensor::new(mb, &device)?;
                 let pick = |t: &Tensor| t.index_select(&idx, 0);
                 grads.clear();
-                // The forward runs for `grads`: weight gradients go straight into its buffers.
-                let (logp, vpred) = grads.forward(|| policy_forward(&policy, &batch.select(&idx)?))?;
+                let (logp, vpred) = policy_forward(&policy, &batch.select(&idx)?)?;
                 let loss_parts = ppo_losses(
                     &pick(&old_logp)?,
                     &pick(&values)?,

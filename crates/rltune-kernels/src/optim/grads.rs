@@ -1,22 +1,23 @@
 //! [`Grads`]: the gradients of a list of variables, in persistent buffers where the kernels can
 //! write them directly.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use candle_core::{DType, Tensor, Var};
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
-use crate::grad_sink::{GradSink, SinkMap, SinkScope};
+use crate::grad_sink::{GradSink, GradSlot, SinkMap};
 
 /// The gradients of a list of variables, summed over the backward passes of one update (torch's
 /// `param.grad` between `zero_grad()` and `step()`).
 ///
-/// Contiguous f32 CPU variables get a persistent buffer (an `ops::grad_sink::GradSink`): during
-/// [`Grads::backward`] the ops that take weights write into it directly, with no zero-filled
-/// tensors or adds in candle's gradient store, and whatever the store still holds for the
-/// variable (from other ops) is added after. Other variables keep candle's gradient tensors,
-/// summed.
+/// Contiguous f32 CPU variables get a persistent buffer (an `ops::grad_sink::GradSink`): once
+/// [`Grads::bind`] points a model's [`GradSlot`] at them, the ops that take its weights write into
+/// them directly in the backward, with no zero-filled tensors or adds in candle's gradient store,
+/// and [`Grads::backward`] adds whatever the store still holds for the variable (from other ops)
+/// after. Other variables keep candle's gradient tensors, summed.
 pub struct Grads {
     pub(super) vars: Vec<Var>,
     pub(super) sinks: Vec<Option<Arc<GradSink>>>,
@@ -60,33 +61,24 @@ impl Grads {
         self.tensors.iter_mut().for_each(|t| *t = None);
     }
 
-    /// Installs these gradients' sinks on this thread until the guard drops. A forward run inside
-    /// it may use ops that write weight gradients only into sinks (`ops::block`); the backward
-    /// ([`Self::backward`]) installs them again itself.
-    pub fn scope(&self) -> SinkScope {
-        SinkScope::install(Arc::clone(&self.map))
-    }
-
-    /// Runs `forward` for these gradients: their sinks are installed while it runs, so that fused
-    /// ops in it (`ops::block`) can write their weights' gradients straight into the buffers at
-    /// the backward, with no gradient tensor. The backward ([`Self::backward`]) installs them
-    /// again itself. `let loss = grads.forward(|| model_loss(&batch))?; grads.backward(&loss)?;`
-    pub fn forward<T, E>(
-        &self,
-        forward: impl FnOnce() -> std::result::Result<T, E>,
-    ) -> std::result::Result<T, E> {
-        let _sinks = self.scope();
-        forward()
+    /// Points `slot` at these gradients' buffers (torch's `param.grad`): the ops that read the
+    /// slot in their forward (a model's layers, each holding its store's slot) then write their
+    /// weights' gradients into these buffers in the backward, with no gradient tensor, until the
+    /// slot is bound elsewhere or these gradients are dropped.
+    /// `let grads = Grads::new(&store.vars()); grads.bind(store.grad_slot());`
+    pub fn bind(&self, slot: &GradSlot) {
+        slot.bind(&self.map);
     }
 
     /// `loss.backward()`, adding the variables' gradients to these (with those that checkpointed
-    /// segments' backward passes set aside, [`crate::checkpoint`]).
+    /// segments' backward passes set aside, [`crate::checkpoint`]). Gradients the bound ops wrote
+    /// into the buffers are there already; those in candle's store are added.
     pub fn backward(&mut self, loss: &Tensor) -> Result<()> {
         crate::lock(&self.map.aside).clear();
-        let store = {
-            let _scope = SinkScope::install(Arc::clone(&self.map));
-            loss.backward()?
-        };
+        self.map.collecting.store(true, Ordering::Release);
+        let store = loss.backward();
+        self.map.collecting.store(false, Ordering::Release);
+        let store = store?;
         let mut aside = std::mem::take(&mut *crate::lock(&self.map.aside));
         for i in 0..self.vars.len() {
             let stored = store.get(self.vars[i].as_tensor());

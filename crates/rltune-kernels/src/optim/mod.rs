@@ -172,7 +172,7 @@ impl Adam {
     /// is never stored and read back (for GPT-2 the update's memory traffic drops by a third,
     /// and overlaps the backward's products). A tied table (the LM head's product, then an
     /// embedding's rows) is updated in the product too, except the rows its embedding held in
-    /// a forward run inside the gradients' scope (see `ops::grad_sink`), which are updated after
+    /// a forward bound to these gradients (see `ops::grad_sink`), which are updated after
     /// the backward with the other variables. Results are those of `backward` then
     /// [`Self::step`], bit for bit (at the default f32 matmul precision: the fused products always
     /// run the f32 kernels, so under `MatmulPrecision::Bf16` their gradients are the f32 ones).

@@ -1,6 +1,6 @@
 use super::*;
 use crate as ops;
-use crate::grad_sink::{SinkScope, SinkState};
+use crate::grad_sink::{GradSlot, SinkState};
 use candle_core::Device;
 
 /// Gradients holding `g` for the single variable `var`.
@@ -163,22 +163,23 @@ fn buffered_gradients_equal_candle_gradients() {
     let vars = [wte.clone(), w1.clone(), b1.clone(), w2.clone(), lnw.clone(), lnb.clone(), vh.clone()];
     let ids = Tensor::new(&[[1u32, 4, 4, 9], [0, 10, 3, 1]], &dev).unwrap();
     let targets = Tensor::new(&[2u32, 5, 5, 1, 7, 0, 3, 3], &dev).unwrap();
+    let slot = GradSlot::new();
     let loss = |scale: f64| {
-        let x = ops::embedding(&wte, &ids).unwrap().reshape((8, 8)).unwrap();
-        let x = ops::linear(&x, &w1, Some(&b1)).unwrap();
+        let x = ops::embedding_with(&wte, &ids, &slot).unwrap().reshape((8, 8)).unwrap();
+        let x = ops::linear_with(&x, &w1, Some(&b1), &slot).unwrap();
         let x = ops::gelu_tanh(&x).unwrap();
-        let x = ops::linear_in_out(&x, &w2, None).unwrap();
-        let h = ops::layer_norm(&x, &lnw, &lnb, 1e-5).unwrap();
-        let (lp, _) = ops::lm_head_logprobs(&h, &wte, &targets, None, 1.0, true).unwrap();
+        let x = ops::linear_in_out_with(&x, &w2, None, &slot).unwrap();
+        let h = ops::layer_norm_with(&x, &lnw, &lnb, 1e-5, &slot).unwrap();
+        let (lp, _) = ops::lm_head_logprobs_with(&h, &wte, &targets, None, 1.0, true, &slot).unwrap();
         let v = h.matmul(&vh).unwrap().sqr().unwrap().sum_all().unwrap();
         ((lp.sum_all().unwrap() + v).unwrap() * scale).unwrap()
     };
     let store = |scale| loss(scale).backward().unwrap();
     let (s1, s2) = (store(1.0), store(-0.5));
     let mut grads = Grads::new(&vars);
+    grads.bind(&slot);
     {
         // The weights of the fused ops go to the buffers, the matmul's to candle's store.
-        let _scope = SinkScope::install(Arc::clone(&grads.map));
         let s = loss(1.0).backward().unwrap();
         for (i, var) in vars.iter().enumerate() {
             assert_eq!(s.get(var).is_some(), i == 6, "variable {i} in candle's store");
@@ -199,22 +200,24 @@ fn buffered_gradients_equal_candle_gradients() {
 
 /// A small model through the ops that write gradient buffers: a tied embedding / LM head
 /// (two writes), an untied head, both linear layouts, a bias, layer norm and a candle
-/// matmul (candle's store). `twice` runs `w1` a second time.
-fn fused_model_loss(vars: &[Var], twice: bool) -> Tensor {
+/// matmul (candle's store). `twice` runs `w1` a second time. The ops write their weights'
+/// gradients where `slot` points; the embedding where `table` points (an unbound slot: the
+/// table's rows go to candle's store, and the LM head's product cannot consume the table).
+fn fused_model_loss(vars: &[Var], twice: bool, slot: &GradSlot, table: &GradSlot) -> Tensor {
     let dev = Device::Cpu;
     let [wte, w1, b1, w2, lnw, lnb, vh, wh] = vars else { panic!("8 variables") };
     let ids = Tensor::new(&[[1u32, 4, 4, 9], [0, 10, 3, 1]], &dev).unwrap();
     let targets = Tensor::new(&[2u32, 5, 5, 1, 7, 0, 3, 3], &dev).unwrap();
-    let x = ops::embedding(wte, &ids).unwrap().reshape((8, 8)).unwrap();
-    let mut x = ops::linear(&x, w1, Some(b1)).unwrap();
+    let x = ops::embedding_with(wte, &ids, table).unwrap().reshape((8, 8)).unwrap();
+    let mut x = ops::linear_with(&x, w1, Some(b1), slot).unwrap();
     if twice {
-        x = ops::linear(&x, w1, None).unwrap();
+        x = ops::linear_with(&x, w1, None, slot).unwrap();
     }
     let x = ops::gelu_tanh(&x).unwrap();
-    let x = ops::linear_in_out(&x, w2, None).unwrap();
-    let h = ops::layer_norm(&x, lnw, lnb, 1e-5).unwrap();
-    let (lp, _) = ops::lm_head_logprobs(&h, wte, &targets, None, 1.0, true).unwrap();
-    let (lp2, _) = ops::lm_head_logprobs(&h, wh, &targets, None, 1.0, true).unwrap();
+    let x = ops::linear_in_out_with(&x, w2, None, slot).unwrap();
+    let h = ops::layer_norm_with(&x, lnw, lnb, 1e-5, slot).unwrap();
+    let (lp, _) = ops::lm_head_logprobs_with(&h, wte, &targets, None, 1.0, true, slot).unwrap();
+    let (lp2, _) = ops::lm_head_logprobs_with(&h, wh, &targets, None, 1.0, true, slot).unwrap();
     let v = h.matmul(vh).unwrap().sqr().unwrap().sum_all().unwrap();
     ((lp.sum_all().unwrap() + lp2.sum_all().unwrap()).unwrap() + v).unwrap()
 }
@@ -232,26 +235,27 @@ fn fused_model_vars() -> Vec<Var> {
 }
 
 /// Three steps of `backward` then `step` on one copy of the model and of `step_fused` on
-/// another (its forward inside the gradients' scope with `in_scope`), which must give the
-/// same bits; `check(step, grads)` looks at the fused side's gradients after each step.
-/// Returns the fused side.
-fn unfused_and_fused_steps(in_scope: bool, check: impl Fn(usize, &Grads)) -> (Adam, Vec<Var>, Grads) {
+/// another (its embedding bound to the gradients too with `held`, so that it holds the rows it
+/// looks up), which must give the same bits; `check(step, grads)` looks at the fused side's
+/// gradients after each step. Returns the fused side, and its slot.
+fn unfused_and_fused_steps(held: bool, check: impl Fn(usize, &Grads)) -> (Adam, Vec<Var>, Grads, GradSlot) {
     let cfg = AdamConfig { lr: 1e-2, ..AdamConfig::default() };
     let (va, vb) = (fused_model_vars(), fused_model_vars());
     let (mut oa, mut ob) = (Adam::new(va.clone(), cfg).unwrap(), Adam::new(vb.clone(), cfg).unwrap());
     let (mut ga, mut gb) = (Grads::new(&va), Grads::new(&vb));
+    let (sa, sb) = (GradSlot::new(), GradSlot::new());
+    ga.bind(&sa);
+    gb.bind(&sb);
+    let table_a = if held { sa.clone() } else { GradSlot::new() };
+    let table_b = if held { sb.clone() } else { GradSlot::new() };
     for step in 0..3 {
         ga.clear();
-        ga.backward(&fused_model_loss(&va, false)).unwrap();
+        ga.backward(&fused_model_loss(&va, false, &sa, &table_a)).unwrap();
         oa.step(&ga).unwrap();
         gb.clear();
         let ran = ob
             .step_fused(&mut gb, |g| {
-                // Inside the scope, the embedding holds the rows it looks up in the table.
-                let loss = {
-                    let _scope = in_scope.then(|| g.scope());
-                    fused_model_loss(&vb, false)
-                };
+                let loss = fused_model_loss(&vb, false, &sb, &table_b);
                 g.backward(&loss)?;
                 Ok::<_, Error>(true)
             })
@@ -270,7 +274,7 @@ fn unfused_and_fused_steps(in_scope: bool, check: impl Fn(usize, &Grads)) -> (Ad
         check(step, &gb);
     }
     assert_eq!(oa.steps(), ob.steps());
-    (ob, vb, gb)
+    (ob, vb, gb, sb)
 }
 
 /// Per sink of `grads`, `flag` of its state (false without a sink).
@@ -280,9 +284,9 @@ fn sink_flags(grads: &Grads, flag: impl Fn(&SinkState) -> bool) -> Vec<bool> {
 
 #[test]
 fn fused_steps_equal_backward_then_step() {
-    let (mut ob, vb, mut gb) = unfused_and_fused_steps(false, |step, gb| {
+    let (mut ob, vb, mut gb, _) = unfused_and_fused_steps(false, |step, gb| {
         // From the second step the single-product weights (w1, w2, the untied head) are
-        // updated inside their products; the tied table (its forward held no rows), the
+        // updated inside their products; the tied table (its rows went to candle's store), the
         // bias and the norm are not.
         let want = step > 0;
         let applied = sink_flags(gb, |s| s.applied);
@@ -300,7 +304,7 @@ fn fused_steps_equal_backward_then_step() {
 /// products (armed after the steps above) or in the update after the backward.
 #[test]
 fn a_non_finite_gradient_is_not_applied() {
-    let (mut ob, vb, mut gb) = unfused_and_fused_steps(false, |_, _| {});
+    let (mut ob, vb, mut gb, slot) = unfused_and_fused_steps(false, |_, _| {});
     let flat = |v: &Var| v.flatten_all().unwrap().to_vec1::<f32>().unwrap();
     let before: Vec<Vec<f32>> = vb.iter().map(flat).collect();
     let host = |o: &Adam, i: usize| {
@@ -314,7 +318,7 @@ fn a_non_finite_gradient_is_not_applied() {
     gb.clear();
     let ran = ob
         .step_fused(&mut gb, |g| {
-            g.backward(&(fused_model_loss(&vb, false) * f64::INFINITY)?)?;
+            g.backward(&(fused_model_loss(&vb, false, &slot, &GradSlot::new()) * f64::INFINITY)?)?;
             Ok::<_, Error>(true)
         })
         .unwrap();
@@ -345,13 +349,16 @@ fn a_second_gradient_after_a_fused_update_is_an_error() {
     let vars = fused_model_vars();
     let mut opt = Adam::new(vars.clone(), AdamConfig::default()).unwrap();
     let mut grads = Grads::new(&vars);
-    grads.backward(&fused_model_loss(&vars, false)).unwrap();
+    let slot = GradSlot::new();
+    grads.bind(&slot);
+    let loss = |twice| fused_model_loss(&vars, twice, &slot, &slot);
+    grads.backward(&loss(false)).unwrap();
     opt.step(&grads).unwrap();
     // w1 had one product last time and is armed; now it gets two.
     grads.clear();
     let err = opt
         .step_fused(&mut grads, |g| {
-            g.backward(&fused_model_loss(&vars, true))?;
+            g.backward(&loss(true))?;
             Ok::<_, Error>(true)
         })
         .unwrap_err()
@@ -359,6 +366,6 @@ fn a_second_gradient_after_a_fused_update_is_an_error() {
     assert!(err.contains("already updated inside this backward"), "{err}");
     // Nothing stays armed: a plain backward and step work again.
     grads.clear();
-    grads.backward(&fused_model_loss(&vars, true)).unwrap();
+    grads.backward(&loss(true)).unwrap();
     opt.step(&grads).unwrap();
 }

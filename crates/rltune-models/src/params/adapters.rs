@@ -124,6 +124,7 @@ impl ParamStore {
             device: self.device.clone(),
             source: self.source.clone(),
             adapters_on: true,
+            grads: rltune_kernels::GradSlot::new(),
         }
     }
 

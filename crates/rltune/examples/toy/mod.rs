@@ -38,11 +38,14 @@ pub fn reference(store: &ParamStore) -> rltune::Result<(ParamStore, CausalLm)> {
     Ok((frozen, lm))
 }
 
-/// torch's Adam over every trainable variable of `store`, and the gradient buffers it reads.
+/// torch's Adam over every trainable variable of `store`, and the gradient buffers it reads,
+/// which the models built from `store` write into (torch's `param.grad`).
 pub fn adam(store: &ParamStore, lr: f64) -> rltune::Result<(Adam, Grads)> {
     let vars: Vec<Var> = store.vars().into_iter().map(|(_, v)| v).collect();
     let adam = Adam::new(vars.clone(), AdamConfig { lr, ..AdamConfig::default() })?;
-    Ok((adam, Grads::new(&vars)))
+    let grads = Grads::new(&vars);
+    grads.bind(store.grad_slot());
+    Ok((adam, grads))
 }
 
 /// A random prompt of `len` tokens (never the end-of-sequence token).

@@ -363,7 +363,8 @@ fn sequence_logps(lm: &CausalLm, batch: &Collated, keep: bool) -> Result<(TokenO
         hidden.device(),
     )?;
     let h = hidden.reshape((n_seq * t, c))?.index_select(&idx, 0)?;
-    let (logp, entropy) = ops::lm_head_logprobs(&h, lm.lm_head_weight(), &batch.targets, None, 1.0, keep)?;
+    let w = lm.lm_head_weight();
+    let (logp, entropy) = ops::lm_head_logprobs_with(&h, w, &batch.targets, None, 1.0, keep, lm.grad_slot())?;
     let values = logp.detach().to_dtype(DType::F64)?.to_vec1::<f64>()?;
     let mut sums = vec![0f64; n_seq];
     for (v, &s) in values.iter().zip(&batch.seq_of) {

@@ -148,16 +148,18 @@ pub(crate) fn row_sets(sets: &[&[u32]], device: &Device) -> Result<(Tensor, Tens
 
 /// Logprobs of `targets (N)` and entropies `(N)` under `softmax(h·Wᵀ / τ)` renormalised over
 /// each row's allowed set (`idx`, `pad`: `(N, K)`); differentiable in `hidden` and `weight`
-/// (the entropy carries no gradient, as the unconstrained head's).
+/// (the entropy carries no gradient, as the unconstrained head's); the weight's gradient goes
+/// where `grads` (its store's slot) points.
 pub(crate) fn constrained_logprobs(
     hidden: &Tensor,
     weight: &Tensor,
+    grads: &ops::GradSlot,
     targets: &Tensor,
     idx: &Tensor,
     pad: &Tensor,
     temperature: f64,
 ) -> Result<(Tensor, Tensor)> {
-    let logits = ops::linear(hidden, weight, None)?;
+    let logits = ops::linear_with(hidden, weight, None, grads)?;
     let logits = if temperature != 1.0 { (logits / temperature)? } else { logits };
     let g = (logits.gather(&idx.contiguous()?, 1)? + pad.to_dtype(logits.dtype())?)?;
     let max = g.max_keepdim(1)?.detach();
@@ -211,7 +213,7 @@ mod tests {
         let tt = Tensor::new(targets.as_slice(), &dev).unwrap();
         let weights = Tensor::new(&[0.7f64, -1.1, 0.4, 1.3], &dev).unwrap();
         let loss = |h: &Tensor, w: &Tensor| {
-            let (lp, _) = constrained_logprobs(h, w, &tt, &idx, &pad, temp).unwrap();
+            let (lp, _) = constrained_logprobs(h, w, &ops::GradSlot::new(), &tt, &idx, &pad, temp).unwrap();
             (lp * &weights).unwrap().sum_all().unwrap()
         };
         let (h, w) =
@@ -241,8 +243,16 @@ mod tests {
         let all: Vec<&[u32]> =
             vec![&[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]; n];
         let (idx_all, pad_all) = row_sets(&all, &dev).unwrap();
-        let (lp_all, _) =
-            constrained_logprobs(h.as_tensor(), w.as_tensor(), &tt, &idx_all, &pad_all, temp).unwrap();
+        let (lp_all, _) = constrained_logprobs(
+            h.as_tensor(),
+            w.as_tensor(),
+            &ops::GradSlot::new(),
+            &tt,
+            &idx_all,
+            &pad_all,
+            temp,
+        )
+        .unwrap();
         let g_all = (lp_all * &weights).unwrap().sum_all().unwrap().backward().unwrap();
         let d = (g_all.get(&h).unwrap() - grads.get(&h).unwrap()).unwrap().abs().unwrap().max_all().unwrap();
         assert!(d.to_scalar::<f64>().unwrap() > 1e-3, "the support changes nothing");
@@ -271,7 +281,8 @@ mod tests {
         let pad = Tensor::from_vec(pad, (n, k), &dev).unwrap();
         let tt = Tensor::new(&targets, &dev).unwrap();
         let (logp, entropy) =
-            constrained_logprobs(h.as_tensor(), w.as_tensor(), &tt, &idx, &pad, temp).unwrap();
+            constrained_logprobs(h.as_tensor(), w.as_tensor(), &ops::GradSlot::new(), &tt, &idx, &pad, temp)
+                .unwrap();
         let logits = h.as_tensor().matmul(&w.as_tensor().t().unwrap()).unwrap().to_vec2::<f32>().unwrap();
         let got = logp.to_vec1::<f32>().unwrap();
         for r in 0..n {

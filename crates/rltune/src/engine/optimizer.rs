@@ -9,7 +9,9 @@
 //! 1. [`Optimizer::begin`]: the cleared gradient buffers, and the schedule's learning rate for
 //!    this step;
 //! 2. the caller's forward and backward passes into those buffers (gradient accumulation is
-//!    several of them, each loss already divided by their number);
+//!    several of them, each loss already divided by their number): the optimizer binds its
+//!    store's gradient slot to them, so the models built from the store write their weights'
+//!    gradients there directly (torch's `param.grad`);
 //! 3. [`Optimizer::clip`]: in a data-parallel run the all-reduce of the gradients (their mean
 //!    over the processes, [`crate::dist`]); then the global gradient norm before clipping,
 //!    clipped to `max_grad_norm` when that is positive;
@@ -27,7 +29,7 @@
 //! let w = store.root().get_or_init("w", (2,), rltune::params::Init::Ones)?;
 //! let schedule = LrSchedule { kind: ScheduleKind::Constant, base_lr: 0.1, warmup_steps: 0, total_steps: 1 };
 //! let args = OptimArgs { learning_rate: 0.1, betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.0, max_grad_norm: 1.0, schedule };
-//! let mut opt = Optimizer::new(store.vars(), args)?;
+//! let mut opt = Optimizer::new(&store, args)?;
 //! let (mut grads, lr) = opt.begin(0);
 //! grads.backward(&w.sqr()?.sum_all()?)?;
 //! let norm = opt.clip(&mut grads)?;
@@ -36,12 +38,12 @@
 //! # Ok(()) }
 //! ```
 
-use candle_core::Var;
-
 use super::schedule::LrSchedule;
 use crate::dist::Dist;
 use crate::error::Result;
 use crate::optim::{Adam, AdamConfig, Grads};
+use crate::params::ParamStore;
+use rltune_kernels::GradSlot;
 
 /// The optimizer and schedule fields of transformers' `TrainingArguments`, resolved.
 #[derive(Debug, Clone, PartialEq)]
@@ -82,21 +84,36 @@ pub struct Optimizer {
     args: OptimArgs,
     /// The processes whose gradients each step averages (one process by default).
     dist: Dist,
+    /// The store's gradient slot, bound to every gradient buffer this optimizer hands out.
+    slot: GradSlot,
 }
 
 impl Optimizer {
-    /// An optimizer over `vars` (name, variable), in that order.
-    pub fn new(vars: Vec<(String, Var)>, args: OptimArgs) -> Result<Self> {
-        let (names, vars): (Vec<String>, Vec<Var>) = vars.into_iter().unzip();
+    /// An optimizer over the variables of `store` (in its order), whose gradient buffers the
+    /// models built from `store` write into (its [`ParamStore::grad_slot`] is bound to them).
+    pub fn new(store: &ParamStore, args: OptimArgs) -> Result<Self> {
+        let (names, vars): (Vec<String>, Vec<_>) = store.vars().into_iter().unzip();
         let cfg =
             AdamConfig { lr: args.learning_rate, beta1: args.betas.0, beta2: args.betas.1, eps: args.eps };
+        let slot = store.grad_slot().clone();
+        let grads = Grads::new(&vars);
+        grads.bind(&slot);
         Ok(Self {
-            grads: Some(Grads::new(&vars)),
+            grads: Some(grads),
             adam: Adam::new(vars, cfg)?,
             decay: names.iter().map(|n| decays(n)).collect(),
             args,
             dist: Dist::default(),
+            slot,
         })
+    }
+
+    /// Gradient buffers for this optimizer's variables, bound to its store's slot (after a
+    /// step that failed midway took the last ones).
+    pub fn new_grads(&self) -> Grads {
+        let grads = Grads::new(self.adam.vars());
+        grads.bind(&self.slot);
+        grads
     }
 
     /// This optimizer averaging the gradients over `dist`'s processes before each clip (a
@@ -134,7 +151,7 @@ impl Optimizer {
     /// Starts optimizer step `step` (from 0): the cleared gradient buffers and the step's
     /// learning rate. Warns once the schedule's steps are spent.
     pub fn begin(&mut self, step: usize) -> (Grads, f64) {
-        let mut grads = self.grads.take().unwrap_or_else(|| Grads::new(self.adam.vars()));
+        let mut grads = self.grads.take().unwrap_or_else(|| self.new_grads());
         grads.clear();
         let lr = self.args.schedule.lr(step);
         if step == self.args.schedule.total_steps {
@@ -152,7 +169,15 @@ impl Optimizer {
     /// A stand-in holding no variables, for while the real one is lent out
     /// (`std::mem::replace`, e.g. around [`crate::optim::Adam::step_fused`]).
     pub fn placeholder(&self) -> Result<Self> {
-        Ok(Self::new(Vec::new(), self.args.clone())?.with_dist(self.dist.clone()))
+        let cfg = AdamConfig::default();
+        Ok(Self {
+            grads: None,
+            adam: Adam::new(Vec::new(), cfg)?,
+            decay: Vec::new(),
+            args: self.args.clone(),
+            dist: self.dist.clone(),
+            slot: GradSlot::new(),
+        })
     }
 
     /// Replaces the learning rate, Adam's betas and ε, weight decay, clipping and schedule; the

@@ -182,7 +182,7 @@ impl Core {
         let eos_ids = cfg.eos_token_ids();
         let pad_id = cfg.pad_token_id().or(eos_ids.first().copied()).unwrap_or(0);
         let device = store.device().clone();
-        let opt = Optimizer::new(store.vars(), optim)?;
+        let opt = Optimizer::new(&store, optim)?;
         Ok(Self {
             store,
             policy,
@@ -553,6 +553,7 @@ impl Core {
                 let (lp, ent) = constrained_logprobs(
                     &h.index_select(&rc.sel, 0)?,
                     lm.lm_head_weight(),
+                    lm.grad_slot(),
                     &targets.index_select(&rc.sel, 0)?,
                     &rc.idx,
                     &rc.pad,
@@ -566,13 +567,14 @@ impl Core {
             }
             None => {
                 let select = batch.mask.flatten_all()?;
-                ops::lm_head_logprobs(
+                ops::lm_head_logprobs_with(
                     &h,
                     lm.lm_head_weight(),
                     &targets,
                     Some(&select),
                     self.temperature,
                     keep,
+                    lm.grad_slot(),
                 )?
             }
         };
@@ -607,7 +609,7 @@ impl Core {
         let result: Result<(Vec<T>, f64, f64)> = (|| {
             let (mut extras, mut loss_sum) = (Vec::with_capacity(micro_batches), 0f64);
             for k in 0..micro_batches {
-                let (loss, extra) = grads.forward(|| forward(self, k))?;
+                let (loss, extra) = forward(self, k)?;
                 extras.push(extra);
                 let loss_value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
                 loss_sum += loss_value;

@@ -59,7 +59,7 @@ impl Critic {
                 format!("must be a positive number, got {learning_rate}"),
             )));
         }
-        let optimizer = Optimizer::new(store.vars(), optim_args(learning_rate, None))?;
+        let optimizer = Optimizer::new(&store, optim_args(learning_rate, None))?;
         Ok(Self { model, store, optimizer, grads: None })
     }
 

@@ -208,7 +208,7 @@ impl PpoTrainer {
             return Err(Error::argument("policy", "its parameters must be trainable"));
         }
         let var_names: Vec<String> = store.vars().into_iter().map(|(n, _)| n).collect();
-        let optimizer = Optimizer::new(store.vars(), optim_args(config.learning_rate, config.max_grad_norm))?;
+        let optimizer = Optimizer::new(&store, optim_args(config.learning_rate, config.max_grad_norm))?;
         let kl_ctl = if config.adap_kl_ctrl {
             KlController::Adaptive {
                 value: config.init_kl_coef,
@@ -589,7 +589,7 @@ impl PpoTrainer {
     /// The policy's next-token logprobs, their entropies and the values, each `(B, L−1)` (every
     /// position but the last, whose logits predict a token outside the batch). The values come
     /// from the policy's value head (its input detached with `detach_value_head`), or, with a
-    /// separate critic, from the critic (whose forward runs inside `critic_grads`' scope).
+    /// separate critic, from the critic.
     ///
     /// `select (B, L−1)` limits the LM head to the marked positions (the others read 0 in
     /// logprobs and entropies, and their values are unspecified: the model skips the last
@@ -605,17 +605,15 @@ impl PpoTrainer {
         bias: &Tensor,
         select: Option<&Tensor>,
         allowed: Option<&Constraint>,
-        critic_grads: Option<&Grads>,
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let select = if allowed.is_some() { None } else { select };
         let hidden = hidden_states(&self.policy.lm, ids, pos, bias, select)?;
         let (logp, entropy) = self.head_logprobs(&self.policy.lm, &hidden, ids, select, allowed, true)?;
         let detach = self.config.detach_value_head;
-        let values = match (&self.critic, critic_grads) {
-            (Some(c), Some(g)) => g.forward(|| c.values(ids, pos, bias, select, detach))?,
-            (Some(c), None) => c.values(ids, pos, bias, select, detach)?,
-            (None, _) if detach => self.policy.v_head.forward(&hidden.detach())?,
-            (None, _) => self.policy.v_head.forward(&hidden)?,
+        let values = match &self.critic {
+            Some(c) => c.values(ids, pos, bias, select, detach)?,
+            None if detach => self.policy.v_head.forward(&hidden.detach())?,
+            None => self.policy.v_head.forward(&hidden)?,
         };
         Ok((logp, entropy, values))
     }
@@ -642,11 +640,28 @@ impl PpoTrainer {
             Some(c) => {
                 let k = c.idx.dim(2)?;
                 let (idx, pad) = (c.idx.reshape((b * w, k))?, c.pad.reshape((b * w, k))?);
-                constrained_logprobs(&h, lm.lm_head_weight(), &targets, &idx, &pad, temperature)?
+                constrained_logprobs(
+                    &h,
+                    lm.lm_head_weight(),
+                    lm.grad_slot(),
+                    &targets,
+                    &idx,
+                    &pad,
+                    temperature,
+                )?
             }
             None => {
                 let select = select.map(Tensor::flatten_all).transpose()?;
-                ops::lm_head_logprobs(&h, lm.lm_head_weight(), &targets, select.as_ref(), temperature, keep)?
+                let w = lm.lm_head_weight();
+                ops::lm_head_logprobs_with(
+                    &h,
+                    w,
+                    &targets,
+                    select.as_ref(),
+                    temperature,
+                    keep,
+                    lm.grad_slot(),
+                )?
             }
         };
         Ok((logp.reshape((b, w))?, entropy.reshape((b, w))?))

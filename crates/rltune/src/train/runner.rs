@@ -309,11 +309,8 @@ fn accumulate<O: Objective>(
     grads.clear();
     let mut loss = 0f64;
     for mb in group.chunks(batch_size) {
-        // Divided by the step's terms, not the micro-batch's: see the module docs. The sinks are
-        // installed for the forward too, so fused blocks can write their weights' gradients.
-        let scaled = grads.forward(|| -> Result<Tensor> {
-            Ok((obj.batch_loss(mb, false)?.loss_sum / terms.max(1.0 / world))?)
-        })?;
+        // Divided by the step's terms, not the micro-batch's: see the module docs.
+        let scaled = (obj.batch_loss(mb, false)?.loss_sum / terms.max(1.0 / world))?;
         loss += scalar(&scaled.detach())?;
         grads.backward(&scaled)?;
     }
@@ -493,7 +490,7 @@ impl<'a, O: Objective> Supervised<'a, O> {
         let opt = match lent {
             Lend::Lent(o) => Opt::Lent(o),
             Lend::Own(dist) => {
-                Opt::Own(Box::new(Optimizer::new(store.vars(), args.optim_args(total))?.with_dist(dist)))
+                Opt::Own(Box::new(Optimizer::new(store, args.optim_args(total))?.with_dist(dist)))
             }
         };
         let shape = RunShape {

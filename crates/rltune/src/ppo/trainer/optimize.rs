@@ -54,11 +54,9 @@ impl PpoTrainer {
         // variances' divisor, its share of a global minibatch) then needs no read of its own.
         let row_tokens: Vec<f64> = batch.mask.sum(1)?.to_dtype(DType::F64)?.to_vec1()?;
         let mut all = Vec::new();
-        let mut grads = self.grads.take().unwrap_or_else(|| Grads::new(self.optimizer.adam().vars()));
-        let mut critic_grads = self
-            .critic
-            .as_mut()
-            .map(|c| c.grads.take().unwrap_or_else(|| Grads::new(c.optimizer.adam().vars())));
+        let mut grads = self.grads.take().unwrap_or_else(|| self.optimizer.new_grads());
+        let mut critic_grads =
+            self.critic.as_mut().map(|c| c.grads.take().unwrap_or_else(|| c.optimizer.new_grads()));
         for _epoch in 0..cfg.ppo_epochs {
             let perm = match self.forced_permutations.pop_front() {
                 Some(p) => p,
@@ -246,11 +244,7 @@ impl PpoTrainer {
             (sel(data.old_logprobs)?, sel(data.values)?, sel(data.advantages)?, sel(data.returns)?);
         let select = if data.response_only { Some(&mask) } else { None };
         let allowed = batch.allowed.as_ref().map(|c| c.select(&idx)).transpose()?;
-        // The forward runs for these gradients: the fused GPT-2 blocks write weight gradients into
-        // their buffers.
-        let (logp, entropy, vpreds) = grads.forward(|| {
-            self.policy_forward(&ids, &pos, &bias, select, allowed.as_ref(), critic_grads.as_deref())
-        })?;
+        let (logp, entropy, vpreds) = self.policy_forward(&ids, &pos, &bias, select, allowed.as_ref())?;
         let l = math::ppo_losses(
             &old_lp,
             &old_v,
