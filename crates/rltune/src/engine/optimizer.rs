@@ -116,6 +116,13 @@ impl Optimizer {
         grads
     }
 
+    /// Points the store's slot at `grads` (buffers for this optimizer's variables), so that the
+    /// forwards from here on write into them. A slot points at one `Grads` at a time: whoever
+    /// is about to run a step binds its own first ([`Self::begin`] does).
+    pub fn bind(&self, grads: &Grads) {
+        grads.bind(&self.slot);
+    }
+
     /// This optimizer averaging the gradients over `dist`'s processes before each clip (a
     /// data-parallel run; see [`Self::clip`]).
     pub fn with_dist(mut self, dist: Dist) -> Self {
@@ -152,6 +159,9 @@ impl Optimizer {
     /// learning rate. Warns once the schedule's steps are spent.
     pub fn begin(&mut self, step: usize) -> (Grads, f64) {
         let mut grads = self.grads.take().unwrap_or_else(|| self.new_grads());
+        // Another holder of buffers for these variables (PPO's trainer keeps its own) may have
+        // bound the slot since.
+        self.bind(&grads);
         grads.clear();
         let lr = self.args.schedule.lr(step);
         if step == self.args.schedule.total_steps {
@@ -251,7 +261,41 @@ impl Optimizer {
 
 #[cfg(test)]
 mod tests {
-    use super::decays;
+    use super::*;
+    use crate::engine::ScheduleKind;
+    use candle_core::{DType, Device, Tensor};
+
+    /// A step's buffers get the gradients of the store's ops even after other buffers for the
+    /// same variables were bound since (PPO's trainer keeps its own; rejection sampling's steps
+    /// take the optimizer's): `begin` binds the store's slot to what it hands out.
+    #[test]
+    fn begin_binds_the_buffers_it_hands_out() {
+        let store = ParamStore::random(0, true, DType::F32, &Device::Cpu).unwrap();
+        let w = store.root().get_or_init("w", (3, 4), crate::params::Init::Ones).unwrap();
+        let schedule =
+            LrSchedule { kind: ScheduleKind::Constant, base_lr: 0.1, warmup_steps: 0, total_steps: 2 };
+        let args = OptimArgs {
+            learning_rate: 0.1,
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            weight_decay: 0.0,
+            max_grad_norm: 0.0,
+            schedule,
+        };
+        let mut opt = Optimizer::new(&store, args).unwrap();
+        let other = opt.new_grads();
+        let x = Tensor::arange(0f32, 8.0, &Device::Cpu).unwrap().reshape((2, 4)).unwrap();
+        let loss = || {
+            let y = crate::ops::linear_with(&x, &w, None, store.grad_slot()).unwrap();
+            y.sum_all().unwrap()
+        };
+        let (mut grads, _) = opt.begin(0);
+        grads.backward(&loss()).unwrap();
+        // d Σ(x·Wᵀ) / dW[o, i] = Σ_rows x[r, i]: 4, 6, 8, 10 in every row.
+        let g = grads.get(0).unwrap().expect("the step's buffers hold the gradient");
+        assert_eq!(g.flatten_all().unwrap().to_vec1::<f32>().unwrap(), [4.0, 6.0, 8.0, 10.0].repeat(3));
+        assert!(!other.has(0), "the other buffers got nothing");
+    }
 
     #[test]
     fn decay_groups_follow_transformers() {

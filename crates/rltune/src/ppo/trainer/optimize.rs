@@ -55,8 +55,13 @@ impl PpoTrainer {
         let row_tokens: Vec<f64> = batch.mask.sum(1)?.to_dtype(DType::F64)?.to_vec1()?;
         let mut all = Vec::new();
         let mut grads = self.grads.take().unwrap_or_else(|| self.optimizer.new_grads());
-        let mut critic_grads =
-            self.critic.as_mut().map(|c| c.grads.take().unwrap_or_else(|| c.optimizer.new_grads()));
+        // The slot may point at the optimizer's own buffers (rejection sampling's steps use them).
+        self.optimizer.bind(&grads);
+        let mut critic_grads = self.critic.as_mut().map(|c| {
+            let g = c.grads.take().unwrap_or_else(|| c.optimizer.new_grads());
+            c.optimizer.bind(&g);
+            g
+        });
         for _epoch in 0..cfg.ppo_epochs {
             let perm = match self.forced_permutations.pop_front() {
                 Some(p) => p,
