@@ -14,9 +14,9 @@
 //! the linear layers and the LM head run their weight-gradient GEMM into it, the embedding
 //! scatters its rows into it, layer and RMS norm add theirs. No thread-local or global says
 //! where gradients go: a model trained on one thread and evaluated on another, or two models
-//! trained at once, each write where their own slot points. The first write after [`GradSink::clear`] overwrites, later ones add, so
-//! nothing is zero-filled (a tied weight gets the LM head's product first, then the embedding's
-//! rows). Gradients that reach a parameter through other ops still arrive in candle's store; the
+//! trained at once, each write where their own slot points. The first write after
+//! [`GradSink::clear`] overwrites, later ones add, so nothing is zero-filled (a tied weight gets
+//! the LM head's product first, then the embedding's rows). Gradients that reach a parameter through other ops still arrive in candle's store; the
 //! owner adds them with [`GradSink::add`] (`optim::Grads` does).
 //!
 //! A sink can also be *armed* with an optimizer update ([`FusedUpdate`]): the first product
