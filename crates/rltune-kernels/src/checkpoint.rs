@@ -40,6 +40,12 @@ pub fn checkpoint_recomputations() -> usize {
     RECOMPUTED.load(Ordering::Relaxed)
 }
 
+/// Counts one segment recomputed by a backward pass outside [`checkpoint`] (the LM head's
+/// chunks).
+pub(crate) fn note_recomputation() {
+    RECOMPUTED.fetch_add(1, Ordering::Relaxed);
+}
+
 /// A checkpointed segment: `x ↦ f(x)`, run twice (forward, then again in the backward).
 pub type Segment = Arc<dyn Fn(&Tensor) -> CResult<Tensor> + Send + Sync>;
 
@@ -102,7 +108,7 @@ impl Checkpoint {
 }
 
 /// A copy of `s` laid out as `l`, contiguous.
-fn copy_out<S>(s: &S, l: &Layout) -> CResult<S>
+pub(crate) fn copy_out<S>(s: &S, l: &Layout) -> CResult<S>
 where
     S: BackendStorage,
     S::Device: BackendDevice<Storage = S>,

@@ -542,17 +542,31 @@ fn chunk_rows(v: usize) -> usize {
     (CHUNK_ELEMENTS / v.max(1)).max(1)
 }
 
-/// [`lm_head_logprobs`]'s composed form over chunks of `rows` rows, each a checkpointed segment
-/// ([`crate::checkpoint`]): the chunk's logits, log-probabilities and entropies are computed and
-/// dropped, and the backward recomputes one chunk's logits at a time. Composed in one piece, the
-/// `(N, V)` f32 logits (and, scaled by a temperature or cast from a bf16 product, their source)
-/// stayed alive from the forward to the end of the backward: 1.2 GB per copy for a mini-batch of
-/// 8 × 256 tokens of Qwen2-0.5B. The cost is the LM head's product run again in the backward.
+/// Bytes of the log-probabilities' gradients, in the products' dtype, that [`by_chunks`]'s
+/// backward gathers from several chunks before one product adds them to the weight's gradient:
+/// 256 MiB, four of Qwen2's chunks of 220 rows in bf16.
+const GROUP_BYTES: usize = 1 << 28;
+
+/// [`lm_head_logprobs`]'s composed form over chunks of `rows` rows: no `(N, V)` tensor lives
+/// from the forward to the backward. Composed in one piece, the `(N, V)` f32 logits (and, scaled
+/// by a temperature or cast from a bf16 product, their source) stayed alive until the end of the
+/// backward: 1.2 GB per copy for a mini-batch of 8 × 256 tokens of Qwen2-0.5B.
 ///
-/// Each chunk's values are those of the composed form on its rows (the same ops); the weight's
-/// gradient is the sum of the chunks' products. With `grads` unbound (an inference pass, or a
-/// backward that no [`crate::Grads`] collects) each chunk runs plainly: the forward still holds
-/// one chunk's logits at a time.
+/// The forward computes each chunk's logits, log-probabilities and entropies and drops the
+/// logits. One node on `(hidden, W)` carries the log-probabilities into the graph; its backward
+/// recomputes one chunk's logits at a time, turns them into `dlogits = g/τ · (onehot − p)`, and
+/// runs `dh = dlogits·W` per chunk and `dW = dlogitsᵀ·h` once per group of chunks
+/// ([`GROUP_BYTES`] of `dlogits`). The cost is the LM head's product run again in the backward.
+///
+/// Where the device's products run in bf16 ([`crate::set_device_matmul_precision`], autocast),
+/// the weight is cast to bf16 once per call, not once per chunk and product: the casts of
+/// Qwen2's 136M-element LM head were a fifth of the GPU time of a PPO iteration. `dW` comes out
+/// of each group's product in bf16, as autocast's product does, and is summed in f32.
+///
+/// The values are those of the composed form on each chunk's rows (the same products and
+/// kernels); the gradients are the composed form's up to the order of the sums over rows.
+/// `grads` gets the weight's gradient where it has a sink (see [`GradSlot`]); otherwise candle's
+/// store does.
 fn by_chunks(
     hidden: &Tensor,
     weight: &Tensor,
@@ -561,30 +575,204 @@ fn by_chunks(
     rows: usize,
     grads: &GradSlot,
 ) -> CResult<(Tensor, Tensor)> {
+    let (v, _) = weight.dims2()?;
+    let size = product_weight(weight)?.dtype().size_in_bytes();
+    let group = (GROUP_BYTES / (rows.max(1) * v.max(1) * size)).max(1);
+    by_chunk_groups(hidden, weight, targets, temperature, rows, group, grads)
+}
+
+/// [`by_chunks`] with `group` chunks a weight-gradient product.
+fn by_chunk_groups(
+    hidden: &Tensor,
+    weight: &Tensor,
+    targets: &Tensor,
+    temperature: f64,
+    rows: usize,
+    group: usize,
+    grads: &GradSlot,
+) -> CResult<(Tensor, Tensor)> {
     let n = hidden.dim(0)?;
-    let targets = targets.flatten_all()?;
-    let (mut logp, mut entropy) = (Vec::new(), Vec::new());
-    for start in (0..n).step_by(rows.max(1)) {
-        let len = rows.min(n - start);
-        let (w, t, slot) = (weight.clone(), targets.narrow(0, start, len)?, grads.clone());
-        // The chunk's log-probabilities and (detached) entropies side by side: one segment, whose
-        // output's second column gets no gradient.
-        let segment: super::Segment = Arc::new(move |h: &Tensor| {
-            let logits = super::linear_with(h, &w, None, &slot)?;
-            let logits = if temperature != 1.0 { (logits / temperature)? } else { logits };
-            let logp = super::logprobs_of(&logits, &t)?;
-            let entropy = super::entropy_from_logits(&logits.detach())?;
-            Tensor::stack(&[&logp, &entropy], 1)
-        });
-        let out = super::checkpoint(&hidden.narrow(0, start, len)?, segment, grads)?;
-        logp.push(out.narrow(1, 0, 1)?.squeeze(1)?);
-        entropy.push(out.narrow(1, 1, 1)?.squeeze(1)?.detach());
-    }
-    if logp.is_empty() {
+    if n == 0 {
         let none = Tensor::zeros(0, hidden.dtype(), hidden.device())?;
         return Ok((none.clone(), none));
     }
-    Ok((Tensor::cat(&logp, 0)?, Tensor::cat(&entropy, 0)?))
+    let head = ChunkedHead {
+        w: product_weight(weight)?,
+        targets: targets.flatten_all()?,
+        temperature,
+        rows: rows.max(1),
+        group: group.max(1),
+        out: Mutex::new(None),
+        sinks: grads.sinks(),
+    };
+    let h = hidden.detach();
+    let (mut logp, mut entropy) = (Vec::new(), Vec::new());
+    for start in (0..n).step_by(head.rows) {
+        let len = head.rows.min(n - start);
+        let logits = head.logits(&h.narrow(0, start, len)?)?;
+        logp.push(super::logprobs_of(&logits, &head.targets.narrow(0, start, len)?)?);
+        entropy.push(super::entropy_from_logits(&logits)?);
+    }
+    let (logp, entropy) = (Tensor::cat(&logp, 0)?, Tensor::cat(&entropy, 0)?);
+    if !hidden.track_op() && !weight.track_op() {
+        return Ok((logp, entropy));
+    }
+    *lock(&head.out) = Some(logp);
+    Ok((hidden.apply_op2(weight, head)?, entropy))
+}
+
+/// The LM head's weight as [`by_chunks`]'s products read it, detached: cast to bf16 once where
+/// the device's products run in bf16, as it is otherwise.
+fn product_weight(weight: &Tensor) -> CResult<Tensor> {
+    let w = weight.detach();
+    let autocast = !w.device().is_cpu()
+        && w.dtype() == DType::F32
+        && super::gemm::device_matmul_precision() == super::MatmulPrecision::Bf16;
+    if autocast {
+        w.to_dtype(DType::BF16)
+    } else {
+        Ok(w)
+    }
+}
+
+/// `a·b` with `a` cast to `b`'s dtype, the result in `out`.
+fn product(a: &Tensor, b: &Tensor, out: DType) -> CResult<Tensor> {
+    let a = if a.dtype() == b.dtype() { a.clone() } else { a.to_dtype(b.dtype())? };
+    let y = if a.device().is_cpu() { super::matmul(&a, b)? } else { a.matmul(b)? };
+    if y.dtype() == out {
+        Ok(y)
+    } else {
+        y.to_dtype(out)
+    }
+}
+
+/// [`by_chunks`]'s node: the log-probabilities its forward computed, and the backward by chunks.
+struct ChunkedHead {
+    /// The weight as the products read it ([`product_weight`]).
+    w: Tensor,
+    targets: Tensor,
+    temperature: f64,
+    rows: usize,
+    /// Chunks per weight-gradient product.
+    group: usize,
+    /// The log-probabilities, until the node's forward copies them out.
+    out: Mutex<Option<Tensor>>,
+    sinks: Sinks,
+}
+
+impl ChunkedHead {
+    /// `h·Wᵀ / τ` for the rows `h`, in `h`'s dtype.
+    fn logits(&self, h: &Tensor) -> CResult<Tensor> {
+        let logits = product(h, &self.w.t()?, h.dtype())?;
+        if self.temperature != 1.0 {
+            logits / self.temperature
+        } else {
+            Ok(logits)
+        }
+    }
+
+    fn take(&self) -> CResult<Tensor> {
+        lock(&self.out)
+            .take()
+            .ok_or_else(|| candle_core::Error::Msg("internal: the LM head's forward ran twice".into()))
+    }
+}
+
+impl CustomOp2 for ChunkedHead {
+    fn name(&self) -> &'static str {
+        "rltune-lm-head-chunks"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        let out = self.take()?;
+        let (s, l) = out.storage_and_layout();
+        match &*s {
+            candle_core::Storage::Cpu(s) => Ok((super::checkpoint::copy_out(s, l)?, l.shape().clone())),
+            _ => {
+                candle_core::bail!("lm-head: the log-probabilities are not on the CPU, the hidden states are")
+            }
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> CResult<(candle_core::CudaStorage, Shape)> {
+        let out = self.take()?;
+        let (s, l) = out.storage_and_layout();
+        match &*s {
+            candle_core::Storage::Cuda(s) => Ok((super::checkpoint::copy_out(s, l)?, l.shape().clone())),
+            _ => candle_core::bail!("lm-head: the log-probabilities are not on CUDA, the hidden states are"),
+        }
+    }
+
+    fn bwd(
+        &self,
+        hidden: &Tensor,
+        weight: &Tensor,
+        _logp: &Tensor,
+        g: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
+        let (n, d) = hidden.dims2()?;
+        let (want_dh, want_dw) = (hidden.track_op(), weight.track_op());
+        let (h, g) = (hidden.detach(), g.detach().flatten_all()?.to_dtype(hidden.dtype())?.contiguous()?);
+        let (mut dh, mut dw): (Vec<Tensor>, Option<Tensor>) = (Vec::new(), None);
+        let group_rows = self.rows * self.group;
+        for g0 in (0..n).step_by(group_rows) {
+            let glen = group_rows.min(n - g0);
+            let mut dlogits = Vec::new();
+            for start in (g0..g0 + glen).step_by(self.rows) {
+                let len = self.rows.min(g0 + glen - start);
+                let h_c = h.narrow(0, start, len)?;
+                let logits = self.logits(&h_c)?.contiguous()?;
+                super::checkpoint::note_recomputation();
+                let dl = super::softmax::logprobs_of_grad(
+                    &logits,
+                    &self.targets.narrow(0, start, len)?,
+                    &g.narrow(0, start, len)?,
+                )?;
+                drop(logits);
+                let dl = if self.temperature != 1.0 { (dl / self.temperature)? } else { dl };
+                let dl = if dl.dtype() == self.w.dtype() { dl } else { dl.to_dtype(self.w.dtype())? };
+                if want_dh {
+                    dh.push(product(&dl, &self.w, hidden.dtype())?);
+                }
+                if want_dw {
+                    dlogits.push(dl);
+                }
+            }
+            if want_dw {
+                let dl = if dlogits.len() == 1 {
+                    dlogits.pop().unwrap_or_else(|| unreachable!())
+                } else {
+                    Tensor::cat(&dlogits, 0)?
+                };
+                drop(dlogits);
+                let part =
+                    product(&dl.t()?, &h.narrow(0, g0, glen)?.to_dtype(self.w.dtype())?, weight.dtype())?;
+                dw = Some(match dw {
+                    None => part,
+                    Some(acc) => (acc + part)?,
+                });
+            }
+        }
+        let dh = if want_dh && !dh.is_empty() { Some(Tensor::cat(&dh, 0)?.reshape((n, d))?) } else { None };
+        let dw = match dw {
+            Some(dw) => self.sinks.give(weight, dw)?,
+            None => None,
+        };
+        Ok((dh, dw))
+    }
 }
 
 #[cfg(test)]
@@ -724,24 +912,43 @@ mod tests {
         }
     }
 
-    /// Values and gradients of `Σ c_r · logp_r` (plus the entropies) from [`by_chunks`], its
-    /// gradients collected by a bound [`crate::Grads`] (which the recomputing chunks need), in f64.
-    fn chunked(h: &Tensor, w: &Tensor, t: &Tensor, temp: f64, rows: usize) -> [Tensor; 4] {
+    /// Values and gradients of `Σ c_r · logp_r` (plus the entropies) from [`by_chunk_groups`]
+    /// (`group` chunks a weight-gradient product), in f64: collected by a bound
+    /// [`crate::Grads`] when `bound`, else by a plain backward.
+    fn chunked(
+        h: &Tensor,
+        w: &Tensor,
+        t: &Tensor,
+        temp: f64,
+        rows: usize,
+        group: usize,
+        bound: bool,
+    ) -> [Tensor; 4] {
         let (hv, wv) = (candle_core::Var::from_tensor(h).unwrap(), candle_core::Var::from_tensor(w).unwrap());
         let mut g = crate::Grads::new(&[hv.clone(), wv.clone()]);
         let slot = GradSlot::new();
-        g.bind(&slot);
-        let (lp, en) = by_chunks(hv.as_tensor(), wv.as_tensor(), t, temp, rows, &slot).unwrap();
+        if bound {
+            g.bind(&slot);
+        }
+        let (lp, en) = by_chunk_groups(hv.as_tensor(), wv.as_tensor(), t, temp, rows, group, &slot).unwrap();
         let n = h.dim(0).unwrap();
         let c = Tensor::from_vec((0..n).map(|i| 0.3 + 0.1 * i as f64).collect::<Vec<_>>(), n, &Device::Cpu)
             .unwrap();
-        g.backward(&(&lp * &c).unwrap().sum_all().unwrap()).unwrap();
-        [lp, en, g.get(0).unwrap().unwrap(), g.get(1).unwrap().unwrap()]
+        let loss = (&lp * &c).unwrap().sum_all().unwrap();
+        if bound {
+            g.backward(&loss).unwrap();
+            return [lp, en, g.get(0).unwrap().unwrap(), g.get(1).unwrap().unwrap()];
+        }
+        let store = loss.backward().unwrap();
+        let get = |v: &candle_core::Var| store.get(v.as_tensor()).unwrap().clone();
+        [lp.clone(), en, get(&hv), get(&wv)]
     }
 
     /// The chunked composed form (what CUDA and bf16 take) against the one-piece composed form:
-    /// one chunk, several, a ragged last one, one row each; with and without a temperature.
-    /// Each chunk is recomputed in the backward, so nothing of its logits is kept.
+    /// one chunk, several, a ragged last one, one row each; with and without a temperature; the
+    /// weight's gradient from one product per chunk, per two or three chunks, or per call; in a
+    /// bound `Grads` and in a plain backward. Each chunk is recomputed in the backward, so
+    /// nothing of its logits is kept.
     #[test]
     fn by_chunks_matches_the_composed_form_and_recomputes_each_chunk() {
         let (n, c, v) = (7, 5, 11);
@@ -759,14 +966,23 @@ mod tests {
                 store.get(hv.as_tensor()).unwrap().clone(),
                 store.get(wv.as_tensor()).unwrap().clone(),
             ];
-            for rows in [n, 100, 3, 2, 1] {
+            for (rows, group, bound) in [
+                (n, 1, true),
+                (100, 1, true),
+                (3, 1, true),
+                (3, 2, true),
+                (2, 3, false),
+                (1, 1, true),
+                (1, 4, false),
+            ] {
                 let before = crate::checkpoint_recomputations();
-                let got = chunked(&h, &w, &t, temp, rows);
+                let got = chunked(&h, &w, &t, temp, rows, group, bound);
                 let recomputed = crate::checkpoint_recomputations() - before;
-                assert_eq!(recomputed, n.div_ceil(rows.min(n)), "temperature {temp}, {rows} rows a chunk");
+                let case = format!("temperature {temp}, {rows} rows a chunk, {group} a group, bound {bound}");
+                assert_eq!(recomputed, n.div_ceil(rows.min(n)), "{case}");
                 for (what, (a, b)) in ["logp", "entropy", "dh", "dW"].iter().zip(got.iter().zip(&want)) {
                     let d = max_diff(a, b);
-                    assert!(d < 1e-12, "{what}, temperature {temp}, {rows} rows a chunk: off by {d}");
+                    assert!(d < 1e-12, "{what}, {case}: off by {d}");
                 }
             }
         }

@@ -639,6 +639,28 @@ pub fn logprobs_of(logits: &Tensor, targets: &Tensor) -> CResult<Tensor> {
     }
 }
 
+/// The gradient of `Σ g · logprobs_of(logits, targets)` in `logits`, without a graph:
+/// `g · (onehot(target) − softmax(logits))` row by row, by [`logprobs_of`]'s backward kernel
+/// where it runs, else through the composed form's backward.
+pub(crate) fn logprobs_of_grad(logits: &Tensor, targets: &Tensor, g: &Tensor) -> CResult<Tensor> {
+    let ok_dtype = matches!(logits.dtype(), DType::F32 | DType::F64);
+    let cuda = super::cuda_f32(&[logits]) && targets.dtype() == DType::U32;
+    if ((super::cpu_kernels(logits.device()) && ok_dtype) || cuda) && logits.rank() == targets.rank() + 1 {
+        return logits.contiguous()?.apply_op3_no_bwd(
+            &targets.contiguous()?,
+            &g.contiguous()?,
+            &LogprobsOfBwd,
+        );
+    }
+    let x = candle_core::Var::from_tensor(&logits.detach())?;
+    let logp = logprobs_of_composed(x.as_tensor(), targets)?;
+    let grads = (logp * g.detach())?.sum_all()?.backward()?;
+    match grads.get(x.as_tensor()) {
+        Some(dx) => Ok(dx.clone()),
+        None => Tensor::zeros_like(x.as_tensor()),
+    }
+}
+
 /// [`logprobs_of`] from differentiable candle ops: log-softmax, then gather.
 pub fn logprobs_of_composed(logits: &Tensor, targets: &Tensor) -> CResult<Tensor> {
     let logp = log_softmax_last_dim(logits)?;
