@@ -118,7 +118,7 @@ pub use gemm::{
 };
 pub use linear::{
     linear, linear_composed, linear_in_out, linear_in_out_composed, linear_in_out_lora, linear_in_out_with,
-    linear_lora, linear_with, matmul,
+    linear_lora, linear_with, matmul, matmul_weight_t, weight_cast_scope, WeightCastScope,
 };
 pub use lm_head::{lm_head_logprobs, lm_head_logprobs_with};
 pub use norm::{

@@ -541,19 +541,95 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> CResult<Tensor> {
     }
 }
 
+/// `a · wᵀ` for a weight `w (out, in)`: [`matmul`]`(a, wᵀ)`, except that off the CPU, inside a
+/// [`weight_cast_scope`], the bf16 copy of `w` that autocast reads is made once per scope.
+pub fn matmul_weight_t(a: &Tensor, w: &Tensor) -> CResult<Tensor> {
+    if a.device().is_cpu() {
+        matmul(a, &w.t()?)
+    } else {
+        candle_matmul(a, &autocast_weight(w)?.t()?)
+    }
+}
+
+/// Whether products on `t`'s device run in bf16 for f32 operands (autocast).
+fn autocast(t: &Tensor) -> bool {
+    !t.device().is_cpu()
+        && t.dtype() == DType::F32
+        && super::gemm::device_matmul_precision() == super::MatmulPrecision::Bf16
+}
+
 /// candle's matmul, with bf16 inputs off the CPU under
 /// [`MatmulPrecision::Bf16`](crate::MatmulPrecision) (see [`crate::set_device_matmul_precision`]).
-/// The casts are differentiable ops, so the gradients come back to the f32 operands as f32.
+/// The casts are differentiable ops, so the gradients come back to the f32 operands as f32. A
+/// right operand already in bf16 (a weight cast once by [`autocast_weight`]) is taken as it is.
 fn candle_matmul(a: &Tensor, b: &Tensor) -> CResult<Tensor> {
-    let bf16 = !a.device().is_cpu()
-        && a.dtype() == DType::F32
-        && b.dtype() == DType::F32
-        && super::gemm::device_matmul_precision() == super::MatmulPrecision::Bf16;
-    if bf16 {
+    if autocast(a) && b.dtype() == DType::F32 {
         a.to_dtype(DType::BF16)?.matmul(&b.to_dtype(DType::BF16)?)?.to_dtype(DType::F32)
+    } else if autocast(a) && b.dtype() == DType::BF16 {
+        a.to_dtype(DType::BF16)?.matmul(b)?.to_dtype(DType::F32)
     } else {
         rows_contiguous(a)?.matmul(b)
     }
+}
+
+std::thread_local! {
+    /// The bf16 copies of weights made in this thread's [`weight_cast_scope`], by weight; `None`
+    /// outside a scope.
+    static WEIGHT_CASTS: std::cell::RefCell<Option<std::collections::HashMap<candle_core::TensorId, Tensor>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// While alive, each weight that a product reads under autocast off the CPU is cast to bf16 once
+/// and the copy reused, as torch's autocast caches the casts of leaf tensors in an autocast
+/// region. The copies are detached: a product in the scope gives its weights no gradient. Hold
+/// it only where the weights neither change nor train: rltune holds it for one call of sampling
+/// (`generation::generate`). Scopes nest; the copies are dropped when the outermost one is.
+pub struct WeightCastScope {
+    outermost: bool,
+}
+
+/// Opens a [`WeightCastScope`] in this thread.
+pub fn weight_cast_scope() -> WeightCastScope {
+    let outermost = WEIGHT_CASTS.with(|c| {
+        let mut c = c.borrow_mut();
+        let fresh = c.is_none();
+        if fresh {
+            *c = Some(Default::default());
+        }
+        fresh
+    });
+    WeightCastScope { outermost }
+}
+
+impl Drop for WeightCastScope {
+    fn drop(&mut self) {
+        if self.outermost {
+            WEIGHT_CASTS.with(|c| *c.borrow_mut() = None);
+        }
+    }
+}
+
+/// The weight `w` as a product reads it: inside a [`weight_cast_scope`] and under autocast, its
+/// bf16 copy (made on first use); otherwise `w` itself (the product casts it, differentiably).
+fn autocast_weight(w: &Tensor) -> CResult<Tensor> {
+    if !autocast(w) {
+        return Ok(w.clone());
+    }
+    cached_cast(w, DType::BF16)
+}
+
+/// `w` in `dtype` from this thread's scope's copies (made on a miss); `w` itself outside a scope.
+fn cached_cast(w: &Tensor, dtype: DType) -> CResult<Tensor> {
+    WEIGHT_CASTS.with(|c| {
+        let mut c = c.borrow_mut();
+        let Some(casts) = c.as_mut() else { return Ok(w.clone()) };
+        if let Some(hit) = casts.get(&w.id()) {
+            return Ok(hit.clone());
+        }
+        let cast = w.detach().to_dtype(dtype)?;
+        casts.insert(w.id(), cast.clone());
+        Ok(cast)
+    })
 }
 
 /// `x`, copied to a contiguous layout off the CPU: candle's CUDA matmul takes no left operand
@@ -569,11 +645,16 @@ fn rows_contiguous(x: &Tensor) -> CResult<Tensor> {
 
 /// [`linear`] from candle's matmul and broadcast add.
 pub fn linear_composed(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> CResult<Tensor> {
-    linear_in_out_composed(x, &w.t()?, bias)
+    in_out_composed(x, &autocast_weight(w)?.t()?, bias)
 }
 
 /// [`linear_in_out`] from candle's matmul and broadcast add.
 pub fn linear_in_out_composed(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> CResult<Tensor> {
+    in_out_composed(x, &autocast_weight(w)?, bias)
+}
+
+/// `x·W (+ b)` from candle's matmul and broadcast add, `W` as the product reads it.
+fn in_out_composed(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> CResult<Tensor> {
     let (x2, out_dims) = flatten_rows(x, w.dim(1)?)?;
     let y = candle_matmul(&x2, w)?;
     let y = match bias {
@@ -740,6 +821,35 @@ mod tests {
         let wt = w.t().unwrap().contiguous().unwrap();
         let d = max_diff(&matmul(&x, &wt.t().unwrap()).unwrap(), &x.matmul(&w).unwrap());
         assert!(d < 1e-4, "max diff {d}");
+    }
+
+    /// A scope's copy of a weight is made once and reused, dropped with the outermost scope;
+    /// outside a scope the weight itself is read.
+    #[test]
+    fn weight_casts_are_made_once_per_scope() {
+        let w = randn(&[4, 3], 1).to_dtype(DType::F32).unwrap();
+        assert_eq!(cached_cast(&w, DType::BF16).unwrap().id(), w.id());
+        {
+            let _outer = weight_cast_scope();
+            let first = cached_cast(&w, DType::BF16).unwrap();
+            assert_eq!(first.dtype(), DType::BF16);
+            assert_ne!(first.id(), w.id());
+            {
+                let _inner = weight_cast_scope();
+                assert_eq!(cached_cast(&w, DType::BF16).unwrap().id(), first.id());
+            }
+            assert_eq!(
+                cached_cast(&w, DType::BF16).unwrap().id(),
+                first.id(),
+                "the inner scope kept the copies"
+            );
+            let w2 = (&w + 1.0).unwrap();
+            assert_ne!(cached_cast(&w2, DType::BF16).unwrap().id(), first.id());
+        }
+        assert_eq!(cached_cast(&w, DType::BF16).unwrap().id(), w.id(), "dropped with the outermost scope");
+        // On the CPU nothing is cast: the products read the weight itself.
+        let _scope = weight_cast_scope();
+        assert_eq!(autocast_weight(&w).unwrap().id(), w.id());
     }
 
     #[test]

@@ -850,7 +850,7 @@ impl Llama {
         let (b_sz, seq_len, c) = hidden.dims3()?;
         let v = self.lm_head.dim(0)?;
         let h = hidden.reshape((b_sz * seq_len, c))?;
-        Ok(rltune_kernels::matmul(&h, &self.lm_head.t()?)?.reshape((b_sz, seq_len, v))?)
+        Ok(rltune_kernels::matmul_weight_t(&h, &self.lm_head)?.reshape((b_sz, seq_len, v))?)
     }
 }
 
