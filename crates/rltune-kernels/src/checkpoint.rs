@@ -107,8 +107,29 @@ impl Checkpoint {
     }
 }
 
+/// A contiguous copy of `out`, on the CPU: the forward of a node that hands over a tensor
+/// computed before it (a checkpoint's output, the LM head's log-probabilities). `err` when `out`
+/// is elsewhere.
+pub(crate) fn cpu_copy(out: &Tensor, err: &str) -> CResult<(CpuStorage, Shape)> {
+    let (s, l) = out.storage_and_layout();
+    match &*s {
+        Storage::Cpu(s) => Ok((copy_out(s, l)?, l.shape().clone())),
+        _ => candle_core::bail!("{err}"),
+    }
+}
+
+/// [`cpu_copy`] on CUDA.
+#[cfg(feature = "cuda")]
+pub(crate) fn cuda_copy(out: &Tensor, err: &str) -> CResult<(candle_core::CudaStorage, Shape)> {
+    let (s, l) = out.storage_and_layout();
+    match &*s {
+        Storage::Cuda(s) => Ok((copy_out(s, l)?, l.shape().clone())),
+        _ => candle_core::bail!("{err}"),
+    }
+}
+
 /// A copy of `s` laid out as `l`, contiguous.
-pub(crate) fn copy_out<S>(s: &S, l: &Layout) -> CResult<S>
+fn copy_out<S>(s: &S, l: &Layout) -> CResult<S>
 where
     S: BackendStorage,
     S::Device: BackendDevice<Storage = S>,
@@ -125,12 +146,7 @@ impl CustomOp1 for Checkpoint {
     }
 
     fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> CResult<(CpuStorage, Shape)> {
-        let out = self.take()?;
-        let (s, l) = out.storage_and_layout();
-        match &*s {
-            Storage::Cpu(s) => Ok((copy_out(s, l)?, l.shape().clone())),
-            _ => candle_core::bail!("checkpoint: the segment's output is not on the CPU, its input is"),
-        }
+        cpu_copy(&self.take()?, "checkpoint: the segment's output is not on the CPU, its input is")
     }
 
     #[cfg(feature = "cuda")]
@@ -139,12 +155,7 @@ impl CustomOp1 for Checkpoint {
         _: &candle_core::CudaStorage,
         _: &Layout,
     ) -> CResult<(candle_core::CudaStorage, Shape)> {
-        let out = self.take()?;
-        let (s, l) = out.storage_and_layout();
-        match &*s {
-            Storage::Cuda(s) => Ok((copy_out(s, l)?, l.shape().clone())),
-            _ => candle_core::bail!("checkpoint: the segment's output is not on CUDA, its input is"),
-        }
+        cuda_copy(&self.take()?, "checkpoint: the segment's output is not on CUDA, its input is")
     }
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> CResult<Option<Tensor>> {

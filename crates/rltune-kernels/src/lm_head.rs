@@ -690,14 +690,8 @@ impl CustomOp2 for ChunkedHead {
         _: &CpuStorage,
         _: &Layout,
     ) -> CResult<(CpuStorage, Shape)> {
-        let out = self.take()?;
-        let (s, l) = out.storage_and_layout();
-        match &*s {
-            candle_core::Storage::Cpu(s) => Ok((super::checkpoint::copy_out(s, l)?, l.shape().clone())),
-            _ => {
-                candle_core::bail!("lm-head: the log-probabilities are not on the CPU, the hidden states are")
-            }
-        }
+        let err = "lm-head: the log-probabilities are not on the CPU, the hidden states are";
+        super::checkpoint::cpu_copy(&self.take()?, err)
     }
 
     #[cfg(feature = "cuda")]
@@ -708,12 +702,8 @@ impl CustomOp2 for ChunkedHead {
         _: &candle_core::CudaStorage,
         _: &Layout,
     ) -> CResult<(candle_core::CudaStorage, Shape)> {
-        let out = self.take()?;
-        let (s, l) = out.storage_and_layout();
-        match &*s {
-            candle_core::Storage::Cuda(s) => Ok((super::checkpoint::copy_out(s, l)?, l.shape().clone())),
-            _ => candle_core::bail!("lm-head: the log-probabilities are not on CUDA, the hidden states are"),
-        }
+        let err = "lm-head: the log-probabilities are not on CUDA, the hidden states are";
+        super::checkpoint::cuda_copy(&self.take()?, err)
     }
 
     fn bwd(
