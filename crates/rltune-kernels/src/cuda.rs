@@ -581,6 +581,45 @@ pub(crate) fn attention_bwd(
     }
     // SAFETY: the arguments match the kernel's parameters.
     unsafe { l.launch(cfg) }.w()?;
+    // Grouped query heads (Qwen2: 7 per key head) split over blocks, each head's share summed
+    // after: the grouped kernel's `b·kv` heads of blocks left most of the GPU idle.
+    if h > kv {
+        if let Some((tj, ti, shared)) = attention_key_tile(b * h * t, d) {
+            // SAFETY: the share kernel writes every (head, key row, column) of `part` (its blocks
+            // cover every head and key tile), the sum kernel every key and value column of dqkv.
+            let mut part = unsafe { dev.alloc::<f32>(b * h * t * 2 * d)? };
+            let func = dev.get_or_load_custom_func(
+                "rltune_attention_tiled_bwd_kv_part_f32",
+                "rltune_attention",
+                ATTENTION_PTX,
+            )?;
+            let mut l = func.builder();
+            l.arg(&mut part)
+                .arg(&ds)
+                .arg(&g)
+                .arg(&p)
+                .arg(&x)
+                .arg(&b)
+                .arg(&t)
+                .arg(&c)
+                .arg(&h)
+                .arg(&kv)
+                .arg(&tj)
+                .arg(&ti);
+            // SAFETY: the arguments match the kernel's parameters.
+            unsafe { l.launch(tiled(b * h * t.div_ceil(tj), shared)) }.w()?;
+            let func = dev.get_or_load_custom_func(
+                "rltune_attention_kv_sum_f32",
+                "rltune_attention",
+                ATTENTION_PTX,
+            )?;
+            let mut l = func.builder();
+            l.arg(&mut dqkv).arg(&part).arg(&b).arg(&t).arg(&c).arg(&h).arg(&kv);
+            // SAFETY: the arguments match the kernel's parameters.
+            unsafe { l.launch(elementwise(b * t * kv * 2 * d)) }.w()?;
+            return Ok(CudaStorage::wrap_cuda_slice(dqkv, dev));
+        }
+    }
     // Tiles of `tj` key rows reading tiles of `ti` query rows, or one block per key row of each
     // key head with one thread per column of a head.
     let key_tile = attention_key_tile(b * kv * t, d);

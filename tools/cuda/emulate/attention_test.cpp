@@ -7,7 +7,9 @@
 
 #include "attention.cu"
 
+#include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <string>
 
@@ -150,8 +152,9 @@ void check(const std::string &name, const Outputs &got, const Reference &want) {
   compare(name + ": dqkv", got.dqkv, want.dqkv);
 }
 
-// Runs the per-row (tiled = false) or tiled kernels, outputs starting as NaN.
-Outputs run(const Case &k, bool tiled, size_t tq, size_t tj, size_t ti) {
+// Runs the per-row (tiled = false) or tiled kernels, outputs starting as NaN; with `split`, the
+// tiled key side per query head (bwd_kv_part, then kv_sum).
+Outputs run(const Case &k, bool tiled, size_t tq, size_t tj, size_t ti, bool split = false) {
   const Shape &s = k.s;
   const size_t b = s.b, t = s.t, h = s.h, kv = s.kv, d = s.d, c = k.c, w = k.w;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
@@ -167,9 +170,18 @@ Outputs run(const Case &k, bool tiled, size_t tq, size_t tj, size_t ti) {
       rltune_attention_tiled_bwd_q_f32(dqkv.data(), ds.data(), g, p.data(), x, b, t, c, h, kv, scale, tq);
     });
     const size_t key_tiles = (t + tj - 1) / tj, kv_shared = (2 * ti * ld + 2 * ti * (tj + 1)) * sizeof(float);
-    emu::launch(b * kv * key_tiles, THREADS, kv_shared, [&] {
-      rltune_attention_tiled_bwd_kv_f32(dqkv.data(), ds.data(), g, p.data(), x, b, t, c, h, kv, tj, ti);
-    });
+    if (split) {
+      std::vector<float> part(b * h * t * 2 * d, NAN);
+      emu::launch(b * h * key_tiles, THREADS, kv_shared, [&] {
+        rltune_attention_tiled_bwd_kv_part_f32(part.data(), ds.data(), g, p.data(), x, b, t, c, h, kv, tj, ti);
+      });
+      // Fewer threads than values: the grid-stride loop covers the rest.
+      emu::launch(3, 64, 0, [&] { rltune_attention_kv_sum_f32(dqkv.data(), part.data(), b, t, c, h, kv); });
+    } else {
+      emu::launch(b * kv * key_tiles, THREADS, kv_shared, [&] {
+        rltune_attention_tiled_bwd_kv_f32(dqkv.data(), ds.data(), g, p.data(), x, b, t, c, h, kv, tj, ti);
+      });
+    }
   } else {
     const size_t shared = (d + t) * sizeof(float);
     emu::launch(b * h * t, THREADS, shared, [&] {
@@ -208,6 +220,13 @@ int main() {
     check(name + " tiled 32/32/32", run(k, true, 32, 32, 32), k.ref);
     check(name + " tiled 7/5/3", run(k, true, 7, 5, 3), k.ref);
     check(name + " tiled 1/1/1", run(k, true, 1, 1, 1), k.ref);
+    // The key side split per query head: the reference's values, and the per-group kernel's bits.
+    const Outputs grouped = run(k, true, 7, 5, 3), split = run(k, true, 7, 5, 3, true);
+    check(name + " tiled 7/5/3 split", split, k.ref);
+    const bool same = std::equal(split.dqkv.begin(), split.dqkv.end(), grouped.dqkv.begin(),
+                                 [](float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0; });
+    failures += !same;
+    std::printf("%s  %-58s\n", same ? "PASS" : "FAIL", (name + " split: dqkv bits of the grouped kernel").c_str());
   }
   const Case k = make(padded, seed);
   const Reference rows = widen(run(k, false, 0, 0, 0));

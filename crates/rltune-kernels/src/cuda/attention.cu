@@ -318,10 +318,44 @@ extern "C" __global__ void rltune_attention_tiled_bwd_q_f32(float *__restrict__ 
   store_rows(dqkv + bi * t * w, acc, w, hi * d, i0, nq, d);
 }
 
+// hk, hv (this thread's outputs, for_each_output over nj rows of D) += query head hi's share of
+// dk_j and dv_j for the `nj` key rows from j0 of batch row bi, through tiles of `ti` query rows.
+// Shared memory `sh`: the queries and the gradients of `ti` rows (ti, D + 1) each, dS and P of
+// those rows at the block's keys (ti, tj + 1) each.
+__device__ __forceinline__ void key_tile_head(float *hk, float *hv, float *sh, const float *__restrict__ ds,
+                                              const float *__restrict__ g, const float *__restrict__ p,
+                                              const float *__restrict__ qkv, size_t bi, size_t hi, size_t j0,
+                                              size_t nj, size_t t, size_t c, size_t h, size_t kv, size_t tj,
+                                              size_t ti) {
+  const size_t d = c / h, w = c + 2 * kv * d, ld = d + 1, lj = tj + 1, head = (bi * h + hi) * t;
+  float *sq = sh, *sg = sq + ti * ld, *sds = sg + ti * ld, *sp = sds + ti * lj;
+  const float *x = qkv + bi * t * w;
+  for (size_t i0 = 0; i0 < t; i0 += ti) {
+    const size_t ni = min_size(ti, t - i0);
+    __syncthreads(); // the previous tiles are read
+    load_rows(sq, x, w, hi * d, i0, ni, d);
+    load_rows(sg, g + bi * t * c, c, hi * d, i0, ni, d);
+    for (size_t idx = threadIdx.x; idx < ni * nj; idx += blockDim.x) {
+      const size_t r = idx / nj, k = idx % nj, at = (head + i0 + r) * t + j0 + k;
+      sds[r * lj + k] = ds[at];
+      sp[r * lj + k] = p[at];
+    }
+    __syncthreads();
+    for_each_output(nj, d, [&](int k, size_t jj, size_t e) {
+      float ak = hk[k], av = hv[k];
+      for (size_t r = 0; r < ni; ++r) {
+        ak += sds[r * lj + jj] * sq[r * ld + e];
+        av += sp[r * lj + jj] * sg[r * ld + e];
+      }
+      hk[k] = ak;
+      hv[k] = av;
+    });
+  }
+}
+
 // The backward's key side for `tj` key rows of key head g, blockIdx.x = (b KV + g) ceil(T / tj)
-// + tile: dk_j and dv_j summed over g's query heads, through tiles of `ti` query rows. Shared
-// memory: the queries and the gradients of `ti` rows (ti, D + 1) each, dS and P of those rows
-// at the block's keys (ti, tj + 1) each.
+// + tile: dk_j and dv_j summed over g's query heads in order, through tiles of `ti` query rows
+// (shared memory: key_tile_head's).
 extern "C" __global__ void rltune_attention_tiled_bwd_kv_f32(float *__restrict__ dqkv, const float *__restrict__ ds,
                                                              const float *__restrict__ g, const float *__restrict__ p,
                                                              const float *__restrict__ qkv, size_t b, size_t t,
@@ -329,39 +363,16 @@ extern "C" __global__ void rltune_attention_tiled_bwd_kv_f32(float *__restrict__
   RLTUNE_DYNAMIC_SHARED(float, sh);
   const size_t tiles = (t + tj - 1) / tj, key_head = blockIdx.x / tiles;
   if (key_head >= b * kv) return;
-  const size_t d = c / h, w = c + 2 * kv * d, rep = h / kv, ld = d + 1, lj = tj + 1;
+  const size_t d = c / h, w = c + 2 * kv * d, rep = h / kv;
   const size_t gi = key_head % kv, bi = key_head / kv;
   const size_t j0 = (blockIdx.x % tiles) * tj, nj = min_size(tj, t - j0);
-  float *sq = sh, *sg = sq + ti * ld, *sds = sg + ti * ld, *sp = sds + ti * lj;
-  const float *x = qkv + bi * t * w;
   float dk[RLTUNE_ATT_ACC], dv[RLTUNE_ATT_ACC], hk[RLTUNE_ATT_ACC], hv[RLTUNE_ATT_ACC];
 #pragma unroll
   for (int k = 0; k < RLTUNE_ATT_ACC; ++k) dk[k] = dv[k] = 0.0f;
   for (size_t hi = gi * rep; hi < (gi + 1) * rep; ++hi) {
-    const size_t head = (bi * h + hi) * t;
 #pragma unroll
     for (int k = 0; k < RLTUNE_ATT_ACC; ++k) hk[k] = hv[k] = 0.0f;
-    for (size_t i0 = 0; i0 < t; i0 += ti) {
-      const size_t ni = min_size(ti, t - i0);
-      __syncthreads(); // the previous tiles are read
-      load_rows(sq, x, w, hi * d, i0, ni, d);
-      load_rows(sg, g + bi * t * c, c, hi * d, i0, ni, d);
-      for (size_t idx = threadIdx.x; idx < ni * nj; idx += blockDim.x) {
-        const size_t r = idx / nj, k = idx % nj, at = (head + i0 + r) * t + j0 + k;
-        sds[r * lj + k] = ds[at];
-        sp[r * lj + k] = p[at];
-      }
-      __syncthreads();
-      for_each_output(nj, d, [&](int k, size_t jj, size_t e) {
-        float ak = hk[k], av = hv[k];
-        for (size_t r = 0; r < ni; ++r) {
-          ak += sds[r * lj + jj] * sq[r * ld + e];
-          av += sp[r * lj + jj] * sg[r * ld + e];
-        }
-        hk[k] = ak;
-        hv[k] = av;
-      });
-    }
+    key_tile_head(hk, hv, sh, ds, g, p, qkv, bi, hi, j0, nj, t, c, h, kv, tj, ti);
 #pragma unroll
     for (int k = 0; k < RLTUNE_ATT_ACC; ++k) {
       dk[k] += hk[k];
@@ -370,4 +381,44 @@ extern "C" __global__ void rltune_attention_tiled_bwd_kv_f32(float *__restrict__
   }
   store_rows(dqkv + bi * t * w, dk, w, c + gi * d, j0, nj, d);
   store_rows(dqkv + bi * t * w, dv, w, c + kv * d + gi * d, j0, nj, d);
+}
+
+// The key side with grouped query heads split over blocks, blockIdx.x = (b H + h) ceil(T / tj)
+// + tile: query head h's share of dk_j and dv_j for `tj` key rows, into part (B, H, T, 2 D)
+// rows [dk | dv]; rltune_attention_kv_sum_f32 then sums each key head's shares. With H / KV
+// query heads per key head, H / KV times the blocks of rltune_attention_tiled_bwd_kv_f32 (which
+// left most of a GPU idle at Qwen2's 14 query and 2 key heads), and the same bits.
+extern "C" __global__ void rltune_attention_tiled_bwd_kv_part_f32(float *__restrict__ part,
+                                                                  const float *__restrict__ ds,
+                                                                  const float *__restrict__ g,
+                                                                  const float *__restrict__ p,
+                                                                  const float *__restrict__ qkv, size_t b, size_t t,
+                                                                  size_t c, size_t h, size_t kv, size_t tj,
+                                                                  size_t ti) {
+  RLTUNE_DYNAMIC_SHARED(float, sh);
+  const size_t tiles = (t + tj - 1) / tj, head = blockIdx.x / tiles;
+  if (head >= b * h) return;
+  const size_t d = c / h, hi = head % h, bi = head / h;
+  const size_t j0 = (blockIdx.x % tiles) * tj, nj = min_size(tj, t - j0);
+  float hk[RLTUNE_ATT_ACC], hv[RLTUNE_ATT_ACC];
+#pragma unroll
+  for (int k = 0; k < RLTUNE_ATT_ACC; ++k) hk[k] = hv[k] = 0.0f;
+  key_tile_head(hk, hv, sh, ds, g, p, qkv, bi, hi, j0, nj, t, c, h, kv, tj, ti);
+  store_rows(part + head * t * 2 * d, hk, 2 * d, 0, j0, nj, d);
+  store_rows(part + head * t * 2 * d, hv, 2 * d, d, j0, nj, d);
+}
+
+// dqkv's key and value columns from rltune_attention_tiled_bwd_kv_part_f32's shares: each key
+// head's dk_j and dv_j as the sum of its query heads' shares from 0, in order (the per-group
+// kernel's order). One thread per value (B, T, KV, 2 D), grid-stride.
+extern "C" __global__ void rltune_attention_kv_sum_f32(float *__restrict__ dqkv, const float *__restrict__ part,
+                                                       size_t b, size_t t, size_t c, size_t h, size_t kv) {
+  const size_t d = c / h, w = c + 2 * kv * d, rep = h / kv, n = b * t * kv * 2 * d;
+  for (size_t idx = blockIdx.x * (size_t)blockDim.x + threadIdx.x; idx < n; idx += (size_t)gridDim.x * blockDim.x) {
+    const size_t e2 = idx % (2 * d), gi = idx / (2 * d) % kv, j = idx / (2 * d * kv) % t, bi = idx / (2 * d * kv * t);
+    const size_t which = e2 / d, e = e2 % d;
+    float acc = 0.0f;
+    for (size_t r = 0; r < rep; ++r) acc += part[((bi * h + gi * rep + r) * t + j) * 2 * d + e2];
+    dqkv[(bi * t + j) * w + c + which * kv * d + gi * d + e] = acc;
+  }
 }
