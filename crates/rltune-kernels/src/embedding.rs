@@ -99,8 +99,10 @@ pub fn embedding_with(table: &Tensor, ids: &Tensor, grads: &GradSlot) -> CResult
     let rows = if super::cpu_kernels(table.device()) && matches!(table.dtype(), DType::F32 | DType::F64) {
         // With a sink for a tracked table, the looked-up rows are held in it, so that an
         // optimizer fused into a tied LM head's product leaves them for this op's backward.
+        // Sampling (a weight-cast scope: nothing trains) runs no backward, so it holds none.
         let sinks = grads.sinks();
-        let sink = sinks.of(table).filter(|_| table.dtype() == DType::F32 && table.track_op());
+        let training = !super::linear::in_weight_cast_scope();
+        let sink = sinks.of(table).filter(|_| table.dtype() == DType::F32 && table.track_op() && training);
         if let Some(sink) = sink {
             sink.hold_rows(&flat.to_vec1::<u32>()?, table.dim(1)?)?;
         }
@@ -176,6 +178,24 @@ mod tests {
         loss().backward().unwrap();
         let worst = sink.state().buf.iter().zip(&want).map(|(g, w)| (g - 2.0 * w).abs()).fold(0f32, f32::max);
         assert!(worst < 1e-5, "second backward added {worst} off");
+    }
+
+    /// A lookup holds its rows in the table's sink for the backward, except while sampling (a
+    /// weight-cast scope), where no backward follows.
+    #[test]
+    fn rows_are_held_for_training_not_for_sampling() {
+        let table = Var::from_tensor(&randn(&[6, 4], 1).to_dtype(DType::F32).unwrap()).unwrap();
+        let (slot, sink) = (GradSlot::new(), Arc::new(GradSink::new(24)));
+        let map: Arc<SinkMap> = Arc::new([(table.as_tensor().id(), Arc::clone(&sink))].into_iter().collect());
+        slot.bind(&map);
+        {
+            let _sampling = crate::weight_cast_scope();
+            embedding_with(&table, &ids(), &slot).unwrap();
+        }
+        assert!(sink.state().held.is_none(), "sampling held rows");
+        embedding_with(&table, &ids(), &slot).unwrap();
+        let held = sink.state().held.clone().map(|(_, rows)| rows);
+        assert_eq!(held, Some(vec![true, true, false, true, false, true]));
     }
 
     #[test]

@@ -588,6 +588,11 @@ pub struct WeightCastScope {
     outermost: bool,
 }
 
+/// Whether a [`WeightCastScope`] is open in this thread: nothing trains here (sampling).
+pub(crate) fn in_weight_cast_scope() -> bool {
+    WEIGHT_CASTS.with(|c| c.borrow().is_some())
+}
+
 /// Opens a [`WeightCastScope`] in this thread.
 pub fn weight_cast_scope() -> WeightCastScope {
     let outermost = WEIGHT_CASTS.with(|c| {
