@@ -581,53 +581,21 @@ pub(crate) fn attention_bwd(
     }
     // SAFETY: the arguments match the kernel's parameters.
     unsafe { l.launch(cfg) }.w()?;
-    // Grouped query heads (Qwen2: 7 per key head) split over blocks, each head's share summed
-    // after: the grouped kernel's `b·kv` heads of blocks left most of the GPU idle.
-    if h > kv {
-        if let Some((tj, ti, shared)) = attention_key_tile(b * h * t, d) {
-            // SAFETY: the share kernel writes every (head, key row, column) of `part` (its blocks
-            // cover every head and key tile), the sum kernel every key and value column of dqkv.
-            let mut part = unsafe { dev.alloc::<f32>(b * h * t * 2 * d)? };
-            let func = dev.get_or_load_custom_func(
-                "rltune_attention_tiled_bwd_kv_part_f32",
-                "rltune_attention",
-                ATTENTION_PTX,
-            )?;
-            let mut l = func.builder();
-            l.arg(&mut part)
-                .arg(&ds)
-                .arg(&g)
-                .arg(&p)
-                .arg(&x)
-                .arg(&b)
-                .arg(&t)
-                .arg(&c)
-                .arg(&h)
-                .arg(&kv)
-                .arg(&tj)
-                .arg(&ti);
-            // SAFETY: the arguments match the kernel's parameters.
-            unsafe { l.launch(tiled(b * h * t.div_ceil(tj), shared)) }.w()?;
-            let func = dev.get_or_load_custom_func(
-                "rltune_attention_kv_sum_f32",
-                "rltune_attention",
-                ATTENTION_PTX,
-            )?;
-            let mut l = func.builder();
-            l.arg(&mut dqkv).arg(&part).arg(&b).arg(&t).arg(&c).arg(&h).arg(&kv);
-            // SAFETY: the arguments match the kernel's parameters.
-            unsafe { l.launch(elementwise(b * t * kv * 2 * d)) }.w()?;
-            return Ok(CudaStorage::wrap_cuda_slice(dqkv, dev));
+    // The key side. With grouped query heads (Qwen2: 7 per key head), split per query head:
+    // one block per query head's tile of keys writes its share into `part`, and a sum adds each
+    // key head's shares (the grouped kernel's `b·kv` heads of blocks left most of the GPU idle).
+    // Otherwise tiles of `tj` key rows reading tiles of `ti` query rows, or one block per key row
+    // of each key head with one thread per column of a head.
+    let split = if h > kv { attention_key_tile(b * h * t, d) } else { None };
+    let key_tile = split.or_else(|| attention_key_tile(b * kv * t, d));
+    let (kv_name, cfg) = match (split, key_tile) {
+        (Some((tj, _, shared)), _) => {
+            ("rltune_attention_tiled_bwd_kv_part_f32", tiled(b * h * t.div_ceil(tj), shared))
         }
-    }
-    // Tiles of `tj` key rows reading tiles of `ti` query rows, or one block per key row of each
-    // key head with one thread per column of a head.
-    let key_tile = attention_key_tile(b * kv * t, d);
-    let (kv_name, cfg) = match key_tile {
-        Some((tj, _, shared)) => {
+        (None, Some((tj, _, shared))) => {
             ("rltune_attention_tiled_bwd_kv_f32", tiled(b * kv * t.div_ceil(tj), shared))
         }
-        None => {
+        (None, None) => {
             let threads = (d.div_ceil(32) * 32).min(THREADS as usize) as u32;
             let key_rows = (b * kv * t) as u32;
             let cfg =
@@ -635,14 +603,32 @@ pub(crate) fn attention_bwd(
             ("rltune_attention_bwd_kv_f32", cfg)
         }
     };
+    // SAFETY: the share kernel writes every (head, key row, column) of `part` (its blocks cover
+    // every head and key tile), and the sum every key and value column of dqkv from it.
+    let mut part = match split {
+        Some(_) => Some(unsafe { dev.alloc::<f32>(b * h * t * 2 * d)? }),
+        None => None,
+    };
     let kv_side = dev.get_or_load_custom_func(kv_name, "rltune_attention", ATTENTION_PTX)?;
     let mut l = kv_side.builder();
-    l.arg(&mut dqkv).arg(&ds).arg(&g).arg(&p).arg(&x).arg(&b).arg(&t).arg(&c).arg(&h).arg(&kv);
+    match &mut part {
+        Some(part) => l.arg(part),
+        None => l.arg(&mut dqkv),
+    };
+    l.arg(&ds).arg(&g).arg(&p).arg(&x).arg(&b).arg(&t).arg(&c).arg(&h).arg(&kv);
     if let Some((tj, ti, _)) = &key_tile {
         l.arg(tj).arg(ti);
     }
     // SAFETY: the arguments match the kernel's parameters.
     unsafe { l.launch(cfg) }.w()?;
+    if let Some(part) = &part {
+        let sum =
+            dev.get_or_load_custom_func("rltune_attention_kv_sum_f32", "rltune_attention", ATTENTION_PTX)?;
+        let mut l = sum.builder();
+        l.arg(&mut dqkv).arg(part).arg(&b).arg(&t).arg(&c).arg(&h).arg(&kv);
+        // SAFETY: the arguments match the kernel's parameters.
+        unsafe { l.launch(elementwise(b * t * kv * 2 * d)) }.w()?;
+    }
     Ok(CudaStorage::wrap_cuda_slice(dqkv, dev))
 }
 

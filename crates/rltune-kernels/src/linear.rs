@@ -544,15 +544,11 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> CResult<Tensor> {
 /// `a · wᵀ` for a weight `w (out, in)`: [`matmul`]`(a, wᵀ)`, except that off the CPU, inside a
 /// [`weight_cast_scope`], the bf16 copy of `w` that autocast reads is made once per scope.
 pub fn matmul_weight_t(a: &Tensor, w: &Tensor) -> CResult<Tensor> {
-    if a.device().is_cpu() {
-        matmul(a, &w.t()?)
-    } else {
-        candle_matmul(a, &autocast_weight(w)?.t()?)
-    }
+    matmul(a, &autocast_weight(w)?.t()?)
 }
 
 /// Whether products on `t`'s device run in bf16 for f32 operands (autocast).
-fn autocast(t: &Tensor) -> bool {
+pub(crate) fn autocast(t: &Tensor) -> bool {
     !t.device().is_cpu()
         && t.dtype() == DType::F32
         && super::gemm::device_matmul_precision() == super::MatmulPrecision::Bf16
@@ -563,10 +559,8 @@ fn autocast(t: &Tensor) -> bool {
 /// The casts are differentiable ops, so the gradients come back to the f32 operands as f32. A
 /// right operand already in bf16 (a weight cast once by [`autocast_weight`]) is taken as it is.
 fn candle_matmul(a: &Tensor, b: &Tensor) -> CResult<Tensor> {
-    if autocast(a) && b.dtype() == DType::F32 {
+    if autocast(a) && matches!(b.dtype(), DType::F32 | DType::BF16) {
         a.to_dtype(DType::BF16)?.matmul(&b.to_dtype(DType::BF16)?)?.to_dtype(DType::F32)
-    } else if autocast(a) && b.dtype() == DType::BF16 {
-        a.to_dtype(DType::BF16)?.matmul(b)?.to_dtype(DType::F32)
     } else {
         rows_contiguous(a)?.matmul(b)
     }
@@ -620,18 +614,18 @@ fn autocast_weight(w: &Tensor) -> CResult<Tensor> {
     if !autocast(w) {
         return Ok(w.clone());
     }
-    cached_cast(w, DType::BF16)
+    cached_bf16(w)
 }
 
-/// `w` in `dtype` from this thread's scope's copies (made on a miss); `w` itself outside a scope.
-fn cached_cast(w: &Tensor, dtype: DType) -> CResult<Tensor> {
+/// `w` in bf16 from this thread's scope's copies (made on a miss); `w` itself outside a scope.
+fn cached_bf16(w: &Tensor) -> CResult<Tensor> {
     WEIGHT_CASTS.with(|c| {
         let mut c = c.borrow_mut();
         let Some(casts) = c.as_mut() else { return Ok(w.clone()) };
         if let Some(hit) = casts.get(&w.id()) {
             return Ok(hit.clone());
         }
-        let cast = w.detach().to_dtype(dtype)?;
+        let cast = w.detach().to_dtype(DType::BF16)?;
         casts.insert(w.id(), cast.clone());
         Ok(cast)
     })
@@ -833,25 +827,21 @@ mod tests {
     #[test]
     fn weight_casts_are_made_once_per_scope() {
         let w = randn(&[4, 3], 1).to_dtype(DType::F32).unwrap();
-        assert_eq!(cached_cast(&w, DType::BF16).unwrap().id(), w.id());
+        assert_eq!(cached_bf16(&w).unwrap().id(), w.id());
         {
             let _outer = weight_cast_scope();
-            let first = cached_cast(&w, DType::BF16).unwrap();
+            let first = cached_bf16(&w).unwrap();
             assert_eq!(first.dtype(), DType::BF16);
             assert_ne!(first.id(), w.id());
             {
                 let _inner = weight_cast_scope();
-                assert_eq!(cached_cast(&w, DType::BF16).unwrap().id(), first.id());
+                assert_eq!(cached_bf16(&w).unwrap().id(), first.id());
             }
-            assert_eq!(
-                cached_cast(&w, DType::BF16).unwrap().id(),
-                first.id(),
-                "the inner scope kept the copies"
-            );
+            assert_eq!(cached_bf16(&w).unwrap().id(), first.id(), "the inner scope kept the copies");
             let w2 = (&w + 1.0).unwrap();
-            assert_ne!(cached_cast(&w2, DType::BF16).unwrap().id(), first.id());
+            assert_ne!(cached_bf16(&w2).unwrap().id(), first.id());
         }
-        assert_eq!(cached_cast(&w, DType::BF16).unwrap().id(), w.id(), "dropped with the outermost scope");
+        assert_eq!(cached_bf16(&w).unwrap().id(), w.id(), "dropped with the outermost scope");
         // On the CPU nothing is cast: the products read the weight itself.
         let _scope = weight_cast_scope();
         assert_eq!(autocast_weight(&w).unwrap().id(), w.id());

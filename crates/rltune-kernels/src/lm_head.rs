@@ -576,7 +576,7 @@ fn by_chunks(
     grads: &GradSlot,
 ) -> CResult<(Tensor, Tensor)> {
     let (v, _) = weight.dims2()?;
-    let size = product_weight(weight)?.dtype().size_in_bytes();
+    let size = product_dtype(weight).size_in_bytes();
     let group = (GROUP_BYTES / (rows.max(1) * v.max(1) * size)).max(1);
     by_chunk_groups(hidden, weight, targets, temperature, rows, group, grads)
 }
@@ -621,29 +621,27 @@ fn by_chunk_groups(
     Ok((hidden.apply_op2(weight, head)?, entropy))
 }
 
-/// The LM head's weight as [`by_chunks`]'s products read it, detached: cast to bf16 once where
-/// the device's products run in bf16, as it is otherwise.
-fn product_weight(weight: &Tensor) -> CResult<Tensor> {
-    let w = weight.detach();
-    let autocast = !w.device().is_cpu()
-        && w.dtype() == DType::F32
-        && super::gemm::device_matmul_precision() == super::MatmulPrecision::Bf16;
-    if autocast {
-        w.to_dtype(DType::BF16)
+/// The dtype of [`by_chunks`]'s products for `weight`: bf16 where the device's products run in
+/// bf16 (autocast), the weight's own otherwise.
+fn product_dtype(weight: &Tensor) -> DType {
+    if super::linear::autocast(weight) {
+        DType::BF16
     } else {
-        Ok(w)
+        weight.dtype()
     }
+}
+
+/// The LM head's weight as [`by_chunks`]'s products read it, detached, in [`product_dtype`]:
+/// cast once per call.
+fn product_weight(weight: &Tensor) -> CResult<Tensor> {
+    weight.detach().to_dtype(product_dtype(weight))
 }
 
 /// `a·b` with `a` cast to `b`'s dtype, the result in `out`.
 fn product(a: &Tensor, b: &Tensor, out: DType) -> CResult<Tensor> {
-    let a = if a.dtype() == b.dtype() { a.clone() } else { a.to_dtype(b.dtype())? };
+    let a = a.to_dtype(b.dtype())?;
     let y = if a.device().is_cpu() { super::matmul(&a, b)? } else { a.matmul(b)? };
-    if y.dtype() == out {
-        Ok(y)
-    } else {
-        y.to_dtype(out)
-    }
+    y.to_dtype(out)
 }
 
 /// [`by_chunks`]'s node: the log-probabilities its forward computed, and the backward by chunks.
@@ -733,7 +731,7 @@ impl CustomOp2 for ChunkedHead {
                 )?;
                 drop(logits);
                 let dl = if self.temperature != 1.0 { (dl / self.temperature)? } else { dl };
-                let dl = if dl.dtype() == self.w.dtype() { dl } else { dl.to_dtype(self.w.dtype())? };
+                let dl = dl.to_dtype(self.w.dtype())?;
                 if want_dh {
                     dh.push(product(&dl, &self.w, hidden.dtype())?);
                 }
@@ -742,11 +740,7 @@ impl CustomOp2 for ChunkedHead {
                 }
             }
             if want_dw {
-                let dl = if dlogits.len() == 1 {
-                    dlogits.pop().unwrap_or_else(|| unreachable!())
-                } else {
-                    Tensor::cat(&dlogits, 0)?
-                };
+                let dl = Tensor::cat(&dlogits, 0)?;
                 drop(dlogits);
                 let part =
                     product(&dl.t()?, &h.narrow(0, g0, glen)?.to_dtype(self.w.dtype())?, weight.dtype())?;

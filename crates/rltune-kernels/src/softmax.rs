@@ -630,22 +630,26 @@ impl CustomOp3 for LogprobsOfBwd {
 /// fused op: the forward keeps no `(B, T, V)` log-softmax, the backward writes
 /// `g · (onehot − softmax)` row by row. Targets are u32 (or i64, u8) ids below V.
 pub fn logprobs_of(logits: &Tensor, targets: &Tensor) -> CResult<Tensor> {
-    let ok_dtype = matches!(logits.dtype(), DType::F32 | DType::F64);
-    let cuda = super::cuda_f32(&[logits]) && targets.dtype() == DType::U32;
-    if ((super::cpu_kernels(logits.device()) && ok_dtype) || cuda) && logits.rank() == targets.rank() + 1 {
+    if logprobs_kernel_runs(logits, targets) {
         logits.contiguous()?.apply_op2(&targets.contiguous()?, LogprobsOf)
     } else {
         logprobs_of_composed(logits, targets)
     }
 }
 
+/// Whether [`logprobs_of`]'s kernels take these operands: f32 or f64 on the CPU, f32 with u32
+/// targets on CUDA, one more dimension in the logits than in the targets.
+fn logprobs_kernel_runs(logits: &Tensor, targets: &Tensor) -> bool {
+    let ok_dtype = matches!(logits.dtype(), DType::F32 | DType::F64);
+    let cuda = super::cuda_f32(&[logits]) && targets.dtype() == DType::U32;
+    ((super::cpu_kernels(logits.device()) && ok_dtype) || cuda) && logits.rank() == targets.rank() + 1
+}
+
 /// The gradient of `Σ g · logprobs_of(logits, targets)` in `logits`, without a graph:
 /// `g · (onehot(target) − softmax(logits))` row by row, by [`logprobs_of`]'s backward kernel
 /// where it runs, else through the composed form's backward.
 pub(crate) fn logprobs_of_grad(logits: &Tensor, targets: &Tensor, g: &Tensor) -> CResult<Tensor> {
-    let ok_dtype = matches!(logits.dtype(), DType::F32 | DType::F64);
-    let cuda = super::cuda_f32(&[logits]) && targets.dtype() == DType::U32;
-    if ((super::cpu_kernels(logits.device()) && ok_dtype) || cuda) && logits.rank() == targets.rank() + 1 {
+    if logprobs_kernel_runs(logits, targets) {
         return logits.contiguous()?.apply_op3_no_bwd(
             &targets.contiguous()?,
             &g.contiguous()?,
