@@ -619,8 +619,10 @@ fn write_side_files(g: &Gguf, dir: &Path) -> Result<()> {
 
 /// The files of a GGUF model: its weights are the GGUF itself; `config.json`, `tokenizer.json`,
 /// `tokenizer_config.json` and `generation_config.json` are derived from its metadata into a
-/// cache directory ([`super::hub::HubOptions::derived_dir`]: `$RLTUNE_CACHE` for the command,
-/// else the system temp dir; `rltune-gguf-<hash of path, size, mtime>`).
+/// cache directory ([`super::hub::HubOptions::derived_root_for`]: `$RLTUNE_CACHE` for the
+/// command; else the model's own folder when that is inside the system temp dir, so that a
+/// scratch model's derived files go with it; else the system temp dir;
+/// `rltune-gguf-<stem>-<hash of path, size, mtime>`).
 pub fn model_files(path: &Path) -> Result<ModelFiles> {
     let g = Gguf::open(path)?;
     let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
@@ -633,7 +635,7 @@ pub fn model_files(path: &Path) -> Result<ModelFiles> {
     let key = format!("{}|{}|{mtime}", abs.display(), meta.len());
     // FNV-1a: stable across runs and platforms.
     let hash = key.bytes().fold(0xcbf29ce484222325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100000001b3));
-    let root = super::hub::current().derived_root();
+    let root = super::hub::current().derived_root_for(&abs);
     let stem = path.file_stem().map(|s| s.to_string_lossy().to_string()).unwrap_or_default();
     let dir = root.join(format!("rltune-gguf-{stem}-{hash:016x}"));
     write_side_files(&g, &dir)?;

@@ -7,7 +7,7 @@
 //! dataset loader then reads [`current`]. Without an installation the loaders use
 //! [`HubOptions::default`]: online, the standard cache under the home directory.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::RwLock;
 
 use crate::error::{Error, Result};
@@ -69,6 +69,22 @@ impl HubOptions {
     pub fn derived_root(&self) -> PathBuf {
         self.derived_dir.clone().unwrap_or_else(std::env::temp_dir)
     }
+
+    /// The folder under which the files derived from the GGUF at `model` (canonical) are
+    /// written: `RLTUNE_CACHE` where set; else, for a model inside a folder of the system temp
+    /// dir (a scratch copy, as tests and staging scripts make), that folder, so that the
+    /// derived files go when it goes; else the system temp dir.
+    pub fn derived_root_for(&self, model: &Path) -> PathBuf {
+        if let Some(dir) = &self.derived_dir {
+            return dir.clone();
+        }
+        let tmp = std::env::temp_dir();
+        let tmp = std::fs::canonicalize(&tmp).unwrap_or(tmp);
+        match model.parent() {
+            Some(parent) if parent != tmp && parent.starts_with(&tmp) => parent.to_path_buf(),
+            _ => tmp,
+        }
+    }
 }
 
 static INSTALLED: RwLock<Option<HubOptions>> = RwLock::new(None);
@@ -86,6 +102,21 @@ pub fn current() -> HubOptions {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// GGUF side files go to `RLTUNE_CACHE` where set; else beside a model in a folder of the
+    /// temp dir (gone with it); else to the temp dir itself.
+    #[test]
+    fn derived_files_of_a_scratch_model_stay_in_its_folder() {
+        let tmp = std::fs::canonicalize(std::env::temp_dir()).unwrap();
+        let scratch = tempfile::tempdir().unwrap();
+        let scratch = std::fs::canonicalize(scratch.path()).unwrap();
+        let defaults = HubOptions::default();
+        assert_eq!(defaults.derived_root_for(&scratch.join("m.gguf")), scratch);
+        assert_eq!(defaults.derived_root_for(&tmp.join("m.gguf")), tmp);
+        assert_eq!(defaults.derived_root_for(Path::new("/data/models/m.gguf")), tmp);
+        let set = HubOptions { derived_dir: Some("/cache/r".into()), ..HubOptions::default() };
+        assert_eq!(set.derived_root_for(&scratch.join("m.gguf")), PathBuf::from("/cache/r"));
+    }
 
     #[test]
     fn options_come_from_the_variables_given() {

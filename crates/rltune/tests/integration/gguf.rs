@@ -136,6 +136,12 @@ fn f32_gguf_loads_as_the_same_model_with_its_tokenizer_and_template() {
     let path = dir.path().join("tiny.gguf");
     write_gguf(&path, "llama", &cfg, &tensors, GgmlDType::F32);
     let loaded = load_lm(path.to_str().unwrap(), false, DType::F32, &Device::Cpu).unwrap();
+    // A scratch model's derived files stay in its folder, and go with it.
+    assert!(
+        loaded.files.dir.starts_with(std::fs::canonicalize(dir.path()).unwrap()),
+        "{}",
+        loaded.files.dir.display()
+    );
     let d = max_diff(&logits(&lm), &logits(&loaded.lm));
     println!("f32 GGUF vs original: max logit diff {d:.2e}");
     assert_eq!(d, 0.0, "q/k un-permutation or names are wrong");
