@@ -11,7 +11,7 @@ mkdir -p "$OUT"
 status=0
 for test in tools/cuda/emulate/*_test.cpp; do
   name="$(basename "$test" .cpp)"
-  g++ -std=c++20 -O1 -pthread -Wall -Wextra -Wno-unused-parameter -Wno-unknown-pragmas -I crates/rltune-kernels/src/cuda \
+  g++ -std=c++20 -O1 -pthread -Wall -Wextra -Wno-unused-parameter -Wno-unknown-pragmas -I tools/cuda/emulate -I crates/rltune-kernels/src/cuda \
     -o "$OUT/$name" "$test"
   "$OUT/$name" || status=1
 done

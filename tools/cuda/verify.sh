@@ -417,8 +417,28 @@ EOF
     bench_pair "$name" "$4" "$(trl_site trl116)" 1.16.0 median_step_s median_step_s || true
   }
   bench_grpo qwen2-0.5b bf16 2 150
+  # 7a. bf16 activations alone (issue #53): the same GRPO step with `--activations f32` (each
+  #     product's result cast back to f32 and again to bf16 by the next product, as before
+  #     2026-12-01), against the default (bf16 through Llama's MLP) of bench-grpo-qwen2-0.5b-bf16
+  #     above. rltune only: time and peak memory (rltune_only, below, for both A/Bs).
+  # 7b. Attention's products in bf16 on the tensor cores (`--attention bf16`, not yet the
+  #     default), against rltune's fused f32 attention kernels of the same default step.
+  rltune_only() { # rltune_only NAME LIMIT FLAG VALUE BENCH ITERS TIME_KEY: the 0.5B preset in bf16 with one runtime flag
+    local name="$1"
+    gpu_mem_start
+    if run "bench-$name-rltune" "$2" "$BIN" bench "$5" --preset qwen2-0.5b --device "$DEVICE" --dtype bf16 --iters "$6" "--$3" "$4" --json; then
+      peak="$(gpu_mem_stop)"
+      record bench "$name" "$(python3 -c 'import json,sys; d=json.loads(sys.argv[1]); print(json.dumps({"rltune_s": d.get(sys.argv[6]), "optimize_s": d.get("median_optimize_step_s"), "rltune_peak_mib": json.loads(sys.argv[2]), sys.argv[4]: sys.argv[5], "exit": int(sys.argv[3]), "rltune": d}))' "$(result_line "$LOGS/bench-$name-rltune.log")" "$peak" "$RC" "$3" "$4" "$7")"
+    else
+      gpu_mem_stop >/dev/null
+    fi
+  }
+  rltune_only grpo-qwen2-0.5b-bf16-act-f32 150 activations f32 grpo 2 median_step_s
+  rltune_only grpo-qwen2-0.5b-bf16-att-bf16 150 attention bf16 grpo 2 median_step_s
+  #     And the 0.5B PPO iteration with bf16 attention, against bench-ppo-qwen2-0.5b-bf16 (step 6).
+  rltune_only ppo-qwen2-0.5b-bf16-att-bf16 180 attention bf16 ppo 1 median_total_s
   bench_grpo qwen2-0.5b bf16 2 150 ckpt
-  # 7b. The same GRPO step (the 0.5B preset's geometry, 16 × (128 + 128)) on SmolLM2-135M-Instruct's
+  # 7c. The same GRPO step (the 0.5B preset's geometry, 16 × (128 + 128)) on SmolLM2-135M-Instruct's
   #     own weights (issue #55), where its GGUF is here: staged in parts by tools/cuda/rlhf.sh
   #     (`stage` four times, then `join`). `rltune convert` writes the Hugging Face directory that
   #     both sides load.

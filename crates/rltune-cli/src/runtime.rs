@@ -3,7 +3,9 @@
 
 use anyhow::{Context, Result};
 use rltune::dist::Dist;
-use rltune::runtime::{CudaHost, DeviceChoice, Precision, Runtime, RuntimeSection};
+use rltune::runtime::{
+    Activations, AttentionProducts, CudaHost, DeviceChoice, Precision, Runtime, RuntimeSection,
+};
 
 /// The runtime flags of a command.
 #[derive(clap::Args, Clone, Debug, Default)]
@@ -21,12 +23,26 @@ pub struct RuntimeArgs {
     /// cuda_host.
     #[arg(long, value_name = "MODE")]
     pub cuda_host: Option<CudaHost>,
+    /// CUDA with bf16 only: bf16 (default: a product's bf16 result goes on in bf16 where the op
+    /// after it has a bf16 kernel, as under torch.autocast) or f32 (cast back to f32 after every
+    /// product), to measure it. Overrides [runtime] activations.
+    #[arg(long, value_name = "DTYPE")]
+    pub activations: Option<Activations>,
+    /// CUDA with bf16 only: f32 (default: rltune's fused attention kernels, f32 products) or
+    /// bf16 (attention's two products in bf16 on the tensor cores, as torch.autocast). Overrides
+    /// [runtime] attention.
+    #[arg(long, value_name = "DTYPE")]
+    pub attention: Option<AttentionProducts>,
 }
 
 impl RuntimeArgs {
     /// `section` with these flags in place of its values.
     pub fn apply(&self, section: RuntimeSection) -> RuntimeSection {
-        section.with_overrides(self.device, self.dtype).with_cuda_host(self.cuda_host)
+        section
+            .with_overrides(self.device, self.dtype)
+            .with_cuda_host(self.cuda_host)
+            .with_activations(self.activations)
+            .with_attention(self.attention)
     }
 
     /// Resolves `section` with the flags applied, for one process, and installs its

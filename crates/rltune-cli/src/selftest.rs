@@ -135,6 +135,8 @@ pub fn run(args: Args) -> Result<()> {
     let dev = device.clone();
     checks.push(("kernels/rope".into(), Box::new(move || kernel_rope(&dev))));
     let dev = device.clone();
+    checks.push(("kernels/rope_bf16".into(), Box::new(move || kernel_rope_bf16(&dev))));
+    let dev = device.clone();
     checks.push(("kernels/attention".into(), Box::new(move || kernel_attention(&dev))));
     let dev = device.clone();
     checks.push(("kernels/rope_attention".into(), Box::new(move || kernel_rope_attention(&dev))));
@@ -144,6 +146,17 @@ pub fn run(args: Args) -> Result<()> {
     checks.push(("kernels/adam".into(), Box::new(move || kernel_adam(&dev))));
     let dev = device.clone();
     checks.push(("kernels/grad_norm".into(), Box::new(move || kernel_grad_norm(&dev))));
+    let dev = device.clone();
+    checks.push(("kernels/swiglu_bf16".into(), Box::new(move || kernel_swiglu_bf16(&dev))));
+    let dev = device.clone();
+    checks.push((
+        "kernels/scaled_masked_softmax_bf16".into(),
+        Box::new(move || kernel_masked_softmax_bf16(&dev)),
+    ));
+    let dev = device.clone();
+    checks.push(("models/bf16-activations".into(), Box::new(move || bf16_activations_change_nothing(&dev))));
+    let dev = device.clone();
+    checks.push(("models/bf16-attention".into(), Box::new(move || bf16_attention_is_close(&dev))));
 
     let mut lines = Vec::new();
     let mut failed = Vec::new();
@@ -299,12 +312,219 @@ fn kernel_op(op: &str, device: &Device) -> Result<Outcome> {
     Ok(kernel_outcome(worst, device))
 }
 
+/// The distance in bf16 steps between two tensors of bf16 values: the largest number of
+/// representable bf16 values between two elements (0 when every bit agrees).
+fn bf16_steps(a: &Tensor, b: &Tensor) -> Result<u32> {
+    let ordered = |t: &Tensor| -> Result<Vec<i32>> {
+        let v = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        // Sign-magnitude bf16 bits to a line of integers: -0 and +0 meet at 0.
+        Ok(v.iter()
+            .map(|x| (x.to_bits() >> 16) as i32)
+            .map(|h| if h & 0x8000 != 0 { -(h & 0x7fff) } else { h })
+            .collect())
+    };
+    let (a, b) = (ordered(a)?, ordered(b)?);
+    if a.len() != b.len() {
+        bail!("{} values against {}", a.len(), b.len());
+    }
+    Ok(a.iter().zip(&b).map(|(x, y)| x.abs_diff(*y)).max().unwrap_or(0))
+}
+
+/// SwiGLU in bf16 (autocast's bf16 activations; on CUDA `swiglu.cu`'s bf16 kernels) against its
+/// CPU twin, the f32 op rounded to bf16 once (`rltune::ops::swiglu` on bf16 CPU tensors), on
+/// [`kernel_op`]'s shapes: the output and both gradients of `Σ y·r`. The measure is the largest
+/// distance in bf16 steps ([`bf16_steps`]); the tolerance is one step, for an f32 value that the
+/// device's `expf` and the CPU's `exp` put on either side of a rounding boundary.
+fn kernel_swiglu_bf16(device: &Device) -> Result<Outcome> {
+    use candle_core::Var;
+    use rand::SeedableRng;
+    let shapes: [&[usize]; 6] = [&[1, 1], &[3, 7, 33], &[5, 768], &[2, 64, 896], &[129, 2049], &[3, 4864]];
+    let mut worst = 0u32;
+    for (case, dims) in shapes.iter().enumerate() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5000 + case as u64);
+        let mut bf =
+            |scale: f64| -> Result<Tensor> { Ok((uniform(&mut rng, dims)? * scale)?.to_dtype(DType::BF16)?) };
+        let (g, u, r) = (bf(4.0)?, bf(1.0)?, bf(1.0)?);
+        let run = |dev: &Device| -> Result<Vec<Tensor>> {
+            let (gv, uv) = (Var::from_tensor(&g.to_device(dev)?)?, Var::from_tensor(&u.to_device(dev)?)?);
+            let y = rltune::ops::swiglu(gv.as_tensor(), uv.as_tensor())?;
+            let grads = (&y * r.to_device(dev)?)?.sum_all()?.backward()?;
+            let mut out = vec![y.to_device(&Device::Cpu)?];
+            for v in [&gv, &uv] {
+                let Some(d) = grads.get(v.as_tensor()) else { bail!("no gradient on {}", device_flag(dev)) };
+                out.push(d.to_device(&Device::Cpu)?);
+            }
+            Ok(out)
+        };
+        let (cpu, dev) = (run(&Device::Cpu)?, run(device)?);
+        for (a, b) in dev.iter().zip(&cpu) {
+            if a.dtype() != DType::BF16 {
+                bail!("{dims:?}: a {:?} result where bf16 was due", a.dtype());
+            }
+            worst = worst.max(bf16_steps(a, b)?);
+        }
+    }
+    let mut o = Outcome::new(worst as f64, 1.0);
+    o.extra = json!({"measure": "max distance in bf16 steps", "kernel": rltune::ops::cuda_kernels(device)});
+    Ok(o)
+}
+
+/// The attention softmax on bf16 scores (on CUDA `softmax.cu`'s bf16 kernels) against its CPU
+/// twin (the f32 kernels between conversions), on `(B, H, T, S)` scores up to Qwen2-0.5B's 14
+/// heads of 256 positions with a causal, left-padded f32 bias: the probabilities and the
+/// scores' gradient of `Σ p·r`. The measure is max |a − b| / max(1, max |cpu|), the worst of
+/// the two; the tolerance is one bf16 step below 1 (2⁻⁸), for a value that the two sides' f32
+/// `exp` and sums put on either side of a rounding boundary.
+fn kernel_masked_softmax_bf16(device: &Device) -> Result<Outcome> {
+    use candle_core::Var;
+    use rand::SeedableRng;
+    let mut worst = 0f64;
+    for (case, &(b, h, t)) in [(1usize, 1usize, 1usize), (2, 3, 37), (2, 14, 256)].iter().enumerate() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(6000 + case as u64);
+        let x = (uniform(&mut rng, &[b, h, t, t])? * 6.0)?.to_dtype(DType::BF16)?;
+        let r = uniform(&mut rng, &[b, h, t, t])?.to_dtype(DType::BF16)?;
+        let mut mask = vec![vec![1u8; t]; b];
+        if t > 2 {
+            mask[b - 1][..2].fill(0);
+        }
+        let bias = causal_bias(&mask, t, DType::F32, &Device::Cpu)?;
+        let run = |dev: &Device| -> Result<Vec<Tensor>> {
+            let xv = Var::from_tensor(&x.to_device(dev)?)?;
+            let p = rltune::ops::scaled_masked_softmax(xv.as_tensor(), &bias.to_device(dev)?, 0.125)?;
+            let grads = (&p * r.to_device(dev)?)?.sum_all()?.backward()?;
+            let Some(dx) = grads.get(xv.as_tensor()) else { bail!("no gradient on {}", device_flag(dev)) };
+            Ok(vec![p.to_dtype(DType::F32)?, dx.to_dtype(DType::F32)?])
+        };
+        let (cpu, dev) = (run(&Device::Cpu)?, run(device)?);
+        worst = worst.max(worst_relative(&dev, &cpu)?);
+    }
+    let mut o = Outcome::new(worst, 1.0 / 256.0);
+    o.extra =
+        json!({"measure": "max |a - b| / max(1, max |cpu|)", "kernel": rltune::ops::cuda_kernels(device)});
+    Ok(o)
+}
+
+/// A tiny Qwen2-shaped model under bf16 autocast with attention's products in bf16
+/// (`[runtime] attention = "bf16"`) against the f32 attention (the default): the loss and every
+/// gradient. The measure is the worst over the tensors of max |a − b| / max |f32|; the
+/// tolerance, 5%, is bf16's precision through two layers (the CPU's test sees about 1%).
+fn bf16_attention_is_close(device: &Device) -> Result<Outcome> {
+    let (store, run) = tiny_qwen2(device)?;
+    let mut out = [Vec::new(), Vec::new()];
+    let precision = rltune::ops::device_matmul_precision();
+    rltune::ops::set_device_matmul_precision(rltune::ops::MatmulPrecision::Bf16);
+    let was = rltune::ops::set_bf16_attention(false);
+    let cpu_autocast = device.is_cpu().then(rltune::ops::autocast_composed_scope);
+    let mut result = Ok(());
+    for (slot, on) in out.iter_mut().zip([false, true]) {
+        rltune::ops::set_bf16_attention(on);
+        match run(&store) {
+            Ok(v) => *slot = v,
+            Err(e) => result = Err(e),
+        }
+    }
+    drop(cpu_autocast);
+    rltune::ops::set_bf16_attention(was);
+    rltune::ops::set_device_matmul_precision(precision);
+    result?;
+    let [f32s, bf16s] = out;
+    let mut worst = 0f64;
+    let mut moved = 0;
+    for (a, b) in bf16s.iter().zip(&f32s) {
+        let scale = b.abs()?.flatten_all()?.max(0)?.to_dtype(DType::F64)?.to_scalar::<f64>()?.max(1e-3);
+        let d = max_diff(a, b)?;
+        worst = worst.max(d / scale);
+        moved += usize::from(d > 0.0);
+    }
+    let mut o = Outcome::new(worst, 0.05);
+    o.extra = json!({"measure": "max |a - b| / max |f32| over the loss and every gradient", "tensors_moved": moved, "tensors": f32s.len()});
+    Ok(o)
+}
+
+/// A tiny Qwen2 (2 layers, 64 wide, 4 heads over 2 key heads, vocabulary 97) on `device`, and
+/// its loss (`Σ sin(logits)` over a left-padded batch of two) with every weight's gradient.
+#[allow(clippy::type_complexity)]
+fn tiny_qwen2(
+    device: &Device,
+) -> Result<(
+    rltune::models::params::ParamStore,
+    Box<dyn Fn(&rltune::models::params::ParamStore) -> Result<Vec<Tensor>>>,
+)> {
+    use rltune::models::llama::{Llama, LlamaConfig};
+    use rltune::models::params::ParamStore;
+    let mut v = serde_json::to_value(LlamaConfig::tiny(97, 64, 2, 4, 2))?;
+    v["model_type"] = "qwen2".into();
+    v["intermediate_size"] = 160.into();
+    v["initializer_range"] = 0.2.into();
+    let cfg: LlamaConfig = serde_json::from_value(v)?;
+    let store = ParamStore::random(9, true, DType::F32, device)?;
+    let mask = vec![vec![1u8; 12], [vec![0u8; 3], vec![1; 9]].concat()];
+    let ids: Vec<u32> = (0..24).map(|i| (i * 37 % 97) as u32).collect();
+    let ids = Tensor::from_vec(ids, (2, 12), device)?;
+    let pos = position_ids_from_mask(&mask, device)?;
+    let bias = causal_bias(&mask, 12, DType::F32, device)?;
+    let model = Llama::load(&store.root(), &cfg)?;
+    let run = move |store: &ParamStore| -> Result<Vec<Tensor>> {
+        let h = model.forward(&ids, &pos, &bias, None)?;
+        let loss = model.logits(&h)?.sin()?.sum_all()?;
+        let grads = loss.backward()?;
+        let mut out = vec![loss];
+        for (name, var) in store.vars() {
+            let Some(g) = grads.get(&var) else { bail!("no gradient for {name}") };
+            out.push(g.flatten_all()?);
+        }
+        Ok(out)
+    };
+    Ok((store, Box::new(run)))
+}
+
+/// A tiny Qwen2-shaped model's loss and every weight's gradient under bf16 autocast, with bf16
+/// activations through the MLP (`[runtime] activations = "bf16"`, the default) and without
+/// (`"f32"`): the same bits (`rltune::ops::set_bf16_activations`). The measure is the largest
+/// difference; the tolerance 0. Autocast and the switch are set for the check and put back
+/// after it (on the CPU, the GPU's composed path in bf16, `rltune::ops::autocast_composed_scope`).
+fn bf16_activations_change_nothing(device: &Device) -> Result<Outcome> {
+    let (store, model_run) = tiny_qwen2(device)?;
+    let run = |on: bool| -> Result<Vec<Tensor>> {
+        rltune::ops::set_bf16_activations(on);
+        model_run(&store)
+    };
+    let precision = rltune::ops::device_matmul_precision();
+    rltune::ops::set_device_matmul_precision(rltune::ops::MatmulPrecision::Bf16);
+    let was = rltune::ops::set_bf16_activations(true);
+    // On the CPU, the GPU's composed bf16 path (the CPU's own products stay f32).
+    let cpu_autocast = device.is_cpu().then(rltune::ops::autocast_composed_scope);
+    let (on, off) = (run(true), run(false));
+    drop(cpu_autocast);
+    rltune::ops::set_device_matmul_precision(precision);
+    rltune::ops::set_bf16_activations(was);
+    let (on, off) = (on?, off?);
+    let mut worst = 0f64;
+    for (a, b) in on.iter().zip(&off) {
+        worst = worst.max(max_diff(a, b)?);
+    }
+    let mut o = Outcome::new(worst, 0.0);
+    o.extra = json!({"measure": "max |a - b| over the loss and every gradient"});
+    Ok(o)
+}
+
 /// The rotary embedding while splitting the heads (`rltune::ops::rope_heads`; on CUDA `rope.cu`)
 /// against the CPU's fused kernel, on `(B, T, heads, D)` shapes from one position and head to
 /// Qwen2-0.5B's 14 heads of 64: the output and the input's gradient of `Σ y·r`. Both compute
 /// the same products and sums in the same order without contracted multiply-adds, so the
 /// measure (as [`kernel_op`]'s) is 0 on a correct kernel; the tolerance is the other ops'.
 fn kernel_rope(device: &Device) -> Result<Outcome> {
+    kernel_rope_side(device, false)
+}
+
+/// [`kernel_rope`] for the bf16 side (`rltune::ops::rope_heads_bf16`: f32 in, bf16 heads out,
+/// and its backward from a bf16 gradient to f32), compared in f32: both sides round the same f32
+/// values, so the measure is 0 on a correct kernel too.
+fn kernel_rope_bf16(device: &Device) -> Result<Outcome> {
+    kernel_rope_side(device, true)
+}
+
+fn kernel_rope_side(device: &Device, bf16: bool) -> Result<Outcome> {
     use rand::SeedableRng;
     let shapes = [[1usize, 1, 1, 2], [2, 7, 3, 10], [3, 5, 12, 64], [1, 33, 14, 64]];
     let mut worst = 0f64;
@@ -314,7 +534,12 @@ fn kernel_rope(device: &Device) -> Result<Outcome> {
         let (x, angles, r) = (randn(&[b, t, h * d])?, randn(&[b, 1, t, d / 2])?, randn(&[b, h, t, d])?);
         let (cos, sin) = (angles.cos()?, angles.sin()?);
         worst = worst.max(output_and_gradient(device, &x, &r, |x, dev| {
-            Ok(rltune::ops::rope_heads(x, &cos.to_device(dev)?, &sin.to_device(dev)?, h)?)
+            let (cos, sin) = (cos.to_device(dev)?, sin.to_device(dev)?);
+            Ok(if bf16 {
+                rltune::ops::rope_heads_bf16(x, &cos, &sin, h)?.to_dtype(DType::F32)?
+            } else {
+                rltune::ops::rope_heads(x, &cos, &sin, h)?
+            })
         })?);
     }
     Ok(kernel_outcome(worst, device))

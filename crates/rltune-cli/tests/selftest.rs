@@ -33,6 +33,11 @@ fn selftest_passes_on_the_cpu_and_reports_each_check() {
         "grpo/kl",
         "rloo/rloo_default",
         "dpo/hinge",
+        "kernels/swiglu_bf16",
+        "kernels/scaled_masked_softmax_bf16",
+        "kernels/rope_bf16",
+        "models/bf16-activations",
+        "models/bf16-attention",
     ] {
         assert!(names.contains(&want), "no check {want} in {names:?}");
     }

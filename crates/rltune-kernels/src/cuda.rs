@@ -9,20 +9,21 @@
 //! | [`adam_inplace`] (`adam.cu`) | `optim::adam_rows` | one per tensor, in place: parameter and both moments in one pass, no allocation (candle's ops: 13 kernels, 13 allocations and a copy) |
 //! | layer norm, RMS norm (`norms.cu`) | `norm.rs` | forward 1 (composed: 9); backward 3 (dx and row statistics, per-chunk weight gradients, their sum) |
 //! | GELU, tanh form (`gelu.cu`) | `activation.rs` | forward 1; backward 1 (candle's `gelu` backward: about 12) |
-//! | SwiGLU, `silu(gate)·up` (`swiglu.cu`) | `swiglu.rs` | forward 1 (composed: 2, keeping `silu(gate)`); backward 1 for both gradients |
+//! | SwiGLU, `silu(gate)·up` (`swiglu.cu`), f32 and bf16 | `swiglu.rs` (bf16: the f32 kernel, each value rounded once) | forward 1 (composed: 2, keeping `silu(gate)`); backward 1 for both gradients |
 //! | the self-attention core from packed `qkv` rows, GPT-2's or grouped (`attention.cu`) | `attention.rs` | forward 1, one block per query row, keeping the probabilities; backward 2 (the query side with `dS`, then the key side), deterministic, no atomics |
-//! | rotary embedding while splitting the heads (`rope.cu`) | `rope.rs` | forward 1 (composed: a copy, two narrows, six products and sums, a concatenation); backward 1 |
+//! | rotary embedding while splitting the heads (`rope.cu`); its bf16 side, f32 in and bf16 heads out, for bf16 attention | `rope.rs` (bf16: the f32 loop, each value rounded once) | forward 1 (composed: a copy, two narrows, six products and sums, a concatenation); backward 1 |
 //! | Llama's attention from its three projections: rotation, grouped-query attention, merged heads (`rope.cu`'s pack and unpack, `attention.cu`) | `rope_attention.rs` | forward 2 (pack, then the attention forward with the grouped geometry), keeping the inputs and the probabilities; backward 4 (pack again, the two attention kernels, unpack with the rotation's transpose) |
-//! | softmax, log-softmax, the logprob of a target, entropy, attention's scaled masked softmax (`softmax.cu`) | `softmax.rs` | 1 per op and per backward, one block per row; the logprob keeps no `(rows, V)` log-softmax (composed: a log-softmax, a gather, and ~10 ops backward) |
+//! | softmax, log-softmax, the logprob of a target, entropy, attention's scaled masked softmax (`softmax.cu`); the last also on bf16 scores, for bf16 attention | `softmax.rs` (bf16: the f32 kernels between conversions) | 1 per op and per backward, one block per row; the logprob keeps no `(rows, V)` log-softmax (composed: a log-softmax, a gather, and ~10 ops backward) |
 //! | [`sums_of_squares`] (`sumsq.cu`) | the gradient norm's f64 sums (`Grads::global_norm`) | one per tensor and one for all, one read back (candle's ops: 4 per tensor) |
 //!
-//! All take contiguous f32 tensors; the ops fall back to candle's composed ops for others.
+//! All take contiguous f32 tensors, and the bf16 sides named above bf16 ones (each value computed
+//! in f32 and rounded once); the ops fall back to candle's composed ops for others.
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaStream, CudaView, DevicePtr, LaunchConfig, PushKernelArg,
+    CudaStream, CudaView, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
 };
-use candle_core::cuda_backend::WrapErr;
+use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{
     CpuStorage, CudaDevice, CudaStorage, DType, InplaceOp1, Layout, Shape, Storage, Tensor, Var,
 };
@@ -154,8 +155,13 @@ impl InplaceOp1 for AdamOp {
 
 /// The contiguous f32 values a layout views, or an error naming the op.
 fn input<'a>(s: &'a CudaStorage, l: &Layout, op: &str) -> CResult<CudaView<'a, f32>> {
+    input_as::<f32>(s, l, op)
+}
+
+/// [`input`] for values of type `T` (an error naming the op for a storage of another dtype).
+fn input_as<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout, op: &str) -> CResult<CudaView<'a, T>> {
     let Some((a, b)) = l.contiguous_offsets() else { candle_core::bail!("{op}: input must be contiguous") };
-    Ok(s.as_cuda_slice::<f32>()?.slice(a..b))
+    Ok(s.as_cuda_slice::<T>()?.slice(a..b))
 }
 
 /// Rows of length `n` in a layout whose last dimension must be `n`.
@@ -326,21 +332,33 @@ pub(crate) fn gelu_bwd(
     Ok((CudaStorage::wrap_cuda_slice(out, dev), xl.shape().clone()))
 }
 
-/// SwiGLU, `silu(gate) · up`, of two tensors of one shape.
+/// SwiGLU, `silu(gate) · up`, of two tensors of one shape and dtype: f32, or bf16 (computed in
+/// f32, each value rounded once; autocast's bf16 activations).
 pub(crate) fn swiglu_fwd(
     (gs, gl): (&CudaStorage, &Layout),
     (us, ul): (&CudaStorage, &Layout),
 ) -> CResult<(CudaStorage, Shape)> {
+    match gs.dtype() {
+        DType::BF16 => swiglu_fwd_as::<half::bf16>((gs, gl), (us, ul), "rltune_swiglu_bf16"),
+        _ => swiglu_fwd_as::<f32>((gs, gl), (us, ul), "rltune_swiglu_f32"),
+    }
+}
+
+fn swiglu_fwd_as<T: CudaDType + DeviceRepr>(
+    (gs, gl): (&CudaStorage, &Layout),
+    (us, ul): (&CudaStorage, &Layout),
+    kernel: &str,
+) -> CResult<(CudaStorage, Shape)> {
     let dev = gs.device().clone();
-    let (g, u) = (input(gs, gl, "swiglu")?, input(us, ul, "swiglu")?);
+    let (g, u) = (input_as::<T>(gs, gl, "swiglu")?, input_as::<T>(us, ul, "swiglu")?);
     let n = g.len();
     if u.len() != n {
         candle_core::bail!("swiglu: {} up values for {n} gate values", u.len());
     }
     // SAFETY: every element is written (grid-stride loop over n).
-    let mut out = unsafe { dev.alloc::<f32>(n)? };
+    let mut out = unsafe { dev.alloc::<T>(n)? };
     if n > 0 {
-        let func = dev.get_or_load_custom_func("rltune_swiglu_f32", "rltune_swiglu", SWIGLU_PTX)?;
+        let func = dev.get_or_load_custom_func(kernel, "rltune_swiglu", SWIGLU_PTX)?;
         let mut l = func.builder();
         l.arg(&mut out).arg(&g).arg(&u).arg(&n);
         // SAFETY: the arguments match the kernel's parameters.
@@ -350,23 +368,35 @@ pub(crate) fn swiglu_fwd(
 }
 
 /// SwiGLU's backward: `[d gate; d up]`, stacked along the first dimension (the CPU twin's
-/// layout).
+/// layout), in the inputs' dtype (f32 or bf16, as [`swiglu_fwd`]).
 pub(crate) fn swiglu_bwd(
+    g: (&CudaStorage, &Layout),
+    u: (&CudaStorage, &Layout),
+    dy: (&CudaStorage, &Layout),
+) -> CResult<(CudaStorage, Shape)> {
+    match g.0.dtype() {
+        DType::BF16 => swiglu_bwd_as::<half::bf16>(g, u, dy, "rltune_swiglu_bwd_bf16"),
+        _ => swiglu_bwd_as::<f32>(g, u, dy, "rltune_swiglu_bwd_f32"),
+    }
+}
+
+fn swiglu_bwd_as<T: CudaDType + DeviceRepr>(
     (gs, gl): (&CudaStorage, &Layout),
     (us, ul): (&CudaStorage, &Layout),
     (ds, dl): (&CudaStorage, &Layout),
+    kernel: &str,
 ) -> CResult<(CudaStorage, Shape)> {
     let dev = gs.device().clone();
     let op = "swiglu-bwd";
-    let (g, u, dy) = (input(gs, gl, op)?, input(us, ul, op)?, input(ds, dl, op)?);
+    let (g, u, dy) = (input_as::<T>(gs, gl, op)?, input_as::<T>(us, ul, op)?, input_as::<T>(ds, dl, op)?);
     let n = g.len();
     if u.len() != n || dy.len() != n {
         candle_core::bail!("{op}: {n} gate, {} up and {} gradient values", u.len(), dy.len());
     }
     // SAFETY: every element of both halves is written (grid-stride loop over n).
-    let mut out = unsafe { dev.alloc::<f32>(2 * n)? };
+    let mut out = unsafe { dev.alloc::<T>(2 * n)? };
     if n > 0 {
-        let func = dev.get_or_load_custom_func("rltune_swiglu_bwd_f32", "rltune_swiglu", SWIGLU_PTX)?;
+        let func = dev.get_or_load_custom_func(kernel, "rltune_swiglu", SWIGLU_PTX)?;
         let mut l = func.builder();
         l.arg(&mut out).arg(&g).arg(&u).arg(&dy).arg(&n);
         // SAFETY: the arguments match the kernel's parameters.
@@ -388,10 +418,44 @@ pub(crate) fn rope(
     (ss, sl): (&CudaStorage, &Layout),
     [b, t, h, d]: [usize; 4],
     inverse: bool,
+    bf16: bool,
+) -> CResult<CudaStorage> {
+    match (bf16, inverse) {
+        (false, _) => {
+            rope_as::<f32, f32>((xs, xl), (cs, cl), (ss, sl), [b, t, h, d], inverse, "rltune_rope_f32")
+        }
+        (true, false) => rope_as::<f32, half::bf16>(
+            (xs, xl),
+            (cs, cl),
+            (ss, sl),
+            [b, t, h, d],
+            false,
+            "rltune_rope_f32_bf16",
+        ),
+        (true, true) => rope_as::<half::bf16, f32>(
+            (xs, xl),
+            (cs, cl),
+            (ss, sl),
+            [b, t, h, d],
+            true,
+            "rltune_rope_bf16_f32",
+        ),
+    }
+}
+
+/// [`rope`] reading `I` and writing `O` (f32 throughout, or the bf16 side's f32 → bf16 forward
+/// and bf16 → f32 backward), with `kernel`.
+fn rope_as<I: CudaDType, O: CudaDType + DeviceRepr>(
+    (xs, xl): (&CudaStorage, &Layout),
+    (cs, cl): (&CudaStorage, &Layout),
+    (ss, sl): (&CudaStorage, &Layout),
+    [b, t, h, d]: [usize; 4],
+    inverse: bool,
+    kernel: &str,
 ) -> CResult<CudaStorage> {
     let dev = xs.device().clone();
     let op = if inverse { "rope backward" } else { "rope" };
-    let (x, c, s) = (input(xs, xl, op)?, input(cs, cl, op)?, input(ss, sl, op)?);
+    let (x, c, s) = (input_as::<I>(xs, xl, op)?, input(cs, cl, op)?, input(ss, sl, op)?);
     let n = b * t * h * d;
     if x.len() != n || c.len() != b * t * d / 2 || s.len() != c.len() {
         candle_core::bail!(
@@ -402,9 +466,9 @@ pub(crate) fn rope(
         );
     }
     // SAFETY: every element is written (each thread writes both halves of its pair).
-    let mut out = unsafe { dev.alloc::<f32>(n)? };
+    let mut out = unsafe { dev.alloc::<O>(n)? };
     if n > 0 {
-        let func = dev.get_or_load_custom_func("rltune_rope_f32", "rltune_rope", ROPE_PTX)?;
+        let func = dev.get_or_load_custom_func(kernel, "rltune_rope", ROPE_PTX)?;
         let mut l = func.builder();
         let inv = i32::from(inverse);
         l.arg(&mut out).arg(&x).arg(&c).arg(&s).arg(&b).arg(&t).arg(&h).arg(&d).arg(&inv);
@@ -868,9 +932,27 @@ pub(crate) fn scaled_masked_softmax_fwd(
     (xs, xl): (&CudaStorage, &Layout),
     (bs, bl): (&CudaStorage, &Layout),
 ) -> CResult<(CudaStorage, Shape)> {
+    match xs.dtype() {
+        DType::BF16 => scaled_masked_softmax_as::<half::bf16>(
+            scale,
+            (xs, xl),
+            (bs, bl),
+            "rltune_scaled_masked_softmax_bf16",
+        ),
+        _ => scaled_masked_softmax_as::<f32>(scale, (xs, xl), (bs, bl), "rltune_scaled_masked_softmax_f32"),
+    }
+}
+
+/// [`scaled_masked_softmax_fwd`] for scores and probabilities of type `T` (the bias is f32).
+fn scaled_masked_softmax_as<T: CudaDType + DeviceRepr>(
+    scale: f64,
+    (xs, xl): (&CudaStorage, &Layout),
+    (bs, bl): (&CudaStorage, &Layout),
+    kernel: &str,
+) -> CResult<(CudaStorage, Shape)> {
     let op = "scaled-masked-softmax";
     let dev = xs.device().clone();
-    let (x, bias) = (input(xs, xl, op)?, input(bs, bl, op)?);
+    let (x, bias) = (input_as::<T>(xs, xl, op)?, input(bs, bl, op)?);
     let ([b, h, t, n], [bb, bh, bt, bn]) = match (xl.dims(), bl.dims()) {
         (&[a, b, c, d], &[e, f, g, k]) => ([a, b, c, d], [e, f, g, k]),
         _ => candle_core::bail!("{op}: scores and bias must be 4-D"),
@@ -880,10 +962,9 @@ pub(crate) fn scaled_masked_softmax_fwd(
     }
     let rows = b * h * t;
     // SAFETY: every element of every row is written.
-    let mut out = unsafe { dev.alloc::<f32>(rows * n)? };
+    let mut out = unsafe { dev.alloc::<T>(rows * n)? };
     if rows > 0 && n > 0 {
-        let func =
-            dev.get_or_load_custom_func("rltune_scaled_masked_softmax_f32", "rltune_softmax", SOFTMAX_PTX)?;
+        let func = dev.get_or_load_custom_func(kernel, "rltune_softmax", SOFTMAX_PTX)?;
         let scale = scale as f32;
         let mut l = func.builder();
         l.arg(&mut out).arg(&x).arg(&bias).arg(&rows).arg(&n).arg(&h).arg(&t).arg(&bb).arg(&bh).arg(&bt);
@@ -895,41 +976,47 @@ pub(crate) fn scaled_masked_softmax_fwd(
 }
 
 /// The backward of [`softmax_fwd`] from its output `y` and upstream `g`: softmax's scaled by
-/// `scale` (`Some`), or log-softmax's (`None`).
+/// `scale` (`Some`; f32, or bf16 for bf16 attention, each value computed in f32 and rounded
+/// once), or log-softmax's (`None`, f32).
 pub(crate) fn softmax_bwd(
+    scale: Option<f64>,
+    y: (&CudaStorage, &Layout),
+    g: (&CudaStorage, &Layout),
+) -> CResult<(CudaStorage, Shape)> {
+    match (y.0.dtype(), scale) {
+        (DType::BF16, Some(_)) => softmax_bwd_as::<half::bf16>(scale, y, g, "rltune_softmax_bwd_bf16"),
+        (_, Some(_)) => softmax_bwd_as::<f32>(scale, y, g, "rltune_softmax_bwd_f32"),
+        (_, None) => softmax_bwd_as::<f32>(None, y, g, "rltune_log_softmax_bwd_f32"),
+    }
+}
+
+/// [`softmax_bwd`] for values of type `T` with `kernel`, which takes `scale` as its last
+/// argument when there is one.
+fn softmax_bwd_as<T: CudaDType + DeviceRepr>(
     scale: Option<f64>,
     (ys, yl): (&CudaStorage, &Layout),
     (gs, gl): (&CudaStorage, &Layout),
+    kernel: &str,
 ) -> CResult<(CudaStorage, Shape)> {
     let op = if scale.is_some() { "softmax-bwd" } else { "log-softmax-bwd" };
     let dev = ys.device().clone();
-    let (y, g) = (input(ys, yl, op)?, input(gs, gl, op)?);
+    let (y, g) = (input_as::<T>(ys, yl, op)?, input_as::<T>(gs, gl, op)?);
     let (rows, n) = rows_n(yl);
     if g.len() != y.len() {
         candle_core::bail!("{op}: {} gradients for {} outputs", g.len(), y.len());
     }
     // SAFETY: every element of every row is written.
-    let mut out = unsafe { dev.alloc::<f32>(rows * n)? };
+    let mut out = unsafe { dev.alloc::<T>(rows * n)? };
     if rows > 0 {
-        match scale {
-            Some(scale) => {
-                let func =
-                    dev.get_or_load_custom_func("rltune_softmax_bwd_f32", "rltune_softmax", SOFTMAX_PTX)?;
-                let scale = scale as f32;
-                let mut l = func.builder();
-                l.arg(&mut out).arg(&y).arg(&g).arg(&rows).arg(&n).arg(&scale);
-                // SAFETY: the arguments match the kernel's parameters.
-                unsafe { l.launch(per_row(rows)) }.w()?;
-            }
-            None => {
-                let func =
-                    dev.get_or_load_custom_func("rltune_log_softmax_bwd_f32", "rltune_softmax", SOFTMAX_PTX)?;
-                let mut l = func.builder();
-                l.arg(&mut out).arg(&y).arg(&g).arg(&rows).arg(&n);
-                // SAFETY: the arguments match the kernel's parameters.
-                unsafe { l.launch(per_row(rows)) }.w()?;
-            }
+        let func = dev.get_or_load_custom_func(kernel, "rltune_softmax", SOFTMAX_PTX)?;
+        let scale = scale.map(|s| s as f32);
+        let mut l = func.builder();
+        l.arg(&mut out).arg(&y).arg(&g).arg(&rows).arg(&n);
+        if let Some(scale) = &scale {
+            l.arg(scale);
         }
+        // SAFETY: the arguments match the kernel's parameters.
+        unsafe { l.launch(per_row(rows)) }.w()?;
     }
     Ok((CudaStorage::wrap_cuda_slice(out, dev), yl.shape().clone()))
 }

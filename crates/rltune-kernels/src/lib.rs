@@ -117,6 +117,10 @@ pub use gemm::{
     set_matmul_precision, MatmulPrecision,
 };
 pub use linear::{
+    autocast_composed_scope, bf16_activations, bf16_attention, set_bf16_activations, set_bf16_attention,
+    AutocastComposedScope,
+};
+pub use linear::{
     linear, linear_composed, linear_in_out, linear_in_out_composed, linear_in_out_lora, linear_in_out_with,
     linear_lora, linear_with, matmul, matmul_weight_t, weight_cast_scope, WeightCastScope,
 };
@@ -124,8 +128,10 @@ pub use lm_head::{lm_head_logprobs, lm_head_logprobs_with};
 pub use norm::{
     layer_norm, layer_norm_composed, layer_norm_with, rms_norm, rms_norm_composed, rms_norm_with,
 };
-pub use rope::{rope_heads, rope_heads_composed};
-pub use rope_attention::{rope_attention, rope_attention_composed, rope_attention_takes};
+pub use rope::{rope_heads, rope_heads_bf16, rope_heads_composed};
+pub use rope_attention::{
+    rope_attention, rope_attention_bf16, rope_attention_composed, rope_attention_takes,
+};
 pub use softmax::{
     entropy_from_logits, entropy_from_logits_composed, log_softmax_composed, log_softmax_last_dim,
     logprobs_of, logprobs_of_composed, scaled_masked_softmax, scaled_masked_softmax_composed,

@@ -547,20 +547,95 @@ pub fn matmul_weight_t(a: &Tensor, w: &Tensor) -> CResult<Tensor> {
     matmul(a, &autocast_weight(w)?.t()?)
 }
 
-/// Whether products on `t`'s device run in bf16 for f32 operands (autocast).
+/// Whether products on `t`'s device run in bf16 for f32 operands (autocast): off the CPU under
+/// [`MatmulPrecision::Bf16`](crate::MatmulPrecision), or anywhere in an
+/// [`autocast_composed_scope`].
 pub(crate) fn autocast(t: &Tensor) -> bool {
-    !t.device().is_cpu()
-        && t.dtype() == DType::F32
-        && super::gemm::device_matmul_precision() == super::MatmulPrecision::Bf16
+    t.dtype() == DType::F32
+        && ((!t.device().is_cpu() && super::gemm::device_matmul_precision() == super::MatmulPrecision::Bf16)
+            || AUTOCAST_ON_CPU.with(|c| c.get()))
 }
 
-/// candle's matmul, with bf16 inputs off the CPU under
-/// [`MatmulPrecision::Bf16`](crate::MatmulPrecision) (see [`crate::set_device_matmul_precision`]).
+/// Whether bf16 activations are on (process-wide; see [`set_bf16_activations`]).
+static BF16_ACTIVATIONS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Process-wide: under autocast, whether a product whose result goes straight into another
+/// product through an op with a bf16 twin hands that result on in bf16 instead of casting it to
+/// f32 and back (on by default; `[runtime] activations = "f32"` turns it off, to measure it).
+/// Today that is Llama's MLP: `down(swiglu(gate(x), up(x)))` keeps `gate`, `up` and the SwiGLU in
+/// bf16, as `torch.autocast` does, and computes the same values as with it off (each SwiGLU
+/// value is computed in f32 and rounded once, where the f32 path rounded it in the down
+/// product's cast), while keeping a third of the bytes for the backward and four fewer casts.
+/// Returns the setting it replaces.
+pub fn set_bf16_activations(on: bool) -> bool {
+    BF16_ACTIVATIONS.swap(on, std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Whether products of `x` under autocast hand on bf16 activations ([`set_bf16_activations`]):
+/// autocast applies to `x` and the switch is on.
+pub fn bf16_activations(x: &Tensor) -> bool {
+    autocast(x) && BF16_ACTIVATIONS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Whether attention's products run in bf16 under autocast (process-wide; see
+/// [`set_bf16_attention`]).
+static BF16_ATTENTION: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Process-wide: under autocast, whether attention's two products run as autocast runs every
+/// product, in bf16 on the tensor cores (candle's batched products: cuBLAS), with the masked
+/// softmax's bf16 kernel between them ([`crate::rope_attention_bf16`]), instead of rltune's fused
+/// attention kernels, whose products are f32. Off by default (`[runtime] attention = "bf16"`
+/// turns it on) until a GPU has timed it. Unlike [`set_bf16_activations`] it changes values, at
+/// bf16's precision, as `torch.autocast` does. Returns the setting it replaces.
+pub fn set_bf16_attention(on: bool) -> bool {
+    BF16_ATTENTION.swap(on, std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Whether attention over `q` runs its products in bf16 ([`set_bf16_attention`]): autocast
+/// applies to `q` and the switch is on.
+pub fn bf16_attention(q: &Tensor) -> bool {
+    autocast(q) && BF16_ATTENTION.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+std::thread_local! {
+    /// Set by an [`AutocastComposedScope`]: the CPU takes autocast's bf16 products.
+    static AUTOCAST_ON_CPU: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// While alive, this thread runs the GPU's bf16 autocast path on the CPU: every op takes its
+/// composed candle form (as in a [`crate::composed_scope`]) and f32 products run in bf16 as under
+/// [`MatmulPrecision::Bf16`](crate::MatmulPrecision) on a GPU. For tests of what autocast feeds
+/// where, on a machine without a GPU.
+#[doc(hidden)]
+pub struct AutocastComposedScope {
+    _composed: super::ComposedScope,
+    was: bool,
+}
+
+impl Drop for AutocastComposedScope {
+    fn drop(&mut self) {
+        AUTOCAST_ON_CPU.with(|c| c.set(self.was));
+    }
+}
+
+/// Starts an [`AutocastComposedScope`] on this thread.
+#[doc(hidden)]
+pub fn autocast_composed_scope() -> AutocastComposedScope {
+    let composed = super::composed_scope();
+    AutocastComposedScope { _composed: composed, was: AUTOCAST_ON_CPU.with(|c| c.replace(true)) }
+}
+
+/// candle's matmul, with bf16 inputs under autocast ([`autocast`]; see
+/// [`crate::set_device_matmul_precision`]): an f32 left operand is cast and the result cast back
+/// to f32; a bf16 left operand (a bf16 activation, [`bf16_activations`]) keeps its bf16 result.
 /// The casts are differentiable ops, so the gradients come back to the f32 operands as f32. A
-/// right operand already in bf16 (a weight cast once by [`autocast_weight`]) is taken as it is.
+/// right operand already in bf16 (a weight cast once by [`autocast_weight`]) is taken as it is;
+/// an f32 one beside a bf16 left operand is cast.
 fn candle_matmul(a: &Tensor, b: &Tensor) -> CResult<Tensor> {
     if autocast(a) && matches!(b.dtype(), DType::F32 | DType::BF16) {
         a.to_dtype(DType::BF16)?.matmul(&b.to_dtype(DType::BF16)?)?.to_dtype(DType::F32)
+    } else if a.dtype() == DType::BF16 && b.dtype() == DType::F32 {
+        rows_contiguous(a)?.matmul(&b.to_dtype(DType::BF16)?)
     } else {
         rows_contiguous(a)?.matmul(b)
     }
@@ -657,7 +732,7 @@ fn in_out_composed(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> CResult<Ten
     let (x2, out_dims) = flatten_rows(x, w.dim(1)?)?;
     let y = candle_matmul(&x2, w)?;
     let y = match bias {
-        Some(b) => y.broadcast_add(b)?,
+        Some(b) => y.broadcast_add(&b.to_dtype(y.dtype())?)?,
         None => y,
     };
     y.reshape(out_dims)
@@ -695,6 +770,39 @@ mod tests {
                 assert_eq!(on, got, "{threads} threads");
             }
         }
+    }
+
+    /// Autocast's products (the GPU's bf16 path, run on the CPU): an f32 activation comes back
+    /// f32, a bf16 one stays bf16; either way the f32 weight's gradient is f32, and a bf16
+    /// activation's is bf16. Both round the same products the same way.
+    #[test]
+    fn autocast_products_keep_a_bf16_activation_in_bf16() {
+        let (x, w, b) = (randn(&[2, 3, 8], 1), randn(&[5, 8], 2), randn(&[5], 3));
+        let (x, w, b) = (
+            x.to_dtype(DType::F32).unwrap(),
+            w.to_dtype(DType::F32).unwrap(),
+            b.to_dtype(DType::F32).unwrap(),
+        );
+        let _autocast = autocast_composed_scope();
+        let run = |x: &Tensor| {
+            let (xv, wv) =
+                (candle_core::Var::from_tensor(x).unwrap(), candle_core::Var::from_tensor(&w).unwrap());
+            let y = linear(xv.as_tensor(), wv.as_tensor(), Some(&b)).unwrap();
+            let grads = y.to_dtype(DType::F32).unwrap().sqr().unwrap().sum_all().unwrap().backward().unwrap();
+            let (dx, dw) =
+                (grads.get(xv.as_tensor()).unwrap().clone(), grads.get(wv.as_tensor()).unwrap().clone());
+            (y, dx, dw)
+        };
+        let (y32, dx32, dw32) = run(&x);
+        let (y16, dx16, dw16) = run(&x.to_dtype(DType::BF16).unwrap());
+        assert_eq!((y32.dtype(), dx32.dtype(), dw32.dtype()), (DType::F32, DType::F32, DType::F32));
+        assert_eq!((y16.dtype(), dx16.dtype(), dw16.dtype()), (DType::BF16, DType::BF16, DType::F32));
+        assert_eq!(y32.dims(), [2, 3, 5]);
+        // The bias is added after the product: in f32 on the f32 path, in bf16 on the other.
+        assert!(max_diff(&y16.to_dtype(DType::F32).unwrap(), &y32) < 0.1);
+        let scale =
+            dw32.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap() as f64;
+        assert!(max_diff(&dw16, &dw32) < 0.05 * scale, "{} against {scale}", max_diff(&dw16, &dw32));
     }
 
     #[test]

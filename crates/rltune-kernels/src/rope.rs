@@ -21,6 +21,9 @@ use super::{contiguous, CResult, Elem};
 struct RopeHeads {
     heads: usize,
     inverse: bool,
+    /// The bf16 side: the forward reads f32 and writes bf16 (each value rounded once), the
+    /// backward reads the bf16 gradient and writes f32 ([`rope_heads_bf16`]).
+    bf16: bool,
 }
 
 /// `(b, t, h, d)` from `x (B, T, H·D)` and `cos (B, 1, T, D/2)`, or an error.
@@ -150,6 +153,9 @@ impl CustomOp3 for RopeHeads {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> CResult<(CpuStorage, Shape)> {
+        if self.bf16 {
+            return rope_cpu_bf16(self, s1, l1, s2, l2, s3, l3);
+        }
         by_dtype!(s1, "rope", rope_cpu(self, s1, l1, s2, l2, s3, l3))
     }
 
@@ -164,7 +170,7 @@ impl CustomOp3 for RopeHeads {
         l3: &Layout,
     ) -> CResult<(candle_core::CudaStorage, Shape)> {
         let (g, shape) = self.geometry(l1, l2, l3)?;
-        Ok((crate::cuda::rope((s1, l1), (s2, l2), (s3, l3), g, self.inverse)?, shape))
+        Ok((crate::cuda::rope((s1, l1), (s2, l2), (s3, l3), g, self.inverse, self.bf16)?, shape))
     }
 
     /// The forward's gradient (the backward op is applied without a graph).
@@ -176,7 +182,7 @@ impl CustomOp3 for RopeHeads {
         _y: &Tensor,
         dy: &Tensor,
     ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let inverse = RopeHeads { heads: self.heads, inverse: true };
+        let inverse = RopeHeads { heads: self.heads, inverse: true, bf16: self.bf16 };
         let dx = dy.contiguous()?.apply_op3_no_bwd(cos, sin, &inverse)?;
         Ok((Some(dx), None, None))
     }
@@ -188,9 +194,54 @@ impl CustomOp3 for RopeHeads {
 /// [`rope_heads_composed`] elsewhere.
 pub fn rope_heads(x: &Tensor, cos: &Tensor, sin: &Tensor, heads: usize) -> CResult<Tensor> {
     if super::fused_cpu(&[x, cos, sin]) || super::cuda_f32(&[x, cos, sin]) {
-        x.contiguous()?.apply_op3(&cos.contiguous()?, &sin.contiguous()?, RopeHeads { heads, inverse: false })
+        x.contiguous()?.apply_op3(
+            &cos.contiguous()?,
+            &sin.contiguous()?,
+            RopeHeads { heads, inverse: false, bf16: false },
+        )
     } else {
         rope_heads_composed(x, cos, sin, heads)
+    }
+}
+
+/// [`rope_heads`] of an f32 `x`, returned in bf16: each value computed in f32 and rounded once,
+/// the values of `rope_heads(x, …).to_dtype(BF16)` without the f32 heads (autocast's bf16
+/// attention, [`crate::rope_attention_bf16`]). Its backward takes the bf16 gradient and gives
+/// `x` an f32 one. One node on the CPU and on CUDA (`rope.cu`'s f32/bf16 kernels); elsewhere
+/// that composition.
+pub fn rope_heads_bf16(x: &Tensor, cos: &Tensor, sin: &Tensor, heads: usize) -> CResult<Tensor> {
+    use candle_core::DType;
+    let f32s = [x, cos, sin].iter().all(|t| t.dtype() == DType::F32);
+    if f32s && (x.device().is_cpu() || super::cuda_kernels(x.device())) {
+        x.contiguous()?.apply_op3(
+            &cos.contiguous()?,
+            &sin.contiguous()?,
+            RopeHeads { heads, inverse: false, bf16: true },
+        )
+    } else {
+        rope_heads(x, cos, sin, heads)?.to_dtype(DType::BF16)
+    }
+}
+
+/// [`RopeHeads`]'s bf16 side on the CPU: the f32 loop between conversions.
+fn rope_cpu_bf16(
+    op: &RopeHeads,
+    s1: &CpuStorage,
+    l1: &Layout,
+    s2: &CpuStorage,
+    l2: &Layout,
+    s3: &CpuStorage,
+    l3: &Layout,
+) -> CResult<(CpuStorage, Shape)> {
+    let (g, shape) = op.geometry(l1, l2, l3)?;
+    let name = op.label();
+    let (c, s) = (contiguous::<f32>(s2, l2, name)?, contiguous::<f32>(s3, l3, name)?);
+    if op.inverse {
+        let dy: Vec<f32> = contiguous::<half::bf16>(s1, l1, name)?.iter().map(|v| v.to_f32()).collect();
+        Ok((CpuStorage::F32(rotate(&dy, c, s, g, true)), shape))
+    } else {
+        let y = rotate(contiguous::<f32>(s1, l1, name)?, c, s, g, false);
+        Ok((CpuStorage::BF16(y.into_iter().map(half::bf16::from_f32).collect()), shape))
     }
 }
 
@@ -210,6 +261,38 @@ mod tests {
     use super::*;
     use crate::testutil::{check, fd_check, max_diff, randn};
     use candle_core::DType;
+
+    /// The bf16 side is `rope_heads` then a cast, bit for bit, forward and backward (from a bf16
+    /// gradient), in the fused and the composed scope.
+    #[test]
+    fn bf16_heads_are_the_f32_ones_rounded_once() {
+        use candle_core::Var;
+        let (b, t, h, d) = (2, 5, 3, 8);
+        let (cos, sin) = angles(b, t, d / 2, 4);
+        let (cos, sin) = (cos.to_dtype(DType::F32).unwrap(), sin.to_dtype(DType::F32).unwrap());
+        let x = randn(&[b, t, h * d], 1).to_dtype(DType::F32).unwrap();
+        let r = randn(&[b, h, t, d], 2).to_dtype(DType::BF16).unwrap();
+        for composed in [false, true] {
+            let _scope = composed.then(crate::composed_scope);
+            let run = |fused: bool| {
+                let xv = Var::from_tensor(&x).unwrap();
+                let y = if fused {
+                    rope_heads_bf16(xv.as_tensor(), &cos, &sin, h).unwrap()
+                } else {
+                    rope_heads(xv.as_tensor(), &cos, &sin, h).unwrap().to_dtype(DType::BF16).unwrap()
+                };
+                assert_eq!(y.dtype(), DType::BF16);
+                let g = (&y * &r).unwrap().sum_all().unwrap().backward().unwrap();
+                let dx = g.get(xv.as_tensor()).unwrap().clone();
+                assert_eq!(dx.dtype(), DType::F32);
+                (y, dx)
+            };
+            let ((y, dx), (want_y, want_dx)) = (run(true), run(false));
+            assert_eq!(max_diff(&y, &want_y), 0.0, "composed: {composed}");
+            assert_eq!(max_diff(&dx, &want_dx), 0.0, "composed: {composed}");
+            assert!(max_diff(&dx, &(&dx * 0.0).unwrap()) > 0.0);
+        }
+    }
 
     fn angles(b: usize, t: usize, half: usize, seed: u64) -> (Tensor, Tensor) {
         let a = randn(&[b, 1, t, half], seed);

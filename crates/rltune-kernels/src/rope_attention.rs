@@ -481,6 +481,38 @@ pub fn rope_attention_composed(
     y.transpose(1, 2)?.contiguous()?.reshape((b, t, h * d))
 }
 
+/// [`rope_attention`] as `torch.autocast` computes it, for [`crate::bf16_attention`]: the two
+/// products in bf16 (f32 sums; on CUDA candle's batched cuBLAS products, on the tensor cores),
+/// the masked softmax between them reading and writing bf16 (each probability computed in f32,
+/// rounded once). Returns bf16 `(B, T, H·D)`. The rotation is rltune's, writing bf16 heads
+/// ([`crate::rope_heads_bf16`]); grouped-query heads are not repeated: the `H / H_kv` query heads of a key head are
+/// `H / H_kv · T` rows against its keys, one batch of the product. What the backward keeps:
+/// the bf16 operands, and the scores and probabilities in bf16 (4 bytes a score, as the fused
+/// kernel's f32 probabilities).
+#[allow(clippy::too_many_arguments)]
+pub fn rope_attention_bf16(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    bias: &Tensor,
+    (h, kv): (usize, usize),
+    scale: f64,
+) -> CResult<Tensor> {
+    use candle_core::DType;
+    let [b, t, h, kv, d] = geometry(q.dims(), k.dims(), v.dims(), (h, kv))?;
+    let rep = h / kv;
+    // (B, H, T, D) with head g·rep + r → (B, H_kv, rep·T, D): key head g's query rows.
+    let q = super::rope_heads_bf16(q, cos, sin, h)?.reshape((b, kv, rep * t, d))?;
+    let k = super::rope_heads_bf16(k, cos, sin, kv)?; // (B, H_kv, T, D)
+    let v = v.reshape((b, t, kv, d))?.transpose(1, 2)?.to_dtype(DType::BF16)?; // (B, H_kv, T, D), contiguous
+    let scores = q.matmul(&k.t()?)?.reshape((b, h, t, t))?;
+    let probs = super::scaled_masked_softmax(&scores, &bias.to_dtype(DType::F32)?, scale)?;
+    let y = probs.reshape((b, kv, rep * t, t))?.matmul(&v)?; // (B, H_kv, rep·T, D)
+    y.reshape((b, h, t, d))?.transpose(1, 2)?.contiguous()?.reshape((b, t, h * d))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -515,6 +547,51 @@ mod tests {
 
     fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
         (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
+    }
+
+    /// autocast's bf16 attention against the f32 one: outputs and the gradients of q, k and v
+    /// within bf16's precision (relative to each tensor's largest value), on grouped and plain
+    /// heads and a left-padded row.
+    #[test]
+    fn bf16_attention_matches_the_f32_one_to_bf16_precision() {
+        for (b, t, h, kv, d) in [(2, 9, 6, 2, 8), (1, 5, 2, 2, 4)] {
+            let (cos, sin) = angles(b, t, d / 2);
+            let mut mask = vec![vec![1u8; t]; b];
+            mask[b - 1][0] = 0;
+            let bias = crate::causal_bias(&mask, t, DType::F32, &Device::Cpu).unwrap();
+            let (q, k, v) = (randn(&[b, t, h * d], 1), randn(&[b, t, kv * d], 2), randn(&[b, t, kv * d], 3));
+            let r = randn(&[b, t, h * d], 4);
+            let run = |bf16: bool| {
+                let vars = [&q, &k, &v].map(|x| Var::from_tensor(&(x * 2.0).unwrap()).unwrap());
+                let [qv, kv_, vv] = &vars;
+                let (qt, kt, vt) = (qv.as_tensor(), kv_.as_tensor(), vv.as_tensor());
+                let y = if bf16 {
+                    rope_attention_bf16(qt, kt, vt, &cos, &sin, &bias, (h, kv), 0.35).unwrap()
+                } else {
+                    rope_attention_composed(qt, kt, vt, &cos, &sin, &bias, (h, kv), 0.35).unwrap()
+                };
+                assert_eq!(y.dtype(), if bf16 { DType::BF16 } else { DType::F32 });
+                let y = y.to_dtype(DType::F32).unwrap();
+                let grads = (&y * &r).unwrap().sum_all().unwrap().backward().unwrap();
+                let mut out = vec![y];
+                for x in &vars {
+                    let g = grads.get(x.as_tensor()).unwrap();
+                    assert_eq!(g.dtype(), DType::F32);
+                    out.push(g.clone());
+                }
+                out
+            };
+            let (f32s, bf16s) = (run(false), {
+                let _autocast = crate::autocast_composed_scope();
+                run(true)
+            });
+            for (i, (a, e)) in bf16s.iter().zip(&f32s).enumerate() {
+                let scale =
+                    e.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
+                let rel = max_diff(a, e) / scale;
+                assert!(rel > 0.0 && rel < 2e-2, "tensor {i} ({b}, {t}, {h}, {kv}, {d}): relative {rel}");
+            }
+        }
     }
 
     /// Outputs and the gradients of q, k and v equal the composed path's to rounding: grouped

@@ -209,6 +209,11 @@ impl CustomOp2 for SoftmaxBwd {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> CResult<(CpuStorage, Shape)> {
+        if s1.dtype() == DType::BF16 {
+            // The bf16 twin of `softmax.cu`'s bf16 kernel: in f32 from the bf16 values, rounded once.
+            let ((y, ly), (g, lg)) = (widen(s1, l1, "softmax-bwd")?, widen(s2, l2, "softmax-bwd")?);
+            return narrow_to_bf16(softmax_bwd::<f32>(self.scale, &y, &ly, &g, &lg)?);
+        }
         by_dtype!(s1, "softmax-bwd", softmax_bwd(self.scale, s1, l1, s2, l2))
     }
 
@@ -313,6 +318,11 @@ impl CustomOp2 for ScaledMaskedSoftmax {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> CResult<(CpuStorage, Shape)> {
+        if s1.dtype() == DType::BF16 && s2.dtype() == DType::F32 {
+            // The bf16 twin of `softmax.cu`'s bf16 kernel: in f32 from the bf16 scores, rounded once.
+            let (x, lx) = widen(s1, l1, "scaled-masked-softmax")?;
+            return narrow_to_bf16(scaled_masked_softmax_fwd::<f32>(self.scale, &x, &lx, s2, l2)?);
+        }
         if s1.dtype() != s2.dtype() {
             candle_core::bail!("scaled-masked-softmax: scores and bias dtypes differ");
         }
@@ -349,6 +359,12 @@ impl CustomOp2 for ScaledMaskedSoftmax {
 /// [`crate::causal_bias`]). Differentiable in `scores`; the bias gets no
 /// gradient (masks are constants). One fused op on the CPU (f32, f64) and on CUDA (f32:
 /// `softmax.cu`, keeping only the probabilities for the backward).
+///
+/// bf16 scores with an f32 bias (autocast's attention on the tensor cores,
+/// [`crate::bf16_attention`]) give bf16 probabilities, each computed in f32 and rounded once,
+/// and the backward's gradients likewise, from the bf16 probabilities: one node on CUDA
+/// (`softmax.cu`'s bf16 kernels) and on the CPU (the f32 kernels between conversions, in any
+/// scope), the f32 op between casts elsewhere.
 pub fn scaled_masked_softmax(scores: &Tensor, bias: &Tensor, scale: f64) -> CResult<Tensor> {
     let fits = match (scores.dims(), bias.dims()) {
         (&[b, h, t, s], &[bb, bh, bt, bs]) => {
@@ -356,6 +372,12 @@ pub fn scaled_masked_softmax(scores: &Tensor, bias: &Tensor, scale: f64) -> CRes
         }
         _ => false,
     };
+    if scores.dtype() == DType::BF16 && bias.dtype() == DType::F32 {
+        if fits && (super::cuda_kernels(scores.device()) || scores.device().is_cpu()) {
+            return scores.contiguous()?.apply_op2(&bias.contiguous()?, ScaledMaskedSoftmax { scale });
+        }
+        return scaled_masked_softmax(&scores.to_dtype(DType::F32)?, bias, scale)?.to_dtype(DType::BF16);
+    }
     let device = super::cpu_kernels(scores.device()) || super::cuda_f32(&[scores, bias]);
     if device && fits && scores.dtype() == bias.dtype() {
         scores.contiguous()?.apply_op2(&bias.contiguous()?, ScaledMaskedSoftmax { scale })
@@ -367,6 +389,18 @@ pub fn scaled_masked_softmax(scores: &Tensor, bias: &Tensor, scale: f64) -> CRes
 /// [`scaled_masked_softmax`] from differentiable candle ops.
 pub fn scaled_masked_softmax_composed(scores: &Tensor, bias: &Tensor, scale: f64) -> CResult<Tensor> {
     softmax_composed(&(scores * scale)?.broadcast_add(bias)?)
+}
+
+/// The contiguous f32 values of a bf16 CPU storage viewed by `l`, and their layout.
+fn widen(s: &CpuStorage, l: &Layout, op: &'static str) -> CResult<(CpuStorage, Layout)> {
+    let v = contiguous::<half::bf16>(s, l, op)?;
+    Ok((CpuStorage::F32(v.iter().map(|x| x.to_f32()).collect()), Layout::contiguous(l.shape().clone())))
+}
+
+/// An f32 result rounded to bf16 (to nearest, ties to even).
+fn narrow_to_bf16((s, shape): (CpuStorage, Shape)) -> CResult<(CpuStorage, Shape)> {
+    let CpuStorage::F32(v) = s else { candle_core::bail!("narrow_to_bf16: an f32 result was due") };
+    Ok((CpuStorage::BF16(v.into_iter().map(half::bf16::from_f32).collect()), shape))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -784,6 +818,41 @@ mod tests {
         let r = randn(shape, seed);
         let masked = r.ge(1.0).unwrap();
         masked.where_cond(&(r.ones_like().unwrap() * -1e9).unwrap(), &r).unwrap()
+    }
+
+    /// bf16 scores, f32 bias: the probabilities are the f32 op's rounded once, and the scores'
+    /// gradient is the f32 backward from the bf16 probabilities and gradient, rounded once; the
+    /// same node in a composed scope (the GPU's code path on the CPU).
+    #[test]
+    fn scaled_masked_softmax_bf16_is_the_f32_op_rounded_once() {
+        use candle_core::Var;
+        for composed in [false, true] {
+            let _scope = composed.then(crate::composed_scope);
+            let (b, h, t) = (2, 3, 7);
+            let x = randn(&[b, h, t, t], 1).affine(3.0, 0.0).unwrap().to_dtype(DType::BF16).unwrap();
+            let r = randn(&[b, h, t, t], 2).to_dtype(DType::BF16).unwrap();
+            let mask = vec![vec![1u8; t], [vec![0u8; 2], vec![1; t - 2]].concat()];
+            let bias = crate::causal_bias(&mask, t, DType::F32, &candle_core::Device::Cpu).unwrap();
+            let xv = Var::from_tensor(&x).unwrap();
+            let y = scaled_masked_softmax(xv.as_tensor(), &bias, 0.3).unwrap();
+            assert_eq!(y.dtype(), DType::BF16);
+            let want = scaled_masked_softmax(&x.to_dtype(DType::F32).unwrap(), &bias, 0.3).unwrap();
+            assert_eq!(max_diff(&y, &want.to_dtype(DType::BF16).unwrap()), 0.0, "composed: {composed}");
+            let dx = (&y * &r)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap()
+                .get(xv.as_tensor())
+                .unwrap()
+                .clone();
+            assert_eq!(dx.dtype(), DType::BF16);
+            let f32 = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+            let want = f32(&y).apply_op2_no_bwd(&f32(&r), &SoftmaxBwd { scale: 0.3 }).unwrap();
+            assert_eq!(max_diff(&dx, &want.to_dtype(DType::BF16).unwrap()), 0.0, "composed: {composed}");
+            assert!(max_diff(&dx, &(&dx * 0.0).unwrap()) > 0.0);
+        }
     }
 
     #[test]

@@ -4,8 +4,10 @@
 //! `(rows, inner)` tensors per layer; fused, it keeps `gate` and `up`. `silu(x)` is
 //! `x / (1 + e^(−x))` as candle's CPU `silu` computes it, so the forward is the composed one's
 //! bit for bit. The backward: with `σ = 1 / (1 + e^(−g))`,
-//! `d gate = dy · up · σ(1 + g(1 − σ))` and `d up = dy · silu(g)`. On CUDA (f32) both run as
-//! `swiglu.cu`'s twins of these loops.
+//! `d gate = dy · up · σ(1 + g(1 − σ))` and `d up = dy · silu(g)`. On CUDA both run as
+//! `swiglu.cu`'s twins of these loops, in f32 and in bf16: the bf16 kernels (autocast's bf16
+//! activations, [`crate::bf16_activations`]) compute each value in f32 as the f32 ones do and
+//! round it to bf16 once, so their CPU twin is this kernel in f32, rounded.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor};
@@ -158,11 +160,20 @@ impl CustomOp3 for SwiGluBwd {
     }
 }
 
-/// `silu(gate) · up`, differentiable: one fused node on the CPU (f32, f64) and on CUDA (f32,
-/// `swiglu.cu`), candle's `silu` and `mul` elsewhere.
+/// `silu(gate) · up`, differentiable: one fused node on the CPU (f32, f64) and on CUDA (f32 and
+/// bf16, `swiglu.cu`), candle's `silu` and `mul` elsewhere. Two bf16 tensors give each value
+/// computed in f32 and rounded to bf16 once, on every device (where there is no bf16 kernel,
+/// through f32 casts): the bf16 kernel's values, and those of the f32 op whose result a bf16
+/// product then reads.
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> CResult<Tensor> {
-    if (super::fused_cpu(&[gate, up]) || super::cuda_f32(&[gate, up])) && gate.rank() > 0 {
+    use candle_core::DType;
+    let cuda = super::cuda_kernels(gate.device())
+        && gate.dtype() == up.dtype()
+        && matches!(gate.dtype(), DType::F32 | DType::BF16);
+    if (super::fused_cpu(&[gate, up]) || cuda) && gate.rank() > 0 {
         gate.contiguous()?.apply_op2(&up.contiguous()?, SwiGlu)
+    } else if gate.dtype() == DType::BF16 && up.dtype() == DType::BF16 {
+        swiglu(&gate.to_dtype(DType::F32)?, &up.to_dtype(DType::F32)?)?.to_dtype(DType::BF16)
     } else {
         swiglu_composed(gate, up)
     }
@@ -186,6 +197,35 @@ mod tests {
             |t| swiglu_composed(&t[0], &t[1]).unwrap(),
         );
         fd_check(&[&[2, 7], &[2, 7]], |t| swiglu(&t[0], &t[1]).unwrap());
+    }
+
+    /// Two bf16 tensors: each value, and each gradient, is the f32 op's rounded to bf16 once
+    /// (the CUDA bf16 kernel's definition, which `rltune selftest` checks it against). Fused
+    /// and composed CPU paths alike.
+    #[test]
+    fn bf16_is_the_f32_op_rounded_once() {
+        use candle_core::{DType, Var};
+        for composed in [false, true] {
+            let _scope = composed.then(crate::composed_scope);
+            let bf = |seed| randn(&[9, 37], seed).affine(3.0, 0.0).unwrap().to_dtype(DType::BF16).unwrap();
+            let (g, u, r) = (bf(1), bf(2), bf(3));
+            let run = |dtype: DType| {
+                let (gv, uv) = (
+                    Var::from_tensor(&g.to_dtype(dtype).unwrap()).unwrap(),
+                    Var::from_tensor(&u.to_dtype(dtype).unwrap()).unwrap(),
+                );
+                let y = swiglu(gv.as_tensor(), uv.as_tensor()).unwrap();
+                let grads = (&y * r.to_dtype(dtype).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
+                let (dg, du) =
+                    (grads.get(gv.as_tensor()).unwrap().clone(), grads.get(uv.as_tensor()).unwrap().clone());
+                [y, dg, du].map(|t| t.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap())
+            };
+            let (want, got) = (run(DType::F32), run(DType::BF16));
+            for (w, g) in want.iter().zip(&got) {
+                assert_eq!(max_diff(w, g), 0.0, "composed: {composed}");
+                assert!(w.abs().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap() > 0.0);
+            }
+        }
     }
 
     /// In f32 the forward is candle's `silu(gate) * up` bit for bit (the models' parity with

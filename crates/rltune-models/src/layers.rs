@@ -26,6 +26,11 @@ pub struct Linear {
 }
 
 impl Linear {
+    /// Whether the layer is its weight alone: no bias, no adapter.
+    pub fn weight_only(&self) -> bool {
+        self.bias.is_none() && self.lora.is_none()
+    }
+
     /// Loads `weight` (and `bias` when `bias` is true) under `p`, and its adapter.
     pub fn load(p: &Params, d_in: usize, d_out: usize, bias: bool, std: f64) -> Result<Self> {
         let weight = p.get("weight", (d_out, d_in), Init::Normal(std))?;

@@ -543,6 +543,29 @@ impl Attention {
     ) -> Result<Tensor> {
         let (cos, sin) = rope;
         let (q, k) = (self.q_proj.forward(x)?, self.k_proj.forward(x)?); // (B, T, H·D), (B, T, H_kv·D)
+        let full = q.dims().get(1).is_some_and(|&t| bias.dims().last() == Some(&t));
+        if cache.is_none() && full && ops::bf16_attention(&q) {
+            // Training and scoring under autocast with `[runtime] attention = "bf16"`: the two
+            // products in bf16 on the tensor cores; the bf16 result goes on to the output
+            // product where bf16 activations are on and it is its weight alone.
+            let heads = (self.n_heads, self.n_kv_heads);
+            let y = ops::rope_attention_bf16(
+                &q,
+                &k,
+                &self.v_proj.forward(x)?,
+                cos,
+                sin,
+                bias,
+                heads,
+                self.scale,
+            )?;
+            let y = if self.o_proj.weight_only() && ops::bf16_activations(x) {
+                y
+            } else {
+                y.to_dtype(x.dtype())?
+            };
+            return Ok(self.o_proj.forward(&y)?.to_dtype(x.dtype())?);
+        }
         if cache.is_none() && ops::rope_attention_takes(&q, &k, cos, bias) {
             // Training and scoring (CPU; CUDA in f32): rotation, grouped-query attention and the
             // merge as one node, which keeps its inputs and the probabilities only.
@@ -615,7 +638,20 @@ impl Mlp {
     }
 
     /// `(B, T, C) -> (B, T, C)`
+    ///
+    /// Under autocast with bf16 activations ([`ops::bf16_activations`]), `gate`, `up` and the
+    /// SwiGLU stay bf16 between the three products, as under `torch.autocast`: `x` is cast
+    /// once for each of the two products (so that their gradients meet in f32, as before), and
+    /// only the down product's result comes back to f32. Projections with a bias or a LoRA
+    /// adapter keep the f32 path, whose sums (bias, adapter) are f32: there bf16 activations
+    /// would change the values.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let plain = [&self.gate_proj, &self.up_proj, &self.down_proj].iter().all(|l| l.weight_only());
+        if self.act == Activation::Silu && plain && ops::bf16_activations(x) {
+            let (xg, xu) = (x.to_dtype(DType::BF16)?, x.to_dtype(DType::BF16)?);
+            let h = ops::swiglu(&self.gate_proj.forward(&xg)?, &self.up_proj.forward(&xu)?)?;
+            return Ok(self.down_proj.forward(&h)?.to_dtype(x.dtype())?);
+        }
         let (gate, up) = (self.gate_proj.forward(x)?, self.up_proj.forward(x)?);
         let h = match self.act {
             Activation::Silu => ops::swiglu(&gate, &up)?,
@@ -1037,6 +1073,83 @@ mod tests {
         let d = diff(&none, &narrow);
         // Positions 0..=2 see at most 3 keys, so the window hides nothing from them.
         assert!(d[..3].iter().all(|&x| x == 0.0) && d[3..].iter().all(|&x| x > 0.0), "{d:?}");
+    }
+
+    /// The tests that set the process-wide autocast switches, one at a time.
+    static AUTOCAST_SWITCHES: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+    /// A tiny model of `cfg` under the CPU's emulation of the GPU's bf16 autocast, once with
+    /// `switch(false)` and once with `switch(true)`: each time its loss (`Σ sin(logits)` over a
+    /// left-padded batch of two) and every weight's gradient (checked f32), as f32 values.
+    fn autocast_runs(cfg: &LlamaConfig, switch: fn(bool) -> bool) -> [Vec<Vec<f32>>; 2] {
+        let dev = Device::Cpu;
+        let store = ParamStore::random(3, true, DType::F32, &dev).unwrap();
+        let model = Llama::load(&store.root(), cfg).unwrap();
+        let mask = vec![vec![1u8; 5], vec![0, 1, 1, 1, 1]];
+        let ids = Tensor::new(&[[1u32, 4, 9, 16, 3], [0, 5, 7, 2, 11]], &dev).unwrap();
+        let pos = position_ids_from_mask(&mask, &dev).unwrap();
+        let bias = causal_bias(&mask, 5, DType::F32, &dev).unwrap();
+        let was = switch(false);
+        let runs = [false, true].map(|on| {
+            switch(on);
+            let _autocast = ops::autocast_composed_scope();
+            let h = model.forward(&ids, &pos, &bias, None).unwrap();
+            let loss = model.logits(&h).unwrap().sin().unwrap().sum_all().unwrap();
+            let grads = loss.backward().unwrap();
+            let mut out = vec![vec![loss.to_scalar::<f32>().unwrap()]];
+            for (name, var) in store.vars() {
+                let g = grads.get(&var).unwrap_or_else(|| panic!("no gradient for {name}"));
+                assert_eq!(g.dtype(), DType::F32, "{name}");
+                out.push(g.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+            }
+            out
+        });
+        switch(was);
+        runs
+    }
+
+    /// Under autocast (the GPU's bf16 path, run here on the CPU), bf16 activations through the
+    /// MLP compute the same loss and the same gradients, bit for bit, as casting each product's
+    /// result back to f32: each SwiGLU value is rounded to bf16 once either way, and the two
+    /// products' input gradients still meet in f32. With biases in the MLP (`mlp_bias`) the f32
+    /// path is kept, and so are the values.
+    #[test]
+    fn bf16_activations_change_no_value_under_autocast() {
+        let _one = AUTOCAST_SWITCHES.lock().unwrap_or_else(|e| e.into_inner());
+        for (model_type, extra) in [
+            ("qwen2", serde_json::json!({"intermediate_size": 24})),
+            ("llama", serde_json::json!({"intermediate_size": 24, "mlp_bias": true})),
+        ] {
+            let [f32_acts, bf16_acts] = autocast_runs(&tiny(model_type, extra), ops::set_bf16_activations);
+            for (a, b) in f32_acts.iter().zip(&bf16_acts) {
+                assert!(a.iter().any(|&x| x != 0.0));
+                let differ = a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
+                assert_eq!(differ, 0, "{model_type}: {differ} of {} values differ", a.len());
+            }
+        }
+        // The switch applies under autocast only.
+        let x = Tensor::ones((1, 2, 16), DType::F32, &Device::Cpu).unwrap();
+        assert!(!ops::bf16_activations(&x));
+        let _autocast = ops::autocast_composed_scope();
+        assert!(ops::bf16_activations(&x));
+    }
+
+    /// autocast's bf16 attention (`[runtime] attention = "bf16"`; on the CPU the GPU's composed
+    /// path): the loss and every gradient within bf16's precision of the f32 attention's, and
+    /// not equal to them (the path is taken).
+    #[test]
+    fn bf16_attention_is_close_to_f32_attention_under_autocast() {
+        let _one = AUTOCAST_SWITCHES.lock().unwrap_or_else(|e| e.into_inner());
+        let cfg = tiny("qwen2", serde_json::json!({"intermediate_size": 24}));
+        let [f32_att, bf16_att] = autocast_runs(&cfg, ops::set_bf16_attention);
+        let mut moved = 0;
+        for (a, b) in bf16_att.iter().zip(&f32_att) {
+            let scale = b.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-3);
+            let worst = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+            assert!(worst / scale < 5e-2, "relative {}", worst / scale);
+            moved += usize::from(worst > 0.0);
+        }
+        assert!(moved > bf16_att.len() / 2, "{moved} of {} tensors moved", bf16_att.len());
     }
 
     /// Gradients reach every parameter and match central finite differences (f64).

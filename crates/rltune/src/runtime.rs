@@ -138,6 +138,8 @@ macro_rules! serde_as_string {
 serde_as_string!(DeviceChoice);
 serde_as_string!(Precision);
 serde_as_string!(CudaHost);
+serde_as_string!(Activations);
+serde_as_string!(AttentionProducts);
 
 /// `[runtime]`: how the computation runs (not what it computes). Every field has a default, so
 /// the table may be left out.
@@ -157,6 +159,106 @@ pub struct RuntimeSection {
     /// a written config at its default.
     #[serde(skip_serializing_if = "CudaHost::is_default")]
     pub cuda_host: CudaHost,
+    /// CUDA with `dtype = "bf16"` only: whether the activations between two products stay bf16
+    /// where an op between them has a bf16 kernel ([`Activations`]); `"bf16"` (default) or
+    /// `"f32"`. Left out of a written config at its default.
+    #[serde(skip_serializing_if = "Activations::is_default")]
+    pub activations: Activations,
+    /// CUDA with `dtype = "bf16"` only: attention's two products in f32 (`"f32"`, default:
+    /// rltune's fused attention kernels) or in bf16 on the tensor cores (`"bf16"`, as
+    /// `torch.autocast`) ([`AttentionProducts`]). Left out of a written config at its default.
+    #[serde(skip_serializing_if = "AttentionProducts::is_default")]
+    pub attention: AttentionProducts,
+}
+
+/// `[runtime] attention`, CUDA with `dtype = "bf16"` only: how Llama-family attention
+/// (Llama, Qwen2, Mistral) computes its two products when it trains or scores
+/// ([`crate::ops::set_bf16_attention`]).
+///
+/// - `"f32"` (default): rltune's fused attention kernels, f32 products and softmax, the
+///   probabilities kept in f32.
+/// - `"bf16"`: as `torch.autocast`, the products in bf16 with f32 sums on the tensor cores
+///   (candle's batched cuBLAS products), the masked softmax between them in bf16 (computed in
+///   f32, rounded once). Values change at bf16's precision. Not yet the default: no GPU has
+///   timed it (`tools/cuda/verify.sh` runs the A/B).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AttentionProducts {
+    /// rltune's fused f32 attention kernels (the default).
+    #[default]
+    F32,
+    /// bf16 products on the tensor cores.
+    Bf16,
+}
+
+impl AttentionProducts {
+    fn is_default(&self) -> bool {
+        *self == Self::default()
+    }
+}
+
+impl fmt::Display for AttentionProducts {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::F32 => "f32",
+            Self::Bf16 => "bf16",
+        })
+    }
+}
+
+impl FromStr for AttentionProducts {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "f32" | "float32" => Ok(Self::F32),
+            "bf16" | "bfloat16" => Ok(Self::Bf16),
+            _ => Err(format!("unknown attention {s:?}: expected \"f32\" (default) or \"bf16\"")),
+        }
+    }
+}
+
+/// `[runtime] activations`, CUDA with `dtype = "bf16"` only: what autocast hands from one
+/// product to the next through an op with a bf16 kernel (today Llama's MLP, `down(swiglu(gate(x),
+/// up(x)))`; [`crate::ops::set_bf16_activations`]). Kept switchable so that a benchmark can
+/// measure it (issue #53).
+///
+/// - `"bf16"` (default): the products' bf16 results go on in bf16, as under `torch.autocast`;
+///   the values are the same, the backward keeps a third of the bytes and four casts fewer.
+/// - `"f32"`: every product's result is cast back to f32 and the next product casts it again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Activations {
+    /// bf16 between the products (the default).
+    #[default]
+    Bf16,
+    /// f32 between the products.
+    F32,
+}
+
+impl Activations {
+    fn is_default(&self) -> bool {
+        *self == Self::default()
+    }
+}
+
+impl fmt::Display for Activations {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Bf16 => "bf16",
+            Self::F32 => "f32",
+        })
+    }
+}
+
+impl FromStr for Activations {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "bf16" | "bfloat16" => Ok(Self::Bf16),
+            "f32" | "float32" => Ok(Self::F32),
+            _ => Err(format!("unknown activations {s:?}: expected \"bf16\" (default) or \"f32\"")),
+        }
+    }
 }
 
 /// CUDA only, `[runtime] cuda_host`: the host-side settings of the device's memory, kept
@@ -240,6 +342,18 @@ impl RuntimeSection {
         self
     }
 
+    /// This section with `activations` in place of its own (where given).
+    pub fn with_activations(mut self, activations: Option<Activations>) -> Self {
+        self.activations = activations.unwrap_or(self.activations);
+        self
+    }
+
+    /// This section with `attention` in place of its own (where given).
+    pub fn with_attention(mut self, attention: Option<AttentionProducts>) -> Self {
+        self.attention = attention.unwrap_or(self.attention);
+        self
+    }
+
     /// The `[runtime]` table of TOML `text` (default when absent); other tables are ignored.
     /// `path` names the source in errors.
     pub fn from_toml_table(text: &str, path: &std::path::Path) -> Result<Self> {
@@ -268,6 +382,8 @@ pub struct Runtime {
     precision: Precision,
     matmul_precision: MatmulPrecision,
     cuda_host: CudaHost,
+    activations: Activations,
+    attention: AttentionProducts,
     dist: Dist,
 }
 
@@ -280,6 +396,8 @@ impl Runtime {
             precision: Precision::F32,
             matmul_precision: MatmulPrecision::F32,
             cuda_host: CudaHost::default(),
+            activations: Activations::default(),
+            attention: AttentionProducts::default(),
             dist: Dist::default(),
         }
     }
@@ -313,6 +431,8 @@ impl Runtime {
             precision: section.dtype,
             matmul_precision,
             cuda_host: section.cuda_host,
+            activations: section.activations,
+            attention: section.attention,
             dist: Dist::default(),
         })
     }
@@ -362,6 +482,8 @@ impl Runtime {
             dtype: self.precision,
             matmul_precision: self.matmul_precision,
             cuda_host: self.cuda_host,
+            activations: self.activations,
+            attention: self.attention,
         }
     }
 
@@ -379,6 +501,8 @@ impl Runtime {
             crate::ops::set_matmul_precision(self.matmul_precision)?;
         } else {
             crate::ops::set_device_matmul_precision(self.matmul_precision);
+            let _ = crate::ops::set_bf16_activations(self.activations == Activations::Bf16);
+            let _ = crate::ops::set_bf16_attention(self.attention == AttentionProducts::Bf16);
             apply_cuda_host(&self.device, self.cuda_host)?;
         }
         Ok(())
@@ -397,6 +521,18 @@ impl fmt::Display for Runtime {
         }
         if !self.device.is_cpu() && self.cuda_host != CudaHost::Tuned {
             write!(f, ", cuda_host = {}", self.cuda_host)?;
+        }
+        if !self.device.is_cpu()
+            && self.matmul_precision == MatmulPrecision::Bf16
+            && !self.activations.is_default()
+        {
+            write!(f, ", activations = {}", self.activations)?;
+        }
+        if !self.device.is_cpu()
+            && self.matmul_precision == MatmulPrecision::Bf16
+            && !self.attention.is_default()
+        {
+            write!(f, ", attention = {}", self.attention)?;
         }
         Ok(())
     }
@@ -718,6 +854,37 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn activations_parse_round_trip_and_stay_out_of_written_configs() {
+        for (s, a) in [("bf16", Activations::Bf16), ("f32", Activations::F32)] {
+            assert_eq!(s.parse::<Activations>().unwrap(), a);
+            assert_eq!(a.to_string(), s);
+        }
+        let e = "f16".parse::<Activations>().unwrap_err();
+        assert!(e.contains("\"f16\"") && e.contains("\"f32\""), "{e}");
+        let written = toml::to_string(&RuntimeSection::default()).unwrap();
+        assert!(!written.contains("activations"), "{written}");
+        let section = RuntimeSection { activations: Activations::F32, ..RuntimeSection::default() };
+        let text = format!("[runtime]\n{}", toml::to_string(&section).unwrap());
+        assert!(text.contains("activations = \"f32\""), "{text}");
+        let back = RuntimeSection::from_toml_table(&text, std::path::Path::new("x.toml")).unwrap();
+        assert_eq!(back, section);
+        assert_eq!(RuntimeSection::default().with_activations(Some(Activations::F32)), section);
+        assert_eq!(section.clone().with_activations(None), section);
+        // `attention` the same way.
+        for (s, a) in [("f32", AttentionProducts::F32), ("bf16", AttentionProducts::Bf16)] {
+            assert_eq!(s.parse::<AttentionProducts>().unwrap(), a);
+            assert_eq!(a.to_string(), s);
+        }
+        assert!("tf32".parse::<AttentionProducts>().unwrap_err().contains("\"tf32\""));
+        assert!(!written.contains("attention"), "{written}");
+        let section = RuntimeSection { attention: AttentionProducts::Bf16, ..RuntimeSection::default() };
+        let text = format!("[runtime]\n{}", toml::to_string(&section).unwrap());
+        assert!(text.contains("attention = \"bf16\""), "{text}");
+        assert_eq!(RuntimeSection::from_toml_table(&text, std::path::Path::new("x.toml")).unwrap(), section);
+        assert_eq!(RuntimeSection::default().with_attention(Some(AttentionProducts::Bf16)), section);
     }
 
     #[test]

@@ -3,11 +3,22 @@
 //   forward  (inverse = 0): x (B, T, H*D) -> out (B, H, T, D), out = [x1 c - x2 s | x2 c + x1 s];
 //   backward (inverse = 1): dy (B, H, T, D) -> dx (B, T, H*D), dx = [x1 c + x2 s | x2 c - x1 s].
 // One thread per (b, t, h, j < D/2), the CPU kernel's products and sums in its order.
+//
+// The bf16 side (autocast's bf16 attention): the forward reads f32 and writes bf16, the backward
+// reads the bf16 gradient and writes f32; the arithmetic is the f32 kernel's, each bf16 value
+// rounded once.
+#include <cuda_bf16.h>
 #include <stddef.h>
 
-extern "C" __global__ void rltune_rope_f32(float *__restrict__ out, const float *__restrict__ x,
-                                           const float *__restrict__ cos, const float *__restrict__ sin,
-                                           size_t b, size_t t, size_t h, size_t d, int inverse) {
+__device__ __forceinline__ float rope_load(const float *x, size_t i) { return x[i]; }
+__device__ __forceinline__ float rope_load(const __nv_bfloat16 *x, size_t i) { return __bfloat162float(x[i]); }
+__device__ __forceinline__ void rope_store(float *out, size_t i, float v) { out[i] = v; }
+__device__ __forceinline__ void rope_store(__nv_bfloat16 *out, size_t i, float v) { out[i] = __float2bfloat16_rn(v); }
+
+template <class In, class Out>
+__device__ __forceinline__ void rope_kernel(Out *__restrict__ out, const In *__restrict__ x, const float *__restrict__ cos,
+                                            const float *__restrict__ sin, size_t b, size_t t, size_t h, size_t d,
+                                            int inverse) {
   const size_t half = d / 2, n = b * t * h * half;
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
     const size_t j = i % half, hi = (i / half) % h, bt = i / (half * h), ti = bt % t, bi = bt / t;
@@ -15,15 +26,33 @@ extern "C" __global__ void rltune_rope_f32(float *__restrict__ out, const float 
     const size_t thd = (bt * h + hi) * d, htd = ((bi * h + hi) * t + ti) * d;
     const size_t src = inverse ? htd : thd, dst = inverse ? thd : htd;
     const float c = cos[bt * half + j], s = sin[bt * half + j];
-    const float x1 = x[src + j], x2 = x[src + half + j];
+    const float x1 = rope_load(x, src + j), x2 = rope_load(x, src + half + j);
     if (inverse) {
-      out[dst + j] = x1 * c + x2 * s;
-      out[dst + half + j] = x2 * c - x1 * s;
+      rope_store(out, dst + j, x1 * c + x2 * s);
+      rope_store(out, dst + half + j, x2 * c - x1 * s);
     } else {
-      out[dst + j] = x1 * c - x2 * s;
-      out[dst + half + j] = x2 * c + x1 * s;
+      rope_store(out, dst + j, x1 * c - x2 * s);
+      rope_store(out, dst + half + j, x2 * c + x1 * s);
     }
   }
+}
+
+extern "C" __global__ void rltune_rope_f32(float *__restrict__ out, const float *__restrict__ x,
+                                           const float *__restrict__ cos, const float *__restrict__ sin,
+                                           size_t b, size_t t, size_t h, size_t d, int inverse) {
+  rope_kernel(out, x, cos, sin, b, t, h, d, inverse);
+}
+
+extern "C" __global__ void rltune_rope_f32_bf16(__nv_bfloat16 *__restrict__ out, const float *__restrict__ x,
+                                                const float *__restrict__ cos, const float *__restrict__ sin,
+                                                size_t b, size_t t, size_t h, size_t d, int inverse) {
+  rope_kernel(out, x, cos, sin, b, t, h, d, inverse);
+}
+
+extern "C" __global__ void rltune_rope_bf16_f32(float *__restrict__ out, const __nv_bfloat16 *__restrict__ x,
+                                                const float *__restrict__ cos, const float *__restrict__ sin,
+                                                size_t b, size_t t, size_t h, size_t d, int inverse) {
+  rope_kernel(out, x, cos, sin, b, t, h, d, inverse);
 }
 
 // Value j of a head whose D values start at x, rotated (inverse = 0) or by the transpose

@@ -3,6 +3,8 @@
 // or output, as on the CPU.
 #include "common.cuh"
 
+#include <cuda_bf16.h>
+
 // m = max(x), s = sum e^(x - m) of row xr.
 __device__ __forceinline__ void row_max_sum(const float *xr, size_t n, float *m, float *s) {
   float mx = -INFINITY;
@@ -116,6 +118,14 @@ extern "C" __global__ void rltune_log_softmax_bwd_f32(float *__restrict__ dx, co
   for (size_t i = threadIdx.x; i < n; i += blockDim.x) d[i] = gr[i] - expf(yr[i]) * sum;
 }
 
+// The offset of the bias row (bB, bH, bT, S) that row r of (B, H, T, S) scores reads: each of
+// the bias's first three sizes is 1 (broadcast) or the scores'.
+__device__ __forceinline__ size_t masked_bias_row(size_t r, size_t n, size_t h, size_t t, size_t bb, size_t bh,
+                                                  size_t bt) {
+  const size_t i = r % t, hi = (r / t) % h, bi = r / (t * h);
+  return (((bb == 1 ? 0 : bi) * bh + (bh == 1 ? 0 : hi)) * bt + (bt == 1 ? 0 : i)) * n;
+}
+
 // y = softmax(x scale + bias) per row of (B, H, T, S) attention scores (the CPU's
 // scaled_masked_softmax_rows); the bias (bB, bH, bT, S) broadcasts, each of its first three
 // sizes 1 or the scores'. Its backward is rltune_softmax_bwd_f32 with the scale.
@@ -125,9 +135,7 @@ extern "C" __global__ void rltune_scaled_masked_softmax_f32(float *__restrict__ 
                                                             float scale) {
   const size_t r = blockIdx.x;
   if (r >= rows) return;
-  const size_t i = r % t, hi = (r / t) % h, bi = r / (t * h);
-  const size_t br = (((bb == 1 ? 0 : bi) * bh + (bh == 1 ? 0 : hi)) * bt + (bt == 1 ? 0 : i)) * n;
-  const float *xr = x + r * n, *b = bias + br;
+  const float *xr = x + r * n, *b = bias + masked_bias_row(r, n, h, t, bb, bh, bt);
   float *yr = y + r * n;
   float mx = -INFINITY;
   for (size_t k = threadIdx.x; k < n; k += blockDim.x) {
@@ -144,4 +152,47 @@ extern "C" __global__ void rltune_scaled_masked_softmax_f32(float *__restrict__ 
   }
   const float inv = 1.0f / block_sum(s);
   for (size_t k = threadIdx.x; k < n; k += blockDim.x) yr[k] *= inv;
+}
+
+// rltune_scaled_masked_softmax_f32 for bf16 scores and probabilities (autocast's attention on
+// the tensor cores: the scores come from a bf16 product, the probabilities go into one). Each
+// value is computed in f32 as there, from the bf16 score, and rounded to bf16 once; the bias
+// stays f32. The row is read three times (maximum, sum, output) instead of keeping the f32
+// intermediates in the bf16 output.
+extern "C" __global__ void rltune_scaled_masked_softmax_bf16(__nv_bfloat16 *__restrict__ y,
+                                                             const __nv_bfloat16 *__restrict__ x,
+                                                             const float *__restrict__ bias, size_t rows, size_t n,
+                                                             size_t h, size_t t, size_t bb, size_t bh, size_t bt,
+                                                             float scale) {
+  const size_t r = blockIdx.x;
+  if (r >= rows) return;
+  const __nv_bfloat16 *xr = x + r * n;
+  const float *b = bias + masked_bias_row(r, n, h, t, bb, bh, bt);
+  __nv_bfloat16 *yr = y + r * n;
+  float mx = -INFINITY;
+  for (size_t k = threadIdx.x; k < n; k += blockDim.x) mx = fmaxf(mx, __bfloat162float(xr[k]) * scale + b[k]);
+  mx = block_max(mx);
+  float s = 0.0f;
+  for (size_t k = threadIdx.x; k < n; k += blockDim.x) s += expf(__bfloat162float(xr[k]) * scale + b[k] - mx);
+  const float inv = 1.0f / block_sum(s);
+  for (size_t k = threadIdx.x; k < n; k += blockDim.x) {
+    yr[k] = __float2bfloat16_rn(expf(__bfloat162float(xr[k]) * scale + b[k] - mx) * inv);
+  }
+}
+
+// rltune_softmax_bwd_f32 for bf16 probabilities and gradients: dx = scale y (g - sum g y) per
+// row, in f32, each value rounded to bf16 once.
+extern "C" __global__ void rltune_softmax_bwd_bf16(__nv_bfloat16 *__restrict__ dx, const __nv_bfloat16 *__restrict__ y,
+                                                   const __nv_bfloat16 *__restrict__ g, size_t rows, size_t n,
+                                                   float scale) {
+  const size_t r = blockIdx.x;
+  if (r >= rows) return;
+  const __nv_bfloat16 *yr = y + r * n, *gr = g + r * n;
+  __nv_bfloat16 *d = dx + r * n;
+  float dot = 0.0f;
+  for (size_t i = threadIdx.x; i < n; i += blockDim.x) dot += __bfloat162float(gr[i]) * __bfloat162float(yr[i]);
+  dot = block_sum(dot);
+  for (size_t i = threadIdx.x; i < n; i += blockDim.x) {
+    d[i] = __float2bfloat16_rn(scale * __bfloat162float(yr[i]) * (__bfloat162float(gr[i]) - dot));
+  }
 }
