@@ -98,26 +98,39 @@ pub enum Precision {
     Bf16,
 }
 
-impl fmt::Display for Precision {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Self::F32 => "f32",
-            Self::Bf16 => "bf16",
-        })
-    }
-}
-
-impl FromStr for Precision {
-    type Err = String;
-
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "f32" | "float32" => Ok(Self::F32),
-            "bf16" | "bfloat16" => Ok(Self::Bf16),
-            _ => Err(format!("unknown dtype {s:?}: expected \"f32\" or \"bf16\"")),
+/// `Display` and `FromStr` for a two-way choice between f32 and bf16 (`$what` names it in the
+/// error), whose `Default` is said in the error.
+macro_rules! f32_or_bf16 {
+    ($t:ty, $what:literal) => {
+        impl fmt::Display for $t {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(match self {
+                    Self::F32 => "f32",
+                    Self::Bf16 => "bf16",
+                })
+            }
         }
-    }
+
+        impl FromStr for $t {
+            type Err = String;
+
+            fn from_str(s: &str) -> std::result::Result<Self, String> {
+                match s.trim().to_ascii_lowercase().as_str() {
+                    "f32" | "float32" => Ok(Self::F32),
+                    "bf16" | "bfloat16" => Ok(Self::Bf16),
+                    _ => Err(format!(
+                        concat!("unknown ", $what, " {:?}: expected \"f32\" or \"bf16\" (default \"{}\")"),
+                        s,
+                        Self::default()
+                    )),
+                }
+            }
+        }
+    };
 }
+f32_or_bf16!(Precision, "dtype");
+f32_or_bf16!(AttentionProducts, "attention");
+f32_or_bf16!(Activations, "activations");
 
 /// Serializes a [`FromStr`] + [`fmt::Display`] value as its string.
 macro_rules! serde_as_string {
@@ -196,27 +209,6 @@ impl AttentionProducts {
     }
 }
 
-impl fmt::Display for AttentionProducts {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Self::F32 => "f32",
-            Self::Bf16 => "bf16",
-        })
-    }
-}
-
-impl FromStr for AttentionProducts {
-    type Err = String;
-
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "f32" | "float32" => Ok(Self::F32),
-            "bf16" | "bfloat16" => Ok(Self::Bf16),
-            _ => Err(format!("unknown attention {s:?}: expected \"f32\" (default) or \"bf16\"")),
-        }
-    }
-}
-
 /// `[runtime] activations`, CUDA with `dtype = "bf16"` only: what autocast hands from one
 /// product to the next through an op with a bf16 kernel (today Llama's MLP, `down(swiglu(gate(x),
 /// up(x)))`; [`crate::ops::set_bf16_activations`]). Kept switchable so that a benchmark can
@@ -237,27 +229,6 @@ pub enum Activations {
 impl Activations {
     fn is_default(&self) -> bool {
         *self == Self::default()
-    }
-}
-
-impl fmt::Display for Activations {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Self::Bf16 => "bf16",
-            Self::F32 => "f32",
-        })
-    }
-}
-
-impl FromStr for Activations {
-    type Err = String;
-
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "bf16" | "bfloat16" => Ok(Self::Bf16),
-            "f32" | "float32" => Ok(Self::F32),
-            _ => Err(format!("unknown activations {s:?}: expected \"bf16\" (default) or \"f32\"")),
-        }
     }
 }
 
@@ -864,6 +835,10 @@ mod tests {
         }
         let e = "f16".parse::<Activations>().unwrap_err();
         assert!(e.contains("\"f16\"") && e.contains("\"f32\""), "{e}");
+        // Each choice's error names the setting and its own default.
+        assert!(e.starts_with("unknown activations") && e.ends_with("(default \"bf16\")"), "{e}");
+        let e = "tf32".parse::<AttentionProducts>().unwrap_err();
+        assert!(e.starts_with("unknown attention") && e.ends_with("(default \"f32\")"), "{e}");
         let written = toml::to_string(&RuntimeSection::default()).unwrap();
         assert!(!written.contains("activations"), "{written}");
         let section = RuntimeSection { activations: Activations::F32, ..RuntimeSection::default() };
