@@ -233,16 +233,14 @@ fn rope_cpu_bf16(
     s3: &CpuStorage,
     l3: &Layout,
 ) -> CResult<(CpuStorage, Shape)> {
-    let (g, shape) = op.geometry(l1, l2, l3)?;
-    let name = op.label();
-    let (c, s) = (contiguous::<f32>(s2, l2, name)?, contiguous::<f32>(s3, l3, name)?);
     if op.inverse {
-        let dy: Vec<f32> = contiguous::<half::bf16>(s1, l1, name)?.iter().map(|v| v.to_f32()).collect();
-        Ok((CpuStorage::F32(rotate(&dy, c, s, g, true)), shape))
-    } else {
-        let y = rotate(contiguous::<f32>(s1, l1, name)?, c, s, g, false);
-        Ok((CpuStorage::BF16(y.into_iter().map(half::bf16::from_f32).collect()), shape))
+        // The bf16 gradient widened, then the f32 inverse rotation.
+        let dy = contiguous::<half::bf16>(s1, l1, op.label())?.iter().map(|v| v.to_f32()).collect();
+        return rope_cpu::<f32>(op, &CpuStorage::F32(dy), &Layout::contiguous(l1.shape()), s2, l2, s3, l3);
     }
+    // The f32 rotation, rounded once.
+    let (y, shape) = rope_cpu::<f32>(op, s1, l1, s2, l2, s3, l3)?;
+    Ok((CpuStorage::BF16(y.as_slice::<f32>()?.iter().map(|&v| half::bf16::from_f32(v)).collect()), shape))
 }
 
 /// [`rope_heads`] from candle's ops.
