@@ -21,20 +21,22 @@ use crate::train::Bar;
 pub struct Args {
     /// `sentiment` (PPO toward positive reviews with a classifier reward), `adventure` (an LM
     /// agent for the generated text adventures: walkthrough demonstrations, behavioural cloning,
-    /// PPO on games), `textworld` (the same on TextWorld games; needs tools/textworld/install.sh
-    /// and tools/textworld/make_game_set.sh coin 64 64) or `arithmetic` (two-digit sums: SFT, then
-    /// GRPO or RLOO with an exact-match reward) or `essays` (RL on a task's own metric: labelling
-    /// essays' discourse elements, BC then PPO on the Feedback Prize F-score) or `wnut` (WNUT-2016
-    /// Twitter NER: a pretrained MiniLM tagger, imitation then RLOO on entity F1; needs
-    /// tools/data/fetch_wnut.sh and all-MiniLM-L6-v2 from tools/rlhf/fetch.sh) or `rlhf`
-    /// (SmolLM2-135M-Instruct against a learned MiniLM reward, judged by VADER: PPO, GRPO, DPO
-    /// and best-of-N; needs tools/rlhf/fetch.sh; with --device cuda, every method on more data).
+    /// PPO on games), `textworld` (the same on TextWorld games, with trajectory GRPO; needs
+    /// tools/textworld/install.sh and tools/textworld/make_game_set.sh coin 64 64) or
+    /// `arithmetic` (two-digit sums: SFT, then GRPO or RLOO with an exact-match reward) or
+    /// `essays` (RL on a task's own metric: labelling essays' discourse elements, BC then PPO on
+    /// the Feedback Prize F-score) or `wnut` (WNUT-2016 Twitter NER: a pretrained MiniLM tagger,
+    /// imitation then RLOO on entity F1; needs tools/data/fetch_wnut.sh and all-MiniLM-L6-v2
+    /// from tools/rlhf/fetch.sh) or `rlhf` (SmolLM2-135M-Instruct against a learned MiniLM
+    /// reward, judged by VADER: PPO, GRPO, DPO and best-of-N; needs tools/rlhf/fetch.sh; with
+    /// --device cuda, every method on more data).
     #[arg(long, default_value = "sentiment", value_parser = ["sentiment", "adventure", "textworld", "arithmetic", "essays", "wnut", "rlhf"])]
     task: String,
     /// With --task arithmetic: `grpo` or `rloo` (both train from the same SFT policy when run in
-    /// the same --output directory). With --task adventure or textworld: `ppo` (the default),
-    /// or trajectory-level `grpo` / `rloo` on the same games from the same BC policy, or `gigpo`
-    /// (GRPO with step-level credit among the turns played from the same game state).
+    /// the same --output directory). With --task adventure or textworld: `ppo` (adventure's
+    /// default), trajectory-level `grpo` (textworld's default, chosen on its validation games) or
+    /// `rloo` on the same games from the same BC policy, or `gigpo` (GRPO with step-level credit
+    /// among the turns played from the same game state).
     #[arg(long, value_parser = ["ppo", "grpo", "gigpo", "rloo"])]
     algorithm: Option<String>,
     /// Where every stage writes (cached stages are skipped on a rerun); default

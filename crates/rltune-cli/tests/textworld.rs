@@ -115,7 +115,9 @@ fn demonstrations_come_from_the_bridges_walkthroughs_with_detours() {
 
 /// `rltune quickstart --task textworld --preset tiny` as a library call: every stage runs on real
 /// TextWorld games (one for training, one for validation, one held out) and the summary compares
-/// the three agents on the same held-out episodes, and BC and PPO on the validation episodes.
+/// the three agents on the same held-out episodes, and BC and the RL policy on the validation
+/// episodes. The default RL stage is trajectory GRPO; PPO (`--algorithm ppo`) then trains from
+/// the same cached BC policy in the same directory.
 #[test]
 fn the_textworld_quickstart_runs_end_to_end() {
     use rltune_cli::tasks::{run_textworld_quickstart, TextworldGames, TextworldQuickstartConfig};
@@ -138,7 +140,8 @@ fn the_textworld_quickstart_runs_end_to_end() {
         }
     })
     .unwrap();
-    assert_eq!(stages, ["demos", "tokenizer", "bc", "ppo", "eval"]);
+    assert_eq!(stages, ["demos", "tokenizer", "bc", "grpo", "eval"]);
+    assert_eq!(s.config.rl_stage(), "grpo", "GRPO is TextWorld's default");
     assert!(s.demonstrations >= cfg.demo_games, "{}", s.demonstrations);
     for r in [&s.random, &s.bc, &s.ppo] {
         assert_eq!((r.episodes, r.dropped_episodes), (cfg.eval_episodes, 0), "{r:?}");
@@ -148,9 +151,25 @@ fn the_textworld_quickstart_runs_end_to_end() {
     for r in [&v.bc, &v.rl] {
         assert_eq!((r.episodes, r.dropped_episodes), (cfg.validation_episodes, 0), "{r:?}");
     }
-    let ppo_toml = std::fs::read_to_string(dir.path().join("ppo.toml")).unwrap();
-    assert!(ppo_toml.contains("coin5_s6.z8"), "PPO's evaluation plays the validation games:\n{ppo_toml}");
-    assert!(!ppo_toml.contains("treasure5_s4.z8"), "PPO never plays the test games:\n{ppo_toml}");
+    assert!(dir.path().join("summary-grpo.json").is_file());
+    let mut ppo = cfg.clone();
+    ppo.algorithm = rltune::run::config::AlgorithmKind::Ppo;
+    let mut stages = Vec::new();
+    let p = run_textworld_quickstart(dir.path(), &ppo, &runtime, &stop, &mut |e| {
+        if let rltune_cli::tasks::Event::Done { stage, .. } = e {
+            stages.push(stage);
+        }
+    })
+    .unwrap();
+    assert_eq!(stages, ["ppo", "eval"], "PPO reuses the demonstrations, the tokenizer and BC");
+    let rates = |r: &PlayReport| (r.win_rate, r.mean_steps, r.mean_normalized_score);
+    assert_eq!(rates(&p.bc), rates(&s.bc), "the same BC policy on the same test episodes");
+    assert!(dir.path().join("summary.json").is_file());
+    for stage in ["grpo", "ppo"] {
+        let toml = std::fs::read_to_string(dir.path().join(format!("{stage}.toml"))).unwrap();
+        assert!(toml.contains("coin5_s6.z8"), "{stage}'s evaluation plays the validation games:\n{toml}");
+        assert!(!toml.contains("treasure5_s4.z8"), "{stage} never plays the test games:\n{toml}");
+    }
     // Overlapping splits, a missing validation set and a missing interpreter are refused before
     // anything runs.
     let mut both = cfg.clone();
