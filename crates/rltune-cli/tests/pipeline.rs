@@ -1182,6 +1182,17 @@ fn admissible_actions_are_always_valid_in_play() {
     let shown = String::from_utf8_lossy(&ok(rltune(&[&rerun[..], &["--device", "cpu"]].concat())).stdout)
         .into_owned();
     assert!(shown.contains("stages run: eval") && !shown.contains("stages run: grpo"), "{shown}");
+    // More test episodes evaluate the cached policies again; nothing is retrained.
+    let shown =
+        String::from_utf8_lossy(&ok(rltune(&[&rerun[..], &["--set", "eval_episodes=12"]].concat())).stdout)
+            .into_owned();
+    assert!(shown.contains("stages run: eval") && !shown.contains("stages run: grpo"), "{shown}");
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(qs.join("summary-grpo.json")).unwrap()).unwrap();
+    assert_eq!(
+        (summary["ppo"]["episodes"].as_u64(), summary["ppo_vs_bc"]["episodes"].as_u64()),
+        (Some(12), Some(12))
+    );
     // `--algorithm gigpo`: GRPO with GiGPO's step credit, in its own folder, with its metrics.
     let args =
         ["quickstart", "--task", "adventure", "--preset", "tiny", "--output", s(&qs), "--algorithm", "gigpo"];

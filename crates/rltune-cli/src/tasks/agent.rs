@@ -168,9 +168,11 @@ pub fn agent_rloo() -> RlooConfig {
 
 /// The keys of [`AgentQuickstartConfig`] that only the RL stage and the evaluation read: the
 /// demonstrations, the tokenizer and the BC policy depend on the rest (`quickstart.json`), so
-/// PPO, GRPO, GiGPO and RLOO runs of any settings share them. Each RL stage refuses a cached
+/// PPO, GRPO, GiGPO and RLOO runs of any settings share them, and a rerun with more test or
+/// validation episodes evaluates the cached policies again. Each RL stage refuses a cached
 /// checkpoint trained under other settings (`check_stage_config`).
-const RL_KEYS: [&str; 7] = ["algorithm", "ppo", "episodes", "grpo", "rloo", "gigpo", "validation_episodes"];
+const RL_KEYS: [&str; 8] =
+    ["algorithm", "ppo", "episodes", "grpo", "rloo", "gigpo", "eval_episodes", "validation_episodes"];
 
 impl<G: AgentGames> AgentQuickstartConfig<G> {
     fn env_section(&self, split: Split) -> EnvSection {
