@@ -258,7 +258,7 @@ impl<G> AgentSummary<G> {
         vec![
             Check {
                 what: format!(
-                    "held-out win rate: {alg} {:.1}% vs BC {:.1}%, {:+.1} points on the same {} games \
+                    "held-out win rate: {alg} {:.1}% vs BC {:.1}%, {:+.1} points on the same {} episodes \
                      (paired SE {:.1}); needed > {MIN_WIN_RISE_SE} SE",
                     100.0 * p,
                     100.0 * b,
@@ -789,6 +789,6 @@ mod tests {
         assert!(!old.checks()[0].ok);
         assert!(summary(0.060, 0.026).checks()[0]
             .what
-            .contains("+6.0 points on the same 500 games (paired SE 2.6)"));
+            .contains("+6.0 points on the same 500 episodes (paired SE 2.6)"));
     }
 }
