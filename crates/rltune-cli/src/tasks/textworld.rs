@@ -251,16 +251,16 @@ impl AgentQuickstartConfig<TextworldGames> {
             episodes: EpisodesSection { eval_every: 2, eval_episodes: 2, ..d.episodes },
             eval_episodes: 4,
             validation_episodes: 2,
-            // 2 games × 4 plays a step, 4 steps.
+            // 1 game × 4 plays a step (a test's set may hold one training game), 4 steps.
             grpo: GrpoConfig {
                 num_generations: 4,
-                per_device_train_batch_size: Some(8),
+                per_device_train_batch_size: Some(4),
                 max_steps: 4,
                 ..d.grpo
             },
             rloo: RlooConfig {
                 num_generations: 4,
-                per_device_train_batch_size: Some(8),
+                per_device_train_batch_size: Some(4),
                 max_steps: 4,
                 ..d.rloo
             },
