@@ -395,16 +395,26 @@ impl PlayReport {
 }
 
 /// How much more often one agent won than another on the same episodes: the mean of the
-/// per-episode differences of `won`, and its standard error (the sample variance, n − 1, over
-/// √n), as `tools/compare_transcripts.py` prints it. Pairing removes the games' own difficulty
-/// from the error, so it is smaller than the two win rates' unpaired errors combined.
+/// per-episode differences of `won`, and its standard error, as `tools/compare_transcripts.py`
+/// prints it. Pairing removes the games' own difficulty from the error, so it is smaller than
+/// the two win rates' unpaired errors combined.
+///
+/// Episodes that replay one game (the same reset seed and game file: TextWorld's `i mod games`)
+/// are not independent, so the error is clustered by game: with `G` games, `n` episodes and
+/// `S_g` the sum of game `g`'s differences less the mean, `se² = G/(G − 1) · Σ_g S_g² / n²`.
+/// With one episode a game (the adventure family, the essays) it is the plain error: the
+/// sample variance (n − 1) over n.
 #[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct PairedDifference {
     /// Episodes that both agents finished (one dropped by either is left out).
     pub episodes: usize,
+    /// The distinct games among them (the clusters of the error; 0 in summaries written before
+    /// the error was clustered, 2026-12-01).
+    #[serde(default)]
+    pub games: usize,
     /// `other`'s win rate minus `base`'s, over those episodes.
     pub delta: f64,
-    /// The standard error of `delta`.
+    /// The standard error of `delta`, clustered by game.
     pub se: f64,
 }
 
@@ -416,6 +426,9 @@ impl PairedDifference {
         let by_index: std::collections::HashMap<usize, &Episode> =
             base.iter().map(|e| (e.episode, e)).collect();
         let mut diffs = Vec::with_capacity(other.len());
+        // The game of each difference: its reset seed and game file, or the episode alone when
+        // it has neither.
+        let mut game_of: Vec<(Option<u64>, Option<usize>, Option<usize>)> = Vec::with_capacity(other.len());
         for o in other {
             let Some(b) = by_index.get(&o.episode) else { continue };
             if (b.seed, b.game) != (o.seed, o.game) {
@@ -426,12 +439,22 @@ impl PairedDifference {
                 )));
             }
             diffs.push(f64::from(u8::from(o.won)) - f64::from(u8::from(b.won)));
+            let alone = (o.seed.is_none() && o.game.is_none()).then_some(o.episode);
+            game_of.push((o.seed, o.game, alone));
         }
         let n = diffs.len();
         let delta = diffs.iter().sum::<f64>() / n.max(1) as f64;
-        let var =
-            if n > 1 { diffs.iter().map(|d| (d - delta).powi(2)).sum::<f64>() / (n - 1) as f64 } else { 0.0 };
-        Ok(Self { episodes: n, delta, se: (var / n.max(1) as f64).sqrt() })
+        let mut sums: std::collections::HashMap<_, f64> = std::collections::HashMap::new();
+        for (d, g) in diffs.iter().zip(&game_of) {
+            *sums.entry(*g).or_default() += d - delta;
+        }
+        let games = sums.len();
+        let var = if games > 1 {
+            games as f64 / (games - 1) as f64 * sums.values().map(|s| s * s).sum::<f64>() / (n * n) as f64
+        } else {
+            0.0
+        };
+        Ok(Self { episodes: n, games, delta, se: var.sqrt() })
     }
 }
 
@@ -615,11 +638,44 @@ mod tests {
         let d = PairedDifference::win_rate(&base, &other).unwrap();
         assert_eq!(d.episodes, 4);
         assert!((d.delta - 0.5).abs() < 1e-12 && (d.se - (1.0f64 / 12.0).sqrt()).abs() < 1e-12, "{d:?}");
+        assert_eq!(d.games, 4);
         let same = PairedDifference::win_rate(&base, &base).unwrap();
         assert_eq!((same.delta, same.se), (0.0, 0.0));
         let mut moved = other.clone();
         moved[2].seed = Some(7);
         let err = PairedDifference::win_rate(&base, &moved).unwrap_err().to_string();
         assert!(err.contains("episode 2") && err.contains("same games"), "{err}");
+    }
+
+    /// Episodes replaying one game are one cluster. By hand: 2 games × 2 episodes, differences
+    /// (1, 1) on game 0 and (0, 0) on game 1: mean ½, game sums of the deviations +1 and −1, so
+    /// se² = 2/1 · (1 + 1)/4² = ¼, se = ½, where the plain error would be √(⅓/4) ≈ 0.29. Spread
+    /// the same differences over the games, (1, 0) on each, and the games' sums vanish: se = 0.
+    #[test]
+    fn the_paired_error_is_clustered_by_game() {
+        let on = |episode: usize, game: usize, won: bool| {
+            let reset = Reset { seed: None, game: Some(game) };
+            Episode { won, ..Episode::start(episode, &reset, &EnvStep::default()) }
+        };
+        let base = [on(0, 0, false), on(1, 1, false), on(2, 0, false), on(3, 1, false)];
+        let other = [on(0, 0, true), on(1, 1, false), on(2, 0, true), on(3, 1, false)];
+        let d = PairedDifference::win_rate(&base, &other).unwrap();
+        assert_eq!((d.episodes, d.games), (4, 2));
+        assert!((d.delta - 0.5).abs() < 1e-12 && (d.se - 0.5).abs() < 1e-12, "{d:?}");
+        let spread = [on(0, 0, true), on(1, 1, true), on(2, 0, false), on(3, 1, false)];
+        let d = PairedDifference::win_rate(&base, &spread).unwrap();
+        assert!((d.delta - 0.5).abs() < 1e-12 && d.se.abs() < 1e-12, "{d:?}");
+        // Neither a seed nor a game: each episode alone, the plain error.
+        let bare = |episode: usize, won: bool| Episode {
+            won,
+            ..Episode::start(episode, &Reset::default(), &EnvStep::default())
+        };
+        let d = PairedDifference::win_rate(
+            &[bare(0, false), bare(1, false), bare(2, false), bare(3, false)],
+            &[bare(0, false), bare(1, true), bare(2, true), bare(3, false)],
+        )
+        .unwrap();
+        assert_eq!(d.games, 4);
+        assert!((d.se - (1.0f64 / 12.0).sqrt()).abs() < 1e-12, "{d:?}");
     }
 }

@@ -258,12 +258,17 @@ impl<G> AgentSummary<G> {
         vec![
             Check {
                 what: format!(
-                    "held-out win rate: {alg} {:.1}% vs BC {:.1}%, {:+.1} points on the same {} episodes \
+                    "held-out win rate: {alg} {:.1}% vs BC {:.1}%, {:+.1} points on the same {} episodes{} \
                      (paired SE {:.1}); needed > {MIN_WIN_RISE_SE} SE",
                     100.0 * p,
                     100.0 * b,
                     100.0 * d.delta,
                     d.episodes,
+                    if d.games > 0 && d.games < d.episodes {
+                        format!(" of {} games, SE clustered by game", d.games)
+                    } else {
+                        String::new()
+                    },
                     100.0 * d.se
                 ),
                 // The error is never negative, so this also asks for a gain (with no paired
@@ -767,7 +772,7 @@ mod tests {
             random: report(0.01),
             bc: report(0.408),
             ppo: report(0.408 + delta),
-            ppo_vs_bc: PairedDifference { episodes: 500, delta, se },
+            ppo_vs_bc: PairedDifference { episodes: 500, games: 500, delta, se },
             ppo_curve: vec![(1, 0.4, 0.01), (2, 0.45, 0.05)],
             stage_seconds: Vec::new(),
             validation: None,
