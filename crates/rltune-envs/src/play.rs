@@ -444,7 +444,8 @@ impl PairedDifference {
         }
         let n = diffs.len();
         let delta = diffs.iter().sum::<f64>() / n.max(1) as f64;
-        let mut sums: std::collections::HashMap<_, f64> = std::collections::HashMap::new();
+        // A BTreeMap, so the sum runs in one order and reruns agree to the bit.
+        let mut sums: std::collections::BTreeMap<_, f64> = std::collections::BTreeMap::new();
         for (d, g) in diffs.iter().zip(&game_of) {
             *sums.entry(*g).or_default() += d - delta;
         }
