@@ -5,8 +5,8 @@
 
 Prints each agent's win rate and mean normalized score with their standard errors, and each
 agent's difference from the first with the paired standard error, clustered by game (episode i
-of every file must be the same game: the same --seed and --episodes). A difference is significant at about 95%
-when it exceeds two paired standard errors.
+of every file must be the same game: the same --seed and --episodes). A difference is
+significant at about 95% when it exceeds two paired standard errors.
 """
 import json
 import math
@@ -52,16 +52,18 @@ def main(paths):
             e.get("game") for e in base
         ]:
             sys.exit(f"{p}: not the same games as {base_path} (play both with the same --seed and --episodes)")
+    # The game of each episode (the clusters of the paired error): its seed and game file, or
+    # the episode alone when it has neither. The same for every file, checked above.
+    games = [
+        (b["seed"], b.get("game")) if b["seed"] is not None or b.get("game") is not None else ("alone", b["episode"])
+        for b in base
+    ]
     print(f"{'agent':40} {'episodes':>8} {'win rate':>16} {'norm. score':>16} {'Δ win (paired SE)':>22}")
     for p, eps in runs:
         wins = [float(e["won"]) for e in eps]
         score = [e["score"] / e["max_score"] if e["max_score"] else 0.0 for e in eps]
         w, wse = mean_se(wins)
         s, sse = mean_se(score)
-        games = [
-            (b["seed"], b.get("game")) if b["seed"] is not None or b.get("game") is not None else ("alone", b["episode"])
-            for b in base
-        ]
         d, dse = paired([a - float(b["won"]) for a, b in zip(wins, base)], games)
         delta = "" if p == base_path else f"{d:+.3f} ({dse:.3f})"
         print(f"{p:40} {len(eps):8d} {w:8.3f} ± {wse:.3f} {s:8.3f} ± {sse:.3f} {delta:>22}")

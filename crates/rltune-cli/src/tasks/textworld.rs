@@ -216,9 +216,10 @@ impl Default for AgentQuickstartConfig<TextworldGames> {
             // the first move 0.6^14 = 8e-4 of it, 0.9 leaves 0.23.
             episodes: EpisodesSection { game_gamma: 0.9, ..d.episodes },
             // 8 episodes per held-out game (64) and per validation game (32). The check asks for
-            // more than 2 paired SE; with 4 per game the SE was 2.2 points, so a gain of GRPO's
-            // four-seed mean (+4.9) passed about half the time (2 of 4 seeds). Doubling the
-            // episodes brings the SE to about 1.6, where such a gain passes about 4 times in 5
+            // more than 2 paired SE; with 4 per game the (plain) SE was 2.2 points, so a gain of
+            // GRPO's four-seed mean (+4.9) passed about half the time (2 of 4 seeds). Were the
+            // episodes independent, 8 a game would bring it to about 1.6; clustered by game it
+            // measured 1.9 (GRPO seed 42, 2026-12-01): the games' own variance dominates
             // (docs/quickstarts.md, "The TextWorld quickstart").
             eval_episodes: 512,
             validation_episodes: 256,
