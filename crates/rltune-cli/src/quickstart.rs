@@ -220,13 +220,14 @@ fn run_agent<G: AgentGames>(
     if let Some(v) = &s.validation {
         let d = v.rl_vs_bc;
         println!(
-            "validation games ({} episodes, for choosing settings): BC {:.1}%, {} {:.1}%, {:+.1} points (paired SE {:.1})",
+            "validation games ({} episodes, for choosing settings): BC {:.1}%, {} {:.1}%, {:+.1} points (paired SE {:.1}{})",
             v.rl.episodes,
             100.0 * v.bc.win_rate,
             alg.to_uppercase(),
             100.0 * v.rl.win_rate,
             100.0 * d.delta,
-            100.0 * d.se
+            100.0 * d.se,
+            d.clustering()
         );
     }
     print_stages(&s.stage_seconds);

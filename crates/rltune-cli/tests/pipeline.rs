@@ -1193,6 +1193,35 @@ fn admissible_actions_are_always_valid_in_play() {
         (summary["ppo"]["episodes"].as_u64(), summary["ppo_vs_bc"]["episodes"].as_u64()),
         (Some(12), Some(12))
     );
+    // Every evaluated episode is kept, and re-reads the summary's rates and paired difference.
+    let records: Vec<serde_json::Value> = std::fs::read_to_string(qs.join("episodes-grpo.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let won = |split: &str, agent: &str| -> Vec<f64> {
+        records
+            .iter()
+            .filter(|r| r["split"] == split && r["agent"] == agent)
+            .map(|r| f64::from(u8::from(r["won"].as_bool().unwrap())))
+            .collect()
+    };
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+    for (split, agent, report) in [
+        ("test", "random", &summary["random"]),
+        ("test", "bc", &summary["bc"]),
+        ("test", "grpo", &summary["ppo"]),
+        ("validation", "bc", &summary["validation"]["bc"]),
+        ("validation", "grpo", &summary["validation"]["rl"]),
+    ] {
+        let w = won(split, agent);
+        assert_eq!(w.len() as u64, report["episodes"].as_u64().unwrap(), "{split} {agent}");
+        assert!((mean(&w) - report["win_rate"].as_f64().unwrap()).abs() < 1e-12, "{split} {agent}");
+    }
+    let delta = mean(&won("test", "grpo")) - mean(&won("test", "bc"));
+    assert!((delta - summary["ppo_vs_bc"]["delta"].as_f64().unwrap()).abs() < 1e-12);
+    // One adventure game an episode: the clustered error is the plain one.
+    assert_eq!(summary["ppo_vs_bc"]["se"], summary["ppo_vs_bc"]["se_plain"]);
     // `--algorithm gigpo`: GRPO with GiGPO's step credit, in its own folder, with its metrics.
     let args =
         ["quickstart", "--task", "adventure", "--preset", "tiny", "--output", s(&qs), "--algorithm", "gigpo"];

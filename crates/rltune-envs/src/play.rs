@@ -403,7 +403,7 @@ impl PlayReport {
 /// are not independent, so the error is clustered by game: with `G` games, `n` episodes and
 /// `S_g` the sum of game `g`'s differences less the mean, `se² = G/(G − 1) · Σ_g S_g² / n²`.
 /// With one episode a game (the adventure family, the essays) it is the plain error: the
-/// sample variance (n − 1) over n.
+/// sample variance (n − 1) over n. The plain error is kept beside it (`se_plain`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct PairedDifference {
     /// Episodes that both agents finished (one dropped by either is left out).
@@ -416,7 +416,16 @@ pub struct PairedDifference {
     pub delta: f64,
     /// The standard error of `delta`, clustered by game.
     pub se: f64,
+    /// The standard error of `delta` were every episode independent (the plain one; equal to
+    /// `se` with one episode a game). Beside `se`, it shows how much the games' own variance
+    /// adds. `None` in summaries written before it was kept (2026-12-01).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub se_plain: Option<f64>,
 }
+
+/// The game an episode played: its reset seed, its game file, and its index where it has
+/// neither (then it is a cluster of its own).
+type GameKey = (Option<u64>, Option<usize>, Option<usize>);
 
 impl PairedDifference {
     /// The difference `other − base`, pairing the episodes by their index. Refuses episodes of
@@ -425,10 +434,9 @@ impl PairedDifference {
     pub fn win_rate(base: &[Episode], other: &[Episode]) -> Result<Self> {
         let by_index: std::collections::HashMap<usize, &Episode> =
             base.iter().map(|e| (e.episode, e)).collect();
-        let mut diffs = Vec::with_capacity(other.len());
-        // The game of each difference: its reset seed and game file, or the episode alone when
-        // it has neither.
-        let mut game_of: Vec<(Option<u64>, Option<usize>, Option<usize>)> = Vec::with_capacity(other.len());
+        // Each difference with its game: the reset seed and game file, or the episode alone
+        // when it has neither.
+        let mut diffs: Vec<(f64, GameKey)> = Vec::with_capacity(other.len());
         for o in other {
             let Some(b) = by_index.get(&o.episode) else { continue };
             if (b.seed, b.game) != (o.seed, o.game) {
@@ -438,24 +446,46 @@ impl PairedDifference {
                     o.episode, b.seed, b.game, o.seed, o.game
                 )));
             }
-            diffs.push(f64::from(u8::from(o.won)) - f64::from(u8::from(b.won)));
             let alone = (o.seed.is_none() && o.game.is_none()).then_some(o.episode);
-            game_of.push((o.seed, o.game, alone));
+            diffs.push((f64::from(u8::from(o.won)) - f64::from(u8::from(b.won)), (o.seed, o.game, alone)));
         }
         let n = diffs.len();
-        let delta = diffs.iter().sum::<f64>() / n.max(1) as f64;
+        let delta = diffs.iter().map(|(d, _)| d).sum::<f64>() / n.max(1) as f64;
         // A BTreeMap, so the sum runs in one order and reruns agree to the bit.
-        let mut sums: std::collections::BTreeMap<_, f64> = std::collections::BTreeMap::new();
-        for (d, g) in diffs.iter().zip(&game_of) {
+        let mut sums: std::collections::BTreeMap<GameKey, f64> = std::collections::BTreeMap::new();
+        for (d, g) in &diffs {
             *sums.entry(*g).or_default() += d - delta;
         }
         let games = sums.len();
-        let var = if games > 1 {
-            games as f64 / (games - 1) as f64 * sums.values().map(|s| s * s).sum::<f64>() / (n * n) as f64
-        } else {
-            0.0
+        let clustered = |sums: &mut dyn Iterator<Item = f64>, clusters: usize| {
+            if clusters > 1 {
+                (clusters as f64 / (clusters - 1) as f64 * sums.map(|s| s * s).sum::<f64>() / (n * n) as f64)
+                    .sqrt()
+            } else {
+                0.0
+            }
         };
-        Ok(Self { episodes: n, games, delta, se: var.sqrt() })
+        let se = clustered(&mut sums.values().copied(), games);
+        // Every episode its own cluster: the error were the episodes independent.
+        let se_plain = clustered(&mut diffs.iter().map(|(d, _)| d - delta), n);
+        Ok(Self { episodes: n, games, delta, se, se_plain: Some(se_plain) })
+    }
+}
+
+impl PairedDifference {
+    /// How the error was clustered, to follow its value in parentheses: empty with one episode
+    /// a game, else the games and the plain error ("; clustered by 64 games, 1.4 were the
+    /// episodes independent", in points).
+    pub fn clustering(&self) -> String {
+        if self.games == 0 || self.games >= self.episodes {
+            return String::new();
+        }
+        match self.se_plain {
+            Some(p) => {
+                format!("; clustered by {} games, {:.1} were the episodes independent", self.games, 100.0 * p)
+            }
+            None => format!("; clustered by {} games", self.games),
+        }
     }
 }
 
@@ -639,7 +669,7 @@ mod tests {
         let d = PairedDifference::win_rate(&base, &other).unwrap();
         assert_eq!(d.episodes, 4);
         assert!((d.delta - 0.5).abs() < 1e-12 && (d.se - (1.0f64 / 12.0).sqrt()).abs() < 1e-12, "{d:?}");
-        assert_eq!(d.games, 4);
+        assert_eq!((d.games, d.se_plain), (4, Some(d.se)), "one episode a game: the plain error");
         let same = PairedDifference::win_rate(&base, &base).unwrap();
         assert_eq!((same.delta, same.se), (0.0, 0.0));
         let mut moved = other.clone();
@@ -663,9 +693,15 @@ mod tests {
         let d = PairedDifference::win_rate(&base, &other).unwrap();
         assert_eq!((d.episodes, d.games), (4, 2));
         assert!((d.delta - 0.5).abs() < 1e-12 && (d.se - 0.5).abs() < 1e-12, "{d:?}");
+        let plain = d.se_plain.unwrap();
+        assert!((plain - (1.0f64 / 12.0).sqrt()).abs() < 1e-12, "{d:?}");
+        assert_eq!(d.clustering(), "; clustered by 2 games, 28.9 were the episodes independent");
+        let old = PairedDifference { se_plain: None, ..d };
+        assert_eq!(old.clustering(), "; clustered by 2 games", "a summary from before se_plain");
         let spread = [on(0, 0, true), on(1, 1, true), on(2, 0, false), on(3, 1, false)];
         let d = PairedDifference::win_rate(&base, &spread).unwrap();
         assert!((d.delta - 0.5).abs() < 1e-12 && d.se.abs() < 1e-12, "{d:?}");
+        assert!((d.se_plain.unwrap() - plain).abs() < 1e-12, "the plain error ignores the games: {d:?}");
         // Neither a seed nor a game: each episode alone, the plain error.
         let bare = |episode: usize, won: bool| Episode {
             won,
@@ -676,7 +712,7 @@ mod tests {
             &[bare(0, false), bare(1, true), bare(2, true), bare(3, false)],
         )
         .unwrap();
-        assert_eq!(d.games, 4);
+        assert_eq!((d.games, d.clustering().as_str()), (4, ""));
         assert!((d.se - (1.0f64 / 12.0).sqrt()).abs() < 1e-12, "{d:?}");
     }
 }

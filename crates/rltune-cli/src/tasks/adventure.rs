@@ -13,7 +13,6 @@ use rltune::envs::adventure::{train_seed, Adventure, AdventureConfig};
 use rltune::envs::play::{ActionMode, PromptTemplate};
 use rltune::envs::{Reset, TextEnv};
 use rltune::error::Result;
-use rltune::grpo::{GrpoConfig, RlooConfig};
 use rltune::ppo::PpoConfig;
 use rltune::run::config::EpisodesSection;
 use rltune::runtime::Runtime;
@@ -143,6 +142,7 @@ impl AgentQuickstartConfig<AdventureConfig> {
     /// A run of seconds for tests: every stage, too small to learn anything.
     pub fn tiny() -> Self {
         let d = Self::default();
+        let (grpo, rloo) = super::agent::tiny_groups(d.grpo.clone(), d.rloo.clone(), 8);
         Self {
             demo_games: 20,
             vocab_size: 300,
@@ -157,18 +157,8 @@ impl AgentQuickstartConfig<AdventureConfig> {
             episodes: EpisodesSection { eval_every: 2, eval_episodes: 4, ..d.episodes },
             eval_episodes: 8,
             validation_episodes: 4,
-            grpo: GrpoConfig {
-                num_generations: 4,
-                per_device_train_batch_size: Some(8),
-                max_steps: 4,
-                ..d.grpo
-            },
-            rloo: RlooConfig {
-                num_generations: 4,
-                per_device_train_batch_size: Some(8),
-                max_steps: 4,
-                ..d.rloo
-            },
+            grpo,
+            rloo,
             ..d
         }
     }

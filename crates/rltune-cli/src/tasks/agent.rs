@@ -24,11 +24,13 @@ use serde::{Deserialize, Serialize};
 use super::bpe::train_bpe;
 use super::pipeline::{
     check_shared, count_parameters, json_err, metric_pairs, new_gpt2, read_stage_jsonl, to_json,
-    train_progress, write_file, Check, Event,
+    train_progress, write_file, write_jsonl, Check, Event,
 };
 use rltune::agent::config::{EnvSection, Split};
 use rltune::envs::demos::{demonstrations, Demonstration};
-use rltune::envs::play::{action_text, play, PairedDifference, PlayReport, PromptTemplate, RandomAgent};
+use rltune::envs::play::{
+    action_text, play, Episode, PairedDifference, PlayReport, PromptTemplate, RandomAgent,
+};
 use rltune::envs::{Reset, TextEnv};
 use rltune::error::{Error, Result};
 use rltune::generation::GenerationConfig;
@@ -166,6 +168,15 @@ pub fn agent_rloo() -> RlooConfig {
     agent_group!(RlooConfig)
 }
 
+/// A tiny preset's group settings from `grpo` and `rloo`: 4 plays of each game, `batch` plays a
+/// step, 4 steps.
+pub(crate) fn tiny_groups(grpo: GrpoConfig, rloo: RlooConfig, batch: usize) -> (GrpoConfig, RlooConfig) {
+    (
+        GrpoConfig { num_generations: 4, per_device_train_batch_size: Some(batch), max_steps: 4, ..grpo },
+        RlooConfig { num_generations: 4, per_device_train_batch_size: Some(batch), max_steps: 4, ..rloo },
+    )
+}
+
 /// The keys of [`AgentQuickstartConfig`] that only the RL stage and the evaluation read: the
 /// demonstrations, the tokenizer and the BC policy depend on the rest (`quickstart.json`), so
 /// PPO, GRPO, GiGPO and RLOO runs of any settings share them, and a rerun with more test or
@@ -258,18 +269,14 @@ impl<G> AgentSummary<G> {
         vec![
             Check {
                 what: format!(
-                    "held-out win rate: {alg} {:.1}% vs BC {:.1}%, {:+.1} points on the same {} episodes{} \
-                     (paired SE {:.1}); needed > {MIN_WIN_RISE_SE} SE",
+                    "held-out win rate: {alg} {:.1}% vs BC {:.1}%, {:+.1} points on the same {} episodes \
+                     (paired SE {:.1}{}); needed > {MIN_WIN_RISE_SE} SE",
                     100.0 * p,
                     100.0 * b,
                     100.0 * d.delta,
                     d.episodes,
-                    if d.games > 0 && d.games < d.episodes {
-                        format!(" of {} games, SE clustered by game", d.games)
-                    } else {
-                        String::new()
-                    },
-                    100.0 * d.se
+                    100.0 * d.se,
+                    d.clustering()
                 ),
                 // The error is never negative, so this also asks for a gain (with no paired
                 // episodes both are 0 and it fails).
@@ -335,15 +342,22 @@ pub fn run_agent_quickstart<G: AgentGames>(
     let (bc, bc_episodes) = eval_model(&heldout, &bc_dir, cfg.eval_episodes)?;
     let (ppo, ppo_episodes) = eval_model(&heldout, &final_ckpt, cfg.eval_episodes)?;
     let ppo_vs_bc = PairedDifference::win_rate(&bc_episodes, &ppo_episodes)?;
+    let stage = cfg.rl_stage();
+    let mut records = EpisodeRecord::of("test", "random", &eps);
+    records.extend(EpisodeRecord::of("test", "bc", &bc_episodes));
+    records.extend(EpisodeRecord::of("test", stage, &ppo_episodes));
     let validation = if cfg.validation_episodes > 0 && cfg.game.has_validation() {
         let games = cfg.env_section(Split::Validation);
         let (bc, bc_episodes) = eval_model(&games, &bc_dir, cfg.validation_episodes)?;
         let (rl, rl_episodes) = eval_model(&games, &final_ckpt, cfg.validation_episodes)?;
         let rl_vs_bc = PairedDifference::win_rate(&bc_episodes, &rl_episodes)?;
+        records.extend(EpisodeRecord::of("validation", "bc", &bc_episodes));
+        records.extend(EpisodeRecord::of("validation", stage, &rl_episodes));
         Some(ValidationResult { bc, rl, rl_vs_bc })
     } else {
         None
     };
+    write_jsonl(&dir.join(episodes_file(stage)), &records)?;
     timed("eval", on, t);
 
     let policy = load_policy(&bc_dir.to_string_lossy(), false, runtime.dtype(), runtime.device())?;
@@ -365,6 +379,58 @@ pub fn run_agent_quickstart<G: AgentGames>(
     };
     write_file(&dir.join(summary_file(cfg.rl_stage())), to_json(&summary)?.as_bytes())?;
     Ok(summary)
+}
+
+/// One evaluated episode, as `DIR/episodes-<stage>.jsonl` keeps it: every agent's episodes on
+/// the test games and the model agents' on the validation games, so that a difference can be
+/// re-read per game (which games moved, and how much of the error the games' own variance is)
+/// without playing again.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EpisodeRecord {
+    /// `test` or `validation`.
+    pub split: String,
+    /// `random`, `bc`, or the RL stage (`ppo`, `grpo`, `gigpo`, `rloo`).
+    pub agent: String,
+    /// The episode's index: the same index is the same game for every agent of a split.
+    pub episode: usize,
+    /// Its reset seed (generated families).
+    pub seed: Option<u64>,
+    /// Its game file (TextWorld).
+    pub game: Option<usize>,
+    /// Whether it was won.
+    pub won: bool,
+    /// Whether it hit the step cap.
+    pub truncated: bool,
+    /// The final score.
+    pub score: f64,
+    /// The game's maximum score.
+    pub max_score: f64,
+    /// Moves taken.
+    pub steps: usize,
+    /// Moves the game did not understand.
+    pub invalid_actions: usize,
+}
+
+impl EpisodeRecord {
+    /// The records of `agent`'s `episodes` on `split`.
+    pub fn of(split: &str, agent: &str, episodes: &[Episode]) -> Vec<Self> {
+        episodes
+            .iter()
+            .map(|e| Self {
+                split: split.into(),
+                agent: agent.into(),
+                episode: e.episode,
+                seed: e.seed,
+                game: e.game,
+                won: e.won,
+                truncated: e.truncated,
+                score: e.score,
+                max_score: e.max_score,
+                steps: e.steps,
+                invalid_actions: e.invalid_actions,
+            })
+            .collect()
+    }
 }
 
 /// What [`train_agent`] leaves in the output directory.
@@ -557,6 +623,11 @@ pub fn summary_file(stage: &str) -> String {
     } else {
         format!("summary-{stage}.json")
     }
+}
+
+/// The file of the evaluated episodes behind `stage`'s summary ([`EpisodeRecord`]).
+pub fn episodes_file(stage: &str) -> String {
+    format!("episodes-{stage}.jsonl")
 }
 
 /// The RL stage's run config (`rltune ppo --config DIR/<stage>.toml` reruns it): PPO's, or
@@ -772,7 +843,7 @@ mod tests {
             random: report(0.01),
             bc: report(0.408),
             ppo: report(0.408 + delta),
-            ppo_vs_bc: PairedDifference { episodes: 500, games: 500, delta, se },
+            ppo_vs_bc: PairedDifference { episodes: 500, games: 500, delta, se, se_plain: Some(se) },
             ppo_curve: vec![(1, 0.4, 0.01), (2, 0.45, 0.05)],
             stage_seconds: Vec::new(),
             validation: None,
@@ -794,6 +865,11 @@ mod tests {
         assert!(!old.checks()[0].ok);
         assert!(summary(0.060, 0.026).checks()[0]
             .what
-            .contains("+6.0 points on the same 500 episodes (paired SE 2.6)"));
+            .contains("+6.0 points on the same 500 episodes (paired SE 2.6); needed"));
+        // A summary written before the plain error was kept still reads, without it.
+        let mut json: serde_json::Value = serde_json::to_value(summary(0.060, 0.026)).unwrap();
+        json["ppo_vs_bc"].as_object_mut().unwrap().remove("se_plain");
+        let read: AgentSummary<AdventureConfig> = serde_json::from_value(json).unwrap();
+        assert_eq!((read.ppo_vs_bc.se, read.ppo_vs_bc.se_plain), (0.026, None));
     }
 }

@@ -547,6 +547,16 @@ pub(crate) fn to_json<T: Serialize>(value: &T) -> Result<String> {
     serde_json::to_string_pretty(value).map_err(json_err)
 }
 
+/// `rows` as JSON lines, written atomically.
+pub(crate) fn write_jsonl<T: Serialize>(path: &Path, rows: &[T]) -> Result<()> {
+    let mut text = String::new();
+    for r in rows {
+        text.push_str(&serde_json::to_string(r).map_err(json_err)?);
+        text.push('\n');
+    }
+    write_file(path, text.as_bytes())
+}
+
 pub(crate) fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
     if let Some(parent) = path.parent() {
         std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;

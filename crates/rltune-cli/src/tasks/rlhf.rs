@@ -32,7 +32,7 @@ use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
-use super::pipeline::{json_err, read_stage_jsonl, to_json, write_file};
+use super::pipeline::{json_err, read_stage_jsonl, to_json, write_file, write_jsonl};
 use super::{Check, Event};
 use rltune::data::rows::DataOptions;
 use rltune::dist::Dist;
@@ -838,15 +838,6 @@ fn check_assets(cfg: &RlhfQuickstartConfig) -> Result<()> {
         return missing("proxy base model (all-MiniLM-L6-v2)", "proxy_base", &cfg.proxy_base);
     }
     Ok(())
-}
-
-fn write_jsonl<T: Serialize>(path: &Path, rows: &[T]) -> Result<()> {
-    let mut text = String::new();
-    for r in rows {
-        text.push_str(&serde_json::to_string(r).map_err(json_err)?);
-        text.push('\n');
-    }
-    write_file(path, text.as_bytes())
 }
 
 /// Every pair of a prompt's samples whose gold scores differ by ≥ `gap` (InstructGPT's K-choose-2
