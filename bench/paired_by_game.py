@@ -7,11 +7,17 @@ that moved most.
     python3 bench/paired_by_game.py DIR/episodes-grpo.jsonl                # test, bc vs the RL agent
     python3 bench/paired_by_game.py DIR/episodes-grpo.jsonl --split validation --top 5
 
+When the quickstart's summary lies beside the file (`summary-<stage>.json`, or `summary.json` for
+PPO) and the comparison is BC against the RL stage, the script checks its three figures against
+the summary's `ppo_vs_bc` (test) or `validation.rl_vs_bc`, so the two implementations of the
+formulas cannot drift apart unseen.
+
 Standard library only. A malformed row is an error naming the file and the line.
 """
 import argparse
 import json
 import math
+import os
 import sys
 from collections import defaultdict
 
@@ -81,6 +87,8 @@ def main():
     lost = sum(1 for m, _, _ in means if m < 0)
     print(f"  games gained {gained}, lost {lost}, level {len(means) - gained - lost}")
 
+    check_summary(a.episodes, a.split, a.base, other, {"delta": delta, "se": se, "se_plain": se_plain})
+
     def name(k):
         seed, game, alone = k
         return f"game {game}" if game is not None else f"seed {seed}" if seed is not None else f"episode {alone}"
@@ -90,6 +98,36 @@ def main():
     for label, part in (("lost most", lost_most), ("gained most", gained_most)):
         if part:
             print(f"  {label}: " + ", ".join(f"{name(k)} {100 * m:+.0f} ({c} ep.)" for m, c, k in part))
+
+
+def check_summary(episodes, split, base, other, mine):
+    """Compares `mine` with the quickstart summary's paired difference, when there is one."""
+    if base != "bc":
+        return
+    folder, file = os.path.split(episodes)
+    if not (file.startswith("episodes-") and file.endswith(".jsonl")):
+        return
+    stage = file[len("episodes-") : -len(".jsonl")]
+    if stage != other:
+        return
+    path = os.path.join(folder, "summary.json" if stage == "ppo" else f"summary-{stage}.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            summary = json.load(f)
+    except FileNotFoundError:
+        return
+    except ValueError as e:
+        sys.exit(f"{path}: not JSON ({e})")
+    theirs = summary.get("ppo_vs_bc") if split == "test" else (summary.get("validation") or {}).get("rl_vs_bc")
+    if not theirs:
+        return
+    for key, value in mine.items():
+        ref = theirs.get(key)
+        if ref is None:
+            continue
+        if abs(ref - value) > 1e-12:
+            sys.exit(f"{path}: {split} {key} is {ref!r}, this script computes {value!r}; the two disagree")
+    print(f"  agrees with {path} (delta, se" + (", se_plain)" if "se_plain" in theirs else ")"))
 
 
 if __name__ == "__main__":

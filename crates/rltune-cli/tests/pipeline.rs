@@ -1222,6 +1222,21 @@ fn admissible_actions_are_always_valid_in_play() {
     assert!((delta - summary["ppo_vs_bc"]["delta"].as_f64().unwrap()).abs() < 1e-12);
     // One adventure game an episode: the clustered error is the plain one.
     assert_eq!(summary["ppo_vs_bc"]["se"], summary["ppo_vs_bc"]["se_plain"]);
+    // bench/paired_by_game.py recomputes both errors from the records and checks them against
+    // the summary beside them (it exits non-zero on a disagreement).
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../bench/paired_by_game.py");
+    let records_file = qs.join("episodes-grpo.jsonl");
+    for split in ["test", "validation"] {
+        let args = [s(&script), s(&records_file), "--split", split];
+        match std::process::Command::new("python3").args(args).output() {
+            Ok(out) => {
+                let shown =
+                    String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+                assert!(out.status.success() && shown.contains("agrees with"), "{split}: {shown}");
+            }
+            Err(e) => eprintln!("python3 not found ({e}): bench/paired_by_game.py not checked"),
+        }
+    }
     // `--algorithm gigpo`: GRPO with GiGPO's step credit, in its own folder, with its metrics.
     let args =
         ["quickstart", "--task", "adventure", "--preset", "tiny", "--output", s(&qs), "--algorithm", "gigpo"];

@@ -457,22 +457,12 @@ impl PairedDifference {
             *sums.entry(*g).or_default() += d - delta;
         }
         let games = sums.len();
-        let clustered = |sums: &mut dyn Iterator<Item = f64>, clusters: usize| {
-            if clusters > 1 {
-                (clusters as f64 / (clusters - 1) as f64 * sums.map(|s| s * s).sum::<f64>() / (n * n) as f64)
-                    .sqrt()
-            } else {
-                0.0
-            }
-        };
-        let se = clustered(&mut sums.values().copied(), games);
+        let se = clustered_se(sums.values().copied(), n);
         // Every episode its own cluster: the error were the episodes independent.
-        let se_plain = clustered(&mut diffs.iter().map(|(d, _)| d - delta), n);
+        let se_plain = clustered_se(diffs.iter().map(|(d, _)| d - delta), n);
         Ok(Self { episodes: n, games, delta, se, se_plain: Some(se_plain) })
     }
-}
 
-impl PairedDifference {
     /// How the error was clustered, to follow its value in parentheses: empty with one episode
     /// a game, else the games and the plain error ("; clustered by 64 games, 1.4 were the
     /// episodes independent", in points).
@@ -486,6 +476,18 @@ impl PairedDifference {
             }
             None => format!("; clustered by {} games", self.games),
         }
+    }
+}
+
+/// The cluster-robust standard error of a mean over `n` observations, from each cluster's sum
+/// of deviations from that mean: `√(G/(G − 1) · Σ_g S_g² / n²)` with `G` clusters, 0 with
+/// fewer than two. With one observation a cluster it is the plain standard error.
+fn clustered_se(sums: impl Iterator<Item = f64>, n: usize) -> f64 {
+    let (clusters, squares) = sums.fold((0usize, 0.0), |(g, q), s| (g + 1, q + s * s));
+    if clusters > 1 {
+        (clusters as f64 / (clusters - 1) as f64 * squares / (n * n) as f64).sqrt()
+    } else {
+        0.0
     }
 }
 

@@ -142,7 +142,7 @@ impl AgentQuickstartConfig<AdventureConfig> {
     /// A run of seconds for tests: every stage, too small to learn anything.
     pub fn tiny() -> Self {
         let d = Self::default();
-        let (grpo, rloo) = super::agent::tiny_groups(d.grpo.clone(), d.rloo.clone(), 8);
+        let (grpo, rloo) = super::agent::tiny_groups(d.grpo, d.rloo, 8);
         Self {
             demo_games: 20,
             vocab_size: 300,

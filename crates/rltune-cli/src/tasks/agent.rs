@@ -872,4 +872,44 @@ mod tests {
         let read: AgentSummary<AdventureConfig> = serde_json::from_value(json).unwrap();
         assert_eq!((read.ppo_vs_bc.se, read.ppo_vs_bc.se_plain), (0.026, None));
     }
+
+    /// `bench/paired_by_game.py` recomputes a summary's paired difference from the episode
+    /// records and checks it against the summary: on records of three games of three replays
+    /// (so the clustered and plain errors differ), written as the quickstart writes them, it
+    /// agrees with `PairedDifference`; a summary with another error is refused. Skipped
+    /// without `python3`.
+    #[test]
+    fn the_per_game_script_agrees_with_the_paired_difference() {
+        let on = |episode: usize, won: bool| {
+            let reset = Reset { seed: None, game: Some(episode % 3) };
+            Episode { won, ..Episode::start(episode, &reset, &rltune::envs::EnvStep::default()) }
+        };
+        let base: Vec<Episode> = (0..9).map(|i| on(i, i % 4 == 0)).collect();
+        let other: Vec<Episode> = (0..9).map(|i| on(i, i % 3 == 0 || i == 7)).collect();
+        let d = PairedDifference::win_rate(&base, &other).unwrap();
+        assert!(
+            d.games == 3 && d.se > 0.0 && d.se_plain.is_some_and(|p| p > 0.0 && (p - d.se).abs() > 1e-3),
+            "{d:?}"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let mut records = EpisodeRecord::of("test", "bc", &base);
+        records.extend(EpisodeRecord::of("test", "grpo", &other));
+        let episodes = dir.path().join(episodes_file("grpo"));
+        write_jsonl(&episodes, &records).unwrap();
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../bench/paired_by_game.py");
+        let run = |se: f64| {
+            let summary = serde_json::json!({ "ppo_vs_bc": PairedDifference { se, ..d } });
+            std::fs::write(dir.path().join(summary_file("grpo")), summary.to_string()).unwrap();
+            std::process::Command::new("python3").arg(&script).arg(&episodes).output()
+        };
+        let out = match run(d.se) {
+            Ok(out) => out,
+            Err(e) => return eprintln!("python3 not found ({e}): bench/paired_by_game.py not checked"),
+        };
+        let shown = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success() && shown.contains("agrees with"), "{shown}");
+        let out = run(d.se * 1.01).unwrap();
+        let shown = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(!out.status.success() && shown.contains("the two disagree"), "{shown}");
+    }
 }

@@ -218,8 +218,9 @@ impl Default for AgentQuickstartConfig<TextworldGames> {
             // more than 2 paired SE; with 4 per game the (plain) SE was 2.2 points, so a gain of
             // GRPO's four-seed mean (+4.9) passed about half the time (2 of 4 seeds). Were the
             // episodes independent, 8 a game would bring it to about 1.6; clustered by game it
-            // measured 1.9 (GRPO seed 42, 2026-12-01): the games' own variance dominates
-            // (docs/quickstarts.md, "The TextWorld quickstart").
+            // measured 1.9, plain 1.55 (GRPO seed 42, 2026-12-01): a gain of +4 passes about
+            // half the time, +6 nine times in ten, and more test games would buy little
+            // (docs/quickstarts.md, "Read game by game").
             eval_episodes: 512,
             validation_episodes: 256,
             // Trajectory GRPO, chosen on the validation games (docs/quickstarts.md, "On
@@ -238,7 +239,7 @@ impl AgentQuickstartConfig<TextworldGames> {
     pub fn tiny() -> Self {
         let d = Self::default();
         // 1 game × 4 plays a step (a test's set may hold one training game).
-        let (grpo, rloo) = super::agent::tiny_groups(d.grpo.clone(), d.rloo.clone(), 4);
+        let (grpo, rloo) = super::agent::tiny_groups(d.grpo, d.rloo, 4);
         Self {
             demo_games: 6,
             vocab_size: 300,
