@@ -25,16 +25,26 @@ fn mpirun(args: &[&str]) -> Option<(Output, Duration)> {
         );
         return None;
     };
+    // A session directory of its own for each launch: the four tests run concurrently, and
+    // Open MPI's shared one raced ("Directory: /tmp/ompi.vm.0, Error: File exists", then
+    // "orte_session_dir failed"; CI on a fresh clone, 2026-12-02).
+    static LAUNCH: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = LAUNCH.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let session = std::env::temp_dir().join(format!("rltune-mpi-test-{}-{n}", std::process::id()));
+    std::fs::create_dir_all(&session).expect("create the mpirun session directory");
     let start = Instant::now();
     let out = Command::new("mpirun")
         .args(["-np", "2", "--oversubscribe"])
         .arg(bin)
         .args(args)
+        .env("OMPI_MCA_orte_tmpdir_base", &session)
         .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
         .output()
         .expect("run mpirun");
-    Some((out, start.elapsed()))
+    let took = start.elapsed();
+    let _ = std::fs::remove_dir_all(&session);
+    Some((out, took))
 }
 
 fn text(o: &Output) -> String {
