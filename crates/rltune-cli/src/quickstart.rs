@@ -369,7 +369,8 @@ fn run_essays(args: Args) -> Result<()> {
         }
     }
     print_stages(&s.stage_seconds);
-    finish(s.checks(), tiny, started, &output, "ppo", "summary-essays.json")
+    let stage = s.config.rl_stage();
+    finish(s.checks(), tiny, started, &output, stage, &rltune_cli::tasks::essays::essays_summary_file(stage))
 }
 
 /// `rltune quickstart --task rlhf`: the CPU preset, or the GPU preset on a CUDA device.

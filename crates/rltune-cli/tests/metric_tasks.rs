@@ -72,6 +72,38 @@ fn essays_quickstart_tiny_runs_every_stage_and_writes_its_numbers() {
         err.contains("[bc] cached") && err.contains("[ppo] cached") && err.contains("[bc-longer] cached"),
         "{err}"
     );
+    // PPO-ptx from the same BC policy: a stage and a summary of its own; BC, its controls and
+    // the PPO run are reused, and the supervised loss is logged under `ppo/loss/ptx`.
+    let ptx =
+        ["quickstart", "--task", "essays", "--preset", "tiny", "--output", s(&dir), "--set", "ptx_coef=0.5"];
+    let out = ok(rltune(&ptx));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("[bc] cached")
+            && err.contains("[bc-longer] cached")
+            && err.contains("[ppo-ptx] started"),
+        "{err}"
+    );
+    assert!(dir.join("ppo-ptx/checkpoints/step-2/model.safetensors").is_file());
+    let stage = std::fs::read_to_string(dir.join("ppo-ptx.toml")).unwrap();
+    assert!(
+        stage.contains("[ptx]") && stage.contains("coef = 0.5") && stage.contains("bc-records.jsonl"),
+        "{stage}"
+    );
+    let metrics = std::fs::read_to_string(dir.join("ppo-ptx/metrics.jsonl")).unwrap();
+    let ce: Vec<f64> = metrics
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["ppo/loss/ptx"].as_f64())
+        .collect();
+    assert!(ce.len() == 2 && ce.iter().all(|c| c.is_finite() && *c > 0.0), "{ce:?}");
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("summary-essays-ppo-ptx.json")).unwrap())
+            .unwrap();
+    assert_eq!(summary["config"]["ptx_coef"], 0.5);
+    // PPO's own summary is left as it was.
+    let plain: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("summary-essays.json")).unwrap()).unwrap();
+    assert!(plain["config"].get("ptx_coef").is_none());
 }
 
 /// `rltune play` on the essays: the random agent plays the 15 label commands and scores low.

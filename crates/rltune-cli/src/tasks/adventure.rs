@@ -134,6 +134,7 @@ impl Default for AgentQuickstartConfig<AdventureConfig> {
             grpo: super::agent::agent_grpo(),
             rloo: super::agent::agent_rloo(),
             gigpo: None,
+            ptx_coef: 0.0,
         }
     }
 }

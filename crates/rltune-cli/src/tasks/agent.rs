@@ -39,7 +39,7 @@ use rltune::grpo::{GrpoConfig, RlooConfig};
 use rltune::models::load::load_policy;
 use rltune::ppo::PpoConfig;
 use rltune::run::config::{
-    AlgorithmKind, CheckpointSection, EpisodesSection, LoggingSection, ModelSection, RunConfig,
+    AlgorithmKind, CheckpointSection, EpisodesSection, LoggingSection, ModelSection, PtxSection, RunConfig,
 };
 use rltune::run::episodes::{evaluate, training_games};
 use rltune::run::{self, GroupRun, PpoRun, StepReport};
@@ -140,6 +140,15 @@ pub struct AgentQuickstartConfig<G> {
     /// with this set); the RL stage is then `gigpo`, in its own folder.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gigpo: Option<GigpoArgs>,
+    /// PPO-ptx (`algorithm = "ppo"`): every PPO minibatch adds this weight × the cross-entropy
+    /// of as many demonstrations as the minibatch has turns, the BC loss (`[ptx]`); the RL stage
+    /// is then `ppo-ptx`, in its own folder. 0 (default): plain PPO.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub ptx_coef: f64,
+}
+
+fn is_zero(x: &f64) -> bool {
+    *x == 0.0
 }
 
 /// The agent quickstarts' trajectory settings, for GRPO's or RLOO's table (they share TRL's
@@ -182,8 +191,17 @@ pub(crate) fn tiny_groups(grpo: GrpoConfig, rloo: RlooConfig, batch: usize) -> (
 /// PPO, GRPO, GiGPO and RLOO runs of any settings share them, and a rerun with more test or
 /// validation episodes evaluates the cached policies again. Each RL stage refuses a cached
 /// checkpoint trained under other settings (`check_stage_config`).
-const RL_KEYS: [&str; 8] =
-    ["algorithm", "ppo", "episodes", "grpo", "rloo", "gigpo", "eval_episodes", "validation_episodes"];
+const RL_KEYS: [&str; 9] = [
+    "algorithm",
+    "ppo",
+    "episodes",
+    "grpo",
+    "rloo",
+    "gigpo",
+    "ptx_coef",
+    "eval_episodes",
+    "validation_episodes",
+];
 
 impl<G: AgentGames> AgentQuickstartConfig<G> {
     fn env_section(&self, split: Split) -> EnvSection {
@@ -192,10 +210,11 @@ impl<G: AgentGames> AgentQuickstartConfig<G> {
 }
 
 impl<G> AgentQuickstartConfig<G> {
-    /// The RL stage's name and folder: `ppo`, `grpo`, `gigpo` or `rloo`.
+    /// The RL stage's name and folder: `ppo`, `ppo-ptx`, `grpo`, `gigpo` or `rloo`.
     pub fn rl_stage(&self) -> &'static str {
         match (self.algorithm, &self.gigpo) {
             (AlgorithmKind::Grpo, Some(_)) => "gigpo",
+            (AlgorithmKind::Ppo, _) if self.ptx_coef != 0.0 => "ppo-ptx",
             (kind, _) => kind.name(),
         }
     }
@@ -530,7 +549,11 @@ pub fn train_agent<G: AgentGames>(
         timed("bc", on, t);
     }
 
-    // 4. PPO on training games, KL to the BC policy (or trajectory GRPO / RLOO).
+    // 4. PPO on training games, KL to the BC policy (or trajectory GRPO / RLOO); PPO-ptx also
+    // trains on the BC records.
+    if cfg.ptx_coef != 0.0 {
+        write_bc_records(&ptx_source(dir), &bc_records(&demos, &tokenizer, cfg)?)?;
+    }
     let stage = cfg.rl_stage();
     let run_config = rl_config(dir, cfg, runtime)?;
     let stage_toml = dir.join(format!("{stage}.toml"));
@@ -640,6 +663,17 @@ fn rl_config<G: AgentGames>(
 ) -> Result<RunConfig> {
     let mut c = ppo_config(dir, cfg);
     c.runtime = runtime.section();
+    if cfg.ptx_coef != 0.0 {
+        if cfg.algorithm != AlgorithmKind::Ppo {
+            return Err(Error::Input(format!(
+                "quickstart: ptx_coef = {} is PPO-ptx's weight, but the RL stage is {}; drop the \
+                 ptx_coef setting or use --algorithm ppo",
+                cfg.ptx_coef,
+                cfg.rl_stage()
+            )));
+        }
+        c.validate().map_err(|m| Error::Input(format!("quickstart {}: {m}", cfg.rl_stage())))?;
+    }
     if cfg.algorithm.is_group() {
         let gen = &c.generation;
         c.algorithm.kind = cfg.algorithm;
@@ -687,6 +721,11 @@ fn ppo_config<G: AgentGames>(dir: &Path, cfg: &AgentQuickstartConfig<G>) -> RunC
         rloo: Default::default(),
         ref_model: None,
         critic: None,
+        ptx: (cfg.ptx_coef != 0.0).then(|| PtxSection {
+            source: ptx_source(dir).to_string_lossy().into_owned(),
+            coef: cfg.ptx_coef,
+            sft: bc_sft_config(cfg),
+        }),
         reward: Default::default(),
         data: Default::default(),
         env: Some(cfg.env_section(Split::Train)),
@@ -703,7 +742,7 @@ fn ppo_config<G: AgentGames>(dir: &Path, cfg: &AgentQuickstartConfig<G>) -> RunC
         eval: Default::default(),
         ppo: cfg.ppo.clone(),
         logging: LoggingSection {
-            dir: dir.join("ppo"),
+            dir: dir.join(cfg.rl_stage()),
             samples_per_step: 4,
             report_every: 10,
             ..Default::default()
@@ -726,6 +765,24 @@ fn bc_records<G>(
         .map(|d| SftRecord::PromptCompletion { prompt: d.prompt.clone(), completion: action_text(&d.action) })
         .collect();
     fit_prompts(records, tokenizer, cfg.context - cfg.max_new_tokens)
+}
+
+/// PPO-ptx's supervised data: the BC records, prompts already fitted ([`bc_records`]).
+fn ptx_source(dir: &Path) -> PathBuf {
+    dir.join("data").join("bc-records.jsonl")
+}
+
+/// Writes prompt/completion records as JSON lines (`rltune sft`'s format).
+fn write_bc_records(path: &Path, records: &[SftRecord]) -> Result<()> {
+    let mut out = String::new();
+    for r in records {
+        let SftRecord::PromptCompletion { prompt, completion } = r else {
+            return Err(Error::Internal("a BC record that is not prompt/completion".into()));
+        };
+        out.push_str(&serde_json::json!({ "prompt": prompt, "completion": completion }).to_string());
+        out.push('\n');
+    }
+    write_file(path, out.as_bytes())
 }
 
 /// Behavioural cloning's SFT settings: the loss on the action's tokens and the EOS after it.

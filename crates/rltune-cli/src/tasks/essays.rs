@@ -157,6 +157,7 @@ impl Default for AgentQuickstartConfig<EssaysConfig> {
             grpo: super::agent::agent_grpo(),
             rloo: super::agent::agent_rloo(),
             gigpo: None,
+            ptx_coef: 0.0,
         }
     }
 }
@@ -255,6 +256,15 @@ pub struct EssaysSummary {
     pub ppo_curve: Vec<(usize, f64, f64)>,
     /// Wall time per stage in seconds (stages run this time).
     pub stage_seconds: Vec<(String, f64)>,
+}
+
+/// The summary's file for RL stage `stage`: `summary-essays.json` for PPO, else
+/// `summary-essays-STAGE.json` (PPO-ptx shares the folder's BC, controls and evaluation essays).
+pub fn essays_summary_file(stage: &str) -> String {
+    match stage {
+        "ppo" => "summary-essays.json".into(),
+        s => format!("summary-essays-{s}.json"),
+    }
 }
 
 /// The names of the agents in [`EssaysSummary::agents`].
@@ -402,7 +412,7 @@ pub fn run_essays_quickstart(
         )?,
         stage_seconds: seconds,
     };
-    write_file(&dir.join("summary-essays.json"), to_json(&summary)?.as_bytes())?;
+    write_file(&dir.join(essays_summary_file(cfg.rl_stage())), to_json(&summary)?.as_bytes())?;
     Ok(summary)
 }
 

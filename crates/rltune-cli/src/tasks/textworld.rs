@@ -230,6 +230,7 @@ impl Default for AgentQuickstartConfig<TextworldGames> {
             grpo: super::agent::agent_grpo(),
             rloo: super::agent::agent_rloo(),
             gigpo: None,
+            ptx_coef: 0.0,
         }
     }
 }

@@ -20,7 +20,8 @@
 //! - No dropout anywhere (TRL's value head applies dropout 0.1 unless configured off).
 //!
 //! Options TRL lacks: an MLP value head (`value_head`), a detached value head
-//! (`detach_value_head`), and a separate critic with its own optimizer ([`super::critic`]).
+//! (`detach_value_head`), a separate critic with its own optimizer ([`super::critic`]), and
+//! PPO-ptx, a supervised loss mixed into every minibatch ([`PpoTrainer::with_ptx`]).
 
 use std::collections::VecDeque;
 use std::time::Instant;
@@ -47,6 +48,7 @@ use crate::tokenizer::{pad, PaddingSide};
 mod critic;
 mod data_parallel;
 mod optimize;
+mod ptx;
 
 use crate::engine::constraint::{constrained_logprobs, Constraint};
 use optimize::{average_minibatch_stats, negative_kl_guard, TrainData};
@@ -106,6 +108,9 @@ pub struct TrainerStreams {
     pub shuffle_word_pos: u128,
     /// The running score moments (`use_score_scaling`, `use_score_norm`).
     pub score_moments: RunningMoments,
+    /// PPO-ptx: supervised examples drawn so far ([`PpoTrainer::with_ptx`]; 0 without).
+    #[serde(default)]
+    pub ptx_cursor: u64,
 }
 
 impl RunningMoments {
@@ -173,6 +178,8 @@ pub struct PpoTrainer {
     pub reference: CausalLm,
     /// A separate critic ([`Self::with_critic`]); `None`: the policy's value head (TRL).
     pub(super) critic: Option<Critic>,
+    /// PPO-ptx's supervised examples ([`Self::with_ptx`]); `None`: plain PPO.
+    ptx: Option<ptx::Ptx>,
     optimizer: Optimizer,
     /// The gradient buffers, kept between steps (`None` until the first, or after an error).
     grads: Option<Grads>,
@@ -229,6 +236,7 @@ impl PpoTrainer {
             store,
             reference,
             critic: None,
+            ptx: None,
             optimizer,
             grads: None,
             kl_ctl,
@@ -287,7 +295,11 @@ impl PpoTrainer {
 
     /// The shuffle stream's position and the score moments, for a checkpoint.
     pub fn streams(&self) -> TrainerStreams {
-        TrainerStreams { shuffle_word_pos: self.rng.get_word_pos(), score_moments: self.running.clone() }
+        TrainerStreams {
+            shuffle_word_pos: self.rng.get_word_pos(),
+            score_moments: self.running.clone(),
+            ptx_cursor: self.ptx.as_ref().map_or(0, |p| p.cursor),
+        }
     }
 
     /// Restores what [`Self::streams`] saved (the trainer must use the same `[ppo] seed`).
@@ -295,6 +307,9 @@ impl PpoTrainer {
         self.rng = rand_chacha::ChaCha12Rng::seed_from_u64(self.config.seed);
         self.rng.set_word_pos(s.shuffle_word_pos);
         self.running = s.score_moments.clone();
+        if let Some(p) = self.ptx.as_mut() {
+            p.cursor = s.ptx_cursor;
+        }
     }
 
     /// Optimizer updates skipped so far for a non-finite loss or gradient.

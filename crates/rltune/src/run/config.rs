@@ -73,6 +73,51 @@ impl CriticSection {
     }
 }
 
+/// `[ptx]`: PPO-ptx (InstructGPT's mix of the PPO loss with a supervised loss; OpenRLHF's
+/// `--pretrain_data` and `--ptx_coef`). Every PPO minibatch adds `coef ×` the cross-entropy of
+/// `[ppo] mini_batch_size` supervised examples to the policy's loss (see
+/// [`crate::ppo::PpoTrainer::with_ptx`]). The examples are read and tokenized as `rltune sft`
+/// reads its data.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PtxSection {
+    /// The supervised data: JSON lines, CSV, Parquet, … (`rltune sft`'s formats: `text`,
+    /// `prompt`/`completion`, or `messages`).
+    pub source: String,
+    /// The supervised loss's weight (OpenRLHF's `ptx_coef`, default 0.05).
+    #[serde(default = "PtxSection::default_coef")]
+    pub coef: f64,
+    /// How the examples are tokenized (`[sft]`'s keys: `max_length`, `completion_only_loss`,
+    /// `add_eos`, `assistant_only_loss`; defaults as there).
+    #[serde(default)]
+    pub sft: crate::train::sft::SftConfig,
+}
+
+impl PtxSection {
+    fn default_coef() -> f64 {
+        0.05
+    }
+
+    fn validate(&self) -> std::result::Result<(), ConfigError> {
+        if self.source.is_empty() {
+            return Err(ConfigError::new(
+                "ptx",
+                "source",
+                "is empty; set it to the supervised data (a JSONL file of prompt/completion rows, as `rltune sft` \
+                 reads), or remove the [ptx] table",
+            ));
+        }
+        if !(self.coef.is_finite() && self.coef > 0.0) {
+            return Err(ConfigError::new(
+                "ptx",
+                "coef",
+                format!("= {}; use a finite value above 0 (OpenRLHF's default is 0.05)", self.coef),
+            ));
+        }
+        self.sft.validate()
+    }
+}
+
 /// `[data]`: the prompt dataset.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -337,6 +382,9 @@ pub struct RunConfig {
     /// A separate critic; default: the policy's own value head (TRL).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub critic: Option<CriticSection>,
+    /// PPO-ptx: a supervised loss mixed into every PPO minibatch; default: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ptx: Option<PtxSection>,
     /// Reward sources.
     #[serde(default)]
     pub reward: RewardSection,
@@ -517,6 +565,17 @@ impl RunConfig {
         self.ppo.validate()?;
         self.validate_lora()?;
         self.validate_reward_names()?;
+        if let Some(p) = &self.ptx {
+            p.validate()?;
+            if self.algorithm.kind != AlgorithmKind::Ppo {
+                return Err(ConfigError::new(
+                    "ptx",
+                    "",
+                    "[ptx] works with PPO only for now (it mixes a supervised loss into PPO's \
+                     minibatches); remove the [ptx] table or set [algorithm] kind = \"ppo\"",
+                ));
+            }
+        }
         if self.env.is_none() && self.episodes.gigpo.is_some() {
             return Err(ConfigError::new(
                 "episodes.gigpo",

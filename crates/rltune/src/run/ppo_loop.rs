@@ -221,6 +221,9 @@ impl PpoRun {
             }
             None => None,
         };
+        if let Some(p) = &config.ptx {
+            trainer = trainer.with_ptx(ptx_examples(p, &tokenizer, &files.dir, &lm_cfg)?, p.coef)?;
+        }
         let (mut start_step, mut skipped) = (0, 0);
         if let Some((step, dir)) = &ckpt {
             let state = load_trainer_state(dir, &mut trainer)?;
@@ -619,4 +622,40 @@ pub(super) fn share_trunk(reference: CausalLm, trainable_layers: Option<usize>) 
         Some(k) => reference.with_trainable_layers(k)?,
         None => reference,
     })
+}
+
+/// PPO-ptx's supervised examples: `[ptx] source` read and tokenized as `rltune sft` does (with
+/// the policy's chat template where rows are conversations, and its EOS).
+fn ptx_examples(
+    p: &super::config::PtxSection,
+    tokenizer: &Tokenizer,
+    model_dir: &std::path::Path,
+    lm_cfg: &crate::models::CausalLmConfig,
+) -> Result<Vec<crate::train::sft::SftExample>> {
+    let records = crate::train::data::read_sft_data(&p.source, &Default::default())?;
+    let template = if records.iter().any(|r| r.is_conversational()) {
+        crate::models::chat_template::ChatTemplate::for_model_dir(model_dir)?
+    } else {
+        None
+    };
+    let eos = lm_cfg.eos_token_ids().first().copied();
+    let (examples, dropped) =
+        crate::train::sft::tokenize_sft_with(&records, tokenizer, template.as_ref(), eos, &p.sft)?;
+    if dropped > 0 {
+        tracing::warn!(
+            "[ptx] {}: {dropped} of {} rows have no target token within [ptx.sft] max_length = {} and are left out",
+            p.source,
+            records.len(),
+            p.sft.max_length
+        );
+    }
+    if examples.is_empty() {
+        return Err(Error::Input(format!(
+            "[ptx] source {}: no row has a target token within [ptx.sft] max_length = {}; raise it or \
+             check the rows' completions",
+            p.source, p.sft.max_length
+        )));
+    }
+    tracing::info!("PPO-ptx: {} supervised examples from {}, coef {}", examples.len(), p.source, p.coef);
+    Ok(examples)
 }

@@ -24,6 +24,7 @@ mod neo;
 mod partial_freezing;
 mod ppo_behaviour;
 mod ppo_parity;
+mod ptx;
 mod tagger;
 mod train;
 mod trajectory_groups;

@@ -80,7 +80,9 @@ impl PpoTrainer {
                 // One minibatch per update and no clipping: each weight whose gradient is one
                 // product is updated inside that product (`Adam::step_fused`, same results).
                 // Not on several processes: the gradients are averaged before any update.
-                let fused = cfg.gradient_accumulation_steps == 1 && cfg.max_grad_norm.is_none();
+                // PPO-ptx writes each weight's gradient twice (two forwards), so not fused.
+                let fused =
+                    cfg.gradient_accumulation_steps == 1 && cfg.max_grad_norm.is_none() && self.ptx.is_none();
                 if fused && !self.record_grads && !dp {
                     let placeholder = self.optimizer.placeholder()?;
                     let mut optimizer = std::mem::replace(&mut self.optimizer, placeholder);
@@ -94,6 +96,7 @@ impl PpoTrainer {
                             &row_tokens,
                             grads,
                             critic_grads.as_mut(),
+                            None,
                             None,
                         )?;
                         stats = Some(s);
@@ -139,9 +142,11 @@ impl PpoTrainer {
                                 &mut grads,
                                 critic_grads.as_mut(),
                                 Some(&share),
+                                None,
                             )?
                         }
                     } else {
+                        let ptx_rows = self.ptx.as_mut().map(|p| p.next_rows(cfg.mini_batch_size));
                         self.train_minibatch(
                             batch,
                             data,
@@ -150,6 +155,7 @@ impl PpoTrainer {
                             &mut grads,
                             critic_grads.as_mut(),
                             None,
+                            ptx_rows.as_deref(),
                         )?
                     };
                     last_policykl = stats.get("policy/policykl").and_then(Stat::as_f64).unwrap_or(0.0);
@@ -228,6 +234,10 @@ impl PpoTrainer {
     /// It reads from the device twice: the mean ratio and the loss before the backward (whether
     /// to run it), then every statistic at once (on a GPU each read is a synchronization; one
     /// per value was about 26 a minibatch). `row_tokens[r]` is row `r`'s response token count.
+    ///
+    /// With `ptx_rows` (PPO-ptx, [`PpoTrainer::with_ptx`]), `ptx_coef ×` those supervised
+    /// examples' cross-entropy joins the policy's loss in the backward and in the finiteness
+    /// test; `loss/total` stays PPO's, and the cross-entropy is reported as `loss/ptx`.
     #[allow(clippy::too_many_arguments)]
     fn train_minibatch(
         &self,
@@ -238,6 +248,7 @@ impl PpoTrainer {
         grads: &mut Grads,
         critic_grads: Option<&mut Grads>,
         share: Option<&data_parallel::Share>,
+        ptx_rows: Option<&[usize]>,
     ) -> Result<(Stats, Skip)> {
         let cfg = &self.config;
         let idx =
@@ -262,7 +273,18 @@ impl PpoTrainer {
             cfg.cliprange_value,
         )?;
         let loss = (&l.pg_loss + (&l.vf_loss * cfg.vf_coef)?)?;
-        let decide = math::read_f64(&[math::masked_mean(&l.ratio, &mask)?, loss.clone()])?;
+        // PPO-ptx: the supervised term, added to the policy's side of the loss.
+        let ptx = match (ptx_rows, self.ptx.as_ref()) {
+            (Some(r), Some(p)) => Some((self.ptx_loss(r)?, p.coef)),
+            _ => None,
+        };
+        let with_ptx = |t: &Tensor| -> Result<Tensor> {
+            Ok(match &ptx {
+                Some((ce, coef)) => (t + (ce * *coef)?)?,
+                None => t.clone(),
+            })
+        };
+        let decide = math::read_f64(&[math::masked_mean(&l.ratio, &mask)?, with_ptx(&loss)?])?;
         let (local_ratio, loss_value) = (decide[0][0], decide[1][0]);
         let avg_ratio = match share {
             None => local_ratio,
@@ -293,10 +315,10 @@ impl PpoTrainer {
             match critic_grads {
                 // Separate models: each loss term steps its own model (see `ppo::critic`).
                 Some(cg) => {
-                    grads.backward(&part(&l.pg_loss)?)?;
+                    grads.backward(&part(&with_ptx(&l.pg_loss)?)?)?;
                     cg.backward(&part(&(&l.vf_loss * cfg.vf_coef)?)?)?;
                 }
-                None => grads.backward(&part(&loss)?)?,
+                None => grads.backward(&part(&with_ptx(&loss)?)?)?,
             }
         }
         let entropy = math::masked_mean(&entropy, &mask)?;
@@ -323,6 +345,9 @@ impl PpoTrainer {
             ("val/clipfrac", l.vf_clipfrac.clone()),
             ("val/mean", math::masked_mean(&old_v, &mask)?),
         ];
+        if let Some((ce, _)) = &ptx {
+            named.push(("loss/ptx", ce.detach()));
+        }
         // One process: the unbiased variances, where there are two response tokens or more (TRL
         // divides by zero on one and reports NaN; such a minibatch leaves both out of the step's
         // averages). Several processes: the local means of ret² and old_v², read after the
