@@ -550,12 +550,12 @@ pub fn train_agent<G: AgentGames>(
     }
 
     // 4. PPO on training games, KL to the BC policy (or trajectory GRPO / RLOO); PPO-ptx also
-    // trains on the BC records.
-    if cfg.ptx_coef != 0.0 {
-        write_bc_records(&ptx_source(dir), &bc_records(&demos, &tokenizer, cfg)?)?;
-    }
+    // trains on the BC records (written once, as the demonstrations are: `data/` is shared).
     let stage = cfg.rl_stage();
     let run_config = rl_config(dir, cfg, runtime)?;
+    if run_config.ptx.is_some() && !ptx_source(dir).is_file() {
+        write_bc_records(&ptx_source(dir), &bc_records(&demos, &tokenizer, cfg)?)?;
+    }
     let stage_toml = dir.join(format!("{stage}.toml"));
     check_stage_config(&stage_toml, &run_config)?;
     write_file(&stage_toml, run_config.to_toml()?.as_bytes())?;
@@ -774,15 +774,16 @@ fn ptx_source(dir: &Path) -> PathBuf {
 
 /// Writes prompt/completion records as JSON lines (`rltune sft`'s format).
 fn write_bc_records(path: &Path, records: &[SftRecord]) -> Result<()> {
-    let mut out = String::new();
-    for r in records {
-        let SftRecord::PromptCompletion { prompt, completion } = r else {
-            return Err(Error::Internal("a BC record that is not prompt/completion".into()));
-        };
-        out.push_str(&serde_json::json!({ "prompt": prompt, "completion": completion }).to_string());
-        out.push('\n');
-    }
-    write_file(path, out.as_bytes())
+    let rows = records
+        .iter()
+        .map(|r| match r {
+            SftRecord::PromptCompletion { prompt, completion } => {
+                Ok(serde_json::json!({ "prompt": prompt, "completion": completion }))
+            }
+            _ => Err(Error::Internal("a BC record that is not prompt/completion".into())),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    write_jsonl(path, &rows)
 }
 
 /// Behavioural cloning's SFT settings: the loss on the action's tokens and the EOS after it.

@@ -8,7 +8,7 @@
 //! resumed run draws the same examples. The CE is the SFT loss: the mean negative log-likelihood
 //! of the batch's target tokens at temperature 1, whatever `[ppo] temperature` is.
 
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 
@@ -85,6 +85,8 @@ impl PpoTrainer {
                 (1..l).map(move |t| f32::from(m.get(t).copied().unwrap_or(0)))
             })
             .collect();
+        // The target count, from the host's mask: no read back from the device.
+        let n: f64 = w.iter().map(|&x| f64::from(x)).sum();
         let dt = self.store.dtype();
         let mask = Tensor::from_vec(w, (b, l - 1), &self.device)?.to_dtype(dt)?;
         let ids = Tensor::new(ids, &self.device)?;
@@ -105,7 +107,6 @@ impl PpoTrainer {
             lm.grad_slot(),
         )?;
         let logp = logp.reshape((b, l - 1))?;
-        let n = mask.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
         Ok(((logp * &mask)?.sum_all()?.neg()? / n)?)
     }
 }
